@@ -1,0 +1,43 @@
+# flexrt: the two commands a new machine needs are `make demo` and `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.flexrt-installed
+DEMO_OUT ?= demo_out
+
+.PHONY: install demo test sync-check nbtest pytest bench clean
+
+install: $(STAMP)
+
+# torch is installed first and pinned (a CPU build on these machines); setup.py keeps a range for users elsewhere.
+$(STAMP): setup.py settings.ini
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	OUT=$(DEMO_OUT) $(PY) examples/demo.py
+
+test: install sync-check nbtest pytest
+
+# Notebooks are the source: cleaning and exporting them must change nothing in nbs/ or flexrt/.
+sync-check: install
+	$(PY) tools/check_sync.py
+
+nbtest: install
+	$(BIN)/nbdev_test --flags multiproc --n_workers 2 --timing
+
+# pytest exits 5 when it collects nothing; make treats that as a failure, as it should.
+pytest: install
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+bench: install
+	for b in bench/*.py; do echo "== $$b"; $(PY) $$b; done
+
+clean:
+	rm -rf $(VENV) _proc _docs .pytest_cache $(DEMO_OUT)

@@ -1,0 +1,62 @@
+"""Run a function on N real gloo ranks (forked processes) and collect each rank's return value.
+
+    results = run_distributed(fn, world_size=2, args=(...))   # results[r] is fn(rank=r, world_size=N, *args)
+
+Each rank gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port).
+With `init=True` (default) the rank calls `torch.distributed.init_process_group('gloo')` before `fn` and destroys
+the group after; pass `init=False` to test initialisation itself. An exception on any rank fails the call with
+every rank's traceback; a rank that does not finish within `timeout` seconds fails it too (and all ranks are
+killed), so a hang never stalls the suite.
+"""
+import os, socket, traceback, time, queue as queue_mod
+from datetime import timedelta
+import multiprocessing as mp
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
+    import torch, torch.distributed as tdist
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK='0')
+    os.environ.update(env or {})
+    torch.set_num_threads(1)
+    try:
+        if init:
+            tdist.init_process_group('gloo', rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, 'ok', out))
+    except BaseException:
+        results.put((rank, 'error', traceback.format_exc()))
+    finally:
+        if init and tdist.is_initialized():
+            tdist.destroy_process_group()
+
+def run_distributed(fn, world_size=2, args=(), kwargs=None, init=True, timeout=90, env=None, start_method='fork'):
+    "Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return the list of results by rank."
+    ctx = mp.get_context(start_method)
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, kwargs or {}, init, env, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs: p.start()
+    out, errors, deadline = {}, {}, time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world_size:
+            try: rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue_mod.Empty:
+                missing = sorted(set(range(world_size)) - out.keys() - errors.keys())
+                raise TimeoutError(f'ranks {missing} did not finish within {timeout}s' +
+                                   ''.join(f'\n--- rank {r} ---\n{tb}' for r, tb in errors.items()))
+            (out if status == 'ok' else errors)[rank] = value
+            if errors:  # the other ranks may be blocked in a collective with the failed one: stop waiting soon
+                deadline = min(deadline, time.monotonic() + 5)
+    finally:
+        if errors or len(out) < world_size:  # ranks still running are blocked or hung: do not wait for them
+            for p in procs: p.kill()
+        for p in procs: p.join(timeout=10)
+    if errors:
+        raise RuntimeError('failure on ranks ' + ', '.join(map(str, sorted(errors))) +
+                           ''.join(f'\n--- rank {r} ---\n{tb}' for r, tb in sorted(errors.items())))
+    return [out[r] for r in range(world_size)]
