@@ -1,0 +1,131 @@
+"""Fallbacks (forced on gloo, which has every op) give torch's native result, warn once naming the op, and are logged
+under the op's own name. Collectives that cannot complete raise within the timeout, naming op, rank and group."""
+import time, warnings
+from datetime import timedelta
+import pytest, torch, torch.distributed as tdist
+from helpers import run_distributed
+from flexrt import comm as dist
+from flexrt.comm.backends import TorchBackend
+
+def _x(rank, n): return torch.arange(n, dtype=torch.float32) * (rank + 1) + 10 * rank
+
+def _run_op(op, rank, ws, m):
+    "Call `op` through module `m` (flexrt.comm or torch.distributed) on fixed data; the result as lists"
+    if op == 'all_gather_into_tensor':
+        o = torch.empty(ws * 2, 3); m.all_gather_into_tensor(o, _x(rank, 6).view(2, 3)); return o.tolist()
+    if op == 'reduce_scatter_tensor':
+        o = torch.empty(3); m.reduce_scatter_tensor(o, _x(rank, 3 * ws), m.ReduceOp.MAX); return o.tolist()
+    if op == 'reduce_scatter':
+        o = torch.empty(2); m.reduce_scatter(o, [_x(rank, 2) * (i + 1) for i in range(ws)]); return o.tolist()
+    if op == 'all_to_all':
+        outs = [torch.empty(3) for _ in range(ws)]; m.all_to_all(outs, [_x(rank, 3) + 100 * j for j in range(ws)])
+        return [t.tolist() for t in outs]
+    if op == 'all_to_all_single/even':
+        o = torch.empty(2 * ws); m.all_to_all_single(o, _x(rank, 2 * ws)); return o.tolist()
+    if op == 'all_to_all_single':  # uneven splits
+        ins, outs = [j + 1 for j in range(ws)], [rank + 1] * ws
+        o = torch.empty(sum(outs)); m.all_to_all_single(o, _x(rank, sum(ins)), outs, ins); return o.tolist()
+    raise ValueError(op)
+
+def _forced(rank, ws, missing, op):
+    dist.set_comm_backend(TorchBackend(unsupported=missing))
+    dist.configure(enabled=True, prof_all=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        ours = [_run_op(op, rank, ws, dist) for _ in range(2)]  # twice: the warning comes once
+    theirs = _run_op(op, rank, ws, tdist)
+    warned = sorted(str(w.message).split(' has no ')[1].split(';')[0] for w in caught if 'flexrt.comm' in str(w.message))
+    logged = {o: sum(v['count'] for v in sizes.values()) for o, sizes in dist.get_comm_stats().items()}
+    return ours == [theirs, theirs], warned, logged
+
+FORCED = [  # (ops marked missing, op called, fallback chain expected in the warnings)
+    (['all_gather_into_tensor'], 'all_gather_into_tensor'),
+    (['reduce_scatter_tensor'], 'reduce_scatter_tensor'),
+    (['reduce_scatter_tensor', 'reduce_scatter'], 'reduce_scatter_tensor'),  # -> list form -> all_reduce + slice
+    (['reduce_scatter'], 'reduce_scatter'),
+    (['all_to_all'], 'all_to_all'),
+    (['all_to_all_single'], 'all_to_all_single'),
+    (['all_to_all_single'], 'all_to_all_single/even'),
+    (['all_to_all_single', 'all_to_all'], 'all_to_all_single/even'),  # -> list form -> isend/irecv
+]
+
+@pytest.mark.parametrize('ws', [2, 4])
+@pytest.mark.parametrize('missing,op', FORCED)
+def test_forced_fallback(missing, op, ws):
+    for equal, warned, logged in run_distributed(_forced, ws, args=(missing, op)):
+        assert equal
+        assert warned == sorted(missing)  # once per missing op on the way, naming it
+        assert logged == {op.split('/')[0]: 2}  # under the op's own name, not the ops it was rebuilt from
+
+def _async_fallback(rank, ws):
+    dist.set_comm_backend(TorchBackend(unsupported=['all_gather_into_tensor']))
+    o = torch.empty(ws)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        w = dist.all_gather_into_tensor(o, torch.tensor([rank + 1.]), async_op=True)
+    return w.is_completed(), w.wait(), o.tolist()
+
+def test_async_op_under_fallback():
+    assert run_distributed(_async_fallback, 2) == [(True, True, [1., 2.])] * 2
+
+def _fallback_subgroup(rank, ws):
+    "The p2p fallback maps group ranks to global ranks"
+    dist.set_comm_backend(TorchBackend(unsupported=['all_to_all']))
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])  # every rank creates every group, in order
+    g = odds if rank % 2 else evens
+    outs = [torch.empty(1), torch.empty(1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        dist.all_to_all(outs, [torch.tensor([10. * rank + j]) for j in range(2)], group=g)
+    return [t.item() for t in outs]
+
+def test_fallback_on_subgroup():
+    assert run_distributed(_fallback_subgroup, 4) == [[0., 20.], [10., 30.], [1., 21.], [11., 31.]]
+
+# ---- timeouts and dead peers -------------------------------------------------------------------------------------
+
+def _skip_collective(rank, ws, async_op, subgroup):
+    dist.init_distributed(timeout=timedelta(seconds=2))
+    group = dist.new_group([0, 1]) if subgroup else None
+    if rank == 1:
+        time.sleep(4)  # never calls the all_reduce; outlives rank 0's timeout
+        return None
+    t0 = time.monotonic()
+    try:
+        w = dist.all_reduce(torch.ones(3), group=group, async_op=async_op)
+        if async_op: w.wait()
+    except dist.CommTimeoutError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return 'no error', '', 0.0
+
+@pytest.mark.parametrize('async_op,subgroup', [(False, False), (True, True)])
+def test_skipped_collective_times_out(async_op, subgroup):
+    name, msg, waited = run_distributed(_skip_collective, 2, args=(async_op, subgroup), init=False)[0]
+    assert name == 'CommTimeoutError'
+    group = r"'\S+' \(ranks \[0, 1\], backend gloo\)" if subgroup else r'WORLD \(ranks \[0, 1\], backend gloo\)'
+    import re
+    assert re.search(rf"all_reduce did not complete within the timeout of 2s on rank 0 in group {group}", msg), msg
+    assert waited < 30  # raised, not hung (the gloo timeout is 2 s; the bound only guards against a hang)
+
+def _peer_leaves(rank, ws):
+    dist.init_distributed(timeout=timedelta(seconds=20))
+    if rank == 1:
+        time.sleep(0.5)
+        tdist.destroy_process_group()  # closes its connections while rank 0 waits in a collective
+        return None
+    try: dist.all_reduce(torch.ones(3))
+    except dist.CommError as e: return str(e)
+    return 'no error'
+
+def test_dead_peer_names_op():
+    msg = run_distributed(_peer_leaves, 2, init=False)[0]
+    assert msg.startswith('all_reduce did not complete') and 'rank 0 in group WORLD' in msg, msg
+
+def _user_error_passes_through(rank, ws):
+    try: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))
+    except dist.CommError: return 'wrapped'
+    except (ValueError, RuntimeError) as e: return type(e).__name__
+    return 'no error'
+
+def test_user_errors_are_not_comm_errors():
+    assert all(r in ('ValueError', 'RuntimeError') for r in run_distributed(_user_error_passes_through, 2))

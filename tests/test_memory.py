@@ -1,0 +1,267 @@
+"flexrt.memory: snapshots, DeepSpeed's reports on real gloo ranks, and the background sampler (incl. fork)."
+import contextlib, io, os, re, threading, time, warnings
+from dataclasses import fields
+import psutil, pytest, torch
+from helpers import run_distributed
+from flexrt.memory import (MemorySampler, MemorySnapshot, MemoryStatus, get_ma_status, memory_snapshot,
+                           memory_status, reset_peak_memory_stats, see_memory_usage)
+from flexrt.memory_tracker import TensorMemoryTracker
+
+MiB = 1 << 20
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+
+def printed(f, *args, **kwargs)->list:
+    with contextlib.redirect_stdout(io.StringIO()) as out: f(*args, **kwargs)
+    return out.getvalue().splitlines()
+
+# ---- memory_snapshot
+
+def test_snapshot_without_tracker_is_marked_untracked_on_cpu():
+    s = memory_snapshot('cpu')
+    assert (s.tracked, s.allocated_bytes, s.max_allocated_bytes, s.rank, s.device) == (False, 0, 0, 0, 'cpu')
+    rss = psutil.Process().memory_info().rss
+    assert abs(s.process_rss_bytes - rss) < 64 * MiB
+    assert s.process_virtual_bytes >= s.process_rss_bytes
+    assert s.system_total_bytes == psutil.virtual_memory().total
+    assert s.system_used_percent == pytest.approx(100 * s.system_used_bytes / s.system_total_bytes, abs=1)
+    assert s.device_name and abs(s.timestamp - time.time()) < 5
+
+def test_snapshot_reads_the_tracker_exactly():
+    with TensorMemoryTracker():
+        before = memory_snapshot('cpu')
+        t = torch.empty(MiB // 4)
+        after = memory_snapshot('cpu')
+        del t
+        freed = memory_snapshot('cpu')
+    assert after.tracked and after.allocated_bytes - before.allocated_bytes == MiB
+    assert freed.allocated_bytes == before.allocated_bytes and freed.max_allocated_bytes >= after.allocated_bytes
+    assert after.reserved_bytes == after.allocated_bytes            # CPU: no allocator cache
+
+def test_bad_device_is_refused():
+    with pytest.raises(ValueError, match="'cpu' and 'cuda' devices, not 'meta'"): memory_snapshot('meta')
+
+def test_nothing_initialises_cuda():
+    with TensorMemoryTracker():
+        memory_snapshot(); get_ma_status(); printed(see_memory_usage, 'x', force=True); printed(memory_status, 'x')
+        with MemorySampler(interval_ms=1): time.sleep(0.01)
+    assert not torch.cuda.is_initialized()
+
+# ---- see_memory_usage, memory_status, get_ma_status
+
+def test_see_memory_usage_is_silent_unless_forced(capsys):
+    with TensorMemoryTracker() as tracker:
+        t = torch.empty(MiB // 4); del t
+        see_memory_usage('not forced')
+        assert capsys.readouterr().out == ''
+        assert tracker.peak_bytes >= tracker.allocated_bytes + MiB   # and peaks untouched
+        see_memory_usage('forced', force=True)
+        lines = capsys.readouterr().out.splitlines()
+        assert tracker.peak_bytes == tracker.allocated_bytes        # peaks reset
+    assert len(lines) == 1
+    assert re.match(r'forced \| cpu: allocated [\d.]+ \S+ \| max allocated [\d.]+ \S+ \| cached [\d.]+ \S+ \| '
+                    r'max cached [\d.]+ \S+ \| process RSS [\d.]+ \S+ \| virtual [\d.]+ \S+ \| '
+                    r'system used [\d.]+ \S+ \([\d.]+%\)$', lines[0]), lines[0]
+
+def test_see_memory_usage_without_tracker_says_untracked(capsys):
+    see_memory_usage('plain', force=True)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert 'tensor bytes untracked (enable a TensorMemoryTracker)' in line and 'process RSS' in line
+
+def _reports_on_ranks(rank, world_size):
+    with TensorMemoryTracker() as tracker:
+        t = torch.empty(MiB // 4); del t
+        usage = printed(see_memory_usage, 'step', force=True)
+        peak_reset = tracker.peak_bytes == tracker.allocated_bytes
+        status = MemoryStatus()
+        every = printed(status, 'every rank')
+        t = torch.empty(MiB // 4)
+        only_one = printed(status, 'rank 1 only', print_rank=1)
+        ma, tracked = get_ma_status(), tracker.allocated_bytes
+        del t
+        snapshot_rank = memory_snapshot().rank
+    return dict(usage=usage, peak_reset=peak_reset, every=every, only_one=only_one, ma=ma, tracked=tracked,
+                snapshot_rank=snapshot_rank)
+
+def test_reports_on_two_gloo_ranks():
+    r0, r1 = run_distributed(_reports_on_ranks, 2)
+    assert len(r0['usage']) == 1 and r0['usage'][0].startswith('step | cpu: allocated ')
+    assert r1['usage'] == []                                         # only rank 0 prints
+    assert r0['peak_reset'] and r1['peak_reset']                     # every rank resets its peaks
+    assert [len(r0['every']), len(r1['every'])] == [1, 1]
+    assert r0['every'][0].startswith('RANK=0 MEMSTATS every rank device=cpu current alloc=')
+    assert r1['every'][0].startswith('RANK=1 MEMSTATS every rank device=cpu current alloc=')
+    assert r0['only_one'] == [] and len(r1['only_one']) == 1
+    assert 'rank 1 only device=cpu current alloc=' in r1['only_one'][0] and '(delta=1.00 MiB' in r1['only_one'][0]
+    assert (r0['ma'], r1['ma']) == (r0['tracked'], 0) and r0['ma'] >= MiB  # get_ma_status: rank 0 only
+    assert (r0['snapshot_rank'], r1['snapshot_rank']) == (0, 1)
+
+def test_memory_status_deltas_and_reset_max():
+    status = MemoryStatus()
+    with TensorMemoryTracker(count_existing=False):
+        (first,) = printed(status, 'a')
+        t = torch.empty(MiB // 2, dtype=torch.float64)                # 4 MiB
+        (second,) = printed(status, 'b')
+        del t
+        (third,) = printed(status, 'c')
+        (fourth,) = printed(status, 'd', reset_max=True)
+    assert 'current alloc=0 B (delta=0 B max=0 B)' in first
+    assert 'current alloc=4.00 MiB (delta=4.00 MiB max=4.00 MiB) current cache=4.00 MiB (delta=4.00 MiB' in second
+    assert 'current alloc=0 B (delta=-4.00 MiB max=4.00 MiB)' in third
+    assert 'current alloc=0 B (delta=0 B max=0 B)' in fourth
+    assert isinstance(memory_status, MemoryStatus)
+    with pytest.raises(ValueError, match='print_rank must be'): status('x', print_rank=-3)
+    with pytest.raises(ValueError, match='print_rank must be'): status('x', print_rank='0')
+
+def test_get_ma_status_counts_activation_bytes_and_warns_without_tracker():
+    with TensorMemoryTracker():
+        x = torch.randn(100, 100, requires_grad=True)
+        before = get_ma_status()
+        y = torch.tanh(x)                                            # tanh saves its output
+        assert get_ma_status() - before == 100 * 100 * 4
+        del x, y
+    with pytest.warns(UserWarning, match='no TensorMemoryTracker is enabled'):
+        assert get_ma_status() == 0
+
+def test_reset_peak_memory_stats_resets_the_tracker():
+    with TensorMemoryTracker() as tracker:
+        t = torch.empty(MiB); del t
+        assert tracker.peak_bytes > tracker.allocated_bytes
+        reset_peak_memory_stats()
+        assert tracker.peak_bytes == tracker.allocated_bytes
+
+# ---- MemorySampler
+
+COLUMNS = [f.name for f in fields(MemorySnapshot)] + ['elapsed_s']
+
+def _sampler_threads(): return [t for t in threading.enumerate() if t.name.startswith('flexrt-memory-sampler')]
+
+def test_sampler_start_stop_and_thread_gone():
+    before = len(_sampler_threads())
+    s = MemorySampler(interval_ms=2, capacity=1000)
+    assert not s.running and len(s) == 0
+    assert s.start() is s and s.running and len(_sampler_threads()) == before + 1
+    time.sleep(0.05)
+    thread = s._thread
+    s.stop()
+    assert not s.running and not thread.is_alive() and len(_sampler_threads()) == before
+    n = len(s)
+    assert n >= 3 and n == s.num_samples                              # first sample at start, last at stop
+    time.sleep(0.02)
+    assert len(s) == n                                               # nothing samples after stop
+    s.stop()                                                         # twice: harmless
+    with s: time.sleep(0.02)                                         # and it can run again
+    assert len(s) > n and not s.running
+
+def test_sampler_ring_buffer_keeps_the_newest():
+    with MemorySampler(interval_ms=1, capacity=7) as s:
+        deadline = time.monotonic() + 10
+        while s.num_samples < 30 and time.monotonic() < deadline: time.sleep(0.005)
+    kept = s.snapshots()
+    assert len(kept) == 7 and s.num_samples >= 30
+    assert [k.timestamp for k in kept] == sorted(k.timestamp for k in kept)
+    assert kept[-1].timestamp >= time.time() - 5
+    s.clear()
+    assert len(s) == 0 and s.to_dataframe().columns.tolist() == COLUMNS
+
+def test_sampler_dataframe_records_training_memory():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    x, y = torch.randn(128, 64), torch.randint(0, 4, (128,))
+    with TensorMemoryTracker() as tracker, MemorySampler(interval_ms=1) as s:
+        for _ in range(20):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            time.sleep(0.002)
+    df = s.to_dataframe()
+    assert df.columns.tolist() == COLUMNS and len(df) >= 3
+    assert df.tracked.all() and (df.device == 'cpu').all() and (df['rank'] == 0).all()
+    assert (df.max_allocated_bytes >= df.allocated_bytes).all()
+    assert df.max_allocated_bytes.iloc[-1] == tracker.peak_bytes
+    assert df.elapsed_s.iloc[0] == 0 and df.elapsed_s.is_monotonic_increasing
+    assert df.process_rss_bytes.gt(0).all()
+
+@pytest.mark.parametrize('kwargs, message', [(dict(interval_ms=0), 'interval_ms must be a positive number'),
+                                             (dict(interval_ms='10'), 'interval_ms must be a positive number'),
+                                             (dict(capacity=0), 'capacity must be a positive int'),
+                                             (dict(capacity=2.5), 'capacity must be a positive int'),
+                                             (dict(device='meta'), "not 'meta'")])
+def test_sampler_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message): MemorySampler(**kwargs)
+
+def test_sampler_start_twice_is_refused():
+    with MemorySampler(interval_ms=50) as s:
+        with pytest.raises(RuntimeError, match='already running'): s.start()
+
+def test_sampler_thread_failure_is_raised_at_stop(monkeypatch):
+    import flexrt.memory
+    def failing(device=None): raise OSError('cannot read /proc')     # injected failure of the real snapshot
+    monkeypatch.setattr(flexrt.memory, 'memory_snapshot', failing)
+    s = MemorySampler(interval_ms=1).start()
+    s._thread.join(10)
+    assert not s.running
+    with pytest.raises(RuntimeError, match=r"sampler thread failed: OSError\('cannot read /proc'\)"): s.stop()
+    monkeypatch.undo()
+    with s: pass                                                     # usable again once snapshots work
+    assert len(s) >= 2
+
+def _sample_in_rank(rank, world_size):
+    from flexrt import comm as dist
+    with TensorMemoryTracker() as tracker, MemorySampler(interval_ms=2) as s:
+        kept = [torch.empty((rank + 1) * MiB // 4) for _ in range(3)]
+        t = torch.full((1000,), float(rank))
+        before = tracker.allocated_bytes
+        dist.all_reduce(t)                                           # in place: adds nothing
+        in_place = tracker.allocated_bytes - before
+        gathered = [torch.empty(1000) for _ in range(world_size)]    # outputs made here are counted
+        dist.all_gather(gathered, t)
+        time.sleep(0.05)
+    df = s.to_dataframe()
+    return sorted(set(df['rank'])), int(df.allocated_bytes.max()), len(df), in_place, t[0].item()
+
+def test_sampler_and_tracker_inside_each_rank_with_collectives():
+    (ranks0, max0, n0, grew0, sum0), (ranks1, max1, n1, grew1, sum1) = run_distributed(_sample_in_rank, 2)
+    assert (ranks0, ranks1) == ([0], [1]) and n0 >= 3 and n1 >= 3
+    assert max1 - max0 == 3 * MiB                                    # rank 1 kept 3 MiB more tensors
+    assert (grew0, grew1) == (0, 0) and sum0 == sum1 == 1.0
+
+def _in_forked_child(rank, world_size, sampler, lock_was_held):
+    was_running = sampler.running
+    inherited = len(sampler.snapshots())                            # would hang if the held lock were copied
+    sampler.clear()
+    with sampler: time.sleep(0.03)
+    return was_running, inherited, len(sampler), os.getpid()
+
+def test_sampler_survives_fork():
+    held, release = threading.Event(), threading.Event()
+    with MemorySampler(interval_ms=2) as sampler:
+        time.sleep(0.02)
+        def hold():
+            with sampler._lock:
+                held.set(); release.wait(30)
+        th = threading.Thread(target=hold); th.start(); held.wait(10)
+        try:
+            (was_running, inherited, child_kept, child_pid), = run_distributed(
+                _in_forked_child, 1, args=(sampler, True), init=False, timeout=30)
+        finally:
+            release.set(); th.join()
+        assert sampler.running                                       # the parent's sampler is untouched
+        parent_count = sampler.num_samples
+        time.sleep(0.02)
+        assert sampler.num_samples > parent_count
+    assert was_running is False and inherited >= 1 and child_kept >= 2 and child_pid != os.getpid()
+
+# ---- CUDA (skipped on CPU-only machines)
+
+@needs_cuda
+def test_cuda_snapshot_matches_torch_and_see_memory_usage_resets_peaks(capsys):
+    device = torch.device('cuda', torch.cuda.current_device())
+    t = torch.empty(MiB // 4, device=device)
+    s = memory_snapshot()
+    assert s.device == str(device) and s.tracked
+    assert s.allocated_bytes == torch.cuda.memory_allocated(device)
+    assert s.reserved_bytes == torch.cuda.memory_reserved(device)
+    del t
+    assert torch.cuda.max_memory_allocated(device) > torch.cuda.memory_allocated(device)
+    see_memory_usage('gpu', force=True)
+    assert capsys.readouterr().out.startswith(f'gpu | {device}: allocated ')
+    assert torch.cuda.max_memory_allocated(device) == torch.cuda.memory_allocated(device)
+    assert get_ma_status() == torch.cuda.memory_allocated(device)
