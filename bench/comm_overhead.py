@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 CALL_BLOCK, CALL_ROUNDS = 200, 50           # 1-element all_reduce across ranks: calls per block, rounds
 SOLO_BLOCK, SOLO_ROUNDS = 200, 151          # same on a 1-rank subgroup, one rank at a time
 SIZES = [2 ** k for k in range(10, 27, 2)]  # 1 KiB .. 64 MiB
-BW_BUDGET_S = 3.0                           # seconds of all_reduce per message size, both sides together
+BW_BLOCK_S, BW_ROUNDS = 0.005, 120          # bandwidth: seconds per block (at least one op), rounds per size
 
 def _free_port():
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
@@ -67,8 +67,8 @@ def _bandwidth(dist):
         one = torch.tensor([_block(tdist.all_reduce, t, 2)], dtype=torch.float64)  # warm-up, and seconds per op
         tdist.broadcast(one, 0)  # every rank must run the same number of ops: use rank 0's estimate
         one = max(one.item(), 1e-6)
-        iters = max(1, min(100, int(0.05 / one)))
-        rounds = max(5, min(60, int(BW_BUDGET_S / 2 / (iters * one))))
+        iters = max(1, int(BW_BLOCK_S / one))  # short blocks, many rounds: the median of many pairs is steady
+        rounds = BW_ROUNDS
         raw, ours = [], []
         for i in range(rounds):  # alternate which side goes first
             pair = [(raw, tdist.all_reduce), (ours, dist.all_reduce)][::1 if i % 2 else -1]

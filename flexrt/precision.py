@@ -267,6 +267,8 @@ class Precision:
                  group=None): # the ranks that agree on overflow (None: all)
         self.dtype = _dtype(dtype)
         self.loss_scaler = StaticLossScaler(1.) if loss_scaler is None else loss_scaler
+        if not all(hasattr(self.loss_scaler, a) for a in ('scale_loss', 'update', 'loss_scale', 'state_dict', 'dynamic')):
+            raise TypeError(f"loss_scaler must be a StaticLossScaler or DynamicLossScaler, got {type(loss_scaler).__name__}")
         self.master_weights = self.dtype != torch.float32 if master_weights is None else bool(master_weights)
         self.check_overflow = self.dtype == torch.float16 if check_overflow is None else bool(check_overflow)
         self.auto_cast, self.group = bool(auto_cast), group

@@ -5,10 +5,11 @@
 Each rank gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port).
 With `init=True` (default) the rank calls `torch.distributed.init_process_group('gloo')` before `fn` and destroys
 the group after; pass `init=False` to test initialisation itself. An exception on any rank fails the call with
-every rank's traceback; a rank that does not finish within `timeout` seconds fails it too (and all ranks are
+every rank's traceback;
+results may hold tensors (they are pickled by value); a rank that does not finish within `timeout` seconds fails it too (and all ranks are
 killed), so a hang never stalls the suite.
 """
-import os, socket, traceback, time, queue as queue_mod
+import os, pickle, socket, traceback, time, queue as queue_mod
 from datetime import timedelta
 import multiprocessing as mp
 
@@ -26,8 +27,9 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
     try:
         if init:
             tdist.init_process_group('gloo', rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-        out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, 'ok', out))
+        # plain pickle: torch's multiprocessing reducers would pass tensors as shared-memory handles that vanish
+        # when the rank exits, so results are sent as bytes
+        results.put((rank, 'ok', pickle.dumps(fn(rank, world_size, *args, **kwargs))))
     except BaseException:
         results.put((rank, 'error', traceback.format_exc()))
     finally:
@@ -49,7 +51,8 @@ def run_distributed(fn, world_size=2, args=(), kwargs=None, init=True, timeout=9
                 missing = sorted(set(range(world_size)) - out.keys() - errors.keys())
                 raise TimeoutError(f'ranks {missing} did not finish within {timeout}s' +
                                    ''.join(f'\n--- rank {r} ---\n{tb}' for r, tb in errors.items()))
-            (out if status == 'ok' else errors)[rank] = value
+            if status == 'ok': out[rank] = pickle.loads(value)
+            else: errors[rank] = value
             if errors:  # the other ranks may be blocked in a collective with the failed one: stop waiting soon
                 deadline = min(deadline, time.monotonic() + 5)
     finally:

@@ -24,3 +24,10 @@ def _hang(rank, world_size):
 def test_hang_times_out():
     with pytest.raises(TimeoutError, match=r'ranks \[0, 1\]'):
         run_distributed(_hang, 2, timeout=3)
+
+def _return_tensor(rank, world_size):
+    return torch.full((3,), float(rank))
+
+def test_tensor_results_survive_the_rank():
+    a, b = run_distributed(_return_tensor, 2)
+    assert torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.ones(3))
