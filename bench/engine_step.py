@@ -1,6 +1,6 @@
 """Training step time of data parallelism (stage 0) on 2 gloo ranks: DDP vs flexrt vs DeepSpeed, interleaved in one run.
 
-    python bench/engine_step.py [--rounds 10] [--steps 3] [--layers 4] [--dim 256] [--seq 64] [--batch 8]
+    python bench/engine_step.py [--rounds 30] [--steps 2] [--layers 4] [--dim 192] [--vocab 2048] [--seq 64] [--batch 8]
                                 [--impls ddp,flexrt-reducer,deepspeed,flexrt-engine,no-comm]
 
 Every implementation trains its own copy of the same small GPT-style model (tied embedding and head, pre-norm
@@ -14,13 +14,16 @@ blocks, causal attention) with torch's AdamW, fp32, no clipping, one micro-batch
 - no-comm: the same loop with no communication at all, the floor every implementation pays.
 
 Each round runs every implementation for `--steps` steps; the order alternates between rounds (the machine's speed
-drifts, and other processes share its cores), round 0 only warms up. Printed: the median and best step time of each
-(rank 0's clock) and the ratio of medians to DDP; and the largest difference of any implementation's losses from
-DDP's over the run (they see the same batches from the same initial weights, so they must agree).
+drifts, and other processes share its cores), round 0 only warms up. Printed per implementation: the median and
+best step time (rank 0's clock, averaged over the steps of a round), the ratio of its median to DDP's, the paired
+ratio (median over rounds of its time / DDP's time in the same round, which cancels drift between rounds), and
+the CPU time rank 0's process spent per step (all threads, gloo's included: less sensitive to other processes'
+load than wall time), and the largest difference of its losses from DDP's over the run (same batches, same
+initial weights: they must agree).
 Each implementation is one `build_*` function returning `step(tokens, targets) -> loss`; adding one is a function.
 """
 import argparse, copy, logging, math, os, socket, statistics, sys, time, warnings
-os.environ.setdefault('DS_ACCELERATOR', 'cuda' if 'CUDA_VISIBLE_DEVICES' in os.environ else 'cpu')
+os.environ.setdefault('DS_ACCELERATOR', 'cpu')   # this bench runs on CPU with gloo
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -134,41 +137,45 @@ def worker(rank, world, port, args, names):
     torch.manual_seed(0)
     base = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
     steps = {name: BUILDERS[name](copy.deepcopy(base), args) for name in names}
-    times, losses, counter = {n: [] for n in names}, {n: [] for n in names}, {n: 0 for n in names}
+    times, cpu, losses, counter = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}, {n: 0 for n in names}
     for r in range(args.rounds + 1):
         for name in (names if r % 2 == 0 else names[::-1]):
             tdist.barrier()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 x, y = batch(counter[name], rank, args); counter[name] += 1
-                start = time.perf_counter()
-                loss = steps[name](x, y)
-                elapsed = time.perf_counter() - start
-                losses[name].append(float(loss))
-                if r: times[name].append(elapsed)
+                losses[name].append(float(steps[name](x, y)))
+            if r: times[name].append((time.perf_counter() - start) / args.steps)
+            if r: cpu[name].append((time.process_time() - cpu_start) / args.steps)
     tdist.barrier()
-    if rank == 0: report(times, losses, base, args)
+    if rank == 0: report(times, cpu, losses, base, args)
     tdist.destroy_process_group()
 
-def report(times, losses, model, args):
+def report(times, cpu, losses, model, args):
     numel = sum(p.numel() for p in model.parameters())
     print(f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
           f"micro-batch {args.batch}/rank: {numel / 1e6:.2f}M params ({numel * 4 / 2**20:.1f} MiB of fp32 gradients); "
-          f"2 gloo ranks x {args.threads} thread; median of {args.rounds} rounds x {args.steps} steps, order alternating")
-    ddp = statistics.median(times['ddp']) if 'ddp' in times else None
+          f"2 gloo ranks x {args.threads} thread; {args.rounds} rounds x {args.steps} steps each, order alternating")
+    print(f"  {'':15s} {'median':>9s} {'best':>9s}  median/DDP's  paired ratio   {'cpu':>8s}  cpu/DDP's   max |loss - DDP's|")
+    ddp, med = times.get('ddp'), statistics.median
     for name, ts in times.items():
-        med = statistics.median(ts)
-        ratio = f"{med / ddp:5.2f}x DDP" if ddp else ''
-        drift = max(abs(a - b) for a, b in zip(losses[name], losses['ddp'])) if 'ddp' in losses else math.nan
-        print(f"  {name:15s} median {med * 1e3:7.1f} ms  best {min(ts) * 1e3:7.1f} ms  {ratio}   max |loss - DDP's| {drift:.1e}")
+        ratios = (f"{med(ts) / med(ddp):11.2f}x  {med(t / d for t, d in zip(ts, ddp)):11.2f}x" if ddp else ' ' * 26)
+        cpu_ratio = f"{med(cpu[name]) / med(cpu['ddp']):8.2f}x" if ddp else ''
+        drift = ('n/a (no averaging)' if name == 'no-comm' else
+                 f"{max(abs(a - b) for a, b in zip(losses[name], losses['ddp'])):.1e}" if ddp else '')
+        print(f"  {name:15s} {med(ts) * 1e3:6.1f} ms {min(ts) * 1e3:6.1f} ms  {ratios}  {med(cpu[name]) * 1e3:5.1f} ms "
+              f"{cpu_ratio}    {drift}")
+    print("  paired ratio: median over rounds of (step time / DDP's in the same round), which cancels drift between rounds;"
+          "\n  cpu: CPU time of rank 0's process per step (all its threads), which other processes' load barely changes")
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('--rounds', type=int, default=10)
-    ap.add_argument('--steps', type=int, default=3, help='steps per implementation per round')
+    ap.add_argument('--rounds', type=int, default=30)
+    ap.add_argument('--steps', type=int, default=2, help='steps per implementation per round')
     ap.add_argument('--layers', type=int, default=4)
-    ap.add_argument('--dim', type=int, default=256)
+    ap.add_argument('--dim', type=int, default=192)
     ap.add_argument('--heads', type=int, default=4)
-    ap.add_argument('--vocab', type=int, default=4096)
+    ap.add_argument('--vocab', type=int, default=2048)
     ap.add_argument('--seq', type=int, default=64)
     ap.add_argument('--batch', type=int, default=8, help='micro-batch per rank')
     ap.add_argument('--threads', type=int, default=1, help='torch threads per rank')

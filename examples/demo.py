@@ -1,15 +1,26 @@
-"""`make demo`: train a small model on 2 CPU ranks with flexrt's foundation and print a grad-norm / memory report.
+"""`make demo`: train a small GPT-style model on 2 CPU ranks with flexrt's engine and print a training report.
 
-The ranks are started by `accelerate.notebook_launcher`, exactly as a notebook cell would start them, so the same
-`train` function runs from Jupyter (`notebook_launcher(train, (steps, out_dir), num_processes=2)`) or from here.
-Until the engine lands, data parallelism is done by hand with `flexrt.comm`: average the gradients with one
-all_reduce over a flat buffer, clip them with `flexrt.utils.clip_grad_norm_`, step. Every collective is profiled.
-Writes `steps.csv` and `memory.csv` to $OUT (default `demo_out/`).
+The ranks are started by `accelerate.notebook_launcher`, exactly as a notebook cell starts them, so the same `train`
+function runs from Jupyter (`notebook_launcher(train, (steps, out_dir), num_processes=2)`) or from here.
+Each rank records the engine's per-step events (loss, gradient norm before and after clipping, learning rate,
+memory) through `flexrt.monitor`, counts its live tensor bytes exactly with a `TensorMemoryTracker`, and samples
+memory in the background with a `MemorySampler`; every collective is profiled by `flexrt.comm`.
+Writes `steps.csv` (every rank's step events) and `memory.csv` (the samples) to $OUT (default `demo_out/`).
 """
-import os, socket, sys, time
+import os, socket, sys
 from pathlib import Path
 import torch
 from torch import nn
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 2,            # train_batch_size = 8 x 2 x 2 ranks = 32
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3, "warmup_num_steps": 10}},
+    "comms_logger": {"enabled": True},
+}
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -17,77 +28,61 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 def tiny_transformer(vocab=256, dim=64, layers=2, heads=4):
-    "A small GPT-style model: embedding, two transformer blocks, a head"
+    "A small GPT-style model: embedding, transformer blocks, a head"
     block = lambda: nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, batch_first=True, norm_first=True)
     return nn.Sequential(nn.Embedding(vocab, dim), *[block() for _ in range(layers)], nn.LayerNorm(dim), nn.Linear(dim, vocab))
 
-def average_gradients(model):
-    "Data parallelism by hand: one all_reduce over all gradients, flattened, then divided by the world size"
-    from flexrt import comm as dist
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g)); offset += g.numel()
-
 def train(steps: int, out_dir: str):
-    from flexrt import comm as dist
-    from flexrt.utils import set_random_seed, clip_grad_norm_, CheckOverflow
-    from flexrt.memory import MemorySampler, see_memory_usage, memory_snapshot
+    import flexrt
+    from flexrt import comm as dist, monitor
+    from flexrt.memory import MemorySampler, see_memory_usage
     from flexrt.memory_tracker import TensorMemoryTracker
 
-    env = dist.init_distributed(config={'comms_logger': {'enabled': True}})
-    rank, world = dist.get_rank(), dist.get_world_size()
+    env = dist.init_distributed()
     tracker = TensorMemoryTracker().enable()               # exact bytes of live CPU tensors on this rank
-    sampler = MemorySampler(interval_ms=20).start()        # background thread, ring buffer
-    set_random_seed(1234)                                  # same initial weights on every rank
+    sampler = MemorySampler(interval_ms=20, device='cpu').start()
+    events = []
+    monitor.add_listener(events.append)                    # the engine emits one 'step' record per optimizer step
+    torch.manual_seed(1234)                                # the engine also broadcasts rank 0's weights
     model = tiny_transformer()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    overflow = CheckOverflow(list(model.parameters()))
-    set_random_seed(1234 + rank)                           # each rank draws its own data
-    rows = []
-    for step in range(steps):
-        tokens = torch.randint(0, 256, (8, 32))
-        t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
+    engine, _, _, _ = flexrt.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+    torch.manual_seed(1234 + env.rank)                     # each rank draws its own data
+    for _ in range(steps * engine.gradient_accumulation_steps()):
+        tokens = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), 32))
+        logits = engine(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        average_gradients(model)
-        skipped = overflow.check()                         # every rank agrees on overflow
-        norm = clip_grad_norm_(model.parameters(), max_norm=1.0)
-        if not skipped: optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().clone(); dist.all_reduce(mean_loss); mean_loss /= world
-        rows.append(dict(step=step, loss=mean_loss.item(), grad_norm=norm.item(), skipped=bool(skipped),
-                         step_ms=1e3 * (time.perf_counter() - t0), tensor_mb=tracker.allocated_bytes / 2**20))
+        engine.backward(loss)
+        engine.step()                                      # the optimizer steps at accumulation boundaries only
     sampler.stop()
-    see_memory_usage(f'after {steps} steps', force=True)   # one line, rank 0
-    peaks = [None] * world
-    dist.all_gather_object(peaks, (rank, memory_snapshot().max_allocated_bytes, sampler.to_dataframe()))
+    see_memory_usage(f'after {engine.global_steps} steps', force=True)   # one line, rank 0
     comm = dist.log_summary()                              # collective: every rank calls it, rank 0 prints
-    tracker.disable()
-    if rank == 0: report(rows, peaks, comm, Path(out_dir), env)
+    gathered = [None] * env.world_size
+    steps_frame = [{k: v for k, v in e.items() if k != 'memory'} | {'tensor_bytes': e['memory']['allocated_bytes']}
+                   for e in events]
+    dist.all_gather_object(gathered, (steps_frame, sampler.to_dataframe().assign(rank=env.rank)))
+    monitor.remove_listener(events.append)
+    engine.close(); tracker.disable()
+    if env.rank == 0: report(gathered, Path(out_dir), env)
     dist.destroy_process_group()
 
-def report(rows, peaks, comm, out: Path, env):
+def report(gathered, out: Path, env):
     import pandas as pd
     out.mkdir(parents=True, exist_ok=True)
-    steps = pd.DataFrame(rows)
-    memory = pd.concat([frame.assign(rank=r) for r, _, frame in peaks], ignore_index=True)
+    steps = pd.DataFrame([row for rows, _ in gathered for row in rows])
+    memory = pd.concat([frame for _, frame in gathered], ignore_index=True)
     steps.to_csv(out / 'steps.csv', index=False); memory.to_csv(out / 'memory.csv', index=False)
-    print(f'\n== flexrt demo: {env.world_size} ranks ({env.source}), {len(steps)} steps ==')
-    print(steps.iloc[[0, 1, 2, len(steps) // 2, -1]].to_string(index=False, float_format='%.3f'))
-    for r, peak, frame in peaks:
-        print(f'rank {r}: peak live tensor bytes {peak / 2**20:.1f} MiB, {len(frame)} memory samples, '
-              f'RSS {frame.process_rss_bytes.max() / 2**20:.0f} MiB max')
-    first, last = steps.loss.iloc[:3].mean(), steps.loss.iloc[-3:].mean()
-    print(f'loss {first:.3f} -> {last:.3f}; grad norm before clipping {steps.grad_norm.iloc[0]:.2f} -> '
-          f'{steps.grad_norm.iloc[-1]:.2f}; outputs in {out}/')
+    rank0 = steps[steps['rank'] == 0].reset_index(drop=True)
+    print(f'\n== flexrt demo: {env.world_size} ranks ({env.source}), {len(rank0)} optimizer steps ==')
+    columns = ['step', 'loss', 'grad_norm', 'grad_norm_post_clip', 'lr', 'step_time', 'samples_per_s']
+    print(rank0.iloc[[0, 1, 2, len(rank0) // 2, -1]][columns].to_string(index=False, float_format='%.4g'))
+    for r, frame in memory.groupby('rank'):
+        print(f'rank {r}: peak live tensor bytes {frame.max_allocated_bytes.max() / 2**20:.2f} MiB, '
+              f'{len(frame)} memory samples, RSS {frame.process_rss_bytes.max() / 2**20:.0f} MiB max')
+    first, last = rank0.loss.iloc[:3].mean(), rank0.loss.iloc[-3:].mean()
+    print(f'loss {first:.3f} -> {last:.3f}; outputs in {out}/')
     if not last < first: sys.exit('demo failed: the loss did not go down')
 
 if __name__ == '__main__':
     from accelerate import notebook_launcher
-    steps, out_dir = int(os.environ.get('STEPS', 60)), os.environ.get('OUT', 'demo_out')
+    steps, out_dir = int(os.environ.get('STEPS', 40)), os.environ.get('OUT', 'demo_out')
     notebook_launcher(train, (steps, out_dir), num_processes=2, use_port=str(free_port()))

@@ -16,8 +16,8 @@ from .memory_tracker import TensorMemoryTracker, active_tracker
 
 # %% ../nbs/16_memory.ipynb #c005
 def _memory_device(device=None)->torch.device:
-    "The device whose tensor memory is reported: `device`, else the current CUDA device, else the CPU"
-    if device is None: device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    "The device whose tensor memory is reported: `device`, else the current CUDA device if CUDA is in use, else the CPU"
+    if device is None: device = 'cuda' if torch.cuda.is_initialized() else 'cpu'
     device = torch.device(device)
     if device.type not in ('cpu', 'cuda'):
         raise ValueError(f"memory reports cover 'cpu' and 'cuda' devices, not {str(device)!r}")
@@ -29,7 +29,7 @@ def _memory_device(device=None)->torch.device:
 def _tensor_stats(device:torch.device)->tuple: # allocated, max allocated, reserved, max reserved, tracked
     "Tensor memory of `device` from the CUDA allocator or the enabled CPU tracker"
     if device.type == 'cuda':
-        if not torch.cuda.is_initialized(): return 0, 0, 0, 0, True
+        if not torch.cuda.is_initialized(): return 0, 0, 0, 0, False  # never used here: nothing to read
         return (torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
                 torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device), True)
     tracker = active_tracker()
@@ -38,6 +38,7 @@ def _tensor_stats(device:torch.device)->tuple: # allocated, max allocated, reser
     peak = max(allocated, tracker.peak_bytes)
     return allocated, peak, allocated, peak, True
 
+# %% ../nbs/16_memory.ipynb #c009
 @functools.cache
 def _cpu_name()->str:
     "The CPU model, from /proc/cpuinfo where there is one"
@@ -54,7 +55,7 @@ def _device_name(device:torch.device)->str:
         return torch.cuda.get_device_name(device) if torch.cuda.is_initialized() else 'CUDA (not initialised yet)'
     return _cpu_name()
 
-# %% ../nbs/16_memory.ipynb #c009
+# %% ../nbs/16_memory.ipynb #c012
 @dataclass(frozen=True)
 class MemorySnapshot:
     "Memory of one process at one moment; byte counts are ints"
@@ -66,15 +67,15 @@ class MemorySnapshot:
     max_allocated_bytes: int # peak of `allocated_bytes` since the last peak reset
     reserved_bytes: int # bytes the allocator holds ("cached"); on CPU equal to `allocated_bytes`
     max_reserved_bytes: int # peak of `reserved_bytes` since the last peak reset
-    tracked: bool # False on CPU when no TensorMemoryTracker is enabled: the four tensor numbers are then 0, unmeasured
+    tracked: bool # False when the four tensor numbers are not measured (then 0): CPU without a TensorMemoryTracker, CUDA not initialised
     process_rss_bytes: int # resident set size of this process
     process_virtual_bytes: int # virtual memory size of this process
     system_used_bytes: int # memory in use on the machine (total - available)
     system_total_bytes: int # physical memory of the machine
     system_used_percent: float # `system_used_bytes` as a percentage of the total
 
-# %% ../nbs/16_memory.ipynb #c010
-def memory_snapshot(device=None, # device to report on; default: the current CUDA device, else the CPU
+# %% ../nbs/16_memory.ipynb #c014
+def memory_snapshot(device=None, # device to report on; default: the current CUDA device once CUDA is initialised, else the CPU
                    )->MemorySnapshot:
     "Read this process's tensor, process and system memory now"
     device = _memory_device(device)
@@ -87,7 +88,7 @@ def memory_snapshot(device=None, # device to report on; default: the current CUD
                           process_virtual_bytes=process.vms, system_used_bytes=system.total - system.available,
                           system_total_bytes=system.total, system_used_percent=system.percent)
 
-# %% ../nbs/16_memory.ipynb #c014
+# %% ../nbs/16_memory.ipynb #c018
 def reset_peak_memory_stats(device=None, # device whose peaks to reset; default as in `memory_snapshot`
                            ):
     "Set the peak allocated/cached numbers back to the current ones"
@@ -96,12 +97,18 @@ def reset_peak_memory_stats(device=None, # device whose peaks to reset; default 
     tracker = active_tracker()
     if tracker is not None: tracker.reset_peak()
 
-# %% ../nbs/16_memory.ipynb #c016
+# %% ../nbs/16_memory.ipynb #c021
 def _format_bytes(n:int)->str:
     "Bytes in the largest binary unit that keeps the number at least 1"
     for unit, size in (('TiB', 1 << 40), ('GiB', 1 << 30), ('MiB', 1 << 20), ('KiB', 1 << 10)):
         if abs(n) >= size: return f'{n / size:.2f} {unit}'
     return f'{n} B'
+
+# %% ../nbs/16_memory.ipynb #c024
+def _untracked(s:MemorySnapshot)->str:
+    "Why the tensor numbers of `s` are not measured"
+    if s.device.startswith('cuda'): return 'no tensors yet (CUDA not initialised in this process)'
+    return 'tensor bytes untracked (enable a TensorMemoryTracker)'
 
 def _usage_line(message:str, s:MemorySnapshot)->str:
     "One line: tensor memory (when measured), then process and system memory"
@@ -109,11 +116,11 @@ def _usage_line(message:str, s:MemorySnapshot)->str:
     if s.tracked:
         tensors = (f'allocated {f(s.allocated_bytes)} | max allocated {f(s.max_allocated_bytes)} | '
                    f'cached {f(s.reserved_bytes)} | max cached {f(s.max_reserved_bytes)}')
-    else: tensors = 'tensor bytes untracked (enable a TensorMemoryTracker)'
+    else: tensors = _untracked(s)
     return (f'{message} | {s.device}: {tensors} | process RSS {f(s.process_rss_bytes)} | virtual '
             f'{f(s.process_virtual_bytes)} | system used {f(s.system_used_bytes)} ({s.system_used_percent:.1f}%)')
 
-# %% ../nbs/16_memory.ipynb #c019
+# %% ../nbs/16_memory.ipynb #c027
 def see_memory_usage(message:str, # what the program is doing, printed first
                      force:bool=False, # report only when True (DeepSpeed's switch)
                     ):
@@ -124,7 +131,17 @@ def see_memory_usage(message:str, # what the program is doing, printed first
     if snap.rank == 0: print(_usage_line(message, snap), flush=True)
     reset_peak_memory_stats()
 
-# %% ../nbs/16_memory.ipynb #c022
+# %% ../nbs/16_memory.ipynb #c030
+def _status_numbers(s:MemorySnapshot, previous_allocated:int, previous_reserved:int)->str:
+    "The allocated/cached part of a `MEMSTATS` line (or why it is not measured), and the RSS"
+    f = _format_bytes
+    rss = f'rss={f(s.process_rss_bytes)}'
+    if not s.tracked: return f'current alloc={_untracked(s)} {rss}'
+    return (f'current alloc={f(s.allocated_bytes)} (delta={f(s.allocated_bytes - previous_allocated)} '
+            f'max={f(s.max_allocated_bytes)}) current cache={f(s.reserved_bytes)} '
+            f'(delta={f(s.reserved_bytes - previous_reserved)} max={f(s.max_reserved_bytes)}) {rss}')
+
+# %% ../nbs/16_memory.ipynb #c032
 class MemoryStatus:
     "Callable that prints DeepSpeed's `MEMSTATS` line with changes since its previous call"
     def __init__(self): self.previous = {}  # device -> (allocated, reserved) at the previous call
@@ -142,22 +159,11 @@ class MemoryStatus:
         s = memory_snapshot()
         previous = self.previous.get(s.device, (0, 0))
         self.previous[s.device] = (s.allocated_bytes, s.reserved_bytes)
-        print(f'RANK={rank} MEMSTATS {msg} device={s.device} {self._numbers(s, *previous)}', flush=True)
+        print(f'RANK={rank} MEMSTATS {msg} device={s.device} {_status_numbers(s, *previous)}', flush=True)
 
-# %% ../nbs/16_memory.ipynb #c023
-def _numbers(self:MemoryStatus, s:MemorySnapshot, previous_allocated:int, previous_reserved:int)->str:
-    "The allocated/cached part of the line (or 'untracked'), and the RSS"
-    f = _format_bytes
-    rss = f'rss={f(s.process_rss_bytes)}'
-    if not s.tracked: return f'current alloc=untracked (enable a TensorMemoryTracker) {rss}'
-    return (f'current alloc={f(s.allocated_bytes)} (delta={f(s.allocated_bytes - previous_allocated)} '
-            f'max={f(s.max_allocated_bytes)}) current cache={f(s.reserved_bytes)} '
-            f'(delta={f(s.reserved_bytes - previous_reserved)} max={f(s.max_reserved_bytes)}) {rss}')
-
-MemoryStatus._numbers = _numbers
 memory_status = MemoryStatus()
 
-# %% ../nbs/16_memory.ipynb #c026
+# %% ../nbs/16_memory.ipynb #c035
 def get_ma_status()->int:
     "Bytes of live tensors on this device if this is rank 0, else 0"
     if dist.get_rank() != 0: return 0
@@ -167,14 +173,14 @@ def get_ma_status()->int:
                       '0 is returned; enable one with TensorMemoryTracker().enable()', stacklevel=2)
     return allocated
 
-# %% ../nbs/16_memory.ipynb #c029
+# %% ../nbs/16_memory.ipynb #c038
 _samplers = weakref.WeakSet()  # every live sampler, so that a forked child can reset them
 
 class MemorySampler:
     "Sample `memory_snapshot()` on a background thread into a ring buffer"
     def __init__(self, interval_ms:float=100, # time between samples, in milliseconds
                  capacity:int=10_000, # number of newest snapshots kept
-                 device=None, # device to report on; None: the current device at each sample
+                 device=None, # device to report on; None: the default device at each sample
                 ):
         if isinstance(interval_ms, bool) or not isinstance(interval_ms, (int, float)) or not interval_ms > 0:
             raise ValueError(f'interval_ms must be a positive number of milliseconds, not {interval_ms!r}')
@@ -186,15 +192,17 @@ class MemorySampler:
         self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
         _samplers.add(self)
 
-    @property
-    def running(self)->bool:
-        "Whether the sampling thread is alive"
-        return self._thread is not None and self._thread.is_alive()
+# %% ../nbs/16_memory.ipynb #c040
+def _running(self:MemorySampler)->bool:
+    "Whether the sampling thread is alive"
+    return self._thread is not None and self._thread.is_alive()
 
-    def __repr__(self): return (f'MemorySampler(interval_ms={self.interval_ms}, capacity={self.capacity}, '
-                                f'device={self.device!r}, running={self.running}, kept={len(self)})')
+MemorySampler.running = property(_running, doc=_running.__doc__)
+MemorySampler.__len__ = lambda self: len(self._buffer)
+MemorySampler.__repr__ = lambda self: (f'MemorySampler(interval_ms={self.interval_ms}, capacity={self.capacity}, '
+                                       f'device={self.device!r}, running={self.running}, kept={len(self)})')
 
-# %% ../nbs/16_memory.ipynb #c030
+# %% ../nbs/16_memory.ipynb #c042
 def _sample(self:MemorySampler):
     "Take one snapshot into the buffer"
     snapshot = memory_snapshot(self.device)
@@ -213,7 +221,7 @@ def _run(self:MemorySampler, stop:threading.Event):
 
 MemorySampler._sample, MemorySampler._run = _sample, _run
 
-# %% ../nbs/16_memory.ipynb #c031
+# %% ../nbs/16_memory.ipynb #c045
 def _start(self:MemorySampler)->MemorySampler:
     "Start sampling; returns the sampler"
     if self.running: raise RuntimeError('this MemorySampler is already running; stop() it first')
@@ -233,10 +241,21 @@ def _stop(self:MemorySampler):
     self._sample()
 
 MemorySampler.start, MemorySampler.stop = _start, _stop
-MemorySampler.__enter__ = lambda self: self.start()
-MemorySampler.__exit__ = lambda self, *exc: self.stop()
 
-# %% ../nbs/16_memory.ipynb #c033
+# %% ../nbs/16_memory.ipynb #c048
+def _exit(self:MemorySampler, exc_type, exc, traceback):
+    "Stop sampling; an exception already propagating keeps propagating, with a sampler error noted on it"
+    if exc is None: return self.stop()
+    try: self.stop()
+    except Exception as error:
+        note = f'while handling this exception, the MemorySampler failed too: {error}'
+        exc.add_note(note)
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
+
+MemorySampler.__enter__ = lambda self: self.start()
+MemorySampler.__exit__ = _exit
+
+# %% ../nbs/16_memory.ipynb #c051
 def _snapshots(self:MemorySampler)->list:
     "The kept snapshots, oldest first"
     with self._lock: return list(self._buffer)
@@ -254,9 +273,8 @@ def _clear(self:MemorySampler):
     with self._lock: self._buffer.clear()
 
 MemorySampler.snapshots, MemorySampler.to_dataframe, MemorySampler.clear = _snapshots, _to_dataframe, _clear
-MemorySampler.__len__ = lambda self: len(self._buffer)
 
-# %% ../nbs/16_memory.ipynb #c038
+# %% ../nbs/16_memory.ipynb #c056
 def _after_fork(self:MemorySampler):
     "In a forked child: no thread, fresh locks"
     self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()

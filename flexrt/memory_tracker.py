@@ -16,15 +16,7 @@ class _StorageRef(weakref.ref):
     "A weak reference to a storage that remembers its key and its size in bytes when it was last counted"
     __slots__ = ('key', 'nbytes')
 
-class _TrackingMode(TorchDispatchMode):
-    "Dispatch mode that shows every operator's output tensors to a tracker"
-    def __init__(self, tracker): super().__init__(); self.tracker = tracker
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.tracker._observe(out)
-        return out
-
-# %% ../nbs/15_memory_tracker.ipynb #c008
+# %% ../nbs/15_memory_tracker.ipynb #c009
 _active: 'TensorMemoryTracker|None' = None  # the enabled tracker, owned by whoever called enable()
 
 def active_tracker()->'TensorMemoryTracker|None':
@@ -38,14 +30,41 @@ class TensorMemoryTracker:
                 ):
         self.count_existing = count_existing
         self._lock, self._mode, self._thread = threading.RLock(), None, None
-        self._live, self._pending = {}, deque()
+        self._live, self._pending = {}, deque()  # key -> _StorageRef of each counted storage; refs of freed ones
         self._allocated = self._peak = 0
 
-    def __repr__(self):
-        state = 'enabled' if self.enabled else 'disabled'
-        return f'TensorMemoryTracker({state}, allocated={self.allocated_bytes:,} B, peak={self.peak_bytes:,} B)'
+# %% ../nbs/15_memory_tracker.ipynb #c012
+def _register(self:TensorMemoryTracker, storage, key:int, nbytes:int):
+    "Start counting a storage not counted yet"
+    ref = _StorageRef(storage, self._pending.append)
+    ref.key, ref.nbytes = key, 0
+    with self._lock:
+        self._drain()
+        self._live[key] = ref
+        self._count(ref, nbytes)
 
-# %% ../nbs/15_memory_tracker.ipynb #c010
+def _count(self:TensorMemoryTracker, ref:_StorageRef, delta:int):
+    "Add `delta` bytes to `ref`'s storage and to the total; raise the peak"
+    with self._lock:
+        ref.nbytes += delta
+        self._allocated += delta
+        if self._allocated > self._peak: self._peak = self._allocated
+
+TensorMemoryTracker._register, TensorMemoryTracker._count = _register, _count
+
+# %% ../nbs/15_memory_tracker.ipynb #c014
+def _drain(self:TensorMemoryTracker):
+    "Subtract the storages freed since the last drain"
+    with self._lock:
+        while self._pending:
+            ref = self._pending.popleft()
+            if self._live.get(ref.key) is ref:
+                del self._live[ref.key]
+                self._allocated -= ref.nbytes
+
+TensorMemoryTracker._drain = _drain
+
+# %% ../nbs/15_memory_tracker.ipynb #c017
 def _add(self:TensorMemoryTracker, t:torch.Tensor):
     "Count `t`'s memory: its storage, or the tensors it is made of"
     if t.layout is not torch.strided or (type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t)):
@@ -61,36 +80,9 @@ def _add(self:TensorMemoryTracker, t:torch.Tensor):
     if storage.device.type != 'cpu' or (type(t) is not torch.Tensor and not _has_data(storage)): return
     self._register(storage, key, nbytes)
 
-def _register(self:TensorMemoryTracker, storage, key:int, nbytes:int):
-    "Start counting a storage not counted yet"
-    ref = _StorageRef(storage, self._pending.append)
-    ref.key, ref.nbytes = key, 0
-    with self._lock:
-        self._drain()
-        self._live[key] = ref
-        self._count(ref, nbytes)
+TensorMemoryTracker._add = _add
 
-# %% ../nbs/15_memory_tracker.ipynb #c011
-def _count(self:TensorMemoryTracker, ref:_StorageRef, delta:int):
-    "Add `delta` bytes to `ref`'s storage and to the total; raise the peak"
-    with self._lock:
-        ref.nbytes += delta
-        self._allocated += delta
-        if self._allocated > self._peak: self._peak = self._allocated
-
-def _drain(self:TensorMemoryTracker):
-    "Subtract the storages freed since the last drain"
-    with self._lock:
-        while self._pending:
-            ref = self._pending.popleft()
-            if self._live.get(ref.key) is ref:
-                del self._live[ref.key]
-                self._allocated -= ref.nbytes
-
-TensorMemoryTracker._add, TensorMemoryTracker._register = _add, _register
-TensorMemoryTracker._count, TensorMemoryTracker._drain = _count, _drain
-
-# %% ../nbs/15_memory_tracker.ipynb #c013
+# %% ../nbs/15_memory_tracker.ipynb #c020
 _SPARSE_PARTS = {torch.sparse_coo: ('_indices', '_values'),
                  torch.sparse_csr: ('crow_indices', 'col_indices', 'values'),
                  torch.sparse_bsr: ('crow_indices', 'col_indices', 'values'),
@@ -109,7 +101,7 @@ def _has_data(storage)->bool:
     except RuntimeError: return False
     return True
 
-# %% ../nbs/15_memory_tracker.ipynb #c015
+# %% ../nbs/15_memory_tracker.ipynb #c023
 def _observe(self:TensorMemoryTracker, out):
     "Count every tensor in an operator's output"
     if isinstance(out, torch.Tensor): self._add(out)
@@ -118,7 +110,26 @@ def _observe(self:TensorMemoryTracker, out):
 
 TensorMemoryTracker._observe = _observe
 
-# %% ../nbs/15_memory_tracker.ipynb #c017
+# %% ../nbs/15_memory_tracker.ipynb #c026
+class _TrackingMode(TorchDispatchMode):
+    "Dispatch mode that shows every operator's output tensors to a tracker"
+    def __init__(self, tracker): super().__init__(); self.tracker = tracker
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.tracker._observe(out)
+        return out
+
+# %% ../nbs/15_memory_tracker.ipynb #c029
+def _count_existing(self:TensorMemoryTracker):
+    "Count tensors that already exist and that Python can see, and their gradients"
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):
+            self._add(obj)
+            if obj.is_leaf and obj.requires_grad and obj.grad is not None: self._add(obj.grad)
+
+TensorMemoryTracker._count_existing = _count_existing
+
+# %% ../nbs/15_memory_tracker.ipynb #c032
 def _enable(self:TensorMemoryTracker)->TensorMemoryTracker:
     "Start counting on this thread; returns the tracker"
     global _active
@@ -133,16 +144,10 @@ def _enable(self:TensorMemoryTracker)->TensorMemoryTracker:
     self._mode.__enter__()
     return self
 
-def _count_existing(self:TensorMemoryTracker):
-    "Count tensors that already exist and that Python can see, and their gradients"
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor):
-            self._add(obj)
-            if obj.is_leaf and obj.requires_grad and obj.grad is not None: self._add(obj.grad)
+TensorMemoryTracker.enable = _enable
+TensorMemoryTracker.enabled = property(lambda self: self._mode is not None, doc='Whether the tracker is counting')
 
-TensorMemoryTracker.enable, TensorMemoryTracker._count_existing = _enable, _count_existing
-
-# %% ../nbs/15_memory_tracker.ipynb #c018
+# %% ../nbs/15_memory_tracker.ipynb #c035
 def _disable(self:TensorMemoryTracker):
     "Stop counting; the counts keep their last values"
     global _active
@@ -159,11 +164,10 @@ def _disable(self:TensorMemoryTracker):
     _active = None
 
 TensorMemoryTracker.disable = _disable
-TensorMemoryTracker.enabled = property(lambda self: self._mode is not None, doc='Whether the tracker is counting')
 TensorMemoryTracker.__enter__ = lambda self: self.enable()
 TensorMemoryTracker.__exit__ = lambda self, *exc: self.disable()
 
-# %% ../nbs/15_memory_tracker.ipynb #c020
+# %% ../nbs/15_memory_tracker.ipynb #c038
 def _allocated_bytes(self:TensorMemoryTracker)->int:
     "Bytes of live CPU tensor storages counted by this tracker"
     with self._lock:
@@ -174,6 +178,10 @@ def _peak_bytes(self:TensorMemoryTracker)->int:
     "Highest `allocated_bytes` since enable() or the last reset_peak()"
     with self._lock: return self._peak
 
+TensorMemoryTracker.allocated_bytes = property(_allocated_bytes, doc=_allocated_bytes.__doc__)
+TensorMemoryTracker.peak_bytes = property(_peak_bytes, doc=_peak_bytes.__doc__)
+
+# %% ../nbs/15_memory_tracker.ipynb #c040
 def _num_storages(self:TensorMemoryTracker)->int:
     "Number of live storages counted"
     with self._lock:
@@ -186,13 +194,14 @@ def _reset_peak(self:TensorMemoryTracker):
         self._drain()
         self._peak = self._allocated
 
-TensorMemoryTracker.allocated_bytes = property(_allocated_bytes, doc=_allocated_bytes.__doc__)
-TensorMemoryTracker.peak_bytes = property(_peak_bytes, doc=_peak_bytes.__doc__)
 TensorMemoryTracker.num_storages = property(_num_storages, doc=_num_storages.__doc__)
 TensorMemoryTracker.reset_peak = _reset_peak
+TensorMemoryTracker.__repr__ = lambda self: (f"TensorMemoryTracker({'enabled' if self.enabled else 'disabled'}, "
+                                             f'allocated={self.allocated_bytes:,} B, peak={self.peak_bytes:,} B)')
 
-# %% ../nbs/15_memory_tracker.ipynb #c034
+# %% ../nbs/15_memory_tracker.ipynb #c055
 def _renew_lock_after_fork():
+    "In a forked child: give the enabled tracker a lock no other thread can hold"
     if _active is not None: _active._lock = threading.RLock()
 
 os.register_at_fork(after_in_child=_renew_lock_after_fork)

@@ -52,7 +52,8 @@ def plan_buckets(params, # parameters in the order their gradients are expected 
         if members and total + size > bucket_bytes:
             closed.append((last, members, group))
             members, total = [], 0
-        open_buckets[key] = (i, members + [p], total + size, group)
+        members.append(p)
+        open_buckets[key] = (i, members, total + size, group)
     closed += [(last, members, group) for last, members, _, group in open_buckets.values()]
     return [Bucket(members, group, align) for _, members, group in sorted(closed, key=lambda c: c[0])]
 
@@ -118,12 +119,15 @@ BucketReducer._on_grad = _on_grad
 @torch.no_grad()
 def _start(self:BucketReducer, bucket:Bucket):
     "Gather `bucket`'s gradients into its buffer and launch its reduction"
-    targets, sources = [], []
+    targets, sources, moved = [], [], []
     for p, view in zip(bucket.params, bucket.views):
-        if p.grad is None: view.zero_()
-        elif p.grad.data_ptr() != view.data_ptr(): targets.append(view); sources.append(p.grad)
+        grad = p.grad
+        if grad is not None and grad.data_ptr() == view.data_ptr(): continue   # accumulated in place: nothing to do
+        if grad is None: view.zero_()
+        else: targets.append(view); sources.append(grad)
+        moved.append((p, view))
     if targets: torch._foreach_copy_(targets, sources)
-    for p, view in zip(bucket.params, bucket.views): p.grad = view
+    for p, view in moved: p.grad = view
     bucket.work = self._launch(bucket)
     self._launched.append(bucket)
 

@@ -265,3 +265,53 @@ def test_rank_without_gradients_still_reduces():
     for p in NORMS:
         (a, ref), (b, _) = run_distributed(_one_rank_without_grads, 2, args=(p,))
         assert a == b == pytest.approx(ref, rel=1e-6)
+
+def _unused_expert_on_one_rank(rank, world_size, p, single_group):
+    """Experts sharded over both ranks; the expert on rank 1 was not used this step, so its grad is None there.
+    Rank 1 must still join the expert reduction (no local shortcut) and both ranks get the same norm."""
+    dense = [_full(10, i, (5, 3)) for i in range(2)]                    # replicated: identical on both ranks
+    expert = _full(11, 0, (4, 4))                                       # only rank 0's expert has a gradient
+    reference = torch.nn.utils.get_total_norm(dense + [expert], p)
+    params = [_param(g) for g in dense]
+    mine = _param(expert if rank == 0 else torch.zeros(4, 4), allreduce=False, group_name='ep_size_2')
+    if rank == 1: mine.grad = None
+    params.append(mine)
+    ep = dist.new_group([0, 1])
+    groups = ep if single_group else {'ep_size_2': ep, 'unused_ep': dist.new_group([0, 1]), None: ep}
+    total = clip_grad_norm_(params, math.inf, p, expert_groups=groups)
+    return total.item(), get_grad_norm(params, p, expert_groups=groups), reference.item()
+
+@pytest.mark.parametrize('single_group', [False, True])
+def test_expert_with_grads_on_one_rank_only(single_group):
+    for p in NORMS:
+        results = run_distributed(_unused_expert_on_one_rank, 2, args=(p, single_group), timeout=60)
+        totals = [r[0] for r in results]
+        assert totals[0] == totals[1], f'ranks disagree: {totals}'
+        assert totals[0] == pytest.approx(results[0][2], rel=1e-6)
+        assert [r[1] for r in results] == pytest.approx([results[0][2]] * 2, rel=1e-6)
+
+def _rank_with_no_grads_at_all(rank, world_size, p):
+    """Rank 1 has no gradient anywhere (its expert and its tensor-parallel piece were unused). Expert norms,
+    model-parallel norms, zero counts and overflow checks must still agree (and not hang) and equal rank 0's alone."""
+    split, expert = _full(12, 0, (6,)), _full(13, 0, (3, 2))
+    expert[0, 0] = 0.
+    w = _param(split, tensor_model_parallel=True)
+    e = _param(expert, allreduce=False, group_name='ep_size_2')
+    if rank == 1: w.grad = e.grad = None
+    mpu, groups = OldMpu(None), {'ep_size_2': dist.new_group([0, 1])}
+    expert_total = clip_grad_norm_([e], math.inf, p, expert_groups=groups).item()
+    mp_total = clip_grad_norm_([w], math.inf, p, mpu=mpu).item()
+    weights = get_weight_norm([w], p, mpu=mpu)                      # weights exist on both ranks
+    zeros = get_grad_zeros([w, e], mpu=mpu)
+    if rank == 0: w.grad[2] = math.inf
+    overflow = CheckOverflow([[w, e]]).check()
+    refs = [torch.linalg.vector_norm(t, p).item() for t in (expert, split)]
+    return expert_total, mp_total, refs, weights, zeros, overflow
+
+def test_rank_without_any_gradients_agrees():
+    for p in NORMS:
+        (e0, m0, refs, w0, z0, o0), (e1, m1, _, w1, z1, o1) = run_distributed(_rank_with_no_grads_at_all, 2, args=(p,), timeout=60)
+        assert e0 == e1 == pytest.approx(refs[0], rel=1e-6)
+        assert m0 == m1 == pytest.approx(refs[1], rel=1e-6)
+        assert w0 == w1 and w0 > 0
+        assert (z0, z1) == (1, 1) and (o0, o1) == (True, True)

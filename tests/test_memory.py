@@ -14,6 +14,13 @@ def printed(f, *args, **kwargs)->list:
     with contextlib.redirect_stdout(io.StringIO()) as out: f(*args, **kwargs)
     return out.getvalue().splitlines()
 
+@pytest.fixture
+def cpu_default():
+    "For tests of the default device: it is the CPU unless this process has initialised CUDA"
+    if torch.cuda.is_initialized():   # only possible if another test file in this pytest run used the GPU
+        pytest.skip('CUDA was initialised earlier in this process, so the default device is the GPU; the CPU '
+                    'default is still checked by test_cuda_available_but_uninitialised_reports_the_cpu_tracker')
+
 # ---- memory_snapshot
 
 def test_snapshot_without_tracker_is_marked_untracked_on_cpu():
@@ -40,14 +47,40 @@ def test_snapshot_reads_the_tracker_exactly():
 def test_bad_device_is_refused():
     with pytest.raises(ValueError, match="'cpu' and 'cuda' devices, not 'meta'"): memory_snapshot('meta')
 
+@pytest.mark.usefixtures('cpu_default')
 def test_nothing_initialises_cuda():
     with TensorMemoryTracker():
         memory_snapshot(); get_ma_status(); printed(see_memory_usage, 'x', force=True); printed(memory_status, 'x')
         with MemorySampler(interval_ms=1): time.sleep(0.01)
     assert not torch.cuda.is_initialized()
 
+def test_cuda_available_but_uninitialised_reports_the_cpu_tracker(monkeypatch, capsys):
+    # a GPU machine running CPU work: CUDA is there, but this process never used it
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: False)
+    with TensorMemoryTracker(count_existing=False) as tracker:
+        t = torch.empty(MiB // 4)
+        s = memory_snapshot()
+        assert (s.device, s.tracked, s.allocated_bytes) == ('cpu', True, MiB)
+        assert get_ma_status() == MiB
+        see_memory_usage('cpu work', force=True)
+        assert capsys.readouterr().out.startswith('cpu work | cpu: allocated 1.00 MiB | max allocated 1.00 MiB')
+        (line,) = printed(MemoryStatus(), 'cpu work')
+        assert 'device=cpu current alloc=1.00 MiB (delta=1.00 MiB' in line
+        with MemorySampler(interval_ms=1) as sampler: pass
+        assert {(x.device, x.allocated_bytes) for x in sampler.snapshots()} == {('cpu', MiB)}
+        del t
+    gpu = memory_snapshot('cuda')                                    # named explicitly: not measured, and said so
+    assert (gpu.device, gpu.tracked, gpu.allocated_bytes, gpu.max_reserved_bytes) == ('cuda:0', False, 0, 0)
+    assert gpu.device_name == 'CUDA (not initialised yet)'
+    see_memory_usage('gpu', force=True)                              # the default is still the CPU
+    assert 'gpu | cpu: tensor bytes untracked' in capsys.readouterr().out
+    (line,) = printed(MemoryStatus(), 'x')
+    assert 'device=cpu current alloc=tensor bytes untracked' in line
+
 # ---- see_memory_usage, memory_status, get_ma_status
 
+@pytest.mark.usefixtures('cpu_default')
 def test_see_memory_usage_is_silent_unless_forced(capsys):
     with TensorMemoryTracker() as tracker:
         t = torch.empty(MiB // 4); del t
@@ -62,6 +95,7 @@ def test_see_memory_usage_is_silent_unless_forced(capsys):
                     r'max cached [\d.]+ \S+ \| process RSS [\d.]+ \S+ \| virtual [\d.]+ \S+ \| '
                     r'system used [\d.]+ \S+ \([\d.]+%\)$', lines[0]), lines[0]
 
+@pytest.mark.usefixtures('cpu_default')
 def test_see_memory_usage_without_tracker_says_untracked(capsys):
     see_memory_usage('plain', force=True)
     (line,) = capsys.readouterr().out.splitlines()
@@ -95,6 +129,7 @@ def test_reports_on_two_gloo_ranks():
     assert (r0['ma'], r1['ma']) == (r0['tracked'], 0) and r0['ma'] >= MiB  # get_ma_status: rank 0 only
     assert (r0['snapshot_rank'], r1['snapshot_rank']) == (0, 1)
 
+@pytest.mark.usefixtures('cpu_default')
 def test_memory_status_deltas_and_reset_max():
     status = MemoryStatus()
     with TensorMemoryTracker(count_existing=False):
@@ -112,6 +147,7 @@ def test_memory_status_deltas_and_reset_max():
     with pytest.raises(ValueError, match='print_rank must be'): status('x', print_rank=-3)
     with pytest.raises(ValueError, match='print_rank must be'): status('x', print_rank='0')
 
+@pytest.mark.usefixtures('cpu_default')
 def test_get_ma_status_counts_activation_bytes_and_warns_without_tracker():
     with TensorMemoryTracker():
         x = torch.randn(100, 100, requires_grad=True)
@@ -163,6 +199,7 @@ def test_sampler_ring_buffer_keeps_the_newest():
     s.clear()
     assert len(s) == 0 and s.to_dataframe().columns.tolist() == COLUMNS
 
+@pytest.mark.usefixtures('cpu_default')
 def test_sampler_dataframe_records_training_memory():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
@@ -191,17 +228,42 @@ def test_sampler_start_twice_is_refused():
     with MemorySampler(interval_ms=50) as s:
         with pytest.raises(RuntimeError, match='already running'): s.start()
 
-def test_sampler_thread_failure_is_raised_at_stop(monkeypatch):
+class _BlockError(Exception): pass
+
+def _broken_sampler(monkeypatch)->MemorySampler:
+    "A started sampler whose thread has failed: every snapshot raises"
     import flexrt.memory
     def failing(device=None): raise OSError('cannot read /proc')     # injected failure of the real snapshot
     monkeypatch.setattr(flexrt.memory, 'memory_snapshot', failing)
     s = MemorySampler(interval_ms=1).start()
     s._thread.join(10)
+    return s
+
+def test_sampler_thread_failure_is_raised_at_stop(monkeypatch):
+    s = _broken_sampler(monkeypatch)
     assert not s.running
     with pytest.raises(RuntimeError, match=r"sampler thread failed: OSError\('cannot read /proc'\)"): s.stop()
     monkeypatch.undo()
     with s: pass                                                     # usable again once snapshots work
     assert len(s) >= 2
+
+def test_sampler_error_does_not_mask_the_exception_leaving_the_block(monkeypatch):
+    s = _broken_sampler(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=r"MemorySampler failed too: .*OSError\('cannot read /proc'\)"):
+        with pytest.raises(_BlockError, match='the real failure') as caught:
+            with s: raise _BlockError('the real failure')
+    assert len(caught.value.__notes__) == 1
+    assert "the memory sampler thread failed: OSError('cannot read /proc')" in caught.value.__notes__[0]
+    assert s._thread is None and not s.running                       # stopped all the same
+    monkeypatch.undo()
+    with s: pass                                                     # and usable again
+    assert not s.running and len(s) >= 2
+
+def test_sampler_error_is_raised_when_the_block_succeeds(monkeypatch):
+    s = _broken_sampler(monkeypatch)
+    with pytest.raises(RuntimeError, match='sampler thread failed'):
+        with s: pass
+    assert s._thread is None
 
 def _sample_in_rank(rank, world_size):
     from flexrt import comm as dist
@@ -251,17 +313,27 @@ def test_sampler_survives_fork():
 
 # ---- CUDA (skipped on CPU-only machines)
 
-@needs_cuda
-def test_cuda_snapshot_matches_torch_and_see_memory_usage_resets_peaks(capsys):
+def _cuda_reports(rank, world_size):
+    "In a forked child, so that the pytest process never initialises CUDA (its CPU tests rely on that)"
+    assert memory_snapshot().device == 'cpu'                         # CUDA present but not used yet: the CPU
     device = torch.device('cuda', torch.cuda.current_device())
     t = torch.empty(MiB // 4, device=device)
     s = memory_snapshot()
-    assert s.device == str(device) and s.tracked
+    assert s.device == str(device) and s.tracked                     # now the GPU
     assert s.allocated_bytes == torch.cuda.memory_allocated(device)
     assert s.reserved_bytes == torch.cuda.memory_reserved(device)
     del t
     assert torch.cuda.max_memory_allocated(device) > torch.cuda.memory_allocated(device)
-    see_memory_usage('gpu', force=True)
-    assert capsys.readouterr().out.startswith(f'gpu | {device}: allocated ')
+    (line,) = printed(see_memory_usage, 'gpu', force=True)
+    assert line.startswith(f'gpu | {device}: allocated ')
     assert torch.cuda.max_memory_allocated(device) == torch.cuda.memory_allocated(device)
     assert get_ma_status() == torch.cuda.memory_allocated(device)
+    with TensorMemoryTracker(count_existing=False):                  # CPU tensors next to the GPU's
+        c = torch.empty(MiB // 4)
+        assert memory_snapshot('cpu').allocated_bytes == MiB
+        del c
+    return True
+
+@needs_cuda
+def test_cuda_snapshot_matches_torch_and_see_memory_usage_resets_peaks():
+    assert run_distributed(_cuda_reports, 1, init=False, timeout=60) == [True]

@@ -5,14 +5,14 @@
 # %% ../../nbs/01_comm_logger.ipynb #c003
 from __future__ import annotations
 import difflib, functools, inspect, json, os, sys, threading, time
-from dataclasses import dataclass, field, fields, asdict
 import pandas as pd
 import torch
 from .backends import OPS
+from ..config import CommsLoggerConfig
 
 # %% auto #0
-__all__ = ['LEGACY_OP_NAMES', 'comms_logger', 'SUMMARY_COLUMNS', 'CommsLoggerConfig', 'comms_config', 'message_size',
-           'bus_factor', 'calc_bw', 'trim_mean', 'CommsLogger', 'TimedWork', 'timed_op', 'straggler_ms']
+__all__ = ['LEGACY_OP_NAMES', 'comms_logger', 'SUMMARY_COLUMNS', 'comms_config', 'message_size', 'bus_factor', 'calc_bw',
+           'trim_mean', 'CommsLogger', 'TimedWork', 'timed_op', 'straggler_ms']
 
 # %% ../../nbs/01_comm_logger.ipynb #c006
 LEGACY_OP_NAMES = {'all_gather_base': 'all_gather_into_tensor', 'reduce_scatter_base': 'reduce_scatter_tensor'}
@@ -22,32 +22,11 @@ def _closest(word, choices):
     return f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(sorted(choices))})"
 
 # %% ../../nbs/01_comm_logger.ipynb #c007
-@dataclass
-class CommsLoggerConfig:
-    "The `comms_logger` block: what to profile and how much to print"
-    enabled: bool = False # profile collectives at all; False (also as `"enabled": false`) means off
-    verbose: bool = False # print each profiled op as it completes
-    prof_all: bool = True # profile every op; else only `prof_ops` and calls made with `prof=True`
-    debug: bool = False # record the name of the function that called each op
-    prof_ops: list = field(default_factory=list) # op names to profile when `prof_all` is False
-    def __post_init__(self):
-        for f in ('enabled', 'verbose', 'prof_all', 'debug'):
-            if not isinstance(getattr(self, f), bool): raise TypeError(f"comms_logger.{f} must be true or false, got {getattr(self, f)!r}")
-        if isinstance(self.prof_ops, str) or not all(isinstance(o, str) for o in self.prof_ops):
-            raise TypeError(f"comms_logger.prof_ops must be a list of op names, got {self.prof_ops!r}")
-        ops = [LEGACY_OP_NAMES.get(o, o) for o in self.prof_ops]
-        for o in ops:
-            if o not in OPS: raise ValueError(f"comms_logger.prof_ops: unknown op '{o}'{_closest(o, OPS)}")
-        self.prof_ops = ops
-
-    @classmethod
-    def from_dict(cls, block:dict): # the value of `"comms_logger"` in a DeepSpeed-style config
-        "Build from the config block, rejecting unknown keys"
-        if not isinstance(block, dict): raise TypeError(f"comms_logger must be a dict, got {type(block).__name__}")
-        known = [f.name for f in fields(cls)]
-        for k in block:
-            if k not in known: raise ValueError(f"comms_logger: unknown key '{k}'{_closest(k, known)}")
-        return cls(**block)
+def _prof_ops(config:CommsLoggerConfig)->frozenset:
+    "The op names in `config.prof_ops`, legacy DeepSpeed names mapped to today's; an unknown name is an error"
+    ops = frozenset(LEGACY_OP_NAMES.get(o, o) for o in config.prof_ops)
+    for o in sorted(ops - set(OPS)): raise ValueError(f"comms_logger.prof_ops: unknown op '{o}'{_closest(o, OPS)}")
+    return ops
 
 # %% ../../nbs/01_comm_logger.ipynb #c010
 def comms_config(config)->CommsLoggerConfig|None:
@@ -57,7 +36,7 @@ def comms_config(config)->CommsLoggerConfig|None:
         with open(config) as f: config = json.load(f)
     block = config.get('comms_logger') if isinstance(config, dict) else getattr(config, 'comms_logger', None)
     if block is None or isinstance(block, CommsLoggerConfig): return block
-    if not isinstance(block, dict) and hasattr(block, '__dataclass_fields__'): block = asdict(block)
+    if not isinstance(block, dict): raise TypeError(f"comms_logger must be a dict, got {type(block).__name__}")
     return CommsLoggerConfig.from_dict(block)
 
 # %% ../../nbs/01_comm_logger.ipynb #c013
@@ -115,8 +94,8 @@ class CommsLogger:
         self.reset()
     def apply(self, config:CommsLoggerConfig):
         "Use `config` from now on"
-        self.config, self.enabled = config, config.enabled
-        self._prof_ops = frozenset(config.prof_ops)
+        prof_ops = _prof_ops(config)  # validate before changing anything
+        self.config, self.enabled, self._prof_ops = config, config.enabled, prof_ops
     def reset(self):
         "Forget every record"
         self.latencies, self._pending, self._lock = {}, [], threading.Lock()

@@ -62,4 +62,4 @@ def initialize(args=None, # argparse namespace carrying `deepspeed_config`, or N
     dist.init_distributed(dist_init_required=dist_init_required)
     engine = Engine(model, cfg, optimizer, model_parameters, lr_scheduler, mpu, collate_fn, expert_groups)
     loader = None if training_data is None else engine.deepspeed_io(training_data)
-    return engine, engine.optimizer if engine.basic_optimizer is not None else None, loader, engine.lr_scheduler
+    return engine, engine.basic_optimizer, loader, engine.lr_scheduler

@@ -155,7 +155,7 @@ def _step(self:Engine, lr_kwargs:dict|None=None): # keyword arguments for the sc
     "Count a micro-step; at an accumulation boundary reduce, unscale, clip, update and report"
     if self._in_no_sync: raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync block, run one more "
                                             "backward outside it (that one reduces the gradients), then call step()")
-    if self.basic_optimizer is None: self.optimizer.step()   # raises: says what is missing
+    if self.basic_optimizer is None: raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
     if not self.counter.count_micro_step(): return
     with self.timers('allreduce'): grads = self.optimizer.reduced_gradients()
     with self.timers('step'):
@@ -271,9 +271,7 @@ Engine.deepspeed_io, Engine.checkpoint_state = _deepspeed_io, _checkpoint_state
 def _close(self:Engine):
     "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, restore the comms logger"
     if self._closed: return
-    self.optimizer.zero_grad(set_to_none=True)
     self.optimizer.close()
-    for p in self.module.parameters(): p.grad = None
     self.expert_groups.close()
     if self._comms_before is not None: dist.configure(self._comms_before)
     self._closed = True

@@ -214,8 +214,9 @@ def _zero_grad(self:ReplicatedOptimizer, set_to_none:bool=True):
     self.reducer.zero_grad()
 
 def _close(self:ReplicatedOptimizer):
-    "Remove the reducer's hooks and let go of its buffers"
+    "Remove the reducer's hooks and drop every gradient, so its buffers can be freed"
     self.reducer.close()
+    self.weights.zero_grad(set_to_none=True)
 
 ReplicatedOptimizer.step, ReplicatedOptimizer.zero_grad, ReplicatedOptimizer.close = _step, _zero_grad, _close
 

@@ -13,7 +13,7 @@ from ..memory import memory_snapshot, see_memory_usage
 
 # %% auto #0
 __all__ = ['PHASES', 'StepCounter', 'Timers', 'StepClock', 'ProgressiveLayerDrop', 'NoLayerDrop', 'layer_drop', 'expert_layout',
-           'expert_group_names', 'ExpertGroups', 'StepReporter', 'build_dataloader']
+           'expert_group_names', 'ExpertGroups', 'StepReporter', 'DataLoader', 'build_dataloader']
 
 # %% ../../nbs/30_engine_parts.ipynb #c006
 _COUNTERS = ('micro_steps', 'global_steps', 'global_samples', 'skipped_steps')
@@ -134,13 +134,13 @@ def expert_layout(ep_size:int, world_size:int)->tuple: # (expert-parallel rank l
 
 def expert_group_names(params)->list: # sorted group names of the expert parameters among `params`
     "Names of the expert groups (`group_name` of parameters with `allreduce=False`)"
-    return sorted({getattr(p, 'group_name', None) or 'experts' for p in params if getattr(p, 'allreduce', True) is False})
+    return sorted({getattr(p, 'group_name', None) for p in params if getattr(p, 'allreduce', True) is False}, key=str)
 
 # %% ../../nbs/30_engine_parts.ipynb #c024
 _EP_NAME = re.compile(r'ep_size_(\d+)$')
 
-def _parse_ep_size(name:str)->int:
-    m = _EP_NAME.match(name)
+def _parse_ep_size(name:str|None)->int:
+    m = _EP_NAME.match(name or '')
     if m is None:
         raise ValueError(f"expert parameters with group_name={name!r}: pass initialize(..., expert_groups={{{name!r}: "
                          "(expert_parallel_group, expert_data_parallel_group)}), or name the group 'ep_size_<n>' as "
@@ -227,6 +227,11 @@ def _print_line(self:StepReporter, r:dict):
 StepReporter.report, StepReporter.print_line = _report, _print_line
 
 # %% ../../nbs/30_engine_parts.ipynb #c032
+class DataLoader(torch.utils.data.DataLoader):
+    "torch's DataLoader, with DeepSpeed's name for its sampler (`loader.data_sampler.set_epoch(epoch)`)"
+    @property
+    def data_sampler(self): return self.sampler
+
 def build_dataloader(dataset, # a torch Dataset (map-style or iterable)
                      batch_size:int, # samples per batch on this rank
                      dp_world_size:int=1, dp_rank:int=0, # the data-parallel ranks and this one's index
@@ -234,7 +239,7 @@ def build_dataloader(dataset, # a torch Dataset (map-style or iterable)
                      data_sampler=None, # a sampler to use instead of the distributed one
                      drop_last:bool=False, # drop the last incomplete batch
                      pin_memory:bool=True, # pin batches (only when CUDA is present)
-                     num_workers:int=0)->torch.utils.data.DataLoader: # loader processes
+                     num_workers:int=0)->DataLoader: # loader processes
     "A DataLoader over this rank's share of `dataset`"
     data = torch.utils.data
     if not isinstance(dataset, data.Dataset):
@@ -242,5 +247,5 @@ def build_dataloader(dataset, # a torch Dataset (map-style or iterable)
                         "torch.utils.data.TensorDataset, or build your own DataLoader and leave training_data out")
     if data_sampler is None and not isinstance(dataset, data.IterableDataset):
         data_sampler = data.DistributedSampler(dataset, num_replicas=dp_world_size, rank=dp_rank)
-    return data.DataLoader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
+    return DataLoader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
                            drop_last=drop_last, pin_memory=pin_memory and torch.cuda.is_available(), num_workers=num_workers)

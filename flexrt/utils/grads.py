@@ -56,7 +56,7 @@ def _buckets(tensors)->dict:
         if t.numel(): _add(buckets, t)
     return buckets
 
-# %% ../../nbs/12_utils_grads.ipynb #c010
+# %% ../../nbs/12_utils_grads.ipynb #c011
 def _bucket_norms(buckets:dict, p:float)->list:
     "Per bucket, a 1-d tensor of the p-norms of its tensors (one fused kernel each)"
     return [torch.stack(torch._foreach_norm(ts, p, dtype=torch.float32) if dtype in _LOW_PRECISION
@@ -68,66 +68,81 @@ def _combine(norms:list, p:float, device)->torch.Tensor:
     flat = [n.reshape(-1).to(device) for n in norms]
     return torch.linalg.vector_norm(flat[0] if len(flat) == 1 else torch.cat(flat), p)
 
-# %% ../../nbs/12_utils_grads.ipynb #c013
+# %% ../../nbs/12_utils_grads.ipynb #c014
 _LOCAL = object()   # "no group": reduce nothing (None would mean the default group, as in torch.distributed)
 
 def _spans_ranks(group)->bool: return group is not _LOCAL and dist.get_world_size(group) > 1
 
 def _default_device()->torch.device:
-    "Where to put a scalar for a collective when there are no tensors to take the device from"
+    "Where to compute a local scalar when there are no tensors to take the device from"
     return torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
 
+def _reduction_device(group)->torch.device:
+    "Where a collective over `group` runs, the same on every rank: the current GPU for NCCL, else the CPU"
+    if 'nccl' in str(dist.get_backend(group)): return torch.device('cuda', torch.cuda.current_device())
+    return torch.device('cpu')
+
+# %% ../../nbs/12_utils_grads.ipynb #c017
 def _reduce_norm(norm:torch.Tensor, p:float, group)->torch.Tensor:
     "Combine this rank's norm with the other ranks' of `group` (identity for `_LOCAL` or a one-rank group)"
     if not _spans_ranks(group): return norm
+    device = _reduction_device(group)
     if p == math.inf:
         nan = norm.isnan()
-        buf = torch.stack([torch.where(nan, 0., norm.double()), nan.double()])
+        buf = torch.stack([torch.where(nan, 0., norm.double()), nan.double()]).to(device)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-        return torch.where(buf[1] > 0, math.nan, buf[0]).to(norm.dtype)
-    buf = norm.double() ** p
+        return torch.where(buf[1] > 0, math.nan, buf[0]).to(norm.device, norm.dtype)
+    buf = (norm.double() ** p).to(device)
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-    return (buf ** (1. / p)).to(norm.dtype)
+    return (buf ** (1. / p)).to(norm.device, norm.dtype)
 
-# %% ../../nbs/12_utils_grads.ipynb #c016
+# %% ../../nbs/12_utils_grads.ipynb #c020
 def _is_expert(p)->bool: return getattr(p, 'allreduce', True) is False
 
 def _split_parameters(parameters, mp:MpuAdapter, use_grad=True, skip_pipe_replicated=False):
-    "Buckets of (all tensors, dense tensors counted here), and {expert group name: buckets counted here}"
+    "Buckets of (all tensors, dense tensors counted here), and {declared expert group name: buckets counted here}"
     every, dense, experts = {}, {}, {}
     for p in _tensor_list(parameters):
+        target = experts.setdefault(getattr(p, 'group_name', None), {}) if _is_expert(p) else dense   # declared even without a grad
         t = p.grad if use_grad else p.detach()
         if t is None or not t.numel(): continue
         _add(every, t)
         if (skip_pipe_replicated and getattr(p, 'ds_pipe_replicated', False)) or not mp.counts(p): continue
-        _add(experts.setdefault(getattr(p, 'group_name', None), {}) if _is_expert(p) else dense, t)
+        _add(target, t)
     return every, dense, experts
 
-def _expert_group(expert_groups, name):
-    "The process group for expert parameters named `name`"
-    if expert_groups is None:
-        if dist.get_world_size() == 1: return _LOCAL
-        raise ValueError(f"expert parameters (allreduce=False, group_name={name!r}) found but no expert_groups given: "
-                         f"pass expert_groups={{{name!r}: <their expert-parallel process group>}}")
-    if not isinstance(expert_groups, Mapping): return expert_groups
-    if name not in expert_groups:
-        raise ValueError(f"no expert group for group_name={name!r}: expert_groups has {list(expert_groups)}")
-    return expert_groups[name]
+# %% ../../nbs/12_utils_grads.ipynb #c023
+def _name_order(name): return (name is not None, str(name))
 
-# %% ../../nbs/12_utils_grads.ipynb #c017
+def _expert_reductions(experts:dict, expert_groups)->list:
+    "[(process group, [buckets])] for the expert parameters, in an order every rank shares"
+    if expert_groups is None:
+        if experts and dist.get_world_size() > 1:
+            name = next(iter(experts))
+            raise ValueError(f"expert parameters (allreduce=False, group_name={name!r}) found but no expert_groups given: "
+                             f"pass expert_groups={{{name!r}: <their expert-parallel process group>}}")
+        return [(_LOCAL, list(experts.values()))]
+    if not isinstance(expert_groups, Mapping): return [(expert_groups, list(experts.values()))]
+    for name in experts:
+        if name not in expert_groups:
+            raise ValueError(f"no expert group for group_name={name!r}: expert_groups has {list(expert_groups)}")
+    return [(expert_groups[name], [experts.get(name, {})]) for name in sorted(expert_groups, key=_name_order)]
+
+# %% ../../nbs/12_utils_grads.ipynb #c025
 def _global_norm(dense:dict, experts:dict, p:float, mp:MpuAdapter, expert_groups=None, extra_group=_LOCAL)->torch.Tensor:
     "The p-norm over the `dense` and `experts` buckets of every rank, identical on all ranks"
     keys = [*dense, *(k for b in experts.values() for k in b)]
-    device = keys[0][0] if keys else _default_device()   # a rank with nothing to count still joins the collectives
-    groups = {name: _expert_group(expert_groups, name) for name in experts}
+    device = keys[0][0] if keys else _default_device()   # only where the local arithmetic happens
+    reductions = _expert_reductions(experts, expert_groups)
     mp_group = mp.group if mp.mpu is not None else _LOCAL
-    if not any(_spans_ranks(g) for g in (mp_group, extra_group, *groups.values())):   # torch's exact computation
-        return _combine(_bucket_norms(dense, p) + [n for b in experts.values() for n in _bucket_norms(b, p)], p, device)
+    def norms(buckets_list): return [n for b in buckets_list for n in _bucket_norms(b, p)]
+    if not any(_spans_ranks(g) for g in (mp_group, extra_group, *(g for g, _ in reductions))):   # torch's exact computation
+        return _combine(_bucket_norms(dense, p) + norms(experts.values()), p, device)
     parts = [_combine(_bucket_norms(dense, p), p, device)]
-    parts += [_reduce_norm(_combine(_bucket_norms(b, p), p, device), p, groups[name]) for name, b in experts.items()]
+    parts += [_reduce_norm(_combine(norms(bs), p, device), p, group) for group, bs in reductions]
     return _reduce_norm(_reduce_norm(_combine(parts, p, device), p, mp_group), p, extra_group)
 
-# %% ../../nbs/12_utils_grads.ipynb #c021
+# %% ../../nbs/12_utils_grads.ipynb #c029
 @torch.no_grad()
 def _scale_if_above(buckets:dict, max_norm:float, total:torch.Tensor, eps:float, error_if_nonfinite=False)->bool:
     "Scale the tensors in `buckets` by `max_norm/(total+eps)` in place if `total > max_norm`; a non-finite total touches nothing"
@@ -141,7 +156,7 @@ def _scale_if_above(buckets:dict, max_norm:float, total:torch.Tensor, eps:float,
     for (device, _), ts in buckets.items(): torch._foreach_mul_(ts, coef.to(device))
     return True
 
-# %% ../../nbs/12_utils_grads.ipynb #c022
+# %% ../../nbs/12_utils_grads.ipynb #c031
 @torch.no_grad()
 def clip_grad_norm_(parameters, # a tensor or an iterable of parameters; grads that are None are skipped
                     max_norm:float, # largest allowed global norm (> 0; inf never clips)
@@ -159,7 +174,7 @@ def clip_grad_norm_(parameters, # a tensor or an iterable of parameters; grads t
     _scale_if_above(every, max_norm, total, eps, error_if_nonfinite)
     return total
 
-# %% ../../nbs/12_utils_grads.ipynb #c032
+# %% ../../nbs/12_utils_grads.ipynb #c041
 def _finite_or_minus_one(total:torch.Tensor)->float:
     value = float(total)
     return value if math.isfinite(value) else -1.
@@ -181,20 +196,20 @@ def get_weight_norm(parameters, norm_type:float=2, mpu=None, *, expert_groups=No
     _, dense, experts = _split_parameters(parameters, mp, use_grad=False, skip_pipe_replicated=True)
     return _finite_or_minus_one(_global_norm(dense, experts, p, mp, expert_groups))
 
-# %% ../../nbs/12_utils_grads.ipynb #c034
+# %% ../../nbs/12_utils_grads.ipynb #c043
 @torch.no_grad()
 def get_grad_zeros(parameters, mpu=None)->int: # number of gradient elements equal to zero
     "Count the zero gradient elements, each model-parallel piece once"
     mp = MpuAdapter(mpu)
     _, dense, experts = _split_parameters(parameters, mp)
     grads = [t for b in (dense, *experts.values()) for ts in b.values() for t in ts]
-    if not grads: return 0
-    device = grads[0].device
-    zeros = torch.stack([(g.numel() - torch.count_nonzero(g)).to(device) for g in grads]).sum().double()
-    if mp.mpu is not None and _spans_ranks(mp.group): dist.all_reduce(zeros, op=dist.ReduceOp.SUM, group=mp.group)
-    return int(zeros.item())
+    zeros = sum(int(g.numel() - torch.count_nonzero(g)) for g in grads)
+    if mp.mpu is None or not _spans_ranks(mp.group): return zeros
+    total = torch.tensor([zeros], dtype=torch.float64, device=_reduction_device(mp.group))   # every rank joins, grads or not
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mp.group)
+    return int(total.item())
 
-# %% ../../nbs/12_utils_grads.ipynb #c037
+# %% ../../nbs/12_utils_grads.ipynb #c046
 @torch.no_grad()
 def get_global_norm_of_tensors(input_tensors, # a tensor or an iterable of tensors
                                norm_type:float=2, # 1, 2, ..., or inf
@@ -215,14 +230,14 @@ def clip_tensors_by_global_norm(input_tensors, max_norm:float=1.0, global_norm:f
     _scale_if_above(_buckets(tensors), max_norm, torch.as_tensor(float(global_norm), dtype=torch.float32), eps)
     return global_norm
 
-# %% ../../nbs/12_utils_grads.ipynb #c039
+# %% ../../nbs/12_utils_grads.ipynb #c048
 def get_global_norm(norm_list)->float: # L2 norms (floats or 0-d tensors)
     "L2 norm of several L2 norms; inf if any is negative (a -1 sentinel) or not finite"
     values = [float(n) for n in norm_list]
     if any(not math.isfinite(v) or v < 0 for v in values): return math.inf
     return math.sqrt(sum(v * v for v in values))
 
-# %% ../../nbs/12_utils_grads.ipynb #c042
+# %% ../../nbs/12_utils_grads.ipynb #c051
 def has_inf_or_nan(x:torch.Tensor, j=None)->bool: # `j` is accepted for DeepSpeed compatibility
     "True if `x` holds an inf or a nan"
     if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0: return False
@@ -230,16 +245,14 @@ def has_inf_or_nan(x:torch.Tensor, j=None)->bool: # `j` is accepted for DeepSpee
     extremes = torch.stack([x.amax(), x.amin()])
     return not bool(torch.isfinite(extremes).all())
 
-# %% ../../nbs/12_utils_grads.ipynb #c044
+# %% ../../nbs/12_utils_grads.ipynb #c053
 def _any_non_finite(tensors)->torch.Tensor:
     "0-d bool tensor: does any of `tensors` hold an inf or a nan (fused max-norm per device and dtype)"
     norms = _bucket_norms(_buckets(t for t in tensors if t.is_floating_point()), math.inf)
     if not norms: return torch.tensor(False)
     return ~torch.isfinite(_combine(norms, math.inf, norms[0].device))
 
-def _flag_device(tensors): return tensors[0].device if tensors else _default_device()
-
-# %% ../../nbs/12_utils_grads.ipynb #c045
+# %% ../../nbs/12_utils_grads.ipynb #c055
 class CheckOverflow:
     "Detect inf/nan gradients; every rank of `group` gets the same answer"
     def __init__(self, param_groups=None, # parameter groups (lists of params or optimizer-style dicts) to check
@@ -254,17 +267,23 @@ class CheckOverflow:
         for g in param_groups: out += _tensor_list(g['params'] if isinstance(g, Mapping) else g, 'param_groups')
         return out
 
-    def _agree(self, local:torch.Tensor|bool, device)->bool:
-        "All-reduce the local flag with MAX over `group`"
-        flag = torch.as_tensor(local, dtype=torch.float32, device=device).reshape(1)
-        if dist.get_world_size(self.group) > 1: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+    @staticmethod
+    def _has_inf_or_nan(x:torch.Tensor, i=None)->bool:
+        "DeepSpeed's name for `has_inf_or_nan` (its fp16 optimizers call it)"
+        return has_inf_or_nan(x, i)
+
+    def _agree(self, local:torch.Tensor|bool)->bool:
+        "All-reduce the local flag with MAX over `group`, on the device the group's backend needs"
+        if dist.get_world_size(self.group) <= 1: return bool(local)
+        flag = torch.as_tensor(local, dtype=torch.float32).reshape(1).to(_reduction_device(self.group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
-# %% ../../nbs/12_utils_grads.ipynb #c046
+# %% ../../nbs/12_utils_grads.ipynb #c057
 def _has_overflow(self:CheckOverflow, params, has_moe_params=None)->bool:
     "True on every rank if any rank's gradients among `params` hold inf or nan"
     grads = [p.grad for p in _tensor_list(params) if p.grad is not None]
-    return self._agree(_any_non_finite(grads), _flag_device(grads))
+    return self._agree(_any_non_finite(grads))
 
 def _check(self:CheckOverflow, param_groups=None)->bool:
     "`has_overflow` over `param_groups`, or over the groups given at construction"
@@ -277,7 +296,7 @@ def _has_overflow_serial(self:CheckOverflow, params)->bool:
 def _check_using_norm(self:CheckOverflow, norm_group, reduce_overflow:bool=True)->bool:
     "Overflow from already computed norms: any -1 sentinel or non-finite value (agreed across ranks by default)"
     local = any(float(n) == -1 or not math.isfinite(float(n)) for n in norm_group)
-    return self._agree(local, _flag_device([n for n in norm_group if isinstance(n, torch.Tensor)])) if reduce_overflow else local
+    return self._agree(local) if reduce_overflow else local
 
 CheckOverflow.has_overflow, CheckOverflow.check = _has_overflow, _check
 CheckOverflow.has_overflow_serial, CheckOverflow.check_using_norm = _has_overflow_serial, _check_using_norm

@@ -53,7 +53,7 @@ def _feasible(sums, k, lo, hi):
     fewest, most = _count_range(sums, lo, hi)
     return fewest[-1] <= k <= most[-1]
 
-# %% ../../nbs/11_utils_partition.ipynb #c012
+# %% ../../nbs/11_utils_partition.ipynb #c013
 def _cut_within(sums, k, lo, hi)->list:
     "Boundaries of a split into exactly `k` parts with every part sum in [lo, hi] (which must exist)"
     fewest, most = _count_range(sums, lo, hi)
@@ -65,6 +65,7 @@ def _cut_within(sums, k, lo, hi)->list:
     assert i == 0, 'balanced partition reconstruction did not reach the first item'
     return parts[::-1]
 
+# %% ../../nbs/11_utils_partition.ipynb #c016
 def _greedy_spread(sums, k):
     "Spread of the split that cuts each boundary at the prefix sum closest to its share of the total"
     n, cuts = len(sums) - 1, [0]
@@ -76,7 +77,6 @@ def _greedy_spread(sums, k):
     part_sums = [sums[b] - sums[a] for a, b in zip(cuts, cuts[1:] + [n])]
     return max(part_sums) - min(part_sums)
 
-# %% ../../nbs/11_utils_partition.ipynb #c013
 def _candidate_sums(sums, low, high)->list:
     "Distinct sums of contiguous runs of items that lie in [low, high], sorted"
     out = set()
@@ -85,6 +85,33 @@ def _candidate_sums(sums, low, high)->list:
         while j < len(sums) and sums[j] - sums[i] <= high: out.add(sums[j] - sums[i]); j += 1
     return sorted(out)
 
+# %% ../../nbs/11_utils_partition.ipynb #c019
+def _first_true(pred, start:int, end:int)->int:
+    "The smallest i in [start, end) with `pred(i)`, for `pred` false then true; `end` if none (gallop, then bisect)"
+    lo, hi, step = start, start, 1          # pred is false on [start, lo)
+    while hi < end and not pred(hi): lo, hi, step = hi + 1, hi + step, step * 2
+    hi = min(hi, end)                       # the answer is in [lo, hi]; hi < end means pred(hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid): hi = mid
+        else: lo = mid + 1
+    return lo
+
+# %% ../../nbs/11_utils_partition.ipynb #c021
+def _min_spread_bounds(sums, k:int, lows:list, highs:list):
+    "The feasible (lo, hi) from the sorted candidates with the smallest hi - lo, then the smallest hi"
+    best, i, j = None, 0, 0
+    while i < len(lows):
+        lo = lows[i]
+        j = _first_true(lambda h: _feasible(sums, k, lo, highs[h]), j, len(highs))    # lightest hi for this lo
+        if j == len(highs): break
+        hi = highs[j]
+        i = _first_true(lambda l: not _feasible(sums, k, lows[l], hi), i + 1, len(lows)) - 1   # largest lo for hi
+        if best is None or hi - lows[i] < best[1] - best[0]: best = (lows[i], hi)
+        i += 1
+    return best
+
+# %% ../../nbs/11_utils_partition.ipynb #c023
 def _check_weights(weights):
     weights = list(weights)
     for i, w in enumerate(weights):
@@ -92,7 +119,6 @@ def _check_weights(weights):
             raise ValueError(f"weights[{i}] = {w!r}: weights must be finite non-negative numbers")
     return weights
 
-# %% ../../nbs/11_utils_partition.ipynb #c014
 def partition_balanced(weights, # non-negative weight per item (e.g. parameters per layer)
                        num_parts:int, # number of contiguous parts
                        eps:float=1e-3)->list: # accepted for DeepSpeed compatibility; the search is exact
@@ -103,17 +129,12 @@ def partition_balanced(weights, # non-negative weight per item (e.g. parameters 
     average, bound = sums[-1] / k, _greedy_spread(sums, k)   # the optimum is no worse than the greedy split
     bound += 1e-9 * (sums[-1] + bound)                          # float rounding must not drop the optimum
     heaviest = max(average, max(weights))                        # no split has a lighter heaviest part
-    lows = _candidate_sums(sums, heaviest - bound, average)
-    highs = _candidate_sums(sums, heaviest, average + bound)
-    best, h = None, 0
-    for lo in lows:
-        while h < len(highs) and (highs[h] < lo or not _feasible(sums, k, lo, highs[h])): h += 1
-        if h == len(highs): break
-        if best is None or highs[h] - lo < best[1] - best[0]: best = (lo, highs[h])
+    best = _min_spread_bounds(sums, k, _candidate_sums(sums, heaviest - bound, average),
+                              _candidate_sums(sums, heaviest, average + bound))
     assert best is not None, 'no balanced partition found'
     return _cut_within(sums, k, *best)
 
-# %% ../../nbs/11_utils_partition.ipynb #c021
+# %% ../../nbs/11_utils_partition.ipynb #c031
 def _check_tensor_list(tensors, name='tensor_list')->list:
     if isinstance(tensors, torch.Tensor) or not hasattr(tensors, '__iter__'):
         raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
@@ -132,7 +153,7 @@ def align_dense_tensors(tensor_list, # tensors that will be flattened together
     first = tensor_list[0]
     return tensor_list + [torch.zeros(remaining, dtype=first.dtype, device=first.device)]
 
-# %% ../../nbs/11_utils_partition.ipynb #c024
+# %% ../../nbs/11_utils_partition.ipynb #c034
 class PartitionedTensor:
     "This rank's piece of a tensor split over the ranks of `group`; `full()` gathers the whole tensor"
     def __init__(self, tensor:torch.Tensor, # the full tensor (or, with `partition_meta`, this rank's piece)
@@ -153,7 +174,7 @@ class PartitionedTensor:
         if device is not None: obj.orig_device = torch.device(device)
         return obj
 
-# %% ../../nbs/11_utils_partition.ipynb #c025
+# %% ../../nbs/11_utils_partition.ipynb #c036
 @torch.no_grad()
 def _set_from_meta(self:PartitionedTensor, meta, local_part):
     values = [int(v) for v in torch.as_tensor(meta).reshape(-1).tolist()]
@@ -170,12 +191,14 @@ def _set_from_meta(self:PartitionedTensor, meta, local_part):
     self.local_data = local_part.detach().reshape(-1)
 PartitionedTensor._set_from_meta = _set_from_meta
 
-# %% ../../nbs/11_utils_partition.ipynb #c026
+# %% ../../nbs/11_utils_partition.ipynb #c039
 def _to_meta(self:PartitionedTensor)->torch.Tensor:
     "`[ndim, *shape, num_parts, rank, *boundaries]` as a LongTensor on the piece's device"
     values = [len(self.orig_size), *self.orig_size, self.num_parts, self.rank, *self.partition]
     return torch.tensor(values, dtype=torch.long, device=self.local_data.device)
+PartitionedTensor.to_meta = _to_meta
 
+# %% ../../nbs/11_utils_partition.ipynb #c041
 @torch.no_grad()
 def _full(self:PartitionedTensor, device=None)->torch.Tensor:
     "The whole tensor, all-gathered from every rank's piece (on `device`, default the original device)"
@@ -188,7 +211,9 @@ def _full(self:PartitionedTensor, device=None)->torch.Tensor:
     pieces = gathered.view(self.num_parts, longest)
     flat = gathered if min(sizes) == longest else torch.cat([pieces[r, :n] for r, n in enumerate(sizes)])
     return flat.view(self.orig_size).to(device if device is not None else self.orig_device)
+PartitionedTensor.full = _full
 
+# %% ../../nbs/11_utils_partition.ipynb #c044
 def _data(self:PartitionedTensor)->torch.Tensor:
     "This rank's piece (flat)"
     return self.local_data
@@ -199,10 +224,9 @@ def _full_size(self:PartitionedTensor)->list:
     "Shape of the whole tensor"
     return list(self.orig_size)
 
-PartitionedTensor.to_meta, PartitionedTensor.full, PartitionedTensor.data = _to_meta, _full, _data
-PartitionedTensor.local_size, PartitionedTensor.full_size = _local_size, _full_size
+PartitionedTensor.data, PartitionedTensor.local_size, PartitionedTensor.full_size = _data, _local_size, _full_size
 
-# %% ../../nbs/11_utils_partition.ipynb #c030
+# %% ../../nbs/11_utils_partition.ipynb #c047
 def _gather_group(flat, partitions, group, alignment, bucket_size):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(partitions) != world:
@@ -218,7 +242,7 @@ def _gather_group(flat, partitions, group, alignment, bucket_size):
         outputs = [p.view(-1).narrow(0, offset, n) for p in partitions]
         dist.all_gather(outputs, outputs[rank], group=group)
 
-# %% ../../nbs/11_utils_partition.ipynb #c031
+# %% ../../nbs/11_utils_partition.ipynb #c049
 @torch.no_grad()
 def all_gather_dp_groups(groups_flat, # per parameter group: the flat buffer holding all partitions, or None
                          partitioned_param_groups, # per parameter group: every rank's partition (equal sizes)
