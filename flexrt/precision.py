@@ -147,20 +147,43 @@ class ModelWeights:
     def load_state_dict(self, state:Mapping): "Nothing to restore"
 
 # %% ../nbs/25_precision.ipynb #c028
-def _master_copies(params:list)->tuple:
-    "(masters the optimizer steps, fp32 views matching `params`): one fp32 Parameter per parameter"
-    masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad) for p in params]
-    return masters, [m.detach() for m in masters]
+_MARKS = ('allreduce', 'group_name')
 
+def _expert_key(p)->tuple:
+    "What a flat buffer must not mix: dense parameters, and each expert group (`allreduce=False`, `group_name`)"
+    return (False, getattr(p, 'group_name', None)) if getattr(p, 'allreduce', True) is False else (True, None)
+
+def _copy_marks(master, p):
+    "Give `master` the expert marks of the parameter `p` it stands for"
+    for mark in _MARKS:
+        if hasattr(p, mark): setattr(master, mark, getattr(p, mark))
+
+def _master_copies(params:list)->tuple:
+    "(masters, [[model params] per master], fp32 views matching `params`): one marked fp32 Parameter per parameter"
+    masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad) for p in params]
+    for m, p in zip(masters, params): _copy_marks(m, p)
+    return masters, [[p] for p in params], [m.detach() for m in masters]
+
+# %% ../nbs/25_precision.ipynb #c029
 def _flat_master(params:list)->tuple:
-    "(masters the optimizer steps, fp32 views matching `params`): one flat fp32 Parameter for all of `params`"
-    if not params: return [], []
+    "(the flat fp32 Parameter, fp32 views matching `params`) for parameters of one device and expert key"
     devices = {p.device for p in params}
     if len(devices) > 1: raise ValueError(f"flat master weights need one device per param group, got {sorted(map(str, devices))}")
     flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params]))
-    return [flat], [v.view_as(p) for v, p in zip(flat.detach().split([p.numel() for p in params]), params)]
+    _copy_marks(flat, params[0])
+    return flat, [v.view_as(p) for v, p in zip(flat.detach().split([p.numel() for p in params]), params)]
 
-# %% ../nbs/25_precision.ipynb #c030
+def _flat_masters(params:list)->tuple:
+    "(masters, [[model params] per master], fp32 views matching `params`): one flat fp32 buffer per expert key"
+    by_key = {}
+    for p in params: by_key.setdefault(_expert_key(p), []).append(p)
+    masters, members, view_of = [], [], {}
+    for group in by_key.values():
+        flat, views = _flat_master(group)
+        masters.append(flat); members.append(group); view_of.update(zip(map(id, group), views))
+    return masters, members, [view_of[id(p)] for p in params]
+
+# %% ../nbs/25_precision.ipynb #c033
 def _move_state(optimizer, old:list, new:list, flat:bool):
     "Re-key optimizer state held for `old` parameters to `new` ones (flat masters cannot take per-parameter state)"
     held = [p for p in old if p in optimizer.state and optimizer.state[p]]
@@ -169,19 +192,20 @@ def _move_state(optimizer, old:list, new:list, flat:bool):
     for p, m in zip(old, new):
         if p in optimizer.state: optimizer.state[m] = optimizer.state.pop(p)
 
-# %% ../nbs/25_precision.ipynb #c031
+# %% ../nbs/25_precision.ipynb #c034
 class MasterWeights:
     "fp32 copies of the parameters an optimizer steps, swapped into its param groups; the model keeps its own dtype"
     def __init__(self, optimizer, # an optimizer over the model's parameters (built before or after the cast)
                  flat:bool=False): # one flat fp32 buffer per param group instead of one copy per parameter
         self.optimizer, self.flat = optimizer, flat
-        self.model_groups, self.master_groups, self.views = [], [], []
+        self.model_groups, self.master_groups, self.views, self._members = [], [], [], []
         for group in optimizer.param_groups:
             params = list(group['params'])
-            masters, views = (_flat_master if flat else _master_copies)(params)
+            masters, members, views = (_flat_masters if flat else _master_copies)(params)
             _move_state(optimizer, params, masters, flat)
             group['params'] = masters
             self.model_groups.append(params); self.master_groups.append(masters); self.views.append(views)
+            self._members += members   # the model parameters each master stands for, in its buffer's order
         self.model_params = [p for g in self.model_groups for p in g]
         self._views = [v for g in self.views for v in g]
 
@@ -190,28 +214,21 @@ class MasterWeights:
 
     def __repr__(self): return f'MasterWeights({len(self.model_params)} parameters, flat={self.flat})'
 
-# %% ../nbs/25_precision.ipynb #c033
-def _per_param_grads(model:list, masters:list, dst:list, src:list):
-    for p, m in zip(model, masters):
-        if p.grad is None: m.grad = None; continue
-        if m.grad is None: m.grad = torch.empty_like(m)
-        dst.append(m.grad); src.append(p.grad)
-
-def _flat_grads(model:list, flat:torch.nn.Parameter, dst:list, src:list, zero:list):
-    if all(p.grad is None for p in model): flat.grad = None; return
-    if flat.grad is None: flat.grad = torch.empty_like(flat)
-    for p, g in zip(model, flat.grad.split([p.numel() for p in model])):
+# %% ../nbs/25_precision.ipynb #c036
+def _master_grad(master:torch.nn.Parameter, model:list, dst:list, src:list, zero:list):
+    "Queue the copy of `model`'s gradients into `master.grad` (zeros for a missing one; None when all are missing)"
+    if all(p.grad is None for p in model): master.grad = None; return
+    if master.grad is None: master.grad = torch.empty_like(master)
+    slots = [master.grad] if len(model) == 1 else master.grad.split([p.numel() for p in model])
+    for p, g in zip(model, slots):
         if p.grad is None: zero.append(g)
         else: dst.append(g.view_as(p)); src.append(p.grad)
 
-# %% ../nbs/25_precision.ipynb #c034
 @torch.no_grad()
 def _collect_grads(self:MasterWeights)->list:
     "Copy the model's gradients into the masters' fp32 gradients; return the gradients the optimizer will use"
     dst, src, zero = [], [], []
-    for model, masters in zip(self.model_groups, self.master_groups):
-        if self.flat and masters: _flat_grads(model, masters[0], dst, src, zero)
-        elif not self.flat: _per_param_grads(model, masters, dst, src)
+    for master, model in zip(self.params, self._members): _master_grad(master, model, dst, src, zero)
     if dst: torch._foreach_copy_(dst, src)
     if zero: torch._foreach_zero_(zero)
     return [m.grad for m in self.params if m.grad is not None]
@@ -227,7 +244,7 @@ def _master_zero_grad(self:MasterWeights, set_to_none:bool=True):
 
 MasterWeights.collect_grads, MasterWeights.copy_to_model, MasterWeights.zero_grad = _collect_grads, _copy_to_model, _master_zero_grad
 
-# %% ../nbs/25_precision.ipynb #c038
+# %% ../nbs/25_precision.ipynb #c040
 def _master_state_dict(self:MasterWeights)->dict:
     "{'master_weights': per param group, the fp32 value of each parameter}"
     return {'master_weights': [list(views) for views in self.views]}
@@ -245,7 +262,7 @@ def _master_load_state_dict(self:MasterWeights, state:Mapping):
 
 MasterWeights.state_dict, MasterWeights.load_state_dict = _master_state_dict, _master_load_state_dict
 
-# %% ../nbs/25_precision.ipynb #c041
+# %% ../nbs/25_precision.ipynb #c043
 _NAMES = {torch.float32: 'fp32', torch.bfloat16: 'bf16', torch.float16: 'fp16'}
 _DTYPES = {'fp32': torch.float32, 'float32': torch.float32, 'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16,
            'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16}
@@ -256,7 +273,7 @@ def _dtype(dtype)->torch.dtype:
     if found is None: raise ValueError(f"dtype must be one of fp32, bf16, fp16 (or the torch dtypes), got {dtype!r}")
     return found
 
-# %% ../nbs/25_precision.ipynb #c043
+# %% ../nbs/25_precision.ipynb #c045
 class Precision:
     "Working dtype, loss scaling and the overflow check of a training run"
     def __init__(self, dtype:torch.dtype|str=torch.float32, # what the model computes in: fp32, bf16 or fp16
@@ -282,7 +299,7 @@ class Precision:
     def __repr__(self):
         return f'Precision({self.name}, {self.loss_scaler!r}, master_weights={self.master_weights}, check_overflow={self.check_overflow})'
 
-# %% ../nbs/25_precision.ipynb #c045
+# %% ../nbs/25_precision.ipynb #c047
 def _fp32(cls, group=None)->Precision: return cls(torch.float32, group=group)
 
 def _bf16(cls, enabled:bool=True, # DeepSpeed's `bf16.enabled`; False is an error here (see `from_config`)
@@ -304,7 +321,7 @@ def _fp16(cls, enabled:bool=True, auto_cast:bool=False, loss_scale:float=0., ini
 
 Precision.fp32, Precision.bf16, Precision.fp16 = classmethod(_fp32), classmethod(_bf16), classmethod(_fp16)
 
-# %% ../nbs/25_precision.ipynb #c046
+# %% ../nbs/25_precision.ipynb #c048
 def _block(block, name:str)->dict:
     "A config block (None, a mapping or a dataclass) as a dict"
     if block is None: return {}
@@ -325,7 +342,7 @@ def _from_config(cls, fp16=None, # DeepSpeed's "fp16" block
 
 Precision.from_config = classmethod(_from_config)
 
-# %% ../nbs/25_precision.ipynb #c049
+# %% ../nbs/25_precision.ipynb #c051
 def _cast_model(self:Precision, module:torch.nn.Module)->torch.nn.Module:
     "Cast `module`'s floating-point parameters and buffers to the working dtype (fp32: leave it alone)"
     return module if self.dtype == torch.float32 else module.to(self.dtype)
@@ -353,7 +370,7 @@ def _setup(self:Precision, module:torch.nn.Module|None=None, # the model to cast
 
 Precision.cast_model, Precision.cast_inputs, Precision.setup = _cast_model, _cast_inputs, _setup
 
-# %% ../nbs/25_precision.ipynb #c052
+# %% ../nbs/25_precision.ipynb #c054
 def _backward(self:Precision, loss:torch.Tensor, retain_graph:bool=False):
     "Backward on `loss` times the loss scale"
     self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
@@ -365,7 +382,7 @@ def _has_overflow(self:Precision, grads:list)->bool:
 
 @torch.no_grad()
 def _unscale_and_check(self:Precision, grads)->bool: # the gradients the optimizer will use (this rank's shard)
-    "Once per optimizer step: overflow on any rank (step must be skipped), else `grads` divided by the loss scale"
+    "Once per optimizer step: overflow on any rank (skip the step), else `grads` divided by the scale; updates the scaler"
     grads, scale = [g for g in grads if g is not None], self.loss_scale
     overflow = self.check_overflow and self._has_overflow(grads)
     self.loss_scaler.update(overflow)
@@ -374,7 +391,7 @@ def _unscale_and_check(self:Precision, grads)->bool: # the gradients the optimiz
 
 Precision.backward, Precision._has_overflow, Precision.unscale_and_check = _backward, _has_overflow, _unscale_and_check
 
-# %% ../nbs/25_precision.ipynb #c055
+# %% ../nbs/25_precision.ipynb #c057
 def _precision_state_dict(self:Precision)->dict:
     return {'precision': self.name, 'dynamic': self.loss_scaler.dynamic, 'loss_scaler': self.loss_scaler.state_dict()}
 

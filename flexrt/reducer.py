@@ -166,8 +166,14 @@ def _zero_grad(self:BucketReducer):
 BucketReducer.zero_grad = _zero_grad
 
 # %% ../nbs/31_reducer.ipynb #c036
+class _Finished:
+    "The handle of a bucket that needs no collective (its group is this rank alone)"
+    def wait(self): pass
+
+_LOCAL = _Finished()
+
 class GradientReducer(BucketReducer):
-    "Average gradients over their process group with bucketed async all-reduces that overlap backward"
+    "Gradients summed over their process group and divided by the data-parallel world size, in async buckets overlapping backward"
     def __init__(self, params, # parameters to reduce (those that require a gradient), or param groups
                  bucket_bytes:int=25 * 2**20, # most bytes per bucket
                  group=None, # process group of the data-parallel ranks (None: all)
@@ -178,18 +184,23 @@ class GradientReducer(BucketReducer):
         if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}")
         self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.world_size = dist.get_world_size(group)   # the data-parallel world size: every bucket's divisor
         params = _trainable(params)
         groups = {id(p): _group_of(p, group, expert_groups) for p in params}
-        shared = [p for p in reversed(params) if dist.get_world_size(groups[id(p)]) > 1]
+        shared = list(reversed(params)) if self.world_size > 1 else []
         super().__init__(plan_buckets(shared, bucket_bytes, lambda p: groups[id(p)]))
 
     def _launch(self, bucket:Bucket):
-        "Start the sum over the bucket's group"
+        "Start the sum over the bucket's group (nothing to start for a group of one)"
         if self.gradient_predivide_factor != 1: bucket.buffer.div_(self.gradient_predivide_factor)
+        if bucket.world_size == 1: return _LOCAL
         return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
 
     def _finish(self, bucket:Bucket):
-        "Wait for the sum and turn it into the average"
+        "Wait for the sum and divide it by the data-parallel world size"
         bucket.work.wait()
-        rest = bucket.world_size / self.gradient_predivide_factor
+        rest = self.world_size / self.gradient_predivide_factor
         if rest != 1: bucket.buffer.div_(rest)
+
+    @property
+    def comm_bytes(self)->int: return sum(b.nbytes for b in self.buckets if b.world_size > 1)   # all-reduced per round

@@ -132,3 +132,43 @@ def test_discovery_results():
     assert discover_env({**OM, 'AZUREML_EXPERIMENT_ID': 'e', 'AZ_BATCH_MASTER_NODE': '10.0.0.5:6000'}) == \
         DistEnv(1, 4, 1, '10.0.0.5', 6105, 'azureml')
     assert discover_env({**OM, 'SM_TRAINING_ENV': '{"hosts": ["algo-2", "algo-1"]}'}).master_addr == 'algo-1'
+
+def test_mpi_without_local_rank_variable():
+    "from_mpi's own fallbacks for a missing OMPI_COMM_WORLD_LOCAL_RANK: node rank, one node, else a named error"
+    base = drop(OM, 'OMPI_COMM_WORLD_LOCAL_RANK')
+    assert discover_env({**base, 'OMPI_COMM_WORLD_NODE_RANK': '1', 'MASTER_ADDR': 'n0'}).local_rank == 1
+    assert discover_env({**base, 'OMPI_COMM_WORLD_LOCAL_SIZE': '4'}) == DistEnv(1, 4, 1, '127.0.0.1', 29500, 'openmpi')
+    assert discover_env(dict(OMPI_COMM_WORLD_RANK='0', OMPI_COMM_WORLD_SIZE='1')) == DistEnv(source='openmpi')
+    try: import mpi4py  # noqa: F401
+    except ImportError:
+        with pytest.raises(EnvError, match='OMPI_COMM_WORLD_LOCAL_RANK is not set and mpi4py is not installed'):
+            discover_env({**base, 'MASTER_ADDR': 'n0'})
+
+def _init_mpi_no_local(rank, ws):
+    for v in TORCHRUN_VARS: os.environ.pop(v)
+    os.environ.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(ws), OMPI_COMM_WORLD_LOCAL_SIZE=str(ws))
+    env = dist.init_distributed(dist_backend='gloo', timeout=30)
+    t = torch.ones(1); dist.all_reduce(t)
+    return env.source, env.local_rank, t.item()
+
+def test_init_from_mpi_without_local_rank():
+    assert run_distributed(_init_mpi_no_local, 2, init=False) == [('openmpi', 0, 2.0), ('openmpi', 1, 2.0)]
+
+def _deepspeed_keywords(rank, ws):
+    out = {}
+    try: dist.init_distributed(backend='gloo', dist_backend='nccl')
+    except ValueError as e: out['conflict'] = str(e)
+    for v in ('OMPI_COMM_WORLD_RANK',): os.environ.pop(v, None)
+    env = dist.init_distributed(dist_backend='gloo', auto_mpi_discovery=False, verbose=True, timeout=30)
+    out['env'] = (env.source, dist.get_backend())
+    dist.configure(deepspeed_config={'comms_logger': {'enabled': True}})
+    dist.all_reduce(torch.ones(4))
+    d = dist.log_summary(False, True, print_table=False)
+    out['summary'] = d['summary']['all_reduce'][16]['count'], sorted(d), d['metadata']['world_size'], d['metadata']['rank']
+    return out
+
+def test_deepspeed_keywords(capfd):
+    for rank, out in enumerate(run_distributed(_deepspeed_keywords, 2, init=False)):
+        assert "backend='gloo', dist_backend='nccl'" in out['conflict']
+        assert out['env'] == ('torchrun', 'gloo')
+        assert out['summary'] == (1, ['metadata', 'summary'], 2, rank)

@@ -1,6 +1,6 @@
 """Fallbacks (forced on gloo, which has every op) give torch's native result, warn once naming the op, and are logged
 under the op's own name. Collectives that cannot complete raise within the timeout, naming op, rank and group."""
-import time, warnings
+import os, time, warnings
 from datetime import timedelta
 import pytest, torch, torch.distributed as tdist
 from helpers import run_distributed
@@ -129,3 +129,53 @@ def _user_error_passes_through(rank, ws):
 
 def test_user_errors_are_not_comm_errors():
     assert all(r in ('ValueError', 'RuntimeError') for r in run_distributed(_user_error_passes_through, 2))
+
+# ---- learning that a backend lacks an op: only from its own error, per group, forgotten on destroy -------------
+
+class NoAllToAll(TorchBackend):
+    "gloo wrapped as a backend without alltoall: its native call raises c10d's own error for a missing op"
+    @staticmethod
+    def _native_all_to_all(*args): raise RuntimeError(f'Backend {tdist.get_backend()} does not support alltoall')
+
+class DtypeTrouble(TorchBackend):
+    "A native call failing for another reason, whose message also says 'not supported'"
+    @staticmethod
+    def _native_all_to_all(*args): raise RuntimeError('alltoall: complex dtype is not supported by this build')
+
+def _learned(rank, ws):
+    out, b = {}, NoAllToAll()
+    dist.set_comm_backend(b)
+    outs = [torch.empty(1) for _ in range(ws)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(2): dist.all_to_all(outs, [torch.tensor([10. * rank + j]) for j in range(ws)])
+    theirs = [torch.empty(1) for _ in range(ws)]
+    tdist.all_to_all(theirs, [torch.tensor([10. * rank + j]) for j in range(ws)])
+    out['result'] = [t.item() for t in outs] == [t.item() for t in theirs]
+    out['warnings'] = sum('has no all_to_all' in str(w.message) for w in caught)
+    out['missing'] = sorted(b.missing)
+    sub = dist.new_group([0, 1])
+    out['subgroup_missing'] = sorted(b.missing_ops(sub))  # learned on WORLD only
+    dist.set_comm_backend(DtypeTrouble())
+    try: dist.all_to_all(outs, [torch.ones(1)] * ws)
+    except RuntimeError as e: out['other_error'] = str(e)
+    out['other_missing'] = sorted(dist.get_comm_backend().missing)
+    dist.set_comm_backend(b)
+    port = os.environ['MASTER_PORT']
+    dist.destroy_process_group()                 # forgets ...
+    os.environ['MASTER_PORT'] = str(int(port) + 1)
+    tdist.init_process_group('gloo', rank=rank, world_size=ws)
+    dist.set_comm_backend(b)
+    out['after_reinit'] = sorted(b.missing)      # ... and the new group starts from nothing
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        dist.all_to_all(outs, [torch.tensor([1.])] * ws)
+    out['warned_again'] = sum('has no all_to_all' in str(w.message) for w in caught)
+    return out
+
+def test_missing_op_learned_per_group_and_forgotten():
+    for out in run_distributed(_learned, 2):
+        assert out['result'] and out['warnings'] == 1 and out['missing'] == ['all_to_all']
+        assert out['subgroup_missing'] == []
+        assert 'complex dtype' in out['other_error'] and out['other_missing'] == []
+        assert out['after_reinit'] == [] and out['warned_again'] == 1

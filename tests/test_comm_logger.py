@@ -114,3 +114,26 @@ def test_verbose_and_table_printing():
     r0, r1 = run_distributed(_verbose, 2, args=(None,))
     assert f'[rank 0] comm op: all_reduce | time (ms):' in r0 and 'msg size: 16 B' in r0
     assert 'busbw_gbps' in r0 and 'busbw_gbps' not in r1  # the table prints on rank 0 only
+
+# ---- CUDA: async latency excludes compute queued between issue and wait; pending events stay few --------------
+
+def _cuda_async(rank, ws):
+    dist.init_distributed(backend='nccl', timeout=60)
+    dist.configure(enabled=True)
+    x = torch.ones(1 << 20, device='cuda')
+    dist.all_reduce(x); torch.cuda.synchronize(); dist.reset_log()
+    w = dist.all_reduce(x, async_op=True)
+    torch.cuda._sleep(int(2e9))        # ~1 s of unrelated kernels on the caller's stream, queued before wait()
+    w.wait(); torch.cuda.synchronize()
+    ar_ms = dist.comms_logger.stats(wait=True)['all_reduce'][4 << 20]['total_latency_ms']
+    for _ in range(200): dist.all_reduce(x)
+    torch.cuda.synchronize(); dist.all_reduce(x)   # adding a pair resolves the completed ones
+    pending = len(dist.comms_logger._pending)
+    dist.destroy_process_group()
+    return ar_ms, pending
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+def test_cuda_async_latency_excludes_later_compute():
+    ar_ms, pending = run_distributed(_cuda_async, 1, init=False)[0]
+    assert ar_ms < 200, ar_ms   # the comm itself, not the ~1 s of kernels queued after it
+    assert pending <= 2, pending

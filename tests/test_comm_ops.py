@@ -156,3 +156,35 @@ def _isend_nonblocking(rank, ws):
 
 def test_isend_irecv_do_not_block():
     assert run_distributed(_isend_nonblocking, 2)[0] == (False, [1.0, 2.0, 3.0])
+
+# ---- the drop-in promise: torch.distributed's signatures, and DeepSpeed's helpers -------------------------------
+
+def _public_functions():
+    import inspect
+    return [n for n in dir(dist) if not n.startswith('_') and inspect.isfunction(getattr(dist, n))
+            and inspect.isfunction(getattr(tdist, n, None))]
+
+def test_signatures_match_torch():
+    "Every flexrt.comm function torch.distributed also has takes torch's parameters, in torch's order"
+    import inspect
+    names = _public_functions()
+    assert {'new_group', 'init_process_group', 'all_reduce', 'batch_isend_irecv', 'get_global_rank'} <= set(names)
+    for name in names:
+        theirs = [p.name for p in inspect.signature(getattr(tdist, name)).parameters.values() if not p.name.startswith('_')]
+        ours = inspect.signature(getattr(dist, name)).parameters.values()
+        positional = [p.name for p in ours if p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)]
+        assert positional == theirs, f"{name}{inspect.signature(getattr(dist, name))} != torch's {theirs}"
+        assert not any(p.kind == p.VAR_KEYWORD for p in ours), name  # extras must be named keyword-only parameters
+
+def _positional_new_group(rank, ws):
+    g = dist.new_group([0, 1], None, 'gloo')  # torch's positional order: ranks, timeout, backend
+    t = torch.tensor([float(rank + 1)]); dist.all_reduce(t, group=g)
+    sub = dist.new_group([1, 2]) if ws > 2 else None
+    ranks = dist.get_all_ranks_from_group(sub) if rank in (1, 2) else None
+    return t.item(), dist.get_all_ranks_from_group(), ranks, dist.has_all_gather_into_tensor(), dist.has_reduce_scatter_tensor()
+
+def test_new_group_positional_and_deepspeed_helpers():
+    res = run_distributed(_positional_new_group, 4)
+    assert [r[0] for r in res[:2]] == [3.0, 3.0]
+    assert all(r[1] == [0, 1, 2, 3] and r[3] and r[4] for r in res)
+    assert res[1][2] == res[2][2] == [1, 2]

@@ -78,19 +78,21 @@ def moe_reference(world, ep_size):
         opt.step(); opt.zero_grad()
     return [p.detach() for p in shared.parameters()], [[p.detach() for p in e.parameters()] for e in experts], norms
 
-def moe_rank(rank, world, ep_size):
+def moe_rank(rank, world, ep_size, bf16=False):
     import flexrt
     import torch.distributed as tdist
     groups_before = len(tdist.distributed_c10d._world.pg_map)
     model = MoENet(rank, 100 + rank, ep_size)      # the broadcasts must make each group's replicas equal
     engine, *_ = flexrt.initialize(model=model, config={'train_batch_size': BATCH, 'gradient_clipping': CLIP,
-                                   'optimizer': {'type': 'SGD', 'params': {'lr': LR}}})
+                                   'optimizer': {'type': 'SGD', 'params': {'lr': LR}}, 'bf16': {'enabled': bf16}})
     (X, Y), micro, norms = data(), BATCH // world, []
     for s in range(STEPS):
         lo = s * BATCH + rank * micro
-        engine.backward(F.mse_loss(engine(X[lo:lo + micro]), Y[lo:lo + micro])); engine.step()
+        out = engine(X[lo:lo + micro].to(engine.precision.dtype)).float()
+        engine.backward(F.mse_loss(out, Y[lo:lo + micro])); engine.step()
         norms.append(engine.get_global_grad_norm())
-    shared, expert = [p.detach().clone() for p in model.shared.parameters()], [p.detach().clone() for p in model.expert.parameters()]
+    shared = [p.detach().float().clone() for p in model.shared.parameters()]
+    expert = [p.detach().float().clone() for p in model.expert.parameters()]
     engine.close()
     return shared, expert, norms, len(tdist.distributed_c10d._world.pg_map) - groups_before
 
@@ -103,6 +105,13 @@ def test_moe_matches_one_process_with_every_expert(world, ep_size):
         for p, q in zip(expert, ref_experts[rank % ep_size]): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
         assert leaked_groups == 0    # close() destroyed the expert groups it created
+
+def test_bf16_moe_norms_match_one_process_with_every_expert():
+    "bf16 masters carry the expert marks: the global norm sums each expert once, as in fp32 (to bf16's precision)"
+    ref_shared, ref_experts, ref_norms = moe_reference(4, 2)
+    for rank, (shared, expert, norms, _) in enumerate(run_distributed(moe_rank, 4, args=(2, True))):
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=2e-2, atol=0)
+        for p, q in zip(expert, ref_experts[rank % 2]): torch.testing.assert_close(p, q, rtol=0, atol=2e-2)
 
 def expert_overflow_rank(rank, world):
     "fp16; step 2 puts inf only into rank 1's expert gradient, which no collective reduces: rank 0 must skip too"

@@ -298,6 +298,7 @@ def _rank_with_no_grads_at_all(rank, world_size, p):
     w = _param(split, tensor_model_parallel=True)
     e = _param(expert, allreduce=False, group_name='ep_size_2')
     if rank == 1: w.grad = e.grad = None
+    w.data.copy_(split * (rank + 1))                                 # rank r's weight piece
     mpu, groups = OldMpu(None), {'ep_size_2': dist.new_group([0, 1])}
     expert_total = clip_grad_norm_([e], math.inf, p, expert_groups=groups).item()
     mp_total = clip_grad_norm_([w], math.inf, p, mpu=mpu).item()
@@ -305,7 +306,7 @@ def _rank_with_no_grads_at_all(rank, world_size, p):
     zeros = get_grad_zeros([w, e], mpu=mpu)
     if rank == 0: w.grad[2] = math.inf
     overflow = CheckOverflow([[w, e]]).check()
-    refs = [torch.linalg.vector_norm(t, p).item() for t in (expert, split)]
+    refs = [torch.linalg.vector_norm(t, p).item() for t in (expert, split, torch.cat([split, 2 * split]))]
     return expert_total, mp_total, refs, weights, zeros, overflow
 
 def test_rank_without_any_gradients_agrees():
@@ -313,5 +314,5 @@ def test_rank_without_any_gradients_agrees():
         (e0, m0, refs, w0, z0, o0), (e1, m1, _, w1, z1, o1) = run_distributed(_rank_with_no_grads_at_all, 2, args=(p,), timeout=60)
         assert e0 == e1 == pytest.approx(refs[0], rel=1e-6)
         assert m0 == m1 == pytest.approx(refs[1], rel=1e-6)
-        assert w0 == w1 and w0 > 0
+        assert w0 == w1 == pytest.approx(refs[2], rel=1e-6)
         assert (z0, z1) == (1, 1) and (o0, o1) == (True, True)

@@ -285,3 +285,48 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(bad_rank, bad_value):
         assert r['model_unchanged'] and r['master_unchanged']
         assert r['second_overflow'] is False and r['moved']
     assert results[0]['params'] == results[1]['params']
+
+
+# ---------------------------------------------------------------- MoE: expert marks travel with the masters
+
+class _DenseAndExpert(torch.nn.Module):
+    "A dense layer identical on every rank and an expert layer of its own per rank, with separate losses"
+    def __init__(self, rank):
+        super().__init__()
+        torch.manual_seed(0); self.dense = torch.nn.Linear(6, 3)
+        torch.manual_seed(100 + rank); self.expert = torch.nn.Linear(6, 3)
+        with torch.no_grad(): self.expert.weight.mul_(4.)
+        for p in self.expert.parameters(): p.allreduce, p.group_name = False, 'experts'
+    def loss(self, dtype):
+        g = torch.Generator().manual_seed(7)
+        x, y = torch.randn(8, 6, generator=g).to(dtype), torch.randn(8, 3, generator=g)
+        return torch.nn.functional.mse_loss(self.dense(x).float(), y) + torch.nn.functional.mse_loss(self.expert(x).float(), y)
+
+def _moe_norm_rank(rank, world):
+    "Global grad norm over the weights the optimizer steps: fp32 (model's own), bf16 per-parameter and flat masters"
+    from flexrt.utils import clip_grad_norm_
+    norms = {}
+    for name, precision, flat in (('fp32', Precision.fp32(), False), ('bf16', Precision.bf16(), False),
+                                  ('bf16 flat', Precision.bf16(), True)):
+        model = _DenseAndExpert(rank)
+        w = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), flat=flat)
+        precision.backward(model.loss(precision.dtype))
+        w.collect_grads()
+        norms[name] = float(clip_grad_norm_(w.params, math.inf, expert_groups={'experts': None}))
+        if flat: norms['flat buffers'] = [(getattr(m, 'allreduce', True), m.numel()) for m in w.params]
+    return norms
+
+def test_bf16_moe_norm_matches_fp32_with_flat_and_per_parameter_masters():
+    local = []                                    # every rank's fp32 gradients, computed here
+    for r in range(2):
+        m = _DenseAndExpert(r); m.loss(torch.float32).backward()
+        local.append(([p.grad for p in m.dense.parameters()], [p.grad for p in m.expert.parameters()]))
+    sq = lambda gs: sum(float(g.pow(2).sum()) for g in gs)
+    expected = math.sqrt(sq(local[0][0]) + sq(local[0][1]) + sq(local[1][1]))   # dense once, each expert once
+    unmarked = [math.sqrt(sq(d) + sq(e)) for d, e in local]                   # what a master without marks gives
+    assert all(abs(u - expected) > 0.1 * expected for u in unmarked)          # so the check below can fail
+    for norms in run_distributed(_moe_norm_rank, 2):
+        assert norms['fp32'] == pytest.approx(expected, rel=1e-5)
+        assert norms['bf16'] == pytest.approx(expected, rel=2e-2)
+        assert norms['bf16 flat'] == pytest.approx(norms['bf16'], rel=1e-6)
+        assert norms['flat buffers'] == [(True, 6 * 3 + 3), (False, 6 * 3 + 3)]   # dense and expert never share one

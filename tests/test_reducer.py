@@ -156,7 +156,9 @@ def _rank_experts(rank, world, as_dict):
         m = _moe_model(r); _moe_loss(m, r, world).backward()
         local.append([p.grad for p in m.parameters()])
     members = [r for r in range(world) if r % 2 == rank % 2]
-    ref = [torch.stack([local[r][i] for r in (members if 2 <= i < 4 else range(world))]).mean(0) for i in range(6)]
+    # the gradient of the loss averaged over all ranks: dense grads summed over every rank, expert grads over the
+    # ranks of their group, both divided by the data-parallel world size
+    ref = [torch.stack([local[r][i] for r in (members if 2 <= i < 4 else range(world))]).sum(0) / world for i in range(6)]
     model = _moe_model(rank)
     with pytest.raises(ValueError, match="no expert_groups given"): GradientReducer(model.parameters())
     with pytest.raises(ValueError, match="no expert group for group_name='experts'"):
@@ -170,6 +172,26 @@ def _rank_experts(rank, world, as_dict):
 def test_expert_parameters_reduced_within_their_group(as_dict):
     for sizes, ok in run_distributed(_rank_experts, 4, args=(as_dict,)):
         assert sizes == [2, 4] and all(ok), ok
+
+def _rank_expert_alone(rank, world):
+    "Each rank holds its own expert (expert groups of one rank): no collective, the local gradient divided by world"
+    groups = [dist.new_group([r]) for r in range(world)]
+    model = _moe_model(rank)
+    ref = []
+    for r in range(world):
+        m = _moe_model(r); _moe_loss(m, r, world).backward()
+        ref.append([p.grad for p in m.parameters()])
+    expected = [sum(g[i] for g in ref) / world if i not in (2, 3) else ref[rank][i] / world for i in range(6)]
+    dist.configure(enabled=True); dist.reset_log()
+    reducer = GradientReducer(model.parameters(), bucket_bytes=1 << 20, expert_groups=groups[rank])
+    _moe_loss(model, rank, world).backward(); reducer.wait()
+    dense_bytes = sum(p.numel() * 4 for i, p in enumerate(model.parameters()) if i not in (2, 3))
+    return sorted(bk.world_size for bk in reducer.buckets), _all_reduce_count(), reducer.comm_bytes == dense_bytes, \
+           [_close(p.grad, e) for p, e in zip(model.parameters(), expected)]
+
+def test_expert_group_of_one_rank_is_divided_without_a_collective():
+    for sizes, count, comm_bytes_ok, ok in run_distributed(_rank_expert_alone, 2):
+        assert sizes == [1, 2] and count == 1 and comm_bytes_ok and all(ok), ok
 
 # ---------------------------------------------------------------- mixed dtypes
 class Mixed(nn.Module):

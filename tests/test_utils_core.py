@@ -55,7 +55,11 @@ def test_copy_and_move_nested():
     t = torch.ones(2)
     copied = copy_to_device({'a': (t, 'k')}, 'meta')
     assert copied['a'][0].is_meta and not t.is_meta and copied['a'][1] == 'k'
-    assert move_to_device([t], 'cpu')[0] is t
+    held = torch.nn.Parameter(torch.ones(3)); held.group_name = 'ep'
+    out = move_to_device({'x': [held, 'k'], 'y': (t,)}, 'meta')   # a real move to another device, on any machine
+    assert out['x'][0] is held and out['y'][0] is t and out['x'][1] == 'k'
+    assert held.is_meta and t.is_meta and isinstance(held, torch.nn.Parameter) and held.group_name == 'ep'
+    assert held.shape == (3,) and held.requires_grad
 
 def test_small_helpers():
     assert call_to_str('hello', 1138, val=3) == 'hello(1138, val=3)'

@@ -4,7 +4,8 @@
 
 # %% ../../nbs/04_comm.ipynb #c003
 from __future__ import annotations
-import os
+import os, time
+from datetime import datetime
 import torch
 import torch.distributed as tdist
 import dataclasses
@@ -20,7 +21,8 @@ _all_ = ['ReduceOp', 'P2POp', 'CommBackend', 'TorchBackend', 'SingleProcessBacke
 
 # %% auto #0
 __all__ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initialized', 'get_rank', 'get_world_size',
-           'get_local_rank', 'get_global_rank', 'new_group', 'get_backend', 'barrier', 'monitored_barrier', 'broadcast',
+           'get_local_rank', 'get_global_rank', 'new_group', 'get_backend', 'has_all_gather_into_tensor',
+           'has_reduce_scatter_tensor', 'get_all_ranks_from_group', 'barrier', 'monitored_barrier', 'broadcast',
            'all_reduce', 'reduce', 'reduce_scatter', 'reduce_scatter_tensor', 'all_gather', 'all_gather_into_tensor',
            'gather', 'scatter', 'all_to_all', 'all_to_all_single', 'all_gather_object', 'broadcast_object_list', 'send',
            'recv', 'isend', 'irecv', 'batch_isend_irecv', 'configure', 'reset_log', 'get_comm_stats',
@@ -47,7 +49,7 @@ def _active()->CommBackend:
     if tdist.is_available() and tdist.is_initialized(): return _torch
     return _unlaunched()
 
-# %% ../../nbs/04_comm.ipynb #c007
+# %% ../../nbs/04_comm.ipynb #c008
 def get_comm_backend()->CommBackend:
     "The backend flexrt.comm calls go to now"
     return _active()
@@ -61,7 +63,7 @@ def set_comm_backend(backend:CommBackend|None # a backend, or None to follow tor
     before, _backend = _backend, backend
     return before
 
-# %% ../../nbs/04_comm.ipynb #c010
+# %% ../../nbs/04_comm.ipynb #c011
 def is_available()->bool:
     "Whether torch.distributed is built (the single-process backend works either way)"
     return tdist.is_available()
@@ -79,7 +81,7 @@ def get_world_size(group=None)->int:
     "Number of ranks in `group` (1 in a single-process run)"
     return _active().get_world_size(group)
 
-# %% ../../nbs/04_comm.ipynb #c011
+# %% ../../nbs/04_comm.ipynb #c013
 def get_local_rank()->int:
     "This process's rank on its node, from the launcher's environment (0 when nothing was launched)"
     return (_env or discover_env()).local_rank
@@ -88,17 +90,36 @@ def get_global_rank(group=None, group_rank:int=0)->int:
     "The global rank of `group_rank` in `group` (itself for the default group)"
     return _active().get_global_rank(group, group_rank)
 
-def new_group(ranks=None, timeout=None, **kwargs):
+def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization:bool=False,
+              group_desc=None, device_id=None, sort_ranks:bool=True): # torch.distributed.new_group's parameters
     "A process group over `ranks` (all ranks if None); every rank must call it. Its timeout defaults to `init_distributed`'s"
     timeout = timeout or getattr(_backend, 'timeout', None)
-    return _active().new_group(ranks, **({'timeout': timeout} if timeout else {}), **kwargs)
+    return _active().new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc,
+                               use_local_synchronization=use_local_synchronization, device_id=device_id, sort_ranks=sort_ranks)
 
 def get_backend(group=None)->str:
     "Name of the backend running `group`: 'gloo', 'nccl', 'mpi', or 'single'"
     b = _active()
     return b.name if isinstance(b, SingleProcessBackend) else tdist.get_backend(group)
 
-# %% ../../nbs/04_comm.ipynb #c014
+# %% ../../nbs/04_comm.ipynb #c016
+def _native(op:str)->bool:
+    b = _backend or _active()
+    return not (isinstance(b, TorchBackend) and op in b.missing_ops())
+
+def has_all_gather_into_tensor()->bool:
+    "Whether `all_gather_into_tensor` runs natively on the default group (else through its fallback)"
+    return _native('all_gather_into_tensor')
+
+def has_reduce_scatter_tensor()->bool:
+    "Whether `reduce_scatter_tensor` runs natively on the default group (else through its fallback)"
+    return _native('reduce_scatter_tensor')
+
+def get_all_ranks_from_group(group=None)->list:
+    "The global ranks of `group`'s members, in group-rank order"
+    return [get_global_rank(group, r) for r in range(get_world_size(group))]
+
+# %% ../../nbs/04_comm.ipynb #c019
 @timed_op
 def barrier(group=None, async_op=False, device_ids=None, timeout=None, *, prof=False, log_name=None):
     "Block until every rank of `group` reaches this call"
@@ -114,7 +135,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, p
     "Copy `tensor` from rank `src` to every rank, in place"
     return (_backend or _active()).broadcast(tensor, src, group, async_op, group_src)
 
-# %% ../../nbs/04_comm.ipynb #c015
+# %% ../../nbs/04_comm.ipynb #c021
 @timed_op
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name=None):
     "Reduce `tensor` over all ranks with `op`, in place on every rank"
@@ -135,7 +156,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     "Reduce `input` over ranks; rank r keeps chunk r (along dim 0) of the result in `output`"
     return (_backend or _active()).reduce_scatter_tensor(output, input, op, group, async_op)
 
-# %% ../../nbs/04_comm.ipynb #c016
+# %% ../../nbs/04_comm.ipynb #c023
 @timed_op
 def all_gather(tensor_list, tensor, group=None, async_op=False, *, prof=False, log_name=None):
     "Gather every rank's `tensor` into `tensor_list` on every rank"
@@ -156,7 +177,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     "Give rank r entry r of `scatter_list` from rank `src`, in `tensor`"
     return (_backend or _active()).scatter(tensor, scatter_list, src, group, async_op, group_src)
 
-# %% ../../nbs/04_comm.ipynb #c017
+# %% ../../nbs/04_comm.ipynb #c025
 @timed_op
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False, *, prof=False, log_name=None):
     "Send entry j of `input_tensor_list` to rank j; entry i of `output_tensor_list` comes from rank i"
@@ -178,7 +199,7 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
     "Copy the picklable objects in `object_list` from rank `src` to every rank, in place"
     return (_backend or _active()).broadcast_object_list(object_list, src, group, device, group_src)
 
-# %% ../../nbs/04_comm.ipynb #c019
+# %% ../../nbs/04_comm.ipynb #c028
 @timed_op
 def send(tensor, dst=None, group=None, tag=0, group_dst=None, *, prof=False, log_name=None):
     "Send `tensor` to rank `dst`; blocks until it is received"
@@ -204,11 +225,16 @@ def batch_isend_irecv(p2p_op_list, *, prof=False, log_name=None):
     "Start every `P2POp` in `p2p_op_list`; returns their work handles"
     return (_backend or _active()).batch_isend_irecv(p2p_op_list)
 
-# %% ../../nbs/04_comm.ipynb #c022
+# %% ../../nbs/04_comm.ipynb #c031
 def configure(config=None, # flexrt/DeepSpeed config (dict, object or JSON path), or a CommsLoggerConfig
               enabled:bool|None=None, prof_all:bool|None=None, prof_ops:list|None=None, verbose:bool|None=None,
-              debug:bool|None=None): # each overrides the config's value when given
+              debug:bool|None=None, # each overrides the config's value when given
+              deepspeed_config=None): # DeepSpeed's name for `config`
     "Configure the comms logger; unspecified settings stay as they are"
+    if deepspeed_config is not None:
+        if config is not None and config is not deepspeed_config:
+            raise ValueError("configure: pass the config once, as config= or as DeepSpeed's deepspeed_config=, not both")
+        config = deepspeed_config
     base = comms_config(config) or comms_logger.config
     changes = {k: v for k, v in dict(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose, debug=debug).items()
                if v is not None}
@@ -220,11 +246,11 @@ def reset_log():
 
 def get_comm_stats()->dict:
     "Logged ops as `{op: {size_bytes: {count, total_latency_ms, avg_latency_ms, algbw_gbps, busbw_gbps, ranks}}}`"
-    return comms_logger.stats()
+    return comms_logger.stats()  # never waits for the device: CUDA ops still running appear in a later call
 
 comms_logger.world_size_of, comms_logger.rank = get_world_size, get_rank
 
-# %% ../../nbs/04_comm.ipynb #c025
+# %% ../../nbs/04_comm.ipynb #c034
 def _timeout(timeout)->timedelta|None:
     if timeout is None or isinstance(timeout, timedelta): return timeout
     if isinstance(timeout, (int, float)) and timeout > 0: return timedelta(seconds=timeout)
@@ -238,7 +264,7 @@ def _use_torch(timeout:timedelta|None)->TorchBackend:
     _backend = b
     return b
 
-# %% ../../nbs/04_comm.ipynb #c026
+# %% ../../nbs/04_comm.ipynb #c036
 def _adopt(rank:int, world_size:int, timeout)->DistEnv:
     "Use the process group that already exists, after checking it matches what the caller asked for"
     for arg, asked, real in (('rank', rank, tdist.get_rank()), ('world_size', world_size, tdist.get_world_size())):
@@ -250,7 +276,15 @@ def _adopt(rank:int, world_size:int, timeout)->DistEnv:
     return DistEnv(tdist.get_rank(), tdist.get_world_size(), local, env.get('MASTER_ADDR', '127.0.0.1'),
                    int(env.get('MASTER_PORT', '29500')), 'adopted')
 
-# %% ../../nbs/04_comm.ipynb #c027
+# %% ../../nbs/04_comm.ipynb #c039
+def _choose_backend(backend:str|None, dist_backend:str|None)->str:
+    "The torch backend to start: `backend` (or DeepSpeed's `dist_backend`), else nccl with CUDA, else gloo"
+    if backend and dist_backend and backend != dist_backend:
+        raise ValueError(f"init_distributed(backend={backend!r}, dist_backend={dist_backend!r}): they name the same "
+                         "setting (dist_backend is DeepSpeed's name); pass one")
+    return backend or dist_backend or ('nccl' if torch.cuda.is_available() and tdist.is_nccl_available() else 'gloo')
+
+# %% ../../nbs/04_comm.ipynb #c041
 def init_distributed(backend:str|None=None, # 'nccl', 'gloo', 'mpi'; None: nccl with CUDA, else gloo
                      timeout=None, # timedelta or seconds before a collective that cannot complete raises
                      init_method:str|None=None, # torch's init_method; None: env:// from the discovered variables
@@ -258,25 +292,34 @@ def init_distributed(backend:str|None=None, # 'nccl', 'gloo', 'mpi'; None: nccl 
                      distributed_port:int=29500, # rendezvous port when the launcher sets none (SLURM, MPI)
                      dist_init_required:bool|None=None, # True: start a process group even for one rank; False: never
                      config=None, # flexrt/DeepSpeed config (dict, object or JSON path); its comms_logger block is applied
+                     dist_backend:str|None=None, # DeepSpeed's name for `backend`
+                     auto_mpi_discovery:bool=True, # read MPI, AzureML and SageMaker variables when torchrun's are absent
+                     verbose:bool=False, # print where this process sits
                     )->DistEnv: # where this process sits
     "Set up communication for this process: adopt, discover and start, or run single-process"
     global _env, _backend
     configure(config)
-    timeout = _timeout(timeout)
-    if tdist.is_available() and tdist.is_initialized(): _env = _adopt(rank, world_size, timeout); return _env
-    env = discover_env(rank=rank, world_size=world_size, distributed_port=distributed_port)
-    if env.world_size == 1 and not dist_init_required or dist_init_required is False:
-        if env.world_size > 1: raise ValueError(f"dist_init_required=False, but {env.source} started {env.world_size} ranks")
-        _backend, _env = None, env; return env
-    backend = backend or ('nccl' if torch.cuda.is_available() and tdist.is_nccl_available() else 'gloo')
+    timeout, backend = _timeout(timeout), _choose_backend(backend, dist_backend)
+    if tdist.is_available() and tdist.is_initialized(): _env = _adopt(rank, world_size, timeout)
+    else:
+        env = discover_env(rank=rank, world_size=world_size, distributed_port=distributed_port, auto_mpi_discovery=auto_mpi_discovery)
+        if env.world_size == 1 and not dist_init_required or dist_init_required is False:
+            if env.world_size > 1: raise ValueError(f"dist_init_required=False, but {env.source} started {env.world_size} ranks")
+            _backend, _env = None, env
+        else: _start(env, backend, init_method, timeout); _env = env
+    if verbose: print(f"flexrt.comm: rank {_env.rank} of {_env.world_size} (local rank {_env.local_rank}, from {_env.source}), "
+                      f"backend {get_backend()}, master {_env.master_addr}:{_env.master_port}", flush=True)
+    return _env
+
+def _start(env:DistEnv, backend:str, init_method, timeout):
+    "Export `env`'s variables and start torch.distributed"
     os.environ.update(env.as_environ())
     if backend == 'nccl': torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     tdist.init_process_group(backend, init_method=init_method or 'env://', timeout=timeout, rank=env.rank,
                              world_size=env.world_size)
-    _use_torch(timeout); _env = env
-    return env
+    _use_torch(timeout)
 
-# %% ../../nbs/04_comm.ipynb #c028
+# %% ../../nbs/04_comm.ipynb #c042
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, group_name='',
                        pg_options=None, device_id=None):
     "torch.distributed.init_process_group, after which flexrt.comm runs on the new group"
@@ -284,28 +327,59 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     _use_torch(timeout)
 
 def destroy_process_group(group=None):
-    "Destroy `group`, or with None the default group and flexrt.comm's choice of backend"
+    "Destroy `group`, or with None the default group, flexrt.comm's choice of backend and all it learned about groups"
     global _backend, _env
     if group is not None: return (_backend or _active()).destroy_process_group(group)
-    if tdist.is_available() and tdist.is_initialized(): tdist.destroy_process_group()
+    b = _backend if isinstance(_backend, TorchBackend) else _torch
+    if tdist.is_available() and tdist.is_initialized(): b.destroy_process_group()
+    _torch._learned.clear()
     _backend, _env = None, None
 
-# %% ../../nbs/04_comm.ipynb #c032
+# %% ../../nbs/04_comm.ipynb #c046
+def _straggler_column(df, b:CommBackend)->list:
+    "Per row of `df`, this rank's time waiting for slower ranks (ms); gathers every rank's latencies (collective)"
+    comms_logger.flush()
+    per_rank = [None] * b.get_world_size()
+    b.all_gather_object(per_rank, comms_logger.latencies)
+    by_row = {}
+    for (log_name, op, size, n, caller), ms in straggler_ms(per_rank, b.get_rank()).items():
+        row = (log_name, size, n, caller if comms_logger.config.debug else None)
+        by_row[row] = by_row.get(row, 0.0) + ms
+    callers = df['caller'] if 'caller' in df else [None] * len(df)
+    return [by_row.get((o, s, n, c), 0.0) for o, s, n, c in zip(df.op, df.size_bytes, df.ranks, callers)]
+
+# %% ../../nbs/04_comm.ipynb #c047
+def _as_deepspeed_dict(df, b:CommBackend)->dict:
+    "`df` in DeepSpeed's `log_summary(return_dict=True)` shape"
+    summary, straggler = {}, {}
+    for (op, size), rows in df.groupby(['op', 'size_bytes'], sort=True):
+        count, total = int(rows['count'].sum()), float(rows.total_latency_ms.sum())
+        mean = lambda col: float((rows[col] * rows['count']).sum() / count)  # rows of one op and size: weighted by count
+        summary.setdefault(op, {})[int(size)] = dict(count=count, total_latency_ms=total, avg_latency_ms=mean('avg_latency_ms'),
+                                                    tput_avg_gbps=mean('algbw_gbps'), busbw_avg_gbps=mean('busbw_gbps'))
+        if 'straggler_ms' in rows: straggler.setdefault(op, {})[int(size)] = dict(total_straggler_ms=float(rows.straggler_ms.sum()))
+    out = dict(summary=summary)
+    if 'straggler_ms' in df: out['straggler_analysis'] = straggler
+    out['metadata'] = dict(world_size=b.get_world_size(), rank=b.get_rank(), timestamp=datetime.now().isoformat())
+    return out
+
+# %% ../../nbs/04_comm.ipynb #c048
 def log_summary(show_straggler:bool=False, # gather every rank's latencies and add a straggler_ms column (collective)
+                return_dict:bool=False, # return DeepSpeed's nested dict instead of the DataFrame
                 print_table:bool=True, # print the table on rank 0
-               )->'pd.DataFrame': # one row per op, message size and world size
+               ): # a DataFrame, one row per op, message size and world size; or DeepSpeed's dict
     "Summarise the comms log: count, latency and algorithm/bus bandwidth per op and message size"
-    df = comms_logger.summary()
-    b = _backend or _active()
-    if show_straggler:
-        comms_logger.flush()
-        per_rank = [None] * b.get_world_size()
-        b.all_gather_object(per_rank, comms_logger.latencies)
-        by_row = {}
-        for (log_name, op, size, n, caller), ms in straggler_ms(per_rank, b.get_rank()).items():
-            row = (log_name, size, n, caller if comms_logger.config.debug else None)
-            by_row[row] = by_row.get(row, 0.0) + ms
-        callers = df['caller'] if 'caller' in df else [None] * len(df)
-        df['straggler_ms'] = [by_row.get((o, s, n, c), 0.0) for o, s, n, c in zip(df.op, df.size_bytes, df.ranks, callers)]
+    df, b = comms_logger.summary(), _backend or _active()
+    if show_straggler: df['straggler_ms'] = _straggler_column(df, b)
     if print_table and b.get_rank() == 0: print(df.to_string(index=False))
-    return df
+    return _as_deepspeed_dict(df, b) if return_dict else df
+
+# %% ../../nbs/04_comm.ipynb #c051
+def _forget_single_process_choice():
+    "In a forked child: drop the parent's single-process choice (not a real process group)"
+    global _env, _backend
+    if isinstance(_backend, SingleProcessBackend) or (_backend is None and _env is not None and _env.world_size == 1
+                                                      and not (tdist.is_available() and tdist.is_initialized())):
+        _env, _backend = None, None
+
+os.register_at_fork(after_in_child=_forget_single_process_choice)

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/03_comm_backends.ipynb #c003
 from __future__ import annotations
-import copy, enum, os, warnings
+import copy, enum, os, re, warnings, weakref
 from datetime import timedelta
 import torch
 import torch.distributed as tdist
@@ -12,8 +12,8 @@ from .fallbacks import (FALLBACKS, warn_fallback, all_gather_into_tensor_via_lis
                                    reduce_scatter_tensor_via_list, all_to_all_via_p2p, all_to_all_single_via_list)
 
 # %% auto #0
-__all__ = ['OPS', 'CompletedWork', 'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError',
-           'CommTimeoutError', 'is_transport_failure', 'ExplainedWork', 'TorchBackend']
+__all__ = ['OPS', 'NATIVE_NAMES', 'CompletedWork', 'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend',
+           'CommError', 'CommTimeoutError', 'is_transport_failure', 'is_unsupported', 'ExplainedWork', 'TorchBackend']
 
 # %% ../../nbs/03_comm_backends.ipynb #c006
 if tdist.is_available(): ReduceOp = tdist.ReduceOp
@@ -163,17 +163,32 @@ class CommTimeoutError(CommError, TimeoutError):
     "A collective that did not complete within the process group's timeout"
 
 _TRANSPORT_SIGNS = ('timed out', 'timeout', 'connection closed', 'connection reset', 'broken pipe', 'connection refused')
-_MISSING_SIGNS = ('not support', 'unsupported', 'not implemented')
 
 def is_transport_failure(error:BaseException)->bool:
     "Whether `error` says the transport failed (a peer died or never answered), rather than the call being wrong"
     msg = str(error).lower()
     return isinstance(error, getattr(tdist, 'DistNetworkError', ())) or any(s in msg for s in _TRANSPORT_SIGNS)
 
-# %% ../../nbs/03_comm_backends.ipynb #c026
+# %% ../../nbs/03_comm_backends.ipynb #c027
+NATIVE_NAMES = {  # our op -> c10d's names for it, as they appear in "Backend X does not support <name>"
+    'all_gather_into_tensor': ('_allgather_base', 'allgather_into_tensor_coalesced'),
+    'reduce_scatter_tensor': ('_reduce_scatter_base', 'reduce_scatter_tensor_coalesced'),
+    'reduce_scatter': ('reduce_scatter',), 'all_to_all': ('alltoall',), 'all_to_all_single': ('alltoall_base',)}
+
+def is_unsupported(op:str, error:BaseException)->bool:
+    "Whether `error` is the backend saying it does not implement `op` (and not some other failure)"
+    if not isinstance(error, RuntimeError): return False
+    said = re.search(r"does not support ([A-Za-z_]+)", str(error))
+    return said is not None and said.group(1) in NATIVE_NAMES[op]
+
+# %% ../../nbs/03_comm_backends.ipynb #c030
 class _TorchBase(CommBackend):
-    "Rank queries, groups, and the error translation of `TorchBackend`"
+    "Rank queries, groups, and what was learned per group"
     timeout: timedelta|None = None  # set by `init_distributed`; None when the group was created elsewhere
+    def __init__(self, unsupported=()): # ops to treat as missing on every group, forcing their fallback (tests)
+        bad = sorted(set(unsupported) - FALLBACKS.keys())
+        if bad: raise ValueError(f"TorchBackend(unsupported=...): {bad} have no fallback; choose from {sorted(FALLBACKS)}")
+        self.unsupported, self._learned = frozenset(unsupported), weakref.WeakKeyDictionary()
     @property
     def name(self): return tdist.get_backend() if tdist.is_initialized() else 'torch (not initialised)'
     def is_initialized(self): return tdist.is_initialized()
@@ -181,7 +196,24 @@ class _TorchBase(CommBackend):
     def get_world_size(self, group=None): return tdist.get_world_size(group)
     def get_global_rank(self, group, group_rank): return group_rank if group is None else tdist.get_global_rank(group, group_rank)
     def new_group(self, ranks=None, **kwargs): return tdist.new_group(ranks, **kwargs)
-    def destroy_process_group(self, group=None): tdist.destroy_process_group(group)
+    def destroy_process_group(self, group=None):
+        tdist.destroy_process_group(group)
+        if group is None: self._learned.clear()
+        else: self._learned.pop(group, None)
+    def _state(self, group)->dict:
+        "{'missing': ops the group's backend lacks, 'warned': fallbacks already warned about} for `group`"
+        key = tdist.group.WORLD if group is None else group
+        return self._learned.setdefault(key, {'missing': set(), 'warned': set()})
+    def _lacks(self, op:str, group)->bool:
+        "Whether `op` goes to its fallback on `group`: forced with `unsupported=`, or learned from the backend"
+        return op in self.unsupported or bool(self._learned) and op in self._state(group)['missing']
+    def missing_ops(self, group=None)->set:
+        "The ops that fall back on `group`"
+        return set(self.unsupported) | self._state(group)['missing']
+
+# %% ../../nbs/03_comm_backends.ipynb #c031
+class _TorchErrors(_TorchBase):
+    "How `TorchBackend` describes groups and failures"
     def describe_group(self, group=None):
         ranks = tdist.get_process_group_ranks(group or tdist.group.WORLD)
         name = 'WORLD' if group is None or group is tdist.group.WORLD else f"'{group.group_name}'"
@@ -191,27 +223,31 @@ class _TorchBase(CommBackend):
         g = group or tdist.group.WORLD
         try: return g._get_backend(torch.device('cuda' if tdist.get_backend(g) == 'nccl' else 'cpu')).options._timeout
         except Exception: return self.timeout
-    def _explain(self, op:str, group, error:BaseException)->BaseException:
-        "The exception to raise for `error` from `op`: a `CommError` naming op, rank and group for transport failures"
-        if isinstance(error, CommError) or not is_transport_failure(error): return error
-        timed_out = 'time' in str(error).lower()
-        try: where, limit = f"rank {tdist.get_rank()} in group {self.describe_group(group)}", self.group_timeout(group)
-        except Exception: where, limit = 'a rank whose process group is gone', None
-        limit = f" within the timeout of {limit.total_seconds():g}s" if timed_out and limit else ''
-        why = ('another rank died or never called it: every rank of the group must call the same collectives in the '
-               'same order. Raise the timeout with init_distributed(timeout=...) if the ranks are only slow.')
-        detail = (str(error).strip().splitlines() or [''])[0][:300]
-        exc = (CommTimeoutError if timed_out else CommError)(f"{op} did not complete{limit} on {where}: {why} [{detail}]")
-        exc.__cause__ = error
-        return exc
     def _fallback(self, op:str, group, error:BaseException|None=None):
         "Note that `op` falls back (the backend lacks it, or `error` says so); other errors are raised, explained"
+        state = self._state(group)
         if error is not None:
-            if not any(s in str(error).lower() for s in _MISSING_SIGNS): raise self._explain(op, group, error)
-            self.missing.add(op)
-        warn_fallback(op, self.name)
+            if not is_unsupported(op, error): raise self._explain(op, group, error)
+            state['missing'].add(op)
+        warn_fallback(op, self.name, state['warned'])
 
-# %% ../../nbs/03_comm_backends.ipynb #c028
+# %% ../../nbs/03_comm_backends.ipynb #c032
+def _explain(self, op:str, group, error:BaseException)->BaseException:
+    "The exception to raise for `error` from `op`: a `CommError` naming op, rank and group for transport failures"
+    if isinstance(error, CommError) or not is_transport_failure(error): return error
+    timed_out = 'time' in str(error).lower()
+    try: where, limit = f"rank {tdist.get_rank()} in group {self.describe_group(group)}", self.group_timeout(group)
+    except Exception: where, limit = 'a rank whose process group is gone', None
+    limit = f" within the timeout of {limit.total_seconds():g}s" if timed_out and limit else ''
+    why = ('another rank died or never called it: every rank of the group must call the same collectives in the '
+           'same order. Raise the timeout with init_distributed(timeout=...) if the ranks are only slow.')
+    detail = (str(error).strip().splitlines() or [''])[0][:300]
+    exc = (CommTimeoutError if timed_out else CommError)(f"{op} did not complete{limit} on {where}: {why} [{detail}]")
+    exc.__cause__ = error
+    return exc
+_TorchErrors._explain = _explain
+
+# %% ../../nbs/03_comm_backends.ipynb #c036
 class ExplainedWork:
     "A torch work handle whose `wait()` raises `CommError` naming the op, rank and group when the transport fails"
     def __init__(self, work, backend, op:str, group): self._work, self._backend, self._op, self._group = work, backend, op, group
@@ -220,11 +256,11 @@ class ExplainedWork:
         except RuntimeError as e: raise self._backend._explain(self._op, self._group, e)
     def __getattr__(self, name): return getattr(self._work, name)
 
-# %% ../../nbs/03_comm_backends.ipynb #c029
+# %% ../../nbs/03_comm_backends.ipynb #c038
 def _opt(**kw): return {k: v for k, v in kw.items() if v is not None}
 
-class _TorchCollectives(_TorchBase):
-    "The collectives torch.distributed has on every backend"
+class _TorchCollectives(_TorchErrors):
+    "The reductions and broadcast torch.distributed has on every backend"
     def barrier(self, group=None, async_op=False, device_ids=None, timeout=None):
         try: out = tdist.barrier(group, async_op, device_ids, **_opt(timeout=timeout))
         except RuntimeError as e: raise self._explain('barrier', group, e)
@@ -244,14 +280,14 @@ class _TorchCollectives(_TorchBase):
         try: out = tdist.reduce(tensor, dst, op, group, async_op, **_opt(group_dst=group_dst))
         except RuntimeError as e: raise self._explain('reduce', group, e)
         return out if out is None else ExplainedWork(out, self, 'reduce', group)
+
+# %% ../../nbs/03_comm_backends.ipynb #c040
+class _TorchRooted(_TorchCollectives):
+    "Gathers, scatter and the object collectives"
     def all_gather(self, tensor_list, tensor, group=None, async_op=False):
         try: out = tdist.all_gather(tensor_list, tensor, group, async_op)
         except RuntimeError as e: raise self._explain('all_gather', group, e)
         return out if out is None else ExplainedWork(out, self, 'all_gather', group)
-
-# %% ../../nbs/03_comm_backends.ipynb #c030
-class _TorchRooted(_TorchCollectives):
-    "Gather, scatter and the object collectives"
     def gather(self, tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
         try: out = tdist.gather(tensor, gather_list, dst, group, async_op, **_opt(group_dst=group_dst))
         except RuntimeError as e: raise self._explain('gather', group, e)
@@ -267,12 +303,13 @@ class _TorchRooted(_TorchCollectives):
         try: return tdist.broadcast_object_list(object_list, src, group, device, **_opt(group_src=group_src))
         except RuntimeError as e: raise self._explain('broadcast_object_list', group, e)
 
-# %% ../../nbs/03_comm_backends.ipynb #c032
+# %% ../../nbs/03_comm_backends.ipynb #c043
 def _torch_p2p(p):
     "torch's `P2POp` for flexrt's (or torch's) `p`"
     if isinstance(p, tdist.P2POp): return p
     return tdist.P2POp(tdist.isend if p.kind == 'isend' else tdist.irecv, p.tensor, p.peer, p.group, p.tag, p.group_peer)
 
+# %% ../../nbs/03_comm_backends.ipynb #c045
 class _TorchP2P(_TorchRooted):
     "Blocking and non-blocking point-to-point ops"
     def send(self, tensor, dst=None, group=None, tag=0, group_dst=None):
@@ -296,49 +333,59 @@ class _TorchP2P(_TorchRooted):
         except RuntimeError as e: raise self._explain('batch_isend_irecv', group, e)
         return [ExplainedWork(w, self, 'batch_isend_irecv', group) for w in works]
 
-# %% ../../nbs/03_comm_backends.ipynb #c034
-_all_gather_single = getattr(tdist, 'all_gather_single', None) or getattr(tdist, 'all_gather_into_tensor', None)
-_reduce_scatter_single = getattr(tdist, 'reduce_scatter_single', None) or getattr(tdist, 'reduce_scatter_tensor', None)
-
-class _TorchFused(_TorchP2P):
-    "The ops some backends lack, falling back to `FALLBACKS`"
+# %% ../../nbs/03_comm_backends.ipynb #c049
+class _TorchGathers(_TorchP2P):
+    "all_gather_into_tensor and reduce_scatter_tensor, falling back to their list forms"
+    _native_all_gather_into_tensor = staticmethod(tdist.all_gather_into_tensor)
+    _native_reduce_scatter_tensor = staticmethod(tdist.reduce_scatter_tensor)
     def _done(self, async_op): return CompletedWork() if async_op else None
     def _work(self, op, group, out): return out if out is None else ExplainedWork(out, self, op, group)
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
-        if 'all_gather_into_tensor' in self.missing: self._fallback('all_gather_into_tensor', group)
+        if self._lacks('all_gather_into_tensor', group): self._fallback('all_gather_into_tensor', group)
         else:
-            try: return self._work('all_gather_into_tensor', group, _all_gather_single(output_tensor, input_tensor, group, async_op))
+            try: return self._work('all_gather_into_tensor', group, self._native_all_gather_into_tensor(output_tensor, input_tensor, group, async_op))
             except RuntimeError as e: self._fallback('all_gather_into_tensor', group, e)
         all_gather_into_tensor_via_list(self, output_tensor, input_tensor, group); return self._done(async_op)
     def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, group=None, async_op=False):
-        if 'reduce_scatter_tensor' in self.missing: self._fallback('reduce_scatter_tensor', group)
+        if self._lacks('reduce_scatter_tensor', group): self._fallback('reduce_scatter_tensor', group)
         else:
-            try: return self._work('reduce_scatter_tensor', group, _reduce_scatter_single(output, input, op, group, async_op))
+            try: return self._work('reduce_scatter_tensor', group, self._native_reduce_scatter_tensor(output, input, op, group, async_op))
             except RuntimeError as e: self._fallback('reduce_scatter_tensor', group, e)
         reduce_scatter_tensor_via_list(self, output, input, op, group); return self._done(async_op)
+
+# %% ../../nbs/03_comm_backends.ipynb #c050
+class _TorchReduceScatter(_TorchGathers):
+    "reduce_scatter, falling back to all_reduce and a slice"
+    _native_reduce_scatter = staticmethod(tdist.reduce_scatter)
     def reduce_scatter(self, output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-        if 'reduce_scatter' in self.missing: self._fallback('reduce_scatter', group)
+        if self._lacks('reduce_scatter', group): self._fallback('reduce_scatter', group)
         else:
-            try: return self._work('reduce_scatter', group, tdist.reduce_scatter(output, input_list, op, group, async_op))
+            try: return self._work('reduce_scatter', group, self._native_reduce_scatter(output, input_list, op, group, async_op))
             except RuntimeError as e: self._fallback('reduce_scatter', group, e)
         reduce_scatter_via_all_reduce(self, output, input_list, op, group); return self._done(async_op)
 
-# %% ../../nbs/03_comm_backends.ipynb #c035
-class TorchBackend(_TorchFused):
+# %% ../../nbs/03_comm_backends.ipynb #c051
+class TorchBackend(_TorchReduceScatter):
     "torch.distributed on its default process group, with fallbacks for the fused ops a backend lacks"
-    def __init__(self, unsupported=()): # ops to treat as missing, forcing their fallback (tests, broken backends)
-        bad = sorted(set(unsupported) - FALLBACKS.keys())
-        if bad: raise ValueError(f"TorchBackend(unsupported=...): {bad} have no fallback; choose from {sorted(FALLBACKS)}")
-        self.missing = set(unsupported)
-    def all_to_all(self, output_tensor_list, input_tensor_list, group=None, async_op=False):
-        if 'all_to_all' in self.missing: self._fallback('all_to_all', group)
-        else:
-            try: return self._work('all_to_all', group, tdist.all_to_all(output_tensor_list, input_tensor_list, group, async_op))
-            except RuntimeError as e: self._fallback('all_to_all', group, e)
-        all_to_all_via_p2p(self, output_tensor_list, input_tensor_list, group); return self._done(async_op)
-    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-        if 'all_to_all_single' in self.missing: self._fallback('all_to_all_single', group)
-        else:
-            try: return self._work('all_to_all_single', group, tdist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op))
-            except RuntimeError as e: self._fallback('all_to_all_single', group, e)
-        all_to_all_single_via_list(self, output, input, output_split_sizes, input_split_sizes, group); return self._done(async_op)
+    _native_all_to_all = staticmethod(tdist.all_to_all)
+    _native_all_to_all_single = staticmethod(tdist.all_to_all_single)
+    @property
+    def missing(self)->set:
+        "The ops that fall back on the default group"
+        return self.missing_ops()
+
+# %% ../../nbs/03_comm_backends.ipynb #c052
+def _all_to_all(self, output_tensor_list, input_tensor_list, group=None, async_op=False):
+    if self._lacks('all_to_all', group): self._fallback('all_to_all', group)
+    else:
+        try: return self._work('all_to_all', group, self._native_all_to_all(output_tensor_list, input_tensor_list, group, async_op))
+        except RuntimeError as e: self._fallback('all_to_all', group, e)
+    all_to_all_via_p2p(self, output_tensor_list, input_tensor_list, group); return self._done(async_op)
+
+def _all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    if self._lacks('all_to_all_single', group): self._fallback('all_to_all_single', group)
+    else:
+        try: return self._work('all_to_all_single', group, self._native_all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op))
+        except RuntimeError as e: self._fallback('all_to_all_single', group, e)
+    all_to_all_single_via_list(self, output, input, output_split_sizes, input_split_sizes, group); return self._done(async_op)
+TorchBackend.all_to_all, TorchBackend.all_to_all_single = _all_to_all, _all_to_all_single

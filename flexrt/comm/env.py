@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from itertools import product
 
 # %% auto #0
-__all__ = ['DISCOVERERS', 'SOURCE_VARIABLES', 'DistEnv', 'EnvError', 'from_torchrun', 'from_mpi', 'from_azureml',
-           'from_sagemaker', 'expand_nodelist', 'from_slurm', 'discover_env']
+__all__ = ['DISCOVERERS', 'MPI_DISCOVERERS', 'SOURCE_VARIABLES', 'DistEnv', 'EnvError', 'from_torchrun', 'from_mpi',
+           'from_azureml', 'from_sagemaker', 'expand_nodelist', 'from_slurm', 'discover_env']
 
 # %% ../../nbs/00_comm_env.ipynb #c005
 @dataclass(frozen=True)
@@ -77,11 +77,21 @@ def _mpi4py_master()->str|None:
     except ImportError: return None
     return MPI.COMM_WORLD.bcast(socket.gethostname() if MPI.COMM_WORLD.Get_rank() == 0 else None, root=0)
 
+def _mpi4py_local_rank()->int|None:
+    "Number of lower MPI ranks on this host (what DeepSpeed's mpi_discovery computes), or None without mpi4py"
+    try: from mpi4py import MPI
+    except ImportError: return None
+    comm = MPI.COMM_WORLD
+    hosts = comm.allgather(MPI.Get_processor_name())
+    return hosts[:comm.Get_rank()].count(hosts[comm.Get_rank()])
+
 def _mpi_vars(env:dict):
     "(names, rank, size, local rank or None, local size or None) of the MPI launcher, or None"
     if 'OMPI_COMM_WORLD_RANK' in env or 'OMPI_COMM_WORLD_SIZE' in env:
         n = dict(rank='OMPI_COMM_WORLD_RANK', world_size='OMPI_COMM_WORLD_SIZE', local_rank='OMPI_COMM_WORLD_LOCAL_RANK')
-        return (n, _int(env, n['rank']), _int(env, n['world_size'], minimum=1), _int(env, n['local_rank']),
+        local = _int(env, n['local_rank'], -1, -1)
+        if local < 0 and 'OMPI_COMM_WORLD_NODE_RANK' in env: local = _int(env, 'OMPI_COMM_WORLD_NODE_RANK')
+        return (n, _int(env, n['rank']), _int(env, n['world_size'], minimum=1), local,
                 _int(env, 'OMPI_COMM_WORLD_LOCAL_SIZE', 0) or None)
     if 'PMI_RANK' in env or 'PMI_SIZE' in env:  # MPICH, Intel MPI
         n = dict(rank='PMI_RANK', world_size='PMI_SIZE', local_rank='MPI_LOCALRANKID')
@@ -95,16 +105,17 @@ def from_mpi(env:dict, port:int=29500, source:str='openmpi', master:tuple=())->D
     if found is None: return None
     names, rank, ws, local, local_size = found
     if source == 'openmpi' and names['rank'] == 'PMI_RANK': source = 'mpich'
-    single_node = local_size == ws
-    if local is None or local < 0:
-        if not single_node: raise EnvError(f"{names['local_rank']} is not set: cannot tell this rank's GPU on a multi-node MPI run")
-        local = rank
+    single_node = local_size == ws or ws == 1
+    if local is None or local < 0:  # no local rank variable: one node, or ask MPI which ranks share this host
+        local = rank if single_node else _mpi4py_local_rank()
+        if local is None: raise EnvError(f"{names['local_rank']} is not set and mpi4py is not installed: cannot tell this "
+                                         "rank's place on its node in a multi-node MPI run (mpirun -x LOCAL_RANK, or pip install mpi4py)")
     addr, mport, addr_var = master or (env.get('MASTER_ADDR'), _int(env, 'MASTER_PORT', port), 'MASTER_ADDR')
     if not addr and ws > 1: addr = '127.0.0.1' if single_node else _mpi4py_master()
     if addr_var != 'MASTER_ADDR' and not addr: raise EnvError(f"{addr_var} is not set ({source} MPI job with {ws} ranks)")
     return _checked(source, rank, ws, local, addr or '', mport, {**names, 'master_addr': addr_var})
 
-# %% ../../nbs/00_comm_env.ipynb #c023
+# %% ../../nbs/00_comm_env.ipynb #c025
 def from_azureml(env:dict, port:int=29500)->DistEnv|None:
     "The env of an AzureML MPI job, or None"
     if 'AZUREML_EXPERIMENT_ID' not in env or 'DLTS_JOB_ID' in env or _mpi_vars(env) is None: return None
@@ -114,7 +125,7 @@ def from_azureml(env:dict, port:int=29500)->DistEnv|None:
         master = ((env.get('AZ_BATCH_MASTER_NODE') or '').split(':')[0], _int(env, 'MASTER_PORT', 6105), 'AZ_BATCH_MASTER_NODE')
     return from_mpi(env, port, 'azureml', master)
 
-# %% ../../nbs/00_comm_env.ipynb #c025
+# %% ../../nbs/00_comm_env.ipynb #c027
 def from_sagemaker(env:dict, port:int=29500)->DistEnv|None:
     "The env of a SageMaker MPI job, or None"
     if 'SM_TRAINING_ENV' not in env or _mpi_vars(env) is None: return None
@@ -125,7 +136,7 @@ def from_sagemaker(env:dict, port:int=29500)->DistEnv|None:
         addr = sorted(hosts)[0] if hosts else None
     return from_mpi(env, port, 'sagemaker', (addr, _int(env, 'MASTER_PORT', port), var))
 
-# %% ../../nbs/00_comm_env.ipynb #c028
+# %% ../../nbs/00_comm_env.ipynb #c030
 def _split_top(s:str, var:str)->list:
     "Split `s` on commas outside brackets"
     parts, depth, cur = [], 0, ''
@@ -137,7 +148,7 @@ def _split_top(s:str, var:str)->list:
     if depth: raise EnvError(f"{var}={s!r}: unbalanced brackets")
     return parts + [cur]
 
-# %% ../../nbs/00_comm_env.ipynb #c029
+# %% ../../nbs/00_comm_env.ipynb #c031
 def _expand_range(spec:str, var:str, whole:str)->list:
     "Numbers of one bracket body, e.g. '01-03,7' -> ['01', '02', '03', '7']"
     out = []
@@ -159,7 +170,7 @@ def expand_nodelist(nodelist:str, var:str='SLURM_JOB_NODELIST')->list:
         hosts += [''.join(c) for c in product(*choices)]
     return hosts
 
-# %% ../../nbs/00_comm_env.ipynb #c031
+# %% ../../nbs/00_comm_env.ipynb #c033
 _SLURM = dict(rank='SLURM_PROCID', world_size='SLURM_NTASKS', local_rank='SLURM_LOCALID')
 
 def from_slurm(env:dict, port:int=29500)->DistEnv|None:
@@ -180,8 +191,9 @@ def from_slurm(env:dict, port:int=29500)->DistEnv|None:
     names = {**_SLURM, 'world_size': ws_var, 'master_addr': 'SLURM_JOB_NODELIST'}
     return _checked('slurm', rank, ws, local, addr or ('' if ws > 1 else None), _int(env, 'MASTER_PORT', port), names)
 
-# %% ../../nbs/00_comm_env.ipynb #c034
+# %% ../../nbs/00_comm_env.ipynb #c036
 DISCOVERERS = (from_torchrun, from_azureml, from_sagemaker, from_mpi, from_slurm)
+MPI_DISCOVERERS = (from_azureml, from_sagemaker, from_mpi)  # skipped with auto_mpi_discovery=False
 _OMPI = dict(rank='OMPI_COMM_WORLD_RANK', world_size='OMPI_COMM_WORLD_SIZE')
 SOURCE_VARIABLES = dict(torchrun=_TORCHRUN, slurm=_SLURM, openmpi=_OMPI, azureml=_OMPI, sagemaker=_OMPI,
                         mpich=dict(rank='PMI_RANK', world_size='PMI_SIZE'))
@@ -198,10 +210,12 @@ def discover_env(environ:dict|None=None, # variables to read; None: os.environ
                  rank:int=-1, # this process's rank, if known; -1: from the environment
                  world_size:int=-1, # number of ranks, if known; -1: from the environment
                  distributed_port:int=29500, # rendezvous port when the launcher sets none
+                 auto_mpi_discovery:bool=True, # also read MPI, AzureML and SageMaker variables (DeepSpeed's switch)
                 )->DistEnv:
     "Rank, world size, local rank and master address of this process, from the launcher's variables"
     env = dict(os.environ if environ is None else environ)
-    found = next((d for d in (f(env, distributed_port) for f in DISCOVERERS) if d is not None), None)
+    found_by = [f for f in DISCOVERERS if auto_mpi_discovery or f not in MPI_DISCOVERERS]
+    found = next((d for d in (f(env, distributed_port) for f in found_by) if d is not None), None)
     if found is None: return _from_arguments(env, rank, world_size, distributed_port)
     for field, value in (('rank', rank), ('world_size', world_size)):
         if value >= 0 and value != getattr(found, field):

@@ -15,16 +15,18 @@ __all__ = ['FALLBACKS', 'warn_fallback', 'all_gather_into_tensor_via_list', 'red
 FALLBACKS = {'all_gather_into_tensor': 'all_gather', 'reduce_scatter_tensor': 'reduce_scatter',
              'reduce_scatter': 'all_reduce', 'all_to_all': 'isend/irecv',
              'all_to_all_single': 'all_to_all (isend/irecv for uneven splits)'}
-_warned = set()
 
-def warn_fallback(op:str, backend_name:str):
-    "Warn, once per process and op, that `op` runs through its fallback"
-    if op in _warned: return
-    _warned.add(op)
+def warn_fallback(op:str, # the op that runs through its fallback
+                  backend_name:str, # the backend that lacks it, for the message
+                  warned:set|None=None): # ops already warned about (the caller's, per group); None: always warn
+    "Warn that `op` runs through its fallback, unless it is in `warned` already (then add it)"
+    if warned is not None:
+        if op in warned: return
+        warned.add(op)
     warnings.warn(f"flexrt.comm: backend '{backend_name}' has no {op}; using {FALLBACKS[op]} instead, "
                   f"which is slower. The call is still logged as {op}.", RuntimeWarning, stacklevel=4)
 
-# %% ../../nbs/02_comm_fallbacks.ipynb #c006
+# %% ../../nbs/02_comm_fallbacks.ipynb #c007
 def _check_numel(op, out, inp, n, what):
     if out.numel() != n * inp.numel():
         raise ValueError(f"{op}: {what} has {out.numel()} elements, expected world size {n} x {inp.numel()}")
@@ -36,7 +38,7 @@ def all_gather_into_tensor_via_list(b, output_tensor, input_tensor, group=None):
     if not output_tensor.is_contiguous(): raise ValueError("all_gather_into_tensor: output_tensor must be contiguous")
     b.all_gather(list(output_tensor.view(n, -1).unbind(0)), input_tensor.reshape(-1), group)
 
-# %% ../../nbs/02_comm_fallbacks.ipynb #c007
+# %% ../../nbs/02_comm_fallbacks.ipynb #c010
 def reduce_scatter_via_all_reduce(b, output, input_list, op, group=None):
     "`reduce_scatter` rebuilt from `all_reduce` of the concatenated inputs, keeping this rank's slice"
     n, r = b.get_world_size(group), b.get_rank(group)
@@ -54,7 +56,7 @@ def reduce_scatter_tensor_via_list(b, output, input, op, group=None):
     b.reduce_scatter(flat, list(input.reshape(n, -1).unbind(0)), op, group)
     output.copy_(flat.view(output.shape))
 
-# %% ../../nbs/02_comm_fallbacks.ipynb #c008
+# %% ../../nbs/02_comm_fallbacks.ipynb #c012
 def all_to_all_via_p2p(b, output_tensor_list, input_tensor_list, group=None):
     "`all_to_all` rebuilt from one `isend` and one `irecv` per peer"
     n, r = b.get_world_size(group), b.get_rank(group)

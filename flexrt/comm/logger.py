@@ -114,13 +114,16 @@ def _record(self, key:tuple, seconds:float):
               f"algbw (Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}{caller}", flush=True)
 
 def _record_events(self, key:tuple, start, end):
-    "Store a CUDA event pair, turned into a latency by `flush`"
+    "Store a CUDA event pair (turned into a latency once both events complete), resolving the completed ones"
     with self._lock: self._pending.append((key, start, end))
+    self.flush(wait=False)
 
-def _flush(self):
-    "Turn pending CUDA event pairs into latencies"
-    with self._lock: pending, self._pending = self._pending, []
-    for key, start, end in pending:
+def _flush(self, wait:bool=True):
+    "Turn pending CUDA event pairs into latencies: all of them, waiting for the device, or only completed ones"
+    with self._lock:
+        pending, self._pending, done = self._pending, [], []
+        for p in pending: (done if wait or (p[1].query() and p[2].query()) else self._pending).append(p)
+    for key, start, end in done:
         end.synchronize()
         self.record(key, start.elapsed_time(end) / 1e3)
 CommsLogger.record, CommsLogger.record_events, CommsLogger.flush = _record, _record_events, _flush
@@ -132,23 +135,12 @@ class TimedWork:
         self._work, self._logger, self._key, self._start, self._cuda = work, logger, key, start, cuda
         self._batch = batch  # shared [number of works left] when several works make one logged call
         self._done, self._lock = False, threading.Lock()
-        if not cuda:
-            try: work.get_future().then(self._on_future)
-            except RuntimeError: pass  # no future for this work (gloo p2p): timed at wait()/is_completed()
+        try: work.get_future().then(self._on_future)
+        except RuntimeError: pass  # no future for this work (gloo p2p): timed at wait()/is_completed()
     def _on_future(self, fut):
         try: fut.value()
         except Exception: return None  # failed: the error surfaces at wait(), nothing is logged
         self._finish()
-    def _finish(self):
-        with self._lock:
-            if self._done: return
-            self._done = True
-            if self._batch is not None:
-                self._batch[0] -= 1
-                if self._batch[0]: return
-        if not self._cuda: return self._logger.record(self._key, time.perf_counter() - self._start)
-        end = torch.cuda.Event(enable_timing=True); end.record()
-        self._logger.record_events(self._key, self._start, end)
     def wait(self, *args, **kwargs):
         out = self._work.wait(*args, **kwargs); self._finish(); return out
     def is_completed(self):
@@ -158,6 +150,20 @@ class TimedWork:
     def __getattr__(self, name): return getattr(self._work, name)
 
 # %% ../../nbs/01_comm_logger.ipynb #c027
+def _finish(self):
+    "Log the op once, when it (or, for a batch, its last work) completes"
+    with self._lock:
+        if self._done: return
+        self._done = True
+        if self._batch is not None:
+            self._batch[0] -= 1
+            if self._batch[0]: return
+    if not self._cuda: return self._logger.record(self._key, time.perf_counter() - self._start)
+    end = torch.cuda.Event(enable_timing=True); end.record()  # in a future callback: a stream that waits for the op only
+    self._logger.record_events(self._key, self._start, end)
+TimedWork._finish = _finish
+
+# %% ../../nbs/01_comm_logger.ipynb #c029
 def _profile(self, name:str, params:tuple, fn, args:tuple, kwargs:dict):
     "Run `fn(*args, **kwargs)`, the public op `name`, and log its latency if it is profiled"
     a = dict(zip(params, args)); a.update(kwargs)
@@ -179,7 +185,7 @@ def _profile(self, name:str, params:tuple, fn, args:tuple, kwargs:dict):
     return out
 CommsLogger.profile = _profile
 
-# %% ../../nbs/01_comm_logger.ipynb #c029
+# %% ../../nbs/01_comm_logger.ipynb #c031
 comms_logger = CommsLogger()  # the process-wide logger flexrt.comm's ops report to
 
 def timed_op(fn):
@@ -191,7 +197,7 @@ def timed_op(fn):
         return log.profile(name, params, fn, args, kwargs)
     return op
 
-# %% ../../nbs/01_comm_logger.ipynb #c032
+# %% ../../nbs/01_comm_logger.ipynb #c034
 SUMMARY_COLUMNS = ['op', 'size_bytes', 'ranks', 'count', 'total_latency_ms', 'avg_latency_ms', 'algbw_gbps', 'busbw_gbps']
 
 def _row(key, lats):
@@ -201,9 +207,9 @@ def _row(key, lats):
                 avg_latency_ms=trim_mean(lats) * 1e3, algbw_gbps=trim_mean([b[0] for b in bws]),
                 busbw_gbps=trim_mean([b[1] for b in bws]), caller=caller)
 
-def _summary(self, by_caller:bool|None=None)->pd.DataFrame:
-    "One row per op, message size, world size (and caller when `debug` is on), sorted by op and size"
-    self.flush()
+def _summary(self, by_caller:bool|None=None, wait:bool=True)->pd.DataFrame:
+    "One row per op, message size, world size (and caller when `debug` is on); `wait`: include unfinished CUDA ops"
+    self.flush(wait)
     by_caller = self.config.debug if by_caller is None else by_caller
     merged = {}
     for key, lats in list(self.latencies.items()):
@@ -213,7 +219,7 @@ def _summary(self, by_caller:bool|None=None)->pd.DataFrame:
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ['caller'])[cols].sort_values(['op', 'size_bytes', 'ranks'], ignore_index=True)
 CommsLogger.summary = _summary
 
-# %% ../../nbs/01_comm_logger.ipynb #c034
+# %% ../../nbs/01_comm_logger.ipynb #c036
 def _merge(a:dict, b:dict)->dict:
     "Two stats entries of one op and size (run on groups of different sizes) as one, weighted by count"
     n = a['count'] + b['count']
@@ -221,17 +227,17 @@ def _merge(a:dict, b:dict)->dict:
     return dict(ranks=max(a['ranks'], b['ranks']), count=n, total_latency_ms=a['total_latency_ms'] + b['total_latency_ms'],
                 avg_latency_ms=mean('avg_latency_ms'), algbw_gbps=mean('algbw_gbps'), busbw_gbps=mean('busbw_gbps'))
 
-def _stats(self)->dict:
-    "The summary as `{op: {size_bytes: {count, total_latency_ms, avg_latency_ms, algbw_gbps, busbw_gbps, ranks}}}`"
+def _stats(self, wait:bool=False)->dict:
+    "The summary as `{op: {size_bytes: {count, ...}}}`; CUDA ops still running are left for a later call unless `wait`"
     out = {}
-    for r in self.summary(by_caller=False).to_dict('records'):
+    for r in self.summary(by_caller=False, wait=wait).to_dict('records'):
         op, size = r.pop('op'), r.pop('size_bytes')
         prev = out.setdefault(op, {}).get(size)
         out[op][size] = r if prev is None else _merge(prev, r)  # `ranks`: the largest group it ran on
     return out
 CommsLogger.stats = _stats
 
-# %% ../../nbs/01_comm_logger.ipynb #c037
+# %% ../../nbs/01_comm_logger.ipynb #c039
 def straggler_ms(per_rank:list, rank:int)->dict:
     "Per record key: this rank's total latency minus the per-call minimum over ranks, in ms"
     mine, out = per_rank[rank], {}

@@ -134,23 +134,6 @@ def client_lr_scheduler(lr_scheduler, # None, a schedule object, or a callable(o
     return lr_scheduler
 
 # %% ../../nbs/30_engine_optim.ipynb #c020
-def _copy_expert_marks(weights):
-    "Give fp32 master copies the expert marks (`allreduce`, `group_name`) of the parameters they stand for"
-    if weights.params is weights.model_params or len(weights.params) != len(weights.model_params): return
-    for p, m in zip(weights.model_params, weights.params):
-        for mark in ('allreduce', 'group_name'):
-            if hasattr(p, mark): setattr(m, mark, getattr(p, mark))
-
-def _expert_rescale(params, group, expert_groups)->list: # [(expert params, factor)] per expert group
-    "Per expert group, its parameters and the factor turning the reducer's average into the data-parallel one"
-    out, world = [], dist.get_world_size(group)
-    for name, edp in (expert_groups.data_parallel.items() if expert_groups else ()):
-        members = [p for p in params if getattr(p, 'allreduce', True) is False and getattr(p, 'group_name', None) == name]
-        factor = dist.get_world_size(edp) / world
-        if members and factor != 1: out.append((members, factor))
-    return out
-
-# %% ../../nbs/30_engine_optim.ipynb #c021
 class ReplicatedOptimizer:
     "ZeRO stage 0: every data-parallel rank holds whole weights, gradients and optimizer state; gradients all-reduced"
     stage, supports_no_sync = 0, True
@@ -164,15 +147,13 @@ class ReplicatedOptimizer:
                  gradient_predivide_factor:float=1.): # divide gradients by this before the all-reduce, the rest after
         self.optimizer, self.precision, self.group, self.mpu = optimizer, precision, group, mpu
         self.expert_groups = expert_groups
-        self.weights = precision.setup(module, optimizer)   # fp32 masters when needed; then the model is cast
-        _copy_expert_marks(self.weights)
-        params = list(module.parameters())
-        self.reducer = GradientReducer(params, bucket_bytes, group, expert_groups.data_parallel if expert_groups else None,
-                                       gradient_predivide_factor)
-        self._expert_rescale = _expert_rescale(params, group, expert_groups)
+        self.weights = precision.setup(module, optimizer)   # fp32 masters (with the expert marks) when needed; model cast
+        self.reducer = GradientReducer(module.parameters(), bucket_bytes, group,
+                                       expert_groups.data_parallel if expert_groups else None, gradient_predivide_factor)
+        self._norm_groups = expert_groups.parallel if expert_groups else None
         self.comm_bytes = 0   # bytes of gradients this rank has all-reduced so far
 
-# %% ../../nbs/30_engine_optim.ipynb #c023
+# %% ../../nbs/30_engine_optim.ipynb #c022
 def _set_boundary(self:ReplicatedOptimizer, is_boundary:bool):
     "Before a backward: reduce its gradients (True) or only accumulate them (False)"
     self.reducer.set_boundary(is_boundary)
@@ -181,24 +162,20 @@ def _set_boundary(self:ReplicatedOptimizer, is_boundary:bool):
 def _reduced_gradients(self:ReplicatedOptimizer)->list: # the (still scaled) gradients the optimizer will use
     "At the boundary: wait for the averaged gradients and hand them to the weights the optimizer steps"
     self.reducer.wait()
-    self.comm_bytes += sum(b.nbytes for b in self.reducer.buckets)
-    for members, factor in self._expert_rescale:
-        grads = [p.grad for p in members if p.grad is not None]
-        if grads: torch._foreach_mul_(grads, factor)
+    self.comm_bytes += self.reducer.comm_bytes
     return self.weights.collect_grads()
 
 def _clip_grad_norm(self:ReplicatedOptimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
     "Global gradient norm over every rank and param group; gradients scaled down to `max_norm` when above it (0: never)"
     limit = max_norm if max_norm > 0 else math.inf
-    groups = self.expert_groups.parallel if self.expert_groups else None
-    pre = float(clip_grad_norm_(self.weights.params, limit, mpu=self.mpu, expert_groups=groups))
+    pre = float(clip_grad_norm_(self.weights.params, limit, mpu=self.mpu, expert_groups=self._norm_groups))
     post = pre * limit / (pre + 1e-6) if math.isfinite(pre) and pre > limit else pre
     return pre, post
 
 ReplicatedOptimizer.set_boundary, ReplicatedOptimizer.reduced_gradients = _set_boundary, _reduced_gradients
 ReplicatedOptimizer.clip_grad_norm = _clip_grad_norm
 
-# %% ../../nbs/30_engine_optim.ipynb #c024
+# %% ../../nbs/30_engine_optim.ipynb #c023
 def _no_optimizer():
     raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
 
@@ -220,7 +197,7 @@ def _close(self:ReplicatedOptimizer):
 
 ReplicatedOptimizer.step, ReplicatedOptimizer.zero_grad, ReplicatedOptimizer.close = _step, _zero_grad, _close
 
-# %% ../../nbs/30_engine_optim.ipynb #c026
+# %% ../../nbs/30_engine_optim.ipynb #c025
 def _param_groups(self:ReplicatedOptimizer)->list: return [] if self.optimizer is None else self.optimizer.param_groups
 def _state(self:ReplicatedOptimizer): return {} if self.optimizer is None else self.optimizer.state
 

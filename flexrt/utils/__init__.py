@@ -15,7 +15,7 @@ from .core import *
 from .partition import *
 from .grads import *
 
-# %% ../../nbs/13_utils_init.ipynb #c005
+# %% ../../nbs/13_utils_init.ipynb #c006
 _all_ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_decorator', 'call_to_str',
          'get_only_unique_item', 'is_model_parallel_parameter', 'bwc_tensor_model_parallel_rank', 'MpuAdapter',
          'copy_to_device', 'move_to_device',

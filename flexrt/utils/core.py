@@ -129,10 +129,16 @@ def copy_to_device(item, # a tensor, or lists/tuples/dicts of them (other leaves
     "A copy of `item` with the accepted leaves moved to `device`"
     return _map_nested(item, lambda t: t.to(device), criterion_func)
 
-# %% ../../nbs/10_utils_core.ipynb #c031
+# %% ../../nbs/10_utils_core.ipynb #c032
 def _move_tensor(t, device):
+    "Move `t` itself to `device`: swap its `.data`, or, between tensor types `.data` cannot bridge (cpu and meta), its contents"
     moved = t.to(device)
-    if moved is not t: t.data = moved.data
+    if moved is t: return t
+    try: t.data = moved.data
+    except RuntimeError:
+        if isinstance(t, torch.nn.Parameter): moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+        moved.__dict__.update(t.__dict__)          # attributes such as `group_name` stay with the object
+        torch.utils.swap_tensors(t, moved)
     return t
 
 def move_to_device(item, # a tensor, or lists/tuples/dicts of them (other leaves are kept)
