@@ -112,6 +112,21 @@ class MpuAdapter:
     def __repr__(self): return f'MpuAdapter(world_size={self.world_size}, tensor_rank={self.tensor_rank})'
 
 # %% ../../nbs/10_utils_core.ipynb #c030
+def _tensor_list(tensors, # one tensor (if `single_ok`) or an iterable of tensors
+                 name:str='parameters', # the argument's name, for the error
+                 single_ok:bool=True)->list:
+    "`tensors` as a list; TypeError naming the argument and the first non-tensor"
+    if isinstance(tensors, torch.Tensor) and single_ok: return [tensors]
+    if isinstance(tensors, (torch.Tensor, str, bytes)) or not hasattr(tensors, '__iter__'):
+        kind = 'a tensor or an iterable of tensors' if single_ok else 'a list of tensors'
+        raise TypeError(f"{name} must be {kind}, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
+    return tensors
+
+# %% ../../nbs/10_utils_core.ipynb #c033
 def _map_nested(item, fn, criterion_func):
     "Apply `fn` to each leaf of lists/tuples/dicts that `criterion_func` accepts, rebuilding the containers"
     if isinstance(item, (list, tuple)):
@@ -129,7 +144,7 @@ def copy_to_device(item, # a tensor, or lists/tuples/dicts of them (other leaves
     "A copy of `item` with the accepted leaves moved to `device`"
     return _map_nested(item, lambda t: t.to(device), criterion_func)
 
-# %% ../../nbs/10_utils_core.ipynb #c032
+# %% ../../nbs/10_utils_core.ipynb #c035
 def _move_tensor(t, device):
     "Move `t` itself to `device`: swap its `.data`, or, between tensor types `.data` cannot bridge (cpu and meta), its contents"
     moved = t.to(device)

@@ -8,24 +8,13 @@ import math
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
-from .core import MpuAdapter
+from .core import MpuAdapter, _tensor_list
 
 # %% auto #0
 __all__ = ['clip_grad_norm_', 'get_grad_norm', 'get_weight_norm', 'get_grad_zeros', 'get_global_norm_of_tensors',
            'clip_tensors_by_global_norm', 'get_global_norm', 'has_inf_or_nan', 'CheckOverflow']
 
 # %% ../../nbs/12_utils_grads.ipynb #c006
-def _tensor_list(tensors, name='parameters')->list:
-    "`tensors` (one tensor or an iterable of them) as a list; TypeError naming the first non-tensor"
-    if isinstance(tensors, torch.Tensor): return [tensors]
-    if isinstance(tensors, (str, bytes)) or not hasattr(tensors, '__iter__'):
-        raise TypeError(f"{name} must be a tensor or an iterable of tensors, got {type(tensors).__name__}")
-    tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
-    return tensors
-
 def _norm_type(norm_type)->float:
     "`norm_type` as a float p in (0, inf]"
     try: p = float(norm_type)

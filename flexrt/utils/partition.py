@@ -8,6 +8,7 @@ import bisect, itertools, math
 from collections import deque
 import torch
 from .. import comm as dist
+from .core import _tensor_list
 
 # %% auto #0
 __all__ = ['prefix_sum_inc', 'partition_uniform', 'partition_balanced', 'align_dense_tensors', 'PartitionedTensor',
@@ -135,19 +136,10 @@ def partition_balanced(weights, # non-negative weight per item (e.g. parameters 
     return _cut_within(sums, k, *best)
 
 # %% ../../nbs/11_utils_partition.ipynb #c031
-def _check_tensor_list(tensors, name='tensor_list')->list:
-    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, '__iter__'):
-        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
-    tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}[{i}] is a {type(t).__name__}, expected a torch.Tensor")
-    return tensors
-
 def align_dense_tensors(tensor_list, # tensors that will be flattened together
                         alignment:int)->list: # the total element count is padded to a multiple of this
     "`tensor_list` plus, if needed, a zero tensor that pads the total number of elements to a multiple of `alignment`"
-    tensor_list = _check_tensor_list(tensor_list); _check_count('alignment', alignment, 1)
+    tensor_list = _tensor_list(tensor_list, 'tensor_list', single_ok=False); _check_count('alignment', alignment, 1)
     remaining = -sum(t.numel() for t in tensor_list) % alignment
     if remaining == 0 or not tensor_list: return tensor_list
     first = tensor_list[0]
@@ -257,5 +249,5 @@ def all_gather_dp_groups(groups_flat, # per parameter group: the flat buffer hol
         raise ValueError(f"{len(groups_flat)} flat buffers for {len(partitioned_param_groups)} parameter groups")
     for i, (flat, partitions) in enumerate(zip(groups_flat, partitioned_param_groups)):
         group = dp_process_group[i] if isinstance(dp_process_group, (list, tuple)) else dp_process_group
-        _gather_group(flat, _check_tensor_list(partitions, f'partitioned_param_groups[{i}]'), group,
+        _gather_group(flat, _tensor_list(partitions, f'partitioned_param_groups[{i}]', single_ok=False), group,
                       start_alignment_factor, allgather_bucket_size)
