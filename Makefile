@@ -20,8 +20,10 @@ $(STAMP): setup.py settings.ini
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# Executes examples/quickstart.ipynb headless (2 CPU ranks, the engine, the live dashboard) with nbclient; writes the
+# executed notebook, the dashboard's plots (PNG) and its history (CSV) to $(DEMO_OUT)/.
 demo: install
-	OUT=$(DEMO_OUT) $(PY) examples/demo.py
+	OUT=$(DEMO_OUT) $(PY) examples/run_quickstart.py
 
 test: install sync-check nbtest pytest
 
@@ -33,6 +35,7 @@ nbtest: install
 	$(BIN)/nbdev_test --flags multiproc --n_workers 2 --timing
 
 # pytest exits 5 when it collects nothing; make treats that as a failure, as it should.
+# tests/test_browser.py installs Debian's Chromium with apt-get on first use (root), or skips saying why it cannot.
 pytest: install
 	$(PY) -m pytest tests -q -p no:cacheprovider
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib, threading, time, traceback, warnings
 
 # %% auto #0
-__all__ = ['listening', 'add_listener', 'remove_listener', 'emit', 'listen']
+__all__ = ['ADDRESS_VARIABLE', 'KEY_VARIABLE', 'OWNER_VARIABLE', 'listening', 'add_listener', 'remove_listener', 'emit', 'listen',
+           'log', 'Hub', 'serve', 'stop_serving', 'Forwarder', 'flush', 'JSONLSink', 'CSVSink', 'TensorBoardSink',
+           'follow']
 
 # %% ../nbs/35_monitor.ipynb #c006
 _listeners: tuple = ()        # the registered listeners, in registration order
@@ -62,3 +64,267 @@ def listen(fn): # a callable taking one record
     add_listener(fn)
     try: yield fn
     finally: remove_listener(fn)
+
+# %% ../nbs/35_monitor.ipynb #c019
+def log(**values): # the values to record, e.g. `accuracy=0.91`
+    "Emit a `'log'` record with `values`"
+    emit('log', **values)
+
+# %% ../nbs/35_monitor.ipynb #c022
+import atexit, collections, json, os, secrets, multiprocessing.util
+from multiprocessing import connection as _connection
+
+ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE = 'FLEXRT_MONITOR_ADDRESS', 'FLEXRT_MONITOR_KEY', 'FLEXRT_MONITOR_OWNER'
+
+def _deliver(event:dict):
+    "Hand an already built record to every listener of this process"
+    for fn in _listeners:
+        try: fn(event)
+        except Exception as e: _report(fn, e)
+
+# %% ../nbs/35_monitor.ipynb #c023
+class Hub:
+    "Kernel side of the channel: accept ranks' connections and deliver their records to this process's listeners"
+    def __init__(self):
+        self.key = secrets.token_bytes(16)
+        self._server = _connection.Listener(('127.0.0.1', 0), authkey=self.key)
+        self.address = '%s:%d' % self._server.address
+        self.num_received, self.num_connections, self._dropped = 0, 0, {}   # sender -> records it dropped
+        self.closed, self._lock = False, threading.Lock()
+        threading.Thread(target=self._accept, daemon=True, name='flexrt-monitor-hub').start()
+
+    @property
+    def num_dropped(self)->int:
+        "Records the ranks dropped because their buffers were full"
+        return sum(self._dropped.values())
+
+# %% ../nbs/35_monitor.ipynb #c024
+def _accept(self:Hub):
+    "Accept connections until closed; one reader thread each"
+    while not self.closed:
+        try: conn = self._server.accept()
+        except (OSError, EOFError, _connection.AuthenticationError): continue
+        if self.closed: conn.close(); return
+        with self._lock: self.num_connections += 1
+        threading.Thread(target=self._read, args=(conn,), daemon=True, name='flexrt-monitor-reader').start()
+
+def _read(self:Hub, conn):
+    "Deliver every batch from one rank; answer its flush once everything before it was delivered"
+    with conn:
+        while True:
+            try: message = conn.recv()
+            except (EOFError, OSError): return
+            if message[0] == 'records':
+                _, sender, records, dropped = message
+                for record in records: _deliver(record)
+                with self._lock: self.num_received += len(records); self._dropped[sender] = dropped
+            elif message[0] == 'flush':
+                try: conn.send('flushed')
+                except OSError: return
+
+def _close(self:Hub):
+    "Stop accepting connections"
+    if self.closed: return
+    self.closed = True
+    try: _connection.Client(('127.0.0.1', int(self.address.rsplit(':', 1)[1])), authkey=self.key).close()  # wake accept()
+    except OSError: pass
+    self._server.close()
+
+Hub._accept, Hub._read, Hub.close = _accept, _read, _close
+
+# %% ../nbs/35_monitor.ipynb #c026
+_hub = None
+
+def serve()->Hub:
+    "Start (once) the hub that delivers worker ranks' records to this process, and publish its address in `os.environ`"
+    global _hub
+    if _hub is None or _hub.closed:
+        _hub = Hub()
+        os.environ.update({ADDRESS_VARIABLE: _hub.address, KEY_VARIABLE: _hub.key.hex(), OWNER_VARIABLE: str(os.getpid())})
+    return _hub
+
+def stop_serving():
+    "Close the hub and remove its address from the environment, so later ranks stop forwarding"
+    global _hub
+    if _hub is not None: _hub.close()
+    _hub = None
+    for name in (ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE): os.environ.pop(name, None)
+
+# %% ../nbs/35_monitor.ipynb #c028
+class Forwarder:
+    "Listener in a worker rank: buffer records (drop-oldest) and send them to the hub from a background thread"
+    def __init__(self, address:str, # 'host:port' of the hub
+                 key:bytes, # the hub's authentication key
+                 capacity:int=10_000, # records buffered before the oldest are dropped
+                 interval:float=0.05, # seconds between sends
+                ):
+        host, port = address.rsplit(':', 1)
+        self.address, self.key, self.interval = (host, int(port)), key, interval
+        self.buffer, self.num_dropped, self.num_sent = collections.deque(maxlen=capacity), 0, 0
+        self.sender = f'{os.getpid()}'
+        self._conn, self._thread, self._send_lock, self._closed = None, None, threading.Lock(), False
+
+    def __call__(self, record:dict):
+        "Buffer `record` (the training loop's only cost); tag it with this process's rank"
+        if 'rank' not in record: record = {**record, 'rank': int(os.environ.get('RANK', 0))}
+        if len(self.buffer) == self.buffer.maxlen: self.num_dropped += 1
+        self.buffer.append(record)
+        if self._thread is None: self._start()
+
+# %% ../nbs/35_monitor.ipynb #c029
+def _start(self:Forwarder):
+    "Start the sender thread, and flush at exit (multiprocessing children skip atexit, so register both)"
+    self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-forwarder')
+    self._thread.start()
+    multiprocessing.util.Finalize(self, self.close, exitpriority=100)
+    atexit.register(self.close)
+
+def _send_pending(self:Forwarder):
+    "Send what the buffer holds as one batch"
+    with self._send_lock:
+        if self._conn is None: self._conn = _connection.Client(self.address, authkey=self.key)
+        batch = []
+        while self.buffer: batch.append(self.buffer.popleft())
+        if batch:
+            self._conn.send(('records', self.sender, batch, self.num_dropped))
+            self.num_sent += len(batch)
+
+def _loop(self:Forwarder):
+    "Send every `interval` until closed; a lost hub ends forwarding (training goes on)"
+    while not self._closed:
+        try: self._send_pending()
+        except (OSError, EOFError, _connection.AuthenticationError) as e:
+            self._closed = True
+            warnings.warn(f'flexrt monitor: lost the notebook kernel at {self.address} ({e}); records are no longer forwarded')
+            return
+        time.sleep(self.interval)
+
+Forwarder._start, Forwarder._send_pending, Forwarder._loop = _start, _send_pending, _loop
+
+# %% ../nbs/35_monitor.ipynb #c030
+def _flush(self:Forwarder, timeout:float=30):
+    "Send everything buffered and wait until the hub has delivered it"
+    if self._closed or self._thread is None: return
+    try:
+        self._send_pending()
+        with self._send_lock:
+            self._conn.send(('flush',))
+            if self._conn.poll(timeout): self._conn.recv()
+            else: warnings.warn(f'flexrt monitor: the notebook kernel did not confirm delivery within {timeout} s')
+    except (OSError, EOFError): pass
+
+def _close_forwarder(self:Forwarder):
+    "Flush, then stop the thread and drop the connection"
+    if self._closed: return
+    self.flush()
+    self._closed = True
+    if self._conn is not None: self._conn.close()
+
+Forwarder.flush, Forwarder.close = _flush, _close_forwarder
+
+# %% ../nbs/35_monitor.ipynb #c032
+_forwarder = None
+
+def _attach_from_environment(inherited:bool=False):
+    "In a worker rank whose environment names another process's hub: forward every record there"
+    global _forwarder, _listeners, _hub
+    address, owner = os.environ.get(ADDRESS_VARIABLE), os.environ.get(OWNER_VARIABLE)
+    if not address or owner == str(os.getpid()): return None
+    if inherited: _listeners, _hub, _failed[:] = (), None, []   # the kernel's listeners now get records by the channel
+    _forwarder = Forwarder(address, bytes.fromhex(os.environ[KEY_VARIABLE]))
+    _listeners = _listeners + (_forwarder,)    # no lock: runs at import or right after fork, before other threads
+    return _forwarder
+
+def flush():
+    "In a worker rank: wait until every record emitted so far reached the kernel (no-op elsewhere)"
+    if _forwarder is not None: _forwarder.flush()
+
+os.register_at_fork(after_in_child=lambda: _attach_from_environment(inherited=True))
+_attach_from_environment()
+
+# %% ../nbs/35_monitor.ipynb #c038
+def _flat(record:dict, prefix:str='')->dict:
+    "Nested dicts as dotted keys"
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, dict): out.update(_flat(v, f'{prefix}{k}.'))
+        else: out[prefix + k] = v
+    return out
+
+def _sink_path(path)->str:
+    "`path` with `{rank}` filled in, its folder created"
+    path = str(path).format(rank=os.environ.get('RANK', 0))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+# %% ../nbs/35_monitor.ipynb #c039
+class JSONLSink:
+    "Listener that appends every record as one JSON line"
+    def __init__(self, path): # file to append to; may contain '{rank}'
+        self.path = _sink_path(path)
+        self._file, self._lock = open(self.path, 'a', buffering=1), threading.Lock()
+    def __call__(self, record:dict):
+        line = json.dumps(record, default=str)
+        with self._lock: self._file.write(line + '\n')
+    def close(self): self._file.close()
+
+class CSVSink:
+    "Listener that writes records of the given kinds as CSV rows; columns come from the first record"
+    def __init__(self, path, # file to write; may contain '{rank}'
+                 kinds=('step',)): # record kinds to keep
+        self.path, self.kinds, self._writer, self._lock = _sink_path(path), set(kinds), None, threading.Lock()
+        self._file = open(self.path, 'w', newline='', buffering=1)
+    def __call__(self, record:dict):
+        if record.get('kind') not in self.kinds: return
+        import csv
+        row = _flat(record)
+        with self._lock:
+            if self._writer is None:
+                self._writer = csv.DictWriter(self._file, fieldnames=list(row), extrasaction='ignore')
+                self._writer.writeheader()
+            self._writer.writerow(row)
+    def close(self): self._file.close()
+
+# %% ../nbs/35_monitor.ipynb #c042
+class TensorBoardSink:
+    "Listener that writes the numeric fields of step records as TensorBoard scalars (needs `pip install tensorboard`)"
+    def __init__(self, log_dir, # folder for the event files; may contain '{rank}'
+                 kinds=('step',)): # record kinds to write
+        try: from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError('TensorBoardSink needs the tensorboard package: pip install tensorboard '
+                              '(or use JSONLSink / CSVSink, which need nothing extra)') from e
+        self.writer, self.kinds = SummaryWriter(str(log_dir).format(rank=os.environ.get('RANK', 0))), set(kinds)
+    def __call__(self, record:dict):
+        if record.get('kind') not in self.kinds: return
+        step = record.get('step', 0)
+        for k, v in _flat(record).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ('step', 'time'):
+                self.writer.add_scalar(k, v, step)
+    def close(self): self.writer.close()
+
+# %% ../nbs/35_monitor.ipynb #c045
+class follow:
+    "Call `fn(record)` for every line of a JSONL file, as it grows, on a background thread; `.stop()` ends it"
+    def __init__(self, path, # the JSONL file (it may not exist yet)
+                 fn=None, # callable taking one record; default: this process's listeners
+                 interval:float=0.2): # seconds between looks at the file
+        self.path, self.fn, self.interval, self.num_records = str(path), fn or _deliver, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-follow'); self._thread.start()
+
+    def _loop(self):
+        while not os.path.exists(self.path):
+            if self._stop.wait(self.interval): return
+        with open(self.path) as f:
+            pending = ''
+            while True:
+                pending += f.read()
+                *lines, pending = pending.split('\n')
+                for line in lines:
+                    if line.strip(): self.fn(json.loads(line)); self.num_records += 1
+                if self._stop.wait(self.interval): return
+
+    def stop(self):
+        "Read what is there now, then stop"
+        time.sleep(self.interval); self._stop.set(); self._thread.join()

@@ -42,15 +42,17 @@ def plan_buckets(params, # parameters in the order their gradients are expected 
                  bucket_bytes:int, # most bytes per bucket (a larger parameter gets a bucket to itself)
                  group_of=lambda p: None, # the process group a parameter is reduced over
                  align:int=1, # pad each buffer to a multiple of this many elements
+                 first_bucket_bytes:int|None=None, # most bytes of the first bucket of each kind (None: bucket_bytes)
                 )->list: # buckets, ordered by the position of their last parameter
     "Pack parameters into flat buckets of at most `bucket_bytes`, one open bucket per (device, dtype, group)"
-    open_buckets, closed = {}, []   # key -> (last position, params, bytes, group); closed: (last position, params, group)
+    first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
+    open_buckets, closed, seen = {}, [], set()   # key -> (last position, params, bytes, group); closed: (last position, params, group)
     for i, p in enumerate(params):
         group, size = group_of(p), p.numel() * p.element_size()
         key = (p.device, p.dtype, id(group))
         last, members, total, _ = open_buckets.get(key, (i, [], 0, group))
-        if members and total + size > bucket_bytes:
-            closed.append((last, members, group))
+        if members and total + size > (bucket_bytes if key in seen else first):
+            closed.append((last, members, group)); seen.add(key)
             members, total = [], 0
         members.append(p)
         open_buckets[key] = (i, members, total + size, group)
@@ -165,7 +167,19 @@ def _zero_grad(self:BucketReducer):
 
 BucketReducer.zero_grad = _zero_grad
 
-# %% ../nbs/31_reducer.ipynb #c036
+# %% ../nbs/31_reducer.ipynb #c029
+def _flat_gradients(self:BucketReducer, params)->list|None: # the buckets' buffers, or None
+    "The bucket buffers if they hold exactly the gradients of `params` (each `p.grad` is its bucket slot), else None"
+    with_grad = {id(p) for p in params if p.grad is not None}
+    if not self.buckets or len(with_grad) != sum(len(bk.params) for bk in self.buckets): return None
+    for bk in self.buckets:
+        for p, view in zip(bk.params, bk.views):
+            if id(p) not in with_grad or p.grad.data_ptr() != view.data_ptr(): return None
+    return [bk.buffer for bk in self.buckets]
+
+BucketReducer.flat_gradients = _flat_gradients
+
+# %% ../nbs/31_reducer.ipynb #c038
 class _Finished:
     "The handle of a bucket that needs no collective (its group is this rank alone)"
     def wait(self): pass
@@ -178,9 +192,11 @@ class GradientReducer(BucketReducer):
                  bucket_bytes:int=25 * 2**20, # most bytes per bucket
                  group=None, # process group of the data-parallel ranks (None: all)
                  expert_groups=None, # {group_name: group} or one group, for params with `allreduce == False`
-                 gradient_predivide_factor:float=1.0): # divide by this before the all-reduce, the rest after
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive integer (bytes per bucket), got {bucket_bytes!r}")
+                 gradient_predivide_factor:float=1.0, # divide by this before the all-reduce, the rest after
+                 first_bucket_bytes:int=2**20): # most bytes of the first bucket (DDP's 1 MiB): its reduction starts early
+        for name, value in (('bucket_bytes', bucket_bytes), ('first_bucket_bytes', first_bucket_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer (bytes per bucket), got {value!r}")
         if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}")
         self.gradient_predivide_factor = float(gradient_predivide_factor)
@@ -188,7 +204,7 @@ class GradientReducer(BucketReducer):
         params = _trainable(params)
         groups = {id(p): _group_of(p, group, expert_groups) for p in params}
         shared = list(reversed(params)) if self.world_size > 1 else []
-        super().__init__(plan_buckets(shared, bucket_bytes, lambda p: groups[id(p)]))
+        super().__init__(plan_buckets(shared, bucket_bytes, lambda p: groups[id(p)], first_bucket_bytes=first_bucket_bytes))
 
     def _launch(self, bucket:Bucket):
         "Start the sum over the bucket's group (nothing to start for a group of one)"

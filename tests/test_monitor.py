@@ -67,3 +67,93 @@ def test_engine_builds_no_record_when_nobody_listens(monkeypatch):
         engine.backward(engine(torch.randn(2, 3)).mean()); engine.step()
     assert [r['step'] for r in seen] == [4] and seen[0]['memory']['process_rss_bytes'] > 0
     engine.close()
+
+
+# --- the channel from worker ranks to the kernel ---------------------------------------------------------------
+import os, socket
+import torch.multiprocessing as tmp
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+def emit_steps(num_steps):
+    "A rank: emit `num_steps` step records (module-level, so spawned ranks can import it)"
+    rank = int(os.environ.get('RANK', 0))
+    for step in range(num_steps): monitor.emit('step', rank=rank, step=step, loss=1.0 / (step + 1), pid=os.getpid())
+
+def spawned_rank(index, num_steps):
+    os.environ['RANK'] = str(index)
+    emit_steps(num_steps)
+
+@pytest.fixture
+def hub():
+    hub = monitor.serve()
+    yield hub
+    monitor.stop_serving()
+
+def _by_rank(records):
+    return {r: [x['step'] for x in records if x['rank'] == r] for r in sorted({x['rank'] for x in records})}
+
+def test_plain_notebook_launcher_delivers_every_record_before_it_returns(hub):
+    from accelerate import notebook_launcher
+    got, callers = [], set()
+    def listener(record): got.append(record); callers.add(os.getpid())
+    monitor.add_listener(listener)
+    notebook_launcher(emit_steps, (50,), num_processes=2, use_port=str(_free_port()))   # forked ranks, no extra args
+    steps = [r for r in got if r['kind'] == 'step']                 # no waiting: the ranks flushed before exiting
+    assert _by_rank(steps) == {0: list(range(50)), 1: list(range(50))}
+    assert callers == {os.getpid()}                                  # listeners ran in this process, never in a rank
+    assert {r['pid'] for r in steps}.isdisjoint({os.getpid()}) and hub.num_dropped == 0
+
+def test_spawned_ranks_find_the_kernel_through_the_environment(hub):
+    got = []
+    monitor.add_listener(got.append)
+    tmp.start_processes(spawned_rank, args=(30,), nprocs=2, start_method='spawn')
+    assert _by_rank(got) == {0: list(range(30)), 1: list(range(30))}
+    assert hub.num_connections == 2
+
+def test_broken_kernel_listener_never_breaks_the_ranks(hub):
+    from accelerate import notebook_launcher
+    good = []
+    def broken(record): raise RuntimeError('widget exploded')
+    monitor.add_listener(broken); monitor.add_listener(good.append)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        notebook_launcher(emit_steps, (20,), num_processes=2, use_port=str(_free_port()))
+    assert len(good) == 40
+    assert [str(w.message) for w in caught if 'widget exploded' in str(w.message)].__len__() == 1
+
+def test_full_buffer_drops_oldest_and_the_kernel_learns_the_count(hub):
+    got = []
+    monitor.add_listener(got.append)
+    fwd = monitor.Forwarder(hub.address, hub.key, capacity=4)
+    fwd._thread = 'held back'                                        # sender not started: the buffer must overflow
+    for step in range(10): fwd({'kind': 'step', 'rank': 0, 'step': step})
+    fwd._thread = None; fwd({'kind': 'step', 'rank': 0, 'step': 10}); fwd.close()
+    assert [r['step'] for r in got] == [7, 8, 9, 10] and fwd.num_dropped == 7 and hub.num_dropped == 7
+
+def test_no_hub_means_no_forwarding():
+    monitor.stop_serving()
+    assert monitor.ADDRESS_VARIABLE not in os.environ
+    from helpers import run_distributed
+    assert run_distributed(_listening_in_rank, 2, init=False) == [False, False]
+
+def _listening_in_rank(rank, world_size): return monitor.listening()
+
+def test_sinks_write_jsonl_and_csv_that_follow_reads_back(tmp_path):
+    jsonl, table = monitor.JSONLSink(tmp_path / 'run-{rank}.jsonl'), monitor.CSVSink(tmp_path / 'steps.csv')
+    got = []
+    watcher = monitor.follow(tmp_path / 'run-0.jsonl', got.append, interval=0.02)
+    with monitor.listen(jsonl), monitor.listen(table):
+        for step in range(5): monitor.emit('step', step=step, memory={'allocated_bytes': step})
+    jsonl.close(); table.close(); watcher.stop()
+    assert [r['step'] for r in got] == list(range(5))
+    import pandas as pd
+    assert list(pd.read_csv(tmp_path / 'steps.csv')['memory.allocated_bytes']) == list(range(5))
+
+def test_tensorboard_sink_says_what_to_install_when_missing(tmp_path):
+    try: import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match='pip install tensorboard'): monitor.TensorBoardSink(tmp_path)
+    else: pytest.skip('tensorboard is installed here; the sink works without the error path')

@@ -44,7 +44,11 @@ def _rank_average(rank, world, predivide):
     reducer.wait()
     ok = [_close(p.grad, r) for p, r in zip(model.parameters(), ref)]
     in_buckets = all(p.grad.data_ptr() == v.data_ptr() for bk in reducer.buckets for p, v in zip(bk.params, bk.views))
-    return len(reducer.buckets), _all_reduce_count(), launched_in_backward, ok, in_buckets
+    flat = reducer.flat_gradients(model.parameters())   # the same gradients as a few flat buffers
+    flat_ok = (len(flat) == len(reducer.buckets) and
+               torch.allclose(torch.cat(flat).norm(), torch.cat([r.flatten() for r in ref]).norm(), rtol=1e-5)
+               and reducer.flat_gradients(list(model.parameters())[1:]) is None)   # buckets hold more than asked
+    return len(reducer.buckets), _all_reduce_count(), launched_in_backward, ok, in_buckets and flat_ok
 
 @pytest.mark.parametrize('world,predivide', [(2, 1.0), (4, 1.0), (4, 2.0)])
 def test_average_matches_full_batch(world, predivide):
@@ -128,11 +132,12 @@ def _rank_frozen_tied(rank, world):
     reduced = [p for bk in reducer.buckets for p in bk.params]
     return (len(reduced), all(p.grad is None for p in frozen.parameters()),
             all(_close(p.grad, r) for p, r in zip(model.parameters(), ref) if p.requires_grad),
-            _all_reduce_count() == len(reducer.buckets))
+            _all_reduce_count() == len(reducer.buckets),
+            reducer.flat_gradients(params) is not None)   # frozen (no gradient) and the tied duplicate change nothing
 
 def test_frozen_parameters_are_left_out_and_tied_ones_reduced_once():
-    for num_reduced, frozen_untouched, ok, one_per_bucket in run_distributed(_rank_frozen_tied, 2):
-        assert num_reduced == 3 and frozen_untouched and ok and one_per_bucket
+    for num_reduced, frozen_untouched, ok, one_per_bucket, flat in run_distributed(_rank_frozen_tied, 2):
+        assert num_reduced == 3 and frozen_untouched and ok and one_per_bucket and flat
 
 # ---------------------------------------------------------------- expert parameters over their own group
 def _moe_model(rank):
@@ -291,6 +296,8 @@ def test_one_process_does_nothing():
     (dict(bucket_bytes=True), ValueError, 'bucket_bytes must be a positive integer'),
     (dict(gradient_predivide_factor=0), ValueError, 'gradient_predivide_factor must be a number > 0'),
     (dict(gradient_predivide_factor='2'), ValueError, 'gradient_predivide_factor must be a number > 0'),
+    (dict(first_bucket_bytes=0), ValueError, 'first_bucket_bytes must be a positive integer'),
+    (dict(first_bucket_bytes=None), ValueError, 'first_bucket_bytes must be a positive integer'),
 ])
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match): GradientReducer(_mlp().parameters(), **kwargs)
@@ -307,3 +314,27 @@ def test_plan_buckets_bounds_bytes_and_keeps_order():
     assert [id(p) for bk in buckets for p in bk.params] == [id(p) for p in params]
     padded = plan_buckets(params, bucket_bytes=8 * 4, align=4)
     assert [bk.buffer.numel() for bk in padded] == [8, 4, 12, 8]
+
+def test_plan_buckets_small_first_bucket():
+    params = [nn.Parameter(torch.zeros(n)) for n in (3, 5, 2, 9, 1, 4)]
+    buckets = plan_buckets(params, bucket_bytes=8 * 4, first_bucket_bytes=3 * 4)
+    assert [[p.numel() for p in bk.params] for bk in buckets] == [[3], [5, 2], [9], [1, 4]]
+    larger = plan_buckets(params, bucket_bytes=8 * 4, first_bucket_bytes=10 ** 6)   # never above bucket_bytes
+    assert [[p.numel() for p in bk.params] for bk in larger] == [[3, 5], [2], [9], [1, 4]]
+    mixed = [nn.Parameter(torch.zeros(4, dtype=dt)) for dt in (torch.float32, torch.float64) * 3]
+    per_kind = plan_buckets(mixed, bucket_bytes=1024, first_bucket_bytes=4 * 4)   # a small first bucket per dtype
+    assert [(bk.dtype, len(bk.params)) for bk in per_kind] == [(torch.float32, 1), (torch.float64, 1),
+                                                                (torch.float32, 2), (torch.float64, 2)]
+
+def _rank_default_buckets(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 4))   # 1 MiB of weights in front
+    x, y = torch.randn(8 * world, 512), torch.randn(8 * world, 4)
+    ref = _reference_grads(model, lambda m: F.mse_loss(m(x), y))
+    reducer = GradientReducer(model.parameters())   # defaults: a 1 MiB first bucket, then 25 MiB ones
+    F.mse_loss(model(_shard(x, rank, world)), _shard(y, rank, world)).backward(); reducer.wait()
+    return [len(bk.params) for bk in reducer.buckets], all(_close(p.grad, r) for p, r in zip(model.parameters(), ref))
+
+def test_default_first_bucket_is_small():
+    for sizes, ok in run_distributed(_rank_default_buckets, 2):
+        assert sizes == [3, 1] and ok   # last layer + first bias (8 KiB + 2 KiB) first, the 1 MiB weight after

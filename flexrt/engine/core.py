@@ -4,7 +4,7 @@
 
 # %% ../../nbs/30_engine_core.ipynb #c003
 from __future__ import annotations
-import contextlib, dataclasses, math, warnings
+import contextlib, dataclasses, importlib.util, math, warnings
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
@@ -14,6 +14,7 @@ from ..precision import Precision
 from .parts import (StepCounter, Timers, StepClock, StepReporter, ExpertGroups, layer_drop,
                                  build_dataloader)
 from .optim import ReplicatedOptimizer, client_optimizer, client_lr_scheduler
+from ..zero import build_zero_optimizer
 
 # %% auto #0
 __all__ = ['unused_settings', 'check_stage', 'Engine', 'broadcast_tensors']
@@ -29,9 +30,10 @@ def unused_settings(config:FlexConfig)->list: # the keys set to something this e
     return [k for k, on in checks.items() if on]
 
 def check_stage(config:FlexConfig):
-    "Refuse ZeRO stages this engine cannot run yet"
+    "Refuse ZeRO stages this engine cannot run (stage 3 needs `flexrt.zero.stage3`)"
     stage = config.zero_optimization.stage
-    if stage: raise NotImplementedError(f"zero_optimization.stage={stage} is not available yet; use stage 0 (plain data parallelism)")
+    if stage == 3 and importlib.util.find_spec('flexrt.zero.stage3') is None:
+        raise NotImplementedError("zero_optimization.stage=3 is not available in this build: use stage 0, 1 or 2")
 
 # %% ../../nbs/30_engine_core.ipynb #c009
 class Engine(torch.nn.Module):
@@ -104,8 +106,11 @@ def _setup_optimizer(self:Engine, optimizer, model_parameters, lr_scheduler):
     params = model_parameters if model_parameters is not None else self.module.parameters()
     self.basic_optimizer = client_optimizer(optimizer, cfg.optimizer, params)
     predivide = self.dp_world_size if cfg.prescale_gradients else cfg.gradient_predivide_factor
-    self.optimizer = ReplicatedOptimizer(self.module, self.basic_optimizer, self.precision, self.dp_group,
-                                         self.expert_groups, self.mpu, gradient_predivide_factor=predivide)
+    if cfg.zero_optimization.stage == 0:
+        self.optimizer = ReplicatedOptimizer(self.module, self.basic_optimizer, self.precision, self.dp_group,
+                                             self.expert_groups, self.mpu, gradient_predivide_factor=predivide)
+    else: self.optimizer = build_zero_optimizer(cfg.zero_optimization, self.module, self.basic_optimizer, self.precision,
+                                                self.dp_group, self.expert_groups, self.mpu, predivide)
     self.lr_scheduler = client_lr_scheduler(lr_scheduler, cfg.scheduler, self.basic_optimizer)
 
 def _setup_parts(self:Engine):
@@ -247,7 +252,12 @@ def _zero_grad(self:Engine, set_to_none:bool=True):
 
 def _counter_property(name): return property(lambda self: getattr(self.counter, name), doc=f"`{name}` of the step counter")
 
+def _memory_breakdown(self:Engine)->dict: # bytes: params, grads, optimizer_state, total (stage 3 adds persistent)
+    "Bytes this rank holds for parameters, gradients and optimizer state, as the ZeRO stage in use partitions them"
+    return self.optimizer.memory_breakdown()
+
 Engine.get_lr, Engine.get_global_grad_norm, Engine.zero_grad = _get_lr, _get_global_grad_norm, _zero_grad
+Engine.memory_breakdown = _memory_breakdown
 for _name in ('global_steps', 'global_samples', 'skipped_steps', 'micro_steps'): setattr(Engine, _name, _counter_property(_name))
 
 # %% ../../nbs/30_engine_core.ipynb #c024

@@ -15,7 +15,8 @@ from ..reducer import GradientReducer
 from ..utils import clip_grad_norm_
 
 # %% auto #0
-__all__ = ['Lamb', 'build_optimizer', 'client_optimizer', 'build_lr_scheduler', 'client_lr_scheduler', 'ReplicatedOptimizer']
+__all__ = ['Lamb', 'build_optimizer', 'client_optimizer', 'build_lr_scheduler', 'client_lr_scheduler', 'ReplicatedOptimizer',
+           'clip_flat_', 'storage_bytes']
 
 # %% ../../nbs/30_engine_optim.ipynb #c006
 class Lamb(torch.optim.Optimizer):
@@ -145,7 +146,7 @@ class ReplicatedOptimizer:
                  mpu=None, # Megatron-style model-parallel unit for the global norm, or None
                  bucket_bytes:int=25 * 2**20, # gradient bucket size of the all-reduce
                  gradient_predivide_factor:float=1.): # divide gradients by this before the all-reduce, the rest after
-        self.optimizer, self.precision, self.group, self.mpu = optimizer, precision, group, mpu
+        self.module, self.optimizer, self.precision, self.group, self.mpu = module, optimizer, precision, group, mpu
         self.expert_groups = expert_groups
         self.weights = precision.setup(module, optimizer)   # fp32 masters (with the expert marks) when needed; model cast
         self.reducer = GradientReducer(module.parameters(), bucket_bytes, group,
@@ -167,15 +168,36 @@ def _reduced_gradients(self:ReplicatedOptimizer)->list: # the (still scaled) gra
 
 def _clip_grad_norm(self:ReplicatedOptimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
     "Global gradient norm over every rank and param group; gradients scaled down to `max_norm` when above it (0: never)"
-    limit = max_norm if max_norm > 0 else math.inf
-    pre = float(clip_grad_norm_(self.weights.params, limit, mpu=self.mpu, expert_groups=self._norm_groups))
+    limit, flat = max_norm if max_norm > 0 else math.inf, self._flat_gradients()
+    if flat: pre = float(clip_flat_(flat, limit))
+    else: pre = float(clip_grad_norm_(self.weights.params, limit, mpu=self.mpu, expert_groups=self._norm_groups))
     post = pre * limit / (pre + 1e-6) if math.isfinite(pre) and pre > limit else pre
     return pre, post
 
 ReplicatedOptimizer.set_boundary, ReplicatedOptimizer.reduced_gradients = _set_boundary, _reduced_gradients
 ReplicatedOptimizer.clip_grad_norm = _clip_grad_norm
 
-# %% ../../nbs/30_engine_optim.ipynb #c023
+# %% ../../nbs/30_engine_optim.ipynb #c024
+@torch.no_grad()
+def clip_flat_(buffers:list, # flat gradient buffers of one device and dtype
+               max_norm:float, # largest allowed 2-norm (inf: never clip)
+               eps:float=1e-6)->torch.Tensor: # added to the norm in the scaling coefficient, as torch does
+    "2-norm of `buffers` as a 0-d tensor; buffers scaled in place to `max_norm` when the norm is finite and above it"
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(buffers)))
+    value = float(total)
+    if math.isfinite(value) and value > max_norm: torch._foreach_mul_(buffers, max_norm / (total + eps))
+    return total
+
+def _flat_gradients(self:ReplicatedOptimizer)->list|None: # the reducer's buffers, or None
+    "The reducer's buffers when the global norm over them is the norm over the optimizer's gradients"
+    if self.mpu is not None or self._norm_groups: return None
+    flat = self.reducer.flat_gradients(self.weights.params)
+    if not flat or len({(b.device, b.dtype) for b in flat}) > 1 or flat[0].dtype not in (torch.float32, torch.float64): return None
+    return flat
+
+ReplicatedOptimizer._flat_gradients = _flat_gradients
+
+# %% ../../nbs/30_engine_optim.ipynb #c026
 def _no_optimizer():
     raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
 
@@ -197,7 +219,7 @@ def _close(self:ReplicatedOptimizer):
 
 ReplicatedOptimizer.step, ReplicatedOptimizer.zero_grad, ReplicatedOptimizer.close = _step, _zero_grad, _close
 
-# %% ../../nbs/30_engine_optim.ipynb #c025
+# %% ../../nbs/30_engine_optim.ipynb #c028
 def _param_groups(self:ReplicatedOptimizer)->list: return [] if self.optimizer is None else self.optimizer.param_groups
 def _state(self:ReplicatedOptimizer): return {} if self.optimizer is None else self.optimizer.state
 
@@ -215,3 +237,28 @@ def _load_state_dict(self:ReplicatedOptimizer, state:Mapping):
 ReplicatedOptimizer.param_groups, ReplicatedOptimizer.state = property(_param_groups), property(_state)
 ReplicatedOptimizer.state_dict, ReplicatedOptimizer.load_state_dict = _state_dict, _load_state_dict
 ReplicatedOptimizer.__repr__ = lambda self: f'ReplicatedOptimizer(stage=0, {type(self.optimizer).__name__}, {self.precision.name})'
+
+# %% ../../nbs/30_engine_optim.ipynb #c034
+def storage_bytes(tensors, # tensors (None entries are skipped)
+                  seen:set)->int: # (data pointer, device) of storages already counted; updated
+    "Bytes of the storages behind `tensors` not yet in `seen`"
+    total = 0
+    for t in tensors:
+        if t is None: continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.device)
+        if key in seen or storage.nbytes() == 0: continue
+        seen.add(key); total += storage.nbytes()
+    return total
+
+def _memory_breakdown(self:ReplicatedOptimizer)->dict: # bytes: params, grads, optimizer_state, total
+    "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
+    seen, model = set(), list(self.module.parameters())
+    params = storage_bytes(model, seen)
+    grads = storage_bytes([bk.buffer for bk in self.reducer.buckets] + [p.grad for p in model] +
+                          [m.grad for m in self.weights.params], seen)
+    state = [] if self.optimizer is None else [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    state = storage_bytes(list(self.weights.params) + state, seen)
+    return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}
+
+ReplicatedOptimizer.memory_breakdown = _memory_breakdown

@@ -1,0 +1,33 @@
+"""examples/quickstart.ipynb in a real kernel (nbclient): a 2-rank engine run under plain notebook_launcher delivers
+every step record to the dashboard before the launching cell ends; checked in the kernel (the notebook's own
+asserts), in the saved widget state, and in the files `make demo` writes."""
+import sys
+from pathlib import Path
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
+from run_quickstart import run
+
+STEPS = 6
+
+def _models(nb):
+    state = nb.metadata['widgets']['application/vnd.jupyter.widget-state+json']['state']
+    return [m for m in state.values()]
+
+def test_quickstart_delivers_every_step_before_the_launch_cell_ends(tmp_path):
+    nb = run(tmp_path, STEPS)                                        # raises if any cell (the asserts) failed
+    launch_cell = next(c for c in nb.cells if c.cell_type == 'code' and 'notebook_launcher(train' in c.source)
+    after = nb.cells[nb.cells.index(launch_cell) + 2]                # the first cell after the launch, in the kernel
+    assert f'{2 * STEPS} step records' in ''.join(o.get('text', '') for o in after.outputs)
+    models = _models(nb)
+    counters = [m['state'] for m in models if m['model_name'] == 'IntTextModel']
+    assert [c['value'] for c in counters] == [2 * STEPS]             # the saved widget state agrees
+    bars = [m['state'] for m in models if m['model_name'] == 'IntProgressModel']
+    assert [(b['value'], b['max']) for b in bars] == [(STEPS, STEPS)]
+    plots = [m['state']['value'] for m in models if m['model_name'] == 'HTMLModel']
+    assert sum(p.startswith('<img src="data:image/png') for p in plots) == 2   # grad-norm and memory figures
+    history = pd.read_csv(tmp_path / 'history.csv')
+    steps = history[history['kind'] == 'step']
+    for rank in (0, 1): assert list(steps[steps['rank'] == rank]['step']) == list(range(1, STEPS + 1))
+    assert (steps['grad_norm'] > 0).all() and (steps['memory.allocated_bytes'] > 0).all()
+    assert {'grad_norm.png', 'memory.png', 'quickstart.ipynb'} <= {p.name for p in tmp_path.iterdir()}

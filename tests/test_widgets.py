@@ -1,0 +1,58 @@
+"""flexrt.widgets: views are thin over a History that tests drive directly; the dashboard's Stop button stops a
+background run on every rank at the same step; save() writes the plots and every record."""
+import sys, time
+from pathlib import Path
+import pandas as pd, pytest
+from flexrt import monitor
+from flexrt.launch import launch
+from flexrt.widgets import History, GradNormTrace, MemoryMonitor, TrainingDashboard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
+from quickstart_train import count_until_stopped
+
+@pytest.fixture(autouse=True)
+def clean():
+    yield
+    monitor.stop_serving()
+
+def step(rank, n, skipped=False):
+    return {'kind': 'step', 'time': 10.0 + n, 'rank': rank, 'step': n, 'loss': 1.0 / n, 'grad_norm': 3.0 / n,
+            'grad_norm_post_clip': min(1.0, 3.0 / n), 'lr': [0.1 * n], 'loss_scale': 2.0 ** 16, 'skipped': skipped,
+            'samples': 4 * n, 'samples_per_s': 40.0, 'memory': {'allocated_bytes': n << 20,
+            'max_allocated_bytes': 2 * n << 20, 'process_rss_bytes': 100 << 20}}
+
+def test_views_show_the_latest_values_of_their_history():
+    history = History()
+    trace, memory = GradNormTrace(clip=1.0, history=history), MemoryMonitor(history=history)
+    for n in range(1, 6):
+        for rank in (0, 1): history(step(rank, n, skipped=n == 2))
+    trace.refresh(); memory.refresh()
+    assert 'step 5: grad norm 0.6 &rarr; 0.6' in trace.text.value and 'lr 0.5' in trace.text.value
+    assert 'skipped 1' in trace.text.value and trace.plot.value.startswith('<img src="data:image/png;base64,')
+    assert 'rank 0: 5.0 MiB (peak 10.0)' in memory.text.value and 'RSS 100 MiB' in memory.text.value
+
+def test_dashboard_gets_kernel_records_and_saves_plots_and_history(tmp_path):
+    dash = TrainingDashboard(total_steps=8, interval=0.05)
+    for n in range(1, 5):
+        for rank in (0, 1): monitor.emit(**{k: v for k, v in step(rank, n).items() if k != 'time'})
+    dash.refresh()
+    assert (dash.steps_seen.value, dash.progress.value, dash.progress.max) == (8, 4, 8)
+    assert 'step 4/8' in dash.status.value
+    assert dash.save(tmp_path) == ['grad_norm.png', 'memory.png', 'history.csv']
+    saved = pd.read_csv(tmp_path / 'history.csv')
+    assert list(saved[saved['rank'] == 1]['step']) == [1, 2, 3, 4] and (tmp_path / 'memory.png').stat().st_size > 1000
+    dash.close()
+    monitor.emit('step', rank=0, step=5)                             # closed: no longer listening
+    assert len(dash.history.frame()) == 8
+
+def test_stop_button_stops_every_rank_at_the_same_step():
+    dash = TrainingDashboard(interval=0.1)
+    run = launch(count_until_stopped, (5000,), num_processes=2, background=True)
+    deadline = time.time() + 90
+    while len(dash.history.frame()) < 12 and time.time() < deadline: time.sleep(0.05)
+    dash.stop_button.click()
+    assert run.wait(90) and dash.stop_button.disabled
+    logs = dash.history.frame('log')
+    last = logs.groupby('rank')['step'].max()
+    assert last[0] == last[1] < 4999 and len(logs) == 2 * (last[0] + 1)
+    dash.close()
