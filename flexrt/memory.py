@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['memory_status', 'MemorySnapshot', 'memory_snapshot', 'reset_peak_memory_stats', 'see_memory_usage', 'MemoryStatus',
-           'get_ma_status', 'MemorySampler']
+           'get_ma_status', 'storage_bytes', 'MemorySampler']
 
 # %% ../nbs/16_memory.ipynb #c002
 import functools, gc, os, platform, threading, time, warnings, weakref
@@ -174,6 +174,19 @@ def get_ma_status()->int:
     return allocated
 
 # %% ../nbs/16_memory.ipynb #c038
+def storage_bytes(tensors, # tensors (None entries are skipped)
+                  seen:set)->int: # (data pointer, device) of storages already counted; updated
+    "Bytes of the storages behind `tensors` not yet in `seen`"
+    total = 0
+    for t in tensors:
+        if t is None: continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.device)
+        if key in seen or storage.nbytes() == 0: continue
+        seen.add(key); total += storage.nbytes()
+    return total
+
+# %% ../nbs/16_memory.ipynb #c041
 _samplers = weakref.WeakSet()  # every live sampler, so that a forked child can reset them
 
 class MemorySampler:
@@ -192,7 +205,7 @@ class MemorySampler:
         self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
         _samplers.add(self)
 
-# %% ../nbs/16_memory.ipynb #c040
+# %% ../nbs/16_memory.ipynb #c043
 def _running(self:MemorySampler)->bool:
     "Whether the sampling thread is alive"
     return self._thread is not None and self._thread.is_alive()
@@ -202,7 +215,7 @@ MemorySampler.__len__ = lambda self: len(self._buffer)
 MemorySampler.__repr__ = lambda self: (f'MemorySampler(interval_ms={self.interval_ms}, capacity={self.capacity}, '
                                        f'device={self.device!r}, running={self.running}, kept={len(self)})')
 
-# %% ../nbs/16_memory.ipynb #c042
+# %% ../nbs/16_memory.ipynb #c045
 def _sample(self:MemorySampler):
     "Take one snapshot into the buffer"
     snapshot = memory_snapshot(self.device)
@@ -221,7 +234,7 @@ def _run(self:MemorySampler, stop:threading.Event):
 
 MemorySampler._sample, MemorySampler._run = _sample, _run
 
-# %% ../nbs/16_memory.ipynb #c045
+# %% ../nbs/16_memory.ipynb #c048
 def _start(self:MemorySampler)->MemorySampler:
     "Start sampling; returns the sampler"
     if self.running: raise RuntimeError('this MemorySampler is already running; stop() it first')
@@ -242,7 +255,7 @@ def _stop(self:MemorySampler):
 
 MemorySampler.start, MemorySampler.stop = _start, _stop
 
-# %% ../nbs/16_memory.ipynb #c048
+# %% ../nbs/16_memory.ipynb #c051
 def _exit(self:MemorySampler, exc_type, exc, traceback):
     "Stop sampling; an exception already propagating keeps propagating, with a sampler error noted on it"
     if exc is None: return self.stop()
@@ -255,7 +268,7 @@ def _exit(self:MemorySampler, exc_type, exc, traceback):
 MemorySampler.__enter__ = lambda self: self.start()
 MemorySampler.__exit__ = _exit
 
-# %% ../nbs/16_memory.ipynb #c051
+# %% ../nbs/16_memory.ipynb #c054
 def _snapshots(self:MemorySampler)->list:
     "The kept snapshots, oldest first"
     with self._lock: return list(self._buffer)
@@ -274,7 +287,7 @@ def _clear(self:MemorySampler):
 
 MemorySampler.snapshots, MemorySampler.to_dataframe, MemorySampler.clear = _snapshots, _to_dataframe, _clear
 
-# %% ../nbs/16_memory.ipynb #c056
+# %% ../nbs/16_memory.ipynb #c059
 def _after_fork(self:MemorySampler):
     "In a forked child: no thread, fresh locks"
     self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()

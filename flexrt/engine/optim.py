@@ -13,10 +13,11 @@ from ..config.blocks import TORCH_OPTIMIZERS, TORCH_SCHEDULERS, DEEPSPEED_SCHEDU
 from ..schedulers import build_scheduler
 from ..reducer import GradientReducer
 from ..utils import clip_grad_norm_
+from ..memory import storage_bytes
 
 # %% auto #0
 __all__ = ['Lamb', 'build_optimizer', 'client_optimizer', 'build_lr_scheduler', 'client_lr_scheduler', 'ReplicatedOptimizer',
-           'clip_flat_', 'storage_bytes']
+           'clip_flat_']
 
 # %% ../../nbs/30_engine_optim.ipynb #c006
 class Lamb(torch.optim.Optimizer):
@@ -239,18 +240,6 @@ ReplicatedOptimizer.state_dict, ReplicatedOptimizer.load_state_dict = _state_dic
 ReplicatedOptimizer.__repr__ = lambda self: f'ReplicatedOptimizer(stage=0, {type(self.optimizer).__name__}, {self.precision.name})'
 
 # %% ../../nbs/30_engine_optim.ipynb #c034
-def storage_bytes(tensors, # tensors (None entries are skipped)
-                  seen:set)->int: # (data pointer, device) of storages already counted; updated
-    "Bytes of the storages behind `tensors` not yet in `seen`"
-    total = 0
-    for t in tensors:
-        if t is None: continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.device)
-        if key in seen or storage.nbytes() == 0: continue
-        seen.add(key); total += storage.nbytes()
-    return total
-
 def _memory_breakdown(self:ReplicatedOptimizer)->dict: # bytes: params, grads, optimizer_state, total
     "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
     seen, model = set(), list(self.module.parameters())

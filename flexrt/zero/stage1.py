@@ -11,6 +11,7 @@ from .. import comm as dist
 from ..reducer import BucketReducer, plan_buckets, _group_of
 from ..utils import get_global_norm_of_tensors, clip_tensors_by_global_norm
 from .partition import FlatPartition
+from ..memory import storage_bytes
 
 # %% auto #0
 __all__ = ['ShardReducer', 'ZeroStage1']
@@ -226,25 +227,14 @@ def _close(self:ZeroStage1):
 ZeroStage1.zero_grad, ZeroStage1.close = _zero_grad, _close
 
 # %% ../../nbs/40_zero_stage1.ipynb #c025
-def _storage_bytes(tensors, seen:set)->int:
-    "Bytes of the storages behind `tensors` not yet in `seen` (which is updated)"
-    total = 0
-    for t in tensors:
-        if t is None: continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.device)
-        if key in seen or storage.nbytes() == 0: continue
-        seen.add(key); total += storage.nbytes()
-    return total
-
 def _memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_state, total
     "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
     seen, model = set(), list(self.module.parameters())
-    params = _storage_bytes([bk.param_buffer for bk in self.buckets] + model, seen)
-    grads = _storage_bytes([t for bk in self.buckets for t in (bk.buffer, bk.grad_shard, bk.master.grad)] +
+    params = storage_bytes([bk.param_buffer for bk in self.buckets] + model, seen)
+    grads = storage_bytes([t for bk in self.buckets for t in (bk.buffer, bk.grad_shard, bk.master.grad)] +
                            [p.grad for p in model], seen)
     state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    state = _storage_bytes([bk.master for bk in self.buckets] + state, seen)
+    state = storage_bytes([bk.master for bk in self.buckets] + state, seen)
     return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}
 
 ZeroStage1.memory_breakdown = _memory_breakdown
