@@ -112,13 +112,16 @@ def ds_config(args, stage=0, **zero):
             'zero_allow_untested_optimizer': True, 'steps_per_print': 10 ** 9, 'wall_clock_breakdown': False}
 
 # ---------------------------------------------------------------- the implementations: model -> step(inputs, targets)
-def build_ddp(model, args):
-    ddp, opt = nn.parallel.DistributedDataParallel(model), adamw(model)
+def torch_step(model, opt):
+    "A plain torch training step over `model` (a DDP or FSDP2 wrapper communicates inside backward)"
     def step(x, y):
-        loss = loss_of(ddp(x), y); loss.backward()
+        loss = loss_of(model(x), y); loss.backward()
         opt.step(); opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step
+
+def build_ddp(model, args):
+    return torch_step(nn.parallel.DistributedDataParallel(model), adamw(model))
 
 def build_flexrt_reducer(model, args):
     from flexrt.reducer import GradientReducer
@@ -161,21 +164,11 @@ def build_fsdp2(reshard):
         mesh = init_device_mesh('cpu', (tdist.get_world_size(),))
         for block in blocks(model): fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        opt = adamw(model)
-        def step(x, y):
-            loss = loss_of(model(x), y); loss.backward()
-            opt.step(); opt.zero_grad(set_to_none=True)
-            return loss.detach()
-        return step
+        return torch_step(model, adamw(model))
     return build
 
 def build_no_comm(model, args):
-    opt = adamw(model)
-    def step(x, y):
-        loss = loss_of(model(x), y); loss.backward()
-        opt.step(); opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
+    return torch_step(model, adamw(model))
 
 BUILDERS = {'ddp': build_ddp, 'flexrt-reducer': build_flexrt_reducer,
             **{f'flexrt-z{s}': build_flexrt(s) for s in range(4)},

@@ -51,7 +51,8 @@ def train_rank(rank, world, gas, extra=None):
         losses.append(sum(local) / gas)
         norms.append(engine.get_global_grad_norm())
     params = [p.detach().float().clone() for p in engine.module.parameters()]
-    flat_norm = engine.optimizer._flat_gradients() is not None   # norm and clipping ran over the reducer's flat buckets
+    flat_gradients = getattr(engine.optimizer, '_flat_gradients', None)   # stage 0 only
+    flat_norm = flat_gradients is not None and flat_gradients() is not None   # norm and clipping over the reducer's flat buckets
     counters = (engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps, engine.get_lr(), flat_norm)
     engine.close()
     return losses, params, norms, counters
