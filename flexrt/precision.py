@@ -8,120 +8,12 @@ import math, warnings, dataclasses
 from collections.abc import Mapping
 import torch
 from .utils import CheckOverflow, get_global_norm_of_tensors
+from .loss_scaler import StaticLossScaler, DynamicLossScaler, make_loss_scaler
 
 # %% auto #0
-__all__ = ['StaticLossScaler', 'DynamicLossScaler', 'make_loss_scaler', 'ModelWeights', 'MasterWeights', 'Precision']
+__all__ = ['ModelWeights', 'MasterWeights', 'Precision']
 
 # %% ../nbs/25_precision.ipynb #c006
-def _number(name:str, value, integer:bool=False, minimum:float=0., inclusive:bool=False):
-    "`value` as a finite float (an int if `integer`) above `minimum` (or equal, if `inclusive`)"
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {value!r}")
-    ok = value >= minimum if inclusive else value > minimum
-    if not (math.isfinite(value) and ok):
-        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {minimum}, got {value!r}")
-    return value if integer else float(value)
-
-# %% ../nbs/25_precision.ipynb #c009
-class StaticLossScaler:
-    "A fixed loss scale"
-    dynamic = False
-    def __init__(self, scale:float=1.): self.cur_scale = _number('scale', scale)   # the loss is multiplied by this
-
-    @property
-    def loss_scale(self)->float: return self.cur_scale
-
-    def scale_loss(self, loss:torch.Tensor)->torch.Tensor:
-        "`loss` times the scale (the loss itself when the scale is 1)"
-        return loss if self.cur_scale == 1. else loss * self.cur_scale
-
-    def update(self, overflow:bool): "Nothing to do: the scale is fixed"
-    update_scale = update   # DeepSpeed's name
-
-    def state_dict(self)->dict: return {'cur_scale': self.cur_scale}
-    def load_state_dict(self, state:Mapping): self.cur_scale = _number('cur_scale', state['cur_scale'])
-    def __repr__(self): return f'StaticLossScaler(scale={self.cur_scale:g})'
-
-# %% ../nbs/25_precision.ipynb #c012
-class DynamicLossScaler(StaticLossScaler):
-    "A loss scale that drops on overflow (after `delayed_shift` of them) and grows after `scale_window` clean steps"
-    dynamic = True
-    def __init__(self, init_scale:float=2.**16, # the first scale
-                 scale_factor:float=2., # divide by this on overflow, multiply by it after a clean window
-                 scale_window:int=1000, # clean steps in a row before the scale grows
-                 min_scale:float=1., # the scale never goes below this
-                 delayed_shift:int=1, # hysteresis: overflows that lower the scale only when this many have happened
-                 consecutive_hysteresis:bool=False, # refill the hysteresis after every clean step
-                 raise_error_at_min_scale:bool=False): # an overflow at `min_scale` raises instead of skipping again
-        self.cur_scale = _number('init_scale', init_scale)
-        self.scale_factor = _number('scale_factor', scale_factor, minimum=1.)
-        self.scale_window = _number('scale_window', scale_window, integer=True, minimum=1, inclusive=True)
-        self.min_scale = _number('min_scale', min_scale)
-        self.delayed_shift = _number('delayed_shift', delayed_shift, integer=True, minimum=1, inclusive=True)
-        if self.cur_scale < self.min_scale: raise ValueError(f"init_scale={init_scale} is below min_scale={min_scale}")
-        self.consecutive_hysteresis, self.raise_error_at_min_scale = bool(consecutive_hysteresis), bool(raise_error_at_min_scale)
-        self.cur_iter, self.last_overflow_iter, self.cur_hysteresis = 0, -1, self.delayed_shift
-
-    def __repr__(self):
-        return (f'DynamicLossScaler(scale={self.cur_scale:g}, window={self.scale_window}, min={self.min_scale:g}, '
-                f'hysteresis={self.cur_hysteresis}/{self.delayed_shift})')
-
-# %% ../nbs/25_precision.ipynb #c015
-def _on_overflow(self:DynamicLossScaler):
-    if self.cur_hysteresis > 1: self.cur_hysteresis -= 1   # tolerated: spend one unit of hysteresis
-    elif self.cur_scale <= self.min_scale and self.raise_error_at_min_scale:
-        raise RuntimeError(f"Current loss scale already at minimum ({self.min_scale:g}) - cannot decrease scale anymore. "
-                           "The gradients overflow even at the smallest scale: lower the learning rate, look for inf/nan "
-                           "in the data or the model, lower min_loss_scale, or train in bf16")
-    else: self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-    self.last_overflow_iter = self.cur_iter
-
-def _on_clean(self:DynamicLossScaler):
-    if self.consecutive_hysteresis: self.cur_hysteresis = self.delayed_shift
-    clean_before = self.cur_iter - self.last_overflow_iter - 1   # clean steps in a row before this one
-    if clean_before > 0 and clean_before % self.scale_window == 0:
-        self.cur_hysteresis = self.delayed_shift
-        self.cur_scale *= self.scale_factor
-
-def _update(self:DynamicLossScaler, overflow:bool): # did this step's gradients hold inf/nan (on any rank)?
-    "Record one optimizer step"
-    (self._on_overflow if overflow else self._on_clean)()
-    self.cur_iter += 1
-
-DynamicLossScaler._on_overflow, DynamicLossScaler._on_clean = _on_overflow, _on_clean
-DynamicLossScaler.update = DynamicLossScaler.update_scale = _update
-
-# %% ../nbs/25_precision.ipynb #c018
-_SCALER_STATE = ('cur_scale', 'cur_iter', 'last_overflow_iter', 'cur_hysteresis')
-
-def _dynamic_state_dict(self:DynamicLossScaler)->dict: return {k: getattr(self, k) for k in _SCALER_STATE}
-
-def _dynamic_load_state_dict(self:DynamicLossScaler, state:Mapping):
-    missing = [k for k in _SCALER_STATE if k not in state]
-    if missing: raise ValueError(f"loss scaler state is missing {missing}; expected the keys {list(_SCALER_STATE)}")
-    self.cur_scale = _number('cur_scale', state['cur_scale'])
-    self.cur_iter, self.last_overflow_iter, self.cur_hysteresis = (int(state[k]) for k in _SCALER_STATE[1:])
-
-DynamicLossScaler.state_dict, DynamicLossScaler.load_state_dict = _dynamic_state_dict, _dynamic_load_state_dict
-
-# %% ../nbs/25_precision.ipynb #c021
-def make_loss_scaler(loss_scale:float=0., # fp16.loss_scale: > 0 a fixed scale, 0 dynamic scaling
-                     initial_scale_power:int=16, # the dynamic scale starts at 2**initial_scale_power
-                     loss_scale_window:int=1000, # clean steps before the scale grows
-                     hysteresis:int=2, # overflows that lower the scale only when this many have happened
-                     consecutive_hysteresis:bool=False, # refill the hysteresis after every clean step
-                     min_loss_scale:float=1., # the dynamic scale never goes below this
-                     raise_error_at_min_scale:bool=False)->StaticLossScaler: # an overflow at the minimum raises
-    "A `StaticLossScaler` or `DynamicLossScaler` from DeepSpeed's `fp16` keys"
-    loss_scale = _number('fp16.loss_scale', loss_scale, inclusive=True)
-    if loss_scale > 0: return StaticLossScaler(loss_scale)
-    power = _number('fp16.initial_scale_power', initial_scale_power, integer=True, inclusive=True)
-    if power >= 128: raise ValueError(f"fp16.initial_scale_power={power} gives a scale past the fp32 range: use < 128")
-    return DynamicLossScaler(2. ** power, 2., loss_scale_window, min_loss_scale, hysteresis, consecutive_hysteresis,
-                             raise_error_at_min_scale)
-
-# %% ../nbs/25_precision.ipynb #c024
 def _optimizer_params(source)->list:
     "The parameters of an optimizer's param groups, or of an iterable of tensors"
     if hasattr(source, 'param_groups'): return [p for g in source.param_groups for p in g['params']]
@@ -134,7 +26,7 @@ def _zero_grads(tensors, set_to_none:bool):
         for t in tensors: t.grad = None
     else: torch._foreach_zero_([t.grad for t in tensors if t.grad is not None])
 
-# %% ../nbs/25_precision.ipynb #c025
+# %% ../nbs/25_precision.ipynb #c007
 class ModelWeights:
     "The optimizer steps the model's own parameters: nothing to copy"
     def __init__(self, source): self.model_params = _optimizer_params(source)   # an optimizer, or parameters
@@ -146,7 +38,7 @@ class ModelWeights:
     def state_dict(self)->dict: return {}   # the model's own state_dict holds the weights
     def load_state_dict(self, state:Mapping): "Nothing to restore"
 
-# %% ../nbs/25_precision.ipynb #c028
+# %% ../nbs/25_precision.ipynb #c010
 _MARKS = ('allreduce', 'group_name')
 
 def _expert_key(p)->tuple:
@@ -164,7 +56,7 @@ def _master_copies(params:list)->tuple:
     for m, p in zip(masters, params): _copy_marks(m, p)
     return masters, [[p] for p in params], [m.detach() for m in masters]
 
-# %% ../nbs/25_precision.ipynb #c029
+# %% ../nbs/25_precision.ipynb #c011
 def _flat_master(params:list)->tuple:
     "(the flat fp32 Parameter, fp32 views matching `params`) for parameters of one device and expert key"
     devices = {p.device for p in params}
@@ -183,7 +75,7 @@ def _flat_masters(params:list)->tuple:
         masters.append(flat); members.append(group); view_of.update(zip(map(id, group), views))
     return masters, members, [view_of[id(p)] for p in params]
 
-# %% ../nbs/25_precision.ipynb #c033
+# %% ../nbs/25_precision.ipynb #c015
 def _move_state(optimizer, old:list, new:list, flat:bool):
     "Re-key optimizer state held for `old` parameters to `new` ones (flat masters cannot take per-parameter state)"
     held = [p for p in old if p in optimizer.state and optimizer.state[p]]
@@ -192,7 +84,7 @@ def _move_state(optimizer, old:list, new:list, flat:bool):
     for p, m in zip(old, new):
         if p in optimizer.state: optimizer.state[m] = optimizer.state.pop(p)
 
-# %% ../nbs/25_precision.ipynb #c034
+# %% ../nbs/25_precision.ipynb #c016
 class MasterWeights:
     "fp32 copies of the parameters an optimizer steps, swapped into its param groups; the model keeps its own dtype"
     def __init__(self, optimizer, # an optimizer over the model's parameters (built before or after the cast)
@@ -214,7 +106,7 @@ class MasterWeights:
 
     def __repr__(self): return f'MasterWeights({len(self.model_params)} parameters, flat={self.flat})'
 
-# %% ../nbs/25_precision.ipynb #c036
+# %% ../nbs/25_precision.ipynb #c018
 def _master_grad(master:torch.nn.Parameter, model:list, dst:list, src:list, zero:list):
     "Queue the copy of `model`'s gradients into `master.grad` (zeros for a missing one; None when all are missing)"
     if all(p.grad is None for p in model): master.grad = None; return
@@ -244,7 +136,7 @@ def _master_zero_grad(self:MasterWeights, set_to_none:bool=True):
 
 MasterWeights.collect_grads, MasterWeights.copy_to_model, MasterWeights.zero_grad = _collect_grads, _copy_to_model, _master_zero_grad
 
-# %% ../nbs/25_precision.ipynb #c040
+# %% ../nbs/25_precision.ipynb #c022
 def _master_state_dict(self:MasterWeights)->dict:
     "{'master_weights': per param group, the fp32 value of each parameter}"
     return {'master_weights': [list(views) for views in self.views]}
@@ -262,7 +154,7 @@ def _master_load_state_dict(self:MasterWeights, state:Mapping):
 
 MasterWeights.state_dict, MasterWeights.load_state_dict = _master_state_dict, _master_load_state_dict
 
-# %% ../nbs/25_precision.ipynb #c043
+# %% ../nbs/25_precision.ipynb #c025
 _NAMES = {torch.float32: 'fp32', torch.bfloat16: 'bf16', torch.float16: 'fp16'}
 _DTYPES = {'fp32': torch.float32, 'float32': torch.float32, 'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16,
            'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16}
@@ -273,7 +165,7 @@ def _dtype(dtype)->torch.dtype:
     if found is None: raise ValueError(f"dtype must be one of fp32, bf16, fp16 (or the torch dtypes), got {dtype!r}")
     return found
 
-# %% ../nbs/25_precision.ipynb #c045
+# %% ../nbs/25_precision.ipynb #c027
 class Precision:
     "Working dtype, loss scaling and the overflow check of a training run"
     def __init__(self, dtype:torch.dtype|str=torch.float32, # what the model computes in: fp32, bf16 or fp16
@@ -299,7 +191,7 @@ class Precision:
     def __repr__(self):
         return f'Precision({self.name}, {self.loss_scaler!r}, master_weights={self.master_weights}, check_overflow={self.check_overflow})'
 
-# %% ../nbs/25_precision.ipynb #c047
+# %% ../nbs/25_precision.ipynb #c029
 def _fp32(cls, group=None)->Precision: return cls(torch.float32, group=group)
 
 def _bf16(cls, enabled:bool=True, # DeepSpeed's `bf16.enabled`; False is an error here (see `from_config`)
@@ -321,7 +213,7 @@ def _fp16(cls, enabled:bool=True, auto_cast:bool=False, loss_scale:float=0., ini
 
 Precision.fp32, Precision.bf16, Precision.fp16 = classmethod(_fp32), classmethod(_bf16), classmethod(_fp16)
 
-# %% ../nbs/25_precision.ipynb #c048
+# %% ../nbs/25_precision.ipynb #c030
 def _block(block, name:str)->dict:
     "A config block (None, a mapping or a dataclass) as a dict"
     if block is None: return {}
@@ -342,7 +234,7 @@ def _from_config(cls, fp16=None, # DeepSpeed's "fp16" block
 
 Precision.from_config = classmethod(_from_config)
 
-# %% ../nbs/25_precision.ipynb #c051
+# %% ../nbs/25_precision.ipynb #c033
 def _cast_model(self:Precision, module:torch.nn.Module)->torch.nn.Module:
     "Cast `module`'s floating-point parameters and buffers to the working dtype (fp32: leave it alone)"
     return module if self.dtype == torch.float32 else module.to(self.dtype)
@@ -370,7 +262,7 @@ def _setup(self:Precision, module:torch.nn.Module|None=None, # the model to cast
 
 Precision.cast_model, Precision.cast_inputs, Precision.setup = _cast_model, _cast_inputs, _setup
 
-# %% ../nbs/25_precision.ipynb #c054
+# %% ../nbs/25_precision.ipynb #c036
 def _backward(self:Precision, loss:torch.Tensor, retain_graph:bool=False):
     "Backward on `loss` times the loss scale"
     self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
@@ -391,7 +283,7 @@ def _unscale_and_check(self:Precision, grads)->bool: # the gradients the optimiz
 
 Precision.backward, Precision._has_overflow, Precision.unscale_and_check = _backward, _has_overflow, _unscale_and_check
 
-# %% ../nbs/25_precision.ipynb #c057
+# %% ../nbs/25_precision.ipynb #c039
 def _precision_state_dict(self:Precision)->dict:
     return {'precision': self.name, 'dynamic': self.loss_scaler.dynamic, 'loss_scaler': self.loss_scaler.state_dict()}
 

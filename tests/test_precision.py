@@ -3,8 +3,8 @@ import copy, math, warnings
 import pytest
 import torch
 from helpers import run_distributed
-from flexrt.precision import (DynamicLossScaler, StaticLossScaler, make_loss_scaler, MasterWeights, ModelWeights,
-                              Precision)
+from flexrt.loss_scaler import DynamicLossScaler, StaticLossScaler, make_loss_scaler
+from flexrt.precision import MasterWeights, ModelWeights, Precision
 
 
 # ---------------------------------------------------------------- loss scalers
