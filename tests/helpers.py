@@ -9,7 +9,7 @@ every rank's traceback;
 results may hold tensors (they are pickled by value); a rank that does not finish within `timeout` seconds fails it too (and all ranks are
 killed), so a hang never stalls the suite.
 """
-import os, pickle, socket, traceback, time, queue as queue_mod
+import gc, os, pickle, socket, traceback, time, queue as queue_mod
 from datetime import timedelta
 import multiprocessing as mp
 
@@ -38,6 +38,7 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
 
 def run_distributed(fn, world_size=2, args=(), kwargs=None, init=True, timeout=90, env=None, start_method='fork'):
     "Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return the list of results by rank."
+    gc.collect()   # finalise garbage here: a forked rank collecting an inherited TCPStore would wait for a thread it lacks
     ctx = mp.get_context(start_method)
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, kwargs or {}, init, env, results),
