@@ -17,12 +17,12 @@ Implementations (`--impls` picks some; `--stages` keeps those of the listed ZeRO
 - flexrt-reducer: a plain loop with flexrt.reducer.GradientReducer (bucketed all-reduce overlapping backward),
   the engine's stage 0 without the engine around it.
 - flexrt-z0 .. flexrt-z3: flexrt.initialize(...) with zero_optimization.stage 0..3 (`ds_config`). At stage 3 the
-  GPT's tied head (the root's forward reads `tok.weight`) is declared with `register_external_parameter`, which
-  flexrt's stage 3 needs and DeepSpeed's detects by itself.
-  On gloo flexrt's stages 1/2 run their reduce-scatter and all-gather as all-reduces (faster there; see
+  GPT's tied head (the root's forward reads `tok.weight`) is detected by both engines: no model change.
+  On gloo flexrt's stages 1/2 run their reduce-scatter and all-gather as direct messages
+  (`flexrt.comm.reduce_scatter_tensor_p2p`, `all_gather_into_tensor_p2p`: faster there than gloo's own ops; see
   `flexrt.zero.stage1.ShardReducer`).
 - flexrt-z1-ar, flexrt-z2-ar (not run by default): zero_optimization.reduce_scatter=false, DeepSpeed's switch to
-  all-reduce the gradients; on gloo the same collectives as flexrt-z1/z2, logged and counted as all-reduces.
+  all-reduce the gradients and keep the rank's chunk.
 - deepspeed-z0 .. deepspeed-z3: deepspeed.initialize(...) with the same config on CPU (DS_ACCELERATOR=cpu).
 - fsdp2, fsdp2-noreshard: torch.distributed.fsdp.fully_shard on every block/layer and the root;
   `reshard_after_forward=True` (parameters partitioned between uses: ZeRO-3) or False (kept gathered from forward
@@ -142,9 +142,6 @@ def engine_step(engine):
 def build_flexrt(stage, **zero):
     def build(model, args):
         import flexrt
-        if stage == 3 and isinstance(model, GPT):   # the root's forward reads the embedding's weight (the tied head)
-            from flexrt.zero.stage3_params import register_external_parameter
-            register_external_parameter(model, model.tok.weight)
         engine, *_ = flexrt.initialize(model=model, optimizer=adamw(model), config=ds_config(args, stage, **zero))
         return engine_step(engine)
     return build

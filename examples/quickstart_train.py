@@ -33,16 +33,17 @@ def train(steps: int = 40, step_delay: float = 0.0, track_memory: bool = True):
     model = tiny_transformer()
     engine, _, _, _ = flexrt.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
     torch.manual_seed(1234 + env.rank)
-    for step in range(steps):
-        tokens = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), 32))
-        logits = engine(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-        engine.backward(loss)
-        engine.step()                                # emits one 'step' record per optimizer step
-        if step_delay: time.sleep(step_delay)
-        if (step + 1) % 10 == 0 or step + 1 == steps:
-            monitor.emit('comm', total_steps=steps, rows=dist.comms_logger.summary().to_dict('records'))
-        if should_stop(): break
+    with monitor.sample_memory(interval_ms=100):    # 'memory' records between the steps' own snapshots
+        for step in range(steps):
+            tokens = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), 32))
+            logits = engine(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+            engine.backward(loss)
+            engine.step()                            # emits one 'step' record per optimizer step
+            if step_delay: time.sleep(step_delay)
+            if (step + 1) % 10 == 0 or step + 1 == steps:
+                monitor.emit('comm', total_steps=steps, rows=dist.comms_logger.summary().to_dict('records'))
+            if should_stop(): break
     engine.close()
     if tracker is not None: tracker.disable()
     dist.destroy_process_group()

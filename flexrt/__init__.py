@@ -13,7 +13,7 @@ _all_ = ['initialize', 'add_config_arguments', 'init_distributed', 'Engine', 'lo
 # %% ../nbs/39_flexrt_init.ipynb #c006
 _ENTRY_POINTS = {'initialize': 'flexrt.engine', 'add_config_arguments': 'flexrt.engine', 'Engine': 'flexrt.engine',
                  'load_config': 'flexrt.config'}
-_SUBMODULES = ('comm', 'config', 'engine', 'launch', 'loss_scaler', 'memory', 'memory_tracker', 'monitor', 'precision', 'reducer',
+_SUBMODULES = ('checkpoint', 'comm', 'config', 'engine', 'launch', 'loss_scaler', 'memory', 'memory_tracker', 'monitor', 'precision', 'reducer',
                'schedulers', 'utils', 'widgets', 'zero')
 
 def __getattr__(name:str):

@@ -4,7 +4,7 @@
 
 # %% ../nbs/36_launch.ipynb #c003
 from __future__ import annotations
-import gc, os, signal, socket, tempfile, threading, traceback
+import os, signal, socket, tempfile, threading, traceback
 import psutil, torch
 from . import monitor, comm as dist
 
@@ -116,10 +116,7 @@ def _launch_blocking(run:Run, fn, args, num_processes, kwargs):
     from accelerate import notebook_launcher
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    error = None
-    # Finalise unreachable objects here, before the fork: a forked rank that garbage-collects an inherited torch object
-    # owning a thread (a TCPStore left by an earlier process group) waits forever for a thread it does not have.
-    gc.collect()
+    error = None   # garbage is collected before each fork: `launch` serves, and a serving kernel does (flexrt.monitor)
     try:
         with monitor.listen(run._record):
             notebook_launcher(RankMain(fn), args, num_processes=num_processes, **kwargs)

@@ -194,13 +194,16 @@ class MemorySampler:
     def __init__(self, interval_ms:float=100, # time between samples, in milliseconds
                  capacity:int=10_000, # number of newest snapshots kept
                  device=None, # device to report on; None: the default device at each sample
+                 on_sample=None, # callable taking each new snapshot, on the sampler's thread; its error stops sampling
                 ):
         if isinstance(interval_ms, bool) or not isinstance(interval_ms, (int, float)) or not interval_ms > 0:
             raise ValueError(f'interval_ms must be a positive number of milliseconds, not {interval_ms!r}')
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f'capacity must be a positive int (the number of snapshots kept), not {capacity!r}')
+        if on_sample is not None and not callable(on_sample):
+            raise TypeError(f'on_sample must be a callable taking one MemorySnapshot, not {type(on_sample).__name__}')
         _memory_device(device)  # refuse an unsupported device here, not later on the thread
-        self.interval_ms, self.capacity, self.device = interval_ms, capacity, device
+        self.interval_ms, self.capacity, self.device, self.on_sample = interval_ms, capacity, device, on_sample
         self._buffer, self.num_samples, self._error = deque(maxlen=capacity), 0, None
         self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
         _samplers.add(self)
@@ -217,11 +220,12 @@ MemorySampler.__repr__ = lambda self: (f'MemorySampler(interval_ms={self.interva
 
 # %% ../nbs/16_memory.ipynb #c045
 def _sample(self:MemorySampler):
-    "Take one snapshot into the buffer"
+    "Take one snapshot into the buffer, and hand it to `on_sample`"
     snapshot = memory_snapshot(self.device)
     with self._lock:
         self._buffer.append(snapshot)
         self.num_samples += 1
+    if self.on_sample is not None: self.on_sample(snapshot)
 
 def _run(self:MemorySampler, stop:threading.Event):
     "The thread's loop: sample, then wait one interval or until stopped; keep an error for stop() to raise"

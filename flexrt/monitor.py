@@ -8,8 +8,8 @@ import contextlib, threading, time, traceback, warnings
 
 # %% auto #0
 __all__ = ['ADDRESS_VARIABLE', 'KEY_VARIABLE', 'OWNER_VARIABLE', 'listening', 'add_listener', 'remove_listener', 'emit', 'listen',
-           'log', 'Hub', 'serve', 'stop_serving', 'Forwarder', 'flush', 'JSONLSink', 'CSVSink', 'TensorBoardSink',
-           'follow']
+           'log', 'emit_snapshot', 'sample_memory', 'lower_thread_priority', 'Hub', 'serve', 'stop_serving',
+           'ranks_connected', 'Forwarder', 'flush', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
 
 # %% ../nbs/35_monitor.ipynb #c006
 _listeners: tuple = ()        # the registered listeners, in registration order
@@ -71,7 +71,19 @@ def log(**values): # the values to record, e.g. `accuracy=0.91`
     emit('log', **values)
 
 # %% ../nbs/35_monitor.ipynb #c022
-import atexit, collections, json, os, secrets, multiprocessing.util
+def emit_snapshot(snapshot): # a `flexrt.memory.MemorySnapshot`
+    "Emit `snapshot` as a `'memory'` record (its fields, `rank` among them); nothing is built when nobody listens"
+    if _listeners: emit('memory', **vars(snapshot))
+
+def sample_memory(interval_ms:float=100, # time between samples, in milliseconds
+                  **kwargs, # further `MemorySampler` arguments (capacity, device)
+                 ):
+    "A `MemorySampler` (not started; use it as a context manager) whose every snapshot is emitted as a `'memory'` record"
+    from flexrt.memory import MemorySampler
+    return MemorySampler(interval_ms, on_sample=emit_snapshot, **kwargs)
+
+# %% ../nbs/35_monitor.ipynb #c025
+import atexit, collections, gc, json, os, secrets, sys, multiprocessing.util
 from multiprocessing import connection as _connection
 
 ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE = 'FLEXRT_MONITOR_ADDRESS', 'FLEXRT_MONITOR_KEY', 'FLEXRT_MONITOR_OWNER'
@@ -82,14 +94,22 @@ def _deliver(event:dict):
         try: fn(event)
         except Exception as e: _report(fn, e)
 
-# %% ../nbs/35_monitor.ipynb #c023
+# %% ../nbs/35_monitor.ipynb #c027
+def lower_thread_priority(niceness:int=10)->bool: # False where threads have no priority of their own
+    "Make the calling thread (only it) yield the CPU to the process's other threads; Linux only"
+    if not sys.platform.startswith('linux'): return False
+    try: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except OSError: return False
+    return True
+
+# %% ../nbs/35_monitor.ipynb #c029
 class Hub:
     "Kernel side of the channel: accept ranks' connections and deliver their records to this process's listeners"
     def __init__(self):
         self.key = secrets.token_bytes(16)
         self._server = _connection.Listener(('127.0.0.1', 0), authkey=self.key)
         self.address = '%s:%d' % self._server.address
-        self.num_received, self.num_connections, self._dropped = 0, 0, {}   # sender -> records it dropped
+        self.num_received, self.num_connections, self.num_open, self._dropped = 0, 0, 0, {}   # sender -> records it dropped
         self.closed, self._lock = False, threading.Lock()
         threading.Thread(target=self._accept, daemon=True, name='flexrt-monitor-hub').start()
 
@@ -98,18 +118,24 @@ class Hub:
         "Records the ranks dropped because their buffers were full"
         return sum(self._dropped.values())
 
-# %% ../nbs/35_monitor.ipynb #c024
+# %% ../nbs/35_monitor.ipynb #c030
 def _accept(self:Hub):
     "Accept connections until closed; one reader thread each"
     while not self.closed:
         try: conn = self._server.accept()
         except (OSError, EOFError, _connection.AuthenticationError): continue
         if self.closed: conn.close(); return
-        with self._lock: self.num_connections += 1
+        with self._lock: self.num_connections += 1; self.num_open += 1
         threading.Thread(target=self._read, args=(conn,), daemon=True, name='flexrt-monitor-reader').start()
 
 def _read(self:Hub, conn):
     "Deliver every batch from one rank; answer its flush once everything before it was delivered"
+    lower_thread_priority()
+    try: self._serve_connection(conn)
+    finally:
+        with self._lock: self.num_open -= 1          # the rank exited (or died): `num_open` says whether any still runs
+
+def _serve_connection(self:Hub, conn):
     with conn:
         while True:
             try: message = conn.recv()
@@ -130,10 +156,16 @@ def _close(self:Hub):
     except OSError: pass
     self._server.close()
 
-Hub._accept, Hub._read, Hub.close = _accept, _read, _close
+Hub._accept, Hub._read, Hub._serve_connection, Hub.close = _accept, _read, _serve_connection, _close
 
-# %% ../nbs/35_monitor.ipynb #c026
+# %% ../nbs/35_monitor.ipynb #c032
 _hub = None
+
+def _collect_before_fork():
+    "Before a fork from a serving kernel: finalise unreachable objects here, not in the child"
+    if _hub is not None and not _hub.closed: gc.collect()
+
+os.register_at_fork(before=_collect_before_fork)
 
 def serve()->Hub:
     "Start (once) the hub that delivers worker ranks' records to this process, and publish its address in `os.environ`"
@@ -150,13 +182,17 @@ def stop_serving():
     _hub = None
     for name in (ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE): os.environ.pop(name, None)
 
-# %% ../nbs/35_monitor.ipynb #c028
+def ranks_connected()->int:
+    "How many worker ranks are connected to this kernel's hub now (0 when it does not serve)"
+    return _hub.num_open if _hub is not None else 0
+
+# %% ../nbs/35_monitor.ipynb #c034
 class Forwarder:
     "Listener in a worker rank: buffer records (drop-oldest) and send them to the hub from a background thread"
     def __init__(self, address:str, # 'host:port' of the hub
                  key:bytes, # the hub's authentication key
                  capacity:int=10_000, # records buffered before the oldest are dropped
-                 interval:float=0.05, # seconds between sends
+                 interval:float=0.2, # seconds between sends (the sender thread's wake-ups)
                 ):
         host, port = address.rsplit(':', 1)
         self.address, self.key, self.interval = (host, int(port)), key, interval
@@ -171,7 +207,7 @@ class Forwarder:
         self.buffer.append(record)
         if self._thread is None: self._start()
 
-# %% ../nbs/35_monitor.ipynb #c029
+# %% ../nbs/35_monitor.ipynb #c035
 def _start(self:Forwarder):
     "Start the sender thread, and flush at exit (multiprocessing children skip atexit, so register both)"
     self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-forwarder')
@@ -201,7 +237,7 @@ def _loop(self:Forwarder):
 
 Forwarder._start, Forwarder._send_pending, Forwarder._loop = _start, _send_pending, _loop
 
-# %% ../nbs/35_monitor.ipynb #c030
+# %% ../nbs/35_monitor.ipynb #c036
 def _flush(self:Forwarder, timeout:float=30):
     "Send everything buffered and wait until the hub has delivered it"
     if self._closed or self._thread is None: return
@@ -222,7 +258,7 @@ def _close_forwarder(self:Forwarder):
 
 Forwarder.flush, Forwarder.close = _flush, _close_forwarder
 
-# %% ../nbs/35_monitor.ipynb #c032
+# %% ../nbs/35_monitor.ipynb #c038
 _forwarder = None
 
 def _attach_from_environment(inherited:bool=False):
@@ -242,7 +278,7 @@ def flush():
 os.register_at_fork(after_in_child=lambda: _attach_from_environment(inherited=True))
 _attach_from_environment()
 
-# %% ../nbs/35_monitor.ipynb #c038
+# %% ../nbs/35_monitor.ipynb #c044
 def _flat(record:dict, prefix:str='')->dict:
     "Nested dicts as dotted keys"
     out = {}
@@ -257,7 +293,7 @@ def _sink_path(path)->str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return path
 
-# %% ../nbs/35_monitor.ipynb #c039
+# %% ../nbs/35_monitor.ipynb #c045
 class JSONLSink:
     "Listener that appends every record as one JSON line"
     def __init__(self, path): # file to append to; may contain '{rank}'
@@ -285,7 +321,7 @@ class CSVSink:
             self._writer.writerow(row)
     def close(self): self._file.close()
 
-# %% ../nbs/35_monitor.ipynb #c042
+# %% ../nbs/35_monitor.ipynb #c048
 class TensorBoardSink:
     "Listener that writes the numeric fields of step records as TensorBoard scalars (needs `pip install tensorboard`)"
     def __init__(self, log_dir, # folder for the event files; may contain '{rank}'
@@ -303,7 +339,7 @@ class TensorBoardSink:
                 self.writer.add_scalar(k, v, step)
     def close(self): self.writer.close()
 
-# %% ../nbs/35_monitor.ipynb #c045
+# %% ../nbs/35_monitor.ipynb #c051
 class follow:
     "Call `fn(record)` for every line of a JSONL file, as it grows, on a background thread; `.stop()` ends it"
     def __init__(self, path, # the JSONL file (it may not exist yet)

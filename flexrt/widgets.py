@@ -4,8 +4,8 @@
 
 # %% ../nbs/50_widgets.ipynb #c003
 from __future__ import annotations
-import base64, io, os, threading, time
-from collections import deque
+import atexit, base64, io, os, threading, time, weakref
+from collections import Counter
 import pandas as pd
 import ipywidgets as W
 from matplotlib.figure import Figure
@@ -13,66 +13,185 @@ from . import monitor
 from .launch import request_stop, prepare_stop
 
 # %% auto #0
-__all__ = ['MiB', 'History', 'figure_html', 'LiveView', 'MemoryMonitor', 'GradNormTrace', 'TrainingDashboard']
+__all__ = ['MiB', 'History', 'figure_html', 'Plot', 'thin', 'LiveView', 'MemoryMonitor', 'GradNormTrace', 'TrainingDashboard']
 
 # %% ../nbs/50_widgets.ipynb #c006
 class History:
     "Listener that keeps records; `.frame()` is a DataFrame of them, one row per record"
-    def __init__(self, capacity:int=200_000): # records kept before the oldest are dropped
-        self.records, self.version, self._lock = deque(maxlen=capacity), 0, threading.Lock()
+    def __init__(self, capacity:int=200_000): # records of each kind kept before the oldest are dropped
+        self.capacity, self.version, self.counts = capacity, 0, Counter()   # counts: records that arrived, per kind
+        self._all, self._rows, self._frames, self._lock = [], {}, {}, threading.Lock()
 
     def __call__(self, record:dict):
-        if record.get('kind') == 'memory':
+        kind = record.get('kind')
+        if kind == 'memory':
             record = {k: record[k] for k in ('kind', 'time', 'rank') if k in record} | {
                 'memory': {k: v for k, v in record.items() if k not in ('kind', 'time', 'rank')}}
-        with self._lock: self.records.append(monitor._flat(record)); self.version += 1
+        flat = monitor._flat(record)
+        with self._lock:
+            for rows in (self._all, self._rows.setdefault(kind, [])):
+                rows.append(flat)
+                if len(rows) > self.capacity + self.capacity // 8: del rows[:-self.capacity]   # trim now and then
+            self.counts[kind] += 1; self.version += 1
 
-    def frame(self, kind:str|None=None)->pd.DataFrame: # records of this kind only, if given
-        "The records as a DataFrame"
-        with self._lock: rows = list(self.records)
-        if kind is not None: rows = [r for r in rows if r.get('kind') == kind]
-        return pd.DataFrame.from_records(rows)
+# %% ../nbs/50_widgets.ipynb #c007
+def _frame(self:History, kind:str)->pd.DataFrame:
+    "The records of `kind` as a DataFrame, reusing the one built last time (callers must not modify it)"
+    with self._lock:
+        rows, count, cached = self._rows.get(kind, []), self.counts[kind], self._frames.get(kind)
+        first = count - len(rows)                                          # arrival number of rows[0]
+        if cached is not None and cached[1] == count: return cached[2].iloc[-self.capacity:]
+        new = rows[cached[1] - first:] if cached is not None and cached[0] == first else None
+        if new is None: rows = list(rows)
+    frame = None
+    if new is not None:
+        added = pd.DataFrame.from_records(new)
+        if set(added.columns) == set(cached[2].columns): frame = pd.concat([cached[2], added], ignore_index=True)
+    if frame is None: frame = pd.DataFrame.from_records(rows)
+    with self._lock: self._frames[kind] = (first, count, frame)
+    return frame.iloc[-self.capacity:]
 
-# %% ../nbs/50_widgets.ipynb #c009
+def _history_frame(self:History, kind:str|None=None)->pd.DataFrame: # records of this kind only, if given
+    "The records as a DataFrame (a copy: yours to change)"
+    if kind is not None: return self._frame(kind).copy()
+    with self._lock: rows = self._all[-self.capacity:]
+    return pd.DataFrame.from_records(rows)
+
+def _last(self:History, kind:str)->dict|None:
+    "The newest record of `kind`, flattened, or None"
+    with self._lock: rows = self._rows.get(kind)
+    return rows[-1] if rows else None
+
+History._frame, History.frame, History.last = _frame, _history_frame, _last
+
+# %% ../nbs/50_widgets.ipynb #c010
 def figure_html(fig:Figure)->str:
     "An Agg figure as an HTML <img> with an embedded PNG"
-    buffer = io.BytesIO(); fig.savefig(buffer, format='png', dpi=72)
+    buffer = io.BytesIO(); fig.savefig(buffer, format='png', dpi=72, pil_kwargs={'compress_level': 1})
     return '<img src="data:image/png;base64,%s"/>' % base64.b64encode(buffer.getvalue()).decode()
 
-# %% ../nbs/50_widgets.ipynb #c012
+# %% ../nbs/50_widgets.ipynb #c013
+class Plot:
+    "A matplotlib figure (Agg, no pyplot) whose lines are updated in place"
+    def __init__(self, panels:list, # (title, xlabel, ylabel) per panel
+                 shape:tuple, # rows, columns of panels
+                 figsize:tuple, # inches
+                 legend_loc:str='upper right'): # fixed: 'best' searches the data at every draw
+        self.figure = Figure(figsize=figsize)
+        self.axes, self.lines, self.legend_loc, self._changed = self.figure.subplots(*shape, squeeze=False).ravel(), {}, legend_loc, True
+        for ax, (title, xlabel, ylabel) in zip(self.axes, panels):
+            ax.set_title(title, y=1.0, fontsize=9)    # a fixed position spares measuring the tick labels at each draw
+            ax.set(xlabel=xlabel, ylabel=ylabel); ax.tick_params(labelsize=7); ax.locator_params(nbins=4)
+
+    def line(self, panel:int, name:str, x, y, style:str='-'):
+        "Set the data of line `name` in `panel`, creating it the first time"
+        line = self.lines.get((panel, name))
+        if line is None:
+            self.lines[(panel, name)], = self.axes[panel].plot(x, y, style, label=name); self._changed = True
+        else: line.set_data(x, y)
+
+    def render(self)->Figure:
+        "Rescale the axes; after a new line, redo legends and layout"
+        for ax in self.axes: ax.relim(); ax.autoscale_view()
+        if self._changed:
+            for ax in self.axes:
+                if any(not l.get_label().startswith('_') for l in ax.get_lines()): ax.legend(fontsize=7, loc=self.legend_loc)
+            self.figure.tight_layout(); self._changed = False
+        return self.figure
+
+def thin(frame:pd.DataFrame, max_points:int=300)->pd.DataFrame:
+    "About `max_points` evenly spaced rows of `frame`, the last one included"
+    if len(frame) <= max_points: return frame
+    stride = -(-len(frame) // max_points)
+    keep = list(range(0, len(frame), stride))
+    if keep[-1] != len(frame) - 1: keep.append(len(frame) - 1)
+    return frame.iloc[keep]
+
+# %% ../nbs/50_widgets.ipynb #c016
+_views = weakref.WeakSet()   # live views, stopped at interpreter exit
+
 class LiveView:
     "Base of the views: a History, a redraw thread, `refresh()`, `save()`, `close()`"
+    kinds = ()   # the record kinds the plot is drawn from
     def __init__(self, history:History|None=None, # share one with other views; default: a new one, attached here
-                 interval:float=0.5): # seconds between redraws while records arrive
-        self.attached = history is None
-        self.history, self.interval, self._drawn, self._closed = history or History(), interval, -1, threading.Event()
-        self._draw_lock = threading.Lock()
+                 interval:float=0.5, # seconds between text updates while records arrive; the plots' shortest gap
+                 cpu_share:float=0.05): # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds
+        self.attached, self.history, self.interval, self.cpu_share = history is None, history or History(), interval, cpu_share
+        self._drawn, self._plotted, self._plotted_at, self.plot_cost, self.error = -1, None, -float('inf'), 0.0, None
+        self.num_plots = 0   # plots drawn so far
+        self._draw_lock, self._closed = threading.Lock(), threading.Event()
         self.widget = self.build()
         if self.attached:
             monitor.serve(); prepare_stop(); monitor.add_listener(self.history)
+        _views.add(self)
         threading.Thread(target=self._redraw_loop, daemon=True, name='flexrt-widget-redraw').start()
-
-    def _redraw_loop(self):
-        while not self._closed.wait(self.interval):
-            if self.history.version != self._drawn:
-                try: self.refresh()
-                except Exception as e: self.error = e      # keep redrawing; the error is visible on the object
-
-    def refresh(self):
-        "Redraw from the history now"
-        with self._draw_lock:
-            self._drawn = self.history.version
-            self.draw(self.history.frame())
-
-    def close(self):
-        "Stop redrawing and listening"
-        self._closed.set()
-        if self.attached: monitor.remove_listener(self.history)
 
     def _repr_mimebundle_(self, **kwargs): return self.widget._repr_mimebundle_(**kwargs)
 
-# %% ../nbs/50_widgets.ipynb #c014
+# %% ../nbs/50_widgets.ipynb #c017
+def _plot_key(self:LiveView)->tuple: return tuple(self.history.counts[k] for k in self.kinds)
+def _has_data(self:LiveView)->bool: return any(self._plot_key())
+def _plot_stale(self:LiveView)->bool: return self.has_data() and self._plot_key() != self._plotted
+
+def _plot_if_stale(self:LiveView)->bool: # whether it drew
+    "Redraw the plot if its records changed"
+    key = self._plot_key()
+    if key == self._plotted or not any(key): return False
+    self.draw_plot(); self._plotted, self.num_plots = key, self.num_plots + 1
+    return True
+
+def _plot_due(self:LiveView)->bool:
+    "Whether the plots' CPU budget allows a redraw now"
+    return time.monotonic() - self._plotted_at >= max(self.interval, self.plot_cost / self.cpu_share)
+
+LiveView._plot_key, LiveView.has_data = _plot_key, _has_data
+LiveView.plot_stale, LiveView._plot_if_stale, LiveView.plot_due = _plot_stale, _plot_if_stale, _plot_due
+
+# %% ../nbs/50_widgets.ipynb #c018
+def _refresh(self:LiveView, plots:bool=True): # False: the texts only
+    "Redraw from the history now"
+    with self._draw_lock:
+        self._drawn = self.history.version
+        self.draw_text()
+        if not plots: return
+        start = time.thread_time()
+        if self._plot_if_stale(): self.plot_cost, self._plotted_at = time.thread_time() - start, time.monotonic()
+
+def _redraw_loop(self:LiveView):
+    "Texts when records arrived; plots when stale and due; errors kept on `.error`, never raised"
+    monitor.lower_thread_priority()
+    while not self._closed.wait(self.interval):
+        try:
+            plots = self.plot_stale() and self.plot_due()
+            if plots or self.history.version != self._drawn or self.pending(): self.refresh(plots=plots)
+        except Exception as e: self.error = e
+
+def _close_view(self:LiveView):
+    "Stop redrawing and listening"
+    self._closed.set()
+    if self.attached: monitor.remove_listener(self.history)
+
+LiveView.refresh, LiveView._redraw_loop, LiveView.close = _refresh, _redraw_loop, _close_view
+LiveView.pending = lambda self: False   # whether the texts must be redrawn although no record arrived
+
+@atexit.register
+def _stop_views():
+    "At exit: stop every redraw thread and wait for a drawing in progress (drawing during shutdown can abort)"
+    for view in list(_views):
+        view._closed.set()
+        if view._draw_lock.acquire(timeout=5): view._draw_lock.release()
+
+# %% ../nbs/50_widgets.ipynb #c020
 MiB = 2 ** 20
+_MEMORY = ['time', 'rank', 'memory.allocated_bytes', 'memory.max_allocated_bytes', 'memory.process_rss_bytes', 'memory.tracked']
+
+def _memory_frame(history:History)->pd.DataFrame:
+    "Memory numbers of step and memory records, by time"
+    parts = [f for f in (history._frame('step'), history._frame('memory')) if 'memory.allocated_bytes' in f]
+    if not parts: return pd.DataFrame(columns=_MEMORY[:-1])
+    columns = [c for c in _MEMORY if any(c in p for p in parts)]
+    frame = parts[0][columns] if len(parts) == 1 else pd.concat([p.reindex(columns=columns) for p in parts], ignore_index=True)
+    return frame.dropna(subset=['memory.allocated_bytes']).sort_values('time', kind='stable')
 
 def _tensor_text(row)->str:
     "Live tensor MiB and peak, or why they are not measured"
@@ -80,88 +199,104 @@ def _tensor_text(row)->str:
         return 'tensor bytes untracked (enable a TensorMemoryTracker on the ranks)'
     return f"{row['memory.allocated_bytes'] / MiB:.1f} MiB (peak {row['memory.max_allocated_bytes'] / MiB:.1f})"
 
+# %% ../nbs/50_widgets.ipynb #c021
 class MemoryMonitor(LiveView):
     "Live per-rank plot of tensor memory (allocated, peak) and process RSS, with the current values as text"
+    kinds = ('step', 'memory')
     def build(self):
-        self.text, self.plot = W.HTML('waiting for memory records...'), W.HTML()
+        self.text, self.plot, self._live = W.HTML('waiting for memory records...'), W.HTML(), None
         return W.VBox([W.HTML('<b>Memory</b>'), self.text, self.plot])
 
-    def figure(self, frame:pd.DataFrame)->Figure:
-        "The memory plot of `frame`"
-        fig = Figure(figsize=(8, 3)); tensors, rss = fig.subplots(1, 2)
-        if 'memory.allocated_bytes' in frame:
-            frame = frame.dropna(subset=['memory.allocated_bytes'])
-            start = frame['time'].min()
-            for rank, rows in frame.groupby('rank'):
-                t = rows['time'] - start
-                tensors.plot(t, rows['memory.allocated_bytes'] / MiB, label=f'rank {rank} allocated')
-                tensors.plot(t, rows['memory.max_allocated_bytes'] / MiB, '--', label=f'rank {rank} peak')
-                rss.plot(t, rows['memory.process_rss_bytes'] / MiB, label=f'rank {rank}')
-            tensors.legend(fontsize=7); rss.legend(fontsize=7)
-        tensors.set(title='tensor memory', xlabel='s', ylabel='MiB'); rss.set(title='process RSS', xlabel='s', ylabel='MiB')
-        fig.tight_layout(); return fig
-
-    def draw(self, frame:pd.DataFrame):
-        if 'memory.allocated_bytes' not in frame: return
-        last = frame.dropna(subset=['memory.allocated_bytes']).groupby('rank').last()
+    def draw_text(self):
+        frame = _memory_frame(self.history)
+        if frame.empty: return
+        last = frame.groupby('rank').last()
         self.text.value = ' &nbsp; '.join(f"rank {r}: {_tensor_text(row)}, RSS {row['memory.process_rss_bytes'] / MiB:.0f} MiB"
                                           for r, row in last.iterrows())
-        self.plot.value = figure_html(self.figure(frame))
 
-# %% ../nbs/50_widgets.ipynb #c017
+    def fill(self, plot:Plot)->Plot:
+        "Put the history's memory lines into `plot`"
+        frame = _memory_frame(self.history)
+        start = frame['time'].min()
+        for rank, rows in frame.groupby('rank'):
+            rows = thin(rows); t = rows['time'] - start
+            plot.line(0, f'rank {rank} allocated', t, rows['memory.allocated_bytes'] / MiB)
+            plot.line(0, f'rank {rank} peak', t, rows['memory.max_allocated_bytes'] / MiB, '--')
+            plot.line(1, f'rank {rank}', t, rows['memory.process_rss_bytes'] / MiB)
+        return plot
+
+    def new_plot(self)->Plot: return Plot([('tensor memory', 's', 'MiB'), ('process RSS', 's', 'MiB')], (1, 2), (8, 3), 'lower right')
+
+# %% ../nbs/50_widgets.ipynb #c022
+def _draw_plot(self:LiveView):
+    "Update the live figure and show it"
+    if self._live is None: self._live = self.new_plot()
+    self.plot.value = figure_html(self.fill(self._live).render())
+
+def _figure(self:LiveView)->Figure:
+    "The plot of the whole history, as a new figure"
+    return self.fill(self.new_plot()).render()
+
+LiveView.draw_plot, LiveView.figure = _draw_plot, _figure
+
+# %% ../nbs/50_widgets.ipynb #c025
+def _rank0_steps(frame:pd.DataFrame)->pd.DataFrame:
+    "Rank 0's (or the lowest rank's) step records"
+    if 'rank' not in frame: return frame
+    return frame[frame['rank'] == frame['rank'].min()]
+
+def _first_lr(lr)->float: return float(lr[0] if isinstance(lr, (list, tuple)) else lr)
+
 class GradNormTrace(LiveView):
     "Per-step gradient norm before/after clipping, clip threshold, loss, learning rate, loss scale; skipped steps marked"
+    kinds = ('step',)
     def __init__(self, clip:float|None=None, # the clip threshold to draw (the config's gradient_clipping)
                  **kwargs):
         self.clip = clip
         super().__init__(**kwargs)
 
     def build(self):
-        self.text, self.plot = W.HTML('waiting for step records...'), W.HTML()
+        self.text, self.plot, self._live = W.HTML('waiting for step records...'), W.HTML(), None
         return W.VBox([W.HTML('<b>Gradient norm</b>'), self.text, self.plot])
 
-    def draw(self, frame:pd.DataFrame):
-        steps = _rank0_steps(frame)
-        if steps.empty: return
-        last = steps.iloc[-1]
-        self.text.value = (f"step {int(last['step'])}: grad norm {last['grad_norm']:.4g} &rarr; {last['grad_norm_post_clip']:.4g}"
-                           f", loss {last['loss']:.4g}, lr {_first_lr(last['lr']):.3g}, loss scale {last['loss_scale']:g}"
-                           f", skipped {int(steps['skipped'].astype(bool).sum())}")
-        self.plot.value = figure_html(self.figure(steps))
+    def new_plot(self)->Plot:
+        return Plot([('gradient norm', 'step', ''), ('loss', 'step', ''), ('learning rate', 'step', ''),
+                     ('loss scale', 'step', '')], (2, 2), (8, 5))
 
-# %% ../nbs/50_widgets.ipynb #c018
-def _rank0_steps(frame:pd.DataFrame)->pd.DataFrame:
-    "Rank 0's (or the lowest rank's) step records"
-    if 'kind' not in frame: return pd.DataFrame()
-    steps = frame[frame['kind'] == 'step']
-    return steps[steps['rank'] == steps['rank'].min()] if len(steps) else steps
+# %% ../nbs/50_widgets.ipynb #c026
+def _trace_text(self:GradNormTrace):
+    "The latest step's numbers"
+    steps = _rank0_steps(self.history._frame('step'))
+    if steps.empty: return
+    last = steps.iloc[-1]
+    self.text.value = (f"step {int(last['step'])}: grad norm {last['grad_norm']:.4g} &rarr; {last['grad_norm_post_clip']:.4g}"
+                       f", loss {last['loss']:.4g}, lr {_first_lr(last['lr']):.3g}, loss scale {last['loss_scale']:g}"
+                       f", skipped {int(steps['skipped'].astype(bool).sum())}")
 
-def _first_lr(lr)->float: return float(lr[0] if isinstance(lr, (list, tuple)) else lr)
-
-def _trace_figure(self:GradNormTrace, steps:pd.DataFrame)->Figure:
+def _trace_fill(self:GradNormTrace, plot:Plot)->Plot:
     "The four panels: grad norm (with clip and skipped steps), loss, lr, loss scale"
-    fig = Figure(figsize=(8, 5)); (norm, loss), (lr, scale) = fig.subplots(2, 2)
-    norm.plot(steps['step'], steps['grad_norm'], label='before clipping')
-    norm.plot(steps['step'], steps['grad_norm_post_clip'], label='after clipping')
-    if self.clip: norm.axhline(self.clip, color='gray', ls=':', label=f'clip {self.clip:g}')
+    steps = _rank0_steps(self.history._frame('step'))
+    if steps.empty: return plot
+    shown, x = thin(steps), thin(steps)['step']
+    plot.line(0, 'before clipping', x, shown['grad_norm']); plot.line(0, 'after clipping', x, shown['grad_norm_post_clip'])
+    if self.clip: plot.line(0, f'clip {self.clip:g}', [x.iloc[0], x.iloc[-1]], [self.clip] * 2, ':')
     skipped = steps[steps['skipped'].astype(bool)]
-    if len(skipped): norm.plot(skipped['step'], skipped['grad_norm'].fillna(0), 'rx', label='skipped (overflow)')
-    norm.legend(fontsize=7); norm.set(title='gradient norm', xlabel='step')
-    loss.plot(steps['step'], steps['loss']); loss.set(title='loss', xlabel='step')
-    lr.plot(steps['step'], [_first_lr(v) for v in steps['lr']]); lr.set(title='learning rate', xlabel='step')
-    scale.plot(steps['step'], steps['loss_scale']); scale.set(title='loss scale', xlabel='step')
-    fig.tight_layout(); return fig
+    if len(skipped): plot.line(0, 'skipped (overflow)', skipped['step'], skipped['grad_norm'].fillna(0), 'rx')
+    plot.line(1, '_loss', x, shown['loss']); plot.line(3, '_loss scale', x, shown['loss_scale'])
+    plot.line(2, '_lr', x, [_first_lr(v) for v in shown['lr']])
+    return plot
 
-GradNormTrace.figure = _trace_figure
+GradNormTrace.draw_text, GradNormTrace.fill = _trace_text, _trace_fill
 
-# %% ../nbs/50_widgets.ipynb #c021
+# %% ../nbs/50_widgets.ipynb #c031
 class TrainingDashboard(LiveView):
     "Progress, memory, gradient norms, comm table and a Stop button for the run the kernel is watching"
     def __init__(self, total_steps:int|None=None, # steps the run will take, for the bar and ETA (a 'comm' record may tell)
                  clip:float|None=None, # clip threshold to draw
-                 interval:float=0.5): # seconds between redraws
-        self.total_steps, self.clip = total_steps, clip
-        super().__init__(interval=interval)
+                 interval:float=0.5, # seconds between text updates; the plots' shortest gap
+                 cpu_share:float=0.05): # share of one core the plots may use on average
+        self.total_steps, self.clip, self._comm_drawn = total_steps, clip, 0
+        super().__init__(interval=interval, cpu_share=cpu_share)
 
     def build(self):
         self.memory = MemoryMonitor(history=self.history, interval=3600)     # drawn by the dashboard's own thread
@@ -178,30 +313,64 @@ class TrainingDashboard(LiveView):
         "Ask every rank to stop at the next `should_stop()`"
         request_stop(); self.stop_button.disabled, self.stop_button.description = True, 'Stopping'
 
-# %% ../nbs/50_widgets.ipynb #c022
-def _draw_dashboard(self:TrainingDashboard, frame:pd.DataFrame):
-    "Progress, counter, comm table, then the two views"
-    if 'kind' not in frame: return
-    steps, comm = _rank0_steps(frame), frame[frame['kind'] == 'comm']
-    self.steps_seen.value = int((frame['kind'] == 'step').sum())
-    if len(comm) and 'total_steps' in comm and not self.total_steps: self.progress.max = int(comm['total_steps'].iloc[-1])
-    if len(comm) and 'rows' in comm: self.comm.value = pd.DataFrame(comm['rows'].iloc[-1]).to_html(index=False, float_format='%.3g')
+    def close(self):
+        "Stop redrawing and listening, the two views too"
+        for view in (self.grad_norm, self.memory): view.close()
+        LiveView.close(self)
+
+# %% ../nbs/50_widgets.ipynb #c032
+def _stop_pending(self:TrainingDashboard)->bool:
+    "Whether the Stop button's state must change: the ranks ended after a stop, or a new run's ranks connected"
+    running, label = monitor.ranks_connected() > 0, self.stop_button.description
+    return (label == 'Stopping' and not running) or (label == 'Stopped' and running)
+
+def _stop_state(self:TrainingDashboard):
+    "`Stopping` becomes `Stopped` once no rank is connected; `Stopped` becomes `Stop` when ranks connect again"
+    if not self.pending(): return
+    button = self.stop_button
+    if button.description == 'Stopping':
+        prepare_stop(fresh=True)                        # the request is done: the next run must not stop at once
+        button.description, button.icon = 'Stopped', 'check'
+    else:
+        button.disabled, button.description, button.icon = False, 'Stop', 'stop'
+
+def _dashboard_text(self:TrainingDashboard):
+    "Progress, counter, comm table, Stop button, then the two views' texts"
+    self._stop_state()
+    self.steps_seen.value = self.history.counts['step']
+    comm = self.history.last('comm')
+    if comm is not None and self.history.counts['comm'] != self._comm_drawn:
+        self._comm_drawn = self.history.counts['comm']
+        if 'total_steps' in comm and not self.total_steps: self.progress.max = int(comm['total_steps'])
+        if 'rows' in comm: self.comm.value = pd.DataFrame(comm['rows']).to_html(index=False, float_format='%.3g')
+    steps = _rank0_steps(self.history._frame('step'))
     if len(steps):
         last, done = steps.iloc[-1], int(steps['step'].iloc[-1])
         self.progress.value = min(done, self.progress.max)
-        rate = last['samples_per_s']; per_step = (steps['time'].iloc[-1] - steps['time'].iloc[0]) / max(len(steps) - 1, 1)
+        per_step = (steps['time'].iloc[-1] - steps['time'].iloc[0]) / max(len(steps) - 1, 1)
         eta = max(self.progress.max - done, 0) * per_step
-        self.status.value = f'step {done}/{self.progress.max} &middot; {rate:.1f} samples/s &middot; ETA {eta:.0f} s'
-    self.grad_norm.draw(frame); self.memory.draw(frame)
+        self.status.value = f"step {done}/{self.progress.max} &middot; {last['samples_per_s']:.1f} samples/s &middot; ETA {eta:.0f} s"
+    self.grad_norm.draw_text(); self.memory.draw_text()
 
+def _dashboard_stale(self:TrainingDashboard)->bool: return self.grad_norm.plot_stale() or self.memory.plot_stale()
+
+def _dashboard_plots(self:TrainingDashboard)->bool:
+    "Redraw the views whose records changed"
+    drew = [view._plot_if_stale() for view in (self.grad_norm, self.memory)]
+    return any(drew)
+
+TrainingDashboard.pending, TrainingDashboard._stop_state, TrainingDashboard.draw_text = _stop_pending, _stop_state, _dashboard_text
+TrainingDashboard.plot_stale, TrainingDashboard._plot_if_stale = _dashboard_stale, _dashboard_plots
+
+# %% ../nbs/50_widgets.ipynb #c033
 def _save(self:LiveView, path)->list: # the files written
     "Write the plots as PNG and the history as CSV into the folder `path`"
     os.makedirs(path, exist_ok=True); frame, written = self.history.frame(), []
     views = [self.grad_norm, self.memory] if isinstance(self, TrainingDashboard) else [self]
-    for view, name in zip(views, ['grad_norm.png' if isinstance(v, GradNormTrace) else 'memory.png' for v in views]):
-        steps = _rank0_steps(frame) if isinstance(view, GradNormTrace) else frame
-        if len(steps): view.figure(steps).savefig(os.path.join(path, name), dpi=100); written.append(name)
+    for view in views:
+        name = 'grad_norm.png' if isinstance(view, GradNormTrace) else 'memory.png'
+        if view.has_data(): view.figure().savefig(os.path.join(path, name), dpi=100); written.append(name)
     frame.drop(columns=[c for c in ('rows', 'traceback') if c in frame]).to_csv(os.path.join(path, 'history.csv'), index=False)
     return written + ['history.csv']
 
-TrainingDashboard.draw, LiveView.save = _draw_dashboard, _save
+LiveView.save = _save

@@ -1,6 +1,7 @@
-"""A real browser: Voila serves a live-dashboard notebook, Debian's Chromium (driven by Playwright, no browser
-download) loads it, watches the dashboard's step counter rise while two ranks train in the background, clicks Stop,
-checks that the ranks stopped early, and saves a screenshot (to $FLEXRT_ARTIFACTS, else the test's temp folder).
+"""A real browser: Voila, and JupyterLab, serve a live-dashboard notebook; Debian's Chromium (driven by Playwright,
+no browser download) loads it (in JupyterLab: runs all its cells), watches the dashboard's step counter rise while
+two ranks train in the background, clicks Stop, sees the button end as "Stopped", checks that the ranks stopped
+early, and saves a screenshot (to $FLEXRT_ARTIFACTS, else the test's temp folder).
 
 Chromium comes from `apt-get install chromium` on first use; the test skips (with the reason) only where that cannot
 be done."""
@@ -25,8 +26,13 @@ def chromium():
     why = _install_chromium()
     if why: pytest.skip(f'browser tier skipped: {why}')
     pytest.importorskip('playwright.sync_api', reason='playwright is a dev requirement: pip install -e ".[dev]"')
-    if shutil.which('voila', path=str(Path(sys.executable).parent)) is None: pytest.skip('voila missing: pip install -e ".[dev]"')
     return CHROMIUM
+
+def _server(name):
+    "The venv's `name` executable (voila, jupyter-lab), or skip saying how to install it"
+    path = shutil.which(name, path=str(Path(sys.executable).parent))
+    if path is None: pytest.skip(f'{name} missing: pip install -e ".[dev]"')
+    return path
 
 def _free_port():
     with socket.socket() as s:
@@ -47,16 +53,36 @@ def _wait_listening(port, timeout=60):
     while time.time() < deadline:
         try: socket.create_connection(('127.0.0.1', port), timeout=1).close(); return
         except OSError: time.sleep(0.3)
-    raise TimeoutError(f'voila did not listen on port {port} within {timeout} s')
+    raise TimeoutError(f'the server did not listen on port {port} within {timeout} s')
 
-def test_voila_dashboard_counts_steps_live_and_stops_from_the_button(chromium, tmp_path):
+COUNTER = '.jp-OutputArea input[type=number], .widget-inline-hbox input[type=number]'
+
+def _watch_and_stop(page, shots: Path, name: str, log: Path):
+    "The counter rises while the ranks train; Stop stops them, the button ends as Stopped; returns the counter values"
+    try: counter = page.wait_for_selector(COUNTER, timeout=120_000)
+    except Exception:
+        page.screenshot(path=str(shots / f'{name}_failed.png'), full_page=True)
+        raise AssertionError(f'no dashboard on the page; server log:\n' + log.read_text()[-3000:])
+    read = lambda: int(counter.input_value() or 0)
+    value = f"document.querySelector({COUNTER!r}).value"
+    page.wait_for_function(f"{value} > 0", timeout=120_000)
+    first = read()
+    page.wait_for_function(f"{value} > {first}", timeout=60_000)
+    rising = read()
+    page.click('button:has-text("Stop")')
+    page.wait_for_selector('button:has-text("Stopping")', timeout=30_000)
+    stable = read()
+    page.wait_for_selector('button:has-text("Stopped")', timeout=60_000)  # the ranks ended: the final state shows
+    last, since = read(), time.time()
+    while time.time() - since < 2:                                   # stopped: the counter stays
+        time.sleep(0.5); now = read()
+        if now != last: last, since = now, time.time()
+    page.screenshot(path=str(shots / f'{name}_dashboard.png'), full_page=True)
+    return first, rising, stable, last
+
+def _browse(chromium, url: str, open_page, name: str, server: subprocess.Popen, port: int, tmp_path: Path):
+    "Load `url` in Chromium, prepare it with `open_page(page)`, then watch and stop; always end the server"
     from playwright.sync_api import sync_playwright
-    _live_notebook(tmp_path / 'live.ipynb')
-    port = _free_port()
-    voila = [str(Path(sys.executable).parent / 'voila'), str(tmp_path / 'live.ipynb'), '--no-browser', f'--port={port}',
-             '--Voila.ip=127.0.0.1']
-    log = open(tmp_path / 'voila.log', 'w')
-    server = subprocess.Popen(voila, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     shots = Path(os.environ.get('FLEXRT_ARTIFACTS', tmp_path)); shots.mkdir(parents=True, exist_ok=True)
     try:
         _wait_listening(port)
@@ -64,27 +90,46 @@ def test_voila_dashboard_counts_steps_live_and_stops_from_the_button(chromium, t
             browser = p.chromium.launch(executable_path=chromium, args=['--headless', '--no-sandbox', '--disable-gpu',
                 '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'])
             page = browser.new_page(viewport={'width': 1100, 'height': 1400})
-            page.goto(f'http://127.0.0.1:{port}/', timeout=120_000)
-            try: counter = page.wait_for_selector('input[type=number]', timeout=90_000)
-            except Exception:
-                page.screenshot(path=str(shots / 'voila_failed.png'), full_page=True)
-                raise AssertionError('no dashboard on the page; voila log:\n' + (tmp_path / 'voila.log').read_text()[-3000:])
-            read = lambda: int(counter.input_value() or 0)
-            page.wait_for_function("document.querySelector('input[type=number]').value > 0", timeout=120_000)
-            first = read()
-            page.wait_for_function(f"document.querySelector('input[type=number]').value > {first}", timeout=60_000)
-            rising = read()
-            page.click('button:has-text("Stop")')
-            page.wait_for_selector('button:has-text("Stopping")', timeout=30_000)
-            stable, last, since = read(), read(), time.time()
-            while time.time() - since < 4:                           # stopped: the counter settles
-                time.sleep(0.5); now = read()
-                if now != last: last, since = now, time.time()
-            page.screenshot(path=str(shots / 'voila_dashboard.png'), full_page=True)
+            page.goto(url, timeout=120_000)
+            open_page(page)
+            first, rising, stable, last = _watch_and_stop(page, shots, name, tmp_path / 'server.log')
             browser.close()
         assert 0 < first < rising <= stable <= last < 600            # rose live, then stopped well before 300 steps x 2
-        assert (shots / 'voila_dashboard.png').stat().st_size > 10_000
+        assert (shots / f'{name}_dashboard.png').stat().st_size > 10_000
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try: server.wait(20)
         except subprocess.TimeoutExpired: os.killpg(server.pid, signal.SIGKILL)
+
+def _start(command, tmp_path: Path, env=None) -> subprocess.Popen:
+    log = open(tmp_path / 'server.log', 'w')
+    return subprocess.Popen(command, start_new_session=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+def test_voila_dashboard_counts_steps_live_and_stops_from_the_button(chromium, tmp_path):
+    voila = _server('voila')
+    _live_notebook(tmp_path / 'live.ipynb')
+    port = _free_port()
+    server = _start([voila, str(tmp_path / 'live.ipynb'), '--no-browser', f'--port={port}', '--Voila.ip=127.0.0.1'], tmp_path)
+    _browse(chromium, f'http://127.0.0.1:{port}/', lambda page: None, 'voila', server, port, tmp_path)
+
+def _run_all_cells(page):
+    "In JupyterLab: wait for the notebook and its kernel, then Run > Run All Cells (again if the kernel missed it)"
+    page.wait_for_selector('.jp-Notebook .jp-Cell', timeout=120_000)
+    page.wait_for_selector('text=Python 3 (ipykernel) | Idle', timeout=120_000)
+    for attempt in range(3):
+        page.click('.lm-MenuBar-itemLabel:text-is("Run")')
+        page.click('.lm-Menu-itemLabel:text-is("Run All Cells")')
+        try: page.wait_for_selector('.jp-InputPrompt:has-text("[1]:"), .jp-InputPrompt:has-text("[*]:")', timeout=20_000); return
+        except Exception: pass
+    raise AssertionError('JupyterLab did not run the cells')
+
+def test_jupyterlab_dashboard_counts_steps_live_and_stops_from_the_button(chromium, tmp_path):
+    lab = _server('jupyter-lab')
+    _live_notebook(tmp_path / 'live.ipynb')
+    port = _free_port()
+    env = os.environ | {'JUPYTER_RUNTIME_DIR': str(tmp_path / 'runtime'), 'JUPYTER_CONFIG_DIR': str(tmp_path / 'config')}
+    server = _start([lab, '--no-browser', f'--port={port}', '--ServerApp.ip=127.0.0.1', f'--ServerApp.root_dir={tmp_path}',
+                     "--IdentityProvider.token=", '--ServerApp.password=', '--ServerApp.disable_check_xsrf=True', '--ServerApp.allow_root=True',
+                     f'--LabApp.workspaces_dir={tmp_path / "workspaces"}', '--LabApp.news_url=', '--ServerApp.open_browser=False'],
+                    tmp_path, env)
+    _browse(chromium, f'http://127.0.0.1:{port}/lab/tree/live.ipynb', _run_all_cells, 'jupyterlab', server, port, tmp_path)

@@ -228,6 +228,21 @@ def test_sampler_start_twice_is_refused():
     with MemorySampler(interval_ms=50) as s:
         with pytest.raises(RuntimeError, match='already running'): s.start()
 
+def test_sampler_hands_every_snapshot_to_on_sample_on_its_thread():
+    seen, threads = [], set()
+    def on_sample(snapshot): seen.append(snapshot); threads.add(threading.current_thread().name)
+    with MemorySampler(interval_ms=2, capacity=1000, on_sample=on_sample) as s: time.sleep(0.03)
+    assert seen == s.snapshots() and len(seen) == s.num_samples >= 3
+    assert any(name.startswith('flexrt-memory-sampler') for name in threads)
+    with pytest.raises(TypeError, match='on_sample must be a callable'): MemorySampler(on_sample=[])
+
+def test_sampler_on_sample_error_stops_sampling_and_is_raised_at_stop():
+    def refuse(snapshot): raise ConnectionError('sink gone')
+    s = MemorySampler(interval_ms=1, on_sample=refuse).start()
+    s._thread.join(10)
+    assert not s.running and s.num_samples == 1
+    with pytest.raises(RuntimeError, match=r"sampler thread failed: ConnectionError\('sink gone'\)"): s.stop()
+
 class _BlockError(Exception): pass
 
 def _broken_sampler(monkeypatch)->MemorySampler:

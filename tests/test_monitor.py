@@ -1,6 +1,6 @@
 """flexrt.monitor: listeners get every record, a failing listener is reported once and never breaks the caller,
 registration is safe while another thread emits, and the engine builds no record when nobody listens."""
-import threading, warnings
+import threading, time, warnings
 import pytest, torch
 from flexrt import monitor, comm
 
@@ -157,3 +157,47 @@ def test_tensorboard_sink_says_what_to_install_when_missing(tmp_path):
     except ImportError:
         with pytest.raises(ImportError, match='pip install tensorboard'): monitor.TensorBoardSink(tmp_path)
     else: pytest.skip('tensorboard is installed here; the sink works without the error path')
+
+
+# --- a serving kernel collects garbage before it forks -----------------------------------------------------------
+import gc
+
+def _who_finalises_an_unreachable_cycle():
+    "Fork with an unreachable cycle pending; return the pids whose garbage collection finalised it"
+    read, write = os.pipe()
+    class Finalised:
+        def __del__(self): os.write(write, b'%d ' % os.getpid())
+    gc.disable()
+    try:
+        cycle = Finalised(); cycle.me = cycle; del cycle
+        pid = os.fork()
+        if pid == 0:
+            gc.collect(); os._exit(0)
+        os.waitpid(pid, 0)
+    finally: gc.enable()
+    gc.collect(); os.close(write)
+    with os.fdopen(read) as f: return [int(p) for p in f.read().split()], pid
+
+def test_serving_kernel_finalises_garbage_itself_before_forking(hub):
+    finalisers, child = _who_finalises_an_unreachable_cycle()
+    assert finalisers == [os.getpid()]                               # in the kernel, before the fork; never in the rank
+
+def test_without_a_hub_fork_is_left_alone():
+    monitor.stop_serving()
+    finalisers, child = _who_finalises_an_unreachable_cycle()
+    assert finalisers == [child, os.getpid()]                        # the child inherited the cycle and finalised it
+
+def test_memory_sampler_records_reach_listeners():
+    got = []
+    with monitor.listen(got.append), monitor.sample_memory(interval_ms=5, device='cpu') as sampler: time.sleep(0.05)
+    assert len(got) == sampler.num_samples >= 2 and {r['kind'] for r in got} == {'memory'}
+    assert [r['timestamp'] for r in got] == [s.timestamp for s in sampler.snapshots()]
+
+def test_channel_counts_connected_ranks(hub):
+    fwd = monitor.Forwarder(hub.address, hub.key)
+    fwd({'kind': 'log', 'step': 0}); fwd.flush()
+    assert monitor.ranks_connected() == 1
+    fwd.close()
+    deadline = time.time() + 10
+    while monitor.ranks_connected() and time.time() < deadline: time.sleep(0.01)
+    assert monitor.ranks_connected() == 0

@@ -1,7 +1,7 @@
 """examples/quickstart.ipynb in a real kernel (nbclient): a 2-rank engine run under plain notebook_launcher delivers
 every step record to the dashboard before the launching cell ends; checked in the kernel (the notebook's own
 asserts), in the saved widget state, and in the files `make demo` writes."""
-import sys
+import contextlib, socket, sys
 from pathlib import Path
 import pandas as pd
 
@@ -14,8 +14,17 @@ def _models(nb):
     state = nb.metadata['widgets']['application/vnd.jupyter.widget-state+json']['state']
     return [m for m in state.values()]
 
+@contextlib.contextmanager
+def _port_taken(port=29500):
+    "Hold `port` (notebook_launcher's default) as another notebook's run would; yield whether it was free to take"
+    with socket.socket() as s:
+        try: s.bind(('127.0.0.1', port)); s.listen()
+        except OSError: yield False; return
+        yield True
+
 def test_quickstart_delivers_every_step_before_the_launch_cell_ends(tmp_path):
-    nb = run(tmp_path, STEPS)                                        # raises if any cell (the asserts) failed
+    with _port_taken():                                              # the quickstart must not need port 29500
+        nb = run(tmp_path, STEPS)                                    # raises if any cell (the asserts) failed
     launch_cell = next(c for c in nb.cells if c.cell_type == 'code' and 'notebook_launcher(train' in c.source)
     after = nb.cells[nb.cells.index(launch_cell) + 2]                # the first cell after the launch, in the kernel
     assert f'{2 * STEPS} step records' in ''.join(o.get('text', '') for o in after.outputs)
@@ -30,4 +39,6 @@ def test_quickstart_delivers_every_step_before_the_launch_cell_ends(tmp_path):
     steps = history[history['kind'] == 'step']
     for rank in (0, 1): assert list(steps[steps['rank'] == rank]['step']) == list(range(1, STEPS + 1))
     assert (steps['grad_norm'] > 0).all() and (steps['memory.allocated_bytes'] > 0).all()
+    samples = history[history['kind'] == 'memory']                   # the ranks' samplers, between the steps
+    assert set(samples['rank']) == {0, 1} and (samples['memory.allocated_bytes'] > 0).all()
     assert {'grad_norm.png', 'memory.png', 'quickstart.ipynb'} <= {p.name for p in tmp_path.iterdir()}

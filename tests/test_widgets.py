@@ -51,8 +51,48 @@ def test_stop_button_stops_every_rank_at_the_same_step():
     deadline = time.time() + 90
     while len(dash.history.frame()) < 12 and time.time() < deadline: time.sleep(0.05)
     dash.stop_button.click()
+    assert dash.stop_button.description == 'Stopping'
     assert run.wait(90) and dash.stop_button.disabled
     logs = dash.history.frame('log')
     last = logs.groupby('rank')['step'].max()
     assert last[0] == last[1] < 4999 and len(logs) == 2 * (last[0] + 1)
+    deadline = time.time() + 30                                      # the redraw thread sees the ranks gone
+    while dash.stop_button.description != 'Stopped' and time.time() < deadline: time.sleep(0.05)
+    assert (dash.stop_button.description, dash.stop_button.disabled) == ('Stopped', True)
     dash.close()
+
+def sample_memory_in_rank(seconds):
+    "A rank that only samples its memory, through the monitor (module-level: forked ranks run it)"
+    from flexrt import comm, monitor
+    comm.init_distributed()
+    with monitor.sample_memory(interval_ms=10): time.sleep(seconds)
+    comm.destroy_process_group()
+
+def test_memory_monitor_fills_from_samplers_in_the_ranks():
+    from accelerate import notebook_launcher
+    from flexrt.launch import free_port
+    view = MemoryMonitor(interval=3600)
+    notebook_launcher(sample_memory_in_rank, (0.3,), num_processes=2, use_port=str(free_port()))
+    view.refresh()
+    memory = view.history.frame('memory')
+    assert sorted(memory['rank'].unique()) == [0, 1] and (memory.groupby('rank').size() >= 5).all()
+    assert (memory['memory.process_rss_bytes'] > 0).all() and view.num_plots == 1
+    assert 'rank 0:' in view.text.value and 'rank 1:' in view.text.value and view.plot.value.startswith('<img')
+    view.close()
+
+def test_plots_keep_to_their_cpu_budget_while_texts_follow_every_record():
+    dash = TrainingDashboard(total_steps=10_000, interval=0.01, cpu_share=0.05)   # texts every 10 ms
+    n, start = 0, time.time()
+    while time.time() - start < 2:                                   # a flood of records for 2 s
+        n += 1
+        for rank in (0, 1): dash.history(step(rank, n))
+        time.sleep(0.002)
+    plots = dash.grad_norm.num_plots                                 # each plot costs >= 20 ms CPU: >= 0.4 s apart
+    assert 1 <= plots <= 3 and dash.memory.num_plots == plots
+    deadline = time.time() + 10
+    while dash.steps_seen.value != 2 * n and time.time() < deadline: time.sleep(0.01)
+    assert dash.steps_seen.value == 2 * n and f'step {n}/10000' in dash.status.value   # the texts kept up
+    dash.close()                                                     # no more redraws of its own
+    with dash._draw_lock: plots = dash.grad_norm.num_plots           # (after one in progress)
+    dash.history(step(0, n + 1)); dash.refresh()                     # refresh() draws the latest records at once
+    assert dash.grad_norm.num_plots == plots + 1 and f'step {n + 1}:' in dash.grad_norm.text.value

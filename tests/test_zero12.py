@@ -90,8 +90,10 @@ def rank_numerics(rank, world):
     for stage in (1, 2):   # reduce_scatter=False: each bucket all-reduced, the chunk kept
         results['all_reduce', stage] = train(STAGES[stage], 'fp32', rank, world, 2, bucket_bytes=120, reduce_scatter=False)
         results['predivide', stage] = train(STAGES[stage], 'fp32', rank, world, 1, bucket_bytes=120, gradient_predivide_factor=2.)
-        # the native reduce_scatter_tensor / all_gather_into_tensor (the cases above run gloo's all-reduce forms)
+        # the native reduce_scatter_tensor / all_gather_into_tensor, and both as all-reduces (the cases above run
+        # gloo's default, the direct-message forms)
         results['native', stage] = train(STAGES[stage], 'fp32', rank, world, 2, bucket_bytes=120, collectives='native')
+        results['via_all_reduce', stage] = train(STAGES[stage], 'fp32', rank, world, 2, bucket_bytes=120, collectives='all_reduce')
     return results
 
 @pytest.mark.parametrize('world', [1, 2, 4])
@@ -114,7 +116,7 @@ def test_stages_1_2_match_torch_and_stage_0(world):
             for p, q in zip(got['params'], base['params']): torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-2, msg=case)
             for p, q in zip(got['params'], ref_params): torch.testing.assert_close(p, q, rtol=0.1, atol=0.1, msg=case)
         for stage in (1, 2):
-            for variant in ('all_reduce', 'predivide', 'native'):
+            for variant in ('all_reduce', 'predivide', 'native', 'via_all_reduce'):
                 got = results[variant, stage]
                 torch.testing.assert_close(got['losses'], ref_losses, rtol=1e-5, atol=1e-6, msg=variant)
                 for p, q in zip(got['params'], ref_params): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=variant)
@@ -167,16 +169,18 @@ def test_memory_matches_the_zero_model_and_the_tensors_alive(world, stage, prec)
 def _volume():
     stats = dist.get_comm_stats()
     return {op: sum(size * row['count'] for size, row in stats.get(op, {}).items())
-            for op in ('reduce_scatter_tensor', 'all_gather_into_tensor', 'all_reduce') + VIA}
+            for op in ('all_reduce',) + NATIVE + P2P + VIA}
 
-VIA = ('reduce_scatter_via_all_reduce', 'all_gather_via_all_reduce')   # gloo: the same collectives run as all-reduces
+VIA = ('reduce_scatter_via_all_reduce', 'all_gather_via_all_reduce')   # the same collectives run as all-reduces
+P2P = ('reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p')      # gloo's default: direct messages
 NATIVE = ('reduce_scatter_tensor', 'all_gather_into_tensor')
+FORMS = {'native': NATIVE, 'p2p': P2P, 'all_reduce': VIA}
 
 def rank_volume(rank, world, stage, prec, gas, collectives):
     precision, model = make_precision(prec), _wide()
     owner = STAGES[stage](model, torch.optim.Adam(model.parameters(), lr=1e-3), precision, bucket_bytes=8000, overlap_comm=True,
                           collectives=collectives)
-    rs_op = VIA[0] if owner.via_all_reduce else NATIVE[0]
+    rs_op = FORMS[owner.collectives][0]
     dist.configure(enabled=True); dist.reset_log()
     after_micro = []
     for i in range(gas):
@@ -190,15 +194,16 @@ def rank_volume(rank, world, stage, prec, gas, collectives):
 
 @pytest.mark.parametrize('world,stage,prec,gas,collectives', [(2, 1, 'fp32', 3, 'native'), (2, 2, 'bf16', 3, 'native'),
                                                              (4, 2, 'fp32', 1, 'native'), (4, 1, 'bf16', 2, 'native'),
-                                                             (2, 1, 'bf16', 2, 'auto'), (4, 2, 'fp32', 2, 'auto')])
+                                                             (2, 1, 'bf16', 2, 'auto'), (4, 2, 'fp32', 2, 'auto'),
+                                                             (2, 2, 'fp32', 2, 'all_reduce'), (4, 1, 'fp32', 1, 'p2p')])
 def test_communication_is_two_psi_per_step(world, stage, prec, gas, collectives):
-    "Ψ reduce-scattered and Ψ all-gathered per step; on gloo 'auto' runs both as all-reduces, logged under their own names"
+    "Ψ reduce-scattered and Ψ all-gathered per step, in whichever form; on gloo 'auto' is the p2p form, logged under its own names"
     psi, b = sum(p.numel() for p in _wide().parameters()), (4 if prec == 'fp32' else 2)
-    used, unused = (VIA, NATIVE) if collectives == 'auto' else (NATIVE, VIA)   # these tests run on gloo
+    used = FORMS['p2p' if collectives == 'auto' else collectives]   # these tests run on gloo
     for volume, after_micro, padded, comm_bytes in run_distributed(rank_volume, world, args=(stage, prec, gas, collectives)):
         assert after_micro[:-1] == [0] * (gas - 1)                  # nothing sent off the boundary
         rs, ag = volume[used[0]] // b, volume[used[1]] // b
-        assert volume[unused[0]] == volume[unused[1]] == 0
+        assert all(volume[op] == 0 for form in FORMS.values() if form != used for op in form)
         assert rs == ag == padded and psi <= padded < psi + 10 * world   # Ψ each way, up to the padding
         assert volume['all_reduce'] <= 64                           # only the norm and the overflow flag besides
         assert comm_bytes == (rs + ag) * b

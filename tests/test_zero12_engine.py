@@ -87,7 +87,7 @@ def no_sync_rank(rank, world, stage):
 @pytest.mark.parametrize('stage', [1, 2])
 def test_no_sync_accumulates_then_reduce_scatters(stage):
     for ops in run_distributed(no_sync_rank, 2, args=(stage,)):
-        assert {'reduce_scatter_via_all_reduce', 'all_gather_via_all_reduce'} <= ops   # gloo: the all-reduce forms
+        assert {'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p'} <= ops   # gloo: the direct-message forms
 
 # ------------------------------------------------------------------ fp16 overflow and MoE through the engine
 def fp16_rank(rank, world, stage):

@@ -25,10 +25,11 @@ __all__ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initializ
            'has_reduce_scatter_tensor', 'get_all_ranks_from_group', 'barrier', 'monitored_barrier', 'broadcast',
            'all_reduce', 'reduce', 'reduce_scatter', 'reduce_scatter_tensor', 'all_gather', 'all_gather_into_tensor',
            'gather', 'scatter', 'all_to_all', 'all_to_all_single', 'all_gather_object', 'broadcast_object_list', 'send',
-           'recv', 'isend', 'irecv', 'batch_isend_irecv', 'configure', 'reset_log', 'get_comm_stats',
-           'init_distributed', 'init_process_group', 'destroy_process_group', 'log_summary', 'ReduceOp', 'P2POp',
-           'CommBackend', 'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError', 'DistEnv',
-           'EnvError', 'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']
+           'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'reduce_scatter_tensor_p2p',
+           'all_gather_into_tensor_p2p', 'configure', 'reset_log', 'get_comm_stats', 'init_distributed',
+           'init_process_group', 'destroy_process_group', 'log_summary', 'ReduceOp', 'P2POp', 'CommBackend',
+           'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError', 'DistEnv', 'EnvError',
+           'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']
 
 # %% ../../nbs/04_comm.ipynb #c006
 _backend: CommBackend|None = None   # set explicitly (init_distributed, set_comm_backend); None: follow torch
@@ -226,6 +227,56 @@ def batch_isend_irecv(p2p_op_list, *, prof=False, log_name=None):
     return (_backend or _active()).batch_isend_irecv(p2p_op_list)
 
 # %% ../../nbs/04_comm.ipynb #c031
+class P2PWork:
+    "The handle of an op made of point-to-point messages: `wait()` waits for them all, then finishes the op"
+    def __init__(self, works:list, finish=None): self._works, self._finish, self._done = works, finish, False
+    def wait(self, timeout=None)->bool:
+        if not self._done:
+            for w in self._works: w.wait()
+            if self._finish is not None: self._finish()
+            self._done = True
+        return True
+    def is_completed(self)->bool: return self._done
+    def get_future(self): raise RuntimeError("an op made of point-to-point messages has no future: call wait()")
+
+_P2P_TAGS = [0]   # every rank issues these ops in the same order, so the same counter gives matching tags
+
+def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each; the works of all messages
+    b, tag = _backend or _active(), 1_000_000 + _P2P_TAGS[0] % 1_000_000
+    _P2P_TAGS[0] += 1
+    works = [b.isend(t, get_global_rank(group, j), group, tag) for j, t in sends.items()]
+    return works + [b.irecv(t, get_global_rank(group, j), group, tag) for j, t in recvs.items()]
+
+# %% ../../nbs/04_comm.ipynb #c032
+def _chunks(t:torch.Tensor, n:int, name:str)->tuple:
+    if not t.is_contiguous() or t.shape[0] % n: raise ValueError(f"{name} must be contiguous with a first dimension divisible by {n}, got {tuple(t.shape)}")
+    return t.chunk(n)
+
+@timed_op
+def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name=None):
+    "`reduce_scatter_tensor` (SUM) by direct messages: rank r sends chunk j to rank j and adds the chunks it receives"
+    if op != ReduceOp.SUM: raise ValueError(f"reduce_scatter_tensor_p2p only sums: use reduce_scatter_tensor for {op}")
+    n, me = get_world_size(group), get_rank(group)
+    chunks = _chunks(input, n, 'input')
+    if chunks[me].shape != output.shape: raise ValueError(f"output has shape {tuple(output.shape)}, a chunk of input {tuple(chunks[me].shape)}")
+    received = {j: torch.empty_like(output) for j in range(n) if j != me}
+    def finish():
+        output.copy_(chunks[me])
+        for j in sorted(received): output.add_(received[j])
+    work = P2PWork(_exchange({j: chunks[j] for j in received}, received, group), finish)
+    return work if async_op else work.wait() and None
+
+@timed_op
+def all_gather_into_tensor_p2p(output_tensor, input_tensor, group=None, async_op=False, *, prof=False, log_name=None):
+    "`all_gather_into_tensor` by direct messages: rank r sends its input to every rank and receives theirs in place"
+    n, me = get_world_size(group), get_rank(group)
+    slots = _chunks(output_tensor, n, 'output_tensor')
+    if slots[me].shape != input_tensor.shape: raise ValueError(f"input_tensor has shape {tuple(input_tensor.shape)}, a chunk of output {tuple(slots[me].shape)}")
+    slots[me].copy_(input_tensor)
+    work = P2PWork(_exchange({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group))
+    return work if async_op else work.wait() and None
+
+# %% ../../nbs/04_comm.ipynb #c035
 def configure(config=None, # flexrt/DeepSpeed config (dict, object or JSON path), or a CommsLoggerConfig
               enabled:bool|None=None, prof_all:bool|None=None, prof_ops:list|None=None, verbose:bool|None=None,
               debug:bool|None=None, # each overrides the config's value when given
@@ -250,7 +301,7 @@ def get_comm_stats()->dict:
 
 comms_logger.world_size_of, comms_logger.rank = get_world_size, get_rank
 
-# %% ../../nbs/04_comm.ipynb #c034
+# %% ../../nbs/04_comm.ipynb #c038
 def _timeout(timeout)->timedelta|None:
     if timeout is None or isinstance(timeout, timedelta): return timeout
     if isinstance(timeout, (int, float)) and timeout > 0: return timedelta(seconds=timeout)
@@ -264,7 +315,7 @@ def _use_torch(timeout:timedelta|None)->TorchBackend:
     _backend = b
     return b
 
-# %% ../../nbs/04_comm.ipynb #c036
+# %% ../../nbs/04_comm.ipynb #c040
 def _adopt(rank:int, world_size:int, timeout)->DistEnv:
     "Use the process group that already exists, after checking it matches what the caller asked for"
     for arg, asked, real in (('rank', rank, tdist.get_rank()), ('world_size', world_size, tdist.get_world_size())):
@@ -276,7 +327,7 @@ def _adopt(rank:int, world_size:int, timeout)->DistEnv:
     return DistEnv(tdist.get_rank(), tdist.get_world_size(), local, env.get('MASTER_ADDR', '127.0.0.1'),
                    int(env.get('MASTER_PORT', '29500')), 'adopted')
 
-# %% ../../nbs/04_comm.ipynb #c039
+# %% ../../nbs/04_comm.ipynb #c043
 def _choose_backend(backend:str|None, dist_backend:str|None)->str:
     "The torch backend to start: `backend` (or DeepSpeed's `dist_backend`), else nccl with CUDA, else gloo"
     if backend and dist_backend and backend != dist_backend:
@@ -284,7 +335,7 @@ def _choose_backend(backend:str|None, dist_backend:str|None)->str:
                          "setting (dist_backend is DeepSpeed's name); pass one")
     return backend or dist_backend or ('nccl' if torch.cuda.is_available() and tdist.is_nccl_available() else 'gloo')
 
-# %% ../../nbs/04_comm.ipynb #c041
+# %% ../../nbs/04_comm.ipynb #c045
 def init_distributed(backend:str|None=None, # 'nccl', 'gloo', 'mpi'; None: nccl with CUDA, else gloo
                      timeout=None, # timedelta or seconds before a collective that cannot complete raises
                      init_method:str|None=None, # torch's init_method; None: env:// from the discovered variables
@@ -319,7 +370,7 @@ def _start(env:DistEnv, backend:str, init_method, timeout):
                              world_size=env.world_size)
     _use_torch(timeout)
 
-# %% ../../nbs/04_comm.ipynb #c042
+# %% ../../nbs/04_comm.ipynb #c046
 def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, group_name='',
                        pg_options=None, device_id=None):
     "torch.distributed.init_process_group, after which flexrt.comm runs on the new group"
@@ -335,7 +386,7 @@ def destroy_process_group(group=None):
     _torch._learned.clear()
     _backend, _env = None, None
 
-# %% ../../nbs/04_comm.ipynb #c046
+# %% ../../nbs/04_comm.ipynb #c050
 def _straggler_column(df, b:CommBackend)->list:
     "Per row of `df`, this rank's time waiting for slower ranks (ms); gathers every rank's latencies (collective)"
     comms_logger.flush()
@@ -348,7 +399,7 @@ def _straggler_column(df, b:CommBackend)->list:
     callers = df['caller'] if 'caller' in df else [None] * len(df)
     return [by_row.get((o, s, n, c), 0.0) for o, s, n, c in zip(df.op, df.size_bytes, df.ranks, callers)]
 
-# %% ../../nbs/04_comm.ipynb #c047
+# %% ../../nbs/04_comm.ipynb #c051
 def _as_deepspeed_dict(df, b:CommBackend)->dict:
     "`df` in DeepSpeed's `log_summary(return_dict=True)` shape"
     summary, straggler = {}, {}
@@ -363,7 +414,7 @@ def _as_deepspeed_dict(df, b:CommBackend)->dict:
     out['metadata'] = dict(world_size=b.get_world_size(), rank=b.get_rank(), timestamp=datetime.now().isoformat())
     return out
 
-# %% ../../nbs/04_comm.ipynb #c048
+# %% ../../nbs/04_comm.ipynb #c052
 def log_summary(show_straggler:bool=False, # gather every rank's latencies and add a straggler_ms column (collective)
                 return_dict:bool=False, # return DeepSpeed's nested dict instead of the DataFrame
                 print_table:bool=True, # print the table on rank 0
@@ -374,7 +425,7 @@ def log_summary(show_straggler:bool=False, # gather every rank's latencies and a
     if print_table and b.get_rank() == 0: print(df.to_string(index=False))
     return _as_deepspeed_dict(df, b) if return_dict else df
 
-# %% ../../nbs/04_comm.ipynb #c051
+# %% ../../nbs/04_comm.ipynb #c055
 def _forget_single_process_choice():
     "In a forked child: drop the parent's single-process choice (not a real process group)"
     global _env, _backend

@@ -48,6 +48,8 @@ _SIZE = {  # op -> f(bound args, world size) -> (S in bytes, a tensor of the cal
     'all_gather_into_tensor': lambda a, n: (_nbytes(a['output_tensor']), a['output_tensor']),
     'reduce_scatter': lambda a, n: (sum(map(_nbytes, a['input_list'])), a['output']),
     'reduce_scatter_tensor': lambda a, n: (_nbytes(a['input']), a['input']),
+    'reduce_scatter_tensor_p2p': lambda a, n: (_nbytes(a['input']), a['input']),
+    'all_gather_into_tensor_p2p': lambda a, n: (_nbytes(a['output_tensor']), a['output_tensor']),
     'all_to_all': lambda a, n: (sum(map(_nbytes, a['input_tensor_list'])), _first(a['input_tensor_list'])),
     'all_to_all_single': lambda a, n: (_nbytes(a['input']), a['input']),
     'gather': lambda a, n: (n * _nbytes(a['tensor']), a['tensor']),
@@ -65,6 +67,7 @@ def message_size(op:str, args:dict, world_size:int)->int:
 # %% ../../nbs/01_comm_logger.ipynb #c015
 _BUS = {'all_reduce': lambda n: 2 * (n - 1) / n,
         **{op: (lambda n: (n - 1) / n) for op in ('all_gather', 'all_gather_into_tensor', 'reduce_scatter', 'reduce_scatter_tensor',
+                                                  'all_gather_into_tensor_p2p', 'reduce_scatter_tensor_p2p',
                                                   'all_to_all', 'all_to_all_single', 'gather', 'scatter')}}
 
 def bus_factor(op:str, world_size:int)->float:

@@ -15,6 +15,7 @@ from .parts import (StepCounter, Timers, StepClock, StepReporter, ExpertGroups, 
                                  build_dataloader)
 from .optim import ReplicatedOptimizer, client_optimizer, client_lr_scheduler
 from ..zero import build_zero_optimizer
+from .. import checkpoint
 
 # %% auto #0
 __all__ = ['unused_settings', 'check_stage', 'Engine', 'broadcast_tensors']
@@ -270,14 +271,30 @@ def _deepspeed_io(self:Engine, dataset, # a torch Dataset
                             collate_fn or self.collate_fn, data_sampler, self.config.dataloader_drop_last, pin_memory,
                             num_local_io_workers or 0)
 
-def _checkpoint_state(self:Engine)->dict:
-    "The parts a checkpoint saves, each with state_dict()/load_state_dict() (the schedule is None without one)"
-    return {'module': self.module, 'optimizer': self.optimizer, 'lr_scheduler': self.lr_scheduler,
-            'precision': self.precision, 'counters': self.counter, 'layer_drop': self.layer_drop}
+Engine.deepspeed_io = _deepspeed_io
 
-Engine.deepspeed_io, Engine.checkpoint_state = _deepspeed_io, _checkpoint_state
+# %% ../../nbs/30_engine_core.ipynb #c026
+def _save_checkpoint(self:Engine, save_dir, # the directory holding the checkpoints (shared by all ranks)
+                     tag=None, # the checkpoint's name (default: global_step<N>)
+                     client_state:dict|None=None, # your own state: tensors, numbers, strings and containers of them
+                     save_latest:bool=True, # point `<save_dir>/latest` at this tag
+                     exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
+    "Save the complete training state (all ranks call it)"
+    return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
-# %% ../../nbs/30_engine_core.ipynb #c025
+def _load_checkpoint(self:Engine, load_dir, tag=None, load_module_strict:bool=True, load_optimizer_states:bool=True,
+                     load_lr_scheduler_states:bool=True, load_module_only:bool=False)->tuple:
+    "Restore a checkpoint (all ranks call it): `(path, client_state)`, or `(None, None)` when `load_dir` has no `latest`"
+    return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only)
+
+def _save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin', exclude_frozen_parameters:bool=False)->bool:
+    "The model's weights in their working dtype, in one file written by rank 0 (all ranks call it)"
+    return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+Engine.save_checkpoint, Engine.load_checkpoint, Engine.save_16bit_model = _save_checkpoint, _load_checkpoint, _save_16bit_model
+
+# %% ../../nbs/30_engine_core.ipynb #c027
 def _close(self:Engine):
     "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, restore the comms logger"
     if self._closed: return

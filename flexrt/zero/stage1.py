@@ -14,12 +14,14 @@ from .partition import FlatPartition
 from ..memory import storage_bytes
 
 # %% auto #0
-__all__ = ['ShardReducer', 'ZeroStage1']
+__all__ = ['ALGORITHMS', 'PER_PARAMETER', 'ShardReducer', 'ZeroStage1']
 
 # %% ../../nbs/40_zero_stage1.ipynb #c006
 class _Done:
     "The handle of a reduction that needed no collective (a group of one rank)"
     def wait(self): pass
+
+ALGORITHMS = ('native', 'p2p', 'all_reduce')
 
 class ShardReducer(BucketReducer):
     "Gradients reduce-scattered bucket by bucket: each rank keeps the average of its chunk in `bucket.grad_shard`"
@@ -27,10 +29,11 @@ class ShardReducer(BucketReducer):
     def __init__(self, buckets:list, # from `plan_buckets(..., align=world size)`, each with `.partition` and `.grad_shard`
                  world_size:int, # the data-parallel world size: the divisor of every bucket
                  gradient_predivide_factor:float=1., # divide by this before the reduction, the rest after
-                 reduce_scatter:bool=True, # False: all-reduce the bucket and keep the chunk (faster on some gloo builds)
-                 via_all_reduce:bool=False): # run each reduce-scatter as an all-reduce (logged `reduce_scatter_via_all_reduce`)
+                 reduce_scatter:bool=True, # False: all-reduce the bucket and keep the chunk (DeepSpeed's switch; 3Ψ)
+                 algorithm:str='native'): # 'native', 'p2p' (direct messages) or 'all_reduce' (see above)
+        if algorithm not in ALGORITHMS: raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.world_size, self.predivide = world_size, float(gradient_predivide_factor)
-        self.reduce_scatter, self.via_all_reduce = bool(reduce_scatter), bool(via_all_reduce)
+        self.reduce_scatter, self.algorithm = bool(reduce_scatter), algorithm
         super().__init__(buckets)
 
     def _launch(self, bucket):
@@ -38,12 +41,13 @@ class ShardReducer(BucketReducer):
         if self.predivide != 1: bucket.buffer.div_(self.predivide)
         chunk = bucket.partition.shard(bucket.buffer)
         if bucket.world_size == 1: bucket.received = chunk.clone(); return _Done()
-        if not self.reduce_scatter or self.via_all_reduce:
+        if not self.reduce_scatter or self.algorithm == 'all_reduce':
             bucket.received = chunk
             name = 'reduce_scatter_via_all_reduce' if self.reduce_scatter else None
             return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True, log_name=name)
         bucket.received = torch.empty_like(chunk)
-        return dist.reduce_scatter_tensor(bucket.received, bucket.buffer, group=bucket.group, async_op=True)
+        op = dist.reduce_scatter_tensor_p2p if self.algorithm == 'p2p' else dist.reduce_scatter_tensor
+        return op(bucket.received, bucket.buffer, group=bucket.group, async_op=True)
 
     @torch.no_grad()
     def _finish(self, bucket):
@@ -112,9 +116,9 @@ class ZeroStage1:
                  gradient_predivide_factor:float=1., # divide gradients by this before the reduction, the rest after
                  overlap_comm:bool=True, # stage 2: reduce buckets while backward runs (stage 1 always does)
                  reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk (3Ψ, not 2Ψ)
-                 collectives:str='auto'): # 'native', 'all_reduce' (gloo's fastest), 'auto': all_reduce on gloo
-        if collectives not in ('auto', 'native', 'all_reduce'):
-            raise ValueError(f"collectives must be 'auto', 'native' or 'all_reduce', got {collectives!r}")
+                 collectives:str='auto'): # 'native', 'p2p', 'all_reduce' (see `ShardReducer`), 'auto': p2p on gloo
+        if collectives not in ('auto', *ALGORITHMS):
+            raise ValueError(f"collectives must be 'auto' or one of {ALGORITHMS}, got {collectives!r}")
         if optimizer is None: raise ValueError(f"ZeRO stage {self.stage} partitions an optimizer's state: pass optimizer= to initialize() or add an 'optimizer' block")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
@@ -122,7 +126,8 @@ class ZeroStage1:
         self.master_weights, self.overlap_comm, self.reduce_scatter = precision.master_weights, overlap_comm, reduce_scatter
         self.comm_bytes = 0
         self.world_size = dist.get_world_size(group)
-        self.via_all_reduce = collectives == 'all_reduce' or (collectives == 'auto' and self.world_size > 1 and dist.get_backend(group) == 'gloo')
+        if collectives == 'auto': collectives = 'p2p' if self.world_size > 1 and dist.get_backend(group) == 'gloo' else 'native'
+        self.collectives = collectives
         groups = _trainable_groups(optimizer)
         values = {id(p): p.detach().float() for g in groups for p in g} if self.master_weights else {}
         precision.cast_model(module)   # the fp32 values above become the masters, as in stage 0
@@ -140,7 +145,7 @@ def _setup_gradients(self:ZeroStage1):
 
 def _make_reducer(self:ZeroStage1, gradient_predivide_factor:float)->ShardReducer:
     "The reducer that fills `grad_shard` (stage 2 overrides it)"
-    return ShardReducer(self.buckets, self.world_size, gradient_predivide_factor, self.reduce_scatter, self.via_all_reduce)
+    return ShardReducer(self.buckets, self.world_size, gradient_predivide_factor, self.reduce_scatter, self.collectives)
 
 ZeroStage1._setup_gradients, ZeroStage1._make_reducer = _setup_gradients, _make_reducer
 
@@ -184,16 +189,22 @@ ZeroStage1._shard_norm, ZeroStage1.clip_grad_norm = _shard_norm, _clip_grad_norm
 
 # %% ../../nbs/40_zero_stage1.ipynb #c020
 @torch.no_grad()
+def _launch_gather(self:ZeroStage1, bk):
+    "Start the all-gather of one bucket's parameter buffer (its chunk from the masters); its handle, or None if local"
+    if bk.world_size > 1 and self.collectives == 'all_reduce': work = _gather_via_all_reduce(bk)
+    else:
+        send = bk.master.detach().to(bk.dtype, copy=True)
+        if bk.world_size == 1: bk.param_buffer.copy_(send); return None
+        gather = dist.all_gather_into_tensor_p2p if self.collectives == 'p2p' else dist.all_gather_into_tensor
+        work = gather(bk.param_buffer, send, group=bk.group, async_op=True)
+    self.comm_bytes += bk.param_buffer.nbytes
+    return work
+
 def _gather_params(self:ZeroStage1):
     "Write the masters into this rank's chunk and all-gather every bucket's parameter buffer"
-    works = []
-    for bk in self.buckets:
-        if bk.world_size > 1 and self.via_all_reduce: works.append(_gather_via_all_reduce(bk)); continue
-        send = bk.master.detach().to(bk.dtype, copy=True)
-        if bk.world_size == 1: bk.param_buffer.copy_(send); continue
-        works.append(dist.all_gather_into_tensor(bk.param_buffer, send, group=bk.group, async_op=True))
-    self.comm_bytes += sum(bk.param_buffer.nbytes for bk in self.buckets if bk.world_size > 1)
-    for w in works: w.wait()
+    works = [self._launch_gather(bk) for bk in self.buckets]
+    for w in works:
+        if w is not None: w.wait()
 
 def _gather_via_all_reduce(bk):
     "All-gather as a sum: the buffer zeroed but for this rank's chunk (x + 0 is exact), then all-reduced"
@@ -203,14 +214,32 @@ def _gather_via_all_reduce(bk):
     if master.data_ptr() != buf[start:end].data_ptr(): buf[start:end].copy_(master)   # fp32 masters alias their chunk
     return dist.all_reduce(buf, group=bk.group, async_op=True, log_name='all_gather_via_all_reduce')
 
+# %% ../../nbs/40_zero_stage1.ipynb #c022
+PER_PARAMETER = ('Adam', 'AdamW', 'SGD', 'Adagrad', 'Adamax', 'RMSprop', 'NAdam', 'RAdam', 'Lamb')
+
+def _step_bucket(optimizer, bk):
+    "One optimizer step over this bucket's master alone"
+    saved = [g['params'] for g in optimizer.param_groups]
+    try:
+        for gi, g in enumerate(optimizer.param_groups): g['params'] = [bk.master] if gi == bk.param_group else []
+        optimizer.step()
+    finally:
+        for g, params in zip(optimizer.param_groups, saved): g['params'] = params
+
 def _step(self:ZeroStage1):
     "The optimizer step on this rank's masters, then the updated parameters all-gathered into the model"
-    self.optimizer.step()
-    self._gather_params()
+    if len(self.buckets) < 2 or type(self.optimizer).__name__ not in PER_PARAMETER:
+        self.optimizer.step(); self._gather_params(); return
+    works = []
+    for bk in self.buckets:
+        _step_bucket(self.optimizer, bk)
+        works.append(self._launch_gather(bk))
+    for w in works:
+        if w is not None: w.wait()
 
-ZeroStage1._gather_params, ZeroStage1.step = _gather_params, _step
+ZeroStage1._launch_gather, ZeroStage1._gather_params, ZeroStage1.step = _launch_gather, _gather_params, _step
 
-# %% ../../nbs/40_zero_stage1.ipynb #c021
+# %% ../../nbs/40_zero_stage1.ipynb #c023
 def _zero_grad(self:ZeroStage1, set_to_none:bool=True):
     "Zero the gradient buffers in place (`set_to_none` is moot: the buffers stay); drop the masters' fp32 copies"
     self.reducer.zero_grad()
@@ -226,7 +255,7 @@ def _close(self:ZeroStage1):
 
 ZeroStage1.zero_grad, ZeroStage1.close = _zero_grad, _close
 
-# %% ../../nbs/40_zero_stage1.ipynb #c025
+# %% ../../nbs/40_zero_stage1.ipynb #c027
 def _memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_state, total
     "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
     seen, model = set(), list(self.module.parameters())
@@ -239,7 +268,7 @@ def _memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_
 
 ZeroStage1.memory_breakdown = _memory_breakdown
 
-# %% ../../nbs/40_zero_stage1.ipynb #c028
+# %% ../../nbs/40_zero_stage1.ipynb #c030
 def _param_groups(self:ZeroStage1)->list: return self.optimizer.param_groups
 def _state(self:ZeroStage1): return self.optimizer.state
 
@@ -255,7 +284,7 @@ def _state_dict(self:ZeroStage1)->dict:
 ZeroStage1.param_groups, ZeroStage1.state = property(_param_groups), property(_state)
 ZeroStage1._layout, ZeroStage1.state_dict = _layout, _state_dict
 
-# %% ../../nbs/40_zero_stage1.ipynb #c029
+# %% ../../nbs/40_zero_stage1.ipynb #c031
 def _check_shard(self:ZeroStage1, state:Mapping):
     "Refuse a shard saved with another stage family, world size, rank or layout"
     if state.get('stage') not in (1, 2):

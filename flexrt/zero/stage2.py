@@ -22,10 +22,10 @@ class Stage2Reducer(ShardReducer):
                  overlap_comm:bool=True, # reduce while backward runs
                  reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk
                  max_in_flight:int=2, # buckets being reduced at once (each holds its buffer)
-                 via_all_reduce:bool=False): # run each reduce-scatter as an all-reduce (see `ShardReducer`)
+                 algorithm:str='native'): # how each reduce-scatter runs (see `ShardReducer`)
         for bk in buckets: bk.buffer = bk.views = None
         self.overlap_comm, self.max_in_flight, self._in_flight = bool(overlap_comm), max(1, max_in_flight), deque()
-        super().__init__(buckets, world_size, gradient_predivide_factor, reduce_scatter, via_all_reduce)
+        super().__init__(buckets, world_size, gradient_predivide_factor, reduce_scatter, algorithm)
 
     def _start(self, bucket):
         "Copy the bucket's gradients into a new buffer, drop `p.grad`, launch the reduce-scatter"
@@ -70,4 +70,4 @@ class ZeroStage2(ZeroStage1):
 
     def _make_reducer(self, gradient_predivide_factor:float)->Stage2Reducer:
         return Stage2Reducer(self.buckets, self.world_size, gradient_predivide_factor, self.overlap_comm, self.reduce_scatter,
-                             via_all_reduce=self.via_all_reduce)
+                             algorithm=self.collectives)

@@ -16,10 +16,8 @@ from .stage3_params import ParameterPartitioner, GatheredParameters, register_ex
 __all__ = ['Stage3Optimizer']
 
 # %% ../../nbs/42_zero3.ipynb #c005
-def _check_params(module:torch.nn.Module, optimizer, expert_groups):
-    "Refuse what stage 3 cannot run: expert parameters, optimizer parameters outside the module, optimizer state"
-    if any(getattr(p, 'allreduce', True) is False for p in module.parameters()) or expert_groups:
-        raise NotImplementedError("ZeRO stage 3 does not partition MoE expert parameters (allreduce=False) yet: use stage 0-2")
+def _check_params(module:torch.nn.Module, optimizer):
+    "Refuse what stage 3 cannot run: optimizer parameters outside the module, optimizer state"
     if optimizer is None: return
     owned = {id(p) for p in module.parameters()}
     for i, g in enumerate(optimizer.param_groups):
@@ -36,9 +34,9 @@ class Stage3Optimizer:
                  precision, # a flexrt.precision.Precision (fp32, bf16 or fp16)
                  config:ZeroConfig|None=None, # the `zero_optimization` block (stage3_* keys)
                  group=None, # the data-parallel process group (None: all ranks)
-                 expert_groups=None, # MoE expert groups: not supported at stage 3 (an error when not empty)
+                 expert_groups=None, # an `ExpertGroups` or {group_name: expert data-parallel group} (MoE), or None
                  mpu=None): # Megatron-style model-parallel unit for the global norm, or None
-        _check_params(module, optimizer, expert_groups)
+        _check_params(module, optimizer)
         if precision.dtype != torch.float32 and not precision.master_weights:
             raise NotImplementedError("ZeRO stage 3 keeps fp32 master shards: fp16_master_weights_and_grads=true is not supported")
         cfg = config if config is not None else ZeroConfig(stage=3)
@@ -49,7 +47,8 @@ class Stage3Optimizer:
         trainable = [p for g in (optimizer.param_groups if optimizer else []) for p in g['params'] if p.requires_grad]
         self.partitioner = ParameterPartitioner(module, group, cfg.stage3_param_persistence_threshold,
                                                 cfg.stage3_model_persistence_threshold, cfg.stage3_prefetch_bucket_size, trainable,
-                                                cfg.stage3_max_reuse_distance, cfg.stage3_max_live_parameters)
+                                                cfg.stage3_max_reuse_distance, cfg.stage3_max_live_parameters,
+                                                getattr(expert_groups, 'data_parallel', expert_groups) or None)
         self._build_shards()
         self.partitioner.on_modified = lambda record: self._on_modified(record)
 
@@ -62,6 +61,8 @@ def _build_shards(self:Stage3Optimizer):
     for g in (self.optimizer.param_groups if self.optimizer else []):
         original = list(g['params'])
         params = [p for p in dict.fromkeys(original) if p.requires_grad]   # frozen ones are never stepped
+        experts = [p for p in params if getattr(p, 'allreduce', True) is False]
+        params = [p for p in params if getattr(p, 'allreduce', True) is not False] + experts   # experts last
         sizes = [recs[p].shard_numel for p in params]
         device = next(iter(original), torch.empty(0)).device
         master = torch.empty(sum(sizes), dtype=torch.float32, device=device)
@@ -72,7 +73,9 @@ def _build_shards(self:Stage3Optimizer):
             shards[p], self._master_of[p] = w, m
             grads[p] = gr
         flat = torch.nn.Parameter(master, requires_grad=True); flat.grad = grad
-        self.groups.append(dict(params=params, original=original, master=flat, working=working, grad=grad, shared=working is master))
+        num_dense = sum(sizes[:len(params) - len(experts)])
+        self.groups.append(dict(params=params, original=original, master=flat, working=working, grad=grad, shared=working is master,
+                                num_dense=num_dense))
         g['params'] = [flat]
     self.precision.cast_model(self.module)
     self.partitioner.partition(shards, grads)
@@ -89,18 +92,28 @@ def _reduced_gradients(self:Stage3Optimizer)->list: # this rank's fp32 gradient 
     self.partitioner.release_all()
     return [g['grad'] for g in self.groups]
 
-def _clip_grad_norm(self:Stage3Optimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
-    "Global gradient norm from the shards (summed over the group); shards scaled down to `max_norm` when above it (0: never)"
-    grads = [g['grad'] for g in self.groups]
+def _grad_norm(self:Stage3Optimizer)->float: # the global L2 norm, inf if not finite
+    "Dense shards summed over the data-parallel group; expert shards (each expert split over its own group) over all ranks"
+    dense = [g['grad'][:g['num_dense']] for g in self.groups]
+    experts = [g['grad'][g['num_dense']:] for g in self.groups if g['grad'].numel() > g['num_dense']]
     extra = (self.group if self.group is not None else dist.group.WORLD) if self.world_size > 1 else None
-    pre = get_global_norm_of_tensors(grads, 2, self.mpu, moe_ep_group=extra)
-    pre = math.inf if pre == -1 else pre
+    total = get_global_norm_of_tensors(dense, 2, self.mpu, moe_ep_group=extra) if dense else 0.
+    if experts and total != -1:
+        sq = torch.stack(torch._foreach_norm(experts)).float().square().sum().reshape(1)
+        if dist.get_world_size() > 1: dist.all_reduce(sq)
+        total = math.sqrt(total ** 2 + float(sq))
+    return math.inf if total == -1 or not math.isfinite(total) else total
+
+def _clip_grad_norm(self:Stage3Optimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
+    "Global gradient norm from the shards; shards scaled down to `max_norm` when above it (0: never)"
+    grads, pre = [g['grad'] for g in self.groups], self._grad_norm()
     if max_norm > 0 and math.isfinite(pre) and pre > max_norm:
         clip_tensors_by_global_norm(grads, max_norm, pre)
         return pre, pre * max_norm / (pre + 1e-6)
     return pre, pre
 
-Stage3Optimizer.set_boundary, Stage3Optimizer.reduced_gradients, Stage3Optimizer.clip_grad_norm = _set_boundary, _reduced_gradients, _clip_grad_norm
+Stage3Optimizer.set_boundary, Stage3Optimizer.reduced_gradients = _set_boundary, _reduced_gradients
+Stage3Optimizer._grad_norm, Stage3Optimizer.clip_grad_norm = _grad_norm, _clip_grad_norm
 
 # %% ../../nbs/42_zero3.ipynb #c012
 @torch.no_grad()
@@ -120,7 +133,7 @@ def _zero_grad(self:Stage3Optimizer, set_to_none:bool=True):
 
 Stage3Optimizer.step, Stage3Optimizer.zero_grad = _step, _zero_grad
 
-# %% ../../nbs/42_zero3.ipynb #c015
+# %% ../../nbs/42_zero3.ipynb #c017
 def _nbytes(t): return t.numel() * t.element_size()
 
 def _memory_breakdown(self:Stage3Optimizer)->dict: # bytes per kind, and their total
@@ -140,7 +153,7 @@ def _memory_breakdown(self:Stage3Optimizer)->dict: # bytes per kind, and their t
 
 Stage3Optimizer.memory_breakdown = _memory_breakdown
 
-# %% ../../nbs/42_zero3.ipynb #c017
+# %% ../../nbs/42_zero3.ipynb #c019
 def _comm_bytes(self:Stage3Optimizer)->int:
     "Bytes this rank has gathered and reduce-scattered for its parameters and gradients so far"
     return self.partitioner.comm_bytes
@@ -151,7 +164,7 @@ def _state(self:Stage3Optimizer): return {} if self.optimizer is None else self.
 Stage3Optimizer.comm_bytes = property(_comm_bytes)
 Stage3Optimizer.param_groups, Stage3Optimizer.state = property(_param_groups), property(_state)
 
-# %% ../../nbs/42_zero3.ipynb #c018
+# %% ../../nbs/42_zero3.ipynb #c020
 @torch.no_grad()
 def _on_modified(self:Stage3Optimizer, record):
     "A `GatheredParameters(..., modifier_rank=r)` block changed a parameter: bring its fp32 master along"
@@ -160,7 +173,7 @@ def _on_modified(self:Stage3Optimizer, record):
 
 Stage3Optimizer._on_modified = _on_modified
 
-# %% ../../nbs/42_zero3.ipynb #c023
+# %% ../../nbs/42_zero3.ipynb #c025
 def _layout(self:Stage3Optimizer)->dict:
     recs = self.partitioner.records
     return {'world_size': self.world_size, 'rank': dist.get_rank(self.group),
@@ -187,7 +200,7 @@ def _load_state_dict(self:Stage3Optimizer, state:Mapping):
 
 Stage3Optimizer._layout, Stage3Optimizer.state_dict, Stage3Optimizer.load_state_dict = _layout, _state_dict, _load_state_dict
 
-# %% ../../nbs/42_zero3.ipynb #c025
+# %% ../../nbs/42_zero3.ipynb #c027
 def _close(self:Stage3Optimizer):
     "Remove the hooks, give the module its full parameters (current values) and the torch optimizer its own; drops its state"
     self.partitioner.close()

@@ -9,6 +9,7 @@ from functools import partial
 import torch
 from torch.utils._pytree import tree_flatten
 from .. import comm as dist
+from ..reducer import _group_of
 
 # %% auto #0
 __all__ = ['ParamRecord', 'gather_records', 'release_records', 'Unit', 'ParameterPartitioner', 'register_external_parameter',
@@ -19,9 +20,10 @@ class ParamRecord:
     "One parameter under ZeRO-3: its full shape, this rank's shard of `ceil(numel / N)` elements, and whether it is gathered"
     def __init__(self, param:torch.nn.Parameter, # the model's parameter
                  name:str, # its name in the model
-                 world_size:int, rank:int, # the data-parallel group's size and this rank's place in it
-                 persistent:bool): # kept whole on every rank
-        self.param, self.name, self.persistent = param, name, persistent
+                 world_size:int, rank:int, # the size of the group it is partitioned over, and this rank's place in it
+                 persistent:bool, # kept whole on every rank
+                 group=None): # that process group (the data-parallel one; an expert's own for MoE experts)
+        self.param, self.name, self.persistent, self.group = param, name, persistent, group
         self.shape, self.numel, self.world_size, self.rank = param.shape, param.numel(), world_size, rank
         self.shard_numel = -(-self.numel // world_size)
         self.shard, self.grad_shard = None, None   # flat tensors of shard_numel; the optimizer may give views of its buffers
@@ -42,15 +44,20 @@ def _fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
 
 ParamRecord.fill_shard = _fill_shard
 
-# %% ../../nbs/42_zero3_params.ipynb #c010
+# %% ../../nbs/42_zero3_params.ipynb #c011
+def _direct(group)->bool: return dist.get_backend(group) == 'gloo'
+def _all_gather(group): return dist.all_gather_into_tensor_p2p if _direct(group) else dist.all_gather_into_tensor
+def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if _direct(group) else dist.reduce_scatter_tensor
+
+# %% ../../nbs/42_zero3_params.ipynb #c012
 class _Gather:
     "An all-gather of several parameters' shards, maybe still in flight"
-    def __init__(self, records:list, group, owner=None): # owner: counts the bytes in its `comm_bytes`
-        self.records, n = records, records[0].world_size
+    def __init__(self, records:list, owner=None): # records of one process group; owner: counts the bytes in its `comm_bytes`
+        self.records, n, group = records, records[0].world_size, records[0].group
         self.length = sum(r.shard_numel for r in records)
         shards = torch.cat([r.shard for r in records]) if len(records) > 1 else records[0].shard
         self.out = shards.new_empty(n * self.length) if n > 1 else shards
-        self.work = dist.all_gather_into_tensor(self.out, shards, group=group, async_op=True) if n > 1 else None
+        self.work = _all_gather(group)(self.out, shards, group=group, async_op=True) if n > 1 else None
         for r in records: r.pending = self
         if self.work is not None and owner is not None: owner.comm_bytes += self.out.numel() * self.out.element_size()
 
@@ -66,15 +73,17 @@ class _Gather:
                 r.full, r.pending = True, None
             off += r.shard_numel
 
-# %% ../../nbs/42_zero3_params.ipynb #c011
+# %% ../../nbs/42_zero3_params.ipynb #c013
 def gather_records(records:list, # ParamRecords to make whole
-                   group=None, # the data-parallel group
-                   async_op:bool=False, # return the `_Gather` without waiting
+                   async_op:bool=False, # only start the gathers
                    owner=None): # an object whose `comm_bytes` counts the bytes gathered
-    "Start (and unless `async_op`, finish) the gather of the records that are neither whole nor in flight; finish those in flight"
+    "Start (and unless `async_op`, finish) the gathers of the records neither whole nor in flight, one per process group; finish those in flight"
     todo = [r for r in records if not r.full and r.pending is None]
-    started = _Gather(todo, group, owner) if todo else None
-    if async_op: return started
+    if todo:
+        by_group = {}
+        for r in todo: by_group.setdefault(id(r.group), []).append(r)
+        for same in by_group.values(): _Gather(same, owner)
+    if async_op: return
     for g in {id(r.pending): r.pending for r in records if r.pending is not None}.values(): g.finish()
 
 _EMPTY = {}
@@ -91,7 +100,7 @@ def release_records(records:list):
         if r.full and not r.persistent and r.active == 0:
             r.param.data, r.full = _placeholder(r.shard), False
 
-# %% ../../nbs/42_zero3_params.ipynb #c014
+# %% ../../nbs/42_zero3_params.ipynb #c016
 @torch.no_grad()
 def _copy_rows(rows:torch.Tensor, off:int, record:ParamRecord, grad:torch.Tensor):
     "Write `grad` into columns off:off+s of `rows` (N x L), row by row, leaving the padding as it is (zero)"
@@ -101,9 +110,9 @@ def _copy_rows(rows:torch.Tensor, off:int, record:ParamRecord, grad:torch.Tensor
     if whole * s < record.numel: rows[whole, off:off + record.numel - whole * s].copy_(flat[whole * s:])
 
 class _ReduceScatter:
-    "The gradient reduce-scatter of one unit: filled as gradients arrive, launched when complete"
-    def __init__(self, records:list, dtype, device):
-        self.records, self.n = records, records[0].world_size
+    "The gradient reduce-scatter of records of one process group: filled as gradients arrive, launched when complete"
+    def __init__(self, records:list, dtype, device, divisor:int): # divisor: the data-parallel size (gradients are averaged over it)
+        self.records, self.n, self.group, self.divisor = records, records[0].world_size, records[0].group, divisor
         self.offsets = [0]
         for r in records: self.offsets.append(self.offsets[-1] + r.shard_numel)
         self.buffer = torch.zeros(self.n, self.offsets[-1], dtype=dtype, device=device)
@@ -111,19 +120,19 @@ class _ReduceScatter:
 
     def add(self, index:int, grad:torch.Tensor): _copy_rows(self.buffer, self.offsets[index], self.records[index], grad)
 
-# %% ../../nbs/42_zero3_params.ipynb #c015
-def _launch(self:_ReduceScatter, group, owner=None): # owner: counts the bytes in its `comm_bytes`
-    "Start the reduce-scatter (nothing to start on one rank)"
+# %% ../../nbs/42_zero3_params.ipynb #c017
+def _launch(self:_ReduceScatter, owner=None): # owner: counts the bytes in its `comm_bytes`
+    "Start the reduce-scatter over the records' group (nothing to start in a group of one)"
     if self.n == 1: self.out = self.buffer.view(-1); return
     self.out = self.buffer.new_empty(self.offsets[-1])
-    self.work = dist.reduce_scatter_tensor(self.out, self.buffer.view(-1), group=group, async_op=True)
+    self.work = _reduce_scatter(self.group)(self.out, self.buffer.view(-1), group=self.group, async_op=True)
     if owner is not None: owner.comm_bytes += self.buffer.numel() * self.buffer.element_size()
 
 @torch.no_grad()
 def _finish_rs(self:_ReduceScatter):
-    "Wait, average over the ranks, and add each piece into its record's `grad_shard`"
+    "Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard`"
     if self.work is not None: self.work.wait()
-    if self.n > 1: self.out.div_(self.n)
+    if self.divisor != 1: self.out.div_(self.divisor)
     dst = [r.grad_shard for r in self.records]
     src = [self.out[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
     torch._foreach_add_(dst, [s.to(d.dtype) for s, d in zip(src, dst)])
@@ -131,19 +140,22 @@ def _finish_rs(self:_ReduceScatter):
 
 _ReduceScatter.launch, _ReduceScatter.finish = _launch, _finish_rs
 
-# %% ../../nbs/42_zero3_params.ipynb #c018
+# %% ../../nbs/42_zero3_params.ipynb #c020
 class Unit:
-    "A module that owns parameters directly: what its hooks gather, and the gradients it reduce-scatters"
+    "A module and the parameters its hooks gather: those it owns directly, and those its forward reads"
     def __init__(self, index:int, module:torch.nn.Module, records:list):
         self.index, self.module, self.records = index, module, records
-        self.grad_records = []   # trainable records whose gradients this unit reduce-scatters (each record in one unit)
-        self.reduce = None       # the `_ReduceScatter` of the current backward
-        self.num_ready = 0
     @property
     def numel(self)->int: return sum(r.numel for r in self.records if not r.persistent)
     def __repr__(self): return f"Unit({self.index}, {type(self.module).__name__}, {len(self.records)} params)"
 
-# %% ../../nbs/42_zero3_params.ipynb #c020
+class _GradPart:
+    "Trainable records of one unit and one process group: their gradients are reduce-scattered together"
+    def __init__(self, records:list):
+        self.records, self.slot = records, {id(r): i for i, r in enumerate(records)}
+        self.reduce, self.num_ready = None, 0   # the `_ReduceScatter` of the current backward; gradients in so far
+
+# %% ../../nbs/42_zero3_params.ipynb #c022
 class ParameterPartitioner:
     "ZeRO-3's model side: partition `module`'s parameters and install the hooks that gather and release them"
     def __init__(self, module:torch.nn.Module, # the model, already cast to its working dtype and on its device
@@ -153,7 +165,8 @@ class ParameterPartitioner:
                  prefetch_numel:int=50_000_000, # prefetch the next unit when it has at most this many elements (0: never)
                  trainable=None, # the parameters whose gradients are reduce-scattered (default: those requiring grad)
                  max_reuse_distance:int=0, # keep a unit gathered from forward to backward if fewer elements are gathered in between
-                 max_live_numel:int=1_000_000_000): # ... and the units kept so hold at most this many elements
+                 max_live_numel:int=1_000_000_000, # ... and the units kept so hold at most this many elements
+                 expert_groups=None): # {group_name: expert data-parallel group} for MoE parameters (allreduce=False)
         self.module, self.group, self.prefetch_numel = module, group, prefetch_numel
         self.max_reuse_distance, self.max_live_numel, self._keep = max_reuse_distance, max_live_numel, set()
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -161,38 +174,77 @@ class ParameterPartitioner:
         for name, p in module.named_parameters():
             persistent = p.numel() == 0 or p.numel() < persistence_threshold and kept + p.numel() <= model_persistence_threshold
             kept += p.numel() if persistent else 0
-            self.records[p] = ParamRecord(p, name, self.world_size, self.rank, persistent)
+            g = _group_of(p, group, expert_groups)   # an expert's own group, else `group`
+            self.records[p] = ParamRecord(p, name, dist.get_world_size(g), dist.get_rank(g), persistent, g)
         trainable = [p for p in module.parameters() if p.requires_grad] if trainable is None else list(trainable)
         self._trainable = {p for p in trainable}
         self._build_units()
-        self.trace, self._position, self._traced, self._hooks = [], {}, False, []
+        self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
         self._in_backward, self.partitioned, self.comm_bytes = False, False, 0   # comm_bytes: gathered + reduce-scattered
 
-# %% ../../nbs/42_zero3_params.ipynb #c021
+# %% ../../nbs/42_zero3_params.ipynb #c023
 def _build_units(self:ParameterPartitioner):
-    "One unit per module owning parameters; each trainable record reduce-scattered by the first unit holding it"
-    self.units, owner = [], {}
+    "A unit per module; a gradient part per process group of the first unit owning each trainable record"
+    self.units, self._all_units, self._grad_parts, self._grad_part = [], [], [], {}
     for m in dict.fromkeys(self.module.modules()):
         own = [self.records[p] for p in dict.fromkeys(m._parameters.values()) if p is not None and p.numel()]   # empty: nothing to do
         own += [self.records[p] for p in getattr(m, '_zero3_external', []) if self.records[p] not in own]
-        if not own: continue
-        unit = Unit(len(self.units), m, own)
+        unit = Unit(len(self._all_units), m, own)
+        self._all_units.append(unit)
+        if own: self.units.append(unit)
+        parts = {}
         for r in own:
-            if r.param in self._trainable and id(r) not in owner: owner[id(r)] = unit; unit.grad_records.append(r)
-        unit.slot = {id(r): i for i, r in enumerate(unit.grad_records)}
-        self.units.append(unit)
-    self._grad_unit = owner
+            if r.param in self._trainable and id(r) not in self._grad_part: parts.setdefault(id(r.group), []).append(r); self._grad_part[id(r)] = None
+        for same in parts.values():
+            part = _GradPart(same); self._grad_parts.append(part)
+            for r in same: self._grad_part[id(r)] = part
 
 ParameterPartitioner._build_units = _build_units
 
-# %% ../../nbs/42_zero3_params.ipynb #c022
+# %% ../../nbs/42_zero3_params.ipynb #c024
 def register_external_parameter(module:torch.nn.Module, # the module whose forward uses `param`
                                 param:torch.nn.Parameter): # a parameter owned by another module
-    "Make ZeRO-3 gather `param` around `module`'s forward and backward too (call before building the optimizer)"
+    "Declare that `module`'s forward reads `param` (optional: reads are detected; call before building the optimizer)"
     ext = module.__dict__.setdefault('_zero3_external', [])
     if not any(p is param for p in ext): ext.append(param)
 
-# %% ../../nbs/42_zero3_params.ipynb #c023
+# %% ../../nbs/42_zero3_params.ipynb #c026
+class _TrackedParameters(dict):
+    "A module's `_parameters` under ZeRO-3: looking up a parameter no running forward holds calls `_on_access`"
+    __slots__ = ('records', 'partitioner')
+    def __getitem__(self, name:str):
+        p = dict.__getitem__(self, name)
+        r = self.records.get(name)
+        if r is not None and not (r.full and r.active): self.partitioner._on_access(r)
+        return p
+
+def _track(self:ParameterPartitioner, module:torch.nn.Module):
+    "Swap `module._parameters` for a `_TrackedParameters` (same entries, same order)"
+    tracked = _TrackedParameters(module._parameters)
+    tracked.records = {n: self.records[p] for n, p in module._parameters.items() if p is not None}
+    tracked.partitioner = self
+    module.__dict__['_parameters'] = tracked
+    self._tracked.append(module)
+
+ParameterPartitioner._track = _track
+
+# %% ../../nbs/42_zero3_params.ipynb #c027
+def _on_access(self:ParameterPartitioner, r:ParamRecord):
+    "A read of a parameter no forward holds: in a forward the innermost module claims it; either way it is gathered"
+    if r.persistent: return
+    if self._stack: self._claim(self._stack[-1], r)
+    gather_records([r], owner=self)
+
+def _claim(self:ParameterPartitioner, unit:Unit, r:ParamRecord):
+    "From now on `unit` gathers `r` before its forward and backward and releases it after; it is in its forward now"
+    if any(x is r for x in unit.records): return
+    if not unit.records: self.units.append(unit)
+    unit.records.append(r)
+    r.active += 1   # as its pre-hook would have counted it: the post-hook releases it
+
+ParameterPartitioner._on_access, ParameterPartitioner._claim = _on_access, _claim
+
+# %% ../../nbs/42_zero3_params.ipynb #c028
 def _partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat tensor of shard_numel} to keep its shard in
                grad_shards:dict|None=None): # {param: flat tensor} its gradient shard is added into
     "Fill every shard, release the non-persistent parameters and install the hooks"
@@ -209,22 +261,28 @@ def _partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat 
 
 ParameterPartitioner.partition = _partition
 
-# %% ../../nbs/42_zero3_params.ipynb #c025
+# %% ../../nbs/42_zero3_params.ipynb #c030
 def _install_hooks(self:ParameterPartitioner):
-    for u in self.units:
-        self._hooks.append(u.module.register_forward_pre_hook(partial(self._pre_forward, u)))
-        self._hooks.append(u.module.register_forward_hook(partial(self._post_forward, u)))
+    for u in self._all_units:
+        if next(u.module.parameters(), None) is None: continue   # nothing below it to gather or claim
+        self._hooks.append(u.module.register_forward_pre_hook(partial(self._pre_forward, u), prepend=True))
+        self._hooks.append(u.module.register_forward_hook(partial(self._post_forward, u), always_call=True))
+        if u.module._parameters: self._track(u.module)
     for p in self.records:
         if p.requires_grad: self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
 def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
+    self._stack.append(unit)
     if not self._traced and torch.is_grad_enabled() and unit.index not in self._position:
         self._position[unit.index] = len(self.trace); self.trace.append(unit)
+    if not unit.records: return
     for r in unit.records: r.active += 1
-    gather_records(unit.records, self.group, owner=self)
+    gather_records(unit.records, owner=self)
     self._prefetch(unit, +1)
 
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
+    self._stack.pop()
+    if not unit.records: return
     for r in unit.records: r.active -= 1
     if not (torch.is_grad_enabled() and unit.index in self._keep): release_records(unit.records)
     if torch.is_grad_enabled():
@@ -233,26 +291,31 @@ def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
 
 ParameterPartitioner._install_hooks, ParameterPartitioner._pre_forward, ParameterPartitioner._post_forward = _install_hooks, _pre_forward, _post_forward
 
-# %% ../../nbs/42_zero3_params.ipynb #c026
+# %% ../../nbs/42_zero3_params.ipynb #c031
 def _prefetch(self:ParameterPartitioner, unit:Unit, step:int):
     "Start gathering the unit that ran `step` places after `unit` in the first forward"
     if not self._traced or not self.prefetch_numel or unit.index not in self._position: return
     i = self._position[unit.index] + step
     if 0 <= i < len(self.trace) and self.trace[i].numel <= self.prefetch_numel:
-        gather_records(self.trace[i].records, self.group, async_op=True, owner=self)
+        gather_records(self.trace[i].records, async_op=True, owner=self)
 
 def _pre_backward(self:ParameterPartitioner, unit:Unit, grad):
     "Gradient hook on the unit's outputs: gather its parameters before autograd enters it"
     self._begin_backward()
-    gather_records(unit.records, self.group, owner=self)
+    gather_records(unit.records, owner=self)
     self._prefetch(unit, -1)
 
 def _begin_backward(self:ParameterPartitioner):
     "Once per backward: ask autograd to call `_end_backward` when it is done"
     if self._in_backward: return
-    if not self._traced: self._plan_keep()
+    if not self._traced: self._finish_trace(); self._plan_keep()
     self._in_backward, self._traced = True, True
     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+def _finish_trace(self:ParameterPartitioner):
+    "The first forward's order of the units that gather something (the others only kept the stack)"
+    self.trace = [u for u in self.trace if u.records]
+    self._position = {u.index: i for i, u in enumerate(self.trace)}
 
 def _plan_keep(self:ParameterPartitioner):
     "The units whose backward comes soon after their forward: from the end of the trace, while the reuse distance allows"
@@ -262,36 +325,38 @@ def _plan_keep(self:ParameterPartitioner):
         self._keep.add(unit.index); live += unit.numel; between += unit.numel
 
 ParameterPartitioner._prefetch, ParameterPartitioner._pre_backward, ParameterPartitioner._begin_backward = _prefetch, _pre_backward, _begin_backward
-ParameterPartitioner._plan_keep = _plan_keep
+ParameterPartitioner._finish_trace, ParameterPartitioner._plan_keep = _finish_trace, _plan_keep
 
-# %% ../../nbs/42_zero3_params.ipynb #c027
+# %% ../../nbs/42_zero3_params.ipynb #c032
 def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
-    "A parameter's gradient is complete: copy it into its unit's buffer, drop it, release the parameter"
+    "A parameter's gradient is complete: copy it into its part's buffer, drop it, release the parameter"
     self._begin_backward()
-    r, unit = self.records[p], self._grad_unit.get(id(self.records[p]))
-    if unit is not None and r.grad_shard is not None:
-        if unit.reduce is None: unit.reduce = _ReduceScatter(unit.grad_records, p.grad.dtype, p.grad.device)
-        unit.reduce.add(unit.slot[id(r)], p.grad)
-        unit.num_ready += 1
-        if unit.num_ready == len(unit.grad_records): unit.reduce.launch(self.group, self)
+    r = self.records[p]
+    part = self._grad_part.get(id(r))
+    if part is not None and r.grad_shard is not None:
+        if part.reduce is None: part.reduce = _ReduceScatter(part.records, p.grad.dtype, p.grad.device, self.world_size)
+        part.reduce.add(part.slot[id(r)], p.grad)
+        part.num_ready += 1
+        if part.num_ready == len(part.records): part.reduce.launch(self)
     p.grad = None
     release_records([r])
 
 def _end_backward(self:ParameterPartitioner):
-    "After backward: launch the units not launched (missing gradients are zeros), add the results into the shards, release all"
-    for u in self.units:
-        if not u.grad_records or u.grad_records[0].grad_shard is None: continue
-        if u.reduce is None: u.reduce = _ReduceScatter(u.grad_records, u.grad_records[0].shard.dtype, u.grad_records[0].shard.device)
-        if u.reduce.out is None: u.reduce.launch(self.group, self)
-    for u in self.units:
-        if u.reduce is not None: u.reduce.finish()
-        u.reduce, u.num_ready = None, 0
+    "After backward: launch the parts not launched (missing gradients are zeros), add the results into the shards, release all"
+    for part in self._grad_parts:
+        first = part.records[0]
+        if first.grad_shard is None: continue
+        if part.reduce is None: part.reduce = _ReduceScatter(part.records, first.shard.dtype, first.shard.device, self.world_size)
+        if part.reduce.out is None: part.reduce.launch(self)
+    for part in self._grad_parts:
+        if part.reduce is not None: part.reduce.finish()
+        part.reduce, part.num_ready = None, 0
     self.release_all()
     self._in_backward = False
 
 ParameterPartitioner._on_grad, ParameterPartitioner._end_backward = _on_grad, _end_backward
 
-# %% ../../nbs/42_zero3_params.ipynb #c028
+# %% ../../nbs/42_zero3_params.ipynb #c033
 def _release_all(self:ParameterPartitioner):
     "Finish gathers in flight and release every parameter not in use (persistent ones stay whole)"
     release_records(list(self.records.values()))
@@ -301,20 +366,21 @@ def _refresh_persistent(self:ParameterPartitioner):
     "After the shards changed (an optimizer step): all-gather the persistent parameters again"
     persistent = [r for r in self.records.values() if r.persistent and r.numel]
     for r in persistent: r.full = False
-    if persistent: gather_records(persistent, self.group, owner=self)
+    if persistent: gather_records(persistent, owner=self)
 
 ParameterPartitioner.release_all, ParameterPartitioner.refresh_persistent = _release_all, _refresh_persistent
 
-# %% ../../nbs/42_zero3_params.ipynb #c029
+# %% ../../nbs/42_zero3_params.ipynb #c034
 @torch.no_grad()
 def _close(self:ParameterPartitioner):
-    "Remove every hook, give each parameter its full data back and forget the shards"
+    "Remove every hook and lookup check, give each parameter its full data back and forget the shards"
     for h in self._hooks: h.remove()
-    self._hooks = []
+    for m in self._tracked: m.__dict__['_parameters'] = dict(m._parameters)
+    self._hooks, self._tracked, self._stack = [], [], []
     if not self.partitioned: return
     records = list(self.records.values())
     for r in records: r.active = 0
-    gather_records(records, self.group)
+    gather_records(records)
     for r in records:
         r.param.data = r.param.data.clone()   # its own storage, not a view of a gather buffer or a shard
         del r.param._zero3
@@ -323,7 +389,7 @@ def _close(self:ParameterPartitioner):
 
 ParameterPartitioner.close = _close
 
-# %% ../../nbs/42_zero3_params.ipynb #c031
+# %% ../../nbs/42_zero3_params.ipynb #c036
 @contextlib.contextmanager
 def GatheredParameters(params, # a parameter or an iterable of them (e.g. `module.parameters()`)
                        modifier_rank:int|None=None, # the rank whose changes are kept (None: read only)
@@ -333,7 +399,8 @@ def GatheredParameters(params, # a parameter or an iterable of them (e.g. `modul
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     owned = [getattr(p, '_zero3', None) for p in params] if enabled else []
     owned = [o for o in dict.fromkeys(owned) if o is not None]
-    for part, r in owned: r.active += 1; gather_records([r], part.group)
+    for part, r in owned: r.active += 1
+    gather_records([r for _, r in owned])
     try: yield
     finally:
         for part, r in owned:
@@ -341,11 +408,11 @@ def GatheredParameters(params, # a parameter or an iterable of them (e.g. `modul
             r.active -= 1
             release_records([r])
 
-# %% ../../nbs/42_zero3_params.ipynb #c032
+# %% ../../nbs/42_zero3_params.ipynb #c037
 @torch.no_grad()
 def _write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
-    "Broadcast `r`'s full value from group rank `src` and store it in every rank's shard"
-    if self.world_size > 1: dist.broadcast(r.param.data, src=dist.get_global_rank(self.group, src), group=self.group)
+    "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
+    if r.world_size > 1: dist.broadcast(r.param.data, src=dist.get_global_rank(r.group, src), group=r.group)
     r.fill_shard(r.param.data)
     if self.on_modified is not None: self.on_modified(r)
 

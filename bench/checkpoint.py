@@ -1,0 +1,142 @@
+"""Checkpoint save and load on 2 gloo ranks: flexrt vs torch.save of the same state vs DeepSpeed, per ZeRO stage, interleaved.
+
+    python bench/checkpoint.py [--stages 0,1,2,3] [--rounds 5] [--width 1024] [--layers 12] [--dir /tmp]
+
+The model is `--layers` Linear(width, width) layers (12 x 1024^2: 12.6M parameters, 48 MiB of fp32 weights), fp32,
+torch's AdamW after one training step, so the optimizer holds two fp32 moments per parameter. Per stage, in each
+round (the order alternates between rounds; round 0 only warms up the page cache and allocators):
+
+- flexrt: engine.save_checkpoint / engine.load_checkpoint at that ZeRO stage. Both ranks write their own file at
+  the same time; every file is fsync'ed, renamed into place and hashed (SHA-256), and loading verifies every
+  checksum first: the price of crash safety and corruption detection, included in the times.
+- torch.save: rank 0 alone saves {'model': state_dict, 'optimizer': state_dict} of a plain torch copy (model +
+  AdamW after the same step) to one file, no fsync; load is torch.load(weights_only=True) + load_state_dict on
+  rank 0. This is the floor: one process serialising one replica.
+- deepspeed: deepspeed.initialize with the same config, save_checkpoint / load_checkpoint (DS_ACCELERATOR=cpu).
+
+Printed per stage: median save and load time (rank 0's clock, from a barrier to a barrier), bytes on disk, and
+the paired ratios (median over rounds of flexrt's time / the peer's time in the same round; below 1: flexrt faster).
+"""
+import argparse, logging, os, shutil, socket, statistics, sys, tempfile, time, warnings
+os.environ.setdefault('DS_ACCELERATOR', 'cpu')
+import torch
+from torch import nn
+import torch.nn.functional as F
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+
+def make_model(args):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+
+def config(stage):
+    return {'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 1, 'steps_per_print': 10 ** 9,
+            'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0},
+            'zero_allow_untested_optimizer': True, 'checkpoint': {'tag_validation': 'Ignore'}}
+
+def adamw(model): return torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+def one_step(engine, args):
+    x = torch.randn(2, args.width)
+    loss = F.mse_loss(engine(x), x); engine.backward(loss); engine.step()
+
+def dir_bytes(path):
+    return sum(f.stat().st_size for f in os.scandir(path) if f.is_file()) if os.path.isdir(path) else 0
+
+class Flexrt:
+    name = 'flexrt'
+    def __init__(self, stage, args):
+        import flexrt
+        model = make_model(args)
+        self.engine = flexrt.initialize(model=model, optimizer=adamw(model), config=config(stage))[0]
+        one_step(self.engine, args)
+    def save(self, d): self.engine.save_checkpoint(d, tag='t')
+    def load(self, d): self.engine.load_checkpoint(d, tag='t')
+    def files(self, d): return os.path.join(d, 't')
+
+class DeepSpeed:
+    name = 'deepspeed'
+    def __init__(self, stage, args):
+        import deepspeed
+        deepspeed.utils.logger.setLevel(logging.ERROR)
+        model = make_model(args)
+        self.engine = deepspeed.initialize(model=model, optimizer=adamw(model), config=config(stage))[0]
+        one_step(self.engine, args)
+    def save(self, d): self.engine.save_checkpoint(d, tag='t')
+    def load(self, d): self.engine.load_checkpoint(d, tag='t')
+    def files(self, d): return os.path.join(d, 't')
+
+class TorchSave:
+    name = 'torch.save'
+    def __init__(self, stage, args):
+        self.model = make_model(args); self.opt = adamw(self.model)
+        x = torch.randn(2, args.width); F.mse_loss(self.model(x), x).backward(); self.opt.step(); self.opt.zero_grad()
+    def save(self, d):
+        if tdist.get_rank() == 0:
+            os.makedirs(d, exist_ok=True)
+            torch.save({'model': self.model.state_dict(), 'optimizer': self.opt.state_dict()}, os.path.join(d, 'state.pt'))
+    def load(self, d):
+        if tdist.get_rank() == 0:
+            state = torch.load(os.path.join(d, 'state.pt'), weights_only=True)
+            self.model.load_state_dict(state['model']); self.opt.load_state_dict(state['optimizer'])
+    def files(self, d): return d
+
+def timed(fn, d):
+    tdist.barrier(); start = time.perf_counter()
+    fn(d)
+    tdist.barrier()
+    return time.perf_counter() - start
+
+def worker(rank, world, port, args, stages):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    warnings.filterwarnings('ignore'); logging.disable(logging.WARNING)
+    tdist.init_process_group('gloo', rank=rank, world_size=world)
+    root = args.dir
+    for stage in stages:
+        impls = [cls(stage, args) for cls in (Flexrt, TorchSave, DeepSpeed) if cls is not DeepSpeed or args.deepspeed]
+        save, load, size = ({i.name: [] for i in impls} for _ in range(3))
+        for r in range(args.rounds + 1):
+            for impl in (impls if r % 2 == 0 else impls[::-1]):
+                d = os.path.join(root, f'{impl.name}-{stage}')
+                if rank == 0: shutil.rmtree(d, ignore_errors=True)
+                s, l = timed(impl.save, d), timed(impl.load, d)
+                if r: save[impl.name].append(s); load[impl.name].append(l); size[impl.name] = dir_bytes(impl.files(d))
+        if rank == 0: report(stage, save, load, size, args)
+        for impl in impls:
+            if hasattr(impl, 'engine') and hasattr(impl.engine, 'close'): impl.engine.close()
+    tdist.destroy_process_group()
+
+def paired(xs, ys): return statistics.median(x / y for x, y in zip(xs, ys))
+
+def report(stage, save, load, size, args):
+    med = statistics.median
+    print(f"stage {stage}:  {'save':>9s} {'load':>9s} {'MiB on disk':>12s}   flexrt/this: save   load   bytes")
+    for name in save:
+        print(f"  {name:11s} {med(save[name]) * 1e3:7.0f} ms {med(load[name]) * 1e3:6.0f} ms {size[name] / 2**20:10.1f}     "
+              f"{paired(save['flexrt'], save[name]):10.2f}x {paired(load['flexrt'], load[name]):5.2f}x {size['flexrt'] / size[name]:6.2f}x")
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--stages', default='0,1,2,3')
+    ap.add_argument('--rounds', type=int, default=5)
+    ap.add_argument('--width', type=int, default=1024)
+    ap.add_argument('--layers', type=int, default=12)
+    ap.add_argument('--dir', default=None, help='where to write (default: a temporary directory under /tmp)')
+    args = ap.parse_args()
+    try:
+        import deepspeed  # noqa: F401
+        args.deepspeed = True
+    except ImportError:
+        print("deepspeed: skipped, not installed (pip install deepspeed)"); args.deepspeed = False
+    numel = args.layers * (args.width ** 2 + args.width)
+    print(f"{args.layers} x Linear({args.width}, {args.width}): {numel / 1e6:.1f}M parameters, fp32, AdamW; 2 gloo ranks; "
+          f"{args.rounds} rounds, order alternating")
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        args.dir = d
+        with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+        mp.spawn(worker, args=(2, port, args, [int(s) for s in args.stages.split(',')]), nprocs=2)
+
+if __name__ == '__main__':
+    sys.exit(main())
