@@ -7,8 +7,14 @@ no dashboard anywhere (no hub, so the ranks forward nothing and the engine build
 `TrainingDashboard` at its default settings in the kernel (every step's record, with its memory snapshot, goes to
 the dashboard, which updates its texts and redraws its plots while the ranks train). Each launch trains the
 quickstart's tiny transformer with flexrt's engine and times `--blocks` blocks of `--steps` optimizer steps. Rounds
-alternate the two, so drift in machine speed hits both alike. Printed per configuration: the fastest and the median
-block in ms per step, the ratios, and what the kernel did (plots drawn, their CPU cost, the kernel's CPU use).
+alternate the two (and which goes first), so drift in machine speed hits both alike. Printed per configuration: the
+fastest and the median block in ms per step, their ratios, the ratio paired by round (the median over rounds of
+watched / unwatched median block), and what the kernel did (plots drawn, the kernel's CPU use).
+
+`--toggle` measures inside launches instead: one launch per round with a dashboard, whose ranks forward their records
+in every other block (a record is then built and sent, and the kernel receives and draws) and not in the others;
+the ratio of each pair of neighbouring blocks cancels the launch-to-launch noise. The kernel may still be drawing
+the last records in the first steps of a quiet block, which the toggled ratio then misses.
 
 `--threads` sets torch's threads per rank; the default, cores // ranks, is what torchrun and `accelerate launch`
 give CPU ranks. Forked `notebook_launcher` ranks inherit the kernel's thread count instead (every core each), which
@@ -19,7 +25,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
 
-def rank_main(blocks: int, steps: int, threads: int):
+def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False):
     import flexrt
     from flexrt import comm as dist, monitor
     from quickstart_train import tiny_transformer, CONFIG
@@ -35,7 +41,11 @@ def rank_main(blocks: int, steps: int, threads: int):
         engine.step()
     for _ in range(5): step()                                  # warm up
     times = []
+    forwarders = [fn for fn in monitor._listeners if isinstance(fn, monitor.Forwarder)]
     for block in range(blocks):
+        if toggle:   # blocks in pairs, one forwarding and one not, the order alternating between pairs
+            on = (block % 2 == 0) == (block // 2 % 2 == 0)
+            for fn in forwarders: monitor.add_listener(fn) if on else monitor.remove_listener(fn)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(steps): step()
@@ -54,9 +64,26 @@ def launch_once(a, watched: bool, times_file: Path):
     monitor.stop_serving()                                     # no hub: the ranks forward nothing
     dash = (TrainingDashboard() if a.interval is None else TrainingDashboard(interval=a.interval)) if watched else None
     times_file.write_text('')
-    notebook_launcher(rank_main, (a.blocks, a.steps, a.threads), num_processes=2, use_port=str(free_port()))
+    notebook_launcher(rank_main, (a.blocks, a.steps, a.threads, a.toggle), num_processes=2, use_port=str(free_port()))
     if dash is not None: dash.close()
     return [float(t) for t in times_file.read_text().split()], dash
+
+def toggled(a):
+    "Launches with a dashboard whose ranks forward every other block: paired blocks inside one launch"
+    times_file = Path(os.environ.setdefault('BENCH_TIMES', f'/tmp/flexrt-dashboard-bench-{os.getpid()}.txt'))
+    a.blocks += a.blocks % 4   # whole (on, off) + (off, on) quartets
+    ratios, fast = [], {True: [], False: []}
+    for round in range(a.rounds):
+        block_times, dash = launch_once(a, True, times_file)
+        ons = [t for b, t in enumerate(block_times) if (b % 2 == 0) == (b // 2 % 2 == 0)]
+        offs = [t for b, t in enumerate(block_times) if (b % 2 == 0) != (b // 2 % 2 == 0)]
+        ratios += [x / y for x, y in zip(ons, offs)]; fast[True] += ons; fast[False] += offs
+    times_file.unlink()
+    print(f"engine step on 2 CPU ranks, {a.rounds} launches x {a.blocks} blocks x {a.steps} steps, a dashboard in the kernel; "
+          f"the ranks forward their records in every other block (pairs inside one launch):")
+    print(f"  forwarding / not, paired blocks: median {statistics.median(ratios):.3f} over {len(ratios)} pairs "
+          f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f}); "
+          f"fastest blocks {min(fast[True]) * 1e3:.2f} vs {min(fast[False]) * 1e3:.2f} ms/step")
 
 if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,17 +92,24 @@ if __name__ == '__main__':
     parser.add_argument('--threads', type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="torch threads per rank; 0: inherit the kernel's (oversubscribed)")
     parser.add_argument('--interval', type=float, default=None, help="the dashboard's interval (default: its own)")
+    parser.add_argument('--toggle', action='store_true',
+                        help="one watched launch per round whose blocks alternate forwarding on and off (pairs within a launch)")
     a = parser.parse_args()
+    if a.toggle: sys.exit(toggled(a))
     times_file = Path(os.environ.setdefault('BENCH_TIMES', f'/tmp/flexrt-dashboard-bench-{os.getpid()}.txt'))
     times, kernel, dashboards = {'no dashboard': [], 'dashboard': []}, {'cpu': 0.0, 'wall': 0.0}, []
+    paired = []   # per round: median block watched / median block unwatched (cancels drift between rounds)
     for round in range(a.rounds):
-        for watched in (False, True):
+        medians = {}
+        for watched in ((False, True) if round % 2 == 0 else (True, False)):
             wall, cpu = time.perf_counter(), time.process_time()
             block_times, dash = launch_once(a, watched, times_file)
             times['dashboard' if watched else 'no dashboard'] += block_times
+            medians[watched] = statistics.median(block_times)
             if watched:
                 dashboards.append(dash)
                 kernel['cpu'] += time.process_time() - cpu; kernel['wall'] += time.perf_counter() - wall
+        paired.append(medians[True] / medians[False])
     times_file.unlink()
     fast = {k: min(v) for k, v in times.items()}
     mid = {k: statistics.median(v) for k, v in times.items()}
@@ -87,6 +121,8 @@ if __name__ == '__main__':
     for k in times: print(f"  {k + ':':28s} {fast[k] * 1e3:8.2f} ms/step {mid[k] * 1e3:9.2f} ms/step")
     print(f"  ratio dashboard / none:      {fast['dashboard'] / fast['no dashboard']:8.3f}         "
           f"{mid['dashboard'] / mid['no dashboard']:9.3f}")
+    print(f"  paired by round (median over rounds of watched / unwatched median block): {statistics.median(paired):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in paired)})")
     steps = [len(d.history.frame('step')) for d in dashboards]
     plots = [sum(getattr(v, 'num_plots', 0) for v in (d.grad_norm, d.memory)) for d in dashboards]
     print(f"  each dashboard received {steps} step records (expected {a.blocks * a.steps * 2 + 10}: blocks and warm-up "

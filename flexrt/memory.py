@@ -74,13 +74,28 @@ class MemorySnapshot:
     system_total_bytes: int # physical memory of the machine
     system_used_percent: float # `system_used_bytes` as a percentage of the total
 
-# %% ../nbs/16_memory.ipynb #c014
+# %% ../nbs/16_memory.ipynb #c015
+_PROCESS, _SYSTEM = {}, [0., None]
+
+def _process_memory():
+    "This process's `memory_info()` through a handle kept per pid"
+    pid = os.getpid()
+    if pid not in _PROCESS: _PROCESS.clear(); _PROCESS[pid] = psutil.Process(pid)
+    return _PROCESS[pid].memory_info()
+
+def _system_memory(max_age:float=0.2):
+    "`psutil.virtual_memory()`, read again once it is older than `max_age` seconds"
+    now = time.monotonic()
+    if _SYSTEM[1] is None or now - _SYSTEM[0] > max_age: _SYSTEM[:] = now, psutil.virtual_memory()
+    return _SYSTEM[1]
+
+# %% ../nbs/16_memory.ipynb #c016
 def memory_snapshot(device=None, # device to report on; default: the current CUDA device once CUDA is initialised, else the CPU
                    )->MemorySnapshot:
     "Read this process's tensor, process and system memory now"
     device = _memory_device(device)
     allocated, max_allocated, reserved, max_reserved, tracked = _tensor_stats(device)
-    process, system = psutil.Process().memory_info(), psutil.virtual_memory()
+    process, system = _process_memory(), _system_memory()
     return MemorySnapshot(timestamp=time.time(), rank=dist.get_rank(), device=str(device),
                           device_name=_device_name(device), allocated_bytes=allocated,
                           max_allocated_bytes=max_allocated, reserved_bytes=reserved,
@@ -88,7 +103,7 @@ def memory_snapshot(device=None, # device to report on; default: the current CUD
                           process_virtual_bytes=process.vms, system_used_bytes=system.total - system.available,
                           system_total_bytes=system.total, system_used_percent=system.percent)
 
-# %% ../nbs/16_memory.ipynb #c018
+# %% ../nbs/16_memory.ipynb #c020
 def reset_peak_memory_stats(device=None, # device whose peaks to reset; default as in `memory_snapshot`
                            ):
     "Set the peak allocated/cached numbers back to the current ones"
@@ -97,14 +112,14 @@ def reset_peak_memory_stats(device=None, # device whose peaks to reset; default 
     tracker = active_tracker()
     if tracker is not None: tracker.reset_peak()
 
-# %% ../nbs/16_memory.ipynb #c021
+# %% ../nbs/16_memory.ipynb #c023
 def _format_bytes(n:int)->str:
     "Bytes in the largest binary unit that keeps the number at least 1"
     for unit, size in (('TiB', 1 << 40), ('GiB', 1 << 30), ('MiB', 1 << 20), ('KiB', 1 << 10)):
         if abs(n) >= size: return f'{n / size:.2f} {unit}'
     return f'{n} B'
 
-# %% ../nbs/16_memory.ipynb #c024
+# %% ../nbs/16_memory.ipynb #c026
 def _untracked(s:MemorySnapshot)->str:
     "Why the tensor numbers of `s` are not measured"
     if s.device.startswith('cuda'): return 'no tensors yet (CUDA not initialised in this process)'
@@ -120,7 +135,7 @@ def _usage_line(message:str, s:MemorySnapshot)->str:
     return (f'{message} | {s.device}: {tensors} | process RSS {f(s.process_rss_bytes)} | virtual '
             f'{f(s.process_virtual_bytes)} | system used {f(s.system_used_bytes)} ({s.system_used_percent:.1f}%)')
 
-# %% ../nbs/16_memory.ipynb #c027
+# %% ../nbs/16_memory.ipynb #c029
 def see_memory_usage(message:str, # what the program is doing, printed first
                      force:bool=False, # report only when True (DeepSpeed's switch)
                     ):
@@ -131,7 +146,7 @@ def see_memory_usage(message:str, # what the program is doing, printed first
     if snap.rank == 0: print(_usage_line(message, snap), flush=True)
     reset_peak_memory_stats()
 
-# %% ../nbs/16_memory.ipynb #c030
+# %% ../nbs/16_memory.ipynb #c032
 def _status_numbers(s:MemorySnapshot, previous_allocated:int, previous_reserved:int)->str:
     "The allocated/cached part of a `MEMSTATS` line (or why it is not measured), and the RSS"
     f = _format_bytes
@@ -141,7 +156,7 @@ def _status_numbers(s:MemorySnapshot, previous_allocated:int, previous_reserved:
             f'max={f(s.max_allocated_bytes)}) current cache={f(s.reserved_bytes)} '
             f'(delta={f(s.reserved_bytes - previous_reserved)} max={f(s.max_reserved_bytes)}) {rss}')
 
-# %% ../nbs/16_memory.ipynb #c032
+# %% ../nbs/16_memory.ipynb #c034
 class MemoryStatus:
     "Callable that prints DeepSpeed's `MEMSTATS` line with changes since its previous call"
     def __init__(self): self.previous = {}  # device -> (allocated, reserved) at the previous call
@@ -163,7 +178,7 @@ class MemoryStatus:
 
 memory_status = MemoryStatus()
 
-# %% ../nbs/16_memory.ipynb #c035
+# %% ../nbs/16_memory.ipynb #c037
 def get_ma_status()->int:
     "Bytes of live tensors on this device if this is rank 0, else 0"
     if dist.get_rank() != 0: return 0
@@ -173,7 +188,7 @@ def get_ma_status()->int:
                       '0 is returned; enable one with TensorMemoryTracker().enable()', stacklevel=2)
     return allocated
 
-# %% ../nbs/16_memory.ipynb #c038
+# %% ../nbs/16_memory.ipynb #c040
 def storage_bytes(tensors, # tensors (None entries are skipped)
                   seen:set)->int: # (data pointer, device) of storages already counted; updated
     "Bytes of the storages behind `tensors` not yet in `seen`"
@@ -186,7 +201,7 @@ def storage_bytes(tensors, # tensors (None entries are skipped)
         seen.add(key); total += storage.nbytes()
     return total
 
-# %% ../nbs/16_memory.ipynb #c041
+# %% ../nbs/16_memory.ipynb #c043
 _samplers = weakref.WeakSet()  # every live sampler, so that a forked child can reset them
 
 class MemorySampler:
@@ -208,7 +223,7 @@ class MemorySampler:
         self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
         _samplers.add(self)
 
-# %% ../nbs/16_memory.ipynb #c043
+# %% ../nbs/16_memory.ipynb #c045
 def _running(self:MemorySampler)->bool:
     "Whether the sampling thread is alive"
     return self._thread is not None and self._thread.is_alive()
@@ -218,7 +233,7 @@ MemorySampler.__len__ = lambda self: len(self._buffer)
 MemorySampler.__repr__ = lambda self: (f'MemorySampler(interval_ms={self.interval_ms}, capacity={self.capacity}, '
                                        f'device={self.device!r}, running={self.running}, kept={len(self)})')
 
-# %% ../nbs/16_memory.ipynb #c045
+# %% ../nbs/16_memory.ipynb #c047
 def _sample(self:MemorySampler):
     "Take one snapshot into the buffer, and hand it to `on_sample`"
     snapshot = memory_snapshot(self.device)
@@ -238,7 +253,7 @@ def _run(self:MemorySampler, stop:threading.Event):
 
 MemorySampler._sample, MemorySampler._run = _sample, _run
 
-# %% ../nbs/16_memory.ipynb #c048
+# %% ../nbs/16_memory.ipynb #c050
 def _start(self:MemorySampler)->MemorySampler:
     "Start sampling; returns the sampler"
     if self.running: raise RuntimeError('this MemorySampler is already running; stop() it first')
@@ -259,7 +274,7 @@ def _stop(self:MemorySampler):
 
 MemorySampler.start, MemorySampler.stop = _start, _stop
 
-# %% ../nbs/16_memory.ipynb #c051
+# %% ../nbs/16_memory.ipynb #c053
 def _exit(self:MemorySampler, exc_type, exc, traceback):
     "Stop sampling; an exception already propagating keeps propagating, with a sampler error noted on it"
     if exc is None: return self.stop()
@@ -272,7 +287,7 @@ def _exit(self:MemorySampler, exc_type, exc, traceback):
 MemorySampler.__enter__ = lambda self: self.start()
 MemorySampler.__exit__ = _exit
 
-# %% ../nbs/16_memory.ipynb #c054
+# %% ../nbs/16_memory.ipynb #c056
 def _snapshots(self:MemorySampler)->list:
     "The kept snapshots, oldest first"
     with self._lock: return list(self._buffer)
@@ -291,7 +306,7 @@ def _clear(self:MemorySampler):
 
 MemorySampler.snapshots, MemorySampler.to_dataframe, MemorySampler.clear = _snapshots, _to_dataframe, _clear
 
-# %% ../nbs/16_memory.ipynb #c059
+# %% ../nbs/16_memory.ipynb #c061
 def _after_fork(self:MemorySampler):
     "In a forked child: no thread, fresh locks"
     self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
