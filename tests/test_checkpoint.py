@@ -1,6 +1,6 @@
 """Checkpoints on real gloo ranks: exact (bitwise) resume at every ZeRO stage and precision, loading at another world
 size and stage, crash safety under SIGKILL, corruption and malicious-pickle detection, clear errors that change nothing."""
-import json, os, random, signal, subprocess, sys, time, warnings
+import json, os, random, shutil, signal, subprocess, sys, time, warnings
 from pathlib import Path
 import pytest, torch
 import torch.nn as nn
@@ -176,18 +176,25 @@ def consolidate_rank(rank, world, d):
     random_steps(e, 2)
     e.save_checkpoint(d)
     e.save_16bit_model(d, 'model16.bin')
-    masters = {}
     from flexrt.zero.stage3_params import GatheredParameters
+    from flexrt.checkpoint.shards import optimizer_pieces
     with GatheredParameters(e.module.parameters()):
         working = {k: v.detach().clone() for k, v in e.module.state_dict().items()}
-    # the fp32 masters, gathered: each rank's shard of each parameter, laid out as the checkpoint saved them
+    names = {p: n for n, p in e.module.named_parameters()}
+    masters = [(names[p], s, m.detach().view(-1)[off:off + n].clone())   # this rank's pieces of the fp32 masters
+               for m, pieces in optimizer_pieces(e.optimizer) for p, s, n, off in pieces]
     e.close()
-    return working
+    return working, masters
 
 def test_consolidate_and_save_16bit_model(tmp_path):
     from flexrt.checkpoint import consolidate
-    working = run_distributed(consolidate_rank, 2, args=(str(tmp_path),))[0]
-    sd = consolidate(tmp_path)
+    results = run_distributed(consolidate_rank, 2, args=(str(tmp_path),))
+    working, sd = results[0][0], consolidate(tmp_path)
+    pieces = [piece for _, masters in results for piece in masters]
+    assert {n for n, *_ in pieces} == {'emb.weight', 'body.0.weight', 'body.0.bias', 'body.3.weight', 'body.3.bias'}
+    for name, start, values in pieces:                      # the fp32 masters of every rank, exactly
+        assert torch.equal(sd[name].view(-1)[start:start + values.numel()], values), name
+
     assert list(sd) == list(working)
     assert sd['emb.weight'] is sd['head.weight']           # tied names share one tensor
     for k, v in working.items():
@@ -339,7 +346,7 @@ def test_missing_checkpoints(tmp_path, saved):
 def crash_engine(train_batch_size):
     import flexrt
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])   # 0.5M parameters: saves take most of the time
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])   # 2.1M parameters: 25 MB a checkpoint
     return flexrt.initialize(model=model, config={'train_batch_size': train_batch_size, 'steps_per_print': 10**6,
                                                   'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
                                                   'zero_optimization': {'stage': 1}})[0]
@@ -352,14 +359,14 @@ from test_checkpoint import crash_engine
 def loop(rank, world, d):
     e = crash_engine(4)
     while True:
-        e.backward(e(torch.ones(2, 256)).sum()); e.step()
+        e.backward(e(torch.ones(2, 512)).sum()); e.step()
         e.save_checkpoint(d, client_state={'step': e.global_steps})
 run_distributed(loop, 2, args=(sys.argv[1],), timeout=10**6)
 '''
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     from flexrt.checkpoint import consolidate
-    from flexrt.checkpoint.files import read_latest
+    from flexrt.checkpoint.files import read_latest, available_tags
     rng, interrupted = random.Random(0), 0
     script = tmp_path / 'worker.py'; script.write_text(CRASH_WORKER)
     for attempt in range(6):
@@ -369,15 +376,22 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         deadline = time.monotonic() + 60
         while read_latest(d) is None and time.monotonic() < deadline and proc.poll() is None: time.sleep(0.02)
         assert read_latest(d) is not None, 'the worker never finished a first checkpoint'
-        time.sleep(rng.uniform(0, 0.6))
+        if attempt % 2:   # at a random moment
+            time.sleep(rng.uniform(0, 0.6))
+        else:             # a random moment shortly after a save began
+            while not any(p.name.endswith('.partial') for p in d.iterdir()) and time.monotonic() < deadline: time.sleep(0.001)
+            time.sleep(rng.uniform(0, 0.05))
         os.killpg(proc.pid, signal.SIGKILL); proc.wait()
-        interrupted += any(p.name.endswith('.partial') or p.name.endswith('.tmp') for p in d.rglob('*'))
         tag = read_latest(d)
+        newest = max(int(t.removeprefix('global_step')) for t in available_tags(d))
+        interrupted += (any(p.name.endswith(('.partial', '.tmp')) for p in d.rglob('*'))   # files being written, or
+                        or newest != int(tag.removeprefix('global_step')))                 # published, latest not yet moved
         assert len(consolidate(d)) == 16      # every file's size and checksum verified
         e = crash_engine(2)                   # one process loads what two saved
         path, client = e.load_checkpoint(d)
         assert Path(path).name == tag == f'global_step{e.global_steps}' and client == {'step': e.global_steps}
         e.close()
+        shutil.rmtree(d)
     assert interrupted >= 3, f'only {interrupted} of 6 kills landed inside a save'
 
 # ---------------------------------------------------------------------------------------------------------------

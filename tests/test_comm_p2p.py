@@ -31,3 +31,18 @@ def bad_rank(rank, world):
 
 def test_p2p_shape_errors():
     assert all('divisible by 2' in m for m in run_distributed(bad_rank, 2))
+
+def subgroups_rank(rank, world):
+    "Ranks 0-1 run two ops in their pair, ranks 2-3 one in theirs, then all four one together: tags are counted per group"
+    from flexrt import comm as dist
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    out = torch.empty(2)
+    for _ in range(2 if rank < 2 else 1): dist.reduce_scatter_tensor_p2p(out, torch.ones(4), group=mine)
+    total = torch.empty(1)
+    dist.reduce_scatter_tensor_p2p(total, torch.full((4,), float(rank)))
+    return out.tolist(), total.item()
+
+def test_p2p_tags_are_counted_per_group():
+    for rank, (out, total) in enumerate(run_distributed(subgroups_rank, 4, timeout=60)):
+        assert out == [2., 2.] and total == 0 + 1 + 2 + 3

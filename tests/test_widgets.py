@@ -90,8 +90,9 @@ def test_plots_keep_to_their_cpu_budget_while_texts_follow_every_record():
     plots = dash.grad_norm.num_plots                                 # each plot costs >= 20 ms CPU: >= 0.4 s apart
     assert 1 <= plots <= 3 and dash.memory.num_plots == plots
     deadline = time.time() + 10
-    while dash.steps_seen.value != 2 * n and time.time() < deadline: time.sleep(0.01)
-    assert dash.steps_seen.value == 2 * n and f'step {n}/10000' in dash.status.value   # the texts kept up
+    caught_up = lambda: dash.steps_seen.value == 2 * n and f'step {n}/10000' in dash.status.value   # set in that order
+    while not caught_up() and time.time() < deadline: time.sleep(0.01)
+    assert caught_up()                                               # the texts kept up
     dash.close()                                                     # no more redraws of its own
     with dash._draw_lock: plots = dash.grad_norm.num_plots           # (after one in progress)
     dash.history(step(0, n + 1)); dash.refresh()                     # refresh() draws the latest records at once

@@ -239,11 +239,13 @@ class P2PWork:
     def is_completed(self)->bool: return self._done
     def get_future(self): raise RuntimeError("an op made of point-to-point messages has no future: call wait()")
 
-_P2P_TAGS = [0]   # every rank issues these ops in the same order, so the same counter gives matching tags
+_P2P_TAGS = {}   # per group: the members issue its ops in the same order, so their counters give matching tags
 
 def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each; the works of all messages
-    b, tag = _backend or _active(), 1_000_000 + _P2P_TAGS[0] % 1_000_000
-    _P2P_TAGS[0] += 1
+    if not sends and not recvs: return []
+    count = _P2P_TAGS.get(group, 0)
+    _P2P_TAGS[group] = count + 1
+    b, tag = _backend or _active(), 1_000_000 + count % 1_000_000
     works = [b.isend(t, get_global_rank(group, j), group, tag) for j, t in sends.items()]
     return works + [b.irecv(t, get_global_rank(group, j), group, tag) for j, t in recvs.items()]
 
@@ -380,7 +382,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
 def destroy_process_group(group=None):
     "Destroy `group`, or with None the default group, flexrt.comm's choice of backend and all it learned about groups"
     global _backend, _env
-    if group is not None: return (_backend or _active()).destroy_process_group(group)
+    if group is not None: _P2P_TAGS.pop(group, None); return (_backend or _active()).destroy_process_group(group)
+    _P2P_TAGS.clear()   # a new process group starts its tags from zero on every rank
     b = _backend if isinstance(_backend, TorchBackend) else _torch
     if tdist.is_available() and tdist.is_initialized(): b.destroy_process_group()
     _torch._learned.clear()
