@@ -4,11 +4,13 @@
 
 # %% ../../nbs/40_zero_partition.ipynb #c003
 from __future__ import annotations
-import itertools
+import itertools, math
 import torch
+from .. import comm as dist
+from ..utils import get_global_norm_of_tensors, clip_tensors_by_global_norm
 
 # %% auto #0
-__all__ = ['FlatPartition']
+__all__ = ['FlatPartition', 'shard_grad_norm', 'clip_shards']
 
 # %% ../../nbs/40_zero_partition.ipynb #c005
 class FlatPartition:
@@ -78,3 +80,26 @@ def _layout(self:FlatPartition)->dict:
             'shapes': [tuple(p.shape) for p in self.params]}
 
 FlatPartition.param_shards, FlatPartition.layout = _param_shards, _layout
+
+# %% ../../nbs/40_zero_partition.ipynb #c014
+def shard_grad_norm(dense:list, # this rank's shards of the dense gradients
+                    experts:list, # this rank's shards of the expert gradients
+                    group=None, # the data-parallel group the dense gradients are sharded over (None: all ranks)
+                    mpu=None)->float: # Megatron-style model-parallel unit, or None
+    "The global L2 norm of gradients sharded over the ranks; inf if it is not finite"
+    extra = (group if group is not None else dist.group.WORLD) if dist.get_world_size(group) > 1 else None
+    total = get_global_norm_of_tensors(dense, 2, mpu, moe_ep_group=extra) if dense else 0.
+    if experts and total != -1:
+        sq = torch.stack(torch._foreach_norm(experts)).float().square().sum().reshape(1)
+        if dist.get_world_size() > 1: dist.all_reduce(sq)
+        total = math.sqrt(total ** 2 + float(sq))
+    return math.inf if total == -1 or not math.isfinite(total) else total
+
+def clip_shards(grads:list, # this rank's gradient shards
+                max_norm:float, # the clip threshold (0: never clip)
+                norm:float)->tuple: # (norm before clipping, norm after)
+    "Scale the shards down to `max_norm` when the global `norm` is above it"
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        clip_tensors_by_global_norm(grads, max_norm, global_norm=norm)
+        return norm, norm * max_norm / (norm + 1e-6)
+    return norm, norm

@@ -4,13 +4,11 @@
 
 # %% ../../nbs/40_zero_stage1.ipynb #c003
 from __future__ import annotations
-import math
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from ..reducer import BucketReducer, plan_buckets, _group_of
-from ..utils import get_global_norm_of_tensors, clip_tensors_by_global_norm
-from .partition import FlatPartition
+from .partition import FlatPartition, shard_grad_norm, clip_shards
 from ..memory import storage_bytes
 
 # %% auto #0
@@ -165,27 +163,13 @@ def _reduced_gradients(self:ZeroStage1)->list: # this rank's gradient chunks, on
 ZeroStage1.set_boundary, ZeroStage1.reduced_gradients = _set_boundary, _reduced_gradients
 
 # %% ../../nbs/40_zero_stage1.ipynb #c019
-def _shard_norm(self:ZeroStage1)->float: # the global L2 norm of the gradients, inf if not finite
-    "Global gradient norm from the shards of every rank"
-    dense = [bk.master.grad for bk in self.buckets if not bk.is_expert]
-    experts = [bk.master.grad for bk in self.buckets if bk.is_expert]
-    dp = self.group if self.group is not None else dist.group.WORLD   # None would mean 'no group' here
-    total = get_global_norm_of_tensors(dense, 2, self.mpu, moe_ep_group=dp) if dense else 0.
-    if experts and total != -1:
-        sq = torch.stack(torch._foreach_norm(experts)).float().square().sum().reshape(1)
-        if dist.get_world_size() > 1: dist.all_reduce(sq)
-        total = math.sqrt(total ** 2 + float(sq))
-    return math.inf if total == -1 or not math.isfinite(total) else total
-
 def _clip_grad_norm(self:ZeroStage1, max_norm:float)->tuple: # (norm before clipping, norm after)
     "Global gradient norm over every rank's shards; the shards scaled down to `max_norm` when above it (0: never)"
-    limit, pre = max_norm if max_norm > 0 else math.inf, self._shard_norm()
-    grads = [bk.master.grad for bk in self.buckets]
-    if math.isfinite(pre) and pre > limit: clip_tensors_by_global_norm(grads, limit, global_norm=pre)
-    post = pre * limit / (pre + 1e-6) if math.isfinite(pre) and pre > limit else pre
-    return pre, post
+    norm = shard_grad_norm([bk.master.grad for bk in self.buckets if not bk.is_expert],
+                           [bk.master.grad for bk in self.buckets if bk.is_expert], self.group, self.mpu)
+    return clip_shards([bk.master.grad for bk in self.buckets], max_norm, norm)
 
-ZeroStage1._shard_norm, ZeroStage1.clip_grad_norm = _shard_norm, _clip_grad_norm
+ZeroStage1.clip_grad_norm = _clip_grad_norm
 
 # %% ../../nbs/40_zero_stage1.ipynb #c020
 @torch.no_grad()

@@ -4,12 +4,12 @@
 
 # %% ../../nbs/42_zero3.ipynb #c003
 from __future__ import annotations
-import math
+
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from ..config import ZeroConfig
-from ..utils import get_global_norm_of_tensors, clip_tensors_by_global_norm
+from .partition import shard_grad_norm, clip_shards
 from .stage3_params import ParameterPartitioner, GatheredParameters, register_external_parameter
 
 # %% auto #0
@@ -92,28 +92,14 @@ def _reduced_gradients(self:Stage3Optimizer)->list: # this rank's fp32 gradient 
     self.partitioner.release_all()
     return [g['grad'] for g in self.groups]
 
-def _grad_norm(self:Stage3Optimizer)->float: # the global L2 norm, inf if not finite
-    "Dense shards summed over the data-parallel group; expert shards (each expert split over its own group) over all ranks"
-    dense = [g['grad'][:g['num_dense']] for g in self.groups]
-    experts = [g['grad'][g['num_dense']:] for g in self.groups if g['grad'].numel() > g['num_dense']]
-    extra = (self.group if self.group is not None else dist.group.WORLD) if self.world_size > 1 else None
-    total = get_global_norm_of_tensors(dense, 2, self.mpu, moe_ep_group=extra) if dense else 0.
-    if experts and total != -1:
-        sq = torch.stack(torch._foreach_norm(experts)).float().square().sum().reshape(1)
-        if dist.get_world_size() > 1: dist.all_reduce(sq)
-        total = math.sqrt(total ** 2 + float(sq))
-    return math.inf if total == -1 or not math.isfinite(total) else total
-
 def _clip_grad_norm(self:Stage3Optimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
-    "Global gradient norm from the shards; shards scaled down to `max_norm` when above it (0: never)"
-    grads, pre = [g['grad'] for g in self.groups], self._grad_norm()
-    if max_norm > 0 and math.isfinite(pre) and pre > max_norm:
-        clip_tensors_by_global_norm(grads, max_norm, pre)
-        return pre, pre * max_norm / (pre + 1e-6)
-    return pre, pre
+    "Global gradient norm from the shards (experts follow the dense part of each group's buffer); shards clipped to `max_norm` (0: never)"
+    norm = shard_grad_norm([g['grad'][:g['num_dense']] for g in self.groups],
+                           [g['grad'][g['num_dense']:] for g in self.groups if g['grad'].numel() > g['num_dense']], self.group, self.mpu)
+    return clip_shards([g['grad'] for g in self.groups], max_norm, norm)
 
 Stage3Optimizer.set_boundary, Stage3Optimizer.reduced_gradients = _set_boundary, _reduced_gradients
-Stage3Optimizer._grad_norm, Stage3Optimizer.clip_grad_norm = _grad_norm, _clip_grad_norm
+Stage3Optimizer.clip_grad_norm = _clip_grad_norm
 
 # %% ../../nbs/42_zero3.ipynb #c012
 @torch.no_grad()
