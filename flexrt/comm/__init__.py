@@ -25,7 +25,7 @@ __all__ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initializ
            'has_reduce_scatter_tensor', 'get_all_ranks_from_group', 'barrier', 'monitored_barrier', 'broadcast',
            'all_reduce', 'reduce', 'reduce_scatter', 'reduce_scatter_tensor', 'all_gather', 'all_gather_into_tensor',
            'gather', 'scatter', 'all_to_all', 'all_to_all_single', 'all_gather_object', 'broadcast_object_list', 'send',
-           'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'reduce_scatter_tensor_p2p',
+           'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'prefers_p2p', 'reduce_scatter_tensor_p2p',
            'all_gather_into_tensor_p2p', 'configure', 'reset_log', 'get_comm_stats', 'init_distributed',
            'init_process_group', 'destroy_process_group', 'log_summary', 'ReduceOp', 'P2POp', 'CommBackend',
            'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError', 'DistEnv', 'EnvError',
@@ -250,6 +250,10 @@ def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each;
     return works + [b.irecv(t, get_global_rank(group, j), group, tag) for j, t in recvs.items()]
 
 # %% ../../nbs/04_comm.ipynb #c032
+def prefers_p2p(group=None)->bool:
+    "Whether the `_p2p` forms below beat the native ops on `group`: on gloo, with more than one rank"
+    return get_world_size(group) > 1 and get_backend(group) == 'gloo'
+
 def _chunks(t:torch.Tensor, n:int, name:str)->tuple:
     if not t.is_contiguous() or t.shape[0] % n: raise ValueError(f"{name} must be contiguous with a first dimension divisible by {n}, got {tuple(t.shape)}")
     return t.chunk(n)

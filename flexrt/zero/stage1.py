@@ -124,7 +124,7 @@ class ZeroStage1:
         self.master_weights, self.overlap_comm, self.reduce_scatter = precision.master_weights, overlap_comm, reduce_scatter
         self.comm_bytes = 0
         self.world_size = dist.get_world_size(group)
-        if collectives == 'auto': collectives = 'p2p' if self.world_size > 1 and dist.get_backend(group) == 'gloo' else 'native'
+        if collectives == 'auto': collectives = 'p2p' if dist.prefers_p2p(group) else 'native'
         self.collectives = collectives
         groups = _trainable_groups(optimizer)
         values = {id(p): p.detach().float() for g in groups for p in g} if self.master_weights else {}

@@ -45,9 +45,8 @@ def _fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
 ParamRecord.fill_shard = _fill_shard
 
 # %% ../../nbs/42_zero3_params.ipynb #c011
-def _direct(group)->bool: return dist.get_backend(group) == 'gloo'
-def _all_gather(group): return dist.all_gather_into_tensor_p2p if _direct(group) else dist.all_gather_into_tensor
-def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if _direct(group) else dist.reduce_scatter_tensor
+def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
+def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if dist.prefers_p2p(group) else dist.reduce_scatter_tensor
 
 # %% ../../nbs/42_zero3_params.ipynb #c012
 class _Gather:
