@@ -71,9 +71,10 @@ def _writes(engine):
 def _records(engine)->dict|None: return engine.optimizer.partitioner.records if engine.optimizer.stage == 3 else None
 
 # %% ../../nbs/45_checkpoint.ipynb #c011
-def rank_payload(engine, exclude:set=frozenset())->dict: # exclude: ids of tensors not to save
+def rank_payload(engine, entries:list, # `_entries(engine)`
+                 exclude:set=frozenset())->dict: # exclude: ids of tensors not to save
     "What this rank writes: its masters with their optimizer state, its values, its random generators"
-    entries, writes = _entries(engine), _writes(engine)
+    writes = _writes(engine)
     keys = {t: key for _, key, t, *_ in entries}
     covered = {id(p) for p in stepped_params(engine.optimizer)}
     masters = master_records(engine.optimizer, keys, writes if engine.optimizer.stage == 0 else None, exclude)
@@ -87,12 +88,12 @@ def _optimizer_meta(engine)->dict|None:
     if opt is None: return None
     return {'type': type(opt).__name__, 'param_groups': [{k: v for k, v in g.items() if k != 'params'} for g in opt.param_groups]}
 
-def model_states(engine, client_state:dict, excluded:list)->dict:
+def model_states(engine, entries:list, client_state:dict, excluded:list)->dict:
     "What rank 0 writes: the model's tensor list, counters, scaler, schedule, optimizer hyperparameters, config, client state"
     sched = engine.lr_scheduler
     return {'format_version': 1, 'flexrt_version': __version__, 'stage': engine.optimizer.stage,
             'world_size': dist.get_world_size(), 'dp_world_size': engine.dp_world_size, 'mp_world_size': engine.mp_world_size,
-            'entries': [[name, key, kind, shape, str(t.dtype).removeprefix('torch.')] for name, key, t, kind, shape in _entries(engine)],
+            'entries': [[name, key, kind, shape, str(t.dtype).removeprefix('torch.')] for name, key, t, kind, shape in entries],
             'excluded': excluded, 'optimizer': _optimizer_meta(engine),
             'lr_scheduler': None if sched is None else sched.state_dict(), 'precision': engine.precision.state_dict(),
             'counters': engine.counter.state_dict(), 'layer_drop': engine.layer_drop.state_dict(),
@@ -109,10 +110,11 @@ def _prepare(save_dir:Path, tag:str):
     staging_dir(save_dir, tag).mkdir()
 
 def _write_files(engine, stage_dir:Path, client_state:dict, exclude_frozen:bool)->dict: # {file name: size and checksum}
-    frozen = [(n, t) for n, _, t, kind, _ in _entries(engine) if kind == 'param' and not t.requires_grad] if exclude_frozen else []
-    payload = rank_payload(engine, {id(t) for _, t in frozen})
+    entries = _entries(engine)
+    frozen = [(n, t) for n, _, t, kind, _ in entries if kind == 'param' and not t.requires_grad] if exclude_frozen else []
+    payload = rank_payload(engine, entries, {id(t) for _, t in frozen})
     files = {rank_file(dist.get_rank()): save_torch(payload, stage_dir / rank_file(dist.get_rank()))}
-    if dist.get_rank() == 0: files[MODEL_STATES] = save_torch(model_states(engine, client_state, [n for n, _ in frozen]), stage_dir / MODEL_STATES)
+    if dist.get_rank() == 0: files[MODEL_STATES] = save_torch(model_states(engine, entries, client_state, [n for n, _ in frozen]), stage_dir / MODEL_STATES)
     return files
 
 def _finish(engine, save_dir:Path, tag:str, files:dict, save_latest:bool):

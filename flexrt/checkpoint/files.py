@@ -12,7 +12,7 @@ import torch, xxhash
 
 # %% auto #0
 __all__ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'CheckpointError', 'rank_file', 'checksum_file',
-           'fsync_dir', 'atomic_write', 'save_torch', 'save_text', 'check_safe', 'safe_load', 'write_manifest',
+           'fsync', 'atomic_write', 'save_torch', 'save_text', 'check_safe', 'safe_load', 'write_manifest',
            'read_manifest', 'verify_file', 'check_tag', 'staging_dir', 'publish', 'available_tags', 'read_latest',
            'tag_dir']
 
@@ -35,18 +35,13 @@ def checksum_file(path, # the file to hash
         while n := f.readinto(buf): h.update(memoryview(buf)[:n])
     return h.hexdigest()
 
-def fsync_dir(path):
-    "Make a rename or a new file in directory `path` durable"
+def fsync(path):
+    "Flush a file's data, or a directory's entries (a rename or a new file in it), to the disk"
     fd = os.open(path, os.O_RDONLY)
     try: os.fsync(fd)
     finally: os.close(fd)
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c008
-def _fsync_file(path):
-    fd = os.open(path, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
-
 def atomic_write(path, # the final file name
                  write)->dict: # write(temporary path): creates the file
     "Write `path` through a temporary file, fsync and rename it into place; return its size and checksum"
@@ -55,14 +50,14 @@ def atomic_write(path, # the final file name
     try:
         write(tmp)
         with ThreadPoolExecutor(1) as pool:   # flushing to disk and hashing the page cache overlap
-            synced = pool.submit(_fsync_file, tmp)
+            synced = pool.submit(fsync, tmp)
             digest = checksum_file(tmp)
             synced.result()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    fsync(path.parent)
     return {'size': path.stat().st_size, 'xxh3_128': digest}
 
 def save_torch(obj, path)->dict: # size and checksum of the written file
@@ -150,12 +145,12 @@ def publish(save_dir, tag:str, # the staging directory `.<tag>.partial` is compl
     "Move a complete staging directory to `<save_dir>/<tag>` (crash-safe), then update `latest`"
     save_dir, final, old = Path(save_dir), Path(save_dir, tag), _replaced_dir(save_dir, tag)
     read_manifest(staging_dir(save_dir, tag))   # never publish an incomplete directory
-    fsync_dir(staging_dir(save_dir, tag))
+    fsync(staging_dir(save_dir, tag))
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(staging_dir(save_dir, tag), final)
-    fsync_dir(save_dir)
+    fsync(save_dir)
     if save_latest: save_text(tag, save_dir / LATEST)
     shutil.rmtree(old, ignore_errors=True)
 
