@@ -43,28 +43,28 @@ def one_step(engine, args):
 def dir_bytes(path):
     return sum(f.stat().st_size for f in os.scandir(path) if f.is_file()) if os.path.isdir(path) else 0
 
-class Flexrt:
-    name = 'flexrt'
+class Engine:
+    "An engine of either library, one step trained: its save_checkpoint / load_checkpoint under one tag"
     def __init__(self, stage, args):
-        import flexrt
         model = make_model(args)
-        self.engine = flexrt.initialize(model=model, optimizer=adamw(model), config=config(stage))[0]
+        self.engine = self.library().initialize(model=model, optimizer=adamw(model), config=config(stage))[0]
         one_step(self.engine, args)
     def save(self, d): self.engine.save_checkpoint(d, tag='t')
     def load(self, d): self.engine.load_checkpoint(d, tag='t')
     def files(self, d): return os.path.join(d, 't')
 
-class DeepSpeed:
+class Flexrt(Engine):
+    name = 'flexrt'
+    def library(self):
+        import flexrt
+        return flexrt
+
+class DeepSpeed(Engine):
     name = 'deepspeed'
-    def __init__(self, stage, args):
+    def library(self):
         import deepspeed
         deepspeed.utils.logger.setLevel(logging.ERROR)
-        model = make_model(args)
-        self.engine = deepspeed.initialize(model=model, optimizer=adamw(model), config=config(stage))[0]
-        one_step(self.engine, args)
-    def save(self, d): self.engine.save_checkpoint(d, tag='t')
-    def load(self, d): self.engine.load_checkpoint(d, tag='t')
-    def files(self, d): return os.path.join(d, 't')
+        return deepspeed
 
 class TorchSave:
     name = 'torch.save'
