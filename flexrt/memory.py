@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import psutil, torch
 from . import comm as dist
 from .memory_tracker import TensorMemoryTracker, active_tracker
+from fastcore.basics import patch
 
 # %% ../nbs/16_memory.ipynb #c005
 def _memory_device(device=None)->torch.device:
@@ -224,16 +225,22 @@ class MemorySampler:
         _samplers.add(self)
 
 # %% ../nbs/16_memory.ipynb #c045
-def _running(self:MemorySampler)->bool:
+@patch(as_prop=True)
+def running(self:MemorySampler)->bool:
     "Whether the sampling thread is alive"
     return self._thread is not None and self._thread.is_alive()
 
-MemorySampler.running = property(_running, doc=_running.__doc__)
-MemorySampler.__len__ = lambda self: len(self._buffer)
-MemorySampler.__repr__ = lambda self: (f'MemorySampler(interval_ms={self.interval_ms}, capacity={self.capacity}, '
-                                       f'device={self.device!r}, running={self.running}, kept={len(self)})')
+@patch
+def __len__(self:MemorySampler):
+    return len(self._buffer)
+
+@patch
+def __repr__(self:MemorySampler):
+    return (f'MemorySampler(interval_ms={self.interval_ms}, capacity={self.capacity}, '
+            f'device={self.device!r}, running={self.running}, kept={len(self)})')
 
 # %% ../nbs/16_memory.ipynb #c047
+@patch
 def _sample(self:MemorySampler):
     "Take one snapshot into the buffer, and hand it to `on_sample`"
     snapshot = memory_snapshot(self.device)
@@ -242,6 +249,7 @@ def _sample(self:MemorySampler):
         self.num_samples += 1
     if self.on_sample is not None: self.on_sample(snapshot)
 
+@patch
 def _run(self:MemorySampler, stop:threading.Event):
     "The thread's loop: sample, then wait one interval or until stopped; keep an error for stop() to raise"
     interval = self.interval_ms / 1000
@@ -251,10 +259,9 @@ def _run(self:MemorySampler, stop:threading.Event):
             if stop.wait(interval): return
     except Exception as e: self._error = e
 
-MemorySampler._sample, MemorySampler._run = _sample, _run
-
 # %% ../nbs/16_memory.ipynb #c050
-def _start(self:MemorySampler)->MemorySampler:
+@patch
+def start(self:MemorySampler)->MemorySampler:
     "Start sampling; returns the sampler"
     if self.running: raise RuntimeError('this MemorySampler is already running; stop() it first')
     self._stop_event = threading.Event()
@@ -263,7 +270,8 @@ def _start(self:MemorySampler)->MemorySampler:
     self._thread.start()
     return self
 
-def _stop(self:MemorySampler):
+@patch
+def stop(self:MemorySampler):
     "Stop sampling and wait for the thread to end; take a last snapshot"
     if self._thread is None: return
     self._stop_event.set()
@@ -272,10 +280,9 @@ def _stop(self:MemorySampler):
     if error is not None: raise RuntimeError(f'the memory sampler thread failed: {error!r}') from error
     self._sample()
 
-MemorySampler.start, MemorySampler.stop = _start, _stop
-
 # %% ../nbs/16_memory.ipynb #c053
-def _exit(self:MemorySampler, exc_type, exc, traceback):
+@patch
+def __exit__(self:MemorySampler, exc_type, exc, traceback):
     "Stop sampling; an exception already propagating keeps propagating, with a sampler error noted on it"
     if exc is None: return self.stop()
     try: self.stop()
@@ -284,15 +291,18 @@ def _exit(self:MemorySampler, exc_type, exc, traceback):
         exc.add_note(note)
         warnings.warn(note, RuntimeWarning, stacklevel=2)
 
-MemorySampler.__enter__ = lambda self: self.start()
-MemorySampler.__exit__ = _exit
+@patch
+def __enter__(self:MemorySampler):
+    return self.start()
 
 # %% ../nbs/16_memory.ipynb #c056
-def _snapshots(self:MemorySampler)->list:
+@patch
+def snapshots(self:MemorySampler)->list:
     "The kept snapshots, oldest first"
     with self._lock: return list(self._buffer)
 
-def _to_dataframe(self:MemorySampler):
+@patch
+def to_dataframe(self:MemorySampler):
     "The kept snapshots as a pandas DataFrame, one row each"
     import pandas as pd
     columns = [f.name for f in fields(MemorySnapshot)]
@@ -300,16 +310,15 @@ def _to_dataframe(self:MemorySampler):
     df['elapsed_s'] = df['timestamp'] - (df['timestamp'].iloc[0] if len(df) else 0.0)
     return df
 
-def _clear(self:MemorySampler):
+@patch
+def clear(self:MemorySampler):
     "Drop the kept snapshots"
     with self._lock: self._buffer.clear()
 
-MemorySampler.snapshots, MemorySampler.to_dataframe, MemorySampler.clear = _snapshots, _to_dataframe, _clear
-
 # %% ../nbs/16_memory.ipynb #c061
+@patch
 def _after_fork(self:MemorySampler):
     "In a forked child: no thread, fresh locks"
     self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
 
-MemorySampler._after_fork = _after_fork
 os.register_at_fork(after_in_child=lambda: [s._after_fork() for s in list(_samplers)])

@@ -10,6 +10,7 @@ import gc, os, threading, weakref
 from collections import deque
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, is_traceable_wrapper_subclass
+from fastcore.basics import patch
 
 # %% ../nbs/15_memory_tracker.ipynb #c006
 class _StorageRef(weakref.ref):
@@ -34,6 +35,7 @@ class TensorMemoryTracker:
         self._allocated = self._peak = 0
 
 # %% ../nbs/15_memory_tracker.ipynb #c012
+@patch
 def _register(self:TensorMemoryTracker, storage, key:int, nbytes:int):
     "Start counting a storage not counted yet"
     ref = _StorageRef(storage, self._pending.append)
@@ -43,6 +45,7 @@ def _register(self:TensorMemoryTracker, storage, key:int, nbytes:int):
         self._live[key] = ref
         self._count(ref, nbytes)
 
+@patch
 def _count(self:TensorMemoryTracker, ref:_StorageRef, delta:int):
     "Add `delta` bytes to `ref`'s storage and to the total; raise the peak"
     with self._lock:
@@ -50,9 +53,8 @@ def _count(self:TensorMemoryTracker, ref:_StorageRef, delta:int):
         self._allocated += delta
         if self._allocated > self._peak: self._peak = self._allocated
 
-TensorMemoryTracker._register, TensorMemoryTracker._count = _register, _count
-
 # %% ../nbs/15_memory_tracker.ipynb #c014
+@patch
 def _drain(self:TensorMemoryTracker):
     "Subtract the storages freed since the last drain"
     with self._lock:
@@ -62,9 +64,8 @@ def _drain(self:TensorMemoryTracker):
                 del self._live[ref.key]
                 self._allocated -= ref.nbytes
 
-TensorMemoryTracker._drain = _drain
-
 # %% ../nbs/15_memory_tracker.ipynb #c017
+@patch
 def _add(self:TensorMemoryTracker, t:torch.Tensor):
     "Count `t`'s memory: its storage, or the tensors it is made of"
     if t.layout is not torch.strided or (type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t)):
@@ -79,8 +80,6 @@ def _add(self:TensorMemoryTracker, t:torch.Tensor):
         return
     if storage.device.type != 'cpu' or (type(t) is not torch.Tensor and not _has_data(storage)): return
     self._register(storage, key, nbytes)
-
-TensorMemoryTracker._add = _add
 
 # %% ../nbs/15_memory_tracker.ipynb #c020
 _SPARSE_PARTS = {torch.sparse_coo: ('_indices', '_values'),
@@ -102,13 +101,12 @@ def _has_data(storage)->bool:
     return True
 
 # %% ../nbs/15_memory_tracker.ipynb #c023
+@patch
 def _observe(self:TensorMemoryTracker, out):
     "Count every tensor in an operator's output"
     if isinstance(out, torch.Tensor): self._add(out)
     elif isinstance(out, (tuple, list)):
         for o in out: self._observe(o)
-
-TensorMemoryTracker._observe = _observe
 
 # %% ../nbs/15_memory_tracker.ipynb #c026
 class _TrackingMode(TorchDispatchMode):
@@ -120,6 +118,7 @@ class _TrackingMode(TorchDispatchMode):
         return out
 
 # %% ../nbs/15_memory_tracker.ipynb #c029
+@patch
 def _count_existing(self:TensorMemoryTracker):
     "Count tensors that already exist and that Python can see, and their gradients"
     for obj in gc.get_objects():
@@ -127,10 +126,9 @@ def _count_existing(self:TensorMemoryTracker):
             self._add(obj)
             if obj.is_leaf and obj.requires_grad and obj.grad is not None: self._add(obj.grad)
 
-TensorMemoryTracker._count_existing = _count_existing
-
 # %% ../nbs/15_memory_tracker.ipynb #c032
-def _enable(self:TensorMemoryTracker)->TensorMemoryTracker:
+@patch
+def enable(self:TensorMemoryTracker)->TensorMemoryTracker:
     "Start counting on this thread; returns the tracker"
     global _active
     if self.enabled: raise RuntimeError('this TensorMemoryTracker is already enabled')
@@ -144,11 +142,14 @@ def _enable(self:TensorMemoryTracker)->TensorMemoryTracker:
     self._mode.__enter__()
     return self
 
-TensorMemoryTracker.enable = _enable
-TensorMemoryTracker.enabled = property(lambda self: self._mode is not None, doc='Whether the tracker is counting')
+@patch(as_prop=True)
+def enabled(self:TensorMemoryTracker):
+    "Whether the tracker is counting"
+    return self._mode is not None
 
 # %% ../nbs/15_memory_tracker.ipynb #c035
-def _disable(self:TensorMemoryTracker):
+@patch
+def disable(self:TensorMemoryTracker):
     "Stop counting; the counts keep their last values"
     global _active
     if not self.enabled: return
@@ -163,41 +164,46 @@ def _disable(self:TensorMemoryTracker):
         self._live, self._mode, self._thread = {}, None, None
     _active = None
 
-TensorMemoryTracker.disable = _disable
-TensorMemoryTracker.__enter__ = lambda self: self.enable()
-TensorMemoryTracker.__exit__ = lambda self, *exc: self.disable()
+@patch
+def __enter__(self:TensorMemoryTracker):
+    return self.enable()
+
+@patch
+def __exit__(self:TensorMemoryTracker, *exc):
+    return self.disable()
 
 # %% ../nbs/15_memory_tracker.ipynb #c038
-def _allocated_bytes(self:TensorMemoryTracker)->int:
+@patch(as_prop=True)
+def allocated_bytes(self:TensorMemoryTracker)->int:
     "Bytes of live CPU tensor storages counted by this tracker"
     with self._lock:
         self._drain()
         return self._allocated
 
-def _peak_bytes(self:TensorMemoryTracker)->int:
+@patch(as_prop=True)
+def peak_bytes(self:TensorMemoryTracker)->int:
     "Highest `allocated_bytes` since enable() or the last reset_peak()"
     with self._lock: return self._peak
 
-TensorMemoryTracker.allocated_bytes = property(_allocated_bytes, doc=_allocated_bytes.__doc__)
-TensorMemoryTracker.peak_bytes = property(_peak_bytes, doc=_peak_bytes.__doc__)
-
 # %% ../nbs/15_memory_tracker.ipynb #c040
-def _num_storages(self:TensorMemoryTracker)->int:
+@patch(as_prop=True)
+def num_storages(self:TensorMemoryTracker)->int:
     "Number of live storages counted"
     with self._lock:
         self._drain()
         return len(self._live)
 
-def _reset_peak(self:TensorMemoryTracker):
+@patch
+def reset_peak(self:TensorMemoryTracker):
     "Set the peak to the current count"
     with self._lock:
         self._drain()
         self._peak = self._allocated
 
-TensorMemoryTracker.num_storages = property(_num_storages, doc=_num_storages.__doc__)
-TensorMemoryTracker.reset_peak = _reset_peak
-TensorMemoryTracker.__repr__ = lambda self: (f"TensorMemoryTracker({'enabled' if self.enabled else 'disabled'}, "
-                                             f'allocated={self.allocated_bytes:,} B, peak={self.peak_bytes:,} B)')
+@patch
+def __repr__(self:TensorMemoryTracker):
+    return (f"TensorMemoryTracker({'enabled' if self.enabled else 'disabled'}, "
+            f'allocated={self.allocated_bytes:,} B, peak={self.peak_bytes:,} B)')
 
 # %% ../nbs/15_memory_tracker.ipynb #c055
 def _renew_lock_after_fork():

@@ -11,6 +11,7 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 from . import monitor
 from .launch import request_stop, prepare_stop
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['MiB', 'History', 'figure_html', 'Plot', 'thin', 'LiveView', 'MemoryMonitor', 'GradNormTrace', 'TrainingDashboard']
@@ -172,7 +173,8 @@ def _close_view(self:LiveView):
     if self.attached: monitor.remove_listener(self.history)
 
 LiveView.refresh, LiveView._redraw_loop, LiveView.close = _refresh, _redraw_loop, _close_view
-LiveView.pending = lambda self: False   # whether the texts must be redrawn although no record arrived
+@patch
+def pending(self:LiveView)->bool: return False   # whether the texts must be redrawn although no record arrived
 
 @atexit.register
 def _stop_views():
@@ -363,7 +365,8 @@ TrainingDashboard.pending, TrainingDashboard._stop_state, TrainingDashboard.draw
 TrainingDashboard.plot_stale, TrainingDashboard._plot_if_stale = _dashboard_stale, _dashboard_plots
 
 # %% ../nbs/50_widgets.ipynb #c033
-def _save(self:LiveView, path)->list: # the files written
+@patch
+def save(self:LiveView, path)->list: # the files written
     "Write the plots as PNG and the history as CSV into the folder `path`"
     os.makedirs(path, exist_ok=True); frame, written = self.history.frame(), []
     views = [self.grad_norm, self.memory] if isinstance(self, TrainingDashboard) else [self]
@@ -372,5 +375,3 @@ def _save(self:LiveView, path)->list: # the files written
         if view.has_data(): view.figure().savefig(os.path.join(path, name), dpi=100); written.append(name)
     frame.drop(columns=[c for c in ('rows', 'traceback') if c in frame]).to_csv(os.path.join(path, 'history.csv'), index=False)
     return written + ['history.csv']
-
-LiveView.save = _save

@@ -9,6 +9,7 @@ import pandas as pd
 import torch
 from .backends import OPS
 from ..config import CommsLoggerConfig
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['LEGACY_OP_NAMES', 'comms_logger', 'SUMMARY_COLUMNS', 'comms_config', 'message_size', 'bus_factor', 'calc_bw',
@@ -107,7 +108,8 @@ class CommsLogger:
         return prof or self.config.prof_all or log_name in self._prof_ops
 
 # %% ../../nbs/01_comm_logger.ipynb #c023
-def _record(self, key:tuple, seconds:float):
+@patch
+def record(self:CommsLogger, key:tuple, seconds:float):
     "Store one latency (seconds) under `key` = (log name, op, size, world size, caller)"
     with self._lock: self.latencies.setdefault(key, []).append(seconds)
     if self.config.verbose:
@@ -116,12 +118,14 @@ def _record(self, key:tuple, seconds:float):
         print(f"[rank {self.rank()}] comm op: {key[0]} | time (ms): {seconds * 1e3:.3f} | msg size: {key[2]} B | "
               f"algbw (Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}{caller}", flush=True)
 
-def _record_events(self, key:tuple, start, end):
+@patch
+def record_events(self:CommsLogger, key:tuple, start, end):
     "Store a CUDA event pair (turned into a latency once both events complete), resolving the completed ones"
     with self._lock: self._pending.append((key, start, end))
     self.flush(wait=False)
 
-def _flush(self, wait:bool=True):
+@patch
+def flush(self:CommsLogger, wait:bool=True):
     "Turn pending CUDA event pairs into latencies: all of them, waiting for the device, or only completed ones"
     with self._lock:
         pending, self._pending, done = self._pending, [], []
@@ -129,7 +133,6 @@ def _flush(self, wait:bool=True):
     for key, start, end in done:
         end.synchronize()
         self.record(key, start.elapsed_time(end) / 1e3)
-CommsLogger.record, CommsLogger.record_events, CommsLogger.flush = _record, _record_events, _flush
 
 # %% ../../nbs/01_comm_logger.ipynb #c026
 class TimedWork:
@@ -153,7 +156,8 @@ class TimedWork:
     def __getattr__(self, name): return getattr(self._work, name)
 
 # %% ../../nbs/01_comm_logger.ipynb #c027
-def _finish(self):
+@patch
+def _finish(self:TimedWork):
     "Log the op once, when it (or, for a batch, its last work) completes"
     with self._lock:
         if self._done: return
@@ -164,10 +168,10 @@ def _finish(self):
     if not self._cuda: return self._logger.record(self._key, time.perf_counter() - self._start)
     end = torch.cuda.Event(enable_timing=True); end.record()  # in a future callback: a stream that waits for the op only
     self._logger.record_events(self._key, self._start, end)
-TimedWork._finish = _finish
 
 # %% ../../nbs/01_comm_logger.ipynb #c029
-def _profile(self, name:str, params:tuple, fn, args:tuple, kwargs:dict):
+@patch
+def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dict):
     "Run `fn(*args, **kwargs)`, the public op `name`, and log its latency if it is profiled"
     a = dict(zip(params, args)); a.update(kwargs)
     log_name = a.get('log_name') or name
@@ -186,7 +190,6 @@ def _profile(self, name:str, params:tuple, fn, args:tuple, kwargs:dict):
     if not cuda: self.record(key, time.perf_counter() - start)
     else: end = torch.cuda.Event(enable_timing=True); end.record(); self.record_events(key, start, end)
     return out
-CommsLogger.profile = _profile
 
 # %% ../../nbs/01_comm_logger.ipynb #c031
 comms_logger = CommsLogger()  # the process-wide logger flexrt.comm's ops report to
@@ -210,7 +213,8 @@ def _row(key, lats):
                 avg_latency_ms=trim_mean(lats) * 1e3, algbw_gbps=trim_mean([b[0] for b in bws]),
                 busbw_gbps=trim_mean([b[1] for b in bws]), caller=caller)
 
-def _summary(self, by_caller:bool|None=None, wait:bool=True)->pd.DataFrame:
+@patch
+def summary(self:CommsLogger, by_caller:bool|None=None, wait:bool=True)->pd.DataFrame:
     "One row per op, message size, world size (and caller when `debug` is on); `wait`: include unfinished CUDA ops"
     self.flush(wait)
     by_caller = self.config.debug if by_caller is None else by_caller
@@ -220,7 +224,6 @@ def _summary(self, by_caller:bool|None=None, wait:bool=True)->pd.DataFrame:
     rows = [_row(k, v) for k, v in merged.items()]
     cols = SUMMARY_COLUMNS + (['caller'] if by_caller else [])
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ['caller'])[cols].sort_values(['op', 'size_bytes', 'ranks'], ignore_index=True)
-CommsLogger.summary = _summary
 
 # %% ../../nbs/01_comm_logger.ipynb #c036
 def _merge(a:dict, b:dict)->dict:
@@ -230,7 +233,8 @@ def _merge(a:dict, b:dict)->dict:
     return dict(ranks=max(a['ranks'], b['ranks']), count=n, total_latency_ms=a['total_latency_ms'] + b['total_latency_ms'],
                 avg_latency_ms=mean('avg_latency_ms'), algbw_gbps=mean('algbw_gbps'), busbw_gbps=mean('busbw_gbps'))
 
-def _stats(self, wait:bool=False)->dict:
+@patch
+def stats(self:CommsLogger, wait:bool=False)->dict:
     "The summary as `{op: {size_bytes: {count, ...}}}`; CUDA ops still running are left for a later call unless `wait`"
     out = {}
     for r in self.summary(by_caller=False, wait=wait).to_dict('records'):
@@ -238,7 +242,6 @@ def _stats(self, wait:bool=False)->dict:
         prev = out.setdefault(op, {}).get(size)
         out[op][size] = r if prev is None else _merge(prev, r)  # `ranks`: the largest group it ran on
     return out
-CommsLogger.stats = _stats
 
 # %% ../../nbs/01_comm_logger.ipynb #c039
 def straggler_ms(per_rank:list, rank:int)->dict:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from .core import MpuAdapter, _tensor_list
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['clip_grad_norm_', 'get_grad_norm', 'get_weight_norm', 'get_grad_zeros', 'get_global_norm_of_tensors',
@@ -269,23 +270,24 @@ class CheckOverflow:
         return bool(flag.item())
 
 # %% ../../nbs/12_utils_grads.ipynb #c057
-def _has_overflow(self:CheckOverflow, params, has_moe_params=None)->bool:
+@patch
+def has_overflow(self:CheckOverflow, params, has_moe_params=None)->bool:
     "True on every rank if any rank's gradients among `params` hold inf or nan"
     grads = [p.grad for p in _tensor_list(params) if p.grad is not None]
     return self._agree(_any_non_finite(grads))
 
-def _check(self:CheckOverflow, param_groups=None)->bool:
+@patch
+def check(self:CheckOverflow, param_groups=None)->bool:
     "`has_overflow` over `param_groups`, or over the groups given at construction"
     return self.has_overflow(self._flatten(param_groups) if param_groups is not None else self.params)
 
-def _has_overflow_serial(self:CheckOverflow, params)->bool:
+@patch
+def has_overflow_serial(self:CheckOverflow, params)->bool:
     "This rank's answer only, tensor by tensor (no communication)"
     return any(has_inf_or_nan(p.grad, i) for i, p in enumerate(_tensor_list(params)) if p.grad is not None)
 
-def _check_using_norm(self:CheckOverflow, norm_group, reduce_overflow:bool=True)->bool:
+@patch
+def check_using_norm(self:CheckOverflow, norm_group, reduce_overflow:bool=True)->bool:
     "Overflow from already computed norms: any -1 sentinel or non-finite value (agreed across ranks by default)"
     local = any(float(n) == -1 or not math.isfinite(float(n)) for n in norm_group)
     return self._agree(local) if reduce_overflow else local
-
-CheckOverflow.has_overflow, CheckOverflow.check = _has_overflow, _check
-CheckOverflow.has_overflow_serial, CheckOverflow.check_using_norm = _has_overflow_serial, _check_using_norm

@@ -9,6 +9,7 @@ from collections import deque
 import torch
 from .. import comm as dist
 from .core import _tensor_list
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['prefix_sum_inc', 'partition_uniform', 'partition_balanced', 'align_dense_tensors', 'PartitionedTensor',
@@ -167,6 +168,7 @@ class PartitionedTensor:
         return obj
 
 # %% ../../nbs/11_utils_partition.ipynb #c036
+@patch
 @torch.no_grad()
 def _set_from_meta(self:PartitionedTensor, meta, local_part):
     values = [int(v) for v in torch.as_tensor(meta).reshape(-1).tolist()]
@@ -181,18 +183,18 @@ def _set_from_meta(self:PartitionedTensor, meta, local_part):
         raise ValueError(f"local_part has {local_part.numel()} elements; rank {self.rank}'s part has {expected}")
     self.orig_size, self.orig_device, self.partition = shape, local_part.device, partition
     self.local_data = local_part.detach().reshape(-1)
-PartitionedTensor._set_from_meta = _set_from_meta
 
 # %% ../../nbs/11_utils_partition.ipynb #c039
-def _to_meta(self:PartitionedTensor)->torch.Tensor:
+@patch
+def to_meta(self:PartitionedTensor)->torch.Tensor:
     "`[ndim, *shape, num_parts, rank, *boundaries]` as a LongTensor on the piece's device"
     values = [len(self.orig_size), *self.orig_size, self.num_parts, self.rank, *self.partition]
     return torch.tensor(values, dtype=torch.long, device=self.local_data.device)
-PartitionedTensor.to_meta = _to_meta
 
 # %% ../../nbs/11_utils_partition.ipynb #c041
+@patch
 @torch.no_grad()
-def _full(self:PartitionedTensor, device=None)->torch.Tensor:
+def full(self:PartitionedTensor, device=None)->torch.Tensor:
     "The whole tensor, all-gathered from every rank's piece (on `device`, default the original device)"
     sizes = [b - a for a, b in zip(self.partition, self.partition[1:])]
     longest = max(sizes)
@@ -203,20 +205,22 @@ def _full(self:PartitionedTensor, device=None)->torch.Tensor:
     pieces = gathered.view(self.num_parts, longest)
     flat = gathered if min(sizes) == longest else torch.cat([pieces[r, :n] for r, n in enumerate(sizes)])
     return flat.view(self.orig_size).to(device if device is not None else self.orig_device)
-PartitionedTensor.full = _full
 
 # %% ../../nbs/11_utils_partition.ipynb #c044
-def _data(self:PartitionedTensor)->torch.Tensor:
+@patch
+def data(self:PartitionedTensor)->torch.Tensor:
     "This rank's piece (flat)"
     return self.local_data
-def _local_size(self:PartitionedTensor)->int:
+
+@patch
+def local_size(self:PartitionedTensor)->int:
     "Elements in this rank's piece"
     return self.local_data.numel()
-def _full_size(self:PartitionedTensor)->list:
+
+@patch
+def full_size(self:PartitionedTensor)->list:
     "Shape of the whole tensor"
     return list(self.orig_size)
-
-PartitionedTensor.data, PartitionedTensor.local_size, PartitionedTensor.full_size = _data, _local_size, _full_size
 
 # %% ../../nbs/11_utils_partition.ipynb #c047
 def _gather_group(flat, partitions, group, alignment, bucket_size):
