@@ -16,6 +16,16 @@ from .wrappers import *
 from .p2p import *
 from .profiling import *
 from .init import *
+_all_ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initialized', 'get_rank', 'get_world_size',
+         'get_local_rank', 'get_global_rank', 'new_group', 'get_backend', 'has_all_gather_into_tensor',
+         'has_reduce_scatter_tensor', 'get_all_ranks_from_group', 'barrier', 'monitored_barrier', 'broadcast',
+         'all_reduce', 'reduce', 'reduce_scatter', 'reduce_scatter_tensor', 'all_gather', 'all_gather_into_tensor',
+         'gather', 'scatter', 'all_to_all', 'all_to_all_single', 'all_gather_object', 'broadcast_object_list', 'send',
+         'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'prefers_p2p', 'reduce_scatter_tensor_p2p',
+         'all_gather_into_tensor_p2p', 'configure', 'reset_log', 'get_comm_stats', 'init_distributed',
+         'init_process_group', 'destroy_process_group', 'log_summary', 'ReduceOp', 'P2POp', 'CommBackend',
+         'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError', 'DistEnv', 'EnvError',
+         'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']
 
 # %% auto #0
 __all__ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initialized', 'get_rank', 'get_world_size',
@@ -28,15 +38,3 @@ __all__ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initializ
            'init_process_group', 'destroy_process_group', 'log_summary', 'ReduceOp', 'P2POp', 'CommBackend',
            'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError', 'DistEnv', 'EnvError',
            'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']
-
-# %% ../../nbs/04_comm.ipynb #c004
-_all_ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initialized', 'get_rank', 'get_world_size',
-         'get_local_rank', 'get_global_rank', 'new_group', 'get_backend', 'has_all_gather_into_tensor',
-         'has_reduce_scatter_tensor', 'get_all_ranks_from_group', 'barrier', 'monitored_barrier', 'broadcast',
-         'all_reduce', 'reduce', 'reduce_scatter', 'reduce_scatter_tensor', 'all_gather', 'all_gather_into_tensor',
-         'gather', 'scatter', 'all_to_all', 'all_to_all_single', 'all_gather_object', 'broadcast_object_list', 'send',
-         'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'prefers_p2p', 'reduce_scatter_tensor_p2p',
-         'all_gather_into_tensor_p2p', 'configure', 'reset_log', 'get_comm_stats', 'init_distributed',
-         'init_process_group', 'destroy_process_group', 'log_summary', 'ReduceOp', 'P2POp', 'CommBackend',
-         'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError', 'DistEnv', 'EnvError',
-         'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']

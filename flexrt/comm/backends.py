@@ -59,26 +59,34 @@ class TorchBackend(CommBackend):
         tdist.destroy_process_group(group)
         if group is None: self._learned.clear()
         else: self._learned.pop(group, None)
-    def _state(self, group)->dict:
-        "{'missing': ops the group's backend lacks, 'warned': fallbacks already warned about} for `group`"
-        key = tdist.group.WORLD if group is None else group
-        return self._learned.setdefault(key, {'missing': set(), 'warned': set()})
-    def _lacks(self, op:str, group)->bool:
-        "Whether `op` goes to its fallback on `group`: forced with `unsupported=`, or learned from the backend"
-        return op in self.unsupported or bool(self._learned) and op in self._state(group)['missing']
-    def missing_ops(self, group=None)->set:
-        "The ops that fall back on `group`"
-        return set(self.unsupported) | self._state(group)['missing']
     def describe_group(self, group=None):
         ranks = tdist.get_process_group_ranks(group or tdist.group.WORLD)
         name = 'WORLD' if group is None or group is tdist.group.WORLD else f"'{group.group_name}'"
         return f"{name} (ranks {ranks}, backend {tdist.get_backend(group)})"
-    @property
-    def missing(self)->set:
-        "The ops that fall back on the default group"
-        return self.missing_ops()
 
 # %% ../../nbs/03_comm_backends.ipynb #c017
+@patch
+def _state(self:TorchBackend, group)->dict:
+    "{'missing': ops the group's backend lacks, 'warned': fallbacks already warned about} for `group`"
+    key = tdist.group.WORLD if group is None else group
+    return self._learned.setdefault(key, {'missing': set(), 'warned': set()})
+
+@patch
+def _lacks(self:TorchBackend, op:str, group)->bool:
+    "Whether `op` goes to its fallback on `group`: forced with `unsupported=`, or learned from the backend"
+    return op in self.unsupported or bool(self._learned) and op in self._state(group)['missing']
+
+@patch
+def missing_ops(self:TorchBackend, group=None)->set:
+    "The ops that fall back on `group`"
+    return set(self.unsupported) | self._state(group)['missing']
+
+@patch(as_prop=True)
+def missing(self:TorchBackend)->set:
+    "The ops that fall back on the default group"
+    return self.missing_ops()
+
+# %% ../../nbs/03_comm_backends.ipynb #c020
 @patch
 def group_timeout(self:TorchBackend, group=None)->timedelta|None:
     "How long `group`'s ops may wait before failing, where torch says (its backend options), else `self.timeout`"
@@ -95,7 +103,7 @@ def _fallback(self:TorchBackend, op:str, group, error:BaseException|None=None):
         state['missing'].add(op)
     warn_fallback(op, self.name, state['warned'])
 
-# %% ../../nbs/03_comm_backends.ipynb #c019
+# %% ../../nbs/03_comm_backends.ipynb #c022
 @patch
 def _explain(self:TorchBackend, op:str, group, error:BaseException)->BaseException:
     "The exception to raise for `error` from `op`: a `CommError` naming op, rank and group for transport failures"
@@ -111,7 +119,7 @@ def _explain(self:TorchBackend, op:str, group, error:BaseException)->BaseExcepti
     exc.__cause__ = error
     return exc
 
-# %% ../../nbs/03_comm_backends.ipynb #c022
+# %% ../../nbs/03_comm_backends.ipynb #c025
 class ExplainedWork:
     "A torch work handle whose `wait()` raises `CommError` naming the op, rank and group when the transport fails"
     def __init__(self, work, backend, op:str, group): self._work, self._backend, self._op, self._group = work, backend, op, group
@@ -120,7 +128,7 @@ class ExplainedWork:
         except RuntimeError as e: raise self._backend._explain(self._op, self._group, e)
     def __getattr__(self, name): return getattr(self._work, name)
 
-# %% ../../nbs/03_comm_backends.ipynb #c025
+# %% ../../nbs/03_comm_backends.ipynb #c028
 def _opt(**kw): return {k: v for k, v in kw.items() if v is not None}
 
 @patch
@@ -140,6 +148,7 @@ def broadcast(self:TorchBackend, tensor, src=None, group=None, async_op=False, g
     except RuntimeError as e: raise self._explain('broadcast', group, e)
     return out if out is None else ExplainedWork(out, self, 'broadcast', group)
 
+# %% ../../nbs/03_comm_backends.ipynb #c030
 @patch
 def all_reduce(self:TorchBackend, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     try: out = tdist.all_reduce(tensor, op, group, async_op)
@@ -152,7 +161,7 @@ def reduce(self:TorchBackend, tensor, dst=None, op=ReduceOp.SUM, group=None, asy
     except RuntimeError as e: raise self._explain('reduce', group, e)
     return out if out is None else ExplainedWork(out, self, 'reduce', group)
 
-# %% ../../nbs/03_comm_backends.ipynb #c027
+# %% ../../nbs/03_comm_backends.ipynb #c032
 @patch
 def all_gather(self:TorchBackend, tensor_list, tensor, group=None, async_op=False):
     try: out = tdist.all_gather(tensor_list, tensor, group, async_op)
@@ -181,13 +190,13 @@ def broadcast_object_list(self:TorchBackend, object_list, src=None, group=None, 
     try: return tdist.broadcast_object_list(object_list, src, group, device, **_opt(group_src=group_src))
     except RuntimeError as e: raise self._explain('broadcast_object_list', group, e)
 
-# %% ../../nbs/03_comm_backends.ipynb #c030
+# %% ../../nbs/03_comm_backends.ipynb #c035
 def _torch_p2p(p):
     "torch's `P2POp` for flexrt's (or torch's) `p`"
     if isinstance(p, tdist.P2POp): return p
     return tdist.P2POp(tdist.isend if p.kind == 'isend' else tdist.irecv, p.tensor, p.peer, p.group, p.tag, p.group_peer)
 
-# %% ../../nbs/03_comm_backends.ipynb #c032
+# %% ../../nbs/03_comm_backends.ipynb #c037
 @patch
 def send(self:TorchBackend, tensor, dst=None, group=None, tag=0, group_dst=None):
     try: return tdist.send(tensor, dst, group, tag, **_opt(group_dst=group_dst))
@@ -218,7 +227,7 @@ def batch_isend_irecv(self:TorchBackend, p2p_op_list):
     except RuntimeError as e: raise self._explain('batch_isend_irecv', group, e)
     return [ExplainedWork(w, self, 'batch_isend_irecv', group) for w in works]
 
-# %% ../../nbs/03_comm_backends.ipynb #c036
+# %% ../../nbs/03_comm_backends.ipynb #c041
 @patch_to(TorchBackend, static_method=True)
 def _native_all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
@@ -234,14 +243,14 @@ def _native_reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, asyn
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
     return tdist.reduce_scatter(output, input_list, op, group, async_op)
 
-# %% ../../nbs/03_comm_backends.ipynb #c038
+# %% ../../nbs/03_comm_backends.ipynb #c043
 @patch
 def _done(self:TorchBackend, async_op): return CompletedWork() if async_op else None
 
 @patch
 def _work(self:TorchBackend, op, group, out): return out if out is None else ExplainedWork(out, self, op, group)
 
-# %% ../../nbs/03_comm_backends.ipynb #c040
+# %% ../../nbs/03_comm_backends.ipynb #c045
 @patch
 def reduce_scatter(self:TorchBackend, output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     if self._lacks('reduce_scatter', group): self._fallback('reduce_scatter', group)
@@ -250,7 +259,7 @@ def reduce_scatter(self:TorchBackend, output, input_list, op=ReduceOp.SUM, group
         except RuntimeError as e: self._fallback('reduce_scatter', group, e)
     reduce_scatter_via_all_reduce(self, output, input_list, op, group); return self._done(async_op)
 
-# %% ../../nbs/03_comm_backends.ipynb #c042
+# %% ../../nbs/03_comm_backends.ipynb #c047
 @patch
 def all_gather_into_tensor(self:TorchBackend, output_tensor, input_tensor, group=None, async_op=False):
     if self._lacks('all_gather_into_tensor', group): self._fallback('all_gather_into_tensor', group)
@@ -267,7 +276,7 @@ def reduce_scatter_tensor(self:TorchBackend, output, input, op=ReduceOp.SUM, gro
         except RuntimeError as e: self._fallback('reduce_scatter_tensor', group, e)
     reduce_scatter_tensor_via_list(self, output, input, op, group); return self._done(async_op)
 
-# %% ../../nbs/03_comm_backends.ipynb #c044
+# %% ../../nbs/03_comm_backends.ipynb #c049
 @patch_to(TorchBackend, static_method=True)
 def _native_all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
@@ -278,7 +287,7 @@ def _native_all_to_all_single(output, input, output_split_sizes=None, input_spli
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
     return tdist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
 
-# %% ../../nbs/03_comm_backends.ipynb #c046
+# %% ../../nbs/03_comm_backends.ipynb #c051
 @patch
 def all_to_all(self:TorchBackend, output_tensor_list, input_tensor_list, group=None, async_op=False):
     if self._lacks('all_to_all', group): self._fallback('all_to_all', group)

@@ -66,7 +66,7 @@ def forget_single_process(self:CommState):
 comm_state = CommState()
 os.register_at_fork(after_in_child=comm_state.forget_single_process)
 
-# %% ../../nbs/04_comm_state.ipynb #c019
+# %% ../../nbs/04_comm_state.ipynb #c020
 def get_comm_backend()->CommBackend:
     "The backend flexrt.comm calls go to now"
     return comm_state.active()
