@@ -25,7 +25,8 @@ class Plot:
                  figsize:tuple, # inches
                  legend_loc:str='upper right'): # fixed: 'best' searches the data at every draw
         self.figure = Figure(figsize=figsize)
-        self.axes, self.lines, self.legend_loc, self._changed = self.figure.subplots(*shape, squeeze=False).ravel(), {}, legend_loc, True
+        self.axes, self.lines, self.legend_loc = self.figure.subplots(*shape, squeeze=False).ravel(), {}, legend_loc
+        self._new_lines, self._layout_due, self._prepared = False, True, False
         for ax, (title, xlabel, ylabel) in zip(self.axes, panels):
             ax.set_title(title, y=1.0, fontsize=9)    # a fixed position spares measuring the tick labels at each draw
             ax.set(xlabel=xlabel, ylabel=ylabel); ax.tick_params(labelsize=7); ax.locator_params(nbins=4)
@@ -34,7 +35,7 @@ class Plot:
         "Set the data of line `name` in `panel`, creating it the first time"
         line = self.lines.get((panel, name))
         if line is None:
-            self.lines[(panel, name)], = self.axes[panel].plot(x, y, style, label=name); self._changed = True
+            self.lines[(panel, name)], = self.axes[panel].plot(x, y, style, label=name); self._new_lines = True
             line = self.lines[(panel, name)]
         else: line.set_data(x, y)
         if '-' in style or ':' in style: line.set_marker('o' if len(line.get_xdata()) <= 2 else '')   # visible from one point
@@ -44,15 +45,22 @@ from fastcore.basics import patch
 
 @patch
 def render(self:Plot)->Figure:
-    "Rescale the axes; after a new line, redo legends and layout"
+    "Rescale the axes; after a new line, redo legends, and the layout (after a `prepare()`: at the next render)"
     for ax in self.axes: ax.relim(); ax.autoscale_view()
-    if self._changed:
+    if self._new_lines:
         for ax in self.axes:
             if any(not l.get_label().startswith('_') for l in ax.get_lines()): ax.legend(fontsize=7, loc=self.legend_loc)
-        self.figure.tight_layout(); self._changed = False
+        self._new_lines, self._layout_due = False, True
+    if self._layout_due and self._prepared: self._prepared = False     # shown at once, laid out anew next time
+    elif self._layout_due: self.figure.tight_layout(); self._layout_due = False
     return self.figure
 
-# %% ../nbs/49_plots.ipynb #c013
+@patch
+def prepare(self:Plot):
+    "Lay the figure out now, before its data: the first render with data then skips the layout, a third of its cost"
+    self.figure.tight_layout(); self._prepared, self._layout_due = True, False
+
+# %% ../nbs/49_plots.ipynb #c015
 def thin(frame:pd.DataFrame, max_points:int=300)->pd.DataFrame:
     "About `max_points` evenly spaced rows of `frame`, the last one included"
     if len(frame) <= max_points: return frame

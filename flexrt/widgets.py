@@ -28,7 +28,8 @@ class LiveView:
     kinds = ()   # the record kinds the plot is drawn from
     def __init__(self, records:RecordStore|None=None, # share one with other views; default: a new one, attached here
                  interval:float=0.5, # seconds between text updates while records arrive; the plots' shortest gap
-                 cpu_share:float=0.05): # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds
+                 cpu_share:float=0.05, # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds
+                 redraw:bool=True): # redraw from a thread of its own (False: its owner calls `refresh()`)
         self.attached, self.records, self.interval, self.cpu_share = records is None, records or RecordStore(), interval, cpu_share
         self._drawn, self._plotted, self._plotted_at, self.plot_cost, self.error = -1, None, -float('inf'), 0.0, None
         self.num_plots, self._live, self._layout = 0, None, None   # plots drawn so far; the live figure and its layout
@@ -37,7 +38,7 @@ class LiveView:
         if self.attached:
             monitor.serve(); prepare_stop(); monitor.add_listener(self.records)
         _views.add(self)
-        threading.Thread(target=self._redraw_loop, daemon=True, name='flexrt-widget-redraw').start()
+        if redraw: threading.Thread(target=self._redraw_loop, daemon=True, name='flexrt-widget-redraw').start()
 
     def _repr_mimebundle_(self, **kwargs): return self.widget._repr_mimebundle_(**kwargs)
     def pending(self)->bool: return False   # whether the texts must be redrawn although no record arrived
@@ -86,7 +87,7 @@ def refresh(self:LiveView, plots:bool=True): # False: the texts only
 @patch
 def _redraw_loop(self:LiveView):
     "Texts when records arrived; plots when stale and due; errors kept on `.error`, never raised"
-    figure_html(Figure(figsize=(1, 1)))   # load fonts and the PNG encoder before the first record needs them
+    with self._draw_lock: self.prepare_plot()   # build and lay out the figure before the first record needs it
     lowered = False
     while not self._closed.wait(self.interval if self.first_drawn() else FIRST_POLL):
         try:
@@ -110,16 +111,22 @@ def _stop_views():
 
 # %% ../nbs/50_widgets.ipynb #c010
 @patch
+def prepare_plot(self:LiveView):
+    "Build the live figure for the present layout and lay it out, before its data (unless one was drawn already)"
+    if self._live is not None: return
+    self._layout = self.layout(); self._live = self.new_plot(self._layout); self._live.prepare()
+
+@patch
 def draw_plot(self:LiveView):
     "Update the live figure and show it"
     layout = self.layout()
-    if self._live is None or layout != self._layout: self._live, self._layout = self.new_plot(), layout
+    if self._live is None or layout != self._layout: self._live, self._layout = self.new_plot(layout), layout
     self.plot.value = figure_html(self.fill(self._live).render())
 
 @patch
 def figure(self:LiveView)->Figure:
     "The plot of the whole history, as a new figure"
-    return self.fill(self.new_plot()).render()
+    return self.fill(self.new_plot(self.layout())).render()
 
 # %% ../nbs/50_widgets.ipynb #c012
 MiB = 2 ** 20
@@ -147,8 +154,8 @@ class MemoryMonitor(LiveView):
 
     def layout(self)->bool: return bool(_memory_frame(self.records)['memory.tracked'].any())   # a tensor panel?
 
-    def new_plot(self)->Plot:
-        if self.layout(): return Plot([('tensor memory', 's', 'MiB'), ('process RSS', 's', 'MiB')], (1, 2), (8, 3), 'lower right')
+    def new_plot(self, tracked:bool)->Plot: # whether tensor bytes are measured: a panel for them
+        if tracked: return Plot([('tensor memory', 's', 'MiB'), ('process RSS', 's', 'MiB')], (1, 2), (8, 3), 'lower right')
         return Plot([('process RSS', 's', 'MiB')], (1, 1), (4.5, 3), 'lower right')
 
 # %% ../nbs/50_widgets.ipynb #c014
@@ -198,7 +205,7 @@ class GradNormTrace(LiveView):
         self.text, self.plot = W.HTML('waiting for step records...'), W.HTML()
         return W.VBox([W.HTML('<b>Gradient norm</b>'), self.text, self.plot])
 
-    def new_plot(self)->Plot:
+    def new_plot(self, layout=None)->Plot:
         return Plot([('gradient norm', 'step', ''), ('loss', 'step', ''), ('learning rate', 'step', ''),
                      ('loss scale', 'step', '')], (2, 2), (8, 5))
 
@@ -238,8 +245,8 @@ class TrainingDashboard(LiveView):
         super().__init__(interval=interval, cpu_share=cpu_share)
 
     def build(self):
-        self.memory = MemoryMonitor(records=self.records, interval=3600)     # drawn by the dashboard's own thread
-        self.grad_norm = GradNormTrace(clip=self.clip, records=self.records, interval=3600)
+        self.memory = MemoryMonitor(records=self.records, redraw=False)     # drawn by the dashboard's own thread
+        self.grad_norm = GradNormTrace(clip=self.clip, records=self.records, redraw=False)
         self.progress, self.status = W.IntProgress(0, 0, self.total_steps or 1), W.HTML('waiting for the ranks...')
         self.steps_seen = W.IntText(0, description='step events', disabled=True)
         self.comm = W.HTML()
@@ -307,6 +314,9 @@ def draw_text(self:TrainingDashboard):
 def plot_stale(self:TrainingDashboard)->bool: return self.grad_norm.plot_stale() or self.memory.plot_stale()
 @patch
 def first_drawn(self:TrainingDashboard)->bool: return self.grad_norm.first_drawn() and self.memory.first_drawn()
+@patch
+def prepare_plot(self:TrainingDashboard):
+    for view in (self.grad_norm, self.memory): view.prepare_plot()
 
 @patch
 def _plot_if_stale(self:TrainingDashboard)->bool:
