@@ -78,11 +78,12 @@ def plot_due(self:LiveView)->bool:
 def refresh(self:LiveView, plots:bool=True): # False: the texts only
     "Redraw from the records now"
     with self._draw_lock:
-        self._drawn = self.records.version
-        self.draw_text()
-        if not plots: return
-        start = time.thread_time()
-        if self._plot_if_stale(): self.plot_cost, self._plotted_at = time.thread_time() - start, time.monotonic()
+        first, self._drawn = not self.first_drawn(), self.records.version
+        if not first: self.draw_text()           # the first plot comes with the first texts, not after them
+        if plots:
+            start = time.thread_time()
+            if self._plot_if_stale(): self.plot_cost, self._plotted_at = time.thread_time() - start, time.monotonic()
+        if first: self.draw_text()
 
 @patch
 def _redraw_loop(self:LiveView):
@@ -320,7 +321,7 @@ def prepare_plot(self:TrainingDashboard):
 
 @patch
 def _plot_if_stale(self:TrainingDashboard)->bool:
-    "Redraw the views whose records changed"
+    "Redraw the views whose records changed, the gradient norm first"
     drew = [view._plot_if_stale() for view in (self.grad_norm, self.memory)]
     return any(drew)
 
