@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
 
-.PHONY: install demo test sync-check nbtest pytest bench clean
+.PHONY: install demo test sync-check nbtest pytest bench screenshots clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ nbtest: install
 # tests/test_browser.py installs Debian's Chromium with apt-get on first use (root), or skips saying why it cannot.
 pytest: install
 	$(PY) -m pytest tests -q -p no:cacheprovider
+
+# The README's pictures are the browser tests' screenshots of real pages (JupyterLab and Voila in Chromium), taken
+# while two ranks train (`*_live.png`) and after Stop (`*_dashboard.png`); this refreshes them in docs/images/.
+screenshots: install
+	FLEXRT_ARTIFACTS=docs/images $(PY) -m pytest tests/test_browser.py -q -p no:cacheprovider
 
 # The peers (DeepSpeed) come with the `bench` extra; each script prints ratios measured in one run.
 bench: install

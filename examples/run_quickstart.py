@@ -28,4 +28,4 @@ if __name__ == '__main__':
     run(out, steps)
     print(f'quickstart executed in {time.time() - start:.0f} s ({steps} steps on 2 ranks); wrote to {out}/:')
     for f in sorted(out.iterdir()): print(f'  {f.name:20s} {f.stat().st_size:>9,d} bytes')
-    print('open it live: .venv/bin/pip install jupyterlab && .venv/bin/jupyter lab examples/quickstart.ipynb')
+    print('open it live: .venv/bin/jupyter lab examples/quickstart.ipynb')

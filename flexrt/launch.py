@@ -7,6 +7,7 @@ from __future__ import annotations
 import os, signal, socket, tempfile, threading, traceback
 import psutil, torch
 from . import monitor, comm as dist
+from .launch_output import quiet_launcher
 
 # %% auto #0
 __all__ = ['STOP_VARIABLE', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain', 'RankError', 'Run',
@@ -118,7 +119,7 @@ def _launch_blocking(run:Run, fn, args, num_processes, kwargs):
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     error = None   # garbage is collected before each fork: `launch` serves, and a serving kernel does (flexrt.monitor)
     try:
-        with monitor.listen(run._record):
+        with monitor.listen(run._record), quiet_launcher(num_processes):
             notebook_launcher(RankMain(fn), args, num_processes=num_processes, **kwargs)
     except BaseException as e: error = e
     finally:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['SCHEDULERS', 'BatchLRScheduler', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'OneCycle', 'LRRangeTest',
@@ -77,16 +78,17 @@ class BatchLRScheduler(LRScheduler):
         self.last_epoch = self.last_batch_iteration + 1   # torch's counter: steps taken since construction
 
 # %% ../nbs/26_schedulers.ipynb #c014
-def _state_dict(self:BatchLRScheduler)->dict: return {'last_batch_iteration': self.last_batch_iteration}
+@patch
+def state_dict(self:BatchLRScheduler)->dict: return {'last_batch_iteration': self.last_batch_iteration}
 
-def _load_state_dict(self:BatchLRScheduler, state:Mapping):
+@patch
+def load_state_dict(self:BatchLRScheduler, state:Mapping):
     "Resume at the batch saved in `state`"
     if 'last_batch_iteration' not in state:
         raise ValueError(f"scheduler state needs 'last_batch_iteration' (DeepSpeed's format), got keys {sorted(state)}")
     self.last_batch_iteration = _number('last_batch_iteration', state['last_batch_iteration'], minimum=-1, integer=True)
     self._apply()
 
-BatchLRScheduler.state_dict, BatchLRScheduler.load_state_dict = _state_dict, _load_state_dict
 
 # %% ../nbs/26_schedulers.ipynb #c017
 _WARMUP_TYPES = ('log', 'linear')
@@ -170,18 +172,19 @@ def _ratio(name:str, value)->float:
     return float(value)
 
 # %% ../nbs/26_schedulers.ipynb #c026
-def _cosine_ratio(self:WarmupCosineLR)->float:
+@patch
+def get_lr_ratio(self:WarmupCosineLR)->float:
     "The fraction of each group's lr at `last_batch_iteration`"
     i, n = self.last_batch_iteration, self.warmup_num_steps
     if i < n: return self.warmup_min_ratio + (1. - self.warmup_min_ratio) * _warmup_fraction(i, n, self.warmup_type)
     progress = min(1., (i - n + 1) / max(1, self.total_num_steps - n))
     return self.cos_min_ratio + (1. - self.cos_min_ratio) * (1. + math.cos(math.pi * progress)) / 2.
 
-def _cosine_lrs(self:WarmupCosineLR)->list:
+@patch
+def get_lr(self:WarmupCosineLR)->list:
     ratio = self.get_lr_ratio()
     return [lr * ratio for lr in self.org_lrs]
 
-WarmupCosineLR.get_lr_ratio, WarmupCosineLR.get_lr = _cosine_ratio, _cosine_lrs
 
 # %% ../nbs/26_schedulers.ipynb #c029
 def _momentum_key(optimizer:Optimizer)->str|None:
@@ -226,6 +229,7 @@ def _ordered(low_name, lows, high_name, highs):
         raise ValueError(f"{low_name}={lows} must not exceed {high_name}={highs}")
 
 # %% ../nbs/26_schedulers.ipynb #c032
+@patch
 def _shape(self:OneCycle, first, second, first_stairs, second_stairs, decay_step_size):
     "Check and store the cycle's lengths and stair counts"
     self.first_step_size = _positive('cycle_first_step_size', first)
@@ -235,6 +239,7 @@ def _shape(self:OneCycle, first, second, first_stairs, second_stairs, decay_step
     self.second_stair_count = self.first_stair_count if second_stairs is None else _number('cycle_second_stair_count', second_stairs, integer=True)
     self.decay_step_size = float(_number('decay_step_size', decay_step_size))
 
+@patch
 def _cycle_fraction(self:OneCycle)->float:
     "Where the lr is between `cycle_min_lr` (0) and `cycle_max_lr` (1) at `last_batch_iteration`"
     position = (self.last_batch_iteration + 1) % self.total_size
@@ -242,20 +247,22 @@ def _cycle_fraction(self:OneCycle)->float:
     else: done, size, stairs = self.total_size - position, self.second_step_size, self.second_stair_count
     return math.floor(done * stairs / size) / stairs if stairs else done / size
 
-OneCycle._shape, OneCycle._cycle_fraction = _shape, _cycle_fraction
 
 # %% ../nbs/26_schedulers.ipynb #c033
+@patch
 def _decay_steps(self:OneCycle)->float:
     "Units of decay so far: batches after the cycle / `decay_step_size`"
     return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size if self.decay_step_size else 0.
 
-def _one_cycle_lrs(self:OneCycle)->list:
+@patch
+def get_lr(self:OneCycle)->list:
     if self.last_batch_iteration < self.total_size:
         f = self._cycle_fraction()
         return [lo + (hi - lo) * f for lo, hi in zip(self.min_lrs, self.max_lrs)]
     return [lo / (1. + self.decay_lr_rate * self._decay_steps()) for lo in self.min_lrs]
 
-def _one_cycle_moms(self:OneCycle)->list|None:
+@patch
+def get_mom(self:OneCycle)->list|None:
     "Momentum per group at `last_batch_iteration` (None when momentum is not cycled)"
     if not self.cycle_momentum: return None
     if self.last_batch_iteration < self.total_size:
@@ -263,14 +270,14 @@ def _one_cycle_moms(self:OneCycle)->list|None:
         return [hi - (hi - lo) * f for lo, hi in zip(self.min_moms, self.max_moms)]
     return [hi * (1. + self.decay_mom_rate * self._decay_steps()) for hi in self.max_moms]
 
-def _one_cycle_apply(self:OneCycle):
+@patch
+def _apply(self:OneCycle):
     BatchLRScheduler._apply(self)
     if not self.cycle_momentum: return
     for group, mom in zip(self.optimizer.param_groups, self.get_mom()):
         if self.momentum_key == 'betas': group['betas'] = (mom, *tuple(group['betas'])[1:])
         else: _set(group, 'momentum', mom)
 
-OneCycle._decay_steps, OneCycle.get_lr, OneCycle.get_mom, OneCycle._apply = _decay_steps, _one_cycle_lrs, _one_cycle_moms, _one_cycle_apply
 
 # %% ../nbs/26_schedulers.ipynb #c036
 class LRRangeTest(BatchLRScheduler):

@@ -1,7 +1,12 @@
 """A real browser: Voila, and JupyterLab, serve a live-dashboard notebook; Debian's Chromium (driven by Playwright,
 no browser download) loads it (in JupyterLab: runs all its cells), watches the dashboard's step counter rise while
 two ranks train in the background, clicks Stop, sees the button end as "Stopped", checks that the ranks stopped
-early, and saves a screenshot (to $FLEXRT_ARTIFACTS, else the test's temp folder).
+early, and saves a screenshot (to $FLEXRT_ARTIFACTS, else the test's temp folder; `make screenshots` writes them to
+docs/images/, where the README shows them).
+
+The first minute is checked as a user sees it: within 1 s of the first step record on the page the gradient-norm plot
+is there, no plot of nothing and no empty section is shown, and the launching cell says what it started and prints no
+warning.
 
 Chromium comes from `apt-get install chromium` on first use; the test skips (with the reason) only where that cannot
 be done."""
@@ -56,6 +61,24 @@ def _wait_listening(port, timeout=60):
     raise TimeoutError(f'the server did not listen on port {port} within {timeout} s')
 
 COUNTER = '.jp-OutputArea input[type=number], .widget-inline-hbox input[type=number]'
+# a function of a section's bold title: whether the section (its widget box) shows a PNG plot
+SECTION_IMAGE = """(title) => { const b = [...document.querySelectorAll('b')].find(e => e.textContent === title);
+    const box = b && b.closest('.widget-vbox'); return !!(box && box.querySelector('img[src^="data:image/png"]')); }"""
+NOISE = ('Warning', 'warning', 'Failed to register', 'orphaned', 'CUDAs', 'Traceback')
+
+def _check_first_look(page):
+    "No empty section, no plot of nothing, and a launching cell that says what it started, without warnings"
+    sections = page.evaluate("""() => [...document.querySelectorAll('b')].map(b => { const box = b.closest('.widget-vbox');
+        return {title: b.textContent, shown: !!(box && box.offsetParent), text: box ? box.innerText : '',
+                image: !!(box && box.querySelector('img[src^="data:image/png"]')), table: !!(box && box.querySelector('table'))}; })""")
+    by_title = {s['title']: s for s in sections}
+    assert by_title['Memory']['image'] and 'untracked' not in by_title['Memory']['text'], by_title['Memory']
+    comm = by_title['Communication']
+    assert not comm['shown'] or comm['table'], f'an empty Communication section is shown: {comm}'
+    outputs = page.evaluate("() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.innerText).join('\\n')")
+    assert 'flexrt: launching 2 CPU processes (gloo)' in outputs, outputs
+    assert not [w for w in NOISE if w in outputs], f'the launching cell printed noise: {outputs!r}'
+    assert not page.query_selector('[data-mime-type="application/vnd.jupyter.stderr"]'), 'something was written to stderr'
 
 def _watch_and_stop(page, shots: Path, name: str, log: Path):
     "The counter rises while the ranks train; Stop stops them, the button ends as Stopped; returns the counter values"
@@ -67,8 +90,15 @@ def _watch_and_stop(page, shots: Path, name: str, log: Path):
     value = f"document.querySelector({COUNTER!r}).value"
     page.wait_for_function(f"{value} > 0", timeout=120_000)
     first = read()
+    try: page.wait_for_function(f"({SECTION_IMAGE})('Gradient norm')", timeout=1_000)   # the first look: a plot at once
+    except Exception:
+        page.screenshot(path=str(shots / f'{name}_first_look.png'), full_page=True)
+        raise AssertionError('no gradient-norm plot within 1 s of the first step record')
+    _check_first_look(page)
     page.wait_for_function(f"{value} > {first}", timeout=60_000)
     rising = read()
+    page.wait_for_function(f"{value} >= 40", timeout=120_000)                  # a picture of a run under way
+    page.screenshot(path=str(shots / f'{name}_live.png'), full_page=True)
     page.click('button:has-text("Stop")')
     page.wait_for_selector('button:has-text("Stopping")', timeout=30_000)
     stable = read()

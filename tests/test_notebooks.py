@@ -1,5 +1,5 @@
-"""examples/quickstart.ipynb in a real kernel (nbclient): a 2-rank engine run under plain notebook_launcher delivers
-every step record to the dashboard before the launching cell ends; checked in the kernel (the notebook's own
+"""examples/quickstart.ipynb in a real kernel (nbclient): a 2-rank engine run under flexrt.launch delivers
+every step record to the dashboard before the launching cell ends (the cell's output says what started, no warnings); checked in the kernel (the notebook's own
 asserts), in the saved widget state, and in the files `make demo` writes."""
 import contextlib, socket, sys
 from pathlib import Path
@@ -25,7 +25,9 @@ def _port_taken(port=29500):
 def test_quickstart_delivers_every_step_before_the_launch_cell_ends(tmp_path):
     with _port_taken():                                              # the quickstart must not need port 29500
         nb = run(tmp_path, STEPS)                                    # raises if any cell (the asserts) failed
-    launch_cell = next(c for c in nb.cells if c.cell_type == 'code' and 'notebook_launcher(train' in c.source)
+    launch_cell = next(c for c in nb.cells if c.cell_type == 'code' and 'launch(train' in c.source)
+    printed = [o for o in launch_cell.outputs if o.get('output_type') == 'stream']
+    assert [(o['name'], o['text'].strip()) for o in printed] == [('stdout', 'flexrt: launching 2 CPU processes (gloo)')]
     after = nb.cells[nb.cells.index(launch_cell) + 2]                # the first cell after the launch, in the kernel
     assert f'{2 * STEPS} step records' in ''.join(o.get('text', '') for o in after.outputs)
     models = _models(nb)

@@ -1,11 +1,11 @@
-"""flexrt.widgets: views are thin over a History that tests drive directly; the dashboard's Stop button stops a
+"""flexrt.widgets: views are thin over a RecordStore that tests drive directly; the dashboard's Stop button stops a
 background run on every rank at the same step; save() writes the plots and every record."""
 import sys, time
 from pathlib import Path
 import pandas as pd, pytest
 from flexrt import monitor
 from flexrt.launch import launch
-from flexrt.widgets import History, GradNormTrace, MemoryMonitor, TrainingDashboard
+from flexrt.widgets import RecordStore, GradNormTrace, MemoryMonitor, TrainingDashboard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
 from quickstart_train import count_until_stopped
@@ -21,11 +21,11 @@ def step(rank, n, skipped=False):
             'samples': 4 * n, 'samples_per_s': 40.0, 'memory': {'allocated_bytes': n << 20,
             'max_allocated_bytes': 2 * n << 20, 'process_rss_bytes': 100 << 20}}
 
-def test_views_show_the_latest_values_of_their_history():
-    history = History()
-    trace, memory = GradNormTrace(clip=1.0, history=history), MemoryMonitor(history=history)
+def test_views_show_the_latest_values_of_their_records():
+    records = RecordStore()
+    trace, memory = GradNormTrace(clip=1.0, records=records), MemoryMonitor(records=records)
     for n in range(1, 6):
-        for rank in (0, 1): history(step(rank, n, skipped=n == 2))
+        for rank in (0, 1): records(step(rank, n, skipped=n == 2))
     trace.refresh(); memory.refresh()
     assert 'step 5: grad norm 0.6 &rarr; 0.6' in trace.text.value and 'lr 0.5' in trace.text.value
     assert 'skipped 1' in trace.text.value and trace.plot.value.startswith('<img src="data:image/png;base64,')
@@ -43,17 +43,17 @@ def test_dashboard_gets_kernel_records_and_saves_plots_and_history(tmp_path):
     assert list(saved[saved['rank'] == 1]['step']) == [1, 2, 3, 4] and (tmp_path / 'memory.png').stat().st_size > 1000
     dash.close()
     monitor.emit('step', rank=0, step=5)                             # closed: no longer listening
-    assert len(dash.history.frame()) == 8
+    assert len(dash.history) == 8 and isinstance(dash.history, pd.DataFrame)
 
 def test_stop_button_stops_every_rank_at_the_same_step():
     dash = TrainingDashboard(interval=0.1)
     run = launch(count_until_stopped, (5000,), num_processes=2, background=True)
     deadline = time.time() + 90
-    while len(dash.history.frame()) < 12 and time.time() < deadline: time.sleep(0.05)
+    while len(dash.records._frame()) < 12 and time.time() < deadline: time.sleep(0.05)
     dash.stop_button.click()
     assert dash.stop_button.description == 'Stopping'
     assert run.wait(90) and dash.stop_button.disabled
-    logs = dash.history.frame('log')
+    logs = dash.records.frame('log')
     last = logs.groupby('rank')['step'].max()
     assert last[0] == last[1] < 4999 and len(logs) == 2 * (last[0] + 1)
     deadline = time.time() + 30                                      # the redraw thread sees the ranks gone
@@ -74,9 +74,10 @@ def test_memory_monitor_fills_from_samplers_in_the_ranks():
     view = MemoryMonitor(interval=3600)
     notebook_launcher(sample_memory_in_rank, (0.3,), num_processes=2, use_port=str(free_port()))
     view.refresh()
-    memory = view.history.frame('memory')
+    memory = view.records.frame('memory')
     assert sorted(memory['rank'].unique()) == [0, 1] and (memory.groupby('rank').size() >= 5).all()
-    assert (memory['memory.process_rss_bytes'] > 0).all() and view.num_plots == 1
+    assert (memory['memory.process_rss_bytes'] > 0).all() and view.num_plots >= 1   # drawn on its own with the first records
+    assert view._plotted == view._plot_key()                          # and refresh() drew every record
     assert 'rank 0:' in view.text.value and 'rank 1:' in view.text.value and view.plot.value.startswith('<img')
     view.close()
 
@@ -85,7 +86,7 @@ def test_plots_keep_to_their_cpu_budget_while_texts_follow_every_record():
     n, start = 0, time.time()
     while time.time() - start < 2:                                   # a flood of records for 2 s
         n += 1
-        for rank in (0, 1): dash.history(step(rank, n))
+        for rank in (0, 1): dash.records(step(rank, n))
         time.sleep(0.002)
     plots = dash.grad_norm.num_plots                                 # each plot costs >= 20 ms CPU: >= 0.4 s apart
     assert 1 <= plots <= 3 and dash.memory.num_plots == plots
@@ -95,5 +96,5 @@ def test_plots_keep_to_their_cpu_budget_while_texts_follow_every_record():
     assert caught_up()                                               # the texts kept up
     dash.close()                                                     # no more redraws of its own
     with dash._draw_lock: plots = dash.grad_norm.num_plots           # (after one in progress)
-    dash.history(step(0, n + 1)); dash.refresh()                     # refresh() draws the latest records at once
+    dash.records(step(0, n + 1)); dash.refresh()                     # refresh() draws the latest records at once
     assert dash.grad_norm.num_plots == plots + 1 and f'step {n + 1}:' in dash.grad_norm.text.value
