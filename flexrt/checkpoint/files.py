@@ -99,7 +99,10 @@ def save_text(text:str, path)->dict: return atomic_write(path, lambda tmp: Path(
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c008b
 def _causes(error:BaseException):
-    while error is not None:
+    "`error` and the exceptions it was raised from (each once)"
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
         yield error
         error = error.__cause__ or error.__context__
 
@@ -107,8 +110,8 @@ def no_space_error(error:Exception, # what the write raised
                    path:Path, # the file being written
                    needed=None)->CheckpointError|None: # needed(): the bytes the file takes
     "A `CheckpointError` saying the file system is full, when that is why writing `path` failed; None otherwise"
-    free = shutil.disk_usage(path.parent).free
-    size = needed() if needed is not None else None
+    try: free, size = shutil.disk_usage(path.parent).free, needed() if needed is not None else None
+    except Exception: return None   # the original error is the one to see
     full = any(getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) for e in _causes(error))
     # torch's C++ writer reports a full disk as `RuntimeError: ... file write failed`, without the errno
     full = full or (isinstance(error, RuntimeError) and size is not None and size + 2**16 > free)
