@@ -27,9 +27,12 @@ import torch
 ULPS = 8   # fp32 ulps at the tensor's scale: summation order inside norms, nothing else
 
 def close_ulps(a, b, n=ULPS)->bool:
-    "|a - b| <= n fp32 ulps at the scale of `b` (its largest magnitude)"
+    "|a - b| <= n fp32 ulps at the scale of `b` (its largest finite magnitude); non-finite values must be non-finite in both"
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
-    return a.shape == b.shape and bool(((a - b).abs() <= n * torch.finfo(torch.float32).eps * b.abs().max()).all())
+    if a.shape != b.shape or not torch.equal(a.isfinite(), b.isfinite()): return False
+    fin = b.isfinite()
+    if not fin.any(): return True
+    return bool(((a[fin] - b[fin]).abs() <= n * torch.finfo(torch.float32).eps * b[fin].abs().max()).all())
 
 def assert_ulps(a, b, n=ULPS, msg=''):
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
@@ -83,7 +86,7 @@ def reference16(make_model, # () -> the fp32 model, freshly seeded
                 reduce:str='boundary', # 'boundary' (stages 0-2) or 'micro' (stage 3)
                 drop_step:int|None=None, # skip this optimizer step (the deliberate bug the tests must see)
                 zero_missing:bool=True)->dict: # parameters without a gradient step with zeros (flat buffers do)
-    "micro_losses [step][rank][micro], norms, skipped, scales, masters (fp32) and params (the model's, as fp32)"
+    "micro_losses [step][rank][micro], norms, skipped, scales, masters (fp32), params (the model's, as fp32), model"
     model = make_model()
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
@@ -121,6 +124,7 @@ def reference16(make_model, # () -> the fp32 model, freshly seeded
         out['micro_losses'].append(losses); out['skipped'].append(overflow); out['scales'].append(scale)
     out['masters'] = [m.detach().clone() for m in masters]
     out['params'] = [p.detach().float().clone() for p in model.parameters()]
+    out['model'] = model   # the trained 16-bit model, for evaluations
     return out
 
 def close16(a, b, dtype=torch.bfloat16, n:int=1)->bool:
@@ -133,3 +137,8 @@ def assert_close16(got:list, want:list, dtype=torch.bfloat16, n:int=1, msg=''):
     "Every tensor of `got` within n ulps of `dtype` of `want`"
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert close16(a, b, dtype, n), f"{msg} tensor {i}: max |diff| {(a.float() - b.float()).abs().max().item():.3g}"
+
+def close16_scale(a, b, dtype=torch.bfloat16, n:int=2)->bool:
+    "Within n ulps of `dtype` at the tensor's scale (its largest magnitude): what different 16-bit summation orders allow"
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    return a.shape == b.shape and bool(((a - b).abs() <= n * torch.finfo(dtype).eps * b.abs().max()).all())

@@ -1,6 +1,7 @@
 """The engine trains exactly like plain torch on the whole batch: same losses, parameters and gradient norms on
 1, 2 and 4 gloo ranks, with and without gradient accumulation (fp32, tight tolerance); clipping is torch's
-clip_grad_norm_ on the full model (over the reducer's flat buckets on 2 and 4 ranks); bf16 trains close to fp32; closing an engine leaves no hooks behind."""
+clip_grad_norm_ on the full model (over the reducer's flat buckets on 2 and 4 ranks); bf16 and fp16 equal the 16-bit
+torch reference of tests/reference.py (same casts, same order); closing an engine leaves no hooks behind."""
 import copy
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from helpers import run_distributed
