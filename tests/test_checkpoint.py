@@ -1,6 +1,6 @@
 """Checkpoints on real gloo ranks: exact (bitwise) resume at every ZeRO stage and precision, loading at another world
 size and stage, crash safety under SIGKILL, corruption and malicious-pickle detection, clear errors that change nothing."""
-import json, os, random, shutil, signal, subprocess, sys, time, warnings
+import json, os, shutil, signal, subprocess, sys, time, warnings
 from pathlib import Path
 import pytest, torch
 import torch.nn as nn
@@ -341,7 +341,7 @@ def test_missing_checkpoints(tmp_path, saved):
     with pytest.raises(TypeError, match=r"client_state\['f'\] is a builtins.builtin_function_or_method"): e.save_checkpoint(d, client_state={'f': print})
 
 # ---------------------------------------------------------------------------------------------------------------
-# crash safety: a real SIGKILL at a random moment of a save loop
+# crash safety: a real SIGKILL at each moment of a save where files are on their way
 
 def crash_engine(train_batch_size):
     import flexrt
