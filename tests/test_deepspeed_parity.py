@@ -72,12 +72,14 @@ BF16_XFAIL = {
        "real steps (they match flexrt's), but bias correction uses t+1, so the first update is 0.744*lr instead of lr. "
        "Weights differ by 1e-2 after 3 steps, and DeepSpeed stage 0 differs from its own stage 1 by as much; flexrt "
        "stage 0 equals DeepSpeed stage 1 exactly. A DeepSpeed behaviour (bug), not flexrt's",
-    2: "DeepSpeed stage 2 bf16 reduces gradients at every micro-batch and sums the reduced bf16 gradients; flexrt stage 2 "
-       "sums the micro-batches locally and reduces once at the boundary (as both do at stage 1): the step-1 norms differ "
+    2: "DeepSpeed stage 2 bf16 reduces gradients at every micro-batch (its backward hooks partition them) and sums the "
+       "reduced bf16 gradients; flexrt stage 2 sums the micro-batches locally and reduces once at the boundary (as both "
+       "do at stage 1): the step-1 norms differ "
        "(DeepSpeed 0.9838440, flexrt 0.9837799 = both stage 1), masters by <= 1.8e-4 after 3 steps",
     3: "stage 3 bf16: both reduce-scatter every micro-batch, but the accumulated gradient shards differ: step-1 norms "
-       "DeepSpeed 0.9838440 (= its stage 2) vs flexrt 0.9838680 (flexrt accumulates the reduced bf16 pieces into fp32 "
-       "shards; DeepSpeed's grad_accum_dtype defaults to bf16), masters by <= 9.2e-5 after 3 steps",
+       "DeepSpeed 0.9838440 (= its stage 2) vs flexrt 0.9838680; masters by <= 9.2e-5 after 3 steps. flexrt adds each "
+       "micro-batch's reduced bf16 pieces into fp32 shards; the likely cause (not isolated) is that DeepSpeed accumulates "
+       "them in bf16 (its grad_accum_dtype defaults to the model dtype)",
 }
 
 @pytest.mark.parametrize('stage', [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=BF16_XFAIL[s])) if s in BF16_XFAIL else s
