@@ -14,9 +14,10 @@ after another, in one process). The sequence, per optimizer step:
      are multiplied by 1/scale;
   5. clipping as torch's clip_grad_norm_ (norm of the per-tensor norms; coefficient max_norm / (norm + 1e-6));
   6. the optimizer steps the fp32 masters, which are then cast into the model.
-With two ranks every 16-bit sum is one rounding of a commutative addition, so the gloo algorithm cannot change it: the
-engine must agree with this reference to the last bit of the 16-bit weights, up to summation order inside the fp32 norm
-(an ulp of the clip coefficient). The tests compare fp32 masters within `ULPS` fp32 ulps and the losses likewise.
+With two ranks every 16-bit sum is one rounding of a commutative addition, so the gloo algorithm cannot change it. The
+tests allow one ulp of the 16-bit dtype per weight (`assert_close16`) and `ULPS` fp32 ulps for losses and norms
+(`assert_ulps`: summation order inside the fp32 norm); measured, the engine at stages 0-3 in bf16 and fp16 matches
+bit for bit, norms within one fp32 ulp. On more than two ranks the 16-bit sums depend on the order (see test_zero12).
 
 `drop_step` skips the optimizer step at that index (counters and scaler still advance): the tests use it to show
 their comparison would see one missing step.
