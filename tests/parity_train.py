@@ -44,7 +44,7 @@ def train(deepspeed, stage, dtype, save_dir):
     for step in range(STEPS):
         for micro in range(GAS):
             x, y = batch(step, micro, rank, world)
-            loss = F.mse_loss(engine(x.to(engine.device, next(engine.module.parameters()).dtype if stage < 3 else _dtype(dtype))).float(), y)
+            loss = F.mse_loss(engine(x.to(engine.device, _dtype(dtype))).float(), y)   # 16-bit models take 16-bit inputs
             engine.backward(loss); engine.step()
             losses.append(loss.item())
         norm = engine.get_global_grad_norm()
