@@ -7,6 +7,7 @@ PY := $(BIN)/python
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
+PYTEST_LOG := .pytest-last.txt
 
 .PHONY: install demo test sync-check nbtest pytest bench screenshots clean
 
@@ -25,7 +26,9 @@ $(STAMP): setup.py settings.ini
 demo: install
 	OUT=$(DEMO_OUT) $(PY) examples/run_quickstart.py
 
+# The last line says how much was skipped (pytest prints each skip's reason with -rs, each expected failure with -rx).
 test: install sync-check nbtest pytest
+	@echo "make test: $$(grep -Eo '[0-9]+ skipped' $(PYTEST_LOG) | tail -1 || echo '0 skipped') and $$(grep -Eo '[0-9]+ xfailed' $(PYTEST_LOG) | tail -1 || echo '0 xfailed') in pytest (reasons listed above); nbtest runs notebook cells without the 'slow' flag"
 
 # Notebooks are the source: cleaning and exporting them must change nothing in nbs/ or flexrt/.
 sync-check: install
@@ -36,8 +39,9 @@ nbtest: install
 
 # pytest exits 5 when it collects nothing; make treats that as a failure, as it should.
 # tests/test_browser.py installs Debian's Chromium with apt-get on first use (root), or skips saying why it cannot.
+# tests/test_deepspeed_parity.py runs the pinned DeepSpeed (dev extra) on CPU next to flexrt.
 pytest: install
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rs -rx -p no:cacheprovider | tee $(PYTEST_LOG)
 
 # The README's pictures are the browser tests' screenshots of real pages (JupyterLab and Voila in Chromium), taken
 # while two ranks train (`*_live.png`) and after Stop (`*_dashboard.png`); this refreshes them in docs/images/.
@@ -50,4 +54,4 @@ bench: install
 	for b in bench/*.py; do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) $$b; done
 
 clean:
-	rm -rf $(VENV) _proc _docs .pytest_cache $(DEMO_OUT)
+	rm -rf $(VENV) _proc _docs .pytest_cache $(DEMO_OUT) $(PYTEST_LOG)

@@ -26,6 +26,7 @@ FIRST_POLL = 0.05            # seconds between looks for the first records
 class LiveView:
     "Base of the views: a RecordStore, a redraw thread, `refresh()`, `save()`, `close()`"
     kinds = ()   # the record kinds the plot is drawn from
+    clock, cpu_clock = staticmethod(time.monotonic), staticmethod(time.thread_time)   # tests set fake ones per view
     def __init__(self, records:RecordStore|None=None, # share one with other views; default: a new one, attached here
                  interval:float=0.5, # seconds between text updates while records arrive; the plots' shortest gap
                  cpu_share:float=0.05, # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds
@@ -71,7 +72,7 @@ def _plot_if_stale(self:LiveView)->bool: # whether it drew
 def plot_due(self:LiveView)->bool:
     "Whether the plots' CPU budget allows a redraw now (the first plot is always due)"
     if not self.first_drawn(): return True
-    return time.monotonic() - self._plotted_at >= max(self.interval, self.plot_cost / self.cpu_share)
+    return self.clock() - self._plotted_at >= max(self.interval, self.plot_cost / self.cpu_share)
 
 # %% ../nbs/50_widgets.ipynb #c008
 @patch
@@ -81,8 +82,8 @@ def refresh(self:LiveView, plots:bool=True): # False: the texts only
         first, self._drawn = not self.first_drawn(), self.records.version
         if not first: self.draw_text()           # the first plot comes with the first texts, not after them
         if plots:
-            start = time.thread_time()
-            if self._plot_if_stale(): self.plot_cost, self._plotted_at = time.thread_time() - start, time.monotonic()
+            start = self.cpu_clock()
+            if self._plot_if_stale(): self.plot_cost, self._plotted_at = self.cpu_clock() - start, self.clock()
         if first: self.draw_text()
 
 @patch
@@ -241,9 +242,10 @@ class TrainingDashboard(LiveView):
     def __init__(self, total_steps:int|None=None, # steps the run will take, for the bar and ETA (a 'comm' record may tell)
                  clip:float|None=None, # clip threshold to draw
                  interval:float=0.5, # seconds between text updates; the plots' shortest gap
-                 cpu_share:float=0.05): # share of one core the plots may use on average
+                 cpu_share:float=0.05, # share of one core the plots may use on average
+                 redraw:bool=True): # redraw from a thread of its own (False: you call `refresh()`)
         self.total_steps, self.clip, self._comm_drawn = total_steps, clip, 0
-        super().__init__(interval=interval, cpu_share=cpu_share)
+        super().__init__(interval=interval, cpu_share=cpu_share, redraw=redraw)
 
     def build(self):
         self.memory = MemoryMonitor(records=self.records, redraw=False)     # drawn by the dashboard's own thread

@@ -57,7 +57,7 @@ def _wait_listening(port, timeout=60):
     deadline = time.time() + timeout
     while time.time() < deadline:
         try: socket.create_connection(('127.0.0.1', port), timeout=1).close(); return
-        except OSError: time.sleep(0.3)
+        except OSError: time.sleep(0.3)   # poll: the server is another process with no readiness signal
     raise TimeoutError(f'the server did not listen on port {port} within {timeout} s')
 
 COUNTER = '.jp-OutputArea input[type=number], .widget-inline-hbox input[type=number]'
@@ -105,7 +105,7 @@ def _watch_and_stop(page, shots: Path, name: str, log: Path):
     page.wait_for_selector('button:has-text("Stopped")', timeout=60_000)  # the ranks ended: the final state shows
     last, since = read(), time.time()
     while time.time() - since < 2:                                   # stopped: the counter stays
-        time.sleep(0.5); now = read()
+        time.sleep(0.5); now = read()   # watch: that nothing changes can only be observed over a span
         if now != last: last, since = now, time.time()
     page.screenshot(path=str(shots / f'{name}_dashboard.png'), full_page=True)
     return first, rising, stable, last

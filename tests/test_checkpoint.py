@@ -1,6 +1,6 @@
 """Checkpoints on real gloo ranks: exact (bitwise) resume at every ZeRO stage and precision, loading at another world
 size and stage, crash safety under SIGKILL, corruption and malicious-pickle detection, clear errors that change nothing."""
-import json, os, random, shutil, signal, subprocess, sys, time, warnings
+import json, os, shutil, signal, subprocess, sys, time, warnings
 from pathlib import Path
 import pytest, torch
 import torch.nn as nn
@@ -341,7 +341,7 @@ def test_missing_checkpoints(tmp_path, saved):
     with pytest.raises(TypeError, match=r"client_state\['f'\] is a builtins.builtin_function_or_method"): e.save_checkpoint(d, client_state={'f': print})
 
 # ---------------------------------------------------------------------------------------------------------------
-# crash safety: a real SIGKILL at a random moment of a save loop
+# crash safety: a real SIGKILL at each moment of a save where files are on their way
 
 def crash_engine(train_batch_size):
     import flexrt
@@ -352,47 +352,66 @@ def crash_engine(train_batch_size):
                                                   'zero_optimization': {'stage': 1}})[0]
 
 CRASH_WORKER = r'''
-import sys, torch
+import os, sys, threading, torch
 sys.path.insert(0, sys.argv[2])
 from helpers import run_distributed
 from test_checkpoint import crash_engine
-def loop(rank, world, d):
-    e = crash_engine(4)
+def loop(rank, world, d, pause_rank, pause_at):
+    "Train and save forever; in the third save, rank `pause_rank` stops before its `pause_at`-th file rename and says so"
+    e, real_replace, saves, renames = crash_engine(4), os.replace, [0], [0]
+    def replace(src, dst, *args, **kwargs):
+        if saves[0] == 3 and rank == pause_rank:
+            if renames[0] == pause_at:
+                print('PAUSED', flush=True)
+                threading.Event().wait()   # until the SIGKILL
+            renames[0] += 1
+        return real_replace(src, dst, *args, **kwargs)
+    os.replace = replace
     while True:
         e.backward(e(torch.ones(2, 512)).sum()); e.step()
+        saves[0] += 1
         e.save_checkpoint(d, client_state={'step': e.global_steps})
-run_distributed(loop, 2, args=(sys.argv[1],), timeout=10**6)
+run_distributed(loop, 2, args=(sys.argv[1], int(sys.argv[3]), int(sys.argv[4])), timeout=10**6)
 '''
 
+# Where the worker stops (rank, rename): every file of a save is written to a temporary name, then renamed. Rank 0
+# renames its shard, the model states, the manifest, the staging directory into place, then `latest`; rank 1 its shard.
+PAUSES = [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0)]
+
+def wait_for_pause(proc, timeout=120):
+    "Block until the worker prints PAUSED (an event from the process, read from its stdout)"
+    import select
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+        if not ready: break
+        line = proc.stdout.readline()
+        if not line: raise AssertionError(f'the worker ended (exit code {proc.wait()}) before its pause')
+        if line.startswith('PAUSED'): return
+    raise AssertionError(f'the worker did not reach its pause within {timeout} s')
+
 def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    "A real SIGKILL at each moment of a save where files are on their way: the last published checkpoint still loads"
     from flexrt.checkpoint import consolidate
     from flexrt.checkpoint.files import read_latest, available_tags
-    rng, interrupted = random.Random(0), 0
     script = tmp_path / 'worker.py'; script.write_text(CRASH_WORKER)
-    for attempt in range(6):
+    for attempt, (pause_rank, pause_at) in enumerate(PAUSES):
         d = tmp_path / f'run{attempt}'
-        proc = subprocess.Popen([sys.executable, str(script), str(d), str(Path(__file__).parent)], start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while read_latest(d) is None and time.monotonic() < deadline and proc.poll() is None: time.sleep(0.02)
-        assert read_latest(d) is not None, 'the worker never finished a first checkpoint'
-        if attempt % 2:   # at a random moment
-            time.sleep(rng.uniform(0, 0.6))
-        else:             # a random moment shortly after a save began
-            while not any(p.name.endswith('.partial') for p in d.iterdir()) and time.monotonic() < deadline: time.sleep(0.001)
-            time.sleep(rng.uniform(0, 0.05))
-        os.killpg(proc.pid, signal.SIGKILL); proc.wait()
+        proc = subprocess.Popen([sys.executable, str(script), str(d), str(Path(__file__).parent), str(pause_rank), str(pause_at)],
+                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try: wait_for_pause(proc)
+        finally: os.killpg(proc.pid, signal.SIGKILL); proc.wait(); proc.stdout.close()
         tag = read_latest(d)
+        assert tag == 'global_step2', (attempt, tag)   # saves 1 and 2 completed; the third was killed
         newest = max(int(t.removeprefix('global_step')) for t in available_tags(d))
-        interrupted += (any(p.name.endswith(('.partial', '.tmp')) for p in d.rglob('*'))   # files being written, or
-                        or newest != int(tag.removeprefix('global_step')))                 # published, latest not yet moved
+        assert (any(p.name.endswith(('.partial', '.tmp')) for p in d.rglob('*'))   # files being written, or
+                or newest != int(tag.removeprefix('global_step'))), attempt         # published, latest not yet moved
         assert len(consolidate(d)) == 16      # every file's size and checksum verified
         e = crash_engine(2)                   # one process loads what two saved
         path, client = e.load_checkpoint(d)
         assert Path(path).name == tag == f'global_step{e.global_steps}' and client == {'step': e.global_steps}
         e.close()
         shutil.rmtree(d)
-    assert interrupted >= 3, f'only {interrupted} of 6 kills landed inside a save'
 
 # ---------------------------------------------------------------------------------------------------------------
 # MoE: expert parameters carry their expert-parallel rank in their key; resharding 4 ranks -> 2 keeps every expert

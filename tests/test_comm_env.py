@@ -139,10 +139,28 @@ def test_mpi_without_local_rank_variable():
     assert discover_env({**base, 'OMPI_COMM_WORLD_NODE_RANK': '1', 'MASTER_ADDR': 'n0'}).local_rank == 1
     assert discover_env({**base, 'OMPI_COMM_WORLD_LOCAL_SIZE': '4'}) == DistEnv(1, 4, 1, '127.0.0.1', 29500, 'openmpi')
     assert discover_env(dict(OMPI_COMM_WORLD_RANK='0', OMPI_COMM_WORLD_SIZE='1')) == DistEnv(source='openmpi')
-    try: import mpi4py  # noqa: F401
-    except ImportError:
-        with pytest.raises(EnvError, match='OMPI_COMM_WORLD_LOCAL_RANK is not set and mpi4py is not installed'):
-            discover_env({**base, 'MASTER_ADDR': 'n0'})
+
+def test_mpi_local_rank_without_mpi4py_is_a_named_error(monkeypatch):
+    "Multi-node Open MPI without a local-rank variable and without mpi4py (whether or not it is installed here)"
+    monkeypatch.setitem(sys.modules, 'mpi4py', None)   # `import mpi4py` now raises ImportError
+    with pytest.raises(EnvError, match='OMPI_COMM_WORLD_LOCAL_RANK is not set and mpi4py is not installed'):
+        discover_env({**drop(OM, 'OMPI_COMM_WORLD_LOCAL_RANK'), 'MASTER_ADDR': 'n0'})
+
+class _World:
+    "MPI.COMM_WORLD of a 4-rank job on two hosts, seen from rank 3 (a stand-in for mpi4py, which has no MPI job here)"
+    def Get_rank(self): return 3
+    def allgather(self, name): return ['n0', 'n1', 'n0', 'n1']
+    def bcast(self, obj, root=0): return 'n0'
+
+def test_mpi_local_rank_from_mpi4py(monkeypatch):
+    "With mpi4py: the local rank is the number of lower ranks on this host (DeepSpeed's mpi_discovery)"
+    import types
+    mpi = types.SimpleNamespace(COMM_WORLD=_World(), Get_processor_name=lambda: 'n1')
+    monkeypatch.setitem(sys.modules, 'mpi4py', types.SimpleNamespace(MPI=mpi))
+    monkeypatch.setitem(sys.modules, 'mpi4py.MPI', mpi)
+    base = {**drop(OM, 'OMPI_COMM_WORLD_LOCAL_RANK'), 'OMPI_COMM_WORLD_RANK': '3'}
+    assert discover_env({**base, 'MASTER_ADDR': 'n0'}).local_rank == 1   # ranks 1 and 3 share n1
+    assert discover_env(base).master_addr == 'n0'                       # rank 0's host, broadcast over MPI
 
 def _init_mpi_no_local(rank, ws):
     for v in TORCHRUN_VARS: os.environ.pop(v)

@@ -110,7 +110,7 @@ def test_skipped_collective_times_out(async_op, subgroup):
 def _peer_leaves(rank, ws):
     dist.init_distributed(timeout=timedelta(seconds=20))
     if rank == 1:
-        time.sleep(0.5)
+        time.sleep(0.5)   # ordering aid: rank 0 is likely inside its all_reduce (either way it must raise)
         tdist.destroy_process_group()  # closes its connections while rank 0 waits in a collective
         return None
     try: dist.all_reduce(torch.ones(3))

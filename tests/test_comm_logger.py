@@ -1,5 +1,6 @@
 """The comms logger on real gloo ranks: message sizes and bandwidth formulas per op (nccl-tests conventions), what is
 profiled under each setting, async ops timed at completion, straggler analysis, and logging off meaning off."""
+import multiprocessing, threading
 import time
 import pytest, torch
 from helpers import run_distributed
@@ -46,26 +47,41 @@ def test_sizes_and_bus_factors(ws):
             if size: assert ratio == pytest.approx(bus_factor(op, ws)), op
     assert bus_factor('all_reduce', 4) == 1.5 and bus_factor('reduce_scatter_tensor', 4) == 0.75
 
-def _async_timing(rank, ws):
-    """Rank 1 sends 0.4 s late, then joins an all_reduce 0.4 s late. Rank 0 waits on its irecv at once, but issues
-    the all_reduce, sleeps 0.8 s, then waits: the log must say ~0.4 s for both (completion), not 0 or 0.8 s"""
+class FakeClock:
+    "The logger's clock, set by the test: latencies follow from when things happen in the logic, not from the machine"
+    def __init__(self): self.now = 0.
+    def __call__(self): return self.now
+
+def _async_timing(rank, ws, sent, joined):
+    """Rank 1 sends only when rank 0's clock reads 0.4 s, and joins the all_reduce only when it reads 1.4 s; rank 0 then
+    waits for the all_reduce with its clock at 2.0 s. The log must hold the completion times (0.4 s after each issue),
+    not the issue (0) or the wait (1.0 s after issue)"""
     dist.configure(enabled=True)
     t = torch.ones(4)
     if rank == 1:
-        time.sleep(0.4); dist.send(t, 0)
-        time.sleep(0.4); dist.all_reduce(t)
+        sent.wait(30); dist.send(t, 0)
+        joined.wait(30); dist.all_reduce(t)
         return None
+    clock, recorded, record = FakeClock(), threading.Event(), dist.comms_logger.record
+    def record_and_tell(key, seconds): record(key, seconds); recorded.set()
+    dist.comms_logger.clock, dist.comms_logger.record = clock, record_and_tell
     r = torch.empty(4)
-    rw = dist.irecv(r, 1); rw.wait()   # gloo p2p has no future: timed when wait() returns
-    w = dist.all_reduce(t, async_op=True)
-    time.sleep(0.8); w.wait()          # gloo collectives have one: timed when the future completes
+    rw = dist.irecv(r, 1)              # issued at 0
+    clock.now = 0.4; sent.set()
+    rw.wait()                          # gloo p2p has no future: timed when wait() returns
+    recorded.clear()
+    clock.now = 1.0
+    w = dist.all_reduce(t, async_op=True)   # issued at 1.0
+    clock.now = 1.4; joined.set()
+    assert recorded.wait(30)           # gloo collectives have a future: timed when it completes...
+    clock.now = 2.0; w.wait()          # ...not when wait() is called
     stats = dist.get_comm_stats()
     return stats['all_reduce'][16]['total_latency_ms'], stats['irecv'][16]['total_latency_ms'], t.tolist(), r.tolist()
 
 def test_async_ops_timed_at_completion():
-    ar_ms, irecv_ms, t, r = run_distributed(_async_timing, 2)[0]
-    assert 300 < ar_ms < 750, ar_ms   # completed ~0.4 s after issue: neither issue time (~0) nor wait time (>= 0.8 s)
-    assert irecv_ms > 300, irecv_ms
+    ctx = multiprocessing.get_context('fork')
+    ar_ms, irecv_ms, t, r = run_distributed(_async_timing, 2, args=(ctx.Event(), ctx.Event()))[0]
+    assert ar_ms == pytest.approx(400) and irecv_ms == pytest.approx(400)
     assert t == [2.0] * 4 and r == [1.0] * 4
 
 def _selection(rank, ws):
@@ -90,18 +106,22 @@ def test_what_is_profiled():
         assert out['selected'] == {'broadcast': {32: 1}, 'all_reduce': {32: 1}, 'grads': {32: 1}}
         assert out['callers'] == [('all_reduce', '_selection'), ('all_reduce', 'train_step')]
 
+class SteppingClock:
+    "Advances by `step` seconds at every reading: each op on this rank lasts `step` (start and end are two readings)"
+    def __init__(self, step): self.now, self.step = 0., step
+    def __call__(self): self.now += self.step; return self.now
+
 def _straggler(rank, ws):
     dist.configure(enabled=True)
-    for _ in range(3):
-        if rank == 1: time.sleep(0.2)  # rank 0 waits for rank 1 in every all_reduce
-        dist.all_reduce(torch.ones(16))
+    dist.comms_logger.clock = SteppingClock(0.2 if rank == 0 else 0.001)   # rank 0 waits 200 ms in every op, rank 1 1 ms
+    for _ in range(3): dist.all_reduce(torch.ones(16))
     df = dist.log_summary(show_straggler=True, print_table=False)
     return df.set_index('op').loc['all_reduce', ['count', 'straggler_ms']].tolist()
 
 def test_straggler_column():
     (c0, s0), (c1, s1) = run_distributed(_straggler, 2)
     assert c0 == c1 == 3
-    assert s0 > 400 and s1 < 100, (s0, s1)  # rank 0 waited ~600 ms in total; rank 1 hardly at all
+    assert s0 == pytest.approx(3 * 199) and s1 == 0, (s0, s1)  # rank 0 waited 199 ms more than the fastest rank, 3 times
 
 def _verbose(rank, ws, capsys_file):
     import contextlib, io
@@ -132,7 +152,7 @@ def _cuda_async(rank, ws):
     dist.destroy_process_group()
     return ar_ms, pending
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA device on this machine: CUDA-event timing of an async op runs only where a GPU exists')
 def test_cuda_async_latency_excludes_later_compute():
     ar_ms, pending = run_distributed(_cuda_async, 1, init=False)[0]
     assert ar_ms < 200, ar_ms   # the comm itself, not the ~1 s of kernels queued after it

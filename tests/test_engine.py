@@ -1,6 +1,7 @@
 """The engine trains exactly like plain torch on the whole batch: same losses, parameters and gradient norms on
 1, 2 and 4 gloo ranks, with and without gradient accumulation (fp32, tight tolerance); clipping is torch's
-clip_grad_norm_ on the full model (over the reducer's flat buckets on 2 and 4 ranks); bf16 trains close to fp32; closing an engine leaves no hooks behind."""
+clip_grad_norm_ on the full model (over the reducer's flat buckets on 2 and 4 ranks); bf16 and fp16 equal the 16-bit
+torch reference of tests/reference.py (same casts, same order); closing an engine leaves no hooks behind."""
 import copy
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from helpers import run_distributed
@@ -32,11 +33,20 @@ def reference():
         losses.append(loss.item())
     return losses, [p.detach() for p in model.parameters()], norms
 
-def train_rank(rank, world, gas, extra=None):
+class DropOneStep:
+    "Stands in the engine's optimizer slot and loses the optimizer step numbered `drop` (the bug the 16-bit tests must see)"
+    def __init__(self, owner, drop:int): self.owner, self.drop, self.calls = owner, drop, 0
+    def step(self):
+        self.calls += 1
+        if self.calls - 1 != self.drop: self.owner.step()
+    def __getattr__(self, name): return getattr(self.owner, name)
+
+def train_rank(rank, world, gas, extra=None, drop_step=None):
     "This rank's share of every global batch, `gas` micro-batches per step: (mean loss per step, parameters, norms)"
     import flexrt
     micro = BATCH // (world * gas)
     engine, *_ = flexrt.initialize(model=make_model(seed=rank), config={**CONFIG, 'gradient_accumulation_steps': gas, **(extra or {})})
+    if drop_step is not None: engine.optimizer = DropOneStep(engine.optimizer, drop_step)
     assert engine.get_batch_info() == (BATCH, micro, gas)
     X, Y = make_data()
     losses, norms = [], []
@@ -50,12 +60,19 @@ def train_rank(rank, world, gas, extra=None):
             local.append(loss.item())
         losses.append(sum(local) / gas)
         norms.append(engine.get_global_grad_norm())
-    params = [p.detach().float().clone() for p in engine.module.parameters()]
+    params = [p.detach().float().clone() for p in gathered(engine)]
+    if drop_step is not None: engine.optimizer = engine.optimizer.owner
     flat_gradients = getattr(engine.optimizer, '_flat_gradients', None)   # stage 0 only
     flat_norm = flat_gradients is not None and flat_gradients() is not None   # norm and clipping over the reducer's flat buckets
     counters = (engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps, engine.get_lr(), flat_norm)
     engine.close()
     return losses, params, norms, counters
+
+def gathered(engine)->list:
+    "The model's parameters, whole (ZeRO-3 partitions them between forwards)"
+    if engine.optimizer.stage != 3: return [p.detach().clone() for p in engine.module.parameters()]
+    from flexrt.zero.stage3_params import GatheredParameters
+    with GatheredParameters(engine.module.parameters()): return [p.detach().clone() for p in engine.module.parameters()]
 
 def both_accumulations(rank, world):
     return [train_rank(rank, world, gas) for gas in (1, 2)]
@@ -77,17 +94,53 @@ def test_matches_single_process_reference(world, ref):
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
             assert counters == (STEPS, STEPS * BATCH, STEPS * gas, 0, [LR * 0.25], world > 1)   # 1 rank: no buckets
 
-def bf16_rank(rank, world):
-    return train_rank(rank, world, 2, extra={'bf16': {'enabled': True}})
+# ---- 16-bit: the same casts in the same order as tests/reference.py, at every ZeRO stage
+LOW = {'bf16': ({'bf16': {'enabled': True}}, torch.bfloat16, 1.),
+       'fp16': ({'fp16': {'enabled': True, 'initial_scale_power': 8, 'hysteresis': 1}}, torch.float16, 256.)}
 
-def test_bf16_trains_close_to_fp32(ref):
-    ref_losses, ref_params, _ = ref
-    results = run_distributed(bf16_rank, 2)
-    losses = [sum(r[0][s] for r in results) / 2 for s in range(STEPS)]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=3e-2, atol=3e-2)
-    assert losses[-1] < losses[0]
-    for p, q in zip(results[0][1], ref_params): torch.testing.assert_close(p, q, rtol=0, atol=3e-2)
+def low_rank(rank, world, cases, drop=None):
+    "Train each (stage, precision) of `cases` on this rank, gas 2; `drop`: (stage, precision, step) whose optimizer step is lost"
+    out = {}
+    for stage, prec in cases:
+        extra = {**LOW[prec][0], 'zero_optimization': {'stage': stage, 'reduce_bucket_size': 60}}
+        out[stage, prec] = train_rank(rank, world, 2, extra=extra, drop_step=drop[2] if drop and drop[:2] == (stage, prec) else None)
+    return out
+
+def low_batches(world=2, gas=2):
+    X, Y = make_data()
+    micro = BATCH // (world * gas)
+    at = lambda s, r, k: s * BATCH + (r * gas + k) * micro
+    return [[[(X[at(s, r, k):at(s, r, k) + micro], Y[at(s, r, k):at(s, r, k) + micro]) for k in range(gas)]
+             for r in range(world)] for s in range(STEPS)]
+
+def low_reference(prec, stage, drop_step=None):
+    "tests/reference.py's 16-bit run of this file's model, data, optimizer and schedule"
+    from reference import reference16
+    _, dtype, scale = LOW[prec]
+    loss = lambda model, b: F.mse_loss(model(b[0].to(dtype)).float(), b[1])
+    return reference16(make_model, low_batches(), loss, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01), dtype,
+                       lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5), gas=2, clip=CLIP, scale=scale,
+                       dynamic=prec == 'fp16', reduce='micro' if stage == 3 else 'boundary', drop_step=drop_step)
+
+def check_low(results, ref, prec):
+    "The comparison of every 16-bit test: losses and norms within a few fp32 ulps, weights within one 16-bit ulp"
+    from reference import assert_ulps, assert_close16
+    for rank, (losses, params, norms, counters) in enumerate(results):
+        assert_ulps(losses, [sum(ref['micro_losses'][s][rank]) / 2 for s in range(STEPS)], msg=f'losses rank {rank}')
+        assert_ulps(norms, ref['norms'], msg=f'norms rank {rank}')
+        assert_close16(params, ref['params'], LOW[prec][1], msg=f'weights rank {rank}')
     assert all(torch.equal(p, q) for p, q in zip(results[0][1], results[1][1]))   # replicas stay identical
+
+def references(cases, drop=None):
+    "The references of `cases`, computed in a forked single-threaded process like the ranks"
+    def run(rank, world): return {c: low_reference(c[1], c[0], drop[2] if drop and drop[:2] == c else None) for c in cases}
+    return run_distributed(run, 1, init=False)[0]
+
+@pytest.mark.parametrize('prec', ['bf16', 'fp16'])
+def test_16bit_stage_0_matches_the_16bit_reference(prec):
+    cases = [(0, prec)]
+    per_rank, ref = run_distributed(low_rank, 2, args=(cases,)), references(cases)
+    check_low([r[0, prec] for r in per_rank], ref[0, prec], prec)
 
 def rebuild_rank(rank, world):
     "Build, train, close and rebuild engines in one process: hooks and gradient buffers do not pile up"

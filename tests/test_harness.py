@@ -19,7 +19,7 @@ def test_error_names_rank():
         run_distributed(_fail_on_one, 2)
 
 def _hang(rank, world_size):
-    import time; time.sleep(60)
+    import time; time.sleep(60)   # the hung rank itself: run_distributed must kill it at its timeout
 
 def test_hang_times_out():
     with pytest.raises(TimeoutError, match=r'ranks \[0, 1\]'):

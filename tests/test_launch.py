@@ -22,7 +22,7 @@ def test_background_run_stops_every_rank_at_the_same_step():
         run = launch(count_until_stopped, (5000,), num_processes=2, background=True)
         assert not run.done                                          # returned at once
         deadline = time.time() + 90
-        while len(logs) < 10 and time.time() < deadline: time.sleep(0.05)
+        while len(logs) < 10 and time.time() < deadline: time.sleep(0.05)   # poll: the ranks' records arrive from other processes
         run.stop()
         assert run.wait(90)
     assert run.done and run.error is None and len(run.pids) == 2

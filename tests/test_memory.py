@@ -8,7 +8,17 @@ from flexrt.memory import (MemorySampler, MemorySnapshot, MemoryStatus, get_ma_s
 from flexrt.memory_tracker import TensorMemoryTracker
 
 MiB = 1 << 20
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA device on this machine: the real CUDA '
+                                'path (tracker vs torch.cuda counters, peak reset) runs only where a GPU exists')
+
+class Counted:
+    "An on_sample that lets a test wait for the sampler thread's n-th snapshot (an event, not a guess of how long it takes)"
+    def __init__(self, then=None): self.n, self.cond, self.then = 0, threading.Condition(), then
+    def __call__(self, snapshot):
+        if self.then is not None: self.then(snapshot)
+        with self.cond: self.n += 1; self.cond.notify_all()
+    def wait(self, n:int, timeout:float=60):
+        with self.cond: assert self.cond.wait_for(lambda: self.n >= n, timeout), f'{self.n} of {n} samples after {timeout} s'
 
 def printed(f, *args, **kwargs)->list:
     with contextlib.redirect_stdout(io.StringIO()) as out: f(*args, **kwargs)
@@ -19,7 +29,7 @@ def cpu_default():
     "For tests of the default device: it is the CPU unless this process has initialised CUDA"
     if torch.cuda.is_initialized():   # only possible if another test file in this pytest run used the GPU
         pytest.skip('CUDA was initialised earlier in this process, so the default device is the GPU; the CPU '
-                    'default is still checked by test_cuda_available_but_uninitialised_reports_the_cpu_tracker')
+                    'default is still checked by test_unit_formatting_with_cuda_patched_available_but_uninitialised')
 
 # ---- memory_snapshot
 
@@ -51,11 +61,13 @@ def test_bad_device_is_refused():
 def test_nothing_initialises_cuda():
     with TensorMemoryTracker():
         memory_snapshot(); get_ma_status(); printed(see_memory_usage, 'x', force=True); printed(memory_status, 'x')
-        with MemorySampler(interval_ms=1): time.sleep(0.01)
+        counted = Counted()
+        with MemorySampler(interval_ms=1, on_sample=counted): counted.wait(2)   # the thread sampled, and again
     assert not torch.cuda.is_initialized()
 
-def test_cuda_available_but_uninitialised_reports_the_cpu_tracker(monkeypatch, capsys):
-    # a GPU machine running CPU work: CUDA is there, but this process never used it
+def test_unit_formatting_with_cuda_patched_available_but_uninitialised(monkeypatch, capsys):
+    """A unit test of the reports' device choice and formatting: torch.cuda is patched to say a GPU is there but unused
+    (a GPU machine running CPU work); the real CUDA path is test_cuda_snapshot_matches_torch_and_see_memory_usage_resets_peaks"""
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: False)
     with TensorMemoryTracker(count_existing=False) as tracker:
@@ -173,25 +185,25 @@ def _sampler_threads(): return [t for t in threading.enumerate() if t.name.start
 
 def test_sampler_start_stop_and_thread_gone():
     before = len(_sampler_threads())
-    s = MemorySampler(interval_ms=2, capacity=1000)
+    counted = Counted()
+    s = MemorySampler(interval_ms=2, capacity=1000, on_sample=counted)
     assert not s.running and len(s) == 0
     assert s.start() is s and s.running and len(_sampler_threads()) == before + 1
-    time.sleep(0.05)
+    counted.wait(3)                                                  # at start, then every interval
     thread = s._thread
     s.stop()
     assert not s.running and not thread.is_alive() and len(_sampler_threads()) == before
     n = len(s)
-    assert n >= 3 and n == s.num_samples                              # first sample at start, last at stop
-    time.sleep(0.02)
-    assert len(s) == n                                               # nothing samples after stop
+    assert n >= 4 and n == s.num_samples == counted.n                # the 3 waited for, and the last at stop
+    assert len(s) == n                                               # nothing samples after stop: the thread is gone
     s.stop()                                                         # twice: harmless
-    with s: time.sleep(0.02)                                         # and it can run again
-    assert len(s) > n and not s.running
+    assert len(s) == n
+    with s: counted.wait(n + 1)                                      # and it can run again
+    assert len(s) >= n + 2 and not s.running                         # its first sample, and the one at stop
 
 def test_sampler_ring_buffer_keeps_the_newest():
-    with MemorySampler(interval_ms=1, capacity=7) as s:
-        deadline = time.monotonic() + 10
-        while s.num_samples < 30 and time.monotonic() < deadline: time.sleep(0.005)
+    counted = Counted()
+    with MemorySampler(interval_ms=1, capacity=7, on_sample=counted) as s: counted.wait(30)
     kept = s.snapshots()
     assert len(kept) == 7 and s.num_samples >= 30
     assert [k.timestamp for k in kept] == sorted(k.timestamp for k in kept)
@@ -204,10 +216,10 @@ def test_sampler_dataframe_records_training_memory():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
     x, y = torch.randn(128, 64), torch.randint(0, 4, (128,))
-    with TensorMemoryTracker() as tracker, MemorySampler(interval_ms=1) as s:
-        for _ in range(20):
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            time.sleep(0.002)
+    counted = Counted()
+    with TensorMemoryTracker() as tracker, MemorySampler(interval_ms=1, on_sample=counted) as s:
+        for _ in range(20): torch.nn.functional.cross_entropy(model(x), y).backward()
+        counted.wait(2)                                              # a sample after the start one
     df = s.to_dataframe()
     assert df.columns.tolist() == COLUMNS and len(df) >= 3
     assert df.tracked.all() and (df.device == 'cpu').all() and (df['rank'] == 0).all()
@@ -231,7 +243,8 @@ def test_sampler_start_twice_is_refused():
 def test_sampler_hands_every_snapshot_to_on_sample_on_its_thread():
     seen, threads = [], set()
     def on_sample(snapshot): seen.append(snapshot); threads.add(threading.current_thread().name)
-    with MemorySampler(interval_ms=2, capacity=1000, on_sample=on_sample) as s: time.sleep(0.03)
+    counted = Counted(then=on_sample)
+    with MemorySampler(interval_ms=2, capacity=1000, on_sample=counted) as s: counted.wait(3)
     assert seen == s.snapshots() and len(seen) == s.num_samples >= 3
     assert any(name.startswith('flexrt-memory-sampler') for name in threads)
     with pytest.raises(TypeError, match='on_sample must be a callable'): MemorySampler(on_sample=[])
@@ -282,7 +295,8 @@ def test_sampler_error_is_raised_when_the_block_succeeds(monkeypatch):
 
 def _sample_in_rank(rank, world_size):
     from flexrt import comm as dist
-    with TensorMemoryTracker() as tracker, MemorySampler(interval_ms=2) as s:
+    counted = Counted()
+    with TensorMemoryTracker() as tracker, MemorySampler(interval_ms=2, on_sample=counted) as s:
         kept = [torch.empty((rank + 1) * MiB // 4) for _ in range(3)]
         t = torch.full((1000,), float(rank))
         before = tracker.allocated_bytes
@@ -290,7 +304,7 @@ def _sample_in_rank(rank, world_size):
         in_place = tracker.allocated_bytes - before
         gathered = [torch.empty(1000) for _ in range(world_size)]    # outputs made here are counted
         dist.all_gather(gathered, t)
-        time.sleep(0.05)
+        counted.wait(3)
     df = s.to_dataframe()
     return sorted(set(df['rank'])), int(df.allocated_bytes.max()), len(df), in_place, t[0].item()
 
@@ -301,16 +315,18 @@ def test_sampler_and_tracker_inside_each_rank_with_collectives():
     assert (grew0, grew1) == (0, 0) and sum0 == sum1 == 1.0
 
 def _in_forked_child(rank, world_size, sampler, lock_was_held):
+    sampler.on_sample = None                                        # the parent's counter (its lock may be held) stays there
     was_running = sampler.running
     inherited = len(sampler.snapshots())                            # would hang if the held lock were copied
     sampler.clear()
-    with sampler: time.sleep(0.03)
+    with sampler: pass                                               # a sample at start and one at stop
     return was_running, inherited, len(sampler), os.getpid()
 
 def test_sampler_survives_fork():
     held, release = threading.Event(), threading.Event()
-    with MemorySampler(interval_ms=2) as sampler:
-        time.sleep(0.02)
+    counted = Counted()
+    with MemorySampler(interval_ms=2, on_sample=counted) as sampler:
+        counted.wait(1)                                              # something to inherit
         def hold():
             with sampler._lock:
                 held.set(); release.wait(30)
@@ -322,8 +338,7 @@ def test_sampler_survives_fork():
             release.set(); th.join()
         assert sampler.running                                       # the parent's sampler is untouched
         parent_count = sampler.num_samples
-        time.sleep(0.02)
-        assert sampler.num_samples > parent_count
+        counted.wait(parent_count + 1)                               # and it goes on sampling
     assert was_running is False and inherited >= 1 and child_kept >= 2 and child_pid != os.getpid()
 
 # ---- CUDA (skipped on CPU-only machines)

@@ -49,7 +49,7 @@ def test_stop_button_stops_every_rank_at_the_same_step():
     dash = TrainingDashboard(interval=0.1)
     run = launch(count_until_stopped, (5000,), num_processes=2, background=True)
     deadline = time.time() + 90
-    while len(dash.records._frame()) < 12 and time.time() < deadline: time.sleep(0.05)
+    while len(dash.records._frame()) < 12 and time.time() < deadline: time.sleep(0.05)   # poll: records come from other processes
     dash.stop_button.click()
     assert dash.stop_button.description == 'Stopping'
     assert run.wait(90) and dash.stop_button.disabled
@@ -57,7 +57,7 @@ def test_stop_button_stops_every_rank_at_the_same_step():
     last = logs.groupby('rank')['step'].max()
     assert last[0] == last[1] < 4999 and len(logs) == 2 * (last[0] + 1)
     deadline = time.time() + 30                                      # the redraw thread sees the ranks gone
-    while dash.stop_button.description != 'Stopped' and time.time() < deadline: time.sleep(0.05)
+    while dash.stop_button.description != 'Stopped' and time.time() < deadline: time.sleep(0.05)   # poll: the redraw thread's change
     assert (dash.stop_button.description, dash.stop_button.disabled) == ('Stopped', True)
     dash.close()
 
@@ -65,7 +65,7 @@ def sample_memory_in_rank(seconds):
     "A rank that only samples its memory, through the monitor (module-level: forked ranks run it)"
     from flexrt import comm, monitor
     comm.init_distributed()
-    with monitor.sample_memory(interval_ms=10): time.sleep(seconds)
+    with monitor.sample_memory(interval_ms=10): time.sleep(seconds)   # the rank's work: sampling goes on meanwhile
     comm.destroy_process_group()
 
 def test_memory_monitor_fills_from_samplers_in_the_ranks():
@@ -75,26 +75,38 @@ def test_memory_monitor_fills_from_samplers_in_the_ranks():
     notebook_launcher(sample_memory_in_rank, (0.3,), num_processes=2, use_port=str(free_port()))
     view.refresh()
     memory = view.records.frame('memory')
-    assert sorted(memory['rank'].unique()) == [0, 1] and (memory.groupby('rank').size() >= 5).all()
+    assert sorted(memory['rank'].unique()) == [0, 1] and (memory.groupby('rank').size() >= 2).all()   # at start and at stop
     assert (memory['memory.process_rss_bytes'] > 0).all() and view.num_plots >= 1   # drawn on its own with the first records
     assert view._plotted == view._plot_key()                          # and refresh() drew every record
     assert 'rank 0:' in view.text.value and 'rank 1:' in view.text.value and view.plot.value.startswith('<img')
     view.close()
 
+class FakeClock:
+    "A clock the test sets"
+    def __init__(self): self.now = 0.
+    def __call__(self): return self.now
+
+class SteppingClock:
+    "A CPU clock that advances `step` at every reading: each plot (read before and after) costs exactly `step`"
+    def __init__(self, step): self.now, self.step = 0., step
+    def __call__(self): self.now += self.step; return self.now
+
 def test_plots_keep_to_their_cpu_budget_while_texts_follow_every_record():
-    dash = TrainingDashboard(total_steps=10_000, interval=0.01, cpu_share=0.05)   # texts every 10 ms
-    n, start = 0, time.time()
-    while time.time() - start < 2:                                   # a flood of records for 2 s
-        n += 1
+    """A flood of records, one every 1/64 s for 2 s of a fake clock, each followed by what the redraw loop does: the
+    first plot at once, then plots costing 1/32 CPU-second with cpu_share 1/16 are due every 0.5 s (records 1, 33, 65,
+    97), texts after every record"""
+    dash = TrainingDashboard(total_steps=10_000, interval=1 / 128, cpu_share=1 / 16, redraw=False)   # the test drives
+    dash.clock, dash.cpu_clock = FakeClock(), SteppingClock(1 / 32)
+    drawn_at = []
+    for n in range(1, 129):
+        dash.clock.now = n / 64
         for rank in (0, 1): dash.records(step(rank, n))
-        time.sleep(0.002)
-    plots = dash.grad_norm.num_plots                                 # each plot costs >= 20 ms CPU: >= 0.4 s apart
-    assert 1 <= plots <= 3 and dash.memory.num_plots == plots
-    deadline = time.time() + 10
-    caught_up = lambda: dash.steps_seen.value == 2 * n and f'step {n}/10000' in dash.status.value   # set in that order
-    while not caught_up() and time.time() < deadline: time.sleep(0.01)
-    assert caught_up()                                               # the texts kept up
-    dash.close()                                                     # no more redraws of its own
-    with dash._draw_lock: plots = dash.grad_norm.num_plots           # (after one in progress)
-    dash.records(step(0, n + 1)); dash.refresh()                     # refresh() draws the latest records at once
-    assert dash.grad_norm.num_plots == plots + 1 and f'step {n + 1}:' in dash.grad_norm.text.value
+        before = dash.grad_norm.num_plots
+        dash.refresh(plots=dash.plot_stale() and dash.plot_due())   # one pass of the redraw loop
+        if dash.grad_norm.num_plots > before: drawn_at.append(n)
+        assert dash.steps_seen.value == 2 * n and f'step {n}/10000' in dash.status.value   # the texts follow every record
+    assert drawn_at == [1, 33, 65, 97] and dash.memory.num_plots == 4
+    dash.close()
+    plots = dash.grad_norm.num_plots
+    dash.records(step(0, 129)); dash.refresh()                       # refresh() draws the latest records at once
+    assert dash.grad_norm.num_plots == plots + 1 and 'step 129:' in dash.grad_norm.text.value

@@ -91,7 +91,9 @@ def trim_mean(values, proportion:float=0.1)->float:
 # %% ../../nbs/01_comm_logger.ipynb #c020
 class CommsLogger:
     "Collects the latency of each profiled collective; `enabled` is the one flag the unprofiled path checks"
-    def __init__(self, config:CommsLoggerConfig|None=None):
+    def __init__(self, config:CommsLoggerConfig|None=None,
+                 clock=time.perf_counter): # seconds now, for CPU latencies (tests drive a fake one)
+        self.clock = clock
         self.world_size_of = lambda group: 1  # set by flexrt.comm to its get_world_size
         self.rank = lambda: 0                 # set by flexrt.comm to its get_rank
         self.apply(config or CommsLoggerConfig())
@@ -165,7 +167,7 @@ def _finish(self:TimedWork):
         if self._batch is not None:
             self._batch[0] -= 1
             if self._batch[0]: return
-    if not self._cuda: return self._logger.record(self._key, time.perf_counter() - self._start)
+    if not self._cuda: return self._logger.record(self._key, self._logger.clock() - self._start)
     end = torch.cuda.Event(enable_timing=True); end.record()  # in a future callback: a stream that waits for the op only
     self._logger.record_events(self._key, self._start, end)
 
@@ -182,12 +184,12 @@ def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dic
     caller = sys._getframe(2).f_code.co_name if self.config.debug else None
     key, cuda = (log_name, name, size, n, caller), tensor is not None and tensor.is_cuda
     if cuda: start = torch.cuda.Event(enable_timing=True); start.record()
-    else: start = time.perf_counter()
+    else: start = self.clock()
     out = fn(*args, **kwargs)
     if name == 'batch_isend_irecv':  # one logged call, complete when its last work is
         batch = [len(out)]; return [TimedWork(w, self, key, start, cuda, batch) for w in out]
     if out is not None and (a.get('async_op') or name in ('isend', 'irecv')): return TimedWork(out, self, key, start, cuda)
-    if not cuda: self.record(key, time.perf_counter() - start)
+    if not cuda: self.record(key, self.clock() - start)
     else: end = torch.cuda.Event(enable_timing=True); end.record(); self.record_events(key, start, end)
     return out
 
