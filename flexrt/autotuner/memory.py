@@ -148,6 +148,13 @@ def _replay(pr:ModelProfile, config:dict, world_size:int, m:int, device:str, off
 
 def _precision(cfg)->str: return 'fp16' if cfg.fp16.enabled else 'bf16' if cfg.bf16.enabled else 'fp32'
 
+def _micro_batch(config:dict, world_size:int)->int:
+    "The config's micro-batch size on `world_size` ranks (1 when it gives no batch size)"
+    cfg = load_config(config)
+    if cfg.batch.train_micro_batch_size_per_gpu: return cfg.batch.train_micro_batch_size_per_gpu
+    if cfg.batch.train_batch_size is None: return 1
+    return cfg.resolve_batch(world_size).batch.train_micro_batch_size_per_gpu
+
 # %% ../../nbs/60_autotuner_memory.ipynb #c019
 def _check_sizes(world_size, micro_batch):
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -175,7 +182,7 @@ def estimate_memory(model_fn_or_profile, # a model function (builds a fresh mode
                    )->MemoryEstimate:
     "The predicted per-rank peak bytes of `config` on `world_size` ranks, and its breakdown"
     _check_sizes(world_size, micro_batch)
-    m = micro_batch or load_config(config).batch.train_micro_batch_size_per_gpu or 1
+    m = micro_batch or _micro_batch(config, world_size)
     pr = _profile_for(model_fn_or_profile, config, m, train_step)
     device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     s, cfg, static, phases = _replay(pr, config, world_size, m, device)
@@ -216,7 +223,7 @@ def calibrate(profile:ModelProfile, # from `profile_model`
     "A profile whose activation terms meet the measured peaks"
     device, points = device or ('cuda' if torch.cuda.is_available() else 'cpu'), []
     for config, world_size, peak in measurements:
-        m = load_config(config).batch.train_micro_batch_size_per_gpu or 1
+        m = _micro_batch(config, world_size)
         predict = lambda d: max(t.peak for t in _replay(profile, config, world_size, m, device, d)[3].values())
         d = _solve(predict, peak, tolerance)
         if d is not None: points.append((m, d))
