@@ -67,7 +67,7 @@ def _many(rank, world_size, n):
 
 def test_fifty_trials_leave_nothing_behind():
     (before, after, results), _ = run_distributed(_many, 2, args=(50,), timeout=300)
-    assert after == before, f'live (tensors, process groups, threads, fds) before {before}, after {after}'
+    assert after[:3] == before[:3] and after[3] <= before[3], f'live (tensors, process groups, threads, fds) before {before}, after {after}'
     statuses = [r.status for r in results]
     assert statuses.count('ok') == 19 and {'error', 'oom', 'over_budget', 'timeout'} <= set(statuses)
     assert all(results[i].status == 'ok' for i in (0, 6, 7, 8))   # stages 0, 1, 3
