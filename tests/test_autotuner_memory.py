@@ -42,8 +42,8 @@ BUCKETS = [{'reduce_bucket_size': 40_000, 'allgather_bucket_size': 40_000, 'stag
             'stage3_max_reuse_distance': 0},                                   # small buckets, stage 3 regathers
            {'reduce_bucket_size': 500_000_000, 'allgather_bucket_size': 500_000_000, 'overlap_comm': True}]
 
-def config(stage, micro, buckets=None):
-    return {'train_micro_batch_size_per_gpu': micro, 'gradient_accumulation_steps': 1, 'steps_per_print': 10**9,
+def config(stage, micro, buckets=None, accumulation=1):
+    return {'train_micro_batch_size_per_gpu': micro, 'gradient_accumulation_steps': accumulation, 'steps_per_print': 10**9,
             'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}}, 'zero_optimization': {'stage': stage, **(buckets or {})}}
 
 def _accuracy(rank, world_size, name, micro_batches):
@@ -61,6 +61,9 @@ def _accuracy(rank, world_size, name, micro_batches):
                 r = trial(c)
                 assert r.status == 'ok', r.reason
                 rows.append((stage, m, b, estimate_memory(profile, c, world_size, m).peak_bytes, r.peak_bytes))
+        c = config(stage, micro_batches[0], BUCKETS[0], accumulation=3)   # gradient accumulation
+        r = trial(c)
+        rows.append((stage, micro_batches[0], 'accumulation 3', estimate_memory(profile, c, world_size).peak_bytes, r.peak_bytes))
     return rows
 
 def _check(rows):

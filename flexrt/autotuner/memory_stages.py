@@ -55,15 +55,18 @@ class Setting:
     "What the memory replay needs from a config, a world size and a device"
     stage: int; world_size: int; itemsize: int; masters: bool; p2p: bool
     reduce_bucket_size: int; prefetch: int; persistence: int; reuse: int; live: int
+    accumulation: int = 1   # micro-steps per optimizer step
 
 def setting(config:dict, world_size:int, device:str='cpu')->tuple: # (Setting, the validated FlexConfig)
     "The memory-relevant settings of `config` on `world_size` ranks of `device` (gloo on CPU runs point-to-point)"
     cfg = load_config(config)
     z, half = cfg.zero_optimization, cfg.fp16.enabled or cfg.bf16.enabled
     masters = half and not (cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads)
+    gas = cfg.batch.gradient_accumulation_steps
+    if gas is None and cfg.batch.train_batch_size is not None: gas = cfg.resolve_batch(world_size).batch.gradient_accumulation_steps
     return Setting(z.stage, world_size, 2 if half else 4, masters, device == 'cpu' and world_size > 1, z.reduce_bucket_size,
                    z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, z.stage3_max_reuse_distance,
-                   z.stage3_max_live_parameters), cfg
+                   z.stage3_max_live_parameters, gas or 1), cfg
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c012
 def pad(numel:int, world_size:int)->int: return -(-numel // world_size) * world_size
@@ -111,11 +114,11 @@ def stage0(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     P, Pt, w, sd = sum(n) + pr.buffer_numel, sum(n[i] for i in T), s.itemsize, 4 if s.masters else s.itemsize
     bd = dict(parameters=P * w, gradients=Pt * w if s.world_size > 1 else 0, fp32_masters=Pt * 4 if s.masters else 0,
               optimizer_state=_state_bytes(pr, [n[i] for i in T], sd))
-    static = sum(bd.values())
-    bwd = Tally(static).see(fwd)
+    static, held = sum(bd.values()), s.world_size == 1 and s.accumulation > 1   # accumulated gradients from the start
+    bwd = Tally(static).add(Pt * w if held else 0).see(fwd)
     for i, before, after in events:
         bwd.see(before)
-        if s.world_size == 1: bwd.add(n[i] * w)   # autograd's gradient stays until the step
+        if s.world_size == 1 and not held: bwd.add(n[i] * w)   # autograd's gradient stays until the step
         bwd.see(after)
     bwd.see(tail)
     step = Tally(static).add(bwd.extra + (Pt * 4 if s.masters else 0))
@@ -167,13 +170,15 @@ def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {
               fp32_masters=sum(shards) * 4 if s.masters else 0, optimizer_state=_state_bytes(pr, shards, sd))
     received = [p * w if s.p2p or W == 1 else sh * w for p, sh in zip(padded, shards)]   # output chunk (+ p2p receives)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
-    arrived, nxt, t = [0] * len(buckets), 0, Tally(sum(bd.values())).see(fwd)
+    held = s.stage == 2 and s.accumulation > 1   # the last micro-step starts with the accumulated gradients in p.grad
+    arrived, nxt = [0] * len(buckets), 0
+    t = Tally(sum(bd.values())).add(sum(n[i] for i in T) * w if held else 0).see(fwd)
     for i, before, after in events:
         t.see(before)
         b = bucket_of.get(i)
         if b is not None:
             arrived[b] += 1
-            if s.stage == 2: t.add(n[i] * w)   # autograd's gradient waits for its bucket
+            if s.stage == 2 and not held: t.add(n[i] * w)   # autograd's gradient waits for its bucket
             while nxt < len(buckets) and arrived[nxt] == len(buckets[nxt]):
                 _launch(t, s, buckets[nxt], padded[nxt], received[nxt], n, after); nxt += 1
         t.see(after)
