@@ -194,7 +194,7 @@ def estimate_memory(model_fn_or_profile, # a model function (builds a fresh mode
     return MemoryEstimate(sum(bd.values()), bd, s.stage, world_size, m, _precision(cfg), moment,
                           {k: int(math.ceil(v.peak)) for k, v in phases.items()})
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c026
+# %% ../../nbs/60_autotuner_memory.ipynb #c028
 def _solve(predict, peak:float, tolerance:float)->float|None:
     "The offset nearest 0 at which the non-decreasing `predict` meets `peak` (0 if it already does; None if none can)"
     p0 = predict(0.)
@@ -215,7 +215,7 @@ def _fit(points:list)->Line:
     slope = sum((a - mm) * (b - md) for a, b in zip(ms, ds)) / sum((a - mm) ** 2 for a in ms)
     return Line(slope, md - slope * mm)
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c027
+# %% ../../nbs/60_autotuner_memory.ipynb #c029
 def calibrate(profile:ModelProfile, # from `profile_model`
               measurements:list, # [(ds_config dict, world_size, measured peak bytes per rank), ...]
               tolerance:float=0.002, # a measurement already met within this fraction teaches nothing
@@ -235,7 +235,7 @@ def calibrate(profile:ModelProfile, # from `profile_model`
     return dataclasses.replace(profile, activation_slope=(profile.activation_slope or 0.) + line.slope,
                                activation_intercept=(profile.activation_intercept or 0.) + line.intercept)
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c030
+# %% ../../nbs/60_autotuner_memory.ipynb #c032
 def estimate_zero2_model_states_mem_needs(total_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
                                           cpu_offload:bool=True, additional_buffer_factor:float=1.5)->tuple: # (cpu, gpu) bytes
     "DeepSpeed's ZeRO-2 model-state estimate (16-bit params and grads, fp32 master and Adam state)"
@@ -250,7 +250,7 @@ def _setup_lines(total_params:int, num_gpus_per_node:int, num_nodes:int, extra:s
           f"{'GPUs' if num_gpus_per_node > 1 else 'GPU'} per node.\nSW: Model with {int(total_params / 1e6)}M total params{extra}.")
     print("  per CPU  |  per GPU |   Options")
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c031
+# %% ../../nbs/60_autotuner_memory.ipynb #c033
 def estimate_zero2_model_states_mem_needs_all_cold(total_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
                                                    additional_buffer_factor:float=1.5):
     "Print DeepSpeed's ZeRO-2 table for a model of `total_params` parameters"
@@ -265,7 +265,7 @@ def estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node:int=
     "Print DeepSpeed's ZeRO-2 table for `model`"
     estimate_zero2_model_states_mem_needs_all_cold(_total_params(model), num_gpus_per_node, num_nodes, additional_buffer_factor)
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c033
+# %% ../../nbs/60_autotuner_memory.ipynb #c035
 def estimate_zero3_model_states_mem_needs(total_params:int, largest_layer_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
                                           cpu_offload:bool=True, cpu_offload_params:bool=True, zero_init:bool=True,
                                           additional_buffer_factor:float=1.5)->tuple: # (cpu, gpu, largest layer) bytes
@@ -282,7 +282,7 @@ def estimate_zero3_model_states_mem_needs(total_params:int, largest_layer_params
         cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
     return int(cpu), int(gpu), largest
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c034
+# %% ../../nbs/60_autotuner_memory.ipynb #c036
 def estimate_zero3_model_states_mem_needs_all_cold(total_params:int, largest_layer_params:int, num_gpus_per_node:int=1,
                                                    num_nodes:int=1, additional_buffer_factor:float=1.5):
     "Print DeepSpeed's ZeRO-3 table"
