@@ -178,10 +178,10 @@ def _close_peer(self:Hub, peer:_Peer, why:str|None=None):
     "Close `peer`'s connection; `why` (misbehaviour) counts it as refused"
     if peer.sock.fileno() < 0: return
     self._pending.pop(id(peer), None)
-    self._selector.unregister(peer.sock); peer.sock.close()
-    with self._lock:
+    with self._lock:                                  # counted before closing: whoever sees the close sees the count
         if peer.authenticated: self.num_open -= 1       # the rank exited (or died): `num_open` says whether any still runs
         if why is not None and not peer.authenticated: self.num_refused += 1
+    self._selector.unregister(peer.sock); peer.sock.close()
 
 # %% ../../nbs/35_monitor_channel.ipynb #c021
 @patch
