@@ -170,3 +170,17 @@ def test_the_hub_keeps_serving_other_ranks_while_one_misbehaves():
     good.sendall(wire.frame(_records_message([{'kind': 'step', 'step': 1}]))); _flushed(good)
     assert _steps(got) == [1]
     bad.close(); good.close(); hub.close()
+
+def test_a_kernel_that_never_answers_costs_a_rank_at_most_the_flush_timeout():
+    hub, never = monitor.serve(), __import__('threading').Event()
+    def blocked(record): never.wait()
+    monitor.add_listener(blocked)
+    fwd = monitor.Forwarder(hub.address, hub.key)
+    fwd({'kind': 'step', 'step': 0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        fwd.flush(timeout=0.5)                                       # returns: the test would hang otherwise
+    assert any('did not confirm delivery within 0.5 s' in str(w.message) for w in caught)
+    for step in range(1, 100): fwd({'kind': 'step', 'step': step})   # emitting goes on
+    assert fwd._closed and len(fwd.buffer) == 99
+    never.set(); fwd.close()

@@ -27,7 +27,7 @@ class Forwarder:
         self.address, self.key, self.interval = (host, int(port)), key, interval
         self.buffer, self.num_dropped, self.num_unsendable, self.num_sent = collections.deque(maxlen=capacity), 0, 0, 0
         self.sender = f'{os.getpid()}'
-        self._sock, self._limit, self._thread, self._send_lock = None, MAX_MESSAGE_BYTES, None, threading.Lock()
+        self._sock, self._limit, self._thread, self._send_lock = None, MAX_MESSAGE_BYTES, None, threading.RLock()
         self._closed, self._wake = False, threading.Event()
 
     def __call__(self, record:dict):
@@ -96,18 +96,27 @@ def _send_pending(self:Forwarder):
 
 @patch
 def flush(self:Forwarder, timeout:float=30):
-    "Send everything buffered and wait until the hub has delivered it"
+    "Send everything buffered and wait until the hub has delivered it, for at most `timeout` seconds"
     if self._closed or self._thread is None: return
+    if not self._send_lock.acquire(timeout=timeout): return self._give_up(timeout)
     try:
-        self._send_pending()
-        if not self._send_lock.acquire(timeout=timeout): raise TimeoutError
-        try:
-            self._sock.settimeout(timeout); self._sock.sendall(frame(b'{"type":"flush"}')); read_frame(self._sock)
-            self._sock.settimeout(None)
-        finally: self._send_lock.release()
-    except (TimeoutError, socket.timeout):
-        warnings.warn(f'flexrt monitor: the notebook kernel did not confirm delivery within {timeout} s')
+        if self._sock is None: self._sock, self._limit = connect(self.address, self.key, timeout)
+        self._sock.settimeout(timeout)
+        self._send_pending(); self._sock.sendall(frame(b'{"type":"flush"}')); read_frame(self._sock)
+        self._sock.settimeout(None)
+    except (TimeoutError, socket.timeout): self._give_up(timeout)
     except (OSError, ValueError): pass
+    finally: self._send_lock.release()
+
+@patch
+def _give_up(self:Forwarder, timeout:float):
+    "The kernel did not answer in time: stop forwarding (a message may be cut short) and say so"
+    self._closed = True; self._wake.set()
+    if self._sock is not None:
+        try: self._sock.shutdown(socket.SHUT_RDWR)                 # also ends a send the sender thread is stuck in
+        except OSError: pass
+    warnings.warn(f'flexrt monitor: the notebook kernel did not confirm delivery within {timeout} s; '
+                  'records are no longer forwarded')
 
 # %% ../../nbs/35_monitor_forwarder.ipynb #c009
 @patch
@@ -118,7 +127,7 @@ def close(self:Forwarder):
     self._closed = True; self._wake.set()
     if self._sock is not None: self._sock.close()
 
-# %% ../../nbs/35_monitor_forwarder.ipynb #c015
+# %% ../../nbs/35_monitor_forwarder.ipynb #c017
 _forwarder = None
 
 def _attach_from_environment(inherited:bool=False):
