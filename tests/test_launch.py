@@ -62,7 +62,9 @@ def die_on_rank(rank, after=2):
     dist.init_distributed(timeout=60)
     for step in range(100):
         monitor.log(step=step)
-        if step == after and dist.get_rank() == rank: os.kill(os.getpid(), signal.SIGKILL)
+        if step == after and dist.get_rank() == rank:
+            monitor.flush()          # the kernel has heard of this rank, as of any rank that ran for a while
+            os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(torch.ones(1))
     dist.destroy_process_group()
 

@@ -122,10 +122,9 @@ def _give_up(self:Forwarder, timeout:float):
 @patch
 def close(self:Forwarder):
     "Flush, then stop the thread and drop the connection"
-    if self._closed: return
-    self.flush()
+    if not self._closed: self.flush()
     self._closed = True; self._wake.set()
-    if self._sock is not None: self._sock.close()
+    if self._sock is not None: self._sock.close()           # also after giving up or losing the kernel
 
 # %% ../../nbs/35_monitor_forwarder.ipynb #c017
 _forwarder = None
