@@ -84,7 +84,8 @@ def _expire(self:Hub, now:float):
     while self._pending:
         peer = next(iter(self._pending.values()))
         if peer.deadline > now: return
-        self._close_peer(peer, f'did not authenticate within {self.handshake_timeout:g} s')
+        self._read_ready(peer)                        # an answer that came while this thread was not scheduled counts
+        if id(peer) in self._pending: self._close_peer(peer, f'did not authenticate within {self.handshake_timeout:g} s')
 
 # %% ../../nbs/35_monitor_channel.ipynb #c014
 @patch

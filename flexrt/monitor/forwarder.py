@@ -28,7 +28,7 @@ class Forwarder:
         self.buffer, self.num_dropped, self.num_unsendable, self.num_sent = collections.deque(maxlen=capacity), 0, 0, 0
         self.sender = f'{os.getpid()}'
         self._sock, self._limit, self._thread, self._send_lock = None, MAX_MESSAGE_BYTES, None, threading.RLock()
-        self._closed, self._wake = False, threading.Event()
+        self._closed, self._wake, self._slow_kernel = False, threading.Event(), False
 
     def __call__(self, record:dict):
         "Buffer `record` (the training loop's only cost); tag it with this process's rank"
@@ -53,6 +53,10 @@ def _loop(self:Forwarder):
         try: self._send_pending()
         except (OSError, ValueError) as e:
             if self._closed: return
+            if isinstance(e, TimeoutError) and self._sock is None:   # too busy to answer the handshake: try again
+                if not self._slow_kernel: warnings.warn(f'flexrt monitor: the notebook kernel is slow to accept ({e}); '
+                                                        'retrying; meanwhile the oldest records are dropped and counted')
+                self._slow_kernel = True; continue
             self._closed = True
             warnings.warn(f'flexrt monitor: lost the notebook kernel at {self.address} ({e}); records are no longer forwarded')
             return
