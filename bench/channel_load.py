@@ -1,6 +1,6 @@
 """Load on the kernel's record hub: many ranks emitting as fast as they can, a dashboard drawing in the kernel.
 
-    python bench/channel_load.py [--ranks 16] [--seconds 60] [--capacity 10000] [--pad 0]
+    python bench/channel_load.py [--ranks 16] [--seconds 60] [--pad 0] [--no-dashboard]
 
 This process plays the notebook kernel: it opens a `TrainingDashboard` (which serves the hub and draws while records
 arrive) and forks `--ranks` processes. Each rank, for `--seconds`, calls `monitor.emit('step', ...)` in a loop as fast
@@ -26,12 +26,12 @@ def rank_main(rank: int, seconds: float, pad: int, out):
     record = dict(loss=1.0, grad_norm=0.5, grad_norm_post_clip=0.5, lr=[1e-3], loss_scale=1.0, skipped=False,
                   samples=0, samples_per_s=100.0, memory={'allocated_bytes': 1 << 20, 'max_allocated_bytes': 2 << 20,
                                                           'process_rss_bytes': 100 << 20}, note='x' * pad)
-    worst, times, plain, step, end = 0.0, [], [], 0, time.perf_counter() + seconds
+    worst, cpu, times, plain, step, end = 0.0, 0, [], [], 0, time.perf_counter() + seconds
     while True:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time_ns()
         if start > end: break
         monitor.emit('step', rank=rank, step=step, **record)
-        took = time.perf_counter() - start
+        took, cpu = time.perf_counter() - start, max(cpu, time.thread_time_ns() - start_cpu)
         times.append(took); worst = max(worst, took); step += 1
         start = time.perf_counter()                    # the control: the same record built, not emitted
         event = {'kind': 'step', 'time': start, 'rank': rank, 'step': step, **record}
@@ -40,7 +40,7 @@ def rank_main(rank: int, seconds: float, pad: int, out):
     forwarder = monitor.forwarder._forwarder                        # attached at fork: the kernel serves
     forwarder.flush(timeout=600)
     out.put((rank, step, forwarder.num_dropped + forwarder.num_unsendable, worst, times[int(len(times) * 0.9999)],
-             plain[-1], plain[int(len(plain) * 0.9999)]))
+             plain[-1], plain[int(len(plain) * 0.9999)], cpu / 1e9))
 
 def rss() -> int:
     import psutil
@@ -49,15 +49,18 @@ def rss() -> int:
 def main(a):
     from flexrt import monitor
     from flexrt.widgets import TrainingDashboard
-    dash = TrainingDashboard()
+    dash = TrainingDashboard() if a.dashboard else None
     hub, delivered = monitor.serve(), {}
     def count(record):
         if record.get('kind') == 'step': delivered[record['rank']] = delivered.get(record['rank'], 0) + 1
     monitor.add_listener(count)
     rss_start, peak, running = rss(), [rss()], threading.Event()
     running.set()
+    timeline, t0 = [], time.perf_counter()
     def sample():
-        while running.is_set(): peak.append(rss()); time.sleep(0.2)
+        while running.is_set():
+            peak.append(rss()); time.sleep(0.2)
+            if time.perf_counter() - t0 >= len(timeline) * a.seconds / 4 and len(timeline) < 5: timeline.append(peak[-1])
     sampler = threading.Thread(target=sample, daemon=True); sampler.start()
     ctx, out = mp.get_context('fork'), mp.get_context('fork').Queue()
     cpu, wall = time.process_time(), time.perf_counter()
@@ -70,25 +73,30 @@ def main(a):
     emitted, dropped = sum(r[1] for r in results), sum(r[2] for r in results)
     got = sum(delivered.values())
     print(f"{a.ranks} ranks (forked processes) emitting step records as fast as they can for {a.seconds:g} s, "
-          f"a TrainingDashboard drawing in the kernel; {os.cpu_count()} CPU cores")
+          f"{'a TrainingDashboard drawing' if dash else 'a counting listener only'} in the kernel; {os.cpu_count()} CPU cores")
     print(f"  emitted   {emitted:>12,d}  ({emitted / a.seconds:,.0f}/s)")
     print(f"  delivered {got:>12,d}  ({got / max(emitted, 1):.1%}; hub.num_received {hub.num_received:,d})")
     print(f"  dropped   {dropped:>12,d}  at the ranks' full buffers (hub.num_dropped {hub.num_dropped:,d})")
     print(f"  emitted == delivered + dropped: {emitted == got + dropped}; per rank: "
           f"{all(delivered.get(r[0], 0) + r[2] == r[1] for r in results)}")
     print(f"  kernel RSS: start {rss_start / 2**20:.0f} MiB, peak {max(peak) / 2**20:.0f} MiB, end {rss() / 2**20:.0f} MiB "
-          f"(dashboard history capacity {dash.history.capacity:,d} records per kind)")
+          f"(at 0, 1/4, 1/2, 3/4 and all of the run: {', '.join(f'{x / 2**20:.0f}' for x in timeline)} MiB)"
+          + (f"; the dashboard keeps up to {dash.history.capacity:,d} records per kind" if dash else ''))
     print(f"  longest emit on any rank: {max(r[3] for r in results) * 1e3:.2f} ms; per rank "
           f"{', '.join(f'{r[3] * 1e3:.1f}' for r in results)} ms; 99.99th percentile (worst rank) "
           f"{max(r[4] for r in results) * 1e6:.0f} us")
     print(f"  control, the same record built in the same loop without emitting it (the machine's scheduling noise): "
           f"longest {max(r[5] for r in results) * 1e3:.2f} ms, 99.99th percentile {max(r[6] for r in results) * 1e6:.0f} us")
-    print(f"  hub: {hub.stats()}; kernel CPU {cpu / wall:.0%} of one core; plots drawn "
-          f"{sum(getattr(v, 'num_plots', 0) for v in (dash.grad_norm, dash.memory))}")
-    dash.close(); monitor.stop_serving()
+    print(f"  the most CPU time one emit call used (thread time: its own work, without waiting to be scheduled): "
+          f"{max(r[7] for r in results) * 1e6:.0f} us")
+    plots = sum(getattr(v, 'num_plots', 0) for v in (dash.grad_norm, dash.memory)) if dash else 0
+    print(f"  hub: {hub.stats()}; kernel CPU {cpu / wall:.0%} of one core; plots drawn {plots}")
+    if dash: dash.close()
+    monitor.stop_serving()
 
 if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--ranks', type=int, default=16); parser.add_argument('--seconds', type=float, default=60)
     parser.add_argument('--pad', type=int, default=0, help='extra bytes of text per record')
+    parser.add_argument('--no-dashboard', dest='dashboard', action='store_false', help='count records only')
     main(parser.parse_args())
