@@ -17,12 +17,13 @@ def clean():
 def _alive(pids): return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 def test_background_run_stops_every_rank_at_the_same_step():
-    logs = []
-    with monitor.listen(lambda r: r['kind'] == 'log' and logs.append((r['rank'], r['step']))):
+    logs, ten = [], threading.Event()
+    def listener(record):
+        if record['kind'] == 'log': logs.append((record['rank'], record['step'])); len(logs) >= 10 and ten.set()
+    with monitor.listen(listener):
         run = launch(count_until_stopped, (5000,), num_processes=2, background=True)
         assert not run.done                                          # returned at once
-        deadline = time.time() + 90
-        while len(logs) < 10 and time.time() < deadline: time.sleep(0.05)
+        assert ten.wait(90)                                          # ten records arrived while it runs
         run.stop()
         assert run.wait(90)
     assert run.done and run.error is None and len(run.pids) == 2
