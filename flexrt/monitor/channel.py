@@ -35,7 +35,8 @@ class Hub:
     "Kernel side of the channel: serve ranks' connections and deliver their records to this process's listeners"
     def __init__(self, handshake_timeout:float=5.0, # seconds a connection may take to authenticate
                  max_pending:int=64, # connections that may be unauthenticated at once; the oldest is closed beyond
-                 max_message_bytes:int=MAX_MESSAGE_BYTES): # larger messages are skipped unread and counted
+                 max_message_bytes:int=MAX_MESSAGE_BYTES, # larger messages are skipped unread and counted
+                 start:bool=True): # serve from a background thread now; False: call the loop's steps by hand
         self.key, self.handshake_timeout, self.max_pending = secrets.token_bytes(32), handshake_timeout, max_pending
         self.max_message_bytes, self.closed, self._lock = max_message_bytes, False, threading.Lock()
         self.num_received = self.num_connections = self.num_open = self.num_refused = 0
@@ -47,7 +48,8 @@ class Hub:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ, 'accept')
         self._selector.register(self._wake_r, selectors.EVENT_READ, 'wake')
-        self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-hub'); self._thread.start()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-hub') if start else None
+        if start: self._thread.start()
 
     @property
     def num_dropped(self)->int:
@@ -59,7 +61,121 @@ class Hub:
         return {k: getattr(self, 'num_' + k) for k in ('received', 'dropped', 'malformed', 'oversized', 'refused',
                                                        'connections', 'open')}
 
+# %% ../../nbs/35_monitor_channel.ipynb #c011
+@patch
+def _count(self:Hub, peer:_Peer, what:str, detail:str, n:int=1):
+    "Count `n` dropped messages of kind `what`; warn once per connection and kind"
+    with self._lock: setattr(self, f'num_{what}', getattr(self, f'num_{what}') + n)
+    if what in peer.warned: return
+    peer.warned.add(what)
+    warnings.warn(f'flexrt monitor hub: dropped {detail} from a rank; counted in Hub.num_{what} '
+                  '(further ones from this connection are counted without a warning)', RuntimeWarning)
+
+@patch
+def _close_peer(self:Hub, peer:_Peer, why:str|None=None):
+    "Close `peer`'s connection; `why` (misbehaviour) counts it as refused"
+    if peer.sock.fileno() < 0: return
+    self._pending.pop(id(peer), None)
+    with self._lock:                                  # counted before closing: whoever sees the close sees the count
+        if peer.authenticated: self.num_open -= 1       # the rank exited (or died): `num_open` says whether any still runs
+        if why is not None and not peer.authenticated: self.num_refused += 1
+    self._selector.unregister(peer.sock); peer.sock.close()
+
 # %% ../../nbs/35_monitor_channel.ipynb #c012
+@patch
+def close(self:Hub):
+    "Stop serving: close every connection and the listening socket"
+    if self.closed: return
+    self.closed = True
+    if self._thread is None: return self._shutdown()           # never served from a thread
+    self._wake_w.send(b'x')
+    if threading.current_thread() is not self._thread: self._thread.join(10)
+
+@patch
+def _shutdown(self:Hub):
+    "The loop's last act: close everything it owns"
+    for key in list(self._selector.get_map().values()):
+        if isinstance(key.data, _Peer): self._close_peer(key.data)
+    self._selector.close(); self._server.close(); self._wake_r.close(); self._wake_w.close()
+
+# %% ../../nbs/35_monitor_channel.ipynb #c016
+@patch
+def _write(self:Hub, peer:_Peer, data:bytes):
+    "Queue `data` for `peer` and send what the socket takes now"
+    if len(peer.outbox) + len(data) > 1 << 16: return self._close_peer(peer, 'does not read its replies')
+    peer.outbox += data
+    self._send_ready(peer)
+
+@patch
+def _send_ready(self:Hub, peer:_Peer):
+    "Send queued bytes; watch for writability while some are left"
+    try: del peer.outbox[:peer.sock.send(peer.outbox)]
+    except (BlockingIOError, InterruptedError): pass
+    except OSError as e: return self._close_peer(peer, f'lost ({e})')
+    want = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.outbox else 0)
+    if self._selector.get_key(peer.sock).events != want: self._selector.modify(peer.sock, want, peer)
+
+# %% ../../nbs/35_monitor_channel.ipynb #c018
+@patch
+def _accept_ready(self:Hub):
+    "Accept every waiting connection without blocking"
+    while True:
+        try: sock, _ = self._server.accept()
+        except (BlockingIOError, InterruptedError): return
+        except OSError:                                      # out of file descriptors: make room, try later
+            if self._pending: self._close_peer(next(iter(self._pending.values())), 'closed to free a descriptor')
+            return
+        sock.setblocking(False)
+        peer = _Peer(sock, time.monotonic() + self.handshake_timeout)
+        self._pending[id(peer)] = peer
+        self._selector.register(sock, selectors.EVENT_READ, peer)
+        self._write(peer, frame(peer.challenge))
+        while len(self._pending) > self.max_pending:
+            self._close_peer(next(iter(self._pending.values())), f'more than {self.max_pending} connections waiting to authenticate')
+
+# %% ../../nbs/35_monitor_channel.ipynb #c021
+@patch
+def _read_ready(self:Hub, peer:_Peer):
+    "Read what `peer` sent and handle every complete frame in it"
+    try: data = peer.sock.recv(1 << 18)
+    except (BlockingIOError, InterruptedError): return
+    except OSError: data = b''
+    if not data: return self._close_peer(peer)
+    peer.inbox += data
+    at, limit = 0, self.max_message_bytes if peer.authenticated else 64
+    while peer.sock.fileno() >= 0:
+        if peer.skip:
+            n = min(peer.skip, len(peer.inbox) - at); at += n; peer.skip -= n
+            if peer.skip: break
+        if len(peer.inbox) - at < 4: break
+        size = int.from_bytes(peer.inbox[at:at + 4], 'big')
+        if size > limit:
+            if not peer.authenticated: return self._close_peer(peer, 'sent a frame too large for a handshake')
+            at += 4; peer.skip = size; self._count(peer, 'oversized', f'a message of {size} bytes (limit {limit})'); continue
+        if len(peer.inbox) - at < 4 + size: break
+        payload = bytes(peer.inbox[at + 4:at + 4 + size]); at += 4 + size
+        self._on_frame(peer, payload)
+    del peer.inbox[:at]
+
+# %% ../../nbs/35_monitor_channel.ipynb #c022
+@patch
+def _on_frame(self:Hub, peer:_Peer, payload:bytes):
+    "Handle one frame: the handshake's answer, or a message"
+    if not peer.authenticated:
+        if not secrets.compare_digest(payload, answer(self.key, peer.challenge)):
+            return self._close_peer(peer, 'failed to authenticate')
+        peer.authenticated = True; del self._pending[id(peer)]
+        with self._lock: self.num_connections += 1; self.num_open += 1
+        return self._write(peer, frame(json.dumps({'type': 'welcome', 'max_message_bytes': self.max_message_bytes}).encode()))
+    try: message = parse_message(payload)
+    except MalformedMessage as e: return self._count(peer, 'malformed', str(e))
+    if message['type'] == 'flush': return self._write(peer, frame(b'{"type":"flushed"}'))
+    records, bad = check_records(message['records'])
+    if bad: self._count(peer, 'malformed', f'{bad} record(s) that are not dicts with a string "kind"', bad)
+    for record in records: events._deliver(record)
+    with self._lock: self.num_received += len(records); self._dropped[message['sender']] = message['dropped']
+
+# %% ../../nbs/35_monitor_channel.ipynb #c025
 @patch
 def _loop(self:Hub):
     "Serve every connection until closed"
@@ -87,120 +203,7 @@ def _expire(self:Hub, now:float):
         self._read_ready(peer)                        # an answer that came while this thread was not scheduled counts
         if id(peer) in self._pending: self._close_peer(peer, f'did not authenticate within {self.handshake_timeout:g} s')
 
-# %% ../../nbs/35_monitor_channel.ipynb #c014
-@patch
-def _accept_ready(self:Hub):
-    "Accept every waiting connection without blocking"
-    while True:
-        try: sock, _ = self._server.accept()
-        except (BlockingIOError, InterruptedError): return
-        except OSError:                                      # out of file descriptors: make room, try later
-            if self._pending: self._close_peer(next(iter(self._pending.values())), 'closed to free a descriptor')
-            return
-        sock.setblocking(False)
-        peer = _Peer(sock, time.monotonic() + self.handshake_timeout)
-        self._pending[id(peer)] = peer
-        self._selector.register(sock, selectors.EVENT_READ, peer)
-        self._write(peer, frame(peer.challenge))
-        while len(self._pending) > self.max_pending:
-            self._close_peer(next(iter(self._pending.values())), f'more than {self.max_pending} connections waiting to authenticate')
-
-# %% ../../nbs/35_monitor_channel.ipynb #c016
-@patch
-def _write(self:Hub, peer:_Peer, data:bytes):
-    "Queue `data` for `peer` and send what the socket takes now"
-    if len(peer.outbox) + len(data) > 1 << 16: return self._close_peer(peer, 'does not read its replies')
-    peer.outbox += data
-    self._send_ready(peer)
-
-@patch
-def _send_ready(self:Hub, peer:_Peer):
-    "Send queued bytes; watch for writability while some are left"
-    try: del peer.outbox[:peer.sock.send(peer.outbox)]
-    except (BlockingIOError, InterruptedError): pass
-    except OSError as e: return self._close_peer(peer, f'lost ({e})')
-    want = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.outbox else 0)
-    if self._selector.get_key(peer.sock).events != want: self._selector.modify(peer.sock, want, peer)
-
-# %% ../../nbs/35_monitor_channel.ipynb #c018
-@patch
-def _read_ready(self:Hub, peer:_Peer):
-    "Read what `peer` sent and handle every complete frame in it"
-    try: data = peer.sock.recv(1 << 18)
-    except (BlockingIOError, InterruptedError): return
-    except OSError: data = b''
-    if not data: return self._close_peer(peer)
-    peer.inbox += data
-    at, limit = 0, self.max_message_bytes if peer.authenticated else 64
-    while peer.sock.fileno() >= 0:
-        if peer.skip:
-            n = min(peer.skip, len(peer.inbox) - at); at += n; peer.skip -= n
-            if peer.skip: break
-        if len(peer.inbox) - at < 4: break
-        size = int.from_bytes(peer.inbox[at:at + 4], 'big')
-        if size > limit:
-            if not peer.authenticated: return self._close_peer(peer, 'sent a frame too large for a handshake')
-            at += 4; peer.skip = size; self._count(peer, 'oversized', f'a message of {size} bytes (limit {limit})'); continue
-        if len(peer.inbox) - at < 4 + size: break
-        payload = bytes(peer.inbox[at + 4:at + 4 + size]); at += 4 + size
-        self._on_frame(peer, payload)
-    del peer.inbox[:at]
-
-# %% ../../nbs/35_monitor_channel.ipynb #c019
-@patch
-def _on_frame(self:Hub, peer:_Peer, payload:bytes):
-    "Handle one frame: the handshake's answer, or a message"
-    if not peer.authenticated:
-        if not secrets.compare_digest(payload, answer(self.key, peer.challenge)):
-            return self._close_peer(peer, 'failed to authenticate')
-        peer.authenticated = True; del self._pending[id(peer)]
-        with self._lock: self.num_connections += 1; self.num_open += 1
-        return self._write(peer, frame(json.dumps({'type': 'welcome', 'max_message_bytes': self.max_message_bytes}).encode()))
-    try: message = parse_message(payload)
-    except MalformedMessage as e: return self._count(peer, 'malformed', str(e))
-    if message['type'] == 'flush': return self._write(peer, frame(b'{"type":"flushed"}'))
-    records, bad = check_records(message['records'])
-    if bad: self._count(peer, 'malformed', f'{bad} record(s) that are not dicts with a string "kind"', bad)
-    for record in records: events._deliver(record)
-    with self._lock: self.num_received += len(records); self._dropped[message['sender']] = message['dropped']
-
-# %% ../../nbs/35_monitor_channel.ipynb #c020
-@patch
-def _count(self:Hub, peer:_Peer, what:str, detail:str, n:int=1):
-    "Count `n` dropped messages of kind `what`; warn once per connection and kind"
-    with self._lock: setattr(self, f'num_{what}', getattr(self, f'num_{what}') + n)
-    if what in peer.warned: return
-    peer.warned.add(what)
-    warnings.warn(f'flexrt monitor hub: dropped {detail} from a rank; counted in Hub.num_{what} '
-                  '(further ones from this connection are counted without a warning)', RuntimeWarning)
-
-@patch
-def _close_peer(self:Hub, peer:_Peer, why:str|None=None):
-    "Close `peer`'s connection; `why` (misbehaviour) counts it as refused"
-    if peer.sock.fileno() < 0: return
-    self._pending.pop(id(peer), None)
-    with self._lock:                                  # counted before closing: whoever sees the close sees the count
-        if peer.authenticated: self.num_open -= 1       # the rank exited (or died): `num_open` says whether any still runs
-        if why is not None and not peer.authenticated: self.num_refused += 1
-    self._selector.unregister(peer.sock); peer.sock.close()
-
-# %% ../../nbs/35_monitor_channel.ipynb #c021
-@patch
-def close(self:Hub):
-    "Stop serving: close every connection and the listening socket"
-    if self.closed: return
-    self.closed = True
-    self._wake_w.send(b'x')
-    if threading.current_thread() is not self._thread: self._thread.join(10)
-
-@patch
-def _shutdown(self:Hub):
-    "The loop's last act: close everything it owns"
-    for key in list(self._selector.get_map().values()):
-        if isinstance(key.data, _Peer): self._close_peer(key.data)
-    self._selector.close(); self._server.close(); self._wake_r.close(); self._wake_w.close()
-
-# %% ../../nbs/35_monitor_channel.ipynb #c025
+# %% ../../nbs/35_monitor_channel.ipynb #c030
 _hub = None
 
 def _collect_before_fork():
