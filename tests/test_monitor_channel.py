@@ -184,3 +184,14 @@ def test_a_kernel_that_never_answers_costs_a_rank_at_most_the_flush_timeout():
     for step in range(1, 100): fwd({'kind': 'step', 'step': step})   # emitting goes on
     assert fwd._closed and len(fwd.buffer) == 99
     never.set(); fwd.close()
+
+def test_records_pipelined_right_behind_the_handshake_answer_arrive():
+    hub, got = monitor.Hub(), []
+    monitor.add_listener(got.append)
+    sock = socket.create_connection(_address(hub)); sock.settimeout(60)
+    records = wire.frame(_records_message([{'kind': 'step', 'step': s, 'pad': 'x' * 200} for s in range(3)]))
+    sock.sendall(wire.frame(wire.answer(hub.key, wire.read_frame(sock))) + records)   # one write: answer and records
+    assert json.loads(wire.read_frame(sock))['type'] == 'welcome'
+    _flushed(sock)
+    assert _steps(got) == [0, 1, 2] and hub.num_refused == 0
+    sock.close(); hub.close()

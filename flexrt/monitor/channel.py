@@ -142,8 +142,9 @@ def _read_ready(self:Hub, peer:_Peer):
     except OSError: data = b''
     if not data: return self._close_peer(peer)
     peer.inbox += data
-    at, limit = 0, self.max_message_bytes if peer.authenticated else 64
+    at = 0
     while peer.sock.fileno() >= 0:
+        limit = self.max_message_bytes if peer.authenticated else 64
         if peer.skip:
             n = min(peer.skip, len(peer.inbox) - at); at += n; peer.skip -= n
             if peer.skip: break
