@@ -4,14 +4,14 @@
 
 # %% ../nbs/36_launch.ipynb #c003
 from __future__ import annotations
-import os, signal, socket, tempfile, threading, traceback
+import faulthandler, os, signal, socket, tempfile, threading, traceback
 import psutil, torch
 from . import monitor, comm as dist
 from .launch_output import quiet_launcher
 
 # %% auto #0
-__all__ = ['STOP_VARIABLE', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain', 'RankError', 'Run',
-           'free_port', 'launch']
+__all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain',
+           'RankError', 'Run', 'free_port', 'launch']
 
 # %% ../nbs/36_launch.ipynb #c006
 STOP_VARIABLE = 'FLEXRT_STOP_FILE'
@@ -42,6 +42,16 @@ def request_stop():
     open(os.environ.get(STOP_VARIABLE) or prepare_stop(), 'w').close()
 
 # %% ../nbs/36_launch.ipynb #c010
+STACK_SIGNAL = signal.SIGUSR1
+
+def _failure(error:BaseException)->dict:
+    "What a rank reports about `error`: a failed collective's op and whether it timed out"
+    if not isinstance(error, dist.CommError): return {'comm': False}
+    said = str(error)
+    return {'comm': True, 'timed_out': isinstance(error, dist.CommTimeoutError),
+            'op': said.split(' did not complete', 1)[0] if ' did not complete' in said else None}
+
+# %% ../nbs/36_launch.ipynb #c012
 class RankMain:
     "Run `fn(*args)` on a rank, reporting its start and any exception (with rank and traceback) to the kernel"
     def __init__(self, fn):
@@ -51,25 +61,101 @@ class RankMain:
         rank = int(os.environ.get('RANK', 0))
         if threading.current_thread() is threading.main_thread():   # a rank blocked in a collective when another fails
             signal.signal(signal.SIGTERM, signal.SIG_DFL)           # must die on the launcher's SIGTERM, not after 30 s
-        monitor.emit('rank_start', rank=rank, pid=os.getpid())
+        monitor.emit('rank_start', rank=rank, pid=os.getpid(), stack_file=self._stack_on_request(rank))
         try: return self.fn(*args)
         except BaseException as e:
             monitor.emit('rank_error', rank=rank, pid=os.getpid(), error=f'{type(e).__name__}: {e}',
-                         traceback=traceback.format_exc())
+                         traceback=traceback.format_exc(), **_failure(e))
             raise
         finally: monitor.flush()
 
-class RankError(RuntimeError):
-    "A rank raised during `launch`; `.rank` and `.traceback` say which and where"
-    def __init__(self, rank:int, error:str, tb:str):
-        super().__init__(f'rank {rank} failed with {error}\n\nTraceback on rank {rank}:\n{tb}')
-        self.rank, self.error, self.traceback = rank, error, tb
+    def _stack_on_request(self, rank:int)->str|None: # the file, or None where SIGUSR1 has a handler of the user's
+        "Make STACK_SIGNAL write this process's Python stacks to a new file"
+        if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None): return None
+        fd, path = tempfile.mkstemp(prefix=f'flexrt-rank{rank}-stack-', suffix='.txt')
+        self._stack = os.fdopen(fd, 'w')                             # kept open for as long as the handler may write
+        faulthandler.register(STACK_SIGNAL, file=self._stack, all_threads=True)
+        return path
 
-# %% ../nbs/36_launch.ipynb #c013
+# %% ../nbs/36_launch.ipynb #c015
+class RankError(RuntimeError):
+    "A rank failed during `launch`; `.rank` says which, `.traceback` where (see `.signal`, `.op`, `.waiting`)"
+    def __init__(self, rank:int, error:str, tb:str, message:str|None=None, signal:str|None=None, op:str|None=None,
+                 waiting:list=()):
+        super().__init__(message or f'rank {rank} failed with {error}\n\nTraceback on rank {rank}:\n{tb}')
+        self.rank, self.error, self.traceback, self.signal, self.op, self.waiting = rank, error, tb, signal, op, list(waiting)
+
+# %% ../nbs/36_launch.ipynb #c017
+def _exit_codes(error:BaseException|None)->dict: # {rank: exit code} of the ranks the launcher saw fail
+    "The exit codes in the launcher's error (or the errors it was raised from)"
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        failures = getattr(error, 'failures', None)
+        if isinstance(failures, dict): return {int(r): f.exitcode for r, f in failures.items() if hasattr(f, 'exitcode')}
+        error = error.__cause__ or error.__context__
+    return {}
+
+def _signal_name(code:int)->str:
+    "'SIGKILL' for exit code -9"
+    try: return signal.Signals(-code).name
+    except ValueError: return f'signal {-code}'
+
+# %% ../nbs/36_launch.ipynb #c020
+def _died(rank:int, code:int, reports:list)->RankError:
+    "A RankError for `rank`, which ended with `code` and reported nothing"
+    how = f'killed by {_signal_name(code)}' if code < 0 else f'exited with code {code}'
+    then = ''.join(f"\nThen rank {r['rank']} failed: {r['error']}" for r in sorted(reports, key=lambda r: r['time']))
+    tbs = ''.join(f"\n\nTraceback on rank {r['rank']} (it noticed):\n{r['traceback']}" for r in reports)
+    return RankError(rank, how, '', f'rank {rank} died: {how}, without reporting an error.{then}{tbs}',
+                     signal=_signal_name(code) if code < 0 else None)
+
+def _absent(missing:list, waits:list, stacks:dict)->RankError:
+    "A RankError for the first of `missing`, the ranks that never arrived at the op the `waits` reports timed out in"
+    ops = sorted({w.get('op') or 'a collective' for w in waits})
+    waiting, rank = sorted(w['rank'] for w in waits), missing[0]
+    where = ''.join(f'\n\nWhere rank {m} was when the others gave up:\n{stacks.get(m) or "(its stack could not be taken)"}'
+                    for m in missing)
+    message = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive at {' / '.join(ops)}: "
+               f"rank{'s' if len(waiting) > 1 else ''} {waiting} waited in it and gave up ({waits[0]['error']}){where}")
+    return RankError(rank, f'did not arrive at {ops[0]}', stacks.get(rank) or '', message, op=ops[0], waiting=waiting)
+
+# %% ../nbs/36_launch.ipynb #c021
+def _in_collective(stack:str|None)->bool:
+    "Whether a rank's stack shows it inside a collective (it was waiting too, but was stopped before it could say so)"
+    inside = (f'{os.sep}flexrt{os.sep}comm{os.sep}', f'{os.sep}torch{os.sep}distributed{os.sep}')
+    threads = (stack or '').split('(most recent call first):')[1:]            # faulthandler: one block per thread
+    return any(p in line for t in threads for line in t.strip().splitlines()[:3] for p in inside)
+
+# %% ../nbs/36_launch.ipynb #c023
+def _blame(reports:list, # the ranks' 'rank_error' records
+           started:dict, # rank -> its 'rank_start' record
+           error:BaseException, # what the launcher raised
+           stacks:dict={}, # rank -> the stack it wrote when asked
+           exits:dict={}, # rank -> (exit code, whether other ranks had failed before) as seen by the kernel
+          )->BaseException:
+    "The error that names the rank at fault"
+    first = lambda rs: min(rs, key=lambda r: r['time'])
+    own = [r for r in reports if not r.get('comm')]
+    if own: r = first(own); return RankError(r['rank'], r['error'], r['traceback'])
+    reported = {r['rank'] for r in reports}
+    ended = {**{r: (code, bool(reports)) for r, code in _exit_codes(error).items()}, **exits}
+    died = {r: code for r, (code, late) in sorted(ended.items())     # SIGTERM after a failure: the launcher's clean-up
+            if r not in reported and code and not (late and code == -signal.SIGTERM)}
+    if died: return _died(*next(iter(died.items())), reports)
+    silent, waits = sorted(set(started) - reported), [r for r in reports if r.get('comm')]
+    waits += [{'rank': r, 'error': 'stopped by the launcher inside it'} for r in silent if _in_collective(stacks.get(r))]
+    missing = [r for r in silent if not _in_collective(stacks.get(r))]
+    if missing and waits: return _absent(missing, waits, stacks)
+    if reports: r = first(reports); return RankError(r['rank'], r['error'], r['traceback'])
+    return error
+
+# %% ../nbs/36_launch.ipynb #c026
 class Run:
     "A launched training: `.done`, `.wait()`, `.stop()`; `.error` holds what the launch raised"
     def __init__(self, stop_file:str):
-        self.stop_file, self.error, self.pids, self.errors = stop_file, None, set(), []
+        self.stop_file, self.error, self.pids, self.errors, self.started = stop_file, None, set(), [], {}
+        self.exits, self._watchers, self._finishing = {}, [], False   # rank -> (exit code, whether others had failed)
         self._finished = threading.Event()
 
     @property
@@ -87,26 +173,69 @@ class Run:
         if self.error is not None: raise self.error
         return True
 
-    def _record(self, record:dict):
-        "Listener: remember ranks' pids and errors"
-        if record.get('kind') == 'rank_start': self.pids.add(record['pid'])
-        elif record.get('kind') == 'rank_error': self.errors.append(record)
+# %% ../nbs/36_launch.ipynb #c027
+from fastcore.basics import patch
 
-# %% ../nbs/36_launch.ipynb #c015
+@patch
+def _record(self:Run, record:dict):
+    "Listener: remember ranks' starts and errors; on a timeout, ask the silent ranks where they are"
+    if record.get('kind') == 'rank_start':
+        self.pids.add(record['pid']); self.started[record['rank']] = record; self._watch(record['rank'], record['pid'])
+    elif record.get('kind') == 'rank_error':
+        self.errors.append(record)
+        if record.get('timed_out'): self._ask_for_stacks()
+
+@patch
+def _watch(self:Run, rank:int, pid:int):
+    "Learn how `rank`'s process ends (its signal) without reaping it: the launcher reaps its children itself"
+    if not hasattr(os, 'waitid'): return
+    def wait():
+        try: info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except (ChildProcessError, OSError): return               # not this process's child, or already reaped
+        code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+        if not self._finishing: self.exits[rank] = (code, bool(self.errors))
+    self._watchers.append(threading.Thread(target=wait, daemon=True, name=f'flexrt-launch-rank{rank}'))
+    self._watchers[-1].start()
+
+@patch
+def _ask_for_stacks(self:Run):
+    "Signal every rank that reported no error to write its stacks (before the launcher stops it)"
+    reported = {r['rank'] for r in self.errors}
+    for rank, start in self.started.items():
+        if rank in reported or not start.get('stack_file'): continue
+        try: os.kill(start['pid'], STACK_SIGNAL)
+        except OSError: pass
+
+# %% ../nbs/36_launch.ipynb #c029
+def _stacks(run:Run)->dict: # rank -> what its stack file holds (only non-empty ones)
+    "Read and remove the ranks' stack files"
+    out = {}
+    for rank, start in run.started.items():
+        path = start.get('stack_file')
+        if not path: continue
+        try:
+            with open(path) as f: text = f.read().strip()
+            os.remove(path)
+        except OSError: continue
+        if text: out[rank] = text
+    return out
+
 def _finish(run:Run, error:BaseException|None):
-    "Kill leftover ranks, turn a failure into a RankError, mark the run done"
+    "Kill leftover ranks, turn a failure into the RankError naming the rank at fault, mark the run done"
+    for t in run._watchers: t.join(2)                       # the ranks have ended: their exits are being noted
+    run._finishing = True
     for pid in run.pids:
         try: psutil.Process(pid).kill()
         except psutil.Error: pass
+    stacks = _stacks(run)
     if error is not None:
-        first = min(run.errors, key=lambda r: r['time'], default=None)
-        run.error = error if first is None else RankError(first['rank'], first['error'], first['traceback'])
-        if first is not None: run.error.__cause__ = error
+        run.error = _blame(run.errors, run.started, error, stacks, run.exits)
+        if run.error is not error: run.error.__cause__ = error
     try: os.remove(run.stop_file)
     except OSError: pass
     run._finished.set()
 
-# %% ../nbs/36_launch.ipynb #c017
+# %% ../nbs/36_launch.ipynb #c032
 def free_port()->int:
     "A TCP port nobody listens on now"
     with socket.socket() as s:
@@ -126,7 +255,7 @@ def _launch_blocking(run:Run, fn, args, num_processes, kwargs):
         for s, handler in saved.items(): signal.signal(s, handler)
         _finish(run, error)
 
-# %% ../nbs/36_launch.ipynb #c018
+# %% ../nbs/36_launch.ipynb #c033
 def launch(train, # the training function; importable (not defined in the notebook) if ranks may be spawned
            args=(), # its arguments
            num_processes:int=2, # number of ranks
@@ -148,7 +277,7 @@ def launch(train, # the training function; importable (not defined in the notebo
     threading.Thread(target=_launch_blocking, args=job, daemon=True, name='flexrt-launch').start()
     return run
 
-# %% ../nbs/36_launch.ipynb #c023
+# %% ../nbs/36_launch.ipynb #c038
 import sys, types
 
 class _CallableModule(types.ModuleType):

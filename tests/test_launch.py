@@ -1,8 +1,8 @@
 """flexrt.launch: a background run stops on every rank at the same step, a crash surfaces with rank and traceback,
 signal handlers come back, and no rank outlives the launch."""
-import os, signal, sys, time
+import os, signal, sys, threading, time
 from pathlib import Path
-import psutil, pytest
+import psutil, pytest, torch
 from flexrt import monitor
 from flexrt.launch import launch, RankError
 
@@ -17,12 +17,13 @@ def clean():
 def _alive(pids): return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 def test_background_run_stops_every_rank_at_the_same_step():
-    logs = []
-    with monitor.listen(lambda r: r['kind'] == 'log' and logs.append((r['rank'], r['step']))):
+    logs, ten = [], threading.Event()
+    def listener(record):
+        if record['kind'] == 'log': logs.append((record['rank'], record['step'])); len(logs) >= 10 and ten.set()
+    with monitor.listen(listener):
         run = launch(count_until_stopped, (5000,), num_processes=2, background=True)
         assert not run.done                                          # returned at once
-        deadline = time.time() + 90
-        while len(logs) < 10 and time.time() < deadline: time.sleep(0.05)   # poll: the ranks' records arrive from other processes
+        assert ten.wait(90)                                          # ten records arrived while it runs
         run.stop()
         assert run.wait(90)
     assert run.done and run.error is None and len(run.pids) == 2
@@ -53,3 +54,43 @@ def test_bad_arguments_are_refused():
     with pytest.raises(TypeError, match='train must be a function'): launch('train.py')
     import flexrt.launch                                             # the module is callable: flexrt.launch(train, ...)
     with pytest.raises(ValueError, match='num_processes must be a positive int'): flexrt.launch(print, num_processes=-1)
+
+
+# --- blaming the right rank: the one that died or never arrived, not the survivor that noticed ----------------------
+def die_on_rank(rank, after=2):
+    "`rank` is SIGKILLed at step `after`; the others wait for it in an all_reduce"
+    from flexrt import comm as dist
+    dist.init_distributed(timeout=60)
+    for step in range(100):
+        monitor.log(step=step)
+        if step == after and dist.get_rank() == rank:
+            monitor.flush()          # the kernel has heard of this rank, as of any rank that ran for a while
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+
+def hang_on_rank(rank, after=2, timeout=3):
+    "`rank` never enters the all_reduce of step `after`; the others time out in it after `timeout` seconds"
+    from flexrt import comm as dist
+    dist.init_distributed(timeout=timeout)
+    for step in range(100):
+        monitor.log(step=step)
+        if step == after and dist.get_rank() == rank: threading.Event().wait()   # stuck for good, as a real hang
+        dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+
+def test_a_killed_rank_is_named_with_its_signal():
+    with pytest.raises(RankError) as info: launch(die_on_rank, (1,), num_processes=2)
+    error = info.value
+    assert (error.rank, error.signal) == (1, 'SIGKILL')
+    assert str(error).startswith('rank 1 died: killed by SIGKILL, without reporting an error.')
+    assert 'Then rank 0 failed: CommError: all_reduce did not complete' in str(error)     # the survivor, as context
+
+@pytest.mark.parametrize('num_processes', [2, 3])
+def test_a_rank_that_never_arrives_is_named_with_the_op_and_who_waited(num_processes):
+    with pytest.raises(RankError) as info: launch(hang_on_rank, (1,), num_processes=num_processes)
+    error, others = info.value, [r for r in range(num_processes) if r != 1]
+    assert (error.rank, error.op, error.waiting) == (1, 'all_reduce', others)
+    assert str(error).startswith(f'rank 1 did not arrive at all_reduce: rank{"s" if len(others) > 1 else ""} {others} waited in it')
+    assert 'within the timeout of 3s' in str(error)                  # the configured timeout is what ended the wait
+    assert 'in hang_on_rank' in error.traceback                      # where rank 1 was: its own stack
