@@ -130,6 +130,8 @@ def predicted_max_micro_batch(self:Search, stage:int, low:int, high:int)->int|No
 def find_max_micro_batch(self:Search, stage:int, low:int, high:int, start:int):
     "The largest micro-batch in [low, high] that runs (`yield from` it): gallop from `start`, then bisect; None if none"
     fits = lambda m: (yield from self.run_one(self.candidate(stage, m), 'max_micro_batch')).status == FITS
+    if self.parallel > 1:  # sub-groups: the start and the size above it (the usual answer) at once
+        yield from self.run([Experiment(self.candidate(stage, m), 'max_micro_batch') for m in sorted({start, min(start + 1, high)})])
     if (yield from fits(start)):
         good, bad, step = start, None, 1
         while bad is None and good < high:
@@ -288,7 +290,7 @@ def remeasure(self:Search):
         res = (yield [Experiment(c, 'remeasure')])[0]
         rec = self.record(Experiment(c, 'remeasure'), res)
         if res.status != FITS: continue
-        if self.baseline is not None and self.score(res) < self.baseline[0]:
+        if self.baseline is not None and self.baseline[1] != c and self.score(res) < self.baseline[0]:
             self.best = (self.record_of.get(self.baseline[1].key) or rec, self.baseline[1])
         else: self.best = (rec, c)
         return self.best
