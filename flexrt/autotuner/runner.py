@@ -233,7 +233,7 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
              mode:str='in-process', mode_reason:str='', # how experiments run (the CLI's launch-per-experiment sets these)
             )->AutotuneResult:
     "Find the fastest ZeRO stage × micro-batch × knob configuration that fits, inside the launched ranks"
-    if not callable(train_step): raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
+    if measure is None and not callable(train_step): raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
     t = Tuner(model_fn, train_step, config, dataset=dataset, memory_budget=memory_budget, ranks_per_experiment=ranks_per_experiment,
               results_dir=results_dir, max_trials=max_trials, time_budget=time_budget, stages=stages, micro_batches=micro_batches,
               on_trial=on_trial, seed=seed, resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile,
