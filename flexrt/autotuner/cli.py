@@ -4,13 +4,14 @@
 
 # %% ../../nbs/66_autotuner_cli.ipynb #c002
 from __future__ import annotations
-import argparse, ast, json, os, runpy, signal, statistics, subprocess, sys, tempfile, time
+import argparse, ast, json, os, re, runpy, signal, statistics, subprocess, sys, tempfile, time
 from fastcore.basics import patch
 from .space import parse_bytes
 
 # %% auto #0
-__all__ = ['METRICS_VARIABLE', 'STEPS_VARIABLE', 'script_mode', 'parser', 'parse', 'tune_kwargs', 'worker', 'torchrun',
-           'ExperimentDone', 'StepRecorder', 'experiment', 'read_metrics', 'LaunchMeasure', 'autotune_script', 'main']
+__all__ = ['METRICS_VARIABLE', 'STEPS_VARIABLE', 'script_mode', 'parser', 'parse', 'worker_args', 'tune_kwargs', 'worker',
+           'torchrun', 'ExperimentDone', 'StepRecorder', 'experiment', 'read_metrics', 'LaunchMeasure',
+           'autotune_script', 'main']
 
 # %% ../../nbs/66_autotuner_cli.ipynb #c005
 def script_mode(path:str)->tuple: # (mode, why)
@@ -45,8 +46,15 @@ def parse(argv:list)->argparse.Namespace:
     "The command line's arguments; what follows `--` goes to the script (`script_args`)"
     cut = argv.index('--') if '--' in argv else len(argv)
     args = parser().parse_args(argv[:cut])
-    args.script_args, args.forward = argv[cut + 1:], argv[1:]
+    args.script_args = argv[cut + 1:]
     return args
+
+def worker_args(args)->list:
+    "The command line of `_worker` (every option but --nproc, which torchrun takes)"
+    out = [args.script, '--config', args.config]
+    for name in ('memory_budget', 'results_dir', 'max_trials', 'trial_timeout', 'ranks_per_experiment'):
+        if getattr(args, name) is not None: out += ['--' + name.replace('_', '-'), str(getattr(args, name))]
+    return out + (['--no-resume'] if args.no_resume else []) + ['--', *args.script_args]
 
 def tune_kwargs(args)->dict:
     "The `autotune` keyword arguments the command line sets"
@@ -109,10 +117,12 @@ def experiment(args):
     os._exit(0)   # the script's own threads and atexit work are not the experiment's
 
 # %% ../../nbs/66_autotuner_cli.ipynb #c017
+_ERROR_LINE = re.compile(r'^(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception|Exit)\b:?.*)$')
+
 def _last_error(output:str)->str:
-    lines = [l.strip() for l in output.splitlines() if l.strip()]
-    errors = [l for l in lines if 'Error' in l or 'error' in l]
-    return (errors or lines or ['the experiment exited with an error and printed nothing'])[-1][:300]
+    "The script's own last error line in torchrun's output (not torchrun's ChildFailedError report)"
+    found = [m.group(1) for l in output.splitlines() if (m := _ERROR_LINE.match(l.strip())) and 'ChildFailedError' not in l]
+    return (found or ['the experiment exited with an error and printed no exception'])[-1][:300]
 
 def read_metrics(path:str, nproc:int)->tuple: # (rank 0's step records, every rank's peak bytes)
     "What the `_experiment` bootstrap wrote"
@@ -176,7 +186,7 @@ def autotune_script(args):
     mode, why = script_mode(args.script)
     if mode == 'in-process':
         if args.nproc == 1: return worker(args)
-        done = subprocess.run(torchrun(args.nproc, ['_worker', *args.forward]))
+        done = subprocess.run(torchrun(args.nproc, ['_worker', *worker_args(args)]))
         if done.returncode: raise SystemExit(f'flexrt autotune: the ranks failed (exit {done.returncode}); their output is above')
         from flexrt.autotuner.results import AutotuneResult
         return AutotuneResult.load(args.results_dir or (json.load(open(args.config)).get('autotuning') or {}).get('results_dir', 'autotuning_results'))
@@ -185,7 +195,7 @@ def autotune_script(args):
     results_dir = args.results_dir or (config.get('autotuning') or {}).get('results_dir', 'autotuning_results')
     kwargs = {**tune_kwargs(args), 'results_dir': results_dir}
     result = autotune(None, None, config, measure=LaunchMeasure(args.script, args.script_args, args.nproc, results_dir),
-                      mode=mode, mode_reason=why, **kwargs)
+                      experiment_world_size=args.nproc, mode=mode, mode_reason=why, **kwargs)
     print(open(os.path.join(result.results_dir, 'summary.txt')).read(), flush=True)
     return result
 

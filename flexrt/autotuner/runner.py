@@ -100,14 +100,15 @@ class Tuner:
     "One autotuning run, as seen from this rank"
     def __init__(self, model_fn, train_step, config:dict, *, dataset=None, memory_budget=None, ranks_per_experiment=None,
                  results_dir=None, max_trials=None, time_budget=None, stages=None, micro_batches=None, on_trial=None,
-                 seed=0, resume=True, measure=None, trial_timeout=None, profile=None, predict=None, mode='in-process', mode_reason=''):
+                 seed=0, resume=True, measure=None, trial_timeout=None, profile=None, predict=None, experiment_world_size=None,
+                 mode='in-process', mode_reason=''):
         self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, dict(config), dataset
         self.budget, self.max_trials, self.time_budget = parse_bytes(memory_budget), max_trials, time_budget
         self.stages, self.micro_batches, self.on_trial, self.seed, self.resume = stages, micro_batches, on_trial, seed, resume
         self.trial_timeout, self.profile, self.mode, self.mode_reason = trial_timeout, profile, mode, mode_reason
         self.results_dir, self.measure_fn, self.predict = results_dir, measure, predict
         self.group, self.group_index, self.num_groups = experiment_groups(ranks_per_experiment)
-        self.world = _world() // self.num_groups   # ranks of one experiment
+        self.world = experiment_world_size or _world() // self.num_groups   # ranks of one experiment
         self.search = self.store = self.gen = None
         self.start_time, self.emitted = time.perf_counter(), 0
 
@@ -230,6 +231,7 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
              trial_timeout:float|None=None, # seconds per experiment; a later one is `timeout`
              profile=None, # a memory-model profile to use instead of profiling model_fn
              predict=None, # callable(Candidate) -> per-rank peak bytes, instead of the memory model
+             experiment_world_size:int|None=None, # ranks of one experiment when `measure` starts its own (the CLI's torchrun)
              mode:str='in-process', mode_reason:str='', # how experiments run (the CLI's launch-per-experiment sets these)
             )->AutotuneResult:
     "Find the fastest ZeRO stage × micro-batch × knob configuration that fits, inside the launched ranks"
@@ -237,7 +239,7 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
     t = Tuner(model_fn, train_step, config, dataset=dataset, memory_budget=memory_budget, ranks_per_experiment=ranks_per_experiment,
               results_dir=results_dir, max_trials=max_trials, time_budget=time_budget, stages=stages, micro_batches=micro_batches,
               on_trial=on_trial, seed=seed, resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile,
-              predict=predict, mode=mode, mode_reason=mode_reason)
+              predict=predict, experiment_world_size=experiment_world_size, mode=mode, mode_reason=mode_reason)
     settings = decide(t.start)
     batch = decide(t.advance, None)
     while batch is not None:
