@@ -81,14 +81,14 @@ def check_space(search:Search):
                          f'(predicted {", ".join(format_bytes(need[st]) for st in s.stages)}); stage {fits} would: add it to the stage scope')
 
 # %% ../../nbs/65_autotuner_runner.ipynb #c015
-def profile(model_fn, config:dict):
-    "The memory model's profile of `model_fn()` (rank 0 calls this); parameter counts only where the memory model is absent"
+def profile(model_fn, config:dict, train_step=None):
+    "The memory model's profile of `model_fn()` (rank 0 calls this; with `train_step` the activations are measured too)"
     try: from flexrt.autotuner.memory import profile_model
     except ModuleNotFoundError as e:
         if e.name != 'flexrt.autotuner.memory': raise
         params = list({id(p): p for p in model_fn().parameters()}.values())
         return SimpleNamespace(num_params=sum(p.numel() for p in params), tensor_numels=[p.numel() for p in params], estimates=False)
-    return profile_model(model_fn, config)
+    return profile_model(model_fn, config, train_step=train_step)
 
 def _tensor_sizes(profile)->list|None:
     for name in ('tensor_numels', 'param_numels', 'numels', 'tensor_sizes'):
@@ -122,7 +122,8 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     raw = cfg.get('autotuning') or {}
     self.results_dir = self.results_dir or s.results_dir
     self.store = TrialStore(self.results_dir, fresh=not self.resume or raw.get('overwrite') is True)
-    if self.profile is None and self.model_fn is not None: self.profile = profile(self.model_fn, cfg)
+    if self.profile is None and self.model_fn is not None:
+        self.profile = profile(self.model_fn, cfg, self.train_step if self.dataset is None else None)
     budget = self.budget
     if budget is None and torch.cuda.is_available(): budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if self.predict is not None: predictor = self.predict
