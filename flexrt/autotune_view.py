@@ -183,6 +183,12 @@ class SearchView:
             else: return
             self.counts['experiment'] += 1; self.version += 1
 
+    def clear(self):
+        "Forget the records (before a new search); `counts` and `version` keep rising"
+        with self._lock:
+            self.start, self.end, self._trials, self.result = None, None, {}, None
+            self.counts['experiment'] += 1; self.version += 1
+
     @property
     def trials(self)->pd.DataFrame:
         "One row per trial, in trial order (a copy: yours to change)"
