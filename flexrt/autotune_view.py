@@ -8,34 +8,13 @@ import copy, dataclasses, html, json, math, re, threading
 from collections import Counter
 import pandas as pd
 from .widgets import Plot, MiB
+from .autotuner.space import parse_bytes
 
 # %% auto #0
-__all__ = ['METRICS', 'COLUMNS', 'TABLE', 'parse_bytes', 'bucket_choices', 'SearchSettings', 'search_arguments', 'trials_frame',
-           'best_trial', 'table_html', 'fill_metric', 'fill_memory', 'search_plot', 'SearchView', 'view_of_result',
-           'breakdown_html']
+__all__ = ['METRICS', 'COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'best_trial', 'table_html',
+           'fill_metric', 'fill_memory', 'search_plot', 'SearchView', 'view_of_result', 'breakdown_html']
 
 # %% ../nbs/52_autotune_view.ipynb #c006
-_UNITS = {'': 1, 'b': 1, 'k': 2**10, 'kb': 2**10, 'kib': 2**10, 'm': 2**20, 'mb': 2**20, 'mib': 2**20,
-          'g': 2**30, 'gb': 2**30, 'gib': 2**30, 't': 2**40, 'tb': 2**40, 'tib': 2**40}
-
-def parse_bytes(value)->int|None: # an int (bytes), a string like '2GiB' or '512 MB', or None/'' for none
-    "Bytes from a size (units are powers of 1024)"
-    if value is None or (isinstance(value, str) and not value.strip()): return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0: return int(value)
-    match = re.fullmatch(r'\s*([0-9.]+)\s*([a-zA-Z]*)\s*', str(value))
-    if not match or match[2].lower() not in _UNITS or float(match[1]) <= 0:
-        raise ValueError(f"memory_budget={value!r} is not a size: write bytes or a number with a unit, e.g. '2GiB' or '512MiB'")
-    return int(float(match[1]) * _UNITS[match[2].lower()])
-
-# %% ../nbs/52_autotune_view.ipynb #c009
-def bucket_choices(num_params:int, # the model's parameter count
-                   factors=(0.25, 1, 4), # multiples of the parameter count
-                   smallest:int=2**16)->list: # no choice below this many elements
-    "Bucket sizes (elements, powers of two) scaled to the model"
-    if num_params < 1: raise ValueError(f'num_params={num_params} must be positive')
-    return sorted({max(smallest, 2 ** round(math.log2(num_params * f))) for f in factors})
-
-# %% ../nbs/52_autotune_view.ipynb #c011
 METRICS = ('throughput', 'latency', 'flops')
 
 @dataclasses.dataclass
@@ -59,6 +38,8 @@ class SearchSettings:
         self.micro_batch_range = (low, high)
         if self.metric not in METRICS: raise ValueError(f'metric={self.metric!r} must be one of {METRICS}')
         self.memory_budget = parse_bytes(self.memory_budget)
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f'memory_budget={self.memory_budget} must be positive, e.g. \'2GiB\', or None (no budget)')
         if self.bucket_sizes is not None:
             self.bucket_sizes = tuple(sorted(set(int(b) for b in self.bucket_sizes))) or None
             if self.bucket_sizes and self.bucket_sizes[0] < 1: raise ValueError(f'bucket_sizes={self.bucket_sizes} must be positive')
@@ -69,7 +50,7 @@ class SearchSettings:
         if self.time_budget is not None and not self.time_budget > 0:
             raise ValueError(f'time_budget={self.time_budget!r} must be positive seconds or None (no limit)')
 
-# %% ../nbs/52_autotune_view.ipynb #c013
+# %% ../nbs/52_autotune_view.ipynb #c008
 _BUCKET_KEYS = ('reduce_bucket_size', 'allgather_bucket_size', 'stage3_prefetch_bucket_size')
 
 def search_arguments(settings:SearchSettings, # what the controls ask
@@ -87,7 +68,7 @@ def search_arguments(settings:SearchSettings, # what the controls ask
                   time_budget=settings.time_budget)
     return config, kwargs
 
-# %% ../nbs/52_autotune_view.ipynb #c016
+# %% ../nbs/52_autotune_view.ipynb #c011
 COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size', 'allgather_bucket_size',
            'stage3_prefetch_bucket_size', 'stage3_param_persistence_threshold', 'overlap_comm', 'status', 'reason',
            'metric_name', 'metric', 'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted',
@@ -105,7 +86,7 @@ def best_trial(trials:pd.DataFrame, metric_name:str='throughput')->dict|None:
     pick = ok['metric'].astype(float).idxmin() if metric_name == 'latency' else ok['metric'].astype(float).idxmax()
     return ok.loc[pick].to_dict()
 
-# %% ../nbs/52_autotune_view.ipynb #c019
+# %% ../nbs/52_autotune_view.ipynb #c014
 TABLE = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size', 'allgather_bucket_size',
          'overlap_comm', 'status', 'reason', 'metric', 'peak_bytes_measured', 'peak_bytes_predicted', 'seconds']
 _HEADERS = {'micro_batch': 'micro-batch', 'gradient_accumulation': 'accum.', 'reduce_bucket_size': 'reduce bucket',
@@ -120,7 +101,7 @@ def _cell(column:str, value)->str:
     if isinstance(value, float): return f'{value:.4g}'
     return html.escape(str(value))
 
-# %% ../nbs/52_autotune_view.ipynb #c020
+# %% ../nbs/52_autotune_view.ipynb #c015
 def table_html(trials:pd.DataFrame, # one row per trial
                best:int|None=None, # the best trial's number, highlighted
                metric_name:str='throughput', sort_by:str='trial', # a column of `TABLE`
@@ -137,7 +118,7 @@ def table_html(trials:pd.DataFrame, # one row per trial
         rows.append(f'<tr class="flexrt-trial"{style}>' + ''.join(f'<td>{_cell(c, row[c])}</td>' for c in TABLE) + '</tr>')
     return f'<table class="flexrt-trials"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
-# %% ../nbs/52_autotune_view.ipynb #c023
+# %% ../nbs/52_autotune_view.ipynb #c018
 _FAILED = {'oom': 'rx', 'over_budget': 'mv', 'timeout': 'ks', 'error': 'k*', 'pruned': 'c.'}
 
 def fill_metric(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', panel:int=0)->Plot:
@@ -152,7 +133,7 @@ def fill_metric(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', pa
     plot.axes[panel].set_ylabel(_METRIC_UNITS.get(metric_name, metric_name), fontsize=8)
     return plot
 
-# %% ../nbs/52_autotune_view.ipynb #c024
+# %% ../nbs/52_autotune_view.ipynb #c019
 def fill_memory(plot:Plot, trials:pd.DataFrame, budget:int|None=None, panel:int=1)->Plot:
     "Measured and predicted per-rank peak per trial, and the budget"
     for column, name, style in (('peak_bytes_measured', 'measured', 'o'), ('peak_bytes_predicted', 'predicted', 'x')):
@@ -166,7 +147,7 @@ def search_plot()->Plot:
     "An empty figure for the two panels"
     return Plot([('metric vs micro-batch', 'micro-batch', ''), ('peak memory per rank', 'trial', 'MiB')], (1, 2), (9, 3.2))
 
-# %% ../nbs/52_autotune_view.ipynb #c027
+# %% ../nbs/52_autotune_view.ipynb #c022
 class SearchView:
     "Listener keeping an autotune search's records: `start`, the trials (`.trials`), `end`"
     def __init__(self):
@@ -222,7 +203,7 @@ class SearchView:
         "The per-rank memory budget the search ran under"
         return (self.start or {}).get('memory_budget') or getattr(self.result, 'memory_budget', None)
 
-# %% ../nbs/52_autotune_view.ipynb #c031
+# %% ../nbs/52_autotune_view.ipynb #c026
 def view_of_result(result)->SearchView: # an `AutotuneResult`
     "A `SearchView` of a finished (or interrupted) search"
     view, trials = SearchView(), result.trials
@@ -235,7 +216,7 @@ def view_of_result(result)->SearchView: # an `AutotuneResult`
         view({'kind': 'experiment', 'event': 'end', 'best': getattr(result, 'best', None), 'best_config': result.best_config})
     return view
 
-# %% ../nbs/52_autotune_view.ipynb #c034
+# %% ../nbs/52_autotune_view.ipynb #c029
 def breakdown_html(breakdown:dict, # bytes per part: parameters, gradients, optimizer_state, ...
                    peak_bytes:int, # the predicted per-rank peak
                    budget:int|None=None)->str: # per-rank budget in bytes

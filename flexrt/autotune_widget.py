@@ -9,8 +9,9 @@ import ipywidgets as W
 from . import monitor
 from .widgets import LiveView
 import html
-from .autotune_view import (SearchView, SearchSettings, search_arguments, bucket_choices, view_of_result, table_html,
-                                  fill_metric, fill_memory, search_plot, breakdown_html, parse_bytes, METRICS, TABLE, MiB)
+from .autotuner.space import parse_bytes, knob_choices
+from .autotune_view import (SearchView, SearchSettings, search_arguments, view_of_result, table_html, fill_metric,
+                                  fill_memory, search_plot, breakdown_html, METRICS, TABLE, MiB)
 
 # %% auto #0
 __all__ = ['num_parameters', 'search_controls', 'settings_from_controls', 'search_summary', 'SearchPanel']
@@ -21,19 +22,17 @@ def num_parameters(model_fn)->int: # builds one model
     model = model_fn()
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
-def _bucket_label(size:int)->str: return f'{size / 2**20:g} Mi' if size >= 2**20 else f'{size / 2**10:g} Ki'
-
 def search_controls(config:dict, # the config to tune
                     num_params:int|None, # the model's parameters; None: no bucket choices
                     num_processes:int=2, memory_budget=None)->dict: # initial values
     "The search's controls, by name"
     budget, micro = parse_bytes(memory_budget), int(config.get('train_micro_batch_size_per_gpu', 1))
+    buckets = knob_choices(num_params)['reduce_bucket_size'] if num_params else []   # the autotuner's, scaled to the model
     style = dict(style={'description_width': '110px'})
     return dict(
         stages=W.SelectMultiple(options=[0, 1, 2, 3], value=[0, 1, 2, 3], rows=4, description='ZeRO stages', **style),
         micro_batch_range=W.IntRangeSlider(value=(1, max(64, micro)), min=1, max=max(512, micro), description='micro-batch', **style),
-        bucket_sizes=W.SelectMultiple(options=[(_bucket_label(b), b) for b in (bucket_choices(num_params) if num_params else [])],
-                                      rows=3, description='bucket sizes', **style),
+        bucket_sizes=W.SelectMultiple(options=[(f'{b:,}', b) for b in buckets], value=buckets, rows=3, description='bucket sizes', **style),
         metric=W.Dropdown(options=METRICS, value=config.get('autotuning', {}).get('metric', 'throughput'), description='metric', **style),
         memory_budget=W.Text(value='' if budget is None else f'{budget / MiB:g}MiB', placeholder='e.g. 2GiB', description='budget / rank', **style),
         num_processes=W.BoundedIntText(value=num_processes, min=1, max=1024, description='processes', **style),
