@@ -14,7 +14,8 @@ from .autotune_view import (SearchView, SearchSettings, search_arguments, view_o
                                   fill_memory, search_plot, breakdown_html, METRICS, TABLE, MiB)
 
 # %% auto #0
-__all__ = ['num_parameters', 'search_controls', 'settings_from_controls', 'search_summary', 'SearchPanel']
+__all__ = ['num_parameters', 'search_controls', 'settings_from_controls', 'search_summary', 'SearchPanel', 'MemoryPlanner',
+           'AutotuneWidget']
 
 # %% ../nbs/52_autotune_widget.ipynb #c006
 def num_parameters(model_fn)->int: # builds one model
@@ -138,3 +139,139 @@ class SearchPanel(LiveView):
         return cls.from_result(AutotuneResult.load(results_dir), **kwargs)
 
 def _json_cell(value): return json.dumps(value) if isinstance(value, (dict, list)) else value
+
+# %% ../nbs/52_autotune_widget.ipynb #c019
+class MemoryPlanner:
+    "Stage, micro-batch and world size in; the predicted per-rank memory breakdown out"
+    def __init__(self, estimate, # `estimate(stage, micro_batch, world_size)` -> an object with `.peak_bytes`, `.breakdown`
+                 budget=lambda: None, # () -> the per-rank budget in bytes, or None
+                 stage:int=2, micro_batch:int=8, world_size:int=8): # initial values
+        self.estimate, self.budget, self.error, self.last = estimate, budget, None, None
+        self.stage = W.Dropdown(options=[0, 1, 2, 3], value=stage, description='stage', layout=W.Layout(width='140px'))
+        self.micro_batch = W.BoundedIntText(value=micro_batch, min=1, max=1 << 20, description='micro-batch', layout=W.Layout(width='190px'))
+        self.world_size = W.BoundedIntText(value=world_size, min=1, max=1024, description='world size', layout=W.Layout(width='190px'))
+        self.button, self.output = W.Button(description='Estimate', icon='calculator'), W.HTML('<i>pick, then Estimate</i>')
+        self.button.on_click(lambda _: self.show())
+        self.widget = W.VBox([W.HTML('<b>Memory planner</b> (predicted, no training; any world size up to 1024)'),
+                              W.HBox([self.stage, self.micro_batch, self.world_size, self.button]), self.output])
+
+    def show(self): # the estimate, or None after an error (shown, and kept on `.error`)
+        "Estimate the picked configuration and show its breakdown"
+        try:
+            self.last = self.estimate(self.stage.value, self.micro_batch.value, self.world_size.value)
+            self.output.value = breakdown_html(self.last.breakdown, self.last.peak_bytes, self.budget())
+        except Exception as e: self.error, self.last, self.output.value = e, None, _error_html(e)
+        return self.last
+
+# %% ../nbs/52_autotune_widget.ipynb #c022
+class AutotuneWidget(SearchPanel):
+    "The interactive ZeRO stage x micro-batch x bucket search: controls, Run/Stop, live trials and plots, planner, best config"
+    def __init__(self, model_fn=None, # builds a fresh model (importable if ranks may be spawned); None: browse only
+                 train_step=None, # `train_step(engine)`: one micro-step, as `flexrt.autotune` takes it
+                 config:dict|None=None, # the DeepSpeed-style config to tune
+                 num_processes:int=2, # ranks to launch
+                 memory_budget=None, # per-rank budget, bytes or '2GiB' (trials above it are `over_budget`)
+                 results_dir:str='autotuning_results', # the search's files; an interrupted search resumes from them
+                 dataset=None, # for `autotune(dataset=...)`
+                 view:SearchView|None=None, # the records shown; default: a new one that the ranks' records fill
+                 interval:float=0.5, # seconds between table updates while records arrive
+                 cpu_share:float=0.1): # share of one core the plots may use on average
+        self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, copy.deepcopy(config or {}), dataset
+        self.results_dir, self.launched, self._stop_asked, self._shown = results_dir, None, False, None
+        self._initial = dict(num_processes=num_processes, memory_budget=memory_budget)
+        super().__init__(view=view, interval=interval, cpu_share=cpu_share)
+        if model_fn is not None: monitor.serve(); monitor.add_listener(self.view); self.attached = True
+
+    def build(self)->W.Widget:
+        self.controls = search_controls(self.config, num_parameters(self.model_fn) if self.model_fn else None, **self._initial)
+        self.run_button = W.Button(description='Run', button_style='success', icon='play', disabled=self.model_fn is None)
+        self.stop_button = W.Button(description='Stop', button_style='danger', icon='stop', disabled=True)
+        self.run_button.on_click(lambda _: self._act(self.run)); self.stop_button.on_click(lambda _: self._act(self.stop))
+        self.planner = MemoryPlanner(self.plan, lambda: parse_bytes(self.controls['memory_budget'].value or None),
+                                     micro_batch=int(self.config.get('train_micro_batch_size_per_gpu', 8)))
+        names, panel = list(self.controls), super().build()
+        return W.VBox([W.HTML('<b>Autotune: ZeRO stage &times; micro-batch &times; buckets</b>'),
+                       W.HBox([W.VBox([self.controls[n] for n in names[:4]]), W.VBox([self.controls[n] for n in names[4:]])]),
+                       W.HBox([self.run_button, self.stop_button]), panel, self.planner.widget])
+
+    def settings(self)->SearchSettings: return settings_from_controls(self.controls)   # what the controls ask now
+    @property
+    def result(self): return self.view.result   # the `AutotuneResult` shown (after a search ended: its folder's)
+
+    def run(self, resume:bool=True)->AutotuneWidget: # False: start afresh even if `results_dir` holds a search
+        "Start the search in the background and return at once"
+        if self.model_fn is None or self.train_step is None:
+            raise ValueError('this widget only browses a result: give AutotuneWidget(model_fn, train_step, config) to search')
+        if self.running: raise RuntimeError('a search is running: stop() it or wait() for it first')
+        from flexrt.autotuner.runner import autotune_main
+        from flexrt.launch import launch
+        settings = self.settings()
+        config, kwargs = search_arguments(settings, self.config)
+        kwargs.update(results_dir=self.results_dir, resume=resume, **({} if self.dataset is None else {'dataset': self.dataset}))
+        with self._draw_lock: self.view.clear(); self._live, self._stop_asked = None, False
+        if resume: self._show_stored()
+        self.launched = launch(autotune_main, (self.model_fn, self.train_step, config, kwargs),
+                               num_processes=settings.num_processes, background=True)
+        self.refresh(plots=False)
+        return self
+
+    def _show_stored(self):
+        "The trials an interrupted search left in `results_dir` (it resumes from them)"
+        from flexrt.autotuner.results import AutotuneResult
+        if not os.path.exists(os.path.join(self.results_dir, 'study.db')): return
+        for record in AutotuneResult.load(self.results_dir).trials.to_dict('records'):
+            self.view({**record, 'kind': 'experiment', 'event': 'trial'})
+
+    @property
+    def running(self)->bool: return self.launched is not None and not self.launched.done   # whether ranks are searching
+
+    def stop(self):
+        "Ask the search to stop after the current trial (the best so far is kept)"
+        if not self.running: return 'no search is running'
+        self.launched.stop(); self._stop_asked = True
+        self.refresh(plots=False)
+
+    def wait(self, timeout:float|None=None)->bool: # False if still running after `timeout` seconds
+        "Wait for the search to end, show everything, and raise what the ranks raised"
+        if self.launched is None: return True
+        try:
+            if not self.launched.wait(timeout): return False
+        finally: self.refresh()
+        return True
+
+    @property
+    def state(self)->str:
+        "'idle', 'running', 'stopping', 'finished', 'stopped' or 'failed'"
+        if self.launched is None: return 'idle'
+        if not self.launched.done: return 'stopping' if self._stop_asked else 'running'
+        return 'failed' if self.launched.error is not None else 'stopped' if self._stop_asked else 'finished'
+
+    def pending(self)->bool: return self.state != self._shown   # the buttons must change although no record arrived
+
+    def draw_text(self):
+        state = self.state
+        if state != self._shown: self._show_state(state)
+        super().draw_text()
+        error = self.launched.error if state == 'failed' else None
+        self.status.value = f'<b>{state}</b> &middot; {self.status.value}' + (
+            f'<br>{_error_html(error).splitlines()[0]}' if error is not None else '')
+
+    def _show_state(self, state:str):
+        "Buttons for `state`; after a search, its folder's result (the planner then uses its calibrated profile)"
+        self.run_button.disabled = self.model_fn is None or state in ('running', 'stopping')
+        self.stop_button.disabled = state != 'running'
+        self.stop_button.description = {'stopping': 'Stopping', 'stopped': 'Stopped'}.get(state, 'Stop')
+        if state in ('finished', 'stopped') and os.path.exists(os.path.join(self.results_dir, 'study.db')):
+            from flexrt.autotuner.results import AutotuneResult
+            self.view.result = AutotuneResult.load(self.results_dir)
+        self._shown = state
+
+    def plan(self, stage:int, micro_batch:int, world_size:int): # -> `MemoryEstimate` (`.peak_bytes`, `.breakdown`)
+        "The predicted per-rank memory of a configuration, without training (`estimate_memory`)"
+        from flexrt.autotuner.memory import estimate_memory
+        source = getattr(self.result, 'profile', None) or self.model_fn
+        if source is None: raise ValueError('the planner needs the model: AutotuneWidget(model_fn, train_step, config), or a result with a profile')
+        config = {k: v for k, v in self.config.items() if k not in ('train_batch_size', 'autotuning')}
+        config['train_micro_batch_size_per_gpu'] = micro_batch
+        config['zero_optimization'] = {**config.get('zero_optimization', {}), 'stage': stage}
+        return estimate_memory(source, config, world_size=world_size, micro_batch=micro_batch, train_step=self.train_step)

@@ -374,3 +374,11 @@ def _save(self:LiveView, path)->list: # the files written
     return written + ['history.csv']
 
 LiveView.save = _save
+
+# %% ../nbs/50_widgets.ipynb #c900
+def __getattr__(name:str):
+    "`AutotuneWidget` (the interactive autotuner, `flexrt.autotune_widget`, which builds on this module), loaded on first use"
+    if name == 'AutotuneWidget':
+        from flexrt.autotune_widget import AutotuneWidget
+        return AutotuneWidget
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
