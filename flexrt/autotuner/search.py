@@ -36,11 +36,12 @@ class Search:
                  storage:str|None=None, # Optuna storage URL (e.g. 'sqlite:///results/study.db'); None in memory
                  seed:int=0, # the samplers' seed
                  parallel:int=1, # experiments that run at once (sub-groups); the knob search asks this many
-                 measured:dict|None=None): # candidate key -> result of a run (a resumed search replays these)
+                 measured:dict|None=None, # candidate key -> result of a run (a resumed search replays these)
+                 first_trial:int=0): # the number of the first record (a resumed search continues the count)
         self.s, self.base, self.predict_fn, self.budget = settings, base_config or {}, predict, memory_budget
         self.world_size, self.num_params, self.tensor_sizes = world_size, num_params, tensor_sizes
         self.micro_batches, self.plateau, self.max_trials = micro_batches, plateau, max_trials
-        self.storage, self.seed, self.parallel = storage, seed, max(1, parallel)
+        self.storage, self.seed, self.parallel, self.first_trial = storage, seed, max(1, parallel), first_trial
         self.measured, self.records, self.runs, self.stopped = dict(measured or {}), [], 0, ''
         self.candidates, self.record_of = {}, {}  # key -> Candidate, key -> its record (runs of this plan)
         self.max_micro_batch, self.max_micro_batch_runs, self.stage_best, self.baseline, self.best = {}, {}, {}, None, None
@@ -74,7 +75,7 @@ _RESULT_FIELDS = ('samples_per_s', 'step_seconds', 'flops_per_s', 'seconds', 'st
 def record(self:Search, e:Experiment, result=None, status:str|None=None, reason:str='')->dict:
     "The trial record of `e` (run: `result`; pruned: `status='pruned'` and `reason`)"
     c = e.candidate
-    rec = dict(trial=len(self.records), phase=e.phase, stage=c.stage, micro_batch=c.micro_batch,
+    rec = dict(trial=self.first_trial + len(self.records), phase=e.phase, stage=c.stage, micro_batch=c.micro_batch,
                gradient_accumulation=c.gradient_accumulation, **c.knobs(),
                status=status or result.status, reason=reason if result is None else result.reason,
                metric_name=self.s.metric, metric=None if result is None else result.metric)
@@ -91,6 +92,7 @@ class SearchDone(Exception): "The run limit is reached: the plan stops where it 
 @patch
 def run(self:Search, experiments:list)->list: # results, in order (`yield from` it)
     "Yield the experiments not measured yet; record and return every result"
+    for e in experiments: self.candidates.setdefault(e.candidate.key, e.candidate)
     todo = [e for e in experiments if e.candidate.key not in self.measured]
     todo = list({e.candidate.key: e for e in todo}.values())
     if todo:
@@ -183,7 +185,8 @@ def explore_stage(self:Search, stage:int):
         return None
     self.prune(stage, [m for m in ladder if m > pmax], f'predicted over the budget {format_bytes(self.budget)} (largest that fits: {pmax})')
     before = self.runs
-    top = yield from self.find_max_micro_batch(stage, low, high, pmax)
+    start = pmax if self.predict_fn is not None and self.budget is not None else max([low, *filter(None, self.max_micro_batch.values())])
+    top = yield from self.find_max_micro_batch(stage, low, high, min(start, pmax))
     self.max_micro_batch[stage], self.max_micro_batch_runs[stage] = top, self.runs - before
     if top is None: return None
     best = yield from self.sweep_micro_batches(stage, top)
