@@ -15,7 +15,7 @@ from .autotune_view import (SearchView, SearchSettings, search_arguments, view_o
 
 # %% auto #0
 __all__ = ['num_parameters', 'search_controls', 'settings_from_controls', 'search_summary', 'SearchPanel', 'MemoryPlanner',
-           'AutotuneWidget']
+           'search_main', 'AutotuneWidget']
 
 # %% ../nbs/52_autotune_widget.ipynb #c006
 def num_parameters(model_fn)->int: # builds one model
@@ -164,6 +164,17 @@ class MemoryPlanner:
         return self.last
 
 # %% ../nbs/52_autotune_widget.ipynb #c022
+def search_main(model_fn, train_step, config:dict, kwargs:dict):
+    "On each launched rank: `autotune_main(model_fn, train_step, config, kwargs)` inside the launch's process group"
+    from flexrt import comm
+    from flexrt.autotuner.runner import autotune_main
+    joined = not comm.is_initialized()
+    if joined: comm.init_distributed()
+    try: autotune_main(model_fn, train_step, config, kwargs)
+    finally:
+        if joined: comm.destroy_process_group()
+
+# %% ../nbs/52_autotune_widget.ipynb #c024
 class AutotuneWidget(SearchPanel):
     "The interactive ZeRO stage x micro-batch x bucket search: controls, Run/Stop, live trials and plots, planner, best config"
     def __init__(self, model_fn=None, # builds a fresh model (importable if ranks may be spawned); None: browse only
@@ -203,14 +214,13 @@ class AutotuneWidget(SearchPanel):
         if self.model_fn is None or self.train_step is None:
             raise ValueError('this widget only browses a result: give AutotuneWidget(model_fn, train_step, config) to search')
         if self.running: raise RuntimeError('a search is running: stop() it or wait() for it first')
-        from flexrt.autotuner.runner import autotune_main
         from flexrt.launch import launch
         settings = self.settings()
         config, kwargs = search_arguments(settings, self.config)
         kwargs.update(results_dir=self.results_dir, resume=resume, **({} if self.dataset is None else {'dataset': self.dataset}))
         with self._draw_lock: self.view.clear(); self._live, self._stop_asked = None, False
         if resume: self._show_stored()
-        self.launched = launch(autotune_main, (self.model_fn, self.train_step, config, kwargs),
+        self.launched = launch(search_main, (self.model_fn, self.train_step, config, kwargs),
                                num_processes=settings.num_processes, background=True)
         self.refresh(plots=False)
         return self

@@ -1,0 +1,101 @@
+"""flexrt.autotune_widget, driven without a browser: the controls become `autotune` arguments; a real search on two
+gloo ranks, launched in the background by `w.run()`, fills the trial table and the plots while it runs (its records
+reach this process over the monitor channel); Stop ends it after the current trial with the best so far kept; the
+folder it wrote reopens with the same trials; an interrupted search resumes from it."""
+import json, os, time
+import pandas as pd, pytest, torch
+from flexrt import monitor
+from flexrt.autotuner.results import AutotuneResult
+from flexrt.autotune_view import search_arguments
+from flexrt.widgets import AutotuneWidget
+
+def model_fn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+
+def train_step(engine):
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), 32)
+    engine.backward(engine(x).pow(2).mean()); engine.step()
+
+CONFIG = {'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 1, 'steps_per_print': 10**9,
+          'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
+          'autotuning': {'fast': True, 'start_profile_step': 1, 'end_profile_step': 2}}
+
+@pytest.fixture(autouse=True)
+def clean():
+    yield
+    monitor.stop_serving()
+
+def widget(tmp_path, **kwargs):
+    w = AutotuneWidget(model_fn, train_step, CONFIG, results_dir=str(tmp_path / 'autotuning_results'), interval=0.1, **kwargs)
+    w.controls['stages'].value, w.controls['micro_batch_range'].value = (0, 1), (1, 16)
+    return w
+
+def wait_for(condition, timeout=120):
+    "Poll `condition` (records arrive on other threads) until true; fail after `timeout` seconds"
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, 'timed out'
+        time.sleep(0.05)
+
+def test_controls_become_autotune_arguments(tmp_path):
+    w = widget(tmp_path, memory_budget='96MiB', num_processes=2)
+    w.controls['metric'].value, w.controls['max_trials'].value, w.controls['time_budget'].value = 'latency', 7, 30.0
+    w.controls['bucket_sizes'].value = w.controls['bucket_sizes'].options[0][1:]
+    config, kwargs = search_arguments(w.settings(), w.config)
+    assert kwargs == {'stages': [0, 1], 'memory_budget': 96 * 2**20, 'max_trials': 7, 'time_budget': 30.0}
+    assert config['autotuning'] == CONFIG['autotuning'] | {'metric': 'latency', 'min_train_micro_batch_size_per_gpu': 1,
+                                                           'max_train_micro_batch_size_per_gpu': 16}
+    assert config['zero_optimization']['reduce_bucket_size'] == [w.controls['bucket_sizes'].options[0][1]]
+    assert w.config == CONFIG                                          # the user's config is not touched
+    w.controls['stages'].value = ()                                   # a bad control: Run says what to change
+    w.run_button.click()
+    assert 'stages=() must be a non-empty subset' in w.notice.value and w.launched is None and w.state == 'idle'
+    w.close()
+
+def test_search_fills_table_and_plots_live_and_reopens(tmp_path):
+    w = widget(tmp_path, memory_budget='256MiB')
+    w.controls['max_trials'].value = 6
+    w.run_button.click()
+    assert w.state == 'running' and w.stop_button.disabled is False and w.run_button.disabled
+    wait_for(lambda: '<tr class="flexrt-trial"' in w.table.value)   # drawn by the widget's own thread as records come
+    assert w.wait(180) and w.state == 'finished' and w.launched.error is None
+    trials, stored = w.trials, AutotuneResult.load(w.results_dir)
+    assert 1 <= len(trials[trials['phase'] != 'remeasure']) and list(trials['trial']) == list(stored.trials['trial'])
+    assert list(trials['status']) == list(stored.trials['status'])
+    assert w.table.value.count('<tr class="flexrt-trial"') == len(trials) and w.table.value.count('background:#c8f0c8') == 1
+    assert w.plot.value.startswith('<img src="data:image/png') and w.num_plots >= 1
+    best = json.load(open(os.path.join(w.results_dir, 'ds_config_optimal.json')))
+    assert w.best_config == best and w.stop_button.disabled and not w.run_button.disabled
+    assert w.save(tmp_path / 'saved') == ['autotune.png', 'trials.csv', 'ds_config_optimal.json']
+    assert len(pd.read_csv(tmp_path / 'saved' / 'trials.csv')) == len(trials)
+    reopened = AutotuneWidget.load(w.results_dir)                      # the folder, browsed
+    assert list(reopened.trials['trial']) == list(trials['trial']) and reopened.best_config == best
+    assert reopened.run_button.disabled and 'best' in reopened.status.value
+    for x in (w, reopened): x.close()
+
+def test_stop_ends_the_search_after_the_current_trial_and_keeps_the_best(tmp_path):
+    w = widget(tmp_path)
+    w.run()
+    wait_for(lambda: '<tr class="flexrt-trial"' in w.table.value)   # a row on screen while the ranks search
+    w.stop_button.click()
+    assert w.stop_button.description == 'Stopping' and w.state == 'stopping'
+    assert w.wait(180) and w.state == 'stopped'
+    w.refresh()
+    assert w.stop_button.description == 'Stopped' and w.view.end['stopped'] == 'stop requested'
+    assert w.best_config is not None and w.best_config == AutotuneResult.load(w.results_dir).best_config
+    w.close()
+
+def test_an_interrupted_search_resumes_with_its_earlier_trials_shown(tmp_path):
+    first = widget(tmp_path)
+    first.controls['max_trials'].value = 2
+    first.run(); assert first.wait(180)
+    earlier = first.trials
+    first.close()
+    again = widget(tmp_path)
+    again.controls['max_trials'].value = 4
+    again.run(resume=True)
+    assert list(again.trials['trial'])[:len(earlier)] == list(earlier['trial'])   # shown before the ranks report
+    assert again.wait(180)
+    assert list(again.trials['trial'])[:len(earlier)] == list(earlier['trial']) and len(again.trials) > len(earlier)
+    again.close()
