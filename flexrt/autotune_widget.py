@@ -68,7 +68,7 @@ class SearchPanel(LiveView):
     "A search's trials, plots and best configuration, redrawn as its records arrive"
     kinds = ('experiment',)
     def __init__(self, view:SearchView|None=None, # the records shown; default: a new, empty one
-                 interval:float=0.5, # seconds between table updates while records arrive
+                 interval:float=0.25, # seconds between table updates while records arrive (a trial shows within about this)
                  cpu_share:float=0.1): # share of one core the plots may use on average
         super().__init__(history=view if view is not None else SearchView(), interval=interval, cpu_share=cpu_share)
         self.view = self.history
@@ -185,7 +185,7 @@ class AutotuneWidget(SearchPanel):
                  results_dir:str='autotuning_results', # the search's files; an interrupted search resumes from them
                  dataset=None, # for `autotune(dataset=...)`
                  view:SearchView|None=None, # the records shown; default: a new one that the ranks' records fill
-                 interval:float=0.5, # seconds between table updates while records arrive
+                 interval:float=0.25, # seconds between table updates while records arrive (a trial shows within about this)
                  cpu_share:float=0.1): # share of one core the plots may use on average
         self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, copy.deepcopy(config or {}), dataset
         self.results_dir, self.launched, self._stop_asked, self._shown = results_dir, None, False, None
