@@ -98,6 +98,9 @@ def _cell(column:str, value)->str:
     "One table cell's text"
     if value is None or (isinstance(value, float) and math.isnan(value)): return ''
     if column.startswith('peak_bytes'): return f'{value / MiB:.1f}'
+    if column.endswith('bucket_size') and isinstance(value, (int, float)):   # elements: 500M, 33.3K
+        for unit, size in (('G', 1e9), ('M', 1e6), ('K', 1e3)):
+            if value >= size: return f'{value / size:.3g}{unit}'
     if isinstance(value, float): return f'{value:.4g}'
     return html.escape(str(value))
 
@@ -116,7 +119,7 @@ def table_html(trials:pd.DataFrame, # one row per trial
         style = ' style="background:#c8f0c8;font-weight:bold"' if row['trial'] == best else (
                 '' if row['status'] == 'ok' else ' style="color:#b00020"')
         rows.append(f'<tr class="flexrt-trial"{style}>' + ''.join(f'<td>{_cell(c, row[c])}</td>' for c in TABLE) + '</tr>')
-    return f'<table class="flexrt-trials"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    return f'<table class="flexrt-trials" style="font-size:12px"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 # %% ../nbs/52_autotune_view.ipynb #c018
 _FAILED = {'oom': 'rx', 'over_budget': 'mv', 'timeout': 'ks', 'error': 'k*', 'pruned': 'c.'}

@@ -37,8 +37,8 @@ def search_controls(config:dict, # the config to tune
         metric=W.Dropdown(options=METRICS, value=config.get('autotuning', {}).get('metric', 'throughput'), description='metric', **style),
         memory_budget=W.Text(value='' if budget is None else f'{budget / MiB:g}MiB', placeholder='e.g. 2GiB', description='budget / rank', **style),
         num_processes=W.BoundedIntText(value=num_processes, min=1, max=1024, description='processes', **style),
-        max_trials=W.BoundedIntText(value=0, min=0, max=100_000, description='max trials (0: any)', **style),
-        time_budget=W.BoundedFloatText(value=0, min=0, max=7 * 86400, description='time budget s', **style))
+        max_trials=W.BoundedIntText(value=0, min=0, max=100_000, description='max trials', tooltip='0: no limit', **style),
+        time_budget=W.BoundedFloatText(value=0, min=0, max=7 * 86400, description='time budget s', tooltip='0: no limit', **style))
 
 # %% ../nbs/52_autotune_widget.ipynb #c009
 def settings_from_controls(controls:dict)->SearchSettings:
