@@ -88,16 +88,19 @@ def test_stop_ends_the_search_after_the_current_trial_and_keeps_the_best(tmp_pat
 
 def test_an_interrupted_search_resumes_with_its_earlier_trials_shown(tmp_path):
     first = widget(tmp_path)
-    first.controls['max_trials'].value = 2
-    first.run(); assert first.wait(180)
+    first.run()
+    wait_for(lambda: '<tr class="flexrt-trial"' in first.table.value)
+    first.stop(); assert first.wait(180) and first.state == 'stopped'   # interrupted after its current trial
     earlier = first.trials
     first.close()
     again = widget(tmp_path)
-    again.controls['max_trials'].value = 4
+    again.controls['max_trials'].value = len(earlier) + 3
     again.run(resume=True)
-    assert list(again.trials['trial'])[:len(earlier)] == list(earlier['trial'])   # shown before the ranks report
-    assert again.wait(180)
-    assert list(again.trials['trial'])[:len(earlier)] == list(earlier['trial']) and len(again.trials) > len(earlier)
+    assert list(again.trials['trial']) == list(earlier['trial'])     # shown before the ranks report anything
+    assert again.wait(180) and again.state == 'finished'
+    resumed = again.trials
+    assert list(resumed['trial'])[:len(earlier)] == list(earlier['trial']) and len(resumed) > len(earlier)
+    assert list(resumed['trial']) == list(range(len(resumed)))      # numbering went on where it stopped
     again.close()
 
 def test_example_notebook_searches_on_two_ranks_and_asserts_its_result(tmp_path):
