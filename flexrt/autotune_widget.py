@@ -188,7 +188,7 @@ class AutotuneWidget(SearchPanel):
                  interval:float=0.25, # seconds between table updates while records arrive (a trial shows within about this)
                  cpu_share:float=0.1): # share of one core the plots may use on average
         self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, copy.deepcopy(config or {}), dataset
-        self.results_dir, self.launched, self._stop_asked, self._shown = results_dir, None, False, None
+        self.results_dir, self.launched, self._stop_asked, self._shown, self._profile = results_dir, None, False, None, None
         self._initial = dict(num_processes=num_processes, memory_budget=memory_budget)
         super().__init__(view=view, interval=interval, cpu_share=cpu_share)
         if model_fn is not None: monitor.serve(); monitor.add_listener(self.view); self.attached = True
@@ -276,12 +276,23 @@ class AutotuneWidget(SearchPanel):
             self.view.result = AutotuneResult.load(self.results_dir)
         self._shown = state
 
+    @property
+    def profile(self): # a `flexrt.autotuner.memory.ModelProfile`
+        "The memory model's profile: the search's (calibrated on its trials) when a result holds one, else measured here once"
+        if getattr(self.result, 'profile', None) is not None: return self.result.profile
+        if self._profile is None:
+            if self.model_fn is None: raise ValueError('the planner needs the model: AutotuneWidget(model_fn, train_step, config), '
+                                                       'or a result that holds its profile')
+            import torch
+            from flexrt.autotuner.memory import profile_model
+            # on CUDA, running steps here would give the kernel a CUDA context that forked ranks cannot inherit
+            self._profile = profile_model(self.model_fn, self.config, train_step=None if torch.cuda.is_available() else self.train_step)
+        return self._profile
+
     def plan(self, stage:int, micro_batch:int, world_size:int): # -> `MemoryEstimate` (`.peak_bytes`, `.breakdown`)
-        "The predicted per-rank memory of a configuration, without training (`estimate_memory`)"
+        "The predicted per-rank memory of a configuration, without training (`estimate_memory`, any world size)"
         from flexrt.autotuner.memory import estimate_memory
-        source = getattr(self.result, 'profile', None) or self.model_fn
-        if source is None: raise ValueError('the planner needs the model: AutotuneWidget(model_fn, train_step, config), or a result with a profile')
         config = {k: v for k, v in self.config.items() if k not in ('train_batch_size', 'autotuning')}
         config['train_micro_batch_size_per_gpu'] = micro_batch
         config['zero_optimization'] = {**config.get('zero_optimization', {}), 'stage': stage}
-        return estimate_memory(source, config, world_size=world_size, micro_batch=micro_batch, train_step=self.train_step)
+        return estimate_memory(self.profile, config, world_size=world_size, micro_batch=micro_batch)
