@@ -53,6 +53,23 @@ def test_controls_become_autotune_arguments(tmp_path):
     assert 'stages=() must be a non-empty subset' in w.notice.value and w.launched is None and w.state == 'idle'
     w.close()
 
+def test_planner_answers_for_any_world_size_before_running(tmp_path):
+    from flexrt.autotuner.memory import estimate_memory, profile_model
+    w = widget(tmp_path, memory_budget='1MiB')
+    w.planner.stage.value, w.planner.micro_batch.value, w.planner.world_size.value = 3, 8, 1024
+    big = w.planner.show()
+    assert big is not None, w.planner.error
+    expected = estimate_memory(profile_model(model_fn, CONFIG, train_step=train_step), {**CONFIG, 'zero_optimization': {'stage': 3},
+                               'train_micro_batch_size_per_gpu': 8}, world_size=1024, micro_batch=8)
+    assert (big.peak_bytes, big.breakdown) == (expected.peak_bytes, expected.breakdown)   # the autotuner's answer, shown
+    assert f'{big.peak_bytes / 2**20:,.1f} MiB' in w.planner.output.value
+    w.planner.stage.value = 0
+    replicated = w.planner.show()
+    assert replicated.peak_bytes > big.peak_bytes and 'over the budget (1 MiB)' in w.planner.output.value
+    w.planner.world_size.value = 2000                                 # the control stops at 1024
+    assert w.planner.world_size.value == 1024 and w.launched is None  # nothing ran
+    w.close()
+
 def test_search_fills_table_and_plots_live_and_reopens(tmp_path):
     w = widget(tmp_path, memory_budget='256MiB')
     w.controls['max_trials'].value = 6
