@@ -8,7 +8,7 @@ import copy, dataclasses, html, json, math, re, threading
 from collections import Counter
 import pandas as pd
 from .widgets import Plot, MiB
-from .autotuner.space import parse_bytes
+from .autotuner.space import parse_bytes, format_bytes
 
 # %% auto #0
 __all__ = ['METRICS', 'COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'best_trial', 'table_html',
@@ -226,7 +226,7 @@ def breakdown_html(breakdown:dict, # bytes per part: parameters, gradients, opti
     "A memory estimate as an HTML table"
     rows = ''.join(f'<tr><td>{html.escape(k.replace("_", " "))}</td><td>{v / MiB:,.1f}</td><td>{v / max(peak_bytes, 1):.0%}</td></tr>'
                    for k, v in breakdown.items())
-    verdict = '' if not budget else (f' &mdash; fits the budget ({budget / MiB:,.0f} MiB)' if peak_bytes <= budget
-                                     else f' &mdash; <span style="color:#b00020">over the budget ({budget / MiB:,.0f} MiB)</span>')
+    verdict = '' if not budget else (f' &mdash; fits the budget ({format_bytes(budget)})' if peak_bytes <= budget
+                                     else f' &mdash; <span style="color:#b00020">over the budget ({format_bytes(budget)})</span>')
     return (f'<table class="flexrt-plan"><tr><th>part</th><th>MiB</th><th>of peak</th></tr>{rows}</table>'
             f'<b>predicted peak per rank: {peak_bytes / MiB:,.1f} MiB</b>{verdict}')

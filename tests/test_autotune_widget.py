@@ -55,7 +55,7 @@ def test_controls_become_autotune_arguments(tmp_path):
 
 def test_planner_answers_for_any_world_size_before_running(tmp_path):
     from flexrt.autotuner.memory import estimate_memory, profile_model
-    w = widget(tmp_path, memory_budget='1MiB')
+    w = widget(tmp_path, memory_budget='1KiB')
     w.planner.stage.value, w.planner.micro_batch.value, w.planner.world_size.value = 3, 8, 1024
     big = w.planner.show()
     assert big is not None, w.planner.error
@@ -65,7 +65,7 @@ def test_planner_answers_for_any_world_size_before_running(tmp_path):
     assert f'{big.peak_bytes / 2**20:,.1f} MiB' in w.planner.output.value
     w.planner.stage.value = 0
     replicated = w.planner.show()
-    assert replicated.peak_bytes > big.peak_bytes and 'over the budget (1 MiB)' in w.planner.output.value
+    assert replicated.peak_bytes > big.peak_bytes and 'over the budget (1.00KiB)' in w.planner.output.value
     w.planner.world_size.value = 2000                                 # the control stops at 1024
     assert w.planner.world_size.value == 1024 and w.launched is None  # nothing ran
     w.close()
