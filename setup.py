@@ -23,6 +23,7 @@ setuptools.setup(
         'dev': cfg['dev_requirements'].split(),
         'bench': ['deepspeed'],
     },
-    entry_points={'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},
+    entry_points={'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],
+                  'console_scripts': ['flexrt=flexrt.autotuner.cli:main']},
     zip_safe=False,
 )

@@ -82,8 +82,12 @@ def check_space(search:Search):
 
 # %% ../../nbs/65_autotuner_runner.ipynb #c015
 def profile(model_fn, config:dict):
-    "The memory model's profile of `model_fn()` (rank 0 calls this)"
-    from flexrt.autotuner.memory import profile_model
+    "The memory model's profile of `model_fn()` (rank 0 calls this); parameter counts only where the memory model is absent"
+    try: from flexrt.autotuner.memory import profile_model
+    except ModuleNotFoundError as e:
+        if e.name != 'flexrt.autotuner.memory': raise
+        params = list({id(p): p for p in model_fn().parameters()}.values())
+        return SimpleNamespace(num_params=sum(p.numel() for p in params), tensor_numels=[p.numel() for p in params], estimates=False)
     return profile_model(model_fn, config)
 
 def _tensor_sizes(profile)->list|None:
@@ -96,14 +100,15 @@ class Tuner:
     "One autotuning run, as seen from this rank"
     def __init__(self, model_fn, train_step, config:dict, *, dataset=None, memory_budget=None, ranks_per_experiment=None,
                  results_dir=None, max_trials=None, time_budget=None, stages=None, micro_batches=None, on_trial=None,
-                 seed=0, resume=True, measure=None, trial_timeout=None, profile=None, mode='in-process', mode_reason=''):
+                 seed=0, resume=True, measure=None, trial_timeout=None, profile=None, predict=None, experiment_world_size=None,
+                 mode='in-process', mode_reason=''):
         self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, dict(config), dataset
         self.budget, self.max_trials, self.time_budget = parse_bytes(memory_budget), max_trials, time_budget
         self.stages, self.micro_batches, self.on_trial, self.seed, self.resume = stages, micro_batches, on_trial, seed, resume
         self.trial_timeout, self.profile, self.mode, self.mode_reason = trial_timeout, profile, mode, mode_reason
-        self.results_dir, self.measure_fn = results_dir, measure
+        self.results_dir, self.measure_fn, self.predict = results_dir, measure, predict
         self.group, self.group_index, self.num_groups = experiment_groups(ranks_per_experiment)
-        self.world = _world() // self.num_groups   # ranks of one experiment
+        self.world = experiment_world_size or _world() // self.num_groups   # ranks of one experiment
         self.search = self.store = self.gen = None
         self.start_time, self.emitted = time.perf_counter(), 0
 
@@ -120,7 +125,9 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     if self.profile is None and self.model_fn is not None: self.profile = profile(self.model_fn, cfg)
     budget = self.budget
     if budget is None and torch.cuda.is_available(): budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    predictor = None if self.profile is None else Predictor(self.profile, cfg, self.world)
+    if self.predict is not None: predictor = self.predict
+    elif self.profile is None or getattr(self.profile, 'estimates', True) is False: predictor = None
+    else: predictor = Predictor(self.profile, cfg, self.world)
     stored = self.store.records()
     self.search = Search(s, cfg, predictor, budget, self.world, getattr(self.profile, 'num_params', 1) or 1,
                          _tensor_sizes(self.profile), self.micro_batches, max_trials=self.max_trials, storage=self.store.url,
@@ -146,7 +153,7 @@ def record_new(self:Tuner):
         self.emitted += 1
         if rec['status'] == 'pruned':
             if (record_candidate(rec).key, rec['phase']) in self.pruned_seen: continue
-        elif rec['status'] == 'ok' and rec['peak_bytes_measured'] and self.search.predict_fn is not None:
+        elif rec['status'] == 'ok' and rec['peak_bytes_measured'] and isinstance(self.search.predict_fn, Predictor):
             self.search.predict_fn.add(rec['config'], rec['peak_bytes_measured'])
         self.store.add(rec)
         monitor.emit('experiment', event='trial', **rec)
@@ -223,14 +230,16 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
              measure=None, # run_trial-like callable (default flexrt.autotuner.measure.run_trial)
              trial_timeout:float|None=None, # seconds per experiment; a later one is `timeout`
              profile=None, # a memory-model profile to use instead of profiling model_fn
+             predict=None, # callable(Candidate) -> per-rank peak bytes, instead of the memory model
+             experiment_world_size:int|None=None, # ranks of one experiment when `measure` starts its own (the CLI's torchrun)
              mode:str='in-process', mode_reason:str='', # how experiments run (the CLI's launch-per-experiment sets these)
             )->AutotuneResult:
     "Find the fastest ZeRO stage × micro-batch × knob configuration that fits, inside the launched ranks"
-    if not callable(train_step): raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
+    if measure is None and not callable(train_step): raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
     t = Tuner(model_fn, train_step, config, dataset=dataset, memory_budget=memory_budget, ranks_per_experiment=ranks_per_experiment,
               results_dir=results_dir, max_trials=max_trials, time_budget=time_budget, stages=stages, micro_batches=micro_batches,
               on_trial=on_trial, seed=seed, resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile,
-              mode=mode, mode_reason=mode_reason)
+              predict=predict, experiment_world_size=experiment_world_size, mode=mode, mode_reason=mode_reason)
     settings = decide(t.start)
     batch = decide(t.advance, None)
     while batch is not None:

@@ -130,6 +130,8 @@ def predicted_max_micro_batch(self:Search, stage:int, low:int, high:int)->int|No
 def find_max_micro_batch(self:Search, stage:int, low:int, high:int, start:int):
     "The largest micro-batch in [low, high] that runs (`yield from` it): gallop from `start`, then bisect; None if none"
     fits = lambda m: (yield from self.run_one(self.candidate(stage, m), 'max_micro_batch')).status == FITS
+    if self.parallel > 1:  # sub-groups: the start and the size above it (the usual answer) at once
+        yield from self.run([Experiment(self.candidate(stage, m), 'max_micro_batch') for m in sorted({start, min(start + 1, high)})])
     if (yield from fits(start)):
         good, bad, step = start, None, 1
         while bad is None and good < high:
@@ -214,7 +216,11 @@ def make_sampler(tuner_type:str, # 'tpe', 'gp', 'random' or 'grid'
     "The Optuna sampler `tuner_type` names"
     import optuna
     if tuner_type == 'tpe': return optuna.samplers.TPESampler(seed=seed, n_startup_trials=4)
-    if tuner_type == 'gp': return optuna.samplers.GPSampler(seed=seed, n_startup_trials=4)
+    if tuner_type == 'gp':
+        try: import scipy
+        except ImportError: raise ImportError("autotuning.tuner_type='gp' needs scipy (Optuna's GPSampler uses it): "
+                                              "pip install scipy, or use 'tpe' (the default)") from None
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=4)
     if tuner_type == 'random': return optuna.samplers.RandomSampler(seed=seed)
     if tuner_type == 'grid': return optuna.samplers.GridSampler(space, seed=seed)
     raise ValueError(f"tuner_type={tuner_type!r}: use 'tpe', 'gp', 'random' or 'grid'")
@@ -263,6 +269,15 @@ def tune_knobs(self:Search, stage:int, micro_batch:int):
 
 # %% ../../nbs/63_autotuner_search.ipynb #c038
 @patch
+def tune_stages(self:Search, knob_margin:float=0.05):
+    "The knob studies of the stages close to the best (`yield from` it)"
+    if not self.stage_best: return
+    top = max(score for score, _ in self.stage_best.values())
+    close = [(score, c) for stage, (score, c) in self.stage_best.items() if stage > 0 and score >= top - abs(top) * knob_margin]
+    for score, c in sorted(close, key=lambda x: -x[0]): yield from self.tune_knobs(c.stage, c.micro_batch)
+
+# %% ../../nbs/63_autotuner_search.ipynb #c040
+@patch
 def best_measured(self:Search, n:int=1)->list: # [(score, Candidate)], best first
     "The `n` best candidates that ran successfully"
     ok = [(self.score(r), self.candidates.get(k)) for k, r in self.measured.items() if r.status == FITS and k in self.candidates]
@@ -275,14 +290,14 @@ def remeasure(self:Search):
         res = (yield [Experiment(c, 'remeasure')])[0]
         rec = self.record(Experiment(c, 'remeasure'), res)
         if res.status != FITS: continue
-        if self.baseline is not None and self.score(res) < self.baseline[0]:
+        if self.baseline is not None and self.baseline[1] != c and self.score(res) < self.baseline[0]:
             self.best = (self.record_of.get(self.baseline[1].key) or rec, self.baseline[1])
         else: self.best = (rec, c)
         return self.best
     if self.best_measured(): self.best = (self.record_of[self.best_measured()[0][1].key], self.best_measured()[0][1])
     return self.best
 
-# %% ../../nbs/63_autotuner_search.ipynb #c039
+# %% ../../nbs/63_autotuner_search.ipynb #c041
 @patch
 def plan(self:Search):
     "The search (a generator): yields lists of `Experiment`s, is sent their results; returns `best`"
@@ -296,8 +311,6 @@ def plan(self:Search):
             yield from self.explore_stage(stage)
             if self.max_micro_batch.get(stage) is not None: top = max(top or 0, self.max_micro_batch[stage])
         yield from self.measure_baseline()
-        if not self.s.fast:
-            for stage, (score, c) in sorted(self.stage_best.items()):
-                if stage > 0: yield from self.tune_knobs(stage, c.micro_batch)
+        if not self.s.fast: yield from self.tune_stages()
     except SearchDone as e: self.stopped = str(e)
     return (yield from self.remeasure())

@@ -1,0 +1,133 @@
+"""flexrt.autotune inside real gloo groups: ranks agree, records, sub-groups, stop file, resume, best_config round trip,
+failures survived, bad input. Experiments run through the real `run_trial` unless a test replays the surface."""
+import os, tempfile
+from types import SimpleNamespace
+import pytest, torch, torch.nn as nn
+from helpers import run_distributed
+from autotune_surface import measure as surface_measure, predict as surface_predict, P
+import flexrt
+from flexrt import monitor
+from flexrt.autotuner.runner import autotune
+from flexrt.autotuner.results import AutotuneResult
+
+PROFILE = SimpleNamespace(num_params=P, estimates=False)   # parameter count only: the surface's `predict` is the memory model
+
+def model_fn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+
+def train_step(engine):
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), 16)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+
+def config(**autotuning):
+    return {'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
+            'autotuning': {'max_train_micro_batch_size_per_gpu': 8, 'start_profile_step': 1, 'end_profile_step': 2, **autotuning}}
+
+def _tune_and_train(rank, world, results_dir):
+    records = []
+    with monitor.listen(lambda r: records.append(r) if r['kind'] == 'experiment' else None):
+        result = autotune(model_fn, train_step, config(), results_dir=results_dir, stages=[0, 1])
+    engine, *_ = flexrt.initialize(model=model_fn(), config=result.best_config)   # accepted as is
+    train_step(engine); engine.close() if hasattr(engine, 'close') else None
+    return result.best, len(result.trials), [r.get('event') for r in records], engine.train_micro_batch_size_per_gpu()
+
+def test_two_ranks_agree_and_best_config_initializes(tmp_path):
+    out = run_distributed(_tune_and_train, world_size=2, args=(str(tmp_path),), timeout=240)
+    (best0, n0, events0, mb0), (best1, n1, events1, mb1) = out
+    assert best0 == best1 and n0 == n1 and mb0 == mb1 == best0['micro_batch']
+    assert events0[0] == 'start' and events0[-1] == 'end' and events0.count('trial') == n0 and events1 == []
+    assert best0['phase'] in ('remeasure', 'baseline', 'throughput', 'max_micro_batch') and best0['status'] == 'ok'
+    for name in ('summary.txt', 'trials.csv', 'ds_config_optimal.json', 'study.db', 'exps'):
+        assert os.path.exists(tmp_path / name), name
+    assert 'mode: in-process' in (tmp_path / 'summary.txt').read_text()
+    loaded = AutotuneResult.load(str(tmp_path))
+    assert loaded.best_config == best0['config'] and len(loaded.trials) == n0
+
+def _subgroups(rank, world, results_dir):
+    ran = []
+    def measure(model_fn, train_step, cfg, **kw):
+        from flexrt.autotuner.measure import run_trial
+        ran.append((cfg['zero_optimization']['stage'], cfg['train_micro_batch_size_per_gpu'],
+                    cfg['zero_optimization'].get('overlap_comm'), cfg['zero_optimization'].get('reduce_bucket_size')))
+        return run_trial(model_fn, train_step, cfg, **kw)
+    result = autotune(model_fn, train_step, config(fast=False, tuner_num_trials=4), results_dir=results_dir, stages=[1],
+                      ranks_per_experiment=1, measure=measure)
+    return ran, result.best, len(result.trials)
+
+def test_sub_groups_run_different_candidates(tmp_path):
+    (ran0, best0, n0), (ran1, best1, n1) = run_distributed(_subgroups, world_size=2, args=(str(tmp_path),), timeout=240)
+    assert best0 == best1 and n0 == n1
+    assert ran1 and not set(ran0) & set(ran1)   # the two sub-groups never ran the same candidate
+    assert all(r['peak_bytes_per_rank'] and len(r['peak_bytes_per_rank']) == 1
+               for r in AutotuneResult.load(str(tmp_path)).trials.to_dict('records') if r['status'] == 'ok')
+
+def _stop_after_two(rank, world, results_dir, stop_file):
+    def on_trial(rec):
+        if rec['status'] != 'pruned' and sum(1 for _ in open(stop_file + '.n', 'a+')) >= 0:
+            with open(stop_file + '.n', 'a') as f: f.write('x\n')
+            if len(open(stop_file + '.n').read().split()) >= 2: open(stop_file, 'w').close()
+    result = autotune(None, train_step, config(), results_dir=results_dir, measure=surface_measure,
+                      predict=surface_predict, memory_budget=26_000_000, on_trial=on_trial,
+                      profile=PROFILE)
+    return result.stopped, int((result.trials.status != 'pruned').sum())
+
+def test_stop_file_stops_between_trials(tmp_path):
+    stop = str(tmp_path / 'stop')
+    out = run_distributed(_stop_after_two, world_size=2, args=(str(tmp_path / 'res'), stop), timeout=120,
+                          env={'FLEXRT_STOP_FILE': stop})
+    assert out[0] == out[1] == ('stop requested', 2)
+
+class Counting:
+    def __init__(self): self.calls = 0
+    def __call__(self, *args, **kw): self.calls += 1; return surface_measure(*args, **kw)
+
+def _surface_tune(results_dir, measure, **kw):
+    return autotune(None, train_step, config(fast=False, max_train_micro_batch_size_per_gpu=64), results_dir=results_dir,
+                    measure=measure, predict=surface_predict, memory_budget=26_000_000,
+                    profile=PROFILE, **kw)
+
+def test_resume_from_study_db(tmp_path):
+    whole = Counting()
+    full = _surface_tune(str(tmp_path / 'whole'), whole)
+    first, second = Counting(), Counting()
+    part = _surface_tune(str(tmp_path / 'split'), first, max_trials=7)
+    assert first.calls == 7 + 1 and 'max_trials' in part.stopped   # 7 runs and the re-measure
+    rest = _surface_tune(str(tmp_path / 'split'), second)
+    assert (tmp_path / 'split' / 'study.db').exists()
+    assert first.calls - 1 + second.calls <= whole.calls + 2  # the resumed search runs only what is left (Optuna may differ)
+    assert rest.best['stage'] == full.best['stage'] and rest.best['micro_batch'] == full.best['micro_batch']
+    assert len(rest.trials) > len(part.trials)
+
+def test_failures_are_recorded_and_the_best_feasible_returned(tmp_path):
+    def flaky_step(engine):
+        mb = engine.train_micro_batch_size_per_gpu()
+        if mb == 8: raise torch.OutOfMemoryError('CUDA out of memory (injected)')
+        if mb == 6: raise ValueError('a user error (injected)')
+        if mb == 5: keep = torch.zeros(10**7)   # 40 MB live during the step: over the budget
+        train_step(engine)
+    result = autotune(model_fn, flaky_step, config(max_train_micro_batch_size_per_gpu=8), results_dir=str(tmp_path),
+                      stages=[0], memory_budget='30MB')
+    statuses = dict(zip(result.trials.micro_batch, result.trials.status))
+    assert (statuses[8], statuses[6], statuses[5]) == ('oom', 'error', 'over_budget'), statuses
+    assert all(result.trials.reason[result.trials.status != 'ok'].str.len() > 0)
+    assert result.best['status'] == 'ok' and result.best['micro_batch'] in (1, 2, 4)
+    assert result.best['peak_bytes_measured'] <= 30 * 10**6
+
+def test_train_step_without_engine_step_is_an_error(tmp_path):
+    def forgetful(engine):
+        loss = engine(torch.randn(engine.train_micro_batch_size_per_gpu(), 16)).sum(); engine.backward(loss)
+    with pytest.raises(ValueError, match='engine.step'):
+        autotune(model_fn, forgetful, config(), results_dir=str(tmp_path), stages=[0])
+
+def test_budget_errors_say_what_to_change(tmp_path):
+    prof = PROFILE
+    kw = dict(results_dir=str(tmp_path), measure=surface_measure, predict=surface_predict, profile=prof)
+    with pytest.raises(ValueError, match='raise memory_budget'): autotune(None, train_step, config(), memory_budget='1MB', **kw)
+    with pytest.raises(ValueError, match='add it to the stage scope'):
+        autotune(None, train_step, config(), memory_budget='15MB', stages=[0], **kw)
+    with pytest.raises(ValueError, match='space is empty'):
+        autotune(None, train_step, config(), memory_budget='26MB', micro_batches=[128], **kw)
+    with pytest.raises(ValueError, match='memory_budget'): autotune(None, train_step, config(), memory_budget='lots', **kw)
