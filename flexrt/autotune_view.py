@@ -224,9 +224,9 @@ def breakdown_html(breakdown:dict, # bytes per part: parameters, gradients, opti
                    peak_bytes:int, # the predicted per-rank peak
                    budget:int|None=None)->str: # per-rank budget in bytes
     "A memory estimate as an HTML table"
-    rows = ''.join(f'<tr><td>{html.escape(k.replace("_", " "))}</td><td>{v / MiB:,.1f}</td><td>{v / max(peak_bytes, 1):.0%}</td></tr>'
+    rows = ''.join(f'<tr><td>{html.escape(k.replace("_", " "))}</td><td>{format_bytes(v)}</td><td>{v / max(peak_bytes, 1):.0%}</td></tr>'
                    for k, v in breakdown.items())
     verdict = '' if not budget else (f' &mdash; fits the budget ({format_bytes(budget)})' if peak_bytes <= budget
                                      else f' &mdash; <span style="color:#b00020">over the budget ({format_bytes(budget)})</span>')
-    return (f'<table class="flexrt-plan"><tr><th>part</th><th>MiB</th><th>of peak</th></tr>{rows}</table>'
-            f'<b>predicted peak per rank: {peak_bytes / MiB:,.1f} MiB</b>{verdict}')
+    return (f'<table class="flexrt-plan"><tr><th>part</th><th>bytes</th><th>of peak</th></tr>{rows}</table>'
+            f'<b>predicted peak per rank: {format_bytes(peak_bytes)}</b>{verdict}')

@@ -27,7 +27,7 @@ def search_controls(config:dict, # the config to tune
                     num_params:int|None, # the model's parameters; None: no bucket choices
                     num_processes:int=2, memory_budget=None)->dict: # initial values
     "The search's controls, by name"
-    budget, micro = parse_bytes(memory_budget), int(config.get('train_micro_batch_size_per_gpu', 1))
+    parse_bytes(memory_budget); micro = int(config.get('train_micro_batch_size_per_gpu', 1))   # a bad budget fails here
     buckets = knob_choices(num_params)['reduce_bucket_size'] if num_params else []   # the autotuner's, scaled to the model
     style = dict(style={'description_width': '110px'})
     return dict(
@@ -35,7 +35,7 @@ def search_controls(config:dict, # the config to tune
         micro_batch_range=W.IntRangeSlider(value=(1, max(64, micro)), min=1, max=max(512, micro), description='micro-batch', **style),
         bucket_sizes=W.SelectMultiple(options=[(f'{b:,}', b) for b in buckets], value=buckets, rows=3, description='bucket sizes', **style),
         metric=W.Dropdown(options=METRICS, value=config.get('autotuning', {}).get('metric', 'throughput'), description='metric', **style),
-        memory_budget=W.Text(value='' if budget is None else f'{budget / MiB:g}MiB', placeholder='e.g. 2GiB', description='budget / rank', **style),
+        memory_budget=W.Text(value=str(memory_budget or ''), placeholder='e.g. 2GiB', description='budget / rank', **style),
         num_processes=W.BoundedIntText(value=num_processes, min=1, max=1024, description='processes', **style),
         max_trials=W.BoundedIntText(value=0, min=0, max=100_000, description='max trials', tooltip='0: no limit', **style),
         time_budget=W.BoundedFloatText(value=0, min=0, max=7 * 86400, description='time budget s', tooltip='0: no limit', **style))

@@ -55,6 +55,7 @@ def test_controls_become_autotune_arguments(tmp_path):
 
 def test_planner_answers_for_any_world_size_before_running(tmp_path):
     from flexrt.autotuner.memory import estimate_memory, profile_model
+    from flexrt.autotuner.space import format_bytes
     w = widget(tmp_path, memory_budget='1KiB')
     w.planner.stage.value, w.planner.micro_batch.value, w.planner.world_size.value = 3, 8, 1024
     big = w.planner.show()
@@ -62,7 +63,7 @@ def test_planner_answers_for_any_world_size_before_running(tmp_path):
     expected = estimate_memory(profile_model(model_fn, CONFIG, train_step=train_step), {**CONFIG, 'zero_optimization': {'stage': 3},
                                'train_micro_batch_size_per_gpu': 8}, world_size=1024, micro_batch=8)
     assert (big.peak_bytes, big.breakdown) == (expected.peak_bytes, expected.breakdown)   # the autotuner's answer, shown
-    assert f'{big.peak_bytes / 2**20:,.1f} MiB' in w.planner.output.value
+    assert f'per rank: {format_bytes(big.peak_bytes)}' in w.planner.output.value
     w.planner.stage.value = 0
     replicated = w.planner.show()
     assert replicated.peak_bytes > big.peak_bytes and 'over the budget (1.00KiB)' in w.planner.output.value
