@@ -31,10 +31,11 @@ def widget(tmp_path, **kwargs):
     w.controls['stages'].value, w.controls['micro_batch_range'].value = (0, 1), (1, 16)
     return w
 
-def wait_for(condition, timeout=120):
-    "Poll `condition` (records arrive on other threads) until true; fail after `timeout` seconds"
+def wait_for(condition, w, timeout=180):
+    "Poll `condition` (records arrive on other threads) until true; raise what the ranks raised if they end first"
     deadline = time.time() + timeout
     while not condition():
+        if w.launched.done: w.wait(); assert condition(), f'the search ended ({w.state}) first'
         assert time.time() < deadline, 'timed out'
         time.sleep(0.05)
 
@@ -76,7 +77,7 @@ def test_search_fills_table_and_plots_live_and_reopens(tmp_path):
     w.controls['max_trials'].value = 6
     w.run_button.click()
     assert w.state == 'running' and w.stop_button.disabled is False and w.run_button.disabled
-    wait_for(lambda: '<tr class="flexrt-trial"' in w.table.value)   # drawn by the widget's own thread as records come
+    wait_for(lambda: '<tr class="flexrt-trial"' in w.table.value, w)   # drawn by the widget's own thread as records come
     assert w.wait(180) and w.state == 'finished' and w.launched.error is None
     trials, stored = w.trials, AutotuneResult.load(w.results_dir)
     assert 1 <= len(trials[trials['phase'] != 'remeasure']) and list(trials['trial']) == list(stored.trials['trial'])
@@ -95,7 +96,7 @@ def test_search_fills_table_and_plots_live_and_reopens(tmp_path):
 def test_stop_ends_the_search_after_the_current_trial_and_keeps_the_best(tmp_path):
     w = widget(tmp_path)
     w.run()
-    wait_for(lambda: '<tr class="flexrt-trial"' in w.table.value)   # a row on screen while the ranks search
+    wait_for(lambda: '<tr class="flexrt-trial"' in w.table.value, w)   # a row on screen while the ranks search
     w.stop_button.click()
     assert w.stop_button.description == 'Stopping' and w.state == 'stopping'
     assert w.wait(180) and w.state == 'stopped'
@@ -107,7 +108,7 @@ def test_stop_ends_the_search_after_the_current_trial_and_keeps_the_best(tmp_pat
 def test_an_interrupted_search_resumes_with_its_earlier_trials_shown(tmp_path):
     first = widget(tmp_path)
     first.run()
-    wait_for(lambda: '<tr class="flexrt-trial"' in first.table.value)
+    wait_for(lambda: '<tr class="flexrt-trial"' in first.table.value, first)
     first.stop(); assert first.wait(180) and first.state == 'stopped'   # interrupted after its current trial
     earlier = first.trials
     first.close()
