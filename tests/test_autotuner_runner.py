@@ -109,7 +109,7 @@ def test_failures_are_recorded_and_the_best_feasible_returned(tmp_path):
         if mb == 5: keep = torch.zeros(10**7)   # 40 MB live during the step: over the budget
         train_step(engine)
     result = autotune(model_fn, flaky_step, config(max_train_micro_batch_size_per_gpu=8), results_dir=str(tmp_path),
-                      stages=[0], memory_budget='30MB')
+                      stages=[0], memory_budget='30MB', profile=PROFILE)   # no predictions: the path is 1, 2, 4, 8, 6, 5
     statuses = dict(zip(result.trials.micro_batch, result.trials.status))
     assert (statuses[8], statuses[6], statuses[5]) == ('oom', 'error', 'over_budget'), statuses
     assert all(result.trials.reason[result.trials.status != 'ok'].str.len() > 0)

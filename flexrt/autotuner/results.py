@@ -124,7 +124,9 @@ def summary_text(r:AutotuneResult)->str:
     out = [line(head), '|' + '|'.join(':' + '-' * (w + 1) for w in widths) + '|', *map(line, rows), '']
     out.append(f"mode: {r.mode} ({r.mode_reason})" if r.mode_reason else f"mode: {r.mode}")
     out.append(f"memory budget per rank: {format_bytes(r.memory_budget)}")
-    for name, rec in (('baseline', r.baseline), ('winner (re-measured)', r.best)):
+    kept = r.best is not None and r.baseline is not None and r.best['trial'] == r.baseline['trial']
+    won = 'winner (the baseline: nothing re-measured above it)' if kept else f"winner ({'re-measured' if r.best and r.best['phase'] == 'remeasure' else 'best run'})"
+    for name, rec in (('baseline', r.baseline), (won, r.best)):
         if rec: out.append(f"{name}: {record_candidate(rec).name} {rec['metric_name']}={rec['metric']:.6g} peak={format_bytes(rec['peak_bytes_measured'])}")
     if r.stopped: out.append(f"stopped early: {r.stopped}")
     n = int((r.trials.status != 'pruned').sum()) if len(r.trials) else 0

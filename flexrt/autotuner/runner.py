@@ -4,12 +4,12 @@
 
 # %% ../../nbs/65_autotuner_runner.ipynb #c002
 from __future__ import annotations
-import os, time, traceback
+import os, time, traceback, warnings
 from types import SimpleNamespace
 import torch
 from fastcore.basics import patch
 from .. import comm as dist, monitor, launch
-from .space import Candidate, tune_settings, parse_bytes, format_bytes, micro_batch_ladder
+from .space import Candidate, tune_settings, parse_bytes, format_bytes, plain_config
 from .search import Search
 from .results import AutotuneResult, TrialStore, trials_frame, record_candidate
 
@@ -81,13 +81,18 @@ def check_space(search:Search):
                          f'(predicted {", ".join(format_bytes(need[st]) for st in s.stages)}); stage {fits} would: add it to the stage scope')
 
 # %% ../../nbs/65_autotuner_runner.ipynb #c015
-def profile(model_fn, config:dict):
-    "The memory model's profile of `model_fn()` (rank 0 calls this); parameter counts only where the memory model is absent"
+def profile(model_fn, config:dict, train_step=None):
+    "The memory model's profile of `model_fn()` (rank 0 calls this; with `train_step` the activations are measured too)"
     try: from flexrt.autotuner.memory import profile_model
     except ModuleNotFoundError as e:
         if e.name != 'flexrt.autotuner.memory': raise
         params = list({id(p): p for p in model_fn().parameters()}.values())
         return SimpleNamespace(num_params=sum(p.numel() for p in params), tensor_numels=[p.numel() for p in params], estimates=False)
+    if train_step is not None:
+        try: return profile_model(model_fn, config, train_step=train_step)
+        except Exception as e:   # the experiments will meet the same failure and record it with its reason
+            warnings.warn(f'profiling the activations with train_step failed ({type(e).__name__}: {e}); the memory model '
+                          'predicts without them until measured peaks calibrate it')
     return profile_model(model_fn, config)
 
 def _tensor_sizes(profile)->list|None:
@@ -122,14 +127,16 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     raw = cfg.get('autotuning') or {}
     self.results_dir = self.results_dir or s.results_dir
     self.store = TrialStore(self.results_dir, fresh=not self.resume or raw.get('overwrite') is True)
-    if self.profile is None and self.model_fn is not None: self.profile = profile(self.model_fn, cfg)
+    plain = plain_config(cfg)
+    if self.profile is None and self.model_fn is not None:
+        self.profile = profile(self.model_fn, plain, self.train_step if self.dataset is None else None)
     budget = self.budget
     if budget is None and torch.cuda.is_available(): budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if self.predict is not None: predictor = self.predict
     elif self.profile is None or getattr(self.profile, 'estimates', True) is False: predictor = None
-    else: predictor = Predictor(self.profile, cfg, self.world)
+    else: predictor = Predictor(self.profile, plain, self.world)
     stored = self.store.records()
-    self.search = Search(s, cfg, predictor, budget, self.world, getattr(self.profile, 'num_params', 1) or 1,
+    self.search = Search(s, plain, predictor, budget, self.world, getattr(self.profile, 'num_params', 1) or 1,
                          _tensor_sizes(self.profile), self.micro_batches, max_trials=self.max_trials, storage=self.store.url,
                          seed=self.seed, parallel=self.num_groups, measured=self.store.measured(), first_trial=len(stored))
     self.search.record_of = {record_candidate(r).key: r for r in stored if r['status'] != 'pruned' and r['phase'] != 'remeasure'}

@@ -11,7 +11,7 @@ from ..config.services import AutotuningConfig
 
 # %% auto #0
 __all__ = ['TUNER_TYPES', 'KNOBS', 'DEEPSPEED_DEFAULT_KNOBS', 'parse_bytes', 'format_bytes', 'TuneSettings', 'tune_settings',
-           'Candidate', 'micro_batch_ladder', 'gradient_accumulation', 'knob_choices', 'default_knobs']
+           'Candidate', 'plain_config', 'micro_batch_ladder', 'gradient_accumulation', 'knob_choices', 'default_knobs']
 
 # %% ../../nbs/62_autotuner_space.ipynb #c005
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -112,6 +112,15 @@ def to_config(self:Candidate, base:dict, # the user's DeepSpeed config
     return cfg
 
 # %% ../../nbs/62_autotuner_space.ipynb #c017
+def plain_config(config:dict)->dict:
+    "`config` without the `autotuning` block and with a single ZeRO stage (0 where a scope was given)"
+    cfg = copy.deepcopy(config)
+    cfg.pop('autotuning', None)
+    zero = cfg.get('zero_optimization')
+    if isinstance(zero, dict) and not isinstance(zero.get('stage', 0), int): cfg['zero_optimization'] = {**zero, 'stage': 0}
+    return cfg
+
+# %% ../../nbs/62_autotuner_space.ipynb #c020
 def micro_batch_ladder(low:int, high:int)->list:
     "Powers of two in [low, high], plus `low` and `high`, ascending"
     ladder = {low, high} | {2**i for i in range(0, max(high, 1).bit_length()) if low <= 2**i <= high}
@@ -123,7 +132,7 @@ def gradient_accumulation(s:TuneSettings, micro_batch:int, world_size:int)->int:
     if s.max_train_batch is not None: gas = max(1, min(gas, s.max_train_batch // (micro_batch * world_size)))
     return gas
 
-# %% ../../nbs/62_autotuner_space.ipynb #c020
+# %% ../../nbs/62_autotuner_space.ipynb #c023
 def knob_choices(num_params:int, # parameters in the model
                  tensor_sizes:list|None=None, # element counts of the parameter tensors (for the persistence threshold)
                  stage:int=2)->dict: # knob name -> list of values to try

@@ -1,0 +1,284 @@
+"""The autotuner's measured goals (issue #13) on 2 gloo ranks (CPU), two workloads (a small GPT and a wide MLP).
+
+    python bench/autotune.py [--quick] [--workloads gpt,mlp] [--reps 3] [--seeds 20] [--out bench_out/autotune]
+
+Phases (each prints a table; all files go to --out):
+1. surface: every rank runs `run_trial` over the grid stage x micro-batches x reduce x allgather/prefetch buckets, `--reps`
+   repetitions, recording the metric, measured peak and the memory model's prediction -> surface_<workload>.csv.
+   Prints the memory model's error (predicted vs measured per-rank peak) over every point.
+2. search: the default `flexrt.autotune` at three budgets (30/60/90% of the range the grid's peaks span): trials, runs
+   per stage to find the largest micro-batch, median per-experiment overhead (seconds - steps_seconds), total time, the
+   winner's re-measured samples/s against the baseline's.
+3. replay: the search (fast and knobs) replayed against the recorded surface (a measure that draws one of the recorded
+   repetitions), over --seeds seeds x workloads x budgets; regret against the grid's best and experiments used, next to a
+   re-implementation of DeepSpeed's fast mode and of its grid search with early stopping 5.
+4. launch: the same experiments as one torchrun + initialize per experiment (the CLI's launch-per-experiment mode)
+   against in-process, end to end.
+The ranks are 2 spawned processes (gloo); phase 3 runs in this process. Phases 1-2 need flexrt.autotuner.memory.
+"""
+import argparse, json, math, os, random, statistics, sys, tempfile, time
+from pathlib import Path
+import pandas as pd
+import torch
+from torch import nn
+
+VOCAB, SEQ = 256, 32
+def gpt_model():
+    torch.manual_seed(1234)
+    block = lambda: nn.TransformerEncoderLayer(64, 4, dim_feedforward=256, batch_first=True, norm_first=True)
+    return nn.Sequential(nn.Embedding(VOCAB, 64), block(), block(), nn.LayerNorm(64), nn.Linear(64, VOCAB))
+def gpt_step(engine):
+    tokens = torch.randint(0, VOCAB, (engine.train_micro_batch_size_per_gpu(), SEQ))
+    logits = engine(tokens[:, :-1])
+    engine.backward(nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
+    engine.step()
+def mlp_model():
+    torch.manual_seed(1234)
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.GELU())], nn.Linear(256, 1))
+def mlp_step(engine):
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), 256)
+    engine.backward(engine(x).pow(2).mean()); engine.step()
+WORKLOADS = {'gpt': (gpt_model, gpt_step), 'mlp': (mlp_model, mlp_step)}
+CONFIG = {'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},
+          'autotuning': {'start_profile_step': 2, 'end_profile_step': 4, 'max_train_micro_batch_size_per_gpu': 64}}
+
+def grid_points(num_params, micro_batches, stages=(0, 1, 2, 3)):
+    from flexrt.autotuner.space import Candidate, knob_choices
+    buckets = knob_choices(num_params, stage=2)['reduce_bucket_size']
+    for stage in stages:
+        for mb in micro_batches:
+            if stage == 0: yield Candidate(0, mb); continue
+            for r in buckets:
+                for a in buckets:
+                    yield Candidate(stage, mb, 1, r, a, a if stage == 3 else Candidate(0, 1).stage3_prefetch_bucket_size)
+
+# ---- phase 1 and 2 run on the ranks --------------------------------------------------------------------------------
+def rank_surface(workload, micro_batches, reps, out):
+    from flexrt import comm
+    from flexrt.autotuner.measure import run_trial
+    from flexrt.autotuner import memory
+    model_fn, step = WORKLOADS[workload]
+    comm.init_distributed()
+    prof = memory.profile_model(model_fn, CONFIG, train_step=step)
+    rows = []
+    for c in grid_points(prof.num_params, micro_batches):
+        cfg = c.to_config(CONFIG, comm.get_world_size())
+        pred = memory.estimate_memory(prof, cfg, world_size=comm.get_world_size(), micro_batch=c.micro_batch).peak_bytes
+        for rep in range(reps):
+            r = run_trial(model_fn, step, cfg, warmup_steps=2, profile_steps=3)
+            rows.append(dict(stage=c.stage, micro_batch=c.micro_batch, reduce=c.reduce_bucket_size, other=c.allgather_bucket_size,
+                             rep=rep, status=r.status, metric=r.metric, peak=r.peak_bytes, predicted=pred,
+                             seconds=r.seconds, steps_seconds=r.steps_seconds))
+    if comm.get_rank() == 0: pd.DataFrame(rows).to_csv(out, index=False)
+    return None
+
+def rank_search(workload, budgets, out):
+    from flexrt import comm
+    from flexrt.autotuner import autotune
+    model_fn, step = WORKLOADS[workload]
+    comm.init_distributed()
+    rows = []
+    for b in budgets:
+        t = time.perf_counter()
+        res = autotune(model_fn, step, CONFIG, memory_budget=int(b), results_dir=f'{out}/search_{workload}_{int(b)}', resume=False)
+        df = res.trials[res.trials.status != 'pruned']
+        mx = df[df.phase == 'max_micro_batch'].groupby('stage').size()
+        over = (df.seconds - df.steps_seconds).dropna()
+        pred = df[(df.status == 'ok') & df.peak_bytes_predicted.notna()]
+        err = ((pred.peak_bytes_predicted - pred.peak_bytes_measured) / pred.peak_bytes_measured)
+        rows.append(dict(workload=workload, budget=int(b), trials=len(df), seconds=time.perf_counter() - t,
+                         max_mb_runs_mean=mx.mean(), max_mb_runs_max=mx.max(), overhead_median=over.median(),
+                         winner=f"z{res.best['stage']} mb{res.best['micro_batch']}" if res.best else None,
+                         winner_sps=res.best and res.best['samples_per_s'], baseline_sps=res.baseline and res.baseline['samples_per_s'],
+                         pred_err_max=err.abs().max(), pred_under_max=(-err).max()))
+    return rows
+
+# ---- phase 3: replay (one process) ---------------------------------------------------------------------------------
+def replay_measure(surface, rng):
+    from types import SimpleNamespace as NS
+    by = {k: g for k, g in surface.groupby(['stage', 'micro_batch', 'reduce', 'other'])}
+    def fn(c):
+        key = (c.stage, c.micro_batch, c.reduce_bucket_size if c.stage else 0, c.allgather_bucket_size if c.stage else 0)
+        g = by.get(key)
+        if g is None: return NS(status='error', reason='not on the surface', metric=None, peak_bytes=None)
+        r = g.iloc[rng.randrange(len(g))]
+        return NS(status=r.status, reason='', metric=r.metric if r.status == 'ok' else None, peak_bytes=r.peak)
+    return fn
+
+def ours(surface, budget, seed, fast, num_params, mbs):
+    from flexrt.autotuner.space import TuneSettings
+    from flexrt.autotuner.search import Search
+    pred = {(r.stage, r.micro_batch, r.reduce, r.other): r.predicted for r in surface.itertuples()}
+    predict = lambda c: pred.get((c.stage, c.micro_batch, c.reduce_bucket_size if c.stage else 0, c.allgather_bucket_size if c.stage else 0), 1 << 60)
+    s = Search(TuneSettings(fast=fast, max_micro_batch=max(mbs)), predict=predict, memory_budget=budget, world_size=2,
+               num_params=num_params, micro_batches=mbs, seed=seed)
+    m, rng = None, random.Random(seed)
+    m = replay_measure(surface, rng)
+    def budgeted(c):
+        r = m(c)
+        if r.status == 'ok' and r.peak_bytes > budget: r.status, r.metric = 'over_budget', None
+        return r
+    gen = s.plan()
+    try:
+        batch = next(gen)
+        while True: batch = gen.send([budgeted(e.candidate) for e in batch])
+    except StopIteration: pass
+    truth = surface.groupby(['stage', 'micro_batch', 'reduce', 'other']).metric.mean()
+    c = s.best[1]
+    return truth[(c.stage, c.micro_batch, c.reduce_bucket_size if c.stage else 0, c.allgather_bucket_size if c.stage else 0)], s.runs + 1
+
+def deepspeed_fast(mean, feasible, mbs):
+    "DeepSpeed's fast mode on the surface: per stage binary-search the largest mbs, try 3 sizes from max/2, stop when a stage does not beat the previous"
+    runs, best, prev = 0, -1, -1
+    for stage in range(4):
+        ok = [m for m in mbs if feasible.get((stage, m, 0, 0) if stage == 0 else (stage, m, *DEFAULT[stage]), False)]
+        lo, hi = 0, len(mbs) - 1
+        while lo <= hi: mid = (lo + hi) // 2; runs += 1; (lo := mid + 1) if mbs[mid] in ok else (hi := mid - 1)
+        if not ok: continue
+        top = max(ok); tried = [m for m in mbs if top // 2 <= m <= top][-3:]
+        runs += len(tried)
+        key = lambda m: (stage, m, 0, 0) if stage == 0 else (stage, m, *DEFAULT[stage])
+        stage_best = max(mean[key(m)] for m in tried)
+        best = max(best, stage_best)
+        if stage_best <= prev: break
+        prev = stage_best
+    return best, runs
+
+def grid_early_stop(mean, feasible, keys, patience=5):
+    best, since, runs = -1, 0, 0
+    for k in keys:
+        runs += 1
+        v = mean[k] if feasible.get(k) else -1
+        if v > best: best, since = v, 0
+        else: since += 1
+        if since >= patience: break
+    return best, runs
+
+DEFAULT = {}
+def replay(out, workloads, seeds):
+    rows = []
+    for w in workloads:
+        surface = pd.read_csv(f'{out}/surface_{w}.csv')
+        surface.loc[surface.stage == 0, ['reduce', 'other']] = 0
+        ok = surface[surface.status == 'ok']
+        mean = ok.groupby(['stage', 'micro_batch', 'reduce', 'other']).metric.mean()
+        noise = (ok.groupby(['stage', 'micro_batch', 'reduce', 'other']).metric.std() / mean).median()
+        peak = surface.groupby(['stage', 'micro_batch', 'reduce', 'other']).peak.max()
+        mbs = sorted(surface.micro_batch.unique())
+        lo, hi = peak.min(), peak.max()
+        num_params = int(surface.reduce[surface.reduce > 0].max())
+        for stage in (1, 2, 3):
+            sub = [k for k in mean.index if k[0] == stage]
+            mids = sorted({k[2] for k in sub}); DEFAULT[stage] = (mids[len(mids) // 2], mids[len(mids) // 2])
+        for frac in (0.3, 0.6, 0.9):
+            budget = lo + frac * (hi - lo)
+            feasible = {k: (k in mean.index and peak[k] <= budget) for k in peak.index}
+            best = max(mean[k] for k in mean.index if feasible[k])
+            grid = len(peak)
+            for fast in (True, False):
+                res = [ours(surface, budget, seed, fast, num_params, mbs) for seed in range(seeds)]
+                regret = [1 - v / best for v, _ in res]
+                rows.append(dict(workload=w, budget_frac=frac, method=f"flexrt {'fast' if fast else 'knobs'}", grid=grid,
+                                 noise=noise, regret_median=statistics.median(regret), regret_max=max(regret),
+                                 within=sum(r <= max(0.02, noise) for r in regret) / len(regret),
+                                 runs_median=statistics.median(r for _, r in res)))
+            v, n = deepspeed_fast(mean, feasible, mbs)
+            rows.append(dict(workload=w, budget_frac=frac, method='deepspeed fast', grid=grid, noise=noise, regret_median=1 - v / best,
+                             regret_max=1 - v / best, within=float(1 - v / best <= max(0.02, noise)), runs_median=n))
+            v, n = grid_early_stop(mean, feasible, sorted(peak.index))
+            rows.append(dict(workload=w, budget_frac=frac, method='deepspeed grid (early stop 5)', grid=grid, noise=noise,
+                             regret_median=1 - v / best, regret_max=1 - v / best, within=float(1 - v / best <= max(0.02, noise)), runs_median=n))
+    return pd.DataFrame(rows)
+
+# ---- phase 4: in-process vs one launch per experiment ---------------------------------------------------------------
+SCRIPT = '''import argparse, sys, torch
+sys.path.insert(0, {bench!r})
+import flexrt as deepspeed
+from autotune import WORKLOADS
+p = argparse.ArgumentParser(); p.add_argument('--local_rank', type=int, default=-1); p = deepspeed.add_config_arguments(p)
+args = p.parse_args(); deepspeed.init_distributed(dist_backend='gloo')
+model_fn, step = WORKLOADS[{w!r}]
+engine, *_ = deepspeed.initialize(args=args, model=model_fn())
+for _ in range(1000): step(engine)
+'''
+def launch_compare(out, workload, candidates):
+    from flexrt.autotuner.cli import LaunchMeasure
+    script = Path(out) / f'script_{workload}.py'
+    script.write_text(SCRIPT.format(bench=str(Path(__file__).parent), w=workload))
+    lm = LaunchMeasure(str(script), [], 2, str(Path(out) / f'launch_{workload}'))
+    t = time.perf_counter()
+    results = [lm(None, None, c.to_config(CONFIG, 2), warmup_steps=2, profile_steps=3) for c in candidates]
+    return time.perf_counter() - t, [r.status for r in results]
+
+def rank_inprocess(workload, candidates):
+    from flexrt import comm
+    from flexrt.autotuner.measure import run_trial
+    model_fn, step = WORKLOADS[workload]
+    comm.init_distributed()
+    t = time.perf_counter()
+    for c in candidates: run_trial(model_fn, step, c.to_config(CONFIG, 2), warmup_steps=2, profile_steps=3)
+    return time.perf_counter() - t
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--quick', action='store_true', help='fewer micro-batches and repetitions, 5 seeds')
+    p.add_argument('--workloads', default='gpt,mlp'); p.add_argument('--reps', type=int, default=3)
+    p.add_argument('--seeds', type=int, default=20); p.add_argument('--out', default='bench_out/autotune')
+    p.add_argument('--phases', default='surface,search,replay,launch')
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    workloads, phases = a.workloads.split(','), a.phases.split(',')
+    mbs = [1, 4, 16, 32] if a.quick else [1, 2, 4, 8, 16, 32, 48, 64]
+    reps, seeds = (2, 5) if a.quick else (a.reps, a.seeds)
+    print(f'# bench/autotune.py {"--quick " if a.quick else ""}workloads={workloads} micro_batches={mbs} reps={reps} seeds={seeds}')
+    import multiprocessing as mp
+    ctx = mp.get_context('spawn')
+    def ranks(fn, *args):
+        from torch.multiprocessing import start_processes
+        import socket
+        with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), WORLD_SIZE='2')
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(r, fn, args, q)) for r in range(2)]
+        for pr in procs: pr.start()
+        out = dict(q.get() for _ in procs)
+        for pr in procs: pr.join()
+        if any(isinstance(v, str) and v.startswith('ERROR') for v in out.values()): raise RuntimeError(out)
+        return out[0]
+    for w in workloads:
+        if 'surface' in phases:
+            t = time.perf_counter(); ranks(rank_surface, w, mbs, reps, f'{a.out}/surface_{w}.csv')
+            s = pd.read_csv(f'{a.out}/surface_{w}.csv'); ok = s[s.status == 'ok']
+            err = (ok.predicted - ok.peak) / ok.peak
+            print(f'\n## surface {w}: {len(s)} trials in {time.perf_counter() - t:.0f} s; memory model error over {len(ok)} ok trials: '
+                  f'max |err| {err.abs().max():.2%}, most under {max(0, -err.min()):.2%}, median |err| {err.abs().median():.2%}')
+            print(ok.assign(err=err).groupby('stage').err.agg(['min', 'max', 'count']).to_string())
+        if 'search' in phases:
+            s = pd.read_csv(f'{a.out}/surface_{w}.csv'); lo, hi = s.peak.min(), s.peak.max()
+            rows = ranks(rank_search, w, [lo + f * (hi - lo) for f in (0.3, 0.6, 0.9)], a.out)
+            print(f'\n## default search, {w}\n' + pd.DataFrame(rows).to_string(index=False))
+        if 'launch' in phases:
+            from flexrt.autotuner.space import Candidate
+            cands = [Candidate(st, mb) for st in (0, 1) for mb in (4, 8)]
+            t_in = ranks(rank_inprocess, w, cands)
+            t_launch, st = launch_compare(a.out, w, cands)
+            print(f'\n## {len(cands)} experiments, {w}: in-process {t_in:.1f} s, one torchrun each {t_launch:.1f} s '
+                  f'({t_launch / t_in:.1f}x slower; statuses {st})')
+    if 'replay' in phases:
+        df = replay(a.out, workloads, seeds)
+        df.to_csv(f'{a.out}/replay.csv', index=False)
+        print('\n## replay against the recorded surfaces (regret = 1 - chosen/grid best, mean of the repetitions)\n' + df.to_string(index=False))
+
+def _rank(rank, fn, args, q):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE='2')
+    torch.set_num_threads(1)
+    try: q.put((rank, fn(*args)))
+    except BaseException:
+        import traceback; q.put((rank, 'ERROR ' + traceback.format_exc()))
+    finally:
+        from flexrt import comm
+        if comm.is_initialized() and comm.get_world_size() > 1: comm.destroy_process_group()
+
+if __name__ == '__main__':
+    sys.path.insert(0, str(Path(__file__).parent))
+    main()
