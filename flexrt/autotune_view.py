@@ -22,7 +22,6 @@ class SearchSettings:
     "What the widget's controls ask of a search"
     stages:tuple=(0, 1, 2, 3) # ZeRO stages to try
     micro_batch_range:tuple=(1, 64) # smallest and largest micro-batch per rank
-    bucket_sizes:tuple|None=None # reduce/allgather/prefetch bucket sizes to try (elements); None: the tuner's own
     metric:str='throughput' # 'throughput' (samples/s), 'latency' (s per step, lower is better) or 'flops'
     memory_budget:int|str|None=None # per-rank budget, bytes or '2GiB'; None: none (on CUDA: the device)
     num_processes:int=2 # ranks to launch
@@ -40,9 +39,6 @@ class SearchSettings:
         self.memory_budget = parse_bytes(self.memory_budget)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f'memory_budget={self.memory_budget} must be positive, e.g. \'2GiB\', or None (no budget)')
-        if self.bucket_sizes is not None:
-            self.bucket_sizes = tuple(sorted(set(int(b) for b in self.bucket_sizes))) or None
-            if self.bucket_sizes and self.bucket_sizes[0] < 1: raise ValueError(f'bucket_sizes={self.bucket_sizes} must be positive')
         for name in ('num_processes', 'max_trials'):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -50,9 +46,7 @@ class SearchSettings:
         if self.time_budget is not None and not self.time_budget > 0:
             raise ValueError(f'time_budget={self.time_budget!r} must be positive seconds or None (no limit)')
 
-# %% ../nbs/52_autotune_view.ipynb #c008
-_BUCKET_KEYS = ('reduce_bucket_size', 'allgather_bucket_size', 'stage3_prefetch_bucket_size')
-
+# %% ../nbs/52_autotune_view.ipynb #c007
 def search_arguments(settings:SearchSettings, # what the controls ask
                      config:dict|None, # the user's DeepSpeed-style config
                     )->tuple: # (config, kwargs) for `flexrt.autotune(model_fn, train_step, config, **kwargs)`
@@ -61,14 +55,11 @@ def search_arguments(settings:SearchSettings, # what the controls ask
     low, high = settings.micro_batch_range
     config.setdefault('autotuning', {}).update(metric=settings.metric, min_train_micro_batch_size_per_gpu=low,
                                                max_train_micro_batch_size_per_gpu=high)
-    if settings.bucket_sizes:
-        zero = config.setdefault('zero_optimization', {})
-        for key in _BUCKET_KEYS: zero[key] = list(settings.bucket_sizes)
     kwargs = dict(stages=list(settings.stages), memory_budget=settings.memory_budget, max_trials=settings.max_trials,
                   time_budget=settings.time_budget)
     return config, kwargs
 
-# %% ../nbs/52_autotune_view.ipynb #c011
+# %% ../nbs/52_autotune_view.ipynb #c010
 COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size', 'allgather_bucket_size',
            'stage3_prefetch_bucket_size', 'stage3_param_persistence_threshold', 'overlap_comm', 'status', 'reason',
            'metric_name', 'metric', 'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted',
@@ -86,7 +77,7 @@ def best_trial(trials:pd.DataFrame, metric_name:str='throughput')->dict|None:
     pick = ok['metric'].astype(float).idxmin() if metric_name == 'latency' else ok['metric'].astype(float).idxmax()
     return ok.loc[pick].to_dict()
 
-# %% ../nbs/52_autotune_view.ipynb #c014
+# %% ../nbs/52_autotune_view.ipynb #c013
 TABLE = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size', 'allgather_bucket_size',
          'overlap_comm', 'status', 'reason', 'metric', 'peak_bytes_measured', 'peak_bytes_predicted', 'seconds']
 _HEADERS = {'micro_batch': 'micro-batch', 'gradient_accumulation': 'accum.', 'reduce_bucket_size': 'reduce bucket',
@@ -104,7 +95,7 @@ def _cell(column:str, value)->str:
     if isinstance(value, float): return f'{value:.4g}'
     return html.escape(str(value))
 
-# %% ../nbs/52_autotune_view.ipynb #c015
+# %% ../nbs/52_autotune_view.ipynb #c014
 def table_html(trials:pd.DataFrame, # one row per trial
                best:int|None=None, # the best trial's number, highlighted
                metric_name:str='throughput', sort_by:str='trial', # a column of `TABLE`
@@ -121,7 +112,7 @@ def table_html(trials:pd.DataFrame, # one row per trial
         rows.append(f'<tr class="flexrt-trial"{style}>' + ''.join(f'<td>{_cell(c, row[c])}</td>' for c in TABLE) + '</tr>')
     return f'<table class="flexrt-trials" style="font-size:12px"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
-# %% ../nbs/52_autotune_view.ipynb #c018
+# %% ../nbs/52_autotune_view.ipynb #c017
 _FAILED = {'oom': 'rx', 'over_budget': 'mv', 'timeout': 'ks', 'error': 'k*', 'pruned': 'c.'}
 
 def fill_metric(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', panel:int=0)->Plot:
@@ -136,7 +127,7 @@ def fill_metric(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', pa
     plot.axes[panel].set_ylabel(_METRIC_UNITS.get(metric_name, metric_name), fontsize=8)
     return plot
 
-# %% ../nbs/52_autotune_view.ipynb #c019
+# %% ../nbs/52_autotune_view.ipynb #c018
 def fill_memory(plot:Plot, trials:pd.DataFrame, budget:int|None=None, panel:int=1)->Plot:
     "Measured and predicted per-rank peak per trial, and the budget"
     for column, name, style in (('peak_bytes_measured', 'measured', 'o'), ('peak_bytes_predicted', 'predicted', 'x')):
@@ -150,7 +141,7 @@ def search_plot()->Plot:
     "An empty figure for the two panels"
     return Plot([('metric vs micro-batch', 'micro-batch', ''), ('peak memory per rank', 'trial', 'MiB')], (1, 2), (9, 3.2))
 
-# %% ../nbs/52_autotune_view.ipynb #c022
+# %% ../nbs/52_autotune_view.ipynb #c021
 class SearchView:
     "Listener keeping an autotune search's records: `start`, the trials (`.trials`), `end`"
     def __init__(self):
@@ -206,7 +197,7 @@ class SearchView:
         "The per-rank memory budget the search ran under"
         return (self.start or {}).get('memory_budget') or getattr(self.result, 'memory_budget', None)
 
-# %% ../nbs/52_autotune_view.ipynb #c026
+# %% ../nbs/52_autotune_view.ipynb #c025
 def view_of_result(result)->SearchView: # an `AutotuneResult`
     "A `SearchView` of a finished (or interrupted) search"
     view, trials = SearchView(), result.trials
@@ -219,7 +210,7 @@ def view_of_result(result)->SearchView: # an `AutotuneResult`
         view({'kind': 'experiment', 'event': 'end', 'best': getattr(result, 'best', None), 'best_config': result.best_config})
     return view
 
-# %% ../nbs/52_autotune_view.ipynb #c029
+# %% ../nbs/52_autotune_view.ipynb #c028
 def breakdown_html(breakdown:dict, # bytes per part: parameters, gradients, optimizer_state, ...
                    peak_bytes:int, # the predicted per-rank peak
                    budget:int|None=None)->str: # per-rank budget in bytes

@@ -33,7 +33,8 @@ def search_controls(config:dict, # the config to tune
     return dict(
         stages=W.SelectMultiple(options=[0, 1, 2, 3], value=[0, 1, 2, 3], rows=4, description='ZeRO stages', **style),
         micro_batch_range=W.IntRangeSlider(value=(1, max(64, micro)), min=1, max=max(512, micro), description='micro-batch', **style),
-        bucket_sizes=W.SelectMultiple(options=[(f'{b:,}', b) for b in buckets], value=buckets, rows=3, description='bucket sizes', **style),
+        bucket_sizes=W.SelectMultiple(options=[(f'{b:,}', b) for b in buckets], value=buckets, rows=3, description='buckets tried',
+                                      disabled=True, tooltip="the autotuner's, scaled to the model", **style),
         metric=W.Dropdown(options=METRICS, value=config.get('autotuning', {}).get('metric', 'throughput'), description='metric', **style),
         memory_budget=W.Text(value=str(memory_budget or ''), placeholder='e.g. 2GiB', description='budget / rank', **style),
         num_processes=W.BoundedIntText(value=num_processes, min=1, max=1024, description='processes', **style),
@@ -44,8 +45,7 @@ def search_controls(config:dict, # the config to tune
 def settings_from_controls(controls:dict)->SearchSettings:
     "What the controls ask, validated"
     value = {name: control.value for name, control in controls.items()}
-    return SearchSettings(stages=value['stages'], micro_batch_range=value['micro_batch_range'],
-                          bucket_sizes=value['bucket_sizes'] or None, metric=value['metric'],
+    return SearchSettings(stages=value['stages'], micro_batch_range=value['micro_batch_range'], metric=value['metric'],
                           memory_budget=value['memory_budget'] or None, num_processes=value['num_processes'],
                           max_trials=value['max_trials'] or None, time_budget=value['time_budget'] or None)
 

@@ -42,12 +42,11 @@ def wait_for(condition, w, timeout=180):
 def test_controls_become_autotune_arguments(tmp_path):
     w = widget(tmp_path, memory_budget='96MiB', num_processes=2)
     w.controls['metric'].value, w.controls['max_trials'].value, w.controls['time_budget'].value = 'latency', 7, 30.0
-    w.controls['bucket_sizes'].value = w.controls['bucket_sizes'].options[0][1:]
     config, kwargs = search_arguments(w.settings(), w.config)
     assert kwargs == {'stages': [0, 1], 'memory_budget': 96 * 2**20, 'max_trials': 7, 'time_budget': 30.0}
     assert config['autotuning'] == CONFIG['autotuning'] | {'metric': 'latency', 'min_train_micro_batch_size_per_gpu': 1,
                                                            'max_train_micro_batch_size_per_gpu': 16}
-    assert config['zero_optimization']['reduce_bucket_size'] == [w.controls['bucket_sizes'].options[0][1]]
+    assert w.controls['bucket_sizes'].disabled and len(w.controls['bucket_sizes'].value) == 3   # the autotuner's, shown
     assert w.config == CONFIG                                          # the user's config is not touched
     w.controls['stages'].value = ()                                   # a bad control: Run says what to change
     w.run_button.click()
