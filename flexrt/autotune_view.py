@@ -110,7 +110,7 @@ def table_html(trials:pd.DataFrame, # one row per trial
         style = ' style="background:#c8f0c8;font-weight:bold"' if row['trial'] == best else (
                 '' if row['status'] == 'ok' else ' style="color:#b00020"')
         rows.append(f'<tr class="flexrt-trial"{style}>' + ''.join(f'<td>{_cell(c, row[c])}</td>' for c in TABLE) + '</tr>')
-    return f'<table class="flexrt-trials" style="font-size:12px"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    return f'<table class="flexrt-trials" style="font-size:12px;white-space:nowrap"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 # %% ../nbs/52_autotune_view.ipynb #c017
 _FAILED = {'oom': 'rx', 'over_budget': 'mv', 'timeout': 'ks', 'error': 'k*', 'pruned': 'c.'}
