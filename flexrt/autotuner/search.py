@@ -45,6 +45,7 @@ class Search:
         self.measured, self.records, self.runs, self.stopped = dict(measured or {}), [], 0, ''
         self.candidates, self.record_of = {}, {}  # key -> Candidate, key -> its record (runs of this plan)
         self.max_micro_batch, self.max_micro_batch_runs, self.stage_best, self.baseline, self.best = {}, {}, {}, None, None
+        self.skipped = []   # stages the progressive rule skipped (the knob search probes them once)
 
     def score(self, result)->float: # higher is better
         return -result.metric if self.s.lower_is_better else result.metric
@@ -127,30 +128,32 @@ def predicted_max_micro_batch(self:Search, stage:int, low:int, high:int)->int|No
 
 # %% ../../nbs/63_autotuner_search.ipynb #c020
 @patch
-def find_max_micro_batch(self:Search, stage:int, low:int, high:int, start:int):
-    "The largest micro-batch in [low, high] that runs (`yield from` it): gallop from `start`, then bisect; None if none"
-    fits = lambda m: (yield from self.run_one(self.candidate(stage, m), 'max_micro_batch')).status == FITS
+def find_max_micro_batch(self:Search, stage:int, low:int, high:int, start:int, sizes:list|None=None):
+    "The largest micro-batch in [low, high] (or of `sizes`) that runs (`yield from` it): gallop from `start`, then bisect; None if none"
+    at = (lambda i: sizes[i]) if sizes else (lambda i: i)
+    if sizes: low, high, start = 0, len(sizes) - 1, max([0] + [i for i, m in enumerate(sizes) if m <= start])
+    fits = lambda i: (yield from self.run_one(self.candidate(stage, at(i)), 'max_micro_batch')).status == FITS
     if self.parallel > 1:  # sub-groups: the start and the size above it (the usual answer) at once
-        yield from self.run([Experiment(self.candidate(stage, m), 'max_micro_batch') for m in sorted({start, min(start + 1, high)})])
+        yield from self.run([Experiment(self.candidate(stage, at(i)), 'max_micro_batch') for i in sorted({start, min(start + 1, high)})])
     if (yield from fits(start)):
         good, bad, step = start, None, 1
         while bad is None and good < high:
-            m = min(good + step, high)
-            if (yield from fits(m)): good, step = m, step * 2
-            else: bad = m
-        if bad is None: return good
+            i = min(good + step, high)
+            if (yield from fits(i)): good, step = i, step * 2
+            else: bad = i
+        if bad is None: return at(good)
     else:
         good, bad, step = None, start, 1
         while good is None and bad > low:
-            m = max(bad - step, low)
-            if (yield from fits(m)): good = m
-            else: bad, step = m, step * 2
+            i = max(bad - step, low)
+            if (yield from fits(i)): good = i
+            else: bad, step = i, step * 2
         if good is None: return None
     while bad - good > 1:
         mid = (good + bad) // 2
         if (yield from fits(mid)): good = mid
         else: bad = mid
-    return good
+    return at(good)
 
 # %% ../../nbs/63_autotuner_search.ipynb #c023
 @patch
@@ -188,7 +191,8 @@ def explore_stage(self:Search, stage:int):
     self.prune(stage, [m for m in ladder if m > pmax], f'predicted over the budget {format_bytes(self.budget)} (largest that fits: {pmax})')
     before = self.runs
     start = pmax if self.predict_fn is not None and self.budget is not None else max([low, *filter(None, self.max_micro_batch.values())])
-    top = yield from self.find_max_micro_batch(stage, low, high, min(start, pmax))
+    sizes = sorted(m for m in self.micro_batches if low <= m <= high) if self.micro_batches else None
+    top = yield from self.find_max_micro_batch(stage, low, high, min(start, pmax), sizes)
     self.max_micro_batch[stage], self.max_micro_batch_runs[stage] = top, self.runs - before
     if top is None: return None
     best = yield from self.sweep_micro_batches(stage, top)
@@ -272,6 +276,12 @@ def tune_knobs(self:Search, stage:int, micro_batch:int):
 def tune_stages(self:Search, knob_margin:float=0.05):
     "The knob studies of the stages close to the best (`yield from` it)"
     if not self.stage_best: return
+    for stage in self.skipped:   # one probe at the best micro-batch so far that the stage is predicted to fit
+        m = max(c.micro_batch for _, c in self.stage_best.values() if self.feasible(self.candidate(stage, c.micro_batch))) if any(
+            self.feasible(self.candidate(stage, c.micro_batch)) for _, c in self.stage_best.values()) else None
+        if m is None: continue
+        res = yield from self.run_one(self.candidate(stage, m), 'throughput')
+        if res.status == FITS: self.stage_best[stage] = (self.score(res), self.candidate(stage, m))
     top = max(score for score, _ in self.stage_best.values())
     close = [(score, c) for stage, (score, c) in self.stage_best.items() if stage > 0 and score >= top - abs(top) * knob_margin]
     for score, c in sorted(close, key=lambda x: -x[0]): yield from self.tune_knobs(c.stage, c.micro_batch)
@@ -307,6 +317,7 @@ def plan(self:Search):
             pmax = self.predicted_max_micro_batch(stage, self.s.min_micro_batch, self.s.max_micro_batch)
             if top is not None and (pmax is None or pmax <= top):
                 self.prune(stage, [self.s.min_micro_batch], f'stage {stage} fits no larger micro-batch than {top} (stage below)')
+                if pmax is not None: self.skipped.append(stage)
                 continue
             yield from self.explore_stage(stage)
             if self.max_micro_batch.get(stage) is not None: top = max(top or 0, self.max_micro_batch[stage])
