@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc, math, statistics, time, weakref
 from dataclasses import dataclass, field
 import torch
+from fastcore.basics import patch
 from torch.utils.flop_counter import FlopCounterMode
 import flexrt
 from .. import comm as dist
@@ -77,17 +78,17 @@ class PeakMeter:
         return self
 
 # %% ../../nbs/61_autotuner_measure.ipynb #c012
-def _peak(self:PeakMeter)->int: # bytes above the start
+@patch
+def peak(self:PeakMeter)->int: # bytes above the start
     "The highest bytes since `start`, above what lived then"
     if self.device.type == 'cuda': return torch.cuda.max_memory_allocated(self.device) - self.base
     return self.tracker.peak_bytes - self.base
 
-def _stop(self:PeakMeter):
+@patch
+def stop(self:PeakMeter):
     "Disable the tracker this meter enabled (one enabled by someone else stays)"
     if self.owned: self.tracker.disable()
     self.tracker, self.owned = None, False
-
-PeakMeter.peak, PeakMeter.stop = _peak, _stop
 
 # %% ../../nbs/61_autotuner_measure.ipynb #c015
 def agree_flags(flags:list, # small non-negative ints, this rank's
@@ -158,13 +159,12 @@ class _Steps:
         return spent
 
 # %% ../../nbs/61_autotuner_measure.ipynb #c021
-def _optimizer_step(self:_Steps)->float: # seconds inside `train_step`
+@patch
+def optimizer_step(self:_Steps)->float: # seconds inside `train_step`
     "Micro-steps until the engine counts one more optimizer step"
     steps, spent = self.engine.global_steps, 0.
     while self.engine.global_steps == steps: spent += self.micro_step()
     return spent
-
-_Steps.optimizer_step = _optimizer_step
 
 # %% ../../nbs/61_autotuner_measure.ipynb #c023
 def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_steps, timeout, dataset, start, trace)->dict:
@@ -241,7 +241,8 @@ def run_trial(model_fn, # builds a fresh model (called once per trial, on every 
              )->TrialResult:
     "Run one experiment on the calling ranks; every rank of `group` gets the same result"
     _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout)
-    start = time.perf_counter()
+    start, freeze = time.perf_counter(), gc.get_freeze_count() == 0   # someone else's frozen objects stay as they are
+    if freeze: gc.freeze()   # a collection after the trial then scans only what the trial made: fast
     meter, local, trace = PeakMeter(_device()).start(), {'status': 'ok', 'reason': '', 'peer': False, 'summary': {}}, {}
     try:
         try: local['summary'] = _summary(_experiment(model_fn, train_step, ds_config, group, warmup_steps,
@@ -252,7 +253,9 @@ def run_trial(model_fn, # builds a fresh model (called once per trial, on every 
         trace.pop('steps', None)
         if any(r() is not None for r in trace.get('refs', ())): gc.collect()   # only when a cycle still holds the model or engine
         local['peak'] = meter.peak()
-    finally: meter.stop()
+    finally:
+        meter.stop()
+        if freeze: gc.unfreeze()
     if local['status'] == 'ok' and memory_budget is not None and local['peak'] > memory_budget:
         local.update(status='over_budget', reason=f"peak {local['peak']:,} B is over the memory budget of {memory_budget:,} B")
     local['seconds'] = time.perf_counter() - start

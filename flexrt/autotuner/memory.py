@@ -11,7 +11,8 @@ import flexrt
 from .. import comm as dist
 from ..config import load_config
 from ..memory_tracker import TensorMemoryTracker, active_tracker
-from .memory_stages import (Line, ModelProfile, STATE_TENSORS, STEP_TEMPORARIES, setting, levels, replay)
+from .memory_stages import (Line, ModelProfile, STATE_TENSORS, STEP_TEMPORARIES, STATE_SCALAR_BYTES, setting,
+                                            levels, replay)
 _all_ = ['Line', 'ModelProfile']
 
 # %% auto #0
@@ -21,6 +22,14 @@ __all__ = ['profile_model', 'MemoryEstimate', 'estimate_memory', 'calibrate', 'e
            'estimate_zero3_model_states_mem_needs_all_live', 'Line', 'ModelProfile']
 
 # %% ../../nbs/60_autotuner_memory.ipynb #c006
+def _optimizer_state(name:str, params:dict)->dict: # ModelProfile's optimizer fields
+    "State tensors, step temporaries and scalar state bytes of the torch optimizer `name` with `params`"
+    state = STATE_TENSORS.get(name, 2)
+    if name == 'SGD': state = int(params.get('momentum', 0) != 0)
+    if name == 'RMSprop': state += int(params.get('momentum', 0) != 0) + int(bool(params.get('centered', False)))
+    return dict(optimizer=name, state_tensors=state, step_temporaries=STEP_TEMPORARIES.get(name, 2),
+                state_scalar_bytes=STATE_SCALAR_BYTES.get(name, 4))
+
 def _optimizer_name(cfg)->str:
     "The torch optimizer class the config builds (DeepSpeed's Adam is AdamW unless adam_w_mode is false)"
     if cfg.optimizer is None: return 'AdamW'
@@ -114,8 +123,8 @@ def profile_model(model_fn, # builds a fresh model (called once, or once per mic
     config = dict(config or {})
     cfg = load_config(config)
     name = _optimizer_name(cfg)
-    pr = ModelProfile(**_structure(model_fn()), optimizer=name, state_tensors=STATE_TENSORS.get(name, 2),
-                      step_temporaries=STEP_TEMPORARIES.get(name, 2), profile_itemsize=2 if cfg.fp16.enabled or cfg.bf16.enabled else 4)
+    pr = ModelProfile(**_structure(model_fn()), **_optimizer_state(name, cfg.optimizer.params if cfg.optimizer else {}),
+                      profile_itemsize=2 if cfg.fp16.enabled or cfg.bf16.enabled else 4)
     if train_step is None: return pr
     (m1, m2), recs = micro_batches, [_record(model_fn, train_step, config, m) for m in micro_batches]
     peak = lambda r: max([r.tail] + [e[1] for e in r.events])
@@ -123,7 +132,7 @@ def profile_model(model_fn, # builds a fresh model (called once, or once per mic
     return dataclasses.replace(pr, timeline=_timeline(recs[0], m1, recs[1], m2), activation_slope=line.slope,
                                activation_intercept=line.intercept)
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c017
+# %% ../../nbs/60_autotuner_memory.ipynb #c018
 @dataclass
 class MemoryEstimate:
     "The predicted per-rank peak of one configuration, and what it is made of"
@@ -137,7 +146,7 @@ class MemoryEstimate:
     moment: str = ''              # when the peak happens: 'init', 'backward' (forward included) or 'step'
     phases: dict = field(default_factory=dict)   # the peak of each moment, before headroom
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c018
+# %% ../../nbs/60_autotuner_memory.ipynb #c019
 def _offset(pr:ModelProfile, m:float)->float:
     "The calibrated correction of a measured timeline at micro-batch `m`"
     return Line(*pr.timeline['offset'])(m) if pr.timeline and 'offset' in pr.timeline else 0.
@@ -148,7 +157,14 @@ def _replay(pr:ModelProfile, config:dict, world_size:int, m:int, device:str, off
 
 def _precision(cfg)->str: return 'fp16' if cfg.fp16.enabled else 'bf16' if cfg.bf16.enabled else 'fp32'
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c019
+def _micro_batch(config:dict, world_size:int)->int:
+    "The config's micro-batch size on `world_size` ranks (1 when it gives no batch size)"
+    cfg = load_config(config)
+    if cfg.batch.train_micro_batch_size_per_gpu: return cfg.batch.train_micro_batch_size_per_gpu
+    if cfg.batch.train_batch_size is None: return 1
+    return cfg.resolve_batch(world_size).batch.train_micro_batch_size_per_gpu
+
+# %% ../../nbs/60_autotuner_memory.ipynb #c020
 def _check_sizes(world_size, micro_batch):
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1 (ranks in the data-parallel group), got {world_size!r}")
@@ -164,7 +180,7 @@ def _profile_for(model_fn_or_profile, config:dict, m:int, train_step)->ModelProf
     if not callable(model_fn_or_profile): raise TypeError(f"expected a model function or a ModelProfile, got {type(model_fn_or_profile).__name__}")
     return profile_model(model_fn_or_profile, config, train_step=train_step, micro_batches=(max(1, m // 2), m) if m > 1 else (1, 2))   # the size asked for, and half
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c020
+# %% ../../nbs/60_autotuner_memory.ipynb #c021
 def estimate_memory(model_fn_or_profile, # a model function (builds a fresh model) or a `ModelProfile`
                     config:dict, # the DeepSpeed-style config of the candidate (stage, precision, buckets)
                     world_size:int=1, # ranks in the data-parallel group (any: nothing runs at this size)
@@ -175,7 +191,7 @@ def estimate_memory(model_fn_or_profile, # a model function (builds a fresh mode
                    )->MemoryEstimate:
     "The predicted per-rank peak bytes of `config` on `world_size` ranks, and its breakdown"
     _check_sizes(world_size, micro_batch)
-    m = micro_batch or load_config(config).batch.train_micro_batch_size_per_gpu or 1
+    m = micro_batch or _micro_batch(config, world_size)
     pr = _profile_for(model_fn_or_profile, config, m, train_step)
     device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     s, cfg, static, phases = _replay(pr, config, world_size, m, device)
@@ -187,7 +203,7 @@ def estimate_memory(model_fn_or_profile, # a model function (builds a fresh mode
     return MemoryEstimate(sum(bd.values()), bd, s.stage, world_size, m, _precision(cfg), moment,
                           {k: int(math.ceil(v.peak)) for k, v in phases.items()})
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c026
+# %% ../../nbs/60_autotuner_memory.ipynb #c029
 def _solve(predict, peak:float, tolerance:float)->float|None:
     "The offset nearest 0 at which the non-decreasing `predict` meets `peak` (0 if it already does; None if none can)"
     p0 = predict(0.)
@@ -208,7 +224,7 @@ def _fit(points:list)->Line:
     slope = sum((a - mm) * (b - md) for a, b in zip(ms, ds)) / sum((a - mm) ** 2 for a in ms)
     return Line(slope, md - slope * mm)
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c027
+# %% ../../nbs/60_autotuner_memory.ipynb #c030
 def calibrate(profile:ModelProfile, # from `profile_model`
               measurements:list, # [(ds_config dict, world_size, measured peak bytes per rank), ...]
               tolerance:float=0.002, # a measurement already met within this fraction teaches nothing
@@ -216,7 +232,7 @@ def calibrate(profile:ModelProfile, # from `profile_model`
     "A profile whose activation terms meet the measured peaks"
     device, points = device or ('cuda' if torch.cuda.is_available() else 'cpu'), []
     for config, world_size, peak in measurements:
-        m = load_config(config).batch.train_micro_batch_size_per_gpu or 1
+        m = _micro_batch(config, world_size)
         predict = lambda d: max(t.peak for t in _replay(profile, config, world_size, m, device, d)[3].values())
         d = _solve(predict, peak, tolerance)
         if d is not None: points.append((m, d))
@@ -228,7 +244,7 @@ def calibrate(profile:ModelProfile, # from `profile_model`
     return dataclasses.replace(profile, activation_slope=(profile.activation_slope or 0.) + line.slope,
                                activation_intercept=(profile.activation_intercept or 0.) + line.intercept)
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c030
+# %% ../../nbs/60_autotuner_memory.ipynb #c033
 def estimate_zero2_model_states_mem_needs(total_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
                                           cpu_offload:bool=True, additional_buffer_factor:float=1.5)->tuple: # (cpu, gpu) bytes
     "DeepSpeed's ZeRO-2 model-state estimate (16-bit params and grads, fp32 master and Adam state)"
@@ -243,7 +259,7 @@ def _setup_lines(total_params:int, num_gpus_per_node:int, num_nodes:int, extra:s
           f"{'GPUs' if num_gpus_per_node > 1 else 'GPU'} per node.\nSW: Model with {int(total_params / 1e6)}M total params{extra}.")
     print("  per CPU  |  per GPU |   Options")
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c031
+# %% ../../nbs/60_autotuner_memory.ipynb #c034
 def estimate_zero2_model_states_mem_needs_all_cold(total_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
                                                    additional_buffer_factor:float=1.5):
     "Print DeepSpeed's ZeRO-2 table for a model of `total_params` parameters"
@@ -258,7 +274,7 @@ def estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node:int=
     "Print DeepSpeed's ZeRO-2 table for `model`"
     estimate_zero2_model_states_mem_needs_all_cold(_total_params(model), num_gpus_per_node, num_nodes, additional_buffer_factor)
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c033
+# %% ../../nbs/60_autotuner_memory.ipynb #c036
 def estimate_zero3_model_states_mem_needs(total_params:int, largest_layer_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
                                           cpu_offload:bool=True, cpu_offload_params:bool=True, zero_init:bool=True,
                                           additional_buffer_factor:float=1.5)->tuple: # (cpu, gpu, largest layer) bytes
@@ -275,7 +291,7 @@ def estimate_zero3_model_states_mem_needs(total_params:int, largest_layer_params
         cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
     return int(cpu), int(gpu), largest
 
-# %% ../../nbs/60_autotuner_memory.ipynb #c034
+# %% ../../nbs/60_autotuner_memory.ipynb #c037
 def estimate_zero3_model_states_mem_needs_all_cold(total_params:int, largest_layer_params:int, num_gpus_per_node:int=1,
                                                    num_nodes:int=1, additional_buffer_factor:float=1.5):
     "Print DeepSpeed's ZeRO-3 table"

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from ..config import load_config
 
 # %% auto #0
-__all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'Line', 'ModelProfile', 'Setting', 'setting', 'pad', 'plan_buckets', 'Tally',
-           'levels', 'stage0', 'stage12', 'stage3', 'replay']
+__all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'Line', 'ModelProfile', 'Setting',
+           'setting', 'pad', 'plan_buckets', 'Tally', 'levels', 'stage0', 'stage12', 'stage3', 'replay']
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c005
 @dataclass
@@ -28,9 +28,11 @@ class Line:
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c007
 STATE_TENSORS = {'Adam': 2, 'AdamW': 2, 'Lamb': 2, 'Adamax': 2, 'NAdam': 2, 'RAdam': 2, 'Adadelta': 2, 'Adagrad': 1,
-                 'RMSprop': 1, 'SGD': 0}   # state tensors the size of a parameter (momentum-less SGD: none)
-STEP_TEMPORARIES = {'Adam': 2, 'AdamW': 2, 'Lamb': 3, 'Adamax': 2, 'NAdam': 3, 'RAdam': 3, 'Adadelta': 3,
-                    'Adagrad': 2, 'RMSprop': 2, 'SGD': 0}   # parameter-sized temporaries of torch's per-tensor step
+                 'RMSprop': 1, 'SGD': 0}   # state tensors the size of a parameter (SGD: 1 with momentum; RMSprop: more options)
+STEP_TEMPORARIES = {'Adam': 2, 'AdamW': 2, 'Lamb': 2, 'Adamax': 1, 'NAdam': 2, 'RAdam': 2, 'Adadelta': 2, 'Adagrad': 1,
+                    'RMSprop': 1, 'SGD': 0}   # parameter-sized temporaries of torch's per-tensor step (measured on CPU)
+STATE_SCALAR_BYTES = {'Lamb': 0, 'SGD': 0, 'NAdam': 8}   # others: torch's 4-byte step counter per tensor
+FOREACH_STEP = {'Lamb'}   # steps all its tensors at once: temporaries for all of them (torch's own do so on CUDA)
 
 @dataclass
 class ModelProfile:
@@ -44,6 +46,7 @@ class ModelProfile:
     optimizer: str = 'AdamW'         # the torch optimizer the config builds
     state_tensors: int = 2           # its state tensors per parameter
     step_temporaries: int = 2        # parameter-sized temporaries of its step, per tensor stepped
+    state_scalar_bytes: int = 4      # its per-tensor scalar state (the step counter)
     activation_slope: float|None = None      # bytes per sample (per rank), backward temporaries included
     activation_intercept: float|None = None  # bytes independent of the micro-batch
     timeline: dict|None = None       # the measured activation timeline (see `profile_model(..., train_step=)`)
@@ -55,15 +58,19 @@ class Setting:
     "What the memory replay needs from a config, a world size and a device"
     stage: int; world_size: int; itemsize: int; masters: bool; p2p: bool
     reduce_bucket_size: int; prefetch: int; persistence: int; reuse: int; live: int
+    accumulation: int = 1   # micro-steps per optimizer step
+    cuda: bool = False      # torch's optimizers step every tensor at once (foreach) on CUDA
 
 def setting(config:dict, world_size:int, device:str='cpu')->tuple: # (Setting, the validated FlexConfig)
     "The memory-relevant settings of `config` on `world_size` ranks of `device` (gloo on CPU runs point-to-point)"
     cfg = load_config(config)
     z, half = cfg.zero_optimization, cfg.fp16.enabled or cfg.bf16.enabled
     masters = half and not (cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads)
+    gas = cfg.batch.gradient_accumulation_steps
+    if gas is None and cfg.batch.train_batch_size is not None: gas = cfg.resolve_batch(world_size).batch.gradient_accumulation_steps
     return Setting(z.stage, world_size, 2 if half else 4, masters, device == 'cpu' and world_size > 1, z.reduce_bucket_size,
                    z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, z.stage3_max_reuse_distance,
-                   z.stage3_max_live_parameters), cfg
+                   z.stage3_max_live_parameters, gas or 1, device == 'cuda'), cfg
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c012
 def pad(numel:int, world_size:int)->int: return -(-numel // world_size) * world_size
@@ -102,7 +109,7 @@ def levels(profile:ModelProfile, m:float, offset:float=0., scale:float=1.)->tupl
 
 def _state_bytes(profile:ModelProfile, numels:list, itemsize:int)->int:
     "Optimizer state of tensors of `numels` elements (plus torch's 4-byte step counter per tensor)"
-    return profile.state_tensors * sum(numels) * itemsize + (4 * len(numels) if profile.optimizer != 'SGD' else 0)
+    return profile.state_tensors * sum(numels) * itemsize + profile.state_scalar_bytes * len(numels)
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c020
 def stage0(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {phase: Tally})
@@ -111,15 +118,16 @@ def stage0(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     P, Pt, w, sd = sum(n) + pr.buffer_numel, sum(n[i] for i in T), s.itemsize, 4 if s.masters else s.itemsize
     bd = dict(parameters=P * w, gradients=Pt * w if s.world_size > 1 else 0, fp32_masters=Pt * 4 if s.masters else 0,
               optimizer_state=_state_bytes(pr, [n[i] for i in T], sd))
-    static = sum(bd.values())
-    bwd = Tally(static).see(fwd)
+    static, held = sum(bd.values()), s.world_size == 1 and s.accumulation > 1   # accumulated gradients from the start
+    bwd = Tally(static).add(Pt * w if held else 0).see(fwd)
     for i, before, after in events:
         bwd.see(before)
-        if s.world_size == 1: bwd.add(n[i] * w)   # autograd's gradient stays until the step
+        if s.world_size == 1 and not held: bwd.add(n[i] * w)   # autograd's gradient stays until the step
         bwd.see(after)
     bwd.see(tail)
     step = Tally(static).add(bwd.extra + (Pt * 4 if s.masters else 0))
-    step.see(hold, pr.step_temporaries * max((n[i] for i in T), default=0) * sd)
+    stepped = sum(n[i] for i in T) if pr.optimizer in FOREACH_STEP or s.cuda else max((n[i] for i in T), default=0)
+    step.see(hold, pr.step_temporaries * stepped * sd)
     init = Tally(0.).see(0., max(P * 4 * (2 if s.world_size > 1 else 1), P * w + bd['fp32_masters'] + bd['gradients'],
                                  P * 4 + bd['fp32_masters'] + max(n, default=0) * w if s.masters else 0))   # casting
     return bd, dict(init=init, backward=bwd, step=step)
@@ -167,13 +175,15 @@ def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {
               fp32_masters=sum(shards) * 4 if s.masters else 0, optimizer_state=_state_bytes(pr, shards, sd))
     received = [p * w if s.p2p or W == 1 else sh * w for p, sh in zip(padded, shards)]   # output chunk (+ p2p receives)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
-    arrived, nxt, t = [0] * len(buckets), 0, Tally(sum(bd.values())).see(fwd)
+    held = s.stage == 2 and s.accumulation > 1   # the last micro-step starts with the accumulated gradients in p.grad
+    arrived, nxt = [0] * len(buckets), 0
+    t = Tally(sum(bd.values())).add(sum(n[i] for i in T) * w if held else 0).see(fwd)
     for i, before, after in events:
         t.see(before)
         b = bucket_of.get(i)
         if b is not None:
             arrived[b] += 1
-            if s.stage == 2: t.add(n[i] * w)   # autograd's gradient waits for its bucket
+            if s.stage == 2 and not held: t.add(n[i] * w)   # autograd's gradient waits for its bucket
             while nxt < len(buckets) and arrived[nxt] == len(buckets[nxt]):
                 _launch(t, s, buckets[nxt], padded[nxt], received[nxt], n, after); nxt += 1
         t.see(after)

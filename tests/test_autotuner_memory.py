@@ -1,0 +1,79 @@
+"The memory model against run_trial's measured peaks on real 2-rank gloo groups: every stage, two micro-batches, two bucket settings"
+import torch
+from tests.helpers import run_distributed
+
+class Block(torch.nn.Module):
+    "A pre-norm transformer block"
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+    def forward(self, x):
+        a = self.ln1(x)
+        x = x + self.attn(a, a, a, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+class GPT(torch.nn.Module):
+    "A small GPT-style language model"
+    def __init__(self, vocab=256, d=64, layers=2, heads=4, ctx=32):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Parameter(torch.zeros(ctx, d))
+        self.blocks = torch.nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
+    def forward(self, idx):
+        return self.head(self.ln(self.blocks(self.tok(idx) + self.pos[:idx.shape[1]])))
+
+def gpt_fn(): torch.manual_seed(0); return GPT()
+def gpt_step(engine):
+    idx = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), 33))
+    logits = engine(idx[:, :-1])
+    engine.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1))); engine.step()
+
+def mlp_fn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 512), torch.nn.GELU(),
+                               torch.nn.Linear(512, 10))
+def mlp_step(engine):
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), 128)
+    engine.backward(engine(x).pow(2).mean()); engine.step()
+
+BUCKETS = [{'reduce_bucket_size': 40_000, 'allgather_bucket_size': 40_000, 'stage3_prefetch_bucket_size': 40_000,
+            'stage3_max_reuse_distance': 0},                                   # small buckets, stage 3 regathers
+           {'reduce_bucket_size': 500_000_000, 'allgather_bucket_size': 500_000_000, 'overlap_comm': True}]
+
+def config(stage, micro, buckets=None, accumulation=1):
+    return {'train_micro_batch_size_per_gpu': micro, 'gradient_accumulation_steps': accumulation, 'steps_per_print': 10**9,
+            'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}}, 'zero_optimization': {'stage': stage, **(buckets or {})}}
+
+def _accuracy(rank, world_size, name, micro_batches):
+    from flexrt.autotuner.memory import profile_model, calibrate, estimate_memory
+    from flexrt.autotuner.measure import run_trial
+    model_fn, step = globals()[name + '_fn'], globals()[name + '_step']
+    profile = profile_model(model_fn, config(0, 1), train_step=step, micro_batches=micro_batches)
+    trial = lambda c: run_trial(model_fn, step, c, warmup_steps=1, profile_steps=1)
+    profile = calibrate(profile, [(config(0, m), world_size, trial(config(0, m)).peak_bytes) for m in micro_batches])
+    rows = []
+    for stage in (0, 1, 2, 3):
+        for m in micro_batches:
+            for b, buckets in enumerate(BUCKETS):
+                c = config(stage, m, buckets)
+                r = trial(c)
+                assert r.status == 'ok', r.reason
+                rows.append((stage, m, b, estimate_memory(profile, c, world_size, m).peak_bytes, r.peak_bytes))
+        c = config(stage, micro_batches[0], BUCKETS[0], accumulation=3)   # gradient accumulation
+        r = trial(c)
+        rows.append((stage, micro_batches[0], 'accumulation 3', estimate_memory(profile, c, world_size).peak_bytes, r.peak_bytes))
+    return rows
+
+def _check(rows):
+    for stage, m, b, predicted, measured in rows:
+        error = (predicted - measured) / measured
+        assert -0.01 <= error <= 0.02, f'stage {stage}, micro-batch {m}, buckets {b}: predicted {predicted:,}, measured {measured:,} ({error:+.2%})'
+        print(f'stage {stage} micro {m:3d} buckets {b}: predicted {predicted:>11,} measured {measured:>11,} {error:+.2%}')
+
+def test_memory_model_mlp():
+    _check(run_distributed(_accuracy, 2, args=('mlp', (8, 64)), timeout=300)[0])
+
+def test_memory_model_gpt():
+    _check(run_distributed(_accuracy, 2, args=('gpt', (2, 8)), timeout=300)[0])
