@@ -134,3 +134,14 @@ def test_example_notebook_searches_on_two_ranks_and_asserts_its_result(tmp_path)
     state = nb.metadata['widgets']['application/vnd.jupyter.widget-state+json']['state'].values()
     tables = [m['state']['value'] for m in state if m['model_name'] == 'HTMLModel' and 'flexrt-trials' in m['state'].get('value', '')]
     assert len(tables) == 1 and tables[0].count('<tr class="flexrt-trial"') == len(pd.read_csv(tmp_path / 'trials.csv'))
+
+def test_a_search_that_cannot_start_shows_why_and_can_run_again(tmp_path):
+    from flexrt.launch import RankError
+    w = widget(tmp_path, memory_budget='1KiB')                        # below what the model needs at any stage
+    w.run()
+    with pytest.raises(RankError, match='memory_budget'): w.wait(180)
+    assert w.state == 'failed' and 'memory_budget' in w.status.value and '<b>failed</b>' in w.status.value
+    assert not w.run_button.disabled and w.stop_button.disabled       # fix the budget and Run again
+    w.controls['memory_budget'].value = '256MiB'; w.controls['max_trials'].value = 1
+    w.run(); assert w.wait(180) and w.state == 'finished' and len(w.trials) >= 1
+    w.close()
