@@ -38,3 +38,6 @@ def init_distributed(dist_backend:str|None=None, # 'nccl', 'gloo', 'mpi'; None: 
     return comm.init_distributed(backend=dist_backend, timeout=timeout, init_method=init_method, rank=rank,
                                  world_size=world_size, distributed_port=distributed_port,
                                  dist_init_required=dist_init_required, config=config)
+
+# %% ../nbs/39_flexrt_init.ipynb #c900
+_ENTRY_POINTS['AutotuneWidget'] = 'flexrt.autotune_widget'   # the interactive autotuner (also flexrt.widgets.AutotuneWidget)

@@ -337,3 +337,11 @@ def save(self:LiveView, path)->list: # the files written
         if view.has_data(): view.figure().savefig(os.path.join(path, name), dpi=100); written.append(name)
     frame.drop(columns=[c for c in ('rows', 'traceback') if c in frame]).to_csv(os.path.join(path, 'history.csv'), index=False)
     return written + ['history.csv']
+
+# %% ../nbs/50_widgets.ipynb #c033
+def __getattr__(name:str):
+    "`AutotuneWidget` (the interactive autotuner, `flexrt.autotune_widget`, which builds on this module), loaded on first use"
+    if name == 'AutotuneWidget':
+        from flexrt.autotune_widget import AutotuneWidget
+        return AutotuneWidget
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
