@@ -22,9 +22,11 @@ $(STAMP): setup.py settings.ini
 	touch $@
 
 # Executes examples/quickstart.ipynb headless (2 CPU ranks, the engine, the live dashboard) with nbclient; writes the
-# executed notebook, the dashboard's plots (PNG) and its history (CSV) to $(DEMO_OUT)/.
+# executed notebook, the dashboard's plots (PNG) and its history (CSV) to $(DEMO_OUT)/; then examples/autotune.ipynb
+# (the autotune widget searching ZeRO stage x micro-batch on 2 CPU ranks): its plots, trials and best config too.
 demo: install
 	OUT=$(DEMO_OUT) $(PY) examples/run_quickstart.py
+	OUT=$(DEMO_OUT) $(PY) examples/run_autotune.py
 
 # The last line says how much was skipped (pytest prints each skip's reason with -rs, each expected failure with -rx).
 test: install sync-check nbtest pytest
