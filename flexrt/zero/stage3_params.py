@@ -10,6 +10,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from .. import comm as dist
 from ..reducer import _group_of
+from .param_access import track_parameters, untrack_parameters
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['ParamRecord', 'gather_records', 'release_records', 'Unit', 'ParameterPartitioner', 'register_external_parameter',
@@ -32,8 +34,9 @@ class ParamRecord:
     def __repr__(self): return f"ParamRecord({self.name}, {tuple(self.shape)}, shard={self.shard_numel}{', persistent' if self.persistent else ''})"
 
 # %% ../../nbs/42_zero3_params.ipynb #c007
+@patch
 @torch.no_grad()
-def _fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
+def fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
                 out:torch.Tensor|None=None): # where to write (default: `shard`)
     "Copy this rank's piece of `full` into `out`, zeros past the parameter's end"
     out = self.shard if out is None else out
@@ -41,8 +44,6 @@ def _fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
     piece = full.reshape(-1)[start:start + self.shard_numel]
     out[:piece.numel()].copy_(piece)
     out[piece.numel():].zero_()
-
-ParamRecord.fill_shard = _fill_shard
 
 # %% ../../nbs/42_zero3_params.ipynb #c011
 def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
@@ -120,15 +121,17 @@ class _ReduceScatter:
     def add(self, index:int, grad:torch.Tensor): _copy_rows(self.buffer, self.offsets[index], self.records[index], grad)
 
 # %% ../../nbs/42_zero3_params.ipynb #c017
-def _launch(self:_ReduceScatter, owner=None): # owner: counts the bytes in its `comm_bytes`
+@patch
+def launch(self:_ReduceScatter, owner=None): # owner: counts the bytes in its `comm_bytes`
     "Start the reduce-scatter over the records' group (nothing to start in a group of one)"
     if self.n == 1: self.out = self.buffer.view(-1); return
     self.out = self.buffer.new_empty(self.offsets[-1])
     self.work = _reduce_scatter(self.group)(self.out, self.buffer.view(-1), group=self.group, async_op=True)
     if owner is not None: owner.comm_bytes += self.buffer.numel() * self.buffer.element_size()
 
+@patch
 @torch.no_grad()
-def _finish_rs(self:_ReduceScatter):
+def finish(self:_ReduceScatter):
     "Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard`"
     if self.work is not None: self.work.wait()
     if self.divisor != 1: self.out.div_(self.divisor)
@@ -136,8 +139,6 @@ def _finish_rs(self:_ReduceScatter):
     src = [self.out[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
     torch._foreach_add_(dst, [s.to(d.dtype) for s, d in zip(src, dst)])
     self.buffer = self.out = self.work = None
-
-_ReduceScatter.launch, _ReduceScatter.finish = _launch, _finish_rs
 
 # %% ../../nbs/42_zero3_params.ipynb #c020
 class Unit:
@@ -180,8 +181,10 @@ class ParameterPartitioner:
         self._build_units()
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
         self._in_backward, self.partitioned, self.comm_bytes = False, False, 0   # comm_bytes: gathered + reduce-scattered
+        self.on_modified = None   # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
 
 # %% ../../nbs/42_zero3_params.ipynb #c023
+@patch
 def _build_units(self:ParameterPartitioner):
     "A unit per module; a gradient part per process group of the first unit owning each trainable record"
     self.units, self._all_units, self._grad_parts, self._grad_part = [], [], [], {}
@@ -198,8 +201,6 @@ def _build_units(self:ParameterPartitioner):
             part = _GradPart(same); self._grad_parts.append(part)
             for r in same: self._grad_part[id(r)] = part
 
-ParameterPartitioner._build_units = _build_units
-
 # %% ../../nbs/42_zero3_params.ipynb #c024
 def register_external_parameter(module:torch.nn.Module, # the module whose forward uses `param`
                                 param:torch.nn.Parameter): # a parameter owned by another module
@@ -208,32 +209,21 @@ def register_external_parameter(module:torch.nn.Module, # the module whose forwa
     if not any(p is param for p in ext): ext.append(param)
 
 # %% ../../nbs/42_zero3_params.ipynb #c026
-class _TrackedParameters(dict):
-    "A module's `_parameters` under ZeRO-3: looking up a parameter no running forward holds calls `_on_access`"
-    __slots__ = ('records', 'partitioner')
-    def __getitem__(self, name:str):
-        p = dict.__getitem__(self, name)
-        r = self.records.get(name)
-        if r is not None and not (r.full and r.active): self.partitioner._on_access(r)
-        return p
-
+@patch
 def _track(self:ParameterPartitioner, module:torch.nn.Module):
-    "Swap `module._parameters` for a `_TrackedParameters` (same entries, same order)"
-    tracked = _TrackedParameters(module._parameters)
-    tracked.records = {n: self.records[p] for n, p in module._parameters.items() if p is not None}
-    tracked.partitioner = self
-    module.__dict__['_parameters'] = tracked
+    "Watch lookups of `module`'s parameters (see `flexrt.zero.param_access`)"
+    track_parameters(module, {n: self.records[p] for n, p in module._parameters.items() if p is not None}, self._on_access)
     self._tracked.append(module)
 
-ParameterPartitioner._track = _track
-
 # %% ../../nbs/42_zero3_params.ipynb #c027
+@patch
 def _on_access(self:ParameterPartitioner, r:ParamRecord):
     "A read of a parameter no forward holds: in a forward the innermost module claims it; either way it is gathered"
     if r.persistent: return
     if self._stack: self._claim(self._stack[-1], r)
     gather_records([r], owner=self)
 
+@patch
 def _claim(self:ParameterPartitioner, unit:Unit, r:ParamRecord):
     "From now on `unit` gathers `r` before its forward and backward and releases it after; it is in its forward now"
     if any(x is r for x in unit.records): return
@@ -241,10 +231,9 @@ def _claim(self:ParameterPartitioner, unit:Unit, r:ParamRecord):
     unit.records.append(r)
     r.active += 1   # as its pre-hook would have counted it: the post-hook releases it
 
-ParameterPartitioner._on_access, ParameterPartitioner._claim = _on_access, _claim
-
 # %% ../../nbs/42_zero3_params.ipynb #c028
-def _partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat tensor of shard_numel} to keep its shard in
+@patch
+def partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat tensor of shard_numel} to keep its shard in
                grad_shards:dict|None=None): # {param: flat tensor} its gradient shard is added into
     "Fill every shard, release the non-persistent parameters and install the hooks"
     shards, grad_shards = shards or {}, grad_shards or {}
@@ -258,9 +247,8 @@ def _partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat 
     self._install_hooks()
     self.partitioned = True
 
-ParameterPartitioner.partition = _partition
-
 # %% ../../nbs/42_zero3_params.ipynb #c030
+@patch
 def _install_hooks(self:ParameterPartitioner):
     for u in self._all_units:
         if next(u.module.parameters(), None) is None: continue   # nothing below it to gather or claim
@@ -270,6 +258,7 @@ def _install_hooks(self:ParameterPartitioner):
     for p in self.records:
         if p.requires_grad: self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+@patch
 def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     self._stack.append(unit)
     if not self._traced and torch.is_grad_enabled() and unit.index not in self._position:
@@ -279,6 +268,7 @@ def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     gather_records(unit.records, owner=self)
     self._prefetch(unit, +1)
 
+@patch
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
     self._stack.pop()
     if not unit.records: return
@@ -288,9 +278,8 @@ def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad: t.register_hook(partial(self._pre_backward, unit))
 
-ParameterPartitioner._install_hooks, ParameterPartitioner._pre_forward, ParameterPartitioner._post_forward = _install_hooks, _pre_forward, _post_forward
-
 # %% ../../nbs/42_zero3_params.ipynb #c031
+@patch
 def _prefetch(self:ParameterPartitioner, unit:Unit, step:int):
     "Start gathering the unit that ran `step` places after `unit` in the first forward"
     if not self._traced or not self.prefetch_numel or unit.index not in self._position: return
@@ -298,12 +287,14 @@ def _prefetch(self:ParameterPartitioner, unit:Unit, step:int):
     if 0 <= i < len(self.trace) and self.trace[i].numel <= self.prefetch_numel:
         gather_records(self.trace[i].records, async_op=True, owner=self)
 
+@patch
 def _pre_backward(self:ParameterPartitioner, unit:Unit, grad):
     "Gradient hook on the unit's outputs: gather its parameters before autograd enters it"
     self._begin_backward()
     gather_records(unit.records, owner=self)
     self._prefetch(unit, -1)
 
+@patch
 def _begin_backward(self:ParameterPartitioner):
     "Once per backward: ask autograd to call `_end_backward` when it is done"
     if self._in_backward: return
@@ -311,11 +302,13 @@ def _begin_backward(self:ParameterPartitioner):
     self._in_backward, self._traced = True, True
     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+@patch
 def _finish_trace(self:ParameterPartitioner):
     "The first forward's order of the units that gather something (the others only kept the stack)"
     self.trace = [u for u in self.trace if u.records]
     self._position = {u.index: i for i, u in enumerate(self.trace)}
 
+@patch
 def _plan_keep(self:ParameterPartitioner):
     "The units whose backward comes soon after their forward: from the end of the trace, while the reuse distance allows"
     between = live = 0   # elements gathered between a unit's forward and its backward: twice those after it
@@ -323,10 +316,8 @@ def _plan_keep(self:ParameterPartitioner):
         if 2 * between >= self.max_reuse_distance or live + unit.numel > self.max_live_numel: break
         self._keep.add(unit.index); live += unit.numel; between += unit.numel
 
-ParameterPartitioner._prefetch, ParameterPartitioner._pre_backward, ParameterPartitioner._begin_backward = _prefetch, _pre_backward, _begin_backward
-ParameterPartitioner._finish_trace, ParameterPartitioner._plan_keep = _finish_trace, _plan_keep
-
 # %% ../../nbs/42_zero3_params.ipynb #c032
+@patch
 def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
     "A parameter's gradient is complete: copy it into its part's buffer, drop it, release the parameter"
     self._begin_backward()
@@ -340,6 +331,7 @@ def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
     p.grad = None
     release_records([r])
 
+@patch
 def _end_backward(self:ParameterPartitioner):
     "After backward: launch the parts not launched (missing gradients are zeros), add the results into the shards, release all"
     for part in self._grad_parts:
@@ -353,28 +345,27 @@ def _end_backward(self:ParameterPartitioner):
     self.release_all()
     self._in_backward = False
 
-ParameterPartitioner._on_grad, ParameterPartitioner._end_backward = _on_grad, _end_backward
-
 # %% ../../nbs/42_zero3_params.ipynb #c033
-def _release_all(self:ParameterPartitioner):
+@patch
+def release_all(self:ParameterPartitioner):
     "Finish gathers in flight and release every parameter not in use (persistent ones stay whole)"
     release_records(list(self.records.values()))
 
+@patch
 @torch.no_grad()
-def _refresh_persistent(self:ParameterPartitioner):
+def refresh_persistent(self:ParameterPartitioner):
     "After the shards changed (an optimizer step): all-gather the persistent parameters again"
     persistent = [r for r in self.records.values() if r.persistent and r.numel]
     for r in persistent: r.full = False
     if persistent: gather_records(persistent, owner=self)
 
-ParameterPartitioner.release_all, ParameterPartitioner.refresh_persistent = _release_all, _refresh_persistent
-
 # %% ../../nbs/42_zero3_params.ipynb #c034
+@patch
 @torch.no_grad()
-def _close(self:ParameterPartitioner):
+def close(self:ParameterPartitioner):
     "Remove every hook and lookup check, give each parameter its full data back and forget the shards"
     for h in self._hooks: h.remove()
-    for m in self._tracked: m.__dict__['_parameters'] = dict(m._parameters)
+    for m in self._tracked: untrack_parameters(m)
     self._hooks, self._tracked, self._stack = [], [], []
     if not self.partitioned: return
     records = list(self.records.values())
@@ -385,8 +376,6 @@ def _close(self:ParameterPartitioner):
         del r.param._zero3
         r.shard = r.grad_shard = None
     self.partitioned = False
-
-ParameterPartitioner.close = _close
 
 # %% ../../nbs/42_zero3_params.ipynb #c036
 @contextlib.contextmanager
@@ -408,11 +397,10 @@ def GatheredParameters(params, # a parameter or an iterable of them (e.g. `modul
             release_records([r])
 
 # %% ../../nbs/42_zero3_params.ipynb #c037
+@patch
 @torch.no_grad()
-def _write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
+def write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
     "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
     if r.world_size > 1: dist.broadcast(r.param.data, src=dist.get_global_rank(r.group, src), group=r.group)
     r.fill_shard(r.param.data)
     if self.on_modified is not None: self.on_modified(r)
-
-ParameterPartitioner.write_back, ParameterPartitioner.on_modified = _write_back, None
