@@ -4,14 +4,14 @@
 
 # %% ../../nbs/45_checkpoint.ipynb #c003
 from __future__ import annotations
-import contextlib, hashlib, shutil, warnings
+import contextlib, hashlib, math, shutil, warnings
 from collections import OrderedDict
 from pathlib import Path
 import torch
 from .. import comm as dist, __version__
 from .files import (CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe, check_tag, staging_dir,
                     write_manifest, read_manifest, verify_file, publish, read_latest, tag_dir)
-from .shards import (tensor_entries, master_records, value_records, rng_state, set_rng_state, FragmentIndex)
+from .shards import (tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex)
 from fastcore.basics import patch
 
 # %% auto #0
@@ -296,6 +296,15 @@ def _warn_world(states:dict):
                       "for ranks that existed before")
 
 # %% ../../nbs/45_checkpoint.ipynb #c027
+def _sizes(states:dict)->dict: # {key without @ suffixes: (numel, dtype name)}
+    return {key.split('@')[0]: (math.prod(shape), dtype) for _, key, _, shape, dtype in states['entries']}
+
+def _plan(engine, states:dict, payloads:list, strict:bool, optimizer_states:bool)->LoadPlan:
+    "Check every rank file's records against the manifest, then plan the load (nothing is changed yet)"
+    sizes = _sizes(states)
+    for r, payload in enumerate(payloads): check_records(payload, rank_file(r), sizes)
+    return LoadPlan(engine, states, FragmentIndex(payloads), strict, optimizer_states)
+
 def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
                     load_dir, # the directory `save_checkpoint` wrote to
                     tag=None, # which checkpoint (default: the one `latest` names)
@@ -312,8 +321,7 @@ def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
     verify(directory, manifest)
     states = safe_load(directory / MODEL_STATES)
     payloads = [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])]
-    plan, error = _attempt(LoadPlan, engine, states, FragmentIndex(payloads), load_module_strict,
-                           load_optimizer_states and not load_module_only)
+    plan, error = _attempt(_plan, engine, states, payloads, load_module_strict, load_optimizer_states and not load_module_only)
     agree(error, 'planning the checkpoint load')
     _warn_window(engine, 'load_checkpoint', "those gradients are dropped and training resumes with a fresh window")
     plan.apply()
@@ -360,7 +368,9 @@ def consolidate(ckpt_dir, # a save_dir (with `latest`) or one checkpoint's direc
         problems = [p for n, info in manifest['files'].items() if (p := verify_file(directory, n, info))]
         if problems: raise CheckpointError("the checkpoint is corrupted: " + '; '.join(problems))
     states = safe_load(directory / MODEL_STATES)
-    index = FragmentIndex([safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])])
+    payloads = [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])]
+    for r, payload in enumerate(payloads): check_records(payload, rank_file(r), _sizes(states))
+    index = FragmentIndex(payloads)
     return _assemble(states, index, mp_rank, ep_rank)
 
 # %% ../../nbs/45_checkpoint.ipynb #c031

@@ -11,7 +11,7 @@ from .files import CheckpointError
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['tensor_entries', 'master_records', 'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex']
+__all__ = ['tensor_entries', 'master_records', 'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex', 'check_records']
 
 # %% ../../nbs/45_checkpoint_shards.ipynb #c006
 def _expert_rank(p, expert_groups)->int|None:
@@ -162,3 +162,48 @@ def scalars_at(self:FragmentIndex, key:str, position:int)->dict: # the scalar st
 @patch
 def state_keys(self:FragmentIndex, key:str)->set:
     return {k for rec, *_, kind in self.by_key.get(key, []) if kind == 'masters' for k in rec['state']}
+
+# %% ../../nbs/45_checkpoint_shards.ipynb #c024
+def _fail(where:str, key, what:str): raise CheckpointError(f"{where}: {key!r} {what}: the file does not match its manifest (tampered or written by a broken save)")
+
+def _check_pieces(rec:dict, t:torch.Tensor, where:str, sizes:dict):
+    "Every piece names a tensor of the model, lies inside it, and within the record's tensor"
+    pieces = rec.get('pieces')
+    if not isinstance(pieces, list) or not pieces: _fail(where, None, "a record has no pieces")
+    for piece in pieces:
+        if not (isinstance(piece, list) and len(piece) == 4 and isinstance(piece[0], str)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in piece[1:])): _fail(where, piece, "is not a piece [key, start, numel, offset]")
+        key, start, numel, offset = piece
+        size = sizes.get(key.split('@')[0])
+        if size is None: _fail(where, key, "is not a tensor of the checkpoint's model")
+        if start < 0 or numel <= 0 or offset < 0 or start + numel > size[0]:
+            _fail(where, key, f"names elements [{start}, {start + numel}) of a tensor of {size[0]}")
+        if offset + numel > t.numel(): _fail(where, key, f"needs {offset + numel} elements of a record holding {t.numel()}")
+
+# %% ../../nbs/45_checkpoint_shards.ipynb #c025
+def _check_master(rec:dict, t:torch.Tensor, where:str, key:str):
+    if t.dtype != torch.float32: _fail(where, key, f"master is {t.dtype}, not torch.float32")
+    for k, v in rec.get('state', {}).items():
+        if not isinstance(v, torch.Tensor) or v.shape != t.shape or not v.is_floating_point():
+            _fail(where, key, f"optimizer state {k!r} is {_describe(v)}, not a floating tensor of the master's shape {tuple(t.shape)}")
+    for k, v in rec.get('scalars', {}).items():
+        if isinstance(v, torch.Tensor) and v.dim() != 0 or not isinstance(v, (torch.Tensor, int, float, bool, type(None))):
+            _fail(where, key, f"optimizer state {k!r} is {_describe(v)}, not a number")
+
+def _describe(v)->str: return f"a {v.dtype} tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+
+def check_records(payload:dict, # one loaded rank file
+                  where:str, # its name, for the errors
+                  sizes:dict): # {key without @ suffixes: (numel, dtype name)} from the manifest's entries
+    "CheckpointError naming the file and key unless every record of `payload` is consistent with the manifest"
+    for kind, field in (('masters', 'master'), ('values', 'value')):
+        records = payload.get(kind) if isinstance(payload, dict) else None
+        if not isinstance(records, list): _fail(where, kind, "is not a list of records")
+        for rec in records:
+            t = rec.get(field) if isinstance(rec, dict) else None
+            if not isinstance(t, torch.Tensor): _fail(where, field, "is missing from a record")
+            _check_pieces(rec, t, where, sizes)
+            key = rec['pieces'][0][0]
+            if kind == 'masters': _check_master(rec, t, where, key)
+            elif t.dim() != 1 or str(t.dtype).removeprefix('torch.') != sizes[key.split('@')[0]][1]:
+                _fail(where, key, f"value is {_describe(t)}, not a flat {sizes[key.split('@')[0]][1]} tensor")
