@@ -11,12 +11,13 @@ import torch
 from .. import comm as dist, __version__
 from .files import (CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe, check_tag, staging_dir,
                     write_manifest, read_manifest, verify_file, publish, read_latest, tag_dir)
+from .plan import LoadPlan, _entries, _writes
 from .shards import (tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex)
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['agree', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'LoadPlan',
-           'load_checkpoint', 'save_16bit_model', 'consolidate']
+__all__ = ['agree', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'load_checkpoint',
+           'save_16bit_model', 'consolidate']
 
 # %% ../../nbs/45_checkpoint.ipynb #c006
 def agree(error:BaseException|None, # what this rank met in the phase (None: success)
@@ -55,18 +56,6 @@ def agree_on_tag(tag:str, mode:str='Warn', device=None)->str: # the tag every ra
     first = _rank0_tag(tag)
     warnings.warn(f"{msg}; saving under rank 0's tag {first!r}")
     return first
-
-# %% ../../nbs/45_checkpoint.ipynb #c010
-def _mp_rank(engine)->int|None: return engine.mpu.get_model_parallel_rank() if engine.mpu is not None and engine.mp_world_size > 1 else None
-
-def _entries(engine)->list: return tensor_entries(engine.module, engine.expert_groups, _mp_rank(engine), engine.optimizer.full_shape)
-
-def _writes(engine):
-    "writes(t, i): whether this rank writes the i-th replicated tensor `t` (round-robin over the group replicating it)"
-    def writes(t, i):
-        dp = engine.expert_groups.data_parallel.get(getattr(t, 'group_name', None)) if getattr(t, 'allreduce', True) is False else engine.dp_group
-        return dist.get_rank(dp) == i % dist.get_world_size(dp)
-    return writes
 
 # %% ../../nbs/45_checkpoint.ipynb #c011
 def rank_payload(engine, entries:list, # `_entries(engine)`
@@ -174,110 +163,6 @@ def verify(directory:Path, manifest:dict):
         dist.all_gather_object(everyone, problems)
         problems = [p for ps in everyone for p in ps]
     if problems: raise CheckpointError("the checkpoint is corrupted: " + '; '.join(sorted(problems)))
-
-# %% ../../nbs/45_checkpoint.ipynb #c018
-class LoadPlan:
-    "Everything a load will copy, checked before anything is changed"
-    def __init__(self, engine, states:dict, index:FragmentIndex, strict:bool, optimizer_states:bool):
-        self.engine, self.states, self.index = engine, states, index
-        self.entries = _entries(engine)
-        self.skip = self._check_names(strict)
-        self.masters = self._check_masters()
-        self.values = self._check_values()
-        self.optimizer = self._optimizer_state() if optimizer_states else None
-
-# %% ../../nbs/45_checkpoint.ipynb #c019
-@patch
-def _check_names(self:LoadPlan, strict:bool)->set: # state_dict names not to load (absent in the checkpoint, not strict)
-    saved = {name: shape for name, _, _, shape, _ in self.states['entries']}
-    current = {name: shape for name, _, _, _, shape in self.entries}
-    excluded = set(self.states.get('excluded', []))
-    missing = [n for n in current if n not in saved and n not in excluded]
-    unexpected = [n for n in saved if n not in current]
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"the checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}" +
-                              " (pass load_module_strict=False to load what matches)")
-    wrong = [f"{n}: checkpoint {saved[n]}, model {current[n]}" for n in current if n in saved and saved[n] != current[n]]
-    if wrong: raise CheckpointError(f"shape mismatch between checkpoint and model: {'; '.join(wrong[:8])}")
-    return set(missing) | excluded
-
-@patch
-def _need(self:LoadPlan, key:str, field:str, start:int, numel:int):
-    if self.index.covered(key, field, start, numel) != numel:
-        raise CheckpointError(f"the checkpoint lacks elements [{start}, {start + numel}) of {key!r} ({field}): "
-                              "its rank files are incomplete, or it was saved with another model or expert layout")
-
-# %% ../../nbs/45_checkpoint.ipynb #c020
-@patch
-def _check_masters(self:LoadPlan)->list: # [(master, [(key, start, numel, offset)])]
-    names = {id(t): name for name, _, t, *_ in self.entries}
-    keys = {id(t): key for _, key, t, *_ in self.entries}
-    out = []
-    for master, pieces, _ in self.engine.optimizer.fragments():
-        todo = [(keys[id(p)], s, n, off) for p, s, n, off in pieces if names[id(p)] not in self.skip]
-        for key, s, n, _ in todo: self._need(key, 'master', s, n)
-        out.append((master, todo))
-    return out
-
-@patch
-def _check_values(self:LoadPlan)->list: # [(destination flat tensor, key, start)]
-    opt = self.engine.optimizer
-    covered, out, seen = {id(p) for p in opt.stepped_params()}, [], set()
-    for name, key, t, *_ in self.entries:
-        if id(t) in covered or id(t) in seen or name in self.skip: continue
-        seen.add(id(t))
-        dst, start = opt.owned_value(t) or (t.data.view(-1), 0)   # a partitioned tensor: this rank's piece
-        self._need(key, 'value', start, dst.numel())
-        out.append((dst, key, start))
-    return out
-
-# %% ../../nbs/45_checkpoint.ipynb #c022
-@patch
-def _master_state(self:LoadPlan, master, todo:list)->dict:
-    if not todo: return {}
-    kinds = set().union(*(self.index.state_keys(key) for key, *_ in todo))
-    state = {}
-    for k in sorted(kinds):
-        dtype = next(_tensor_dtype(self.index, key, k) for key, *_ in todo if k in self.index.state_keys(key))
-        t = torch.zeros(master.shape, dtype=dtype, device=master.device)
-        for key, s, n, off in todo: self.index.copy_into(t.view(-1)[off:off + n], key, k, s)
-        state[k] = t
-    scalars = next((sc for key, s, *_ in todo if (sc := self.index.scalars_at(key, s))), {})   # the first piece that has any
-    for k, v in scalars.items(): state[k] = v.clone() if isinstance(v, torch.Tensor) else v
-    return state
-
-def _tensor_dtype(index:FragmentIndex, key:str, k:str)->torch.dtype:
-    return next(rec['state'][k].dtype for rec, *_, kind in index.by_key[key] if kind == 'masters' and k in rec['state'])
-
-# %% ../../nbs/45_checkpoint.ipynb #c023
-@patch
-def _optimizer_state(self:LoadPlan)->dict|None: # a torch optimizer state_dict, or None (nothing to load)
-    opt, saved = self.engine.basic_optimizer, self.states['optimizer']
-    if opt is None or saved is None: return None
-    if saved['type'] != type(opt).__name__:
-        raise CheckpointError(f"the checkpoint's optimizer is {saved['type']}, this engine's {type(opt).__name__}: "
-                              "use the same optimizer, or pass load_optimizer_states=False")
-    sd = opt.state_dict()
-    if len(saved['param_groups']) != len(sd['param_groups']):
-        raise CheckpointError(f"the checkpoint has {len(saved['param_groups'])} optimizer param groups, this engine {len(sd['param_groups'])}")
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g['params'])}
-    state = {index[id(m)]: s for m, todo in self.masters if (s := self._master_state(m, todo))}
-    groups = [{**saved_g, 'params': g['params']} for g, saved_g in zip(sd['param_groups'], saved['param_groups'])]
-    return {'state': state, 'param_groups': groups}
-
-# %% ../../nbs/45_checkpoint.ipynb #c025
-@patch
-@torch.no_grad()
-def apply(self:LoadPlan):
-    "Copy every planned master and value into the engine, make the model consistent, load the optimizer state"
-    opt = self.engine.optimizer
-    opt.quiesce()
-    for master, todo in self.masters:
-        flat = master.detach().view(-1)
-        for key, s, n, off in todo: self.index.copy_into(flat[off:off + n], key, 'master', s)
-    for dst, key, start in self.values: self.index.copy_into(dst, key, 'value', start)
-    opt.sync_model()
-    if self.optimizer is not None: self.engine.basic_optimizer.load_state_dict(self.optimizer)
 
 # %% ../../nbs/45_checkpoint.ipynb #c026
 def _restore_engine(engine, states:dict, payload:dict|None, scheduler:bool):
