@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import torch
 from .utils import CheckOverflow, get_global_norm_of_tensors
 from .loss_scaler import StaticLossScaler, DynamicLossScaler, make_loss_scaler
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['ModelWeights', 'MasterWeights', 'Precision']
@@ -32,6 +33,8 @@ class ModelWeights:
     def __init__(self, source): self.model_params = _optimizer_params(source)   # an optimizer, or parameters
     @property
     def params(self)->list: return self.model_params   # what the optimizer steps
+    @property
+    def members(self)->list: return [[p] for p in self.model_params]   # the parameters each of `params` stands for
     def collect_grads(self)->list: return [p.grad for p in self.model_params if p.grad is not None]
     def copy_to_model(self): "Nothing to do: the optimizer updated the model's parameters"
     def zero_grad(self, set_to_none:bool=True): _zero_grads(self.model_params, set_to_none)
@@ -90,14 +93,14 @@ class MasterWeights:
     def __init__(self, optimizer, # an optimizer over the model's parameters (built before or after the cast)
                  flat:bool=False): # one flat fp32 buffer per param group instead of one copy per parameter
         self.optimizer, self.flat = optimizer, flat
-        self.model_groups, self.master_groups, self.views, self._members = [], [], [], []
+        self.model_groups, self.master_groups, self.views, self.members = [], [], [], []
         for group in optimizer.param_groups:
             params = list(group['params'])
             masters, members, views = (_flat_masters if flat else _master_copies)(params)
             _move_state(optimizer, params, masters, flat)
             group['params'] = masters
             self.model_groups.append(params); self.master_groups.append(masters); self.views.append(views)
-            self._members += members   # the model parameters each master stands for, in its buffer's order
+            self.members += members   # the model parameters each master stands for, in its buffer's order
         self.model_params = [p for g in self.model_groups for p in g]
         self._views = [v for g in self.views for v in g]
 
@@ -116,33 +119,36 @@ def _master_grad(master:torch.nn.Parameter, model:list, dst:list, src:list, zero
         if p.grad is None: zero.append(g)
         else: dst.append(g.view_as(p)); src.append(p.grad)
 
+@patch
 @torch.no_grad()
-def _collect_grads(self:MasterWeights)->list:
+def collect_grads(self:MasterWeights)->list:
     "Copy the model's gradients into the masters' fp32 gradients; return the gradients the optimizer will use"
     dst, src, zero = [], [], []
-    for master, model in zip(self.params, self._members): _master_grad(master, model, dst, src, zero)
+    for master, model in zip(self.params, self.members): _master_grad(master, model, dst, src, zero)
     if dst: torch._foreach_copy_(dst, src)
     if zero: torch._foreach_zero_(zero)
     return [m.grad for m in self.params if m.grad is not None]
 
+@patch
 @torch.no_grad()
-def _copy_to_model(self:MasterWeights):
+def copy_to_model(self:MasterWeights):
     "Write the fp32 masters into the model's parameters (rounded to their dtype)"
     if self.model_params: torch._foreach_copy_(self.model_params, self._views)
 
-def _master_zero_grad(self:MasterWeights, set_to_none:bool=True):
+@patch
+def zero_grad(self:MasterWeights, set_to_none:bool=True):
     "Drop (or zero) the gradients of the model and of the masters"
     _zero_grads(self.model_params, set_to_none); _zero_grads(self.params, set_to_none)
 
-MasterWeights.collect_grads, MasterWeights.copy_to_model, MasterWeights.zero_grad = _collect_grads, _copy_to_model, _master_zero_grad
-
 # %% ../nbs/25_precision.ipynb #c022
-def _master_state_dict(self:MasterWeights)->dict:
+@patch
+def state_dict(self:MasterWeights)->dict:
     "{'master_weights': per param group, the fp32 value of each parameter}"
     return {'master_weights': [list(views) for views in self.views]}
 
+@patch
 @torch.no_grad()
-def _master_load_state_dict(self:MasterWeights, state:Mapping):
+def load_state_dict(self:MasterWeights, state:Mapping):
     "Restore the fp32 masters and copy them into the model"
     groups = state['master_weights']
     if len(groups) != len(self.views): raise ValueError(f"state has {len(groups)} param groups, the optimizer {len(self.views)}")
@@ -151,8 +157,6 @@ def _master_load_state_dict(self:MasterWeights, state:Mapping):
             raise ValueError(f"param group {i}: saved shapes {[tuple(t.shape) for t in saved]} differ from {[tuple(v.shape) for v in views]}")
     if self._views: torch._foreach_copy_(self._views, [t for g in groups for t in g])
     self.copy_to_model()
-
-MasterWeights.state_dict, MasterWeights.load_state_dict = _master_state_dict, _master_load_state_dict
 
 # %% ../nbs/25_precision.ipynb #c025
 _NAMES = {torch.float32: 'fp32', torch.bfloat16: 'bf16', torch.float16: 'fp16'}
@@ -192,16 +196,19 @@ class Precision:
         return f'Precision({self.name}, {self.loss_scaler!r}, master_weights={self.master_weights}, check_overflow={self.check_overflow})'
 
 # %% ../nbs/25_precision.ipynb #c029
-def _fp32(cls, group=None)->Precision: return cls(torch.float32, group=group)
+@patch(cls_method=True)
+def fp32(cls:Precision, group=None)->Precision: return cls(torch.float32, group=group)
 
-def _bf16(cls, enabled:bool=True, # DeepSpeed's `bf16.enabled`; False is an error here (see `from_config`)
+@patch(cls_method=True)
+def bf16(cls:Precision, enabled:bool=True, # DeepSpeed's `bf16.enabled`; False is an error here (see `from_config`)
           check_grad_overflow:bool=False, # skip steps whose gradients hold inf/nan
           group=None)->Precision:
     "bf16 compute with fp32 master weights and no loss scaling"
     if not enabled: raise ValueError("Precision.bf16(enabled=False): use Precision.from_config(fp16=..., bf16=...) to choose")
     return cls(torch.bfloat16, check_overflow=check_grad_overflow, group=group)
 
-def _fp16(cls, enabled:bool=True, auto_cast:bool=False, loss_scale:float=0., initial_scale_power:int=16,
+@patch(cls_method=True)
+def fp16(cls:Precision, enabled:bool=True, auto_cast:bool=False, loss_scale:float=0., initial_scale_power:int=16,
           loss_scale_window:int=1000, hysteresis:int=2, consecutive_hysteresis:bool=False, min_loss_scale:float=1.,
           fp16_master_weights_and_grads:bool=False, raise_error_at_min_scale:bool=False, group=None)->Precision:
     "fp16 compute with loss scaling (see `make_loss_scaler`) and fp32 master weights"
@@ -211,8 +218,6 @@ def _fp16(cls, enabled:bool=True, auto_cast:bool=False, loss_scale:float=0., ini
     return cls(torch.float16, scaler, master_weights=not fp16_master_weights_and_grads, check_overflow=True,
                auto_cast=auto_cast, group=group)
 
-Precision.fp32, Precision.bf16, Precision.fp16 = classmethod(_fp32), classmethod(_bf16), classmethod(_fp16)
-
 # %% ../nbs/25_precision.ipynb #c030
 def _block(block, name:str)->dict:
     "A config block (None, a mapping or a dataclass) as a dict"
@@ -221,7 +226,8 @@ def _block(block, name:str)->dict:
     if isinstance(block, Mapping): return dict(block)
     raise TypeError(f"{name} must be a dict of DeepSpeed's '{name}' keys (or a dataclass, or None), got {type(block).__name__}")
 
-def _from_config(cls, fp16=None, # DeepSpeed's "fp16" block
+@patch(cls_method=True)
+def from_config(cls:Precision, fp16=None, # DeepSpeed's "fp16" block
                  bf16=None, # DeepSpeed's "bf16" block
                  group=None)->Precision:
     "The precision the enabled block asks for (fp32 when neither is enabled)"
@@ -232,10 +238,9 @@ def _from_config(cls, fp16=None, # DeepSpeed's "fp16" block
     if bf16.get('enabled', False): return cls.bf16(**bf16, group=group)
     return cls.fp32(group=group)
 
-Precision.from_config = classmethod(_from_config)
-
 # %% ../nbs/25_precision.ipynb #c033
-def _cast_model(self:Precision, module:torch.nn.Module)->torch.nn.Module:
+@patch
+def cast_model(self:Precision, module:torch.nn.Module)->torch.nn.Module:
     "Cast `module`'s floating-point parameters and buffers to the working dtype (fp32: leave it alone)"
     return module if self.dtype == torch.float32 else module.to(self.dtype)
 
@@ -247,11 +252,13 @@ def _cast_floats(obj, dtype):
         return type(obj)(*items) if hasattr(obj, '_fields') else type(obj)(items)
     return obj
 
-def _cast_inputs(self:Precision, inputs):
+@patch
+def cast_inputs(self:Precision, inputs):
     "`inputs` with floating-point tensors cast to the working dtype if `auto_cast`, else unchanged"
     return _cast_floats(inputs, self.dtype) if self.auto_cast else inputs
 
-def _setup(self:Precision, module:torch.nn.Module|None=None, # the model to cast (None: cast nothing)
+@patch
+def setup(self:Precision, module:torch.nn.Module|None=None, # the model to cast (None: cast nothing)
            optimizer=None, # the optimizer over the model's parameters (None: no optimizer step)
            flat:bool=False)->MasterWeights|ModelWeights: # flat fp32 master buffers, one per param group
     "Make the weights the optimizer steps (fp32 masters when needed), then cast the model"
@@ -260,20 +267,21 @@ def _setup(self:Precision, module:torch.nn.Module|None=None, # the model to cast
     if module is not None: self.cast_model(module)
     return weights
 
-Precision.cast_model, Precision.cast_inputs, Precision.setup = _cast_model, _cast_inputs, _setup
-
 # %% ../nbs/25_precision.ipynb #c036
-def _backward(self:Precision, loss:torch.Tensor, retain_graph:bool=False):
+@patch
+def backward(self:Precision, loss:torch.Tensor, retain_graph:bool=False):
     "Backward on `loss` times the loss scale"
     self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
 
+@patch
 def _has_overflow(self:Precision, grads:list)->bool:
     "True on every rank of `group` if any rank's `grads` hold inf/nan"
     local_max = get_global_norm_of_tensors(grads, math.inf)   # -1 when a gradient is not finite
     return self._overflow_checker.check_using_norm([local_max])
 
+@patch
 @torch.no_grad()
-def _unscale_and_check(self:Precision, grads)->bool: # the gradients the optimizer will use (this rank's shard)
+def unscale_and_check(self:Precision, grads)->bool: # the gradients the optimizer will use (this rank's shard)
     "Once per optimizer step: overflow on any rank (skip the step), else `grads` divided by the scale; updates the scaler"
     grads, scale = [g for g in grads if g is not None], self.loss_scale
     overflow = self.check_overflow and self._has_overflow(grads)
@@ -281,13 +289,13 @@ def _unscale_and_check(self:Precision, grads)->bool: # the gradients the optimiz
     if not overflow and scale != 1. and grads: torch._foreach_mul_(grads, 1. / scale)
     return overflow
 
-Precision.backward, Precision._has_overflow, Precision.unscale_and_check = _backward, _has_overflow, _unscale_and_check
-
 # %% ../nbs/25_precision.ipynb #c039
-def _precision_state_dict(self:Precision)->dict:
+@patch
+def state_dict(self:Precision)->dict:
     return {'precision': self.name, 'dynamic': self.loss_scaler.dynamic, 'loss_scaler': self.loss_scaler.state_dict()}
 
-def _precision_load_state_dict(self:Precision, state:Mapping):
+@patch
+def load_state_dict(self:Precision, state:Mapping):
     "Restore the loss scaler (a state saved under another precision or scaler kind is skipped with a warning)"
     saved = (state.get('precision'), state.get('dynamic'))
     if saved != (self.name, self.loss_scaler.dynamic):
@@ -295,5 +303,3 @@ def _precision_load_state_dict(self:Precision, state:Mapping):
                       f"{self.name} (dynamic scale: {self.loss_scaler.dynamic}): the loss scaler starts afresh")
         return
     self.loss_scaler.load_state_dict(state['loss_scaler'])
-
-Precision.state_dict, Precision.load_state_dict = _precision_state_dict, _precision_load_state_dict

@@ -10,6 +10,7 @@ from functools import partial
 import itertools
 import torch
 from . import comm as dist
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['Bucket', 'plan_buckets', 'BucketReducer', 'GradientReducer']
@@ -105,6 +106,7 @@ class BucketReducer:
     def _finish(self, bucket): raise NotImplementedError("a BucketReducer subclass waits and writes results here")
 
 # %% ../nbs/31_reducer.ipynb #c021
+@patch
 def _on_grad(self:BucketReducer, bucket:Bucket, index:int, param):
     "Hook: on a boundary backward, mark the gradient ready and launch the complete buckets at the head of the queue"
     if not self._boundary: return
@@ -115,9 +117,8 @@ def _on_grad(self:BucketReducer, bucket:Bucket, index:int, param):
     if not bucket.ready[index]: bucket.ready[index], bucket.num_ready = True, bucket.num_ready + 1
     while self._queue and self._queue[0].num_ready == len(self._queue[0].params): self._start(self._queue.popleft())
 
-BucketReducer._on_grad = _on_grad
-
 # %% ../nbs/31_reducer.ipynb #c023
+@patch
 @torch.no_grad()
 def _start(self:BucketReducer, bucket:Bucket):
     "Gather `bucket`'s gradients into its buffer and launch its reduction"
@@ -133,42 +134,41 @@ def _start(self:BucketReducer, bucket:Bucket):
     bucket.work = self._launch(bucket)
     self._launched.append(bucket)
 
-BucketReducer._start = _start
-
 # %% ../nbs/31_reducer.ipynb #c025
-def _set_boundary(self:BucketReducer, is_boundary:bool): # True: the next backward ends an accumulation window
+@patch
+def set_boundary(self:BucketReducer, is_boundary:bool): # True: the next backward ends an accumulation window
     "Say whether the next backward reduces (True) or only accumulates (False); finishes a round left open"
     if self._started: self.wait()   # another backward follows a boundary one: average first, then add to it
     self._boundary = bool(is_boundary)
 
-def _wait(self:BucketReducer):
+@patch
+def wait(self:BucketReducer):
     "Launch the buckets backward did not complete (missing gradients count as zeros), then finish every bucket"
     if not self._boundary or not self.buckets: return
     while self._queue: self._start(self._queue.popleft())
     for bucket in self._launched: self._finish(bucket)
     self._reset()
 
-def _close(self:BucketReducer):
+@patch
+def close(self:BucketReducer):
     "Remove the hooks, wait for reductions in flight and let go of the buckets; gradients stay where they are"
     for h in self._hooks: h.remove()
     for bucket in self._launched: self._finish(bucket)
     self._hooks, self.buckets = [], []
     self._reset()
 
-BucketReducer.set_boundary, BucketReducer.wait, BucketReducer.close = _set_boundary, _wait, _close
-
 # %% ../nbs/31_reducer.ipynb #c027
+@patch
 @torch.no_grad()
-def _zero_grad(self:BucketReducer):
+def zero_grad(self:BucketReducer):
     "Zero the gradients in the buckets, in place (p.grad becomes a view of its slot)"
     if self.buckets: torch._foreach_zero_([bk.buffer for bk in self.buckets])
     for bk in self.buckets:
         for p, view in zip(bk.params, bk.views): p.grad = view
 
-BucketReducer.zero_grad = _zero_grad
-
 # %% ../nbs/31_reducer.ipynb #c029
-def _flat_gradients(self:BucketReducer, params)->list|None: # the buckets' buffers, or None
+@patch
+def flat_gradients(self:BucketReducer, params)->list|None: # the buckets' buffers, or None
     "The bucket buffers if they hold exactly the gradients of `params` (each `p.grad` is its bucket slot), else None"
     with_grad = {id(p) for p in params if p.grad is not None}
     if not self.buckets or len(with_grad) != sum(len(bk.params) for bk in self.buckets): return None
@@ -176,8 +176,6 @@ def _flat_gradients(self:BucketReducer, params)->list|None: # the buckets' buffe
         for p, view in zip(bk.params, bk.views):
             if id(p) not in with_grad or p.grad.data_ptr() != view.data_ptr(): return None
     return [bk.buffer for bk in self.buckets]
-
-BucketReducer.flat_gradients = _flat_gradients
 
 # %% ../nbs/31_reducer.ipynb #c038
 class _Finished:

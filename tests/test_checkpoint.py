@@ -168,6 +168,44 @@ def test_reshard_to_any_world_size_and_stage(tmp_path, ref, save_world):
             for k, v in final.items():
                 assert torch.allclose(tensors[k].float(), v.float(), atol=1e-5), (save_world, saved, world, stage, k)
 
+def load_accumulations(rank, world, root, accumulations):
+    "Load each stage's checkpoint (saved with accumulation 1) with another accumulation and micro-batch, same global batch"
+    out = {}
+    for gas in accumulations:
+        for saved in range(4):
+            stage = (saved + 1) % 4   # into another stage, too
+            e = engine_for(stage, gas=gas, dropout=0., seed=123)
+            assert e.train_batch_size() == BATCH and e.train_micro_batch_size_per_gpu() * gas * world == BATCH
+            with warnings.catch_warnings(): warnings.simplefilter('ignore'); e.load_checkpoint(Path(root, f'stage{saved}'))
+            assert (e.global_steps, e.global_samples) == (N, N * BATCH)
+            losses = global_steps(e, rank, world, N, N)
+            assert (e.global_steps, e.global_samples) == (2 * N, 2 * N * BATCH)   # optimizer steps and samples stay right
+            out[gas, saved] = losses
+            e.close()
+    return out
+
+def test_resume_with_another_accumulation_and_micro_batch(tmp_path, ref):
+    "Saved on 2 ranks with accumulation 1; resumed on 1 rank with accumulation 2 and 4 (and on 2 with 2, 4): the reference"
+    losses, _ = ref
+    total = lambda parts: [sum(x) for x in zip(*parts)]
+    run_distributed(save_stages, 2, args=(str(tmp_path),), timeout=120)
+    for world, accumulations in ((1, (2, 4)), (2, (2,))):
+        results = run_distributed(load_accumulations, world, args=(str(tmp_path), accumulations), timeout=240)
+        for key in results[0]:
+            assert total(r[key] for r in results) == pytest.approx(losses[N:], abs=1e-5), (world, key)
+
+def test_loading_inside_an_accumulation_window_warns_and_starts_a_fresh_one(tmp_path):
+    e = engine_for(1, gas=2)
+    ids = torch.randint(0, VOCAB, (4, 4))
+    for _ in range(2): e.backward(F.cross_entropy(e(ids), ids[:, 0])); e.step()
+    e.save_checkpoint(tmp_path, tag='t')
+    e.backward(F.cross_entropy(e(ids), ids[:, 0])); e.step()   # one micro-batch into the next window
+    with pytest.warns(UserWarning, match='1 of 2 micro-batches accumulated.*dropped.*fresh window'): e.load_checkpoint(tmp_path, tag='t')
+    assert e.global_steps == 1
+    e.backward(F.cross_entropy(e(ids), ids[:, 0])); e.step(); assert e.global_steps == 1   # a whole window again
+    e.backward(F.cross_entropy(e(ids), ids[:, 0])); e.step(); assert e.global_steps == 2
+    e.close()
+
 # ---------------------------------------------------------------------------------------------------------------
 # consolidate and the 16-bit model
 
@@ -177,12 +215,11 @@ def consolidate_rank(rank, world, d):
     e.save_checkpoint(d)
     e.save_16bit_model(d, 'model16.bin')
     from flexrt.zero.stage3_params import GatheredParameters
-    from flexrt.checkpoint.shards import optimizer_pieces
     with GatheredParameters(e.module.parameters()):
         working = {k: v.detach().clone() for k, v in e.module.state_dict().items()}
     names = {p: n for n, p in e.module.named_parameters()}
     masters = [(names[p], s, m.detach().view(-1)[off:off + n].clone())   # this rank's pieces of the fp32 masters
-               for m, pieces in optimizer_pieces(e.optimizer) for p, s, n, off in pieces]
+               for m, pieces, _ in e.optimizer.fragments() for p, s, n, off in pieces]
     e.close()
     return working, masters
 

@@ -210,31 +210,34 @@ def test_frozen_parameter_partitioned_and_never_stepped():
         torch.testing.assert_close(params['body.2.bias'], frozen, atol=0, rtol=0)
         for n, p in model.named_parameters(): torch.testing.assert_close(params[n], p.detach(), atol=1e-5, rtol=1e-5, msg=n)
 
-def checkpoint_rank(rank, ws):
-    "Train 2 steps, save; train 1 more. A fresh model and optimizer loaded from the save and trained 1 step ends equal."
+def checkpoint_rank(rank, ws, d):
+    "Train 2 steps, save (flexrt.checkpoint); train 1 more. A fresh engine loaded from the save and trained 1 step ends equal."
+    import flexrt
     batches, b = data(3, 1), BATCH // ws
+    cfg = {'train_batch_size': BATCH, 'steps_per_print': 1000, 'zero_optimization': {'stage': 3}}
     def build():
-        model = make_model(); return model, Stage3Optimizer(model, make_optimizer(model), Precision.fp32(), ZeroConfig(stage=3))
-    def one_step(model, opt, s):
-        loss_fn(model, batches[s, 0, rank * b:(rank + 1) * b]).backward(); opt.reduced_gradients(); opt.step(); opt.zero_grad()
-    model, opt = build()
-    for s in range(2): one_step(model, opt, s)
-    state = copy.deepcopy(opt.state_dict())   # torch convention: state_dict holds live tensors
-    one_step(model, opt, 2)
-    model2, opt2 = build()
-    opt2.load_state_dict(state)
-    one_step(model2, opt2, 2)
+        model = make_model(); return model, flexrt.initialize(model=model, config=cfg, optimizer=make_optimizer(model))[0]
+    def one_step(engine, s):
+        engine.backward(loss_fn(engine, batches[s, 0, rank * b:(rank + 1) * b])); engine.step()
+    model, engine = build()
+    for s in range(2): one_step(engine, s)
+    engine.save_checkpoint(d, tag='two')
+    one_step(engine, 2)
+    model2, engine2 = build()
+    engine2.load_checkpoint(d, tag='two')
+    one_step(engine2, 2)
     with GatheredParameters(model.parameters()), GatheredParameters(model2.parameters()):
         same = all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
-    layout = state['layout']
-    opt.close(); opt2.close()
-    return same, layout
+    names = {p: n for n, p in model.named_parameters()}
+    pieces = [(names[pc.param], pc.start, pc.numel) for f in engine.optimizer.fragments() for pc in f.pieces]
+    engine.close(); engine2.close()
+    return same, pieces
 
-def test_state_dict_round_trip_and_layout():
-    (same0, layout0), (same1, layout1) = run_distributed(checkpoint_rank, 2)
+def test_checkpoint_round_trip_and_fragments(tmp_path):
+    (same0, pieces0), (same1, pieces1) = run_distributed(checkpoint_rank, 2, args=(str(tmp_path),))
     assert same0 and same1
-    assert (layout0['world_size'], layout0['rank'], layout1['rank']) == (2, 0, 1)
-    assert ('emb.weight', (VOCAB, DIM), VOCAB * DIM // 2) in layout0['groups'][0]
+    half = VOCAB * DIM // 2   # each rank's fragment holds its half of every parameter
+    assert ('emb.weight', 0, half) in pieces0 and ('emb.weight', half, half) in pieces1
 
 def modifier_rank(rank, ws):
     model = make_model()

@@ -4,19 +4,20 @@
 
 # %% ../../nbs/45_checkpoint.ipynb #c003
 from __future__ import annotations
-import hashlib, shutil, warnings
+import contextlib, hashlib, math, shutil, warnings
 from collections import OrderedDict
 from pathlib import Path
 import torch
 from .. import comm as dist, __version__
 from .files import (CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe, check_tag, staging_dir,
                     write_manifest, read_manifest, verify_file, publish, read_latest, tag_dir, discard_staging)
-from ..zero.stage3_params import GatheredParameters
-from .shards import (tensor_entries, optimizer_pieces, stepped_params, master_records, value_records, rng_state, set_rng_state, FragmentIndex)
+from .plan import LoadPlan, _entries, _writes
+from .shards import (tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex)
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['agree', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'LoadPlan',
-           'load_checkpoint', 'save_16bit_model', 'consolidate']
+__all__ = ['agree', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'load_checkpoint',
+           'save_16bit_model', 'consolidate']
 
 # %% ../../nbs/45_checkpoint.ipynb #c006
 def agree(error:BaseException|None, # what this rank met in the phase (None: success)
@@ -56,29 +57,15 @@ def agree_on_tag(tag:str, mode:str='Warn', device=None)->str: # the tag every ra
     warnings.warn(f"{msg}; saving under rank 0's tag {first!r}")
     return first
 
-# %% ../../nbs/45_checkpoint.ipynb #c010
-def _mp_rank(engine)->int|None: return engine.mpu.get_model_parallel_rank() if engine.mpu is not None and engine.mp_world_size > 1 else None
-
-def _entries(engine)->list: return tensor_entries(engine.module, engine.expert_groups, _mp_rank(engine))
-
-def _writes(engine):
-    "writes(t, i): whether this rank writes the i-th replicated tensor `t` (round-robin over the group replicating it)"
-    def writes(t, i):
-        dp = engine.expert_groups.data_parallel.get(getattr(t, 'group_name', None)) if getattr(t, 'allreduce', True) is False else engine.dp_group
-        return dist.get_rank(dp) == i % dist.get_world_size(dp)
-    return writes
-
-def _records(engine)->dict|None: return engine.optimizer.partitioner.records if engine.optimizer.stage == 3 else None
-
 # %% ../../nbs/45_checkpoint.ipynb #c011
 def rank_payload(engine, entries:list, # `_entries(engine)`
                  exclude:set=frozenset())->dict: # exclude: ids of tensors not to save
     "What this rank writes: its masters with their optimizer state, its values, its random generators"
     writes = _writes(engine)
     keys = {t: key for _, key, t, *_ in entries}
-    covered = {id(p) for p in stepped_params(engine.optimizer)}
-    masters = master_records(engine.optimizer, keys, writes if engine.optimizer.stage == 0 else None, exclude)
-    values = value_records([e for e in entries if id(e[2]) not in exclude], covered, writes, _records(engine))
+    covered = {id(p) for p in engine.optimizer.stepped_params()}
+    masters = master_records(engine.optimizer, keys, writes, exclude)
+    values = value_records([e for e in entries if id(e[2]) not in exclude], covered, writes, engine.optimizer.owned_value)
     return {'format_version': 1, 'rank': dist.get_rank(), 'world_size': dist.get_world_size(),
             'masters': masters, 'values': values, 'rng': rng_state()}
 
@@ -109,22 +96,29 @@ def _prepare(save_dir:Path, tag:str):
     shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)   # left by a crashed save of this tag
     staging_dir(save_dir, tag).mkdir()
 
-def _write_files(engine, stage_dir:Path, client_state:dict, exclude_frozen:bool)->dict: # {file name: size and checksum}
+def _write_files(engine, staging:Path, client_state:dict, exclude_frozen:bool)->dict: # {file name: size and checksum}
     entries = _entries(engine)
     frozen = [(n, t) for n, _, t, kind, _ in entries if kind == 'param' and not t.requires_grad] if exclude_frozen else []
     payload = rank_payload(engine, entries, {id(t) for _, t in frozen})
-    files = {rank_file(dist.get_rank()): save_torch(payload, stage_dir / rank_file(dist.get_rank()))}
-    if dist.get_rank() == 0: files[MODEL_STATES] = save_torch(model_states(engine, entries, client_state, [n for n, _ in frozen]), stage_dir / MODEL_STATES)
+    files = {rank_file(dist.get_rank()): save_torch(payload, staging / rank_file(dist.get_rank()))}
+    if dist.get_rank() == 0: files[MODEL_STATES] = save_torch(model_states(engine, entries, client_state, [n for n, _ in frozen]), staging / MODEL_STATES)
     return files
 
 def _finish(engine, save_dir:Path, tag:str, files:dict, save_latest:bool):
-    stage_dir = staging_dir(save_dir, tag)
+    staging = staging_dir(save_dir, tag)
     for name, info in files.items():
-        size = (stage_dir / name).stat().st_size if (stage_dir / name).is_file() else None
-        if size != info['size']: raise CheckpointError(f"{stage_dir / name} has {size} bytes on disk, its writer reported {info['size']}: is {save_dir} shared by all ranks?")
-    write_manifest(stage_dir, files, tag=tag, world_size=dist.get_world_size(), stage=engine.optimizer.stage,
+        size = (staging / name).stat().st_size if (staging / name).is_file() else None
+        if size != info['size']: raise CheckpointError(f"{staging / name} has {size} bytes on disk, its writer reported {info['size']}: is {save_dir} shared by all ranks?")
+    write_manifest(staging, files, tag=tag, world_size=dist.get_world_size(), stage=engine.optimizer.stage,
                    precision=engine.precision.name, global_steps=engine.global_steps)
     publish(save_dir, tag, save_latest)
+
+def _warn_window(engine, what:str, consequence:str):
+    "Warn (rank 0) when `what` happens inside an accumulation window, saying what becomes of the accumulated gradients"
+    pending = engine.counter.window_micro_steps() if engine.counter.boundary_override is None else 0
+    if pending and dist.get_rank() == 0:
+        warnings.warn(f"{what} in the middle of a gradient accumulation window ({pending} of "
+                      f"{engine.gradient_accumulation_steps()} micro-batches accumulated since the last optimizer step): {consequence}")
 
 # %% ../../nbs/45_checkpoint.ipynb #c015
 def save_checkpoint(engine, # a flexrt Engine
@@ -138,9 +132,8 @@ def save_checkpoint(engine, # a flexrt Engine
     save_dir, client_state = Path(save_dir), {} if client_state is None else client_state
     tag = check_tag(f'global_step{engine.global_steps}' if tag is None else tag)
     agree(_attempt(_check_client_state, client_state)[1], 'checking client_state')
-    if engine.counter.boundary_override is None and engine.micro_steps % engine.gradient_accumulation_steps():
-        if dist.get_rank() == 0: warnings.warn("save_checkpoint in the middle of a gradient accumulation window: the gradients "
-                                               "accumulated since the last step are not saved; save right after engine.step() at a boundary")
+    _warn_window(engine, 'save_checkpoint', "they are not saved: a load of this checkpoint starts a fresh window; "
+                                            "save right after engine.step() at a boundary")
     tag = agree_on_tag(tag, engine.config.checkpoint.tag_validation, engine.device)
     agree(_attempt(_prepare, save_dir, tag)[1] if dist.get_rank() == 0 else None, 'preparing the checkpoint directory')
     files, error = _attempt(_write_files, engine, staging_dir(save_dir, tag), client_state, exclude_frozen_parameters)
@@ -173,125 +166,6 @@ def verify(directory:Path, manifest:dict):
         problems = [p for ps in everyone for p in ps]
     if problems: raise CheckpointError("the checkpoint is corrupted: " + '; '.join(sorted(problems)))
 
-# %% ../../nbs/45_checkpoint.ipynb #c018
-class LoadPlan:
-    "Everything a load will copy, checked before anything is changed"
-    def __init__(self, engine, states:dict, index:FragmentIndex, strict:bool, optimizer_states:bool):
-        self.engine, self.states, self.index = engine, states, index
-        self.entries = _entries(engine)
-        self.skip = self._check_names(strict)
-        self.masters = self._check_masters()
-        self.values = self._check_values()
-        self.optimizer = self._optimizer_state() if optimizer_states else None
-
-# %% ../../nbs/45_checkpoint.ipynb #c019
-def _check_names(self:LoadPlan, strict:bool)->set: # state_dict names not to load (absent in the checkpoint, not strict)
-    saved = {name: shape for name, _, _, shape, _ in self.states['entries']}
-    current = {name: shape for name, _, _, _, shape in self.entries}
-    excluded = set(self.states.get('excluded', []))
-    missing = [n for n in current if n not in saved and n not in excluded]
-    unexpected = [n for n in saved if n not in current]
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"the checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}" +
-                              " (pass load_module_strict=False to load what matches)")
-    wrong = [f"{n}: checkpoint {saved[n]}, model {current[n]}" for n in current if n in saved and saved[n] != current[n]]
-    if wrong: raise CheckpointError(f"shape mismatch between checkpoint and model: {'; '.join(wrong[:8])}")
-    return set(missing) | excluded
-
-def _need(self:LoadPlan, key:str, field:str, start:int, numel:int):
-    if self.index.covered(key, field, start, numel) != numel:
-        raise CheckpointError(f"the checkpoint lacks elements [{start}, {start + numel}) of {key!r} ({field}): "
-                              "its rank files are incomplete, or it was saved with another model or expert layout")
-
-LoadPlan._check_names, LoadPlan._need = _check_names, _need
-
-# %% ../../nbs/45_checkpoint.ipynb #c020
-def _check_masters(self:LoadPlan)->list: # [(master, [(key, start, numel, offset)])]
-    names = {id(t): name for name, _, t, *_ in self.entries}
-    keys = {id(t): key for _, key, t, *_ in self.entries}
-    out = []
-    for master, pieces in optimizer_pieces(self.engine.optimizer):
-        todo = [(keys[id(p)], s, n, off) for p, s, n, off in pieces if names[id(p)] not in self.skip]
-        for key, s, n, _ in todo: self._need(key, 'master', s, n)
-        out.append((master, todo))
-    return out
-
-def _check_values(self:LoadPlan)->list: # [(destination flat tensor, key, start)]
-    covered = {id(p) for p in stepped_params(self.engine.optimizer)}
-    records, out, seen = _records(self.engine) or {}, [], set()
-    for name, key, t, *_ in self.entries:
-        if id(t) in covered or id(t) in seen or name in self.skip: continue
-        seen.add(id(t))
-        r = records.get(t)
-        if r is None: dst, start = t.data.view(-1), 0
-        else:
-            start = min(r.rank * r.shard_numel, r.numel)
-            dst = r.shard[:min(r.shard_numel, r.numel - start)]
-        self._need(key, 'value', start, dst.numel())
-        out.append((dst, key, start))
-    return out
-
-LoadPlan._check_masters, LoadPlan._check_values = _check_masters, _check_values
-
-# %% ../../nbs/45_checkpoint.ipynb #c022
-def _master_state(self:LoadPlan, master, todo:list)->dict:
-    if not todo: return {}
-    kinds = set().union(*(self.index.state_keys(key) for key, *_ in todo))
-    state = {}
-    for k in sorted(kinds):
-        dtype = next(_tensor_dtype(self.index, key, k) for key, *_ in todo if k in self.index.state_keys(key))
-        t = torch.zeros(master.shape, dtype=dtype, device=master.device)
-        for key, s, n, off in todo: self.index.copy_into(t.view(-1)[off:off + n], key, k, s)
-        state[k] = t
-    scalars = next((sc for key, s, *_ in todo if (sc := self.index.scalars_at(key, s))), {})   # the first piece that has any
-    for k, v in scalars.items(): state[k] = v.clone() if isinstance(v, torch.Tensor) else v
-    return state
-
-def _tensor_dtype(index:FragmentIndex, key:str, k:str)->torch.dtype:
-    return next(rec['state'][k].dtype for rec, *_, kind in index.by_key[key] if kind == 'masters' and k in rec['state'])
-
-LoadPlan._master_state = _master_state
-
-# %% ../../nbs/45_checkpoint.ipynb #c023
-def _optimizer_state(self:LoadPlan)->dict|None: # a torch optimizer state_dict, or None (nothing to load)
-    opt, saved = self.engine.basic_optimizer, self.states['optimizer']
-    if opt is None or saved is None: return None
-    if saved['type'] != type(opt).__name__:
-        raise CheckpointError(f"the checkpoint's optimizer is {saved['type']}, this engine's {type(opt).__name__}: "
-                              "use the same optimizer, or pass load_optimizer_states=False")
-    sd = opt.state_dict()
-    if len(saved['param_groups']) != len(sd['param_groups']):
-        raise CheckpointError(f"the checkpoint has {len(saved['param_groups'])} optimizer param groups, this engine {len(sd['param_groups'])}")
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g['params'])}
-    state = {index[id(m)]: s for m, todo in self.masters if (s := self._master_state(m, todo))}
-    groups = [{**saved_g, 'params': g['params']} for g, saved_g in zip(sd['param_groups'], saved['param_groups'])]
-    return {'state': state, 'param_groups': groups}
-
-LoadPlan._optimizer_state = _optimizer_state
-
-# %% ../../nbs/45_checkpoint.ipynb #c025
-@torch.no_grad()
-def _apply(self:LoadPlan):
-    opt = self.engine.optimizer
-    if opt.stage == 3: opt.partitioner.release_all()
-    for master, todo in self.masters:
-        flat = master.detach().view(-1)
-        for key, s, n, off in todo: self.index.copy_into(flat[off:off + n], key, 'master', s)
-    for dst, key, start in self.values: self.index.copy_into(dst, key, 'value', start)
-    _sync_model(opt)
-    if self.optimizer is not None: self.engine.basic_optimizer.load_state_dict(self.optimizer)
-
-def _sync_model(opt):
-    "Bring the model's parameters up to date with freshly loaded masters"
-    if opt.stage == 0: opt.weights.copy_to_model()
-    elif opt.stage in (1, 2): opt._gather_params()
-    else:
-        for g in opt.groups:
-            if not g['shared']: g['working'].copy_(g['master'])
-        opt.partitioner.refresh_persistent()
-
-LoadPlan.apply = _apply
-
 # %% ../../nbs/45_checkpoint.ipynb #c026
 def _restore_engine(engine, states:dict, payload:dict|None, scheduler:bool):
     "Counters, loss scaler, layer drop, schedule and this rank's random generators"
@@ -309,6 +183,15 @@ def _warn_world(states:dict):
                       "for ranks that existed before")
 
 # %% ../../nbs/45_checkpoint.ipynb #c027
+def _sizes(states:dict)->dict: # {key without @ suffixes: (numel, dtype name)}
+    return {key.split('@')[0]: (math.prod(shape), dtype) for _, key, _, shape, dtype in states['entries']}
+
+def _plan(engine, states:dict, payloads:list, strict:bool, optimizer_states:bool)->LoadPlan:
+    "Check every rank file's records against the manifest, then plan the load (nothing is changed yet)"
+    sizes = _sizes(states)
+    for r, payload in enumerate(payloads): check_records(payload, rank_file(r), sizes)
+    return LoadPlan(engine, states, FragmentIndex(payloads), strict, optimizer_states)
+
 def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
                     load_dir, # the directory `save_checkpoint` wrote to
                     tag=None, # which checkpoint (default: the one `latest` names)
@@ -325,10 +208,12 @@ def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
     verify(directory, manifest)
     states = safe_load(directory / MODEL_STATES)
     payloads = [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])]
-    plan, error = _attempt(LoadPlan, engine, states, FragmentIndex(payloads), load_module_strict,
-                           load_optimizer_states and not load_module_only)
+    plan, error = _attempt(_plan, engine, states, payloads, load_module_strict, load_optimizer_states and not load_module_only)
     agree(error, 'planning the checkpoint load')
+    _warn_window(engine, 'load_checkpoint', "those gradients are dropped and training resumes with a fresh window")
     plan.apply()
+    engine.optimizer.zero_grad()   # gradients accumulated for the old weights must not enter the new window
+    engine.counter.start_window()
     if not load_module_only:
         own = payloads[dist.get_rank()] if dist.get_rank() < len(payloads) else None
         _restore_engine(engine, states, own, load_lr_scheduler_states)
@@ -337,11 +222,11 @@ def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
 
 # %% ../../nbs/45_checkpoint.ipynb #c029
 def _full_state_dict(engine, exclude_frozen:bool)->OrderedDict:
-    "The module's state_dict with whole tensors on rank 0 (ZeRO-3 parameters gathered one at a time; collective)"
+    "The module's state_dict with whole tensors on rank 0 (partitioned parameters gathered one at a time; collective)"
     out, rank0 = OrderedDict(), dist.get_rank() == 0
     for name, t in engine.module.state_dict(keep_vars=True).items():
         if exclude_frozen and isinstance(t, torch.nn.Parameter) and not t.requires_grad: continue
-        with GatheredParameters(t, enabled=isinstance(t, torch.nn.Parameter) and hasattr(t, '_zero3')):
+        with engine.optimizer.gathered([t]) if isinstance(t, torch.nn.Parameter) else contextlib.nullcontext():
             if rank0: out[name] = t.detach().cpu().clone()
     return out
 
@@ -370,7 +255,9 @@ def consolidate(ckpt_dir, # a save_dir (with `latest`) or one checkpoint's direc
         problems = [p for n, info in manifest['files'].items() if (p := verify_file(directory, n, info))]
         if problems: raise CheckpointError("the checkpoint is corrupted: " + '; '.join(problems))
     states = safe_load(directory / MODEL_STATES)
-    index = FragmentIndex([safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])])
+    payloads = [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])]
+    for r, payload in enumerate(payloads): check_records(payload, rank_file(r), _sizes(states))
+    index = FragmentIndex(payloads)
     return _assemble(states, index, mp_rank, ep_rank)
 
 # %% ../../nbs/45_checkpoint.ipynb #c031

@@ -8,10 +8,10 @@ import random, sys
 import torch
 from .. import comm as dist
 from .files import CheckpointError
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['tensor_entries', 'optimizer_pieces', 'stepped_params', 'master_records', 'value_records', 'rng_state',
-           'set_rng_state', 'FragmentIndex']
+__all__ = ['tensor_entries', 'master_records', 'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex', 'check_records']
 
 # %% ../../nbs/45_checkpoint_shards.ipynb #c006
 def _expert_rank(p, expert_groups)->int|None:
@@ -26,7 +26,8 @@ def _suffix(p, expert_groups, mp_rank:int|None)->str:
 
 def tensor_entries(module:torch.nn.Module, # the model
                    expert_groups=None, # the engine's `ExpertGroups`
-                   mp_rank:int|None=None)->list: # this rank's model-parallel rank when there is model parallelism
+                   mp_rank:int|None=None, # this rank's model-parallel rank when there is model parallelism
+                   full_shape=None)->list: # full_shape(tensor) -> its shape as the user sees it (the optimizer slot's)
     "[(state_dict name, key, tensor, kind, full shape)] for every tensor of `module.state_dict()`; tied tensors share a key"
     first = {}
     for n, p in module.named_parameters(): first.setdefault(p, n)
@@ -35,50 +36,9 @@ def tensor_entries(module:torch.nn.Module, # the model
     for name, t in module.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor): continue
         base = first.get(t, name)
-        zero3 = getattr(t, '_zero3', None)   # a partitioned ZeRO-3 parameter: its record knows the full shape
         out.append((name, base + _suffix(t, expert_groups, mp_rank), t, 'param' if isinstance(t, torch.nn.Parameter) else 'buffer',
-                    list(zero3[1].shape if zero3 else t.shape)))
+                    list(full_shape(t) if full_shape is not None else t.shape)))
     return out
-
-# %% ../../nbs/45_checkpoint_shards.ipynb #c009
-def _consecutive(master, params:list)->tuple: # (master, pieces) for params laid end to end in `master`
-    pieces, off = [], 0
-    for p in params: pieces.append((p, 0, p.numel(), off)); off += p.numel()
-    return master, pieces
-
-def _pieces_stage0(opt)->list:
-    if opt.optimizer is None: return []
-    w = opt.weights
-    members = getattr(w, '_members', None) or [[p] for p in w.params]   # ModelWeights: the masters are the parameters
-    return [_consecutive(m, ps) for m, ps in zip(w.params, members)]
-
-def _pieces_stage12(opt)->list:
-    out = []
-    for bk in opt.buckets:
-        part = bk.partition
-        out.append((bk.master, [(part.params[i], s, e - s, off) for i, s, e, off in part.param_shards()]))
-    return out
-
-def _pieces_stage3(opt)->list:
-    recs, out = opt.partitioner.records, []
-    for g in opt.groups:
-        pieces, off = [], 0
-        for p in g['params']:
-            r = recs[p]
-            start = min(r.rank * r.shard_numel, r.numel)
-            pieces.append((p, start, min(r.shard_numel, r.numel - start), off)); off += r.shard_numel
-        out.append((g['master'], [pc for pc in pieces if pc[2] > 0]))
-    return out
-
-def optimizer_pieces(opt)->list: # [(master tensor, [(param, start, numel, master offset)])]
-    "The masters `opt` (a stage 0-3 optimizer slot) steps, and the pieces of model parameters each one holds"
-    return {0: _pieces_stage0, 1: _pieces_stage12, 2: _pieces_stage12, 3: _pieces_stage3}[opt.stage](opt)
-
-def stepped_params(opt)->list:
-    "Every parameter `opt` steps, on any rank (at stages 1-2 this rank's chunks hold pieces of only some of them)"
-    if opt.stage in (1, 2): return [p for bk in opt.buckets for p in bk.partition.params]
-    if opt.stage == 3: return [p for g in opt.groups for p in g['params']]
-    return [p for _, pieces in _pieces_stage0(opt) for p, *_ in pieces]
 
 # %% ../../nbs/45_checkpoint_shards.ipynb #c011
 def _own(t:torch.Tensor)->torch.Tensor:
@@ -97,14 +57,16 @@ def _split_state(master, state:dict)->tuple: # ({elementwise key: tensor}, {scal
     return elem, scalar
 
 # %% ../../nbs/45_checkpoint_shards.ipynb #c012
-def master_records(opt, keys:dict, # {param: key}
-                   writes=None, # writes(param, i) -> bool: whether this rank saves replicated master i (None: all)
+def master_records(opt, # the optimizer slot (`flexrt.zero.base.OptimizerSlot`)
+                   keys:dict, # {param: key}
+                   writes=None, # writes(param, i) -> bool: whether this rank saves replicated fragment i (None: all)
                    exclude:set=frozenset())->list: # ids of parameters left out (a master holding only those is skipped)
-    "The masters of `opt` as saved records: pieces by key, master values, elementwise and scalar state"
-    state, out = (opt.optimizer.state if opt.optimizer is not None else {}), []
-    for i, (master, pieces) in enumerate(optimizer_pieces(opt)):
-        if all(id(p) in exclude for p, *_ in pieces) or (writes is not None and not writes(pieces[0][0], i)): continue
-        elem, scalar = _split_state(master, state.get(master, {}))
+    "The slot's fragments as saved records: pieces by key, master values, elementwise and scalar state"
+    out = []
+    for i, (master, pieces, replicated) in enumerate(opt.fragments()):
+        if all(id(pc.param) in exclude for pc in pieces): continue
+        if replicated and writes is not None and not writes(pieces[0].param, i): continue
+        elem, scalar = _split_state(master, opt.master_state(master))
         out.append({'pieces': [[keys[p], s, n, off] for p, s, n, off in pieces],
                     'master': _own(master.float() if master.dtype != torch.float32 else master),
                     'state': elem, 'scalars': scalar})
@@ -114,16 +76,16 @@ def master_records(opt, keys:dict, # {param: key}
 def value_records(entries:list, # `tensor_entries` of the module
                   covered:set, # ids of the parameters the masters hold
                   writes, # writes(tensor, i) -> bool: whether this rank writes replicated tensor i
-                  records:dict|None=None)->list: # stage 3: the partitioner's {param: ParamRecord}
+                  owned_value=None)->list: # owned_value(tensor) -> (this rank's flat piece, start) or None: the slot's
     "Saved records of the model's tensors no master holds (buffers, frozen parameters), each written once"
     out, seen = [], set()
     for _, key, t, *_ in entries:
         if id(t) in covered or key in seen: continue
         i = len(seen); seen.add(key)
-        r = (records or {}).get(t)
-        if r is not None:   # a partitioned stage-3 parameter: this rank's shard
-            start = min(r.rank * r.shard_numel, r.numel); n = min(r.shard_numel, r.numel - start)
-            if n > 0: out.append({'pieces': [[key, start, n, 0]], 'value': r.shard[:n].detach().cpu().clone()})
+        owned = owned_value(t) if owned_value is not None else None
+        if owned is not None:   # partitioned: this rank's piece
+            value, start = owned
+            if value.numel(): out.append({'pieces': [[key, start, value.numel(), 0]], 'value': value.detach().cpu().clone()})
         elif writes(t, i): out.append({'pieces': [[key, 0, t.numel(), 0]], 'value': _own(t.reshape(-1))})
     return out
 
@@ -173,7 +135,8 @@ class FragmentIndex:
 def _tensor_of(rec:dict, field:str)->torch.Tensor:
     return rec['master'] if 'master' in rec and field in ('master', 'value') else rec['value'] if 'value' in rec else rec['state'][field]
 
-def _covered(self:FragmentIndex, key:str, field:str, start:int, numel:int)->int: # elements of the range the checkpoint holds
+@patch
+def covered(self:FragmentIndex, key:str, field:str, start:int, numel:int)->int: # elements of the range the checkpoint holds
     spans = sorted((max(s, start), min(s + n, start + numel)) for _, s, n, _, _ in self._source(key, field))
     total, end = 0, start
     for a, b in spans:
@@ -181,20 +144,66 @@ def _covered(self:FragmentIndex, key:str, field:str, start:int, numel:int)->int:
         if b > a: total += b - a; end = b
     return total
 
+@patch
 @torch.no_grad()
-def _copy_into(self:FragmentIndex, out:torch.Tensor, key:str, field:str, start:int=0):
+def copy_into(self:FragmentIndex, out:torch.Tensor, key:str, field:str, start:int=0):
     "Fill the flat tensor `out` with elements [start, start + numel) of the saved `key`"
     end = start + out.numel()
     for rec, s, n, off, _ in self._source(key, field):
         a, b = max(s, start), min(s + n, end)
         if a < b: out[a - start:b - start].copy_(_tensor_of(rec, field).reshape(-1)[off + a - s:off + b - s])
 
-def _scalars_at(self:FragmentIndex, key:str, position:int)->dict: # the scalar state of the master that held `position`
+@patch
+def scalars_at(self:FragmentIndex, key:str, position:int)->dict: # the scalar state of the master that held `position`
     for rec, s, n, _, kind in self.by_key.get(key, []):
         if kind == 'masters' and s <= position < s + n: return rec['scalars']
     return {}
 
-def _state_keys(self:FragmentIndex, key:str)->set:
+@patch
+def state_keys(self:FragmentIndex, key:str)->set:
     return {k for rec, *_, kind in self.by_key.get(key, []) if kind == 'masters' for k in rec['state']}
 
-FragmentIndex.covered, FragmentIndex.copy_into, FragmentIndex.scalars_at, FragmentIndex.state_keys = _covered, _copy_into, _scalars_at, _state_keys
+# %% ../../nbs/45_checkpoint_shards.ipynb #c024
+def _fail(where:str, key, what:str): raise CheckpointError(f"{where}: {key!r} {what}: the file does not match its manifest (tampered or written by a broken save)")
+
+def _check_pieces(rec:dict, t:torch.Tensor, where:str, sizes:dict):
+    "Every piece names a tensor of the model, lies inside it, and within the record's tensor"
+    pieces = rec.get('pieces')
+    if not isinstance(pieces, list) or not pieces: _fail(where, None, "a record has no pieces")
+    for piece in pieces:
+        if not (isinstance(piece, list) and len(piece) == 4 and isinstance(piece[0], str)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in piece[1:])): _fail(where, piece, "is not a piece [key, start, numel, offset]")
+        key, start, numel, offset = piece
+        size = sizes.get(key.split('@')[0])
+        if size is None: _fail(where, key, "is not a tensor of the checkpoint's model")
+        if start < 0 or numel <= 0 or offset < 0 or start + numel > size[0]:
+            _fail(where, key, f"names elements [{start}, {start + numel}) of a tensor of {size[0]}")
+        if offset + numel > t.numel(): _fail(where, key, f"needs {offset + numel} elements of a record holding {t.numel()}")
+
+# %% ../../nbs/45_checkpoint_shards.ipynb #c025
+def _check_master(rec:dict, t:torch.Tensor, where:str, key:str):
+    if t.dtype != torch.float32: _fail(where, key, f"master is {t.dtype}, not torch.float32")
+    for k, v in rec.get('state', {}).items():
+        if not isinstance(v, torch.Tensor) or v.shape != t.shape or not v.is_floating_point():
+            _fail(where, key, f"optimizer state {k!r} is {_describe(v)}, not a floating tensor of the master's shape {tuple(t.shape)}")
+    for k, v in rec.get('scalars', {}).items():
+        if isinstance(v, torch.Tensor) and v.dim() != 0 or not isinstance(v, (torch.Tensor, int, float, bool, type(None))):
+            _fail(where, key, f"optimizer state {k!r} is {_describe(v)}, not a number")
+
+def _describe(v)->str: return f"a {v.dtype} tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+
+def check_records(payload:dict, # one loaded rank file
+                  where:str, # its name, for the errors
+                  sizes:dict): # {key without @ suffixes: (numel, dtype name)} from the manifest's entries
+    "CheckpointError naming the file and key unless every record of `payload` is consistent with the manifest"
+    for kind, field in (('masters', 'master'), ('values', 'value')):
+        records = payload.get(kind) if isinstance(payload, dict) else None
+        if not isinstance(records, list): _fail(where, kind, "is not a list of records")
+        for rec in records:
+            t = rec.get(field) if isinstance(rec, dict) else None
+            if not isinstance(t, torch.Tensor): _fail(where, field, "is missing from a record")
+            _check_pieces(rec, t, where, sizes)
+            key = rec['pieces'][0][0]
+            if kind == 'masters': _check_master(rec, t, where, key)
+            elif t.dim() != 1 or str(t.dtype).removeprefix('torch.') != sizes[key.split('@')[0]][1]:
+                _fail(where, key, f"value is {_describe(t)}, not a flat {sizes[key.split('@')[0]][1]} tensor")

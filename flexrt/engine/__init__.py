@@ -9,7 +9,8 @@ import torch
 from .. import comm as dist
 from ..config import FlexConfig, load_config
 from .core import Engine
-from .optim import ReplicatedOptimizer, Lamb, build_optimizer, build_lr_scheduler
+from .optim import Lamb, build_optimizer, build_lr_scheduler
+from ..zero.stage0 import ReplicatedOptimizer
 _all_ = ['Engine', 'ReplicatedOptimizer', 'Lamb', 'build_optimizer', 'build_lr_scheduler']
 
 # %% auto #0
@@ -54,12 +55,14 @@ def initialize(args=None, # argparse namespace carrying `deepspeed_config`, or N
                config=None, # dict, JSON path or FlexConfig
                config_params=None, # DeepSpeed's older name for `config`
                *, expert_groups=None, # {group_name: (expert parallel group, expert data-parallel group)}
+               optimizer_slot=None, # a callable(`flexrt.zero.SlotArgs`) -> `OptimizerSlot`; None: the ZeRO stage's
               )->tuple: # (engine, optimizer, training dataloader or None, lr scheduler or None)
     "Build the training engine for `model` from a DeepSpeed-style config"
     source = config_source(args, config, config_params)
     _check_model(model)
     cfg = load_config(source)
     dist.init_distributed(dist_init_required=dist_init_required)
-    engine = Engine(model, cfg, optimizer, model_parameters, lr_scheduler, mpu, collate_fn, expert_groups)
+    engine = Engine(model, cfg, optimizer, model_parameters, lr_scheduler, mpu, collate_fn, expert_groups,
+                    optimizer_slot=optimizer_slot)
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     return engine, engine.basic_optimizer, loader, engine.lr_scheduler

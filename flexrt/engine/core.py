@@ -11,11 +11,13 @@ from .. import comm as dist
 from ..config import FlexConfig, BatchConfig
 from ..config.services import CommsLoggerConfig
 from ..precision import Precision
-from .parts import (StepCounter, Timers, StepClock, StepReporter, ExpertGroups, layer_drop,
+from ..utils.groups import ExpertGroups
+from .parts import (StepCounter, Timers, StepClock, StepReporter, layer_drop,
                                  build_dataloader)
-from .optim import ReplicatedOptimizer, client_optimizer, client_lr_scheduler
-from ..zero import build_zero_optimizer
+from .optim import client_optimizer, client_lr_scheduler
+from ..zero import SlotArgs, build_optimizer_slot
 from .. import checkpoint
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['unused_settings', 'check_stage', 'Engine', 'broadcast_tensors']
@@ -47,7 +49,8 @@ class Engine(torch.nn.Module):
                  mpu=None, # Megatron-style model-parallel unit, or None
                  collate_fn=None, # the default collate function of `deepspeed_io`
                  expert_groups:Mapping|None=None, # {group_name: (expert parallel group, expert data-parallel group)}
-                 dont_change_device:bool=False): # leave the model where it is
+                 dont_change_device:bool=False, # leave the model where it is
+                 optimizer_slot=None): # a callable(`flexrt.zero.SlotArgs`) -> OptimizerSlot; None: the ZeRO stage's
         super().__init__()
         if not isinstance(model, torch.nn.Module): raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, FlexConfig): raise TypeError(f"config must be a FlexConfig (use flexrt.config.load_config), got {type(config).__name__}")
@@ -57,10 +60,22 @@ class Engine(torch.nn.Module):
         self.config = config.resolve_batch(self.dp_world_size)
         self.module = model
         self._setup_model(dont_change_device, expert_groups)
-        self._setup_optimizer(optimizer, model_parameters, lr_scheduler)
+        self._setup_optimizer(optimizer, model_parameters, lr_scheduler, optimizer_slot)
         self._setup_parts()
 
+    def __getattr__(self, name:str):
+        "Attributes the engine lacks come from the model, as in DeepSpeed"
+        try: return torch.nn.Module.__getattr__(self, name)
+        except AttributeError:
+            module = self.__dict__['_modules'].get('module')
+            if module is None or name.startswith('__'): raise
+            return getattr(module, name)
+
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
+
 # %% ../../nbs/30_engine_core.ipynb #c010
+@patch
 def _place(self:Engine, mpu):
     "Ranks, process groups and device of this process"
     self.mpu, self.world_size, self.global_rank = mpu, dist.get_world_size(), dist.get_rank()
@@ -70,8 +85,6 @@ def _place(self:Engine, mpu):
     self.mp_world_size = self.world_size // self.dp_world_size
     cuda = torch.cuda.is_available()
     self.device = torch.device('cuda', self.local_rank % torch.cuda.device_count()) if cuda else torch.device('cpu')
-
-Engine._place = _place
 
 # %% ../../nbs/30_engine_core.ipynb #c012
 @torch.no_grad()
@@ -87,6 +100,7 @@ def broadcast_tensors(tensors:list, # tensors to make equal on every rank of `gr
         dist.broadcast(flat, src=src, group=group)
         torch._foreach_copy_(ts, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in ts]), ts)])
 
+@patch
 def _setup_model(self:Engine, dont_change_device:bool, expert_groups:Mapping|None):
     "Move the model to the device, find its expert groups, and make every replica equal"
     if not dont_change_device: self.module.to(self.device)
@@ -97,23 +111,21 @@ def _setup_model(self:Engine, dont_change_device:bool, expert_groups:Mapping|Non
     for name, group in self.expert_groups.data_parallel.items():
         broadcast_tensors([p for p in tensors if id(p) in experts and getattr(p, 'group_name', None) == name], group)
 
-Engine._setup_model = _setup_model
-
 # %% ../../nbs/30_engine_core.ipynb #c013
-def _setup_optimizer(self:Engine, optimizer, model_parameters, lr_scheduler):
-    "Precision, the torch optimizer, the owner of the optimizer step, and the learning-rate schedule"
+@patch
+def _setup_optimizer(self:Engine, optimizer, model_parameters, lr_scheduler, optimizer_slot=None):
+    "Precision, the torch optimizer, the optimizer slot (the owner of the step), and the learning-rate schedule"
     cfg = self.config
     self.precision = Precision.from_config(cfg.fp16, cfg.bf16)
     params = model_parameters if model_parameters is not None else self.module.parameters()
     self.basic_optimizer = client_optimizer(optimizer, cfg.optimizer, params)
     predivide = self.dp_world_size if cfg.prescale_gradients else cfg.gradient_predivide_factor
-    if cfg.zero_optimization.stage == 0:
-        self.optimizer = ReplicatedOptimizer(self.module, self.basic_optimizer, self.precision, self.dp_group,
-                                             self.expert_groups, self.mpu, gradient_predivide_factor=predivide)
-    else: self.optimizer = build_zero_optimizer(cfg.zero_optimization, self.module, self.basic_optimizer, self.precision,
-                                                self.dp_group, self.expert_groups, self.mpu, predivide)
+    args = SlotArgs(cfg.zero_optimization, self.module, self.basic_optimizer, self.precision, self.dp_group,
+                    self.expert_groups, self.mpu, predivide)
+    self.optimizer = build_optimizer_slot(args, optimizer_slot)
     self.lr_scheduler = client_lr_scheduler(lr_scheduler, cfg.scheduler, self.basic_optimizer)
 
+@patch
 def _setup_parts(self:Engine):
     "Counters, timers, the step clock, layer drop, the reporter; the comms logger when the config sets it"
     cfg = self.config
@@ -128,17 +140,17 @@ def _setup_parts(self:Engine):
     unused = unused_settings(cfg)
     if unused and self.global_rank == 0: warnings.warn(f"these config settings have no effect in this engine yet: {', '.join(unused)}")
 
-Engine._setup_optimizer, Engine._setup_parts = _setup_optimizer, _setup_parts
-
 # %% ../../nbs/30_engine_core.ipynb #c015
-def _forward(self:Engine, *inputs, **kwargs):
+@patch
+def forward(self:Engine, *inputs, **kwargs):
     "Run the model (inputs cast under `fp16.auto_cast`, layer-drop state added to the keyword arguments)"
     self.clock.start()
     cast = self.precision.cast_inputs
     with self.timers('forward'):
         return self.module(*cast(inputs), **self.layer_drop.forward_kwargs(cast(kwargs)))
 
-def _backward(self:Engine, loss:torch.Tensor, # the micro-batch's loss (a scalar tensor)
+@patch
+def backward(self:Engine, loss:torch.Tensor, # the micro-batch's loss (a scalar tensor)
               retain_graph:bool=False, # keep the graph for another backward
               scale_wrt_gas:bool=True)->torch.Tensor: # divide the loss by the accumulation steps first
     "Backward on the (accumulation-averaged, loss-scaled) loss; at a boundary the gradients are reduced as they appear"
@@ -154,10 +166,9 @@ def _backward(self:Engine, loss:torch.Tensor, # the micro-batch's loss (a scalar
         self.precision.backward(loss, retain_graph)
     return loss
 
-Engine.forward, Engine.backward = _forward, _backward
-
 # %% ../../nbs/30_engine_core.ipynb #c017
-def _step(self:Engine, lr_kwargs:dict|None=None): # keyword arguments for the schedule's step()
+@patch
+def step(self:Engine, lr_kwargs:dict|None=None): # keyword arguments for the schedule's step()
     "Count a micro-step; at an accumulation boundary reduce, unscale, clip, update and report"
     if self._in_no_sync: raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync block, run one more "
                                             "backward outside it (that one reduces the gradients), then call step()")
@@ -173,20 +184,21 @@ def _step(self:Engine, lr_kwargs:dict|None=None): # keyword arguments for the sc
     self.counter.count_optimizer_step(self.train_batch_size(), overflow)
     self._report(post_clip, overflow)
 
+@patch
 def _apply_step(self:Engine, lr_kwargs:dict|None):
     "The optimizer step, then the schedule's (only for steps the optimizer applied)"
     self.optimizer.step()
     if self.lr_scheduler is not None: self.lr_scheduler.step(**(lr_kwargs or {}))
 
-Engine.step, Engine._apply_step = _step, _apply_step
-
 # %% ../../nbs/30_engine_core.ipynb #c018
+@patch
 def _comm_bytes(self:Engine)->int:
     "Bytes of gradients this rank reduced since the last call"
     now = self.optimizer.comm_bytes
     delta, self._comm_bytes_seen = now - self._comm_bytes_seen, now
     return delta
 
+@patch
 def _report(self:Engine, post_clip:float, overflow:bool):
     "Hand the step's numbers to the reporter (monitor record, progress line)"
     step_time, batch = self.clock.stop(), self.train_batch_size()
@@ -196,19 +208,20 @@ def _report(self:Engine, post_clip:float, overflow:bool):
                          loss_scale=self.precision.loss_scale, skipped=overflow, step_time=step_time,
                          samples_per_s=batch / step_time if step_time > 0 else math.nan)
 
-Engine._comm_bytes, Engine._report = _comm_bytes, _report
-
 # %% ../../nbs/30_engine_core.ipynb #c020
-def _is_boundary(self:Engine)->bool:
+@patch
+def is_gradient_accumulation_boundary(self:Engine)->bool:
     "Whether the next `step()` applies the optimizer"
     return self.counter.is_boundary()
 
-def _set_boundary(self:Engine, is_boundary:bool|None): # True/False to force it, None to count again
+@patch
+def set_gradient_accumulation_boundary(self:Engine, is_boundary:bool|None): # True/False to force it, None to count again
     "Override the accumulation boundary (pipeline schedules do)"
     self.counter.boundary_override = None if is_boundary is None else bool(is_boundary)
 
+@patch
 @contextlib.contextmanager
-def _no_sync(self:Engine):
+def no_sync(self:Engine):
     "Inside the block, backward only accumulates gradients (no communication) and `step()` is an error"
     if not self.optimizer.supports_no_sync: raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.optimizer.stage}, which reduces gradients during backward to partition them")
     if self._in_no_sync: raise RuntimeError("engine.no_sync() blocks cannot be nested")
@@ -216,19 +229,21 @@ def _no_sync(self:Engine):
     try: yield
     finally: self._in_no_sync = False
 
-Engine.is_gradient_accumulation_boundary, Engine.set_gradient_accumulation_boundary = _is_boundary, _set_boundary
-Engine.no_sync = _no_sync
-
 # %% ../../nbs/30_engine_core.ipynb #c021
-def _train_batch_size(self:Engine)->int: return self.config.batch.train_batch_size
-def _micro(self:Engine)->int: return self.config.batch.train_micro_batch_size_per_gpu
-def _gas(self:Engine)->int: return self.config.batch.gradient_accumulation_steps
+@patch
+def train_batch_size(self:Engine)->int: return self.config.batch.train_batch_size
+@patch
+def train_micro_batch_size_per_gpu(self:Engine)->int: return self.config.batch.train_micro_batch_size_per_gpu
+@patch
+def gradient_accumulation_steps(self:Engine)->int: return self.config.batch.gradient_accumulation_steps
 
-def _get_batch_info(self:Engine)->tuple:
+@patch
+def get_batch_info(self:Engine)->tuple:
     "(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)"
     return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
 
-def _set_train_batch_size(self:Engine, train_batch_size:int):
+@patch
+def set_train_batch_size(self:Engine, train_batch_size:int):
     "Change the global batch size by changing the accumulation steps (the micro-batch size stays)"
     micro, dp = self.train_micro_batch_size_per_gpu(), self.dp_world_size
     if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0 or train_batch_size % (micro * dp):
@@ -238,31 +253,37 @@ def _set_train_batch_size(self:Engine, train_batch_size:int):
                                       train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas))
     self.counter.gradient_accumulation_steps = gas
 
-Engine.train_batch_size, Engine.train_micro_batch_size_per_gpu, Engine.gradient_accumulation_steps = _train_batch_size, _micro, _gas
-Engine.get_batch_info, Engine.set_train_batch_size = _get_batch_info, _set_train_batch_size
-
 # %% ../../nbs/30_engine_core.ipynb #c022
-def _get_lr(self:Engine)->list: return [g['lr'] for g in self.optimizer.param_groups]
-def _get_global_grad_norm(self:Engine)->float|None:
+@patch
+def get_lr(self:Engine)->list: return [g['lr'] for g in self.optimizer.param_groups]
+@patch
+def get_global_grad_norm(self:Engine)->float|None:
     "The global gradient norm of the last optimizer step, before clipping (None before the first)"
     return self._grad_norm
 
-def _zero_grad(self:Engine, set_to_none:bool=True):
+@patch
+def zero_grad(self:Engine, set_to_none:bool=True):
     "Drop the accumulated gradients"
     self.optimizer.zero_grad(set_to_none)
 
-def _counter_property(name): return property(lambda self: getattr(self.counter, name), doc=f"`{name}` of the step counter")
 
-def _memory_breakdown(self:Engine)->dict: # bytes: params, grads, optimizer_state, total (stage 3 adds persistent)
+@patch
+def memory_breakdown(self:Engine)->dict: # bytes: params, grads, optimizer_state, total (stage 3 adds persistent)
     "Bytes this rank holds for parameters, gradients and optimizer state, as the ZeRO stage in use partitions them"
     return self.optimizer.memory_breakdown()
 
-Engine.get_lr, Engine.get_global_grad_norm, Engine.zero_grad = _get_lr, _get_global_grad_norm, _zero_grad
-Engine.memory_breakdown = _memory_breakdown
-for _name in ('global_steps', 'global_samples', 'skipped_steps', 'micro_steps'): setattr(Engine, _name, _counter_property(_name))
+@patch(as_prop=True)
+def global_steps(self:Engine)->int: return self.counter.global_steps   # optimizer steps taken (skipped ones included)
+@patch(as_prop=True)
+def global_samples(self:Engine)->int: return self.counter.global_samples   # samples trained on
+@patch(as_prop=True)
+def skipped_steps(self:Engine)->int: return self.counter.skipped_steps   # optimizer steps skipped on overflow
+@patch(as_prop=True)
+def micro_steps(self:Engine)->int: return self.counter.micro_steps   # engine.step() calls
 
 # %% ../../nbs/30_engine_core.ipynb #c024
-def _deepspeed_io(self:Engine, dataset, # a torch Dataset
+@patch
+def deepspeed_io(self:Engine, dataset, # a torch Dataset
                   batch_size:int|None=None, # samples per batch on this rank (default: the micro-batch size)
                   route=None, pin_memory:bool=True, data_sampler=None, collate_fn=None,
                   num_local_io_workers:int|None=None)->torch.utils.data.DataLoader:
@@ -271,10 +292,9 @@ def _deepspeed_io(self:Engine, dataset, # a torch Dataset
                             collate_fn or self.collate_fn, data_sampler, self.config.dataloader_drop_last, pin_memory,
                             num_local_io_workers or 0)
 
-Engine.deepspeed_io = _deepspeed_io
-
 # %% ../../nbs/30_engine_core.ipynb #c026
-def _save_checkpoint(self:Engine, save_dir, # the directory holding the checkpoints (shared by all ranks)
+@patch
+def save_checkpoint(self:Engine, save_dir, # the directory holding the checkpoints (shared by all ranks)
                      tag=None, # the checkpoint's name (default: global_step<N>)
                      client_state:dict|None=None, # your own state: tensors, numbers, strings and containers of them
                      save_latest:bool=True, # point `<save_dir>/latest` at this tag
@@ -282,34 +302,24 @@ def _save_checkpoint(self:Engine, save_dir, # the directory holding the checkpoi
     "Save the complete training state (all ranks call it)"
     return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
-def _load_checkpoint(self:Engine, load_dir, tag=None, load_module_strict:bool=True, load_optimizer_states:bool=True,
+@patch
+def load_checkpoint(self:Engine, load_dir, tag=None, load_module_strict:bool=True, load_optimizer_states:bool=True,
                      load_lr_scheduler_states:bool=True, load_module_only:bool=False)->tuple:
     "Restore a checkpoint (all ranks call it): `(path, client_state)`, or `(None, None)` when `load_dir` has no `latest`"
     return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                       load_lr_scheduler_states, load_module_only)
 
-def _save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin', exclude_frozen_parameters:bool=False)->bool:
+@patch
+def save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin', exclude_frozen_parameters:bool=False)->bool:
     "The model's weights in their working dtype, in one file written by rank 0 (all ranks call it)"
     return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
-Engine.save_checkpoint, Engine.load_checkpoint, Engine.save_16bit_model = _save_checkpoint, _load_checkpoint, _save_16bit_model
-
 # %% ../../nbs/30_engine_core.ipynb #c027
-def _close(self:Engine):
+@patch
+def close(self:Engine):
     "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, restore the comms logger"
     if self._closed: return
     self.optimizer.close()
     self.expert_groups.close()
     if self._comms_before is not None: dist.configure(self._comms_before)
     self._closed = True
-
-def _getattr(self:Engine, name:str):
-    "Attributes the engine lacks come from the model, as in DeepSpeed"
-    try: return torch.nn.Module.__getattr__(self, name)
-    except AttributeError:
-        module = self.__dict__['_modules'].get('module')
-        if module is None or name.startswith('__'): raise
-        return getattr(module, name)
-
-Engine.close, Engine.__getattr__ = _close, _getattr
-Engine.__enter__, Engine.__exit__ = lambda self: self, lambda self, *exc: self.close()

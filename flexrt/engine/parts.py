@@ -4,16 +4,17 @@
 
 # %% ../../nbs/30_engine_parts.ipynb #c003
 from __future__ import annotations
-import contextlib, dataclasses, math, re, time
+import contextlib, dataclasses, math, time
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from .. import monitor
 from ..memory import memory_snapshot, see_memory_usage
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['PHASES', 'StepCounter', 'Timers', 'StepClock', 'ProgressiveLayerDrop', 'NoLayerDrop', 'layer_drop', 'expert_layout',
-           'expert_group_names', 'ExpertGroups', 'StepReporter', 'DataLoader', 'build_dataloader']
+__all__ = ['PHASES', 'StepCounter', 'Timers', 'StepClock', 'ProgressiveLayerDrop', 'NoLayerDrop', 'layer_drop', 'StepReporter',
+           'DataLoader', 'build_dataloader']
 
 # %% ../../nbs/30_engine_parts.ipynb #c006
 _COUNTERS = ('micro_steps', 'global_steps', 'global_samples', 'skipped_steps')
@@ -24,11 +25,12 @@ class StepCounter:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self.boundary_override = None   # True/False set by the script; None: count
+        self.window_start = 0   # the micro-step the accumulation windows are counted from (a load restarts them)
 
     def is_boundary(self)->bool:
         "Whether the current micro-step ends an accumulation window"
         if self.boundary_override is not None: return self.boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps - self.window_start + 1) % self.gradient_accumulation_steps == 0
 
     def count_micro_step(self)->bool: # whether the micro-step just counted was a boundary
         "Count one `engine.step()` call"
@@ -37,19 +39,31 @@ class StepCounter:
         return boundary
 
 # %% ../../nbs/30_engine_parts.ipynb #c008
-def _count_optimizer_step(self:StepCounter, samples:int, # the global batch size
+@patch
+def count_optimizer_step(self:StepCounter, samples:int, # the global batch size
                           skipped:bool): # the optimizer did not apply it (overflow)
     "Count one optimizer step"
     self.global_steps += 1
     self.global_samples += samples
     self.skipped_steps += int(skipped)
 
-def _counter_state_dict(self:StepCounter)->dict: return {k: getattr(self, k) for k in _COUNTERS}
-def _counter_load_state_dict(self:StepCounter, state:Mapping):
+@patch
+def state_dict(self:StepCounter)->dict: return {k: getattr(self, k) for k in _COUNTERS}
+@patch
+def load_state_dict(self:StepCounter, state:Mapping):
+    "Restore the counters; the next micro-step begins a fresh accumulation window"
     for k in _COUNTERS: setattr(self, k, int(state[k]))
+    self.start_window()
 
-StepCounter.count_optimizer_step = _count_optimizer_step
-StepCounter.state_dict, StepCounter.load_state_dict = _counter_state_dict, _counter_load_state_dict
+@patch
+def start_window(self:StepCounter):
+    "Count accumulation windows from now: the next micro-step is the first of a window"
+    self.window_start = self.micro_steps
+
+@patch
+def window_micro_steps(self:StepCounter)->int: # 0 at a boundary
+    "Micro-steps counted since the current accumulation window began"
+    return (self.micro_steps - self.window_start) % self.gradient_accumulation_steps
 
 # %% ../../nbs/30_engine_parts.ipynb #c011
 PHASES = ('forward', 'backward', 'allreduce', 'step')
@@ -74,17 +88,17 @@ class Timers:
     def __call__(self, name:str): return _Timer(self, name) if self.enabled else self._off
 
 # %% ../../nbs/30_engine_parts.ipynb #c012
-def _timers_read(self:Timers, steps:int=1)->dict: # divide the totals by this many steps
+@patch
+def read(self:Timers, steps:int=1)->dict: # divide the totals by this many steps
     "Milliseconds per step of each timed phase since the last read, then start again from zero"
     out = {n: self.totals[n] * 1e3 / max(steps, 1) for n in (*PHASES, *sorted(set(self.totals) - set(PHASES))) if n in self.totals}
     self.totals = {}
     return out
 
-def _timers_line(self:Timers, steps:int=1)->str:
+@patch
+def line(self:Timers, steps:int=1)->str:
     "`time (ms) | forward: 1.20 | backward: ...`, per step since the last read"
     return 'time (ms) | ' + ' | '.join(f'{n}: {ms:.2f}' for n, ms in self.read(steps).items())
-
-Timers.read, Timers.line = _timers_read, _timers_line
 
 # %% ../../nbs/30_engine_parts.ipynb #c015
 class StepClock:
@@ -124,62 +138,7 @@ def layer_drop(config)->ProgressiveLayerDrop|NoLayerDrop: # a `ProgressiveLayerD
     return ProgressiveLayerDrop(config.theta, config.gamma) if config.enabled else NoLayerDrop()
 
 # %% ../../nbs/30_engine_parts.ipynb #c021
-def expert_layout(ep_size:int, world_size:int)->tuple: # (expert-parallel rank lists, expert data-parallel rank lists)
-    "DeepSpeed's rank layout for experts spread over `ep_size` ranks of `world_size`"
-    if ep_size < 1 or world_size % ep_size:
-        raise ValueError(f"expert-parallel size {ep_size} must divide the data-parallel world size {world_size}")
-    parallel = [list(range(i * ep_size, (i + 1) * ep_size)) for i in range(world_size // ep_size)]
-    data_parallel = [list(range(j, world_size, ep_size)) for j in range(ep_size)]
-    return parallel, data_parallel
-
-def expert_group_names(params)->list: # sorted group names of the expert parameters among `params`
-    "Names of the expert groups (`group_name` of parameters with `allreduce=False`)"
-    return sorted({getattr(p, 'group_name', None) for p in params if getattr(p, 'allreduce', True) is False}, key=str)
-
-# %% ../../nbs/30_engine_parts.ipynb #c024
-_EP_NAME = re.compile(r'ep_size_(\d+)$')
-
-def _parse_ep_size(name:str|None)->int:
-    m = _EP_NAME.match(name or '')
-    if m is None:
-        raise ValueError(f"expert parameters with group_name={name!r}: pass initialize(..., expert_groups={{{name!r}: "
-                         "(expert_parallel_group, expert_data_parallel_group)}), or name the group 'ep_size_<n>' as "
-                         "DeepSpeed's MoE layer does")
-    return int(m.group(1))
-
-class ExpertGroups:
-    "Process groups of the expert parameters, by group name: `parallel` (norms) and `data_parallel` (gradients)"
-    def __init__(self, params, # the model's parameters
-                 given:Mapping|None=None): # {group_name: (expert_parallel_group, expert_data_parallel_group)}
-        self.parallel, self.data_parallel, self.created = {}, {}, []
-        for name in expert_group_names(params):
-            if given is not None and name in given: self.parallel[name], self.data_parallel[name] = given[name]
-            else: self.parallel[name], self.data_parallel[name] = self._create(_parse_ep_size(name))
-
-    def __bool__(self): return bool(self.parallel)
-
-# %% ../../nbs/30_engine_parts.ipynb #c025
-def _group_for(self:ExpertGroups, rank_lists:list):
-    "This rank's group among `rank_lists` (all ranks take part in creating each one)"
-    world, rank, mine = dist.get_world_size(), dist.get_rank(), None
-    if len(rank_lists) == 1 and len(rank_lists[0]) == world: return None   # the whole world: the default group
-    for ranks in rank_lists:
-        group = dist.new_group(ranks)
-        if rank in ranks: mine = group; self.created.append(group)
-    return mine
-
-def _create(self:ExpertGroups, ep_size:int)->tuple:
-    "(expert-parallel group, expert data-parallel group) of this rank for experts spread over `ep_size` ranks"
-    if dist.get_world_size() == 1: return None, None
-    parallel, data_parallel = expert_layout(ep_size, dist.get_world_size())
-    return self._group_for(parallel), self._group_for(data_parallel)
-
-def _close_groups(self:ExpertGroups):
-    "Destroy the process groups this object created"
-    for group in self.created: dist.destroy_process_group(group)
-    self.created = []
-
-ExpertGroups._group_for, ExpertGroups._create, ExpertGroups.close = _group_for, _create, _close_groups
+from ..utils.groups import expert_layout, expert_group_names, ExpertGroups
 
 # %% ../../nbs/30_engine_parts.ipynb #c028
 class StepReporter:
@@ -205,7 +164,8 @@ class StepReporter:
         return math.nan if loss is None else float(loss) / n
 
 # %% ../../nbs/30_engine_parts.ipynb #c029
-def _report(self:StepReporter, step:int, # optimizer steps so far (this one included)
+@patch
+def report(self:StepReporter, step:int, # optimizer steps so far (this one included)
             comm_bytes, # bytes this rank sent in collectives during the step, or a callable returning them
             **numbers): # samples, grad_norm, grad_norm_post_clip, lr, loss_scale, skipped, step_time, samples_per_s
     "Emit the step record if anyone listens; print the progress line on rank 0 every `steps_per_print` steps"
@@ -216,15 +176,14 @@ def _report(self:StepReporter, step:int, # optimizer steps so far (this one incl
     if monitor.listening(): monitor.emit('step', **record, memory=dataclasses.asdict(memory_snapshot()))
     if printing: self.print_line(record)
 
-def _print_line(self:StepReporter, r:dict):
+@patch
+def print_line(self:StepReporter, r:dict):
     lr = ', '.join(f'{x:.3e}' for x in (r['lr'] if isinstance(r['lr'], (list, tuple)) else [r['lr']]))
     self.print_fn(f"[flexrt] step={r['step']} samples={r['samples']} loss={r['loss']:.6g} lr=[{lr}] "
                   f"grad_norm={r['grad_norm']:.4g} loss_scale={r['loss_scale']:g} skipped={r['skipped']} "
                   f"samples/s={r['samples_per_s']:.1f}", flush=True)
     if self.timers.enabled: self.print_fn(f"[flexrt] step={r['step']} {self.timers.line(self.steps_per_print)}", flush=True)
     if self.memory_breakdown: see_memory_usage(f"[flexrt] step={r['step']}", force=True)
-
-StepReporter.report, StepReporter.print_line = _report, _print_line
 
 # %% ../../nbs/30_engine_parts.ipynb #c032
 class DataLoader(torch.utils.data.DataLoader):

@@ -8,6 +8,7 @@ import itertools, math
 import torch
 from .. import comm as dist
 from ..utils import get_global_norm_of_tensors, clip_tensors_by_global_norm
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['FlatPartition', 'shard_grad_norm', 'clip_shards']
@@ -35,8 +36,9 @@ class FlatPartition:
         return f"FlatPartition({len(self.params)} params, {self.numel} -> {self.padded_numel} = {self.world_size} x {self.shard_numel})"
 
 # %% ../../nbs/40_zero_partition.ipynb #c008
+@patch
 @torch.no_grad()
-def _flatten(self:FlatPartition, tensors:list|None=None, # values in parameter order (default: the parameters)
+def flatten(self:FlatPartition, tensors:list|None=None, # values in parameter order (default: the parameters)
              dtype:torch.dtype|None=None, # of the buffer (default: the first parameter's)
              device=None)->torch.Tensor: # a new flat buffer of `padded_numel` elements, padding zeroed
     "A new flat buffer holding `tensors` end to end, zero-padded"
@@ -47,25 +49,27 @@ def _flatten(self:FlatPartition, tensors:list|None=None, # values in parameter o
     flat[self.numel:].zero_()
     return flat
 
-def _views(self:FlatPartition, flat:torch.Tensor)->list: # views of `flat`, shaped like the parameters
+@patch
+def views(self:FlatPartition, flat:torch.Tensor)->list: # views of `flat`, shaped like the parameters
     "The parameters' slots in a flat buffer"
     assert flat.numel() == self.padded_numel, f"buffer has {flat.numel()} elements, the layout {self.padded_numel}"
     return [flat[a:b].view(p.shape) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
 
-def _shard(self:FlatPartition, flat:torch.Tensor, rank:int|None=None)->torch.Tensor: # a view of `flat`
+@patch
+def shard(self:FlatPartition, flat:torch.Tensor, rank:int|None=None)->torch.Tensor: # a view of `flat`
     "Rank `rank` (default: this rank)'s chunk of a flat buffer"
     start, end = self.shard_range(rank)
     return flat[start:end]
 
+@patch
 @torch.no_grad()
-def _bind(self:FlatPartition, flat:torch.Tensor):
+def bind(self:FlatPartition, flat:torch.Tensor):
     "Make every parameter a view of its slot in `flat` (the buffer must already hold their values)"
     for p, view in zip(self.params, self.views(flat)): p.data = view
 
-FlatPartition.flatten, FlatPartition.views, FlatPartition.shard, FlatPartition.bind = _flatten, _views, _shard, _bind
-
 # %% ../../nbs/40_zero_partition.ipynb #c011
-def _param_shards(self:FlatPartition, rank:int|None=None)->list: # [(param index, start, end, offset in the chunk)]
+@patch
+def param_shards(self:FlatPartition, rank:int|None=None)->list: # [(param index, start, end, offset in the chunk)]
     "The pieces of the parameters that lie in rank `rank`'s chunk"
     lo, hi = self.shard_range(rank)
     out = []
@@ -74,12 +78,11 @@ def _param_shards(self:FlatPartition, rank:int|None=None)->list: # [(param index
         if s < e: out.append((i, s - a, e - a, s - lo))
     return out
 
-def _layout(self:FlatPartition)->dict:
+@patch
+def layout(self:FlatPartition)->dict:
     "Plain metadata describing the layout (for checkpoints)"
     return {'world_size': self.world_size, 'numel': self.numel, 'padded_numel': self.padded_numel,
             'shapes': [tuple(p.shape) for p in self.params]}
-
-FlatPartition.param_shards, FlatPartition.layout = _param_shards, _layout
 
 # %% ../../nbs/40_zero_partition.ipynb #c014
 def shard_grad_norm(dense:list, # this rank's shards of the dense gradients

@@ -4,12 +4,13 @@
 
 # %% ../../nbs/40_zero_stage1.ipynb #c003
 from __future__ import annotations
-from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from ..reducer import BucketReducer, plan_buckets, _group_of
 from .partition import FlatPartition, shard_grad_norm, clip_shards
 from ..memory import storage_bytes
+from .base import OptimizerSlot, Fragment, Piece
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['ALGORITHMS', 'PER_PARAMETER', 'ShardReducer', 'ZeroStage1']
@@ -101,7 +102,7 @@ def _build_bucket(bucket, values:dict, master_weights:bool):
     bucket.is_expert = getattr(bucket.params[0], 'allreduce', True) is False
 
 # %% ../../nbs/40_zero_stage1.ipynb #c012
-class ZeroStage1:
+class ZeroStage1(OptimizerSlot):
     "ZeRO stage 1: optimizer state and fp32 master weights partitioned over the data-parallel ranks"
     stage, supports_no_sync = 1, True
     def __init__(self, module:torch.nn.Module, # the model, already on its device
@@ -136,42 +137,45 @@ class ZeroStage1:
         self._setup_gradients()
         self.reducer = self._make_reducer(gradient_predivide_factor)
 
+    def __repr__(self): return (f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
+                                f'{len(self.buckets)} buckets over {self.world_size} ranks)')
+
 # %% ../../nbs/40_zero_stage1.ipynb #c014
+@patch
 def _setup_gradients(self:ZeroStage1):
     "Stage 1: the whole gradient buffers stay; the rank's chunk of each holds the reduced gradient"
     for bk in self.buckets: bk.grad_shard = bk.partition.shard(bk.buffer)
 
+@patch
 def _make_reducer(self:ZeroStage1, gradient_predivide_factor:float)->ShardReducer:
     "The reducer that fills `grad_shard` (stage 2 overrides it)"
     return ShardReducer(self.buckets, self.world_size, gradient_predivide_factor, self.reduce_scatter, self.collectives)
 
-ZeroStage1._setup_gradients, ZeroStage1._make_reducer = _setup_gradients, _make_reducer
-
 # %% ../../nbs/40_zero_stage1.ipynb #c017
-def _set_boundary(self:ZeroStage1, is_boundary:bool):
+@patch
+def set_boundary(self:ZeroStage1, is_boundary:bool):
     "Before a backward: reduce-scatter its gradients (True) or only accumulate them (False)"
     self.reducer.set_boundary(is_boundary)
 
+@patch
 @torch.no_grad()
-def _reduced_gradients(self:ZeroStage1)->list: # this rank's gradient chunks, one per bucket (fp32 with master weights)
+def reduced_gradients(self:ZeroStage1)->list: # this rank's gradient chunks, one per bucket (fp32 with master weights)
     "At the boundary: wait for the reduce-scatters and hand this rank's averaged chunks to the masters"
     self.reducer.wait()
     self.comm_bytes += sum(bk.partition.padded_numel * bk.dtype.itemsize for bk in self.buckets if bk.world_size > 1)
     for bk in self.buckets: bk.master.grad = bk.grad_shard.float() if self.master_weights else bk.grad_shard
     return [bk.master.grad for bk in self.buckets]
 
-ZeroStage1.set_boundary, ZeroStage1.reduced_gradients = _set_boundary, _reduced_gradients
-
 # %% ../../nbs/40_zero_stage1.ipynb #c019
-def _clip_grad_norm(self:ZeroStage1, max_norm:float)->tuple: # (norm before clipping, norm after)
+@patch
+def clip_grad_norm(self:ZeroStage1, max_norm:float)->tuple: # (norm before clipping, norm after)
     "Global gradient norm over every rank's shards; the shards scaled down to `max_norm` when above it (0: never)"
     norm = shard_grad_norm([bk.master.grad for bk in self.buckets if not bk.is_expert],
                            [bk.master.grad for bk in self.buckets if bk.is_expert], self.group, self.mpu)
     return clip_shards([bk.master.grad for bk in self.buckets], max_norm, norm)
 
-ZeroStage1.clip_grad_norm = _clip_grad_norm
-
 # %% ../../nbs/40_zero_stage1.ipynb #c020
+@patch
 @torch.no_grad()
 def _launch_gather(self:ZeroStage1, bk):
     "Start the all-gather of one bucket's parameter buffer (its chunk from the masters); its handle, or None if local"
@@ -184,6 +188,7 @@ def _launch_gather(self:ZeroStage1, bk):
     self.comm_bytes += bk.param_buffer.nbytes
     return work
 
+@patch
 def _gather_params(self:ZeroStage1):
     "Write the masters into this rank's chunk and all-gather every bucket's parameter buffer"
     works = [self._launch_gather(bk) for bk in self.buckets]
@@ -210,7 +215,8 @@ def _step_bucket(optimizer, bk):
     finally:
         for g, params in zip(optimizer.param_groups, saved): g['params'] = params
 
-def _step(self:ZeroStage1):
+@patch
+def step(self:ZeroStage1):
     "The optimizer step on this rank's masters, then the updated parameters all-gathered into the model"
     if len(self.buckets) < 2 or type(self.optimizer).__name__ not in PER_PARAMETER:
         self.optimizer.step(); self._gather_params(); return
@@ -221,15 +227,15 @@ def _step(self:ZeroStage1):
     for w in works:
         if w is not None: w.wait()
 
-ZeroStage1._launch_gather, ZeroStage1._gather_params, ZeroStage1.step = _launch_gather, _gather_params, _step
-
 # %% ../../nbs/40_zero_stage1.ipynb #c023
-def _zero_grad(self:ZeroStage1, set_to_none:bool=True):
+@patch
+def zero_grad(self:ZeroStage1, set_to_none:bool=True):
     "Zero the gradient buffers in place (`set_to_none` is moot: the buffers stay); drop the masters' fp32 copies"
     self.reducer.zero_grad()
     for bk in self.buckets: bk.master.grad = None if self.master_weights else bk.grad_shard
 
-def _close(self:ZeroStage1):
+@patch
+def close(self:ZeroStage1):
     "Remove the hooks and drop every gradient (the model keeps its parameters)"
     self.reducer.close()
     for bk in self.buckets:
@@ -237,10 +243,9 @@ def _close(self:ZeroStage1):
         for p in bk.params: p.grad = None
         bk.buffer = bk.grad_shard = None
 
-ZeroStage1.zero_grad, ZeroStage1.close = _zero_grad, _close
-
 # %% ../../nbs/40_zero_stage1.ipynb #c027
-def _memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_state, total
+@patch
+def memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_state, total
     "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
     seen, model = set(), list(self.module.parameters())
     params = storage_bytes([bk.param_buffer for bk in self.buckets] + model, seen)
@@ -250,47 +255,20 @@ def _memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_
     state = storage_bytes([bk.master for bk in self.buckets] + state, seen)
     return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}
 
-ZeroStage1.memory_breakdown = _memory_breakdown
-
 # %% ../../nbs/40_zero_stage1.ipynb #c030
-def _param_groups(self:ZeroStage1)->list: return self.optimizer.param_groups
-def _state(self:ZeroStage1): return self.optimizer.state
+@patch
+def fragments(self:ZeroStage1)->list: # [Fragment] one per bucket: this rank's master chunk
+    "Each bucket's master and the pieces of parameters its chunk holds"
+    out = []
+    for bk in self.buckets:
+        part = bk.partition
+        out.append(Fragment(bk.master, [Piece(part.params[i], s, e - s, off) for i, s, e, off in part.param_shards()]))
+    return out
 
-def _layout(self:ZeroStage1)->list: # per bucket: param group, expert flag and `FlatPartition.layout()`
-    return [{'param_group': bk.param_group, 'expert': bk.is_expert, **bk.partition.layout()} for bk in self.buckets]
+@patch
+def stepped_params(self:ZeroStage1)->list: return [p for bk in self.buckets for p in bk.partition.params]
 
-def _state_dict(self:ZeroStage1)->dict:
-    "This rank's shard: the torch optimizer's state, the fp32 master chunks, and the partition metadata"
-    return {'stage': self.stage, 'world_size': self.world_size, 'rank': dist.get_rank(self.group),
-            'layout': self._layout(), 'optimizer': self.optimizer.state_dict(),
-            'master_shards': [bk.master.detach().clone() for bk in self.buckets]}
-
-ZeroStage1.param_groups, ZeroStage1.state = property(_param_groups), property(_state)
-ZeroStage1._layout, ZeroStage1.state_dict = _layout, _state_dict
-
-# %% ../../nbs/40_zero_stage1.ipynb #c031
-def _check_shard(self:ZeroStage1, state:Mapping):
-    "Refuse a shard saved with another stage family, world size, rank or layout"
-    if state.get('stage') not in (1, 2):
-        raise ValueError(f"optimizer state saved at ZeRO stage {state.get('stage')} cannot be loaded at stage {self.stage} "
-                         "(stages 1 and 2 share their layout): consolidate the checkpoint first")
-    rank = dist.get_rank(self.group)
-    saved = (state['world_size'], state['rank'])
-    if saved != (self.world_size, rank):
-        raise ValueError(f"this shard was saved by rank {saved[1]} of {saved[0]}, loading on rank {rank} of {self.world_size}: "
-                         "load each rank's own shard, or reshard the checkpoint to the new world size")
-    if state['layout'] != self._layout():
-        raise ValueError("the saved partition layout (param groups, shapes, bucket sizes) differs from this run's: "
-                         "use the same model, param groups and reduce_bucket_size, or consolidate the checkpoint")
-
-@torch.no_grad()
-def _load_state_dict(self:ZeroStage1, state:Mapping):
-    "Restore this rank's shard, then all-gather the parameters into the model"
-    self._check_shard(state)
-    self.optimizer.load_state_dict(state['optimizer'])
-    torch._foreach_copy_([bk.master.detach() for bk in self.buckets], list(state['master_shards']))
+@patch
+def sync_model(self:ZeroStage1):
+    "All-gather the (loaded) masters into every bucket's parameter buffer (collective)"
     self._gather_params()
-
-ZeroStage1._check_shard, ZeroStage1.load_state_dict = _check_shard, _load_state_dict
-ZeroStage1.__repr__ = lambda self: (f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
-                                    f'{len(self.buckets)} buckets over {self.world_size} ranks)')

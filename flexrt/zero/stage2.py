@@ -8,6 +8,7 @@ from collections import deque
 import torch
 from ..reducer import BucketReducer
 from .stage1 import ZeroStage1, ShardReducer
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['Stage2Reducer', 'ZeroStage2']
@@ -44,19 +45,19 @@ class Stage2Reducer(ShardReducer):
         bucket.buffer = bucket.views = None
 
 # %% ../../nbs/40_zero_stage2.ipynb #c007
-def _wait(self:Stage2Reducer):
+@patch
+def wait(self:Stage2Reducer):
     "Finish the round (see `BucketReducer.wait`); nothing stays in flight"
     BucketReducer.wait(self)
     self._in_flight.clear()
 
+@patch
 @torch.no_grad()
-def _zero_grad(self:Stage2Reducer):
+def zero_grad(self:Stage2Reducer):
     "Zero the gradient shards; drop any accumulated `p.grad`"
     if self.buckets: torch._foreach_zero_([bk.grad_shard for bk in self.buckets])
     for bk in self.buckets:
         for p in bk.params: p.grad = None
-
-Stage2Reducer.wait, Stage2Reducer.zero_grad = _wait, _zero_grad
 
 # %% ../../nbs/40_zero_stage2.ipynb #c009
 class ZeroStage2(ZeroStage1):

@@ -5,12 +5,13 @@
 # %% ../../nbs/42_zero3.ipynb #c003
 from __future__ import annotations
 
-from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from ..config import ZeroConfig
+from .base import OptimizerSlot, Fragment, Piece
 from .partition import shard_grad_norm, clip_shards
 from .stage3_params import ParameterPartitioner, GatheredParameters, register_external_parameter
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['Stage3Optimizer']
@@ -26,7 +27,7 @@ def _check_params(module:torch.nn.Module, optimizer):
             if optimizer.state.get(p): raise ValueError("the optimizer already holds state: build Stage3Optimizer before the first optimizer step")
 
 # %% ../../nbs/42_zero3.ipynb #c006
-class Stage3Optimizer:
+class Stage3Optimizer(OptimizerSlot):
     "ZeRO stage 3: each rank holds 1/N of the parameters, gradients and optimizer state; the module is gathered per submodule"
     stage, supports_no_sync = 3, False
     def __init__(self, module:torch.nn.Module, # the model, on its device, equal on every rank, in fp32 (cast here)
@@ -53,6 +54,7 @@ class Stage3Optimizer:
         self.partitioner.on_modified = lambda record: self._on_modified(record)
 
 # %% ../../nbs/42_zero3.ipynb #c008
+@patch
 @torch.no_grad()
 def _build_shards(self:Stage3Optimizer):
     "Per param group: fp32 master (stepped), working shard (model dtype), fp32 gradient shard; then cast and partition"
@@ -80,49 +82,54 @@ def _build_shards(self:Stage3Optimizer):
     self.precision.cast_model(self.module)
     self.partitioner.partition(shards, grads)
 
-Stage3Optimizer._build_shards = _build_shards
-
 # %% ../../nbs/42_zero3.ipynb #c011
-def _set_boundary(self:Stage3Optimizer, is_boundary:bool):
+@patch
+def set_boundary(self:Stage3Optimizer, is_boundary:bool):
     "Nothing to choose: every backward reduce-scatters into the fp32 gradient shards (full gradients are never kept)"
     self.boundary = bool(is_boundary)
 
-def _reduced_gradients(self:Stage3Optimizer)->list: # this rank's fp32 gradient shard, one flat tensor per param group
+@patch
+def reduced_gradients(self:Stage3Optimizer)->list: # this rank's fp32 gradient shard, one flat tensor per param group
     "The gradient shards the optimizer will step with (backward already reduce-scattered them)"
     self.partitioner.release_all()
     return [g['grad'] for g in self.groups]
 
-def _clip_grad_norm(self:Stage3Optimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
+@patch
+def clip_grad_norm(self:Stage3Optimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
     "Global gradient norm from the shards (experts follow the dense part of each group's buffer); shards clipped to `max_norm` (0: never)"
     norm = shard_grad_norm([g['grad'][:g['num_dense']] for g in self.groups],
                            [g['grad'][g['num_dense']:] for g in self.groups if g['grad'].numel() > g['num_dense']], self.group, self.mpu)
     return clip_shards([g['grad'] for g in self.groups], max_norm, norm)
 
-Stage3Optimizer.set_boundary, Stage3Optimizer.reduced_gradients = _set_boundary, _reduced_gradients
-Stage3Optimizer.clip_grad_norm = _clip_grad_norm
-
 # %% ../../nbs/42_zero3.ipynb #c012
+@patch
 @torch.no_grad()
-def _step(self:Stage3Optimizer):
-    "Step the fp32 master shards, write them into the working shards, re-gather the persistent parameters"
-    if self.optimizer is None: raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
-    self.partitioner.release_all()   # gathered copies are about to be stale
-    self.optimizer.step()
+def _write_working(self:Stage3Optimizer):
+    "Copy the fp32 masters into the working shards (model dtype), then re-gather the persistent parameters"
     for g in self.groups:
         if not g['shared']: g['working'].copy_(g['master'])
     self.partitioner.refresh_persistent()
 
-def _zero_grad(self:Stage3Optimizer, set_to_none:bool=True):
+@patch
+@torch.no_grad()
+def step(self:Stage3Optimizer):
+    "Step the fp32 master shards, write them into the working shards, re-gather the persistent parameters"
+    if self.optimizer is None: raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
+    self.partitioner.release_all()   # gathered copies are about to be stale
+    self.optimizer.step()
+    self._write_working()
+
+@patch
+def zero_grad(self:Stage3Optimizer, set_to_none:bool=True):
     "Zero the gradient shards in place (they stay allocated: the memory model counts them)"
     if self.groups: torch._foreach_zero_([g['grad'] for g in self.groups])
     for p in self.partitioner.records: p.grad = None
 
-Stage3Optimizer.step, Stage3Optimizer.zero_grad = _step, _zero_grad
-
 # %% ../../nbs/42_zero3.ipynb #c017
 def _nbytes(t): return t.numel() * t.element_size()
 
-def _memory_breakdown(self:Stage3Optimizer)->dict: # bytes per kind, and their total
+@patch
+def memory_breakdown(self:Stage3Optimizer)->dict: # bytes per kind, and their total
     "Bytes this rank holds for parameters, gradients and optimizer state"
     recs = self.partitioner.records.values()
     in_groups = {id(p) for g in self.groups for p in g['params']}
@@ -137,57 +144,75 @@ def _memory_breakdown(self:Stage3Optimizer)->dict: # bytes per kind, and their t
     out['total'] = out['params'] + grads + out['optimizer_state']
     return out
 
-Stage3Optimizer.memory_breakdown = _memory_breakdown
-
 # %% ../../nbs/42_zero3.ipynb #c019
-def _comm_bytes(self:Stage3Optimizer)->int:
+@patch(as_prop=True)
+def comm_bytes(self:Stage3Optimizer)->int:
     "Bytes this rank has gathered and reduce-scattered for its parameters and gradients so far"
     return self.partitioner.comm_bytes
 
-def _param_groups(self:Stage3Optimizer)->list: return [] if self.optimizer is None else self.optimizer.param_groups
-def _state(self:Stage3Optimizer): return {} if self.optimizer is None else self.optimizer.state
-
-Stage3Optimizer.comm_bytes = property(_comm_bytes)
-Stage3Optimizer.param_groups, Stage3Optimizer.state = property(_param_groups), property(_state)
-
 # %% ../../nbs/42_zero3.ipynb #c020
+@patch
 @torch.no_grad()
 def _on_modified(self:Stage3Optimizer, record):
     "A `GatheredParameters(..., modifier_rank=r)` block changed a parameter: bring its fp32 master along"
     m = self._master_of.get(record.param)
     if m is not None and m.data_ptr() != record.shard.data_ptr(): m.copy_(record.shard)
 
-Stage3Optimizer._on_modified = _on_modified
-
 # %% ../../nbs/42_zero3.ipynb #c025
-def _layout(self:Stage3Optimizer)->dict:
-    recs = self.partitioner.records
-    return {'world_size': self.world_size, 'rank': dist.get_rank(self.group),
-            'groups': [[(recs[p].name, tuple(recs[p].shape), recs[p].shard_numel) for p in g['params']] for g in self.groups]}
+def _piece(r)->tuple: # (start, numel) of this rank's elements of the record's flat parameter
+    start = min(r.rank * r.shard_numel, r.numel)
+    return start, min(r.shard_numel, r.numel - start)
 
-def _state_dict(self:Stage3Optimizer)->dict:
-    "The torch optimizer's state, this rank's fp32 master shards and their layout (live tensors, as torch's state_dict)"
-    return {'stage': 3, 'optimizer': None if self.optimizer is None else self.optimizer.state_dict(),
-            'master': [g['master'].detach() for g in self.groups], 'layout': self._layout()}
+@patch
+def fragments(self:Stage3Optimizer)->list: # [Fragment] one per param group
+    "Each param group's fp32 master buffer and this rank's shard of each parameter in it"
+    recs, out = self.partitioner.records, []
+    for g in self.groups:
+        pieces, off = [], 0
+        for p in g['params']:
+            start, numel = _piece(recs[p])
+            if numel > 0: pieces.append(Piece(p, start, numel, off))
+            off += recs[p].shard_numel
+        out.append(Fragment(g['master'], pieces))
+    return out
 
-@torch.no_grad()
-def _load_state_dict(self:Stage3Optimizer, state:Mapping):
-    "Restore what `state_dict` returned, on the same layout"
-    if state.get('stage') != 3: raise ValueError(f"optimizer state saved at ZeRO stage {state.get('stage', 0)} cannot be loaded at stage 3")
-    if state['layout'] != self._layout():
-        raise ValueError(f"the saved ZeRO-3 shard layout differs from this run's (saved world_size={state['layout']['world_size']}, "
-                         f"rank={state['layout']['rank']}; now {self.world_size}, {dist.get_rank(self.group)}): load it with the same data-parallel size and model")
+@patch
+def stepped_params(self:Stage3Optimizer)->list: return [p for g in self.groups for p in g['params']]
+
+# %% ../../nbs/42_zero3.ipynb #c026a
+@patch
+def full_shape(self:Stage3Optimizer, tensor:torch.Tensor)->torch.Size:
+    "The parameter's full shape (a partitioned one holds an empty placeholder between uses)"
+    r = self.partitioner.records.get(tensor)
+    return tensor.shape if r is None else r.shape
+
+@patch
+def owned_value(self:Stage3Optimizer, tensor:torch.Tensor)->tuple|None: # (flat view of this rank's shard, start) or None
+    "This rank's shard of a partitioned parameter (None for a buffer, which every rank holds whole)"
+    r = self.partitioner.records.get(tensor)
+    if r is None: return None
+    start, numel = _piece(r)
+    return r.shard[:numel], start
+
+@patch
+def gathered(self:Stage3Optimizer, tensors:list, modifier_rank:int|None=None):
+    "`GatheredParameters(tensors, modifier_rank)`: the parameters whole for the block"
+    return GatheredParameters(tensors, modifier_rank)
+
+# %% ../../nbs/42_zero3.ipynb #c026c
+@patch
+def quiesce(self:Stage3Optimizer):
+    "Finish the gathers in flight and release every parameter no forward holds"
     self.partitioner.release_all()
-    for g, m in zip(self.groups, state['master']):
-        g['master'].copy_(m)
-        if not g['shared']: g['working'].copy_(g['master'])
-    if self.optimizer is not None and state['optimizer'] is not None: self.optimizer.load_state_dict(state['optimizer'])
-    self.partitioner.refresh_persistent()
 
-Stage3Optimizer._layout, Stage3Optimizer.state_dict, Stage3Optimizer.load_state_dict = _layout, _state_dict, _load_state_dict
+@patch
+def sync_model(self:Stage3Optimizer):
+    "After the masters or shards were overwritten: the working shards and persistent parameters follow (collective)"
+    self._write_working()
 
 # %% ../../nbs/42_zero3.ipynb #c027
-def _close(self:Stage3Optimizer):
+@patch
+def close(self:Stage3Optimizer):
     "Remove the hooks, give the module its full parameters (current values) and the torch optimizer its own; drops its state"
     self.partitioner.close()
     if self.optimizer is not None:
@@ -196,5 +221,5 @@ def _close(self:Stage3Optimizer):
     for p in self.partitioner.records: p.grad = None
     self.groups, self._master_of = [], {}
 
-Stage3Optimizer.close = _close
-Stage3Optimizer.__repr__ = lambda self: f'Stage3Optimizer(stage=3, {type(self.optimizer).__name__}, {self.precision.name}, world={self.world_size})'
+@patch
+def __repr__(self:Stage3Optimizer): return f'Stage3Optimizer(stage=3, {type(self.optimizer).__name__}, {self.precision.name}, world={self.world_size})'

@@ -10,134 +10,12 @@ import torch
 from torch.utils._pytree import tree_flatten
 from .. import comm as dist
 from ..reducer import _group_of
+from .param_access import track_parameters, untrack_parameters
+from .stage3_records import ParamRecord, gather_records, release_records, _ReduceScatter
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['ParamRecord', 'gather_records', 'release_records', 'Unit', 'ParameterPartitioner', 'register_external_parameter',
-           'GatheredParameters']
-
-# %% ../../nbs/42_zero3_params.ipynb #c006
-class ParamRecord:
-    "One parameter under ZeRO-3: its full shape, this rank's shard of `ceil(numel / N)` elements, and whether it is gathered"
-    def __init__(self, param:torch.nn.Parameter, # the model's parameter
-                 name:str, # its name in the model
-                 world_size:int, rank:int, # the size of the group it is partitioned over, and this rank's place in it
-                 persistent:bool, # kept whole on every rank
-                 group=None): # that process group (the data-parallel one; an expert's own for MoE experts)
-        self.param, self.name, self.persistent, self.group = param, name, persistent, group
-        self.shape, self.numel, self.world_size, self.rank = param.shape, param.numel(), world_size, rank
-        self.shard_numel = -(-self.numel // world_size)
-        self.shard, self.grad_shard = None, None   # flat tensors of shard_numel; the optimizer may give views of its buffers
-        self.full, self.pending, self.active = True, None, 0   # full data present; gather in flight; forwards using it
-
-    def __repr__(self): return f"ParamRecord({self.name}, {tuple(self.shape)}, shard={self.shard_numel}{', persistent' if self.persistent else ''})"
-
-# %% ../../nbs/42_zero3_params.ipynb #c007
-@torch.no_grad()
-def _fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
-                out:torch.Tensor|None=None): # where to write (default: `shard`)
-    "Copy this rank's piece of `full` into `out`, zeros past the parameter's end"
-    out = self.shard if out is None else out
-    start = min(self.rank * self.shard_numel, self.numel)
-    piece = full.reshape(-1)[start:start + self.shard_numel]
-    out[:piece.numel()].copy_(piece)
-    out[piece.numel():].zero_()
-
-ParamRecord.fill_shard = _fill_shard
-
-# %% ../../nbs/42_zero3_params.ipynb #c011
-def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
-def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if dist.prefers_p2p(group) else dist.reduce_scatter_tensor
-
-# %% ../../nbs/42_zero3_params.ipynb #c012
-class _Gather:
-    "An all-gather of several parameters' shards, maybe still in flight"
-    def __init__(self, records:list, owner=None): # records of one process group; owner: counts the bytes in its `comm_bytes`
-        self.records, n, group = records, records[0].world_size, records[0].group
-        self.length = sum(r.shard_numel for r in records)
-        shards = torch.cat([r.shard for r in records]) if len(records) > 1 else records[0].shard
-        self.out = shards.new_empty(n * self.length) if n > 1 else shards
-        self.work = _all_gather(group)(self.out, shards, group=group, async_op=True) if n > 1 else None
-        for r in records: r.pending = self
-        if self.work is not None and owner is not None: owner.comm_bytes += self.out.numel() * self.out.element_size()
-
-    @torch.no_grad()
-    def finish(self):
-        "Wait for the data and point every parameter's `.data` at its full value"
-        if self.work is not None: self.work.wait(); self.work = None
-        rows, off = self.out.view(-1, self.length), 0
-        for r in self.records:
-            if r.pending is self:
-                block = rows[:, off:off + r.shard_numel]
-                r.param.data = (block if len(self.records) > 1 else block.reshape(-1)).reshape(-1)[:r.numel].view(r.shape)
-                r.full, r.pending = True, None
-            off += r.shard_numel
-
-# %% ../../nbs/42_zero3_params.ipynb #c013
-def gather_records(records:list, # ParamRecords to make whole
-                   async_op:bool=False, # only start the gathers
-                   owner=None): # an object whose `comm_bytes` counts the bytes gathered
-    "Start (and unless `async_op`, finish) the gathers of the records neither whole nor in flight, one per process group; finish those in flight"
-    todo = [r for r in records if not r.full and r.pending is None]
-    if todo:
-        by_group = {}
-        for r in todo: by_group.setdefault(id(r.group), []).append(r)
-        for same in by_group.values(): _Gather(same, owner)
-    if async_op: return
-    for g in {id(r.pending): r.pending for r in records if r.pending is not None}.values(): g.finish()
-
-_EMPTY = {}
-def _placeholder(t:torch.Tensor)->torch.Tensor:
-    "A shared empty tensor of `t`'s dtype and device"
-    key = (t.dtype, t.device)
-    if key not in _EMPTY: _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
-    return _EMPTY[key]
-
-def release_records(records:list):
-    "Drop the full data of the records that are whole, not persistent and not used by a running forward"
-    for r in records:
-        if r.pending is not None: r.pending.finish()
-        if r.full and not r.persistent and r.active == 0:
-            r.param.data, r.full = _placeholder(r.shard), False
-
-# %% ../../nbs/42_zero3_params.ipynb #c016
-@torch.no_grad()
-def _copy_rows(rows:torch.Tensor, off:int, record:ParamRecord, grad:torch.Tensor):
-    "Write `grad` into columns off:off+s of `rows` (N x L), row by row, leaving the padding as it is (zero)"
-    s, flat = record.shard_numel, grad.reshape(-1)
-    whole = record.numel // s
-    if whole: rows[:whole, off:off + s].copy_(flat[:whole * s].view(whole, s))
-    if whole * s < record.numel: rows[whole, off:off + record.numel - whole * s].copy_(flat[whole * s:])
-
-class _ReduceScatter:
-    "The gradient reduce-scatter of records of one process group: filled as gradients arrive, launched when complete"
-    def __init__(self, records:list, dtype, device, divisor:int): # divisor: the data-parallel size (gradients are averaged over it)
-        self.records, self.n, self.group, self.divisor = records, records[0].world_size, records[0].group, divisor
-        self.offsets = [0]
-        for r in records: self.offsets.append(self.offsets[-1] + r.shard_numel)
-        self.buffer = torch.zeros(self.n, self.offsets[-1], dtype=dtype, device=device)
-        self.out = self.work = None
-
-    def add(self, index:int, grad:torch.Tensor): _copy_rows(self.buffer, self.offsets[index], self.records[index], grad)
-
-# %% ../../nbs/42_zero3_params.ipynb #c017
-def _launch(self:_ReduceScatter, owner=None): # owner: counts the bytes in its `comm_bytes`
-    "Start the reduce-scatter over the records' group (nothing to start in a group of one)"
-    if self.n == 1: self.out = self.buffer.view(-1); return
-    self.out = self.buffer.new_empty(self.offsets[-1])
-    self.work = _reduce_scatter(self.group)(self.out, self.buffer.view(-1), group=self.group, async_op=True)
-    if owner is not None: owner.comm_bytes += self.buffer.numel() * self.buffer.element_size()
-
-@torch.no_grad()
-def _finish_rs(self:_ReduceScatter):
-    "Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard`"
-    if self.work is not None: self.work.wait()
-    if self.divisor != 1: self.out.div_(self.divisor)
-    dst = [r.grad_shard for r in self.records]
-    src = [self.out[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
-    torch._foreach_add_(dst, [s.to(d.dtype) for s, d in zip(src, dst)])
-    self.buffer = self.out = self.work = None
-
-_ReduceScatter.launch, _ReduceScatter.finish = _launch, _finish_rs
+__all__ = ['Unit', 'ParameterPartitioner', 'register_external_parameter', 'GatheredParameters']
 
 # %% ../../nbs/42_zero3_params.ipynb #c020
 class Unit:
@@ -180,8 +58,10 @@ class ParameterPartitioner:
         self._build_units()
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
         self._in_backward, self.partitioned, self.comm_bytes = False, False, 0   # comm_bytes: gathered + reduce-scattered
+        self.on_modified = None   # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
 
 # %% ../../nbs/42_zero3_params.ipynb #c023
+@patch
 def _build_units(self:ParameterPartitioner):
     "A unit per module; a gradient part per process group of the first unit owning each trainable record"
     self.units, self._all_units, self._grad_parts, self._grad_part = [], [], [], {}
@@ -198,8 +78,6 @@ def _build_units(self:ParameterPartitioner):
             part = _GradPart(same); self._grad_parts.append(part)
             for r in same: self._grad_part[id(r)] = part
 
-ParameterPartitioner._build_units = _build_units
-
 # %% ../../nbs/42_zero3_params.ipynb #c024
 def register_external_parameter(module:torch.nn.Module, # the module whose forward uses `param`
                                 param:torch.nn.Parameter): # a parameter owned by another module
@@ -208,32 +86,21 @@ def register_external_parameter(module:torch.nn.Module, # the module whose forwa
     if not any(p is param for p in ext): ext.append(param)
 
 # %% ../../nbs/42_zero3_params.ipynb #c026
-class _TrackedParameters(dict):
-    "A module's `_parameters` under ZeRO-3: looking up a parameter no running forward holds calls `_on_access`"
-    __slots__ = ('records', 'partitioner')
-    def __getitem__(self, name:str):
-        p = dict.__getitem__(self, name)
-        r = self.records.get(name)
-        if r is not None and not (r.full and r.active): self.partitioner._on_access(r)
-        return p
-
+@patch
 def _track(self:ParameterPartitioner, module:torch.nn.Module):
-    "Swap `module._parameters` for a `_TrackedParameters` (same entries, same order)"
-    tracked = _TrackedParameters(module._parameters)
-    tracked.records = {n: self.records[p] for n, p in module._parameters.items() if p is not None}
-    tracked.partitioner = self
-    module.__dict__['_parameters'] = tracked
+    "Watch lookups of `module`'s parameters (see `flexrt.zero.param_access`)"
+    track_parameters(module, {n: self.records[p] for n, p in module._parameters.items() if p is not None}, self._on_access)
     self._tracked.append(module)
 
-ParameterPartitioner._track = _track
-
 # %% ../../nbs/42_zero3_params.ipynb #c027
+@patch
 def _on_access(self:ParameterPartitioner, r:ParamRecord):
     "A read of a parameter no forward holds: in a forward the innermost module claims it; either way it is gathered"
     if r.persistent: return
     if self._stack: self._claim(self._stack[-1], r)
     gather_records([r], owner=self)
 
+@patch
 def _claim(self:ParameterPartitioner, unit:Unit, r:ParamRecord):
     "From now on `unit` gathers `r` before its forward and backward and releases it after; it is in its forward now"
     if any(x is r for x in unit.records): return
@@ -241,10 +108,9 @@ def _claim(self:ParameterPartitioner, unit:Unit, r:ParamRecord):
     unit.records.append(r)
     r.active += 1   # as its pre-hook would have counted it: the post-hook releases it
 
-ParameterPartitioner._on_access, ParameterPartitioner._claim = _on_access, _claim
-
 # %% ../../nbs/42_zero3_params.ipynb #c028
-def _partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat tensor of shard_numel} to keep its shard in
+@patch
+def partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat tensor of shard_numel} to keep its shard in
                grad_shards:dict|None=None): # {param: flat tensor} its gradient shard is added into
     "Fill every shard, release the non-persistent parameters and install the hooks"
     shards, grad_shards = shards or {}, grad_shards or {}
@@ -258,9 +124,8 @@ def _partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat 
     self._install_hooks()
     self.partitioned = True
 
-ParameterPartitioner.partition = _partition
-
 # %% ../../nbs/42_zero3_params.ipynb #c030
+@patch
 def _install_hooks(self:ParameterPartitioner):
     for u in self._all_units:
         if next(u.module.parameters(), None) is None: continue   # nothing below it to gather or claim
@@ -270,6 +135,7 @@ def _install_hooks(self:ParameterPartitioner):
     for p in self.records:
         if p.requires_grad: self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+@patch
 def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     self._stack.append(unit)
     if not self._traced and torch.is_grad_enabled() and unit.index not in self._position:
@@ -279,6 +145,7 @@ def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     gather_records(unit.records, owner=self)
     self._prefetch(unit, +1)
 
+@patch
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
     self._stack.pop()
     if not unit.records: return
@@ -288,9 +155,8 @@ def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad: t.register_hook(partial(self._pre_backward, unit))
 
-ParameterPartitioner._install_hooks, ParameterPartitioner._pre_forward, ParameterPartitioner._post_forward = _install_hooks, _pre_forward, _post_forward
-
 # %% ../../nbs/42_zero3_params.ipynb #c031
+@patch
 def _prefetch(self:ParameterPartitioner, unit:Unit, step:int):
     "Start gathering the unit that ran `step` places after `unit` in the first forward"
     if not self._traced or not self.prefetch_numel or unit.index not in self._position: return
@@ -298,12 +164,14 @@ def _prefetch(self:ParameterPartitioner, unit:Unit, step:int):
     if 0 <= i < len(self.trace) and self.trace[i].numel <= self.prefetch_numel:
         gather_records(self.trace[i].records, async_op=True, owner=self)
 
+@patch
 def _pre_backward(self:ParameterPartitioner, unit:Unit, grad):
     "Gradient hook on the unit's outputs: gather its parameters before autograd enters it"
     self._begin_backward()
     gather_records(unit.records, owner=self)
     self._prefetch(unit, -1)
 
+@patch
 def _begin_backward(self:ParameterPartitioner):
     "Once per backward: ask autograd to call `_end_backward` when it is done"
     if self._in_backward: return
@@ -311,11 +179,13 @@ def _begin_backward(self:ParameterPartitioner):
     self._in_backward, self._traced = True, True
     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+@patch
 def _finish_trace(self:ParameterPartitioner):
     "The first forward's order of the units that gather something (the others only kept the stack)"
     self.trace = [u for u in self.trace if u.records]
     self._position = {u.index: i for i, u in enumerate(self.trace)}
 
+@patch
 def _plan_keep(self:ParameterPartitioner):
     "The units whose backward comes soon after their forward: from the end of the trace, while the reuse distance allows"
     between = live = 0   # elements gathered between a unit's forward and its backward: twice those after it
@@ -323,10 +193,8 @@ def _plan_keep(self:ParameterPartitioner):
         if 2 * between >= self.max_reuse_distance or live + unit.numel > self.max_live_numel: break
         self._keep.add(unit.index); live += unit.numel; between += unit.numel
 
-ParameterPartitioner._prefetch, ParameterPartitioner._pre_backward, ParameterPartitioner._begin_backward = _prefetch, _pre_backward, _begin_backward
-ParameterPartitioner._finish_trace, ParameterPartitioner._plan_keep = _finish_trace, _plan_keep
-
 # %% ../../nbs/42_zero3_params.ipynb #c032
+@patch
 def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
     "A parameter's gradient is complete: copy it into its part's buffer, drop it, release the parameter"
     self._begin_backward()
@@ -340,6 +208,7 @@ def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
     p.grad = None
     release_records([r])
 
+@patch
 def _end_backward(self:ParameterPartitioner):
     "After backward: launch the parts not launched (missing gradients are zeros), add the results into the shards, release all"
     for part in self._grad_parts:
@@ -353,28 +222,27 @@ def _end_backward(self:ParameterPartitioner):
     self.release_all()
     self._in_backward = False
 
-ParameterPartitioner._on_grad, ParameterPartitioner._end_backward = _on_grad, _end_backward
-
 # %% ../../nbs/42_zero3_params.ipynb #c033
-def _release_all(self:ParameterPartitioner):
+@patch
+def release_all(self:ParameterPartitioner):
     "Finish gathers in flight and release every parameter not in use (persistent ones stay whole)"
     release_records(list(self.records.values()))
 
+@patch
 @torch.no_grad()
-def _refresh_persistent(self:ParameterPartitioner):
+def refresh_persistent(self:ParameterPartitioner):
     "After the shards changed (an optimizer step): all-gather the persistent parameters again"
     persistent = [r for r in self.records.values() if r.persistent and r.numel]
     for r in persistent: r.full = False
     if persistent: gather_records(persistent, owner=self)
 
-ParameterPartitioner.release_all, ParameterPartitioner.refresh_persistent = _release_all, _refresh_persistent
-
 # %% ../../nbs/42_zero3_params.ipynb #c034
+@patch
 @torch.no_grad()
-def _close(self:ParameterPartitioner):
+def close(self:ParameterPartitioner):
     "Remove every hook and lookup check, give each parameter its full data back and forget the shards"
     for h in self._hooks: h.remove()
-    for m in self._tracked: m.__dict__['_parameters'] = dict(m._parameters)
+    for m in self._tracked: untrack_parameters(m)
     self._hooks, self._tracked, self._stack = [], [], []
     if not self.partitioned: return
     records = list(self.records.values())
@@ -385,8 +253,6 @@ def _close(self:ParameterPartitioner):
         del r.param._zero3
         r.shard = r.grad_shard = None
     self.partitioned = False
-
-ParameterPartitioner.close = _close
 
 # %% ../../nbs/42_zero3_params.ipynb #c036
 @contextlib.contextmanager
@@ -408,11 +274,10 @@ def GatheredParameters(params, # a parameter or an iterable of them (e.g. `modul
             release_records([r])
 
 # %% ../../nbs/42_zero3_params.ipynb #c037
+@patch
 @torch.no_grad()
-def _write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
+def write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
     "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
     if r.world_size > 1: dist.broadcast(r.param.data, src=dist.get_global_rank(r.group, src), group=r.group)
     r.fill_shard(r.param.data)
     if self.on_modified is not None: self.on_modified(r)
-
-ParameterPartitioner.write_back, ParameterPartitioner.on_modified = _write_back, None
