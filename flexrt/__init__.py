@@ -41,3 +41,4 @@ def init_distributed(dist_backend:str|None=None, # 'nccl', 'gloo', 'mpi'; None: 
 
 # %% ../nbs/39_flexrt_init.ipynb #c900
 _ENTRY_POINTS['AutotuneWidget'] = 'flexrt.autotune_widget'   # the interactive autotuner (also flexrt.widgets.AutotuneWidget)
+_ENTRY_POINTS['use_as_deepspeed'] = 'flexrt.deepspeed'   # flexrt under DeepSpeed's module paths (`python -m flexrt.deepspeed script.py`)

@@ -66,3 +66,6 @@ def initialize(args=None, # argparse namespace carrying `deepspeed_config`, or N
                     optimizer_slot=optimizer_slot)
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     return engine, engine.basic_optimizer, loader, engine.lr_scheduler
+
+# %% ../../nbs/30_engine.ipynb #c990
+from . import accessors   # DeepSpeed's engine accessors (`engine.zero_optimization_stage()`, ...), patched onto Engine

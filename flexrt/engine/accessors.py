@@ -115,7 +115,7 @@ def set_train_micro_batch_size(self:Engine, micro_batch_size:int):
 def module_state_dict(self:Engine, destination=None, prefix:str='', keep_vars:bool=False,
                       exclude_frozen_parameters:bool=False)->dict:
     "The model's complete weights (gathered at ZeRO stage 3), as `module.state_dict()` names them; every rank calls it"
-    with self.optimizer.full_parameters():
+    with self.optimizer.gathered(list(self.module.parameters())):
         state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if not keep_vars: state = {k: v.clone() for k, v in state.items()}
     if exclude_frozen_parameters:
@@ -126,4 +126,4 @@ def module_state_dict(self:Engine, destination=None, prefix:str='', keep_vars:bo
 @patch
 def empty_partition_cache(self:Engine):
     "Release parameters ZeRO stage 3 keeps gathered (a no-op at other stages)"
-    self.optimizer.release_gathered()
+    self.optimizer.quiesce()

@@ -26,6 +26,7 @@ class StepCounter:
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self.boundary_override = None   # True/False set by the script; None: count
         self.window_start = 0   # the micro-step the accumulation windows are counted from (a load restarts them)
+        self.last_step_applied = False   # whether the last `step()` call updated the weights (DeepSpeed's was_step_applied)
 
     def is_boundary(self)->bool:
         "Whether the current micro-step ends an accumulation window"
@@ -35,6 +36,7 @@ class StepCounter:
     def count_micro_step(self)->bool: # whether the micro-step just counted was a boundary
         "Count one `engine.step()` call"
         boundary = self.is_boundary()
+        self.last_step_applied = False   # until the optimizer step of a boundary applies
         self.micro_steps += 1
         return boundary
 
@@ -46,6 +48,7 @@ def count_optimizer_step(self:StepCounter, samples:int, # the global batch size
     self.global_steps += 1
     self.global_samples += samples
     self.skipped_steps += int(skipped)
+    self.last_step_applied = not skipped
 
 @patch
 def state_dict(self:StepCounter)->dict: return {k: getattr(self, k) for k in _COUNTERS}
