@@ -93,8 +93,8 @@ def manifest_fields():
         return json.loads(Path(d, 't1', 'manifest.json').read_text())
 
 FIELDS = manifest_fields()
-CASES = ([(k, v) for k in FIELDS for v in WRONG_TYPES if not (k in ('tag', 'precision') and isinstance(v, str))] +
-         [(k, v) for k, vs in RANGES.items() for v in vs] + [('format', 'other-format'), ('tag', 'x' * 300), ('tag', 'a\x00b')])
+CASES = ([(k, v) for k in FIELDS for v in WRONG_TYPES if not (k in ('tag', 'precision', 'stage') and isinstance(v, str))] +   # stage: a ZeRO stage, or a custom slot's name
+         [(k, v) for k, vs in RANGES.items() for v in vs] + [('format', 'other-format'), ('tag', 'x' * 300), ('tag', 'a\x00b'), ('stage', 'x' * 300), ('stage', 'a\x00b')])
 
 @pytest.mark.parametrize('field,value', CASES, ids=[f'{k}={v!r}'[:40] for k, v in CASES])
 def test_a_bad_manifest_field_is_named(ckpt, field, value):

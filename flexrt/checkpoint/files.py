@@ -205,12 +205,15 @@ def check_manifest(m, # the parsed manifest.json
     if not isinstance(files, dict) or not files: raise CheckpointError(f"{where}: the manifest field 'files' is {_show(files)}; it must be a non-empty dict")
     for name, info in files.items(): _file_entry(name, info, where)
     _int_field(m, 'world_size', where, 1, len(files), required=True)   # every rank writes a listed file
-    _int_field(m, 'stage', where, 0, 3)
+    if isinstance(m.get('stage'), str): _text_field(m, 'stage', where)   # information only: a custom optimizer slot's name
+    else: _int_field(m, 'stage', where, 0, 3)                            # or the ZeRO stage that saved
     _int_field(m, 'global_steps', where, 0)
-    for key in ('tag', 'precision'):
-        if key in m and not (isinstance(m[key], str) and 0 < len(m[key]) <= MAX_TAG_BYTES and m[key].isprintable()):
-            raise CheckpointError(f"{where}: the manifest field '{key}' is {_show(m[key])}; it must be a short string of printable characters")
+    for key in ('tag', 'precision'): _text_field(m, key, where)
     return m
+
+def _text_field(m:dict, key:str, where):
+    if key in m and not (isinstance(m[key], str) and 0 < len(m[key]) <= MAX_TAG_BYTES and m[key].isprintable()):
+        raise CheckpointError(f"{where}: the manifest field '{key}' is {_show(m[key])}; it must be a short string of printable characters")
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c016
 def _unique_keys(where):
