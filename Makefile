@@ -46,9 +46,10 @@ pytest: install
 	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rs -rx -p no:cacheprovider | tee $(PYTEST_LOG)
 
 # The README's pictures are the browser tests' screenshots of real pages (JupyterLab and Voila in Chromium), taken
-# while two ranks train (`*_live.png`) and after Stop (`*_dashboard.png`); this refreshes them in docs/images/.
+# while two ranks train (`*_live.png`), after Stop (`*_dashboard.png`) and after an autotune search (`*_autotune.png`);
+# this refreshes them in docs/images/.
 screenshots: install
-	FLEXRT_ARTIFACTS=docs/images $(PY) -m pytest tests/test_browser.py -q -p no:cacheprovider
+	FLEXRT_ARTIFACTS=docs/images $(PY) -m pytest tests/test_browser.py tests/test_browser_autotune.py -q -p no:cacheprovider
 
 # The peers (DeepSpeed) come with the `bench` extra; each script prints ratios measured in one run.
 bench: install

@@ -110,8 +110,9 @@ def _watch_and_stop(page, shots: Path, name: str, log: Path):
     page.screenshot(path=str(shots / f'{name}_dashboard.png'), full_page=True)
     return first, rising, stable, last
 
-def _browse(chromium, url: str, open_page, name: str, server: subprocess.Popen, port: int, tmp_path: Path):
-    "Load `url` in Chromium, prepare it with `open_page(page)`, then watch and stop; always end the server"
+def _browse(chromium, url: str, open_page, name: str, server: subprocess.Popen, port: int, tmp_path: Path, watch=None,
+            viewport=(1100, 1400)):
+    "Load `url` in Chromium, prepare it with `open_page(page)`, then `watch(page, shots, name, log)` (default: the dashboard's watch and stop) and return what it returns; always end the server"
     from playwright.sync_api import sync_playwright
     shots = Path(os.environ.get('FLEXRT_ARTIFACTS', tmp_path)); shots.mkdir(parents=True, exist_ok=True)
     try:
@@ -119,17 +120,31 @@ def _browse(chromium, url: str, open_page, name: str, server: subprocess.Popen, 
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=['--headless', '--no-sandbox', '--disable-gpu',
                 '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'])
-            page = browser.new_page(viewport={'width': 1100, 'height': 1400})
+            page = browser.new_page(viewport={'width': viewport[0], 'height': viewport[1]})
             page.goto(url, timeout=120_000)
             open_page(page)
-            first, rising, stable, last = _watch_and_stop(page, shots, name, tmp_path / 'server.log')
+            seen = (watch or _watch_and_stop)(page, shots, name, tmp_path / 'server.log')
             browser.close()
-        assert 0 < first < rising <= stable <= last < 600            # rose live, then stopped well before 300 steps x 2
-        assert (shots / f'{name}_dashboard.png').stat().st_size > 10_000
+        return seen, shots
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try: server.wait(20)
         except subprocess.TimeoutExpired: os.killpg(server.pid, signal.SIGKILL)
+
+def _check_dashboard_run(seen, shots: Path, name: str):
+    first, rising, stable, last = seen
+    assert 0 < first < rising <= stable <= last < 600            # rose live, then stopped well before 300 steps x 2
+    assert (shots / f'{name}_dashboard.png').stat().st_size > 10_000
+
+def _lab_server(tmp_path: Path):
+    "A JupyterLab server over `tmp_path` on a free port, with its own runtime, config and workspace folders: (server, port)"
+    lab, port = _server('jupyter-lab'), _free_port()
+    env = os.environ | {'JUPYTER_RUNTIME_DIR': str(tmp_path / 'runtime'), 'JUPYTER_CONFIG_DIR': str(tmp_path / 'config')}
+    server = _start([lab, '--no-browser', f'--port={port}', '--ServerApp.ip=127.0.0.1', f'--ServerApp.root_dir={tmp_path}',
+                     "--IdentityProvider.token=", '--ServerApp.password=', '--ServerApp.disable_check_xsrf=True', '--ServerApp.allow_root=True',
+                     f'--LabApp.workspaces_dir={tmp_path / "workspaces"}', '--LabApp.news_url=', '--ServerApp.open_browser=False'],
+                    tmp_path, env)
+    return server, port
 
 def _start(command, tmp_path: Path, env=None) -> subprocess.Popen:
     log = open(tmp_path / 'server.log', 'w')
@@ -140,7 +155,7 @@ def test_voila_dashboard_counts_steps_live_and_stops_from_the_button(chromium, t
     _live_notebook(tmp_path / 'live.ipynb')
     port = _free_port()
     server = _start([voila, str(tmp_path / 'live.ipynb'), '--no-browser', f'--port={port}', '--Voila.ip=127.0.0.1'], tmp_path)
-    _browse(chromium, f'http://127.0.0.1:{port}/', lambda page: None, 'voila', server, port, tmp_path)
+    _check_dashboard_run(*_browse(chromium, f'http://127.0.0.1:{port}/', lambda page: None, 'voila', server, port, tmp_path), 'voila')
 
 def _run_all_cells(page):
     "In JupyterLab: wait for the notebook and its kernel, then Run > Run All Cells (again if the kernel missed it)"
@@ -154,12 +169,7 @@ def _run_all_cells(page):
     raise AssertionError('JupyterLab did not run the cells')
 
 def test_jupyterlab_dashboard_counts_steps_live_and_stops_from_the_button(chromium, tmp_path):
-    lab = _server('jupyter-lab')
     _live_notebook(tmp_path / 'live.ipynb')
-    port = _free_port()
-    env = os.environ | {'JUPYTER_RUNTIME_DIR': str(tmp_path / 'runtime'), 'JUPYTER_CONFIG_DIR': str(tmp_path / 'config')}
-    server = _start([lab, '--no-browser', f'--port={port}', '--ServerApp.ip=127.0.0.1', f'--ServerApp.root_dir={tmp_path}',
-                     "--IdentityProvider.token=", '--ServerApp.password=', '--ServerApp.disable_check_xsrf=True', '--ServerApp.allow_root=True',
-                     f'--LabApp.workspaces_dir={tmp_path / "workspaces"}', '--LabApp.news_url=', '--ServerApp.open_browser=False'],
-                    tmp_path, env)
-    _browse(chromium, f'http://127.0.0.1:{port}/lab/tree/live.ipynb', _run_all_cells, 'jupyterlab', server, port, tmp_path)
+    server, port = _lab_server(tmp_path)
+    seen = _browse(chromium, f'http://127.0.0.1:{port}/lab/tree/live.ipynb', _run_all_cells, 'jupyterlab', server, port, tmp_path)
+    _check_dashboard_run(*seen, 'jupyterlab')

@@ -1,16 +1,15 @@
 """The autotune widget in a real browser: Voila, and JupyterLab, serve a notebook that builds an `AutotuneWidget` for
 the quickstart's GPT model; Debian's Chromium (driven by Playwright, no browser download) clicks Run, sees trial rows
 appear in the table while two ranks search in the background, clicks Stop, sees the button end as "Stopped" and the
-rows stop growing, and saves a screenshot: Voila's is `docs/images/autotune_widget.png` (the README's picture),
-both go to $FLEXRT_ARTIFACTS (else the test's temp folder).
+rows stop growing, and saves a screenshot to $FLEXRT_ARTIFACTS (else the test's temp folder; `make screenshots` writes
+them to docs/images/, where Voila's is the README's picture).
 
 Chromium and the servers come as in tests/test_browser.py (it skips, with the reason, where they cannot)."""
-import os, shutil, time
+import time
 from pathlib import Path
-import nbformat, pytest
-from test_browser import chromium, _server, _free_port, _wait_listening, _start, _run_all_cells, ROOT
+import nbformat
+from test_browser import chromium, _server, _free_port, _start, _run_all_cells, _browse, _lab_server, ROOT   # chromium: the fixture
 
-SCREENSHOT = ROOT / 'docs' / 'images' / 'autotune_widget.png'
 ROWS = 'tr.flexrt-trial'
 
 def _autotune_notebook(path: Path):
@@ -50,43 +49,23 @@ def _run_watch_and_stop(page, shots: Path, name: str, log: Path):
     page.screenshot(path=str(shots / f'{name}_autotune.png'), full_page=True)
     return first, rising, last, status
 
-def _browse(chromium, url: str, open_page, name: str, server, port: int, tmp_path: Path):
-    import signal
-    from playwright.sync_api import sync_playwright
-    shots = Path(os.environ.get('FLEXRT_ARTIFACTS', tmp_path)); shots.mkdir(parents=True, exist_ok=True)
-    try:
-        _wait_listening(port)
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=['--headless', '--no-sandbox', '--disable-gpu',
-                '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'])
-            page = browser.new_page(viewport={'width': 1200, 'height': 1500})
-            page.goto(url, timeout=120_000)
-            open_page(page)
-            first, rising, last, status = _run_watch_and_stop(page, shots, name, tmp_path / 'server.log')
-            browser.close()
-        assert 0 < first < rising <= last and status >= 1
-        assert (shots / f'{name}_autotune.png').stat().st_size > 20_000
-        return shots / f'{name}_autotune.png'
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try: server.wait(20)
-        except Exception: os.killpg(server.pid, signal.SIGKILL)
+def _check_search_run(seen, shots: Path, name: str):
+    first, rising, last, status = seen
+    assert 0 < first < rising <= last and status >= 1
+    assert (shots / f'{name}_autotune.png').stat().st_size > 20_000
 
 def test_voila_autotune_widget_runs_shows_rows_live_and_stops(chromium, tmp_path):
     voila = _server('voila')
     _autotune_notebook(tmp_path / 'autotune.ipynb')
     port = _free_port()
     server = _start([voila, str(tmp_path / 'autotune.ipynb'), '--no-browser', f'--port={port}', '--Voila.ip=127.0.0.1'], tmp_path)
-    shot = _browse(chromium, f'http://127.0.0.1:{port}/', lambda page: None, 'voila', server, port, tmp_path)
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True); shutil.copy(shot, SCREENSHOT)
+    seen = _browse(chromium, f'http://127.0.0.1:{port}/', lambda page: None, 'voila', server, port, tmp_path,
+                   watch=_run_watch_and_stop, viewport=(1200, 1500))
+    _check_search_run(*seen, 'voila')
 
 def test_jupyterlab_autotune_widget_runs_shows_rows_live_and_stops(chromium, tmp_path):
-    lab = _server('jupyter-lab')
     _autotune_notebook(tmp_path / 'autotune.ipynb')
-    port = _free_port()
-    env = os.environ | {'JUPYTER_RUNTIME_DIR': str(tmp_path / 'runtime'), 'JUPYTER_CONFIG_DIR': str(tmp_path / 'config')}
-    server = _start([lab, '--no-browser', f'--port={port}', '--ServerApp.ip=127.0.0.1', f'--ServerApp.root_dir={tmp_path}',
-                     "--IdentityProvider.token=", '--ServerApp.password=', '--ServerApp.disable_check_xsrf=True', '--ServerApp.allow_root=True',
-                     f'--LabApp.workspaces_dir={tmp_path / "workspaces"}', '--LabApp.news_url=', '--ServerApp.open_browser=False'],
-                    tmp_path, env)
-    _browse(chromium, f'http://127.0.0.1:{port}/lab/tree/autotune.ipynb', _run_all_cells, 'jupyterlab', server, port, tmp_path)
+    server, port = _lab_server(tmp_path)
+    seen = _browse(chromium, f'http://127.0.0.1:{port}/lab/tree/autotune.ipynb', _run_all_cells, 'jupyterlab', server, port,
+                   tmp_path, watch=_run_watch_and_stop, viewport=(1200, 1500))
+    _check_search_run(*seen, 'jupyterlab')
