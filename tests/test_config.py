@@ -110,9 +110,10 @@ BAD = [
     ({'train_batch_size': 'auto'}, TypeError, "'auto' is a placeholder the Hugging Face Trainer fills in"),
     ({'fp16': {'loss_scale_window': -3}}, ValueError, "fp16.loss_scale_window must be a positive int, got -3"),
     ({'fp16': {'loss_scale_window': 10.5}}, TypeError, "fp16.loss_scale_window must be a positive int, got 10.5"),
-    ({'fp16': {'enabled': 'yes'}}, TypeError, "fp16.enabled must be true or false, got 'yes'"),
+    ({'fp16': {'enabled': 'yes'}}, TypeError, "fp16.enabled must be true or false (or 1/0), got 'yes'"),
     ({'fp16': {'hysterisis': 2}}, ValueError, "unknown key 'hysterisis' in fp16 (did you mean 'hysteresis'?)"),
-    ({'fp16': {'loss_scale': -1}}, ValueError, "fp16.loss_scale must be a non-negative number, got -1"),
+    ({'fp16': {'loss_scale': -1}}, ValueError, "fp16.loss_scale must be a number from 0 to 65504, got -1"),
+    ({'fp16': {'enabled': True, 'loss_scale': 1e40}}, ValueError, "fp16.loss_scale must be a number from 0 to 65504, got 1e+40"),
     ({'fp16': {'min_loss_scale': 0}}, ValueError, "fp16.min_loss_scale must be a positive number, got 0"),
     ({'fp16': {'initial_scale_power': 2, 'min_loss_scale': 8}}, ValueError, "fp16.min_loss_scale=8 is above the initial scale 2**2=4"),
     ({'fp16': {'enabled': True}, 'bf16': {'enabled': True}}, ValueError, "fp16.enabled and bf16.enabled are both true; enable one of them"),
@@ -122,7 +123,8 @@ BAD = [
     ({'gradient_clipping': 'none'}, TypeError, "gradient_clipping must be a non-negative number, got 'none'"),
     ({'gradient_predivide_factor': 0}, ValueError, "gradient_predivide_factor must be a positive number, got 0"),
     ({'steps_per_print': 0}, ValueError, "steps_per_print must be a positive int, got 0"),
-    ({'wall_clock_breakdown': 1}, TypeError, "wall_clock_breakdown must be true or false, got 1"),
+    ({'wall_clock_breakdown': 2}, TypeError, "wall_clock_breakdown must be true or false (or 1/0), got 2"),
+    ({'zero_allow_untested_optimizer': 'false'}, TypeError, "zero_allow_untested_optimizer must be true or false (or 1/0), got 'false'"),
     ({'communication_data_type': 'fp8'}, ValueError, "communication_data_type must be one of 'fp32', 'fp16', 'bf16' or null, got 'fp8'"),
     ({'optimizer': 'Adam'}, TypeError, "optimizer must be a dict (JSON object) or null, got 'Adam'"),
     ({'optimizer': {'params': {'lr': 0.1}}}, ValueError, "optimizer.type is required"),
@@ -133,12 +135,22 @@ BAD = [
     ({'optimizer': {'type': 'Adam', 'params': {'lr': -1e-3}}}, ValueError, "optimizer.params.lr must be a non-negative number, got -0.001"),
     ({'optimizer': {'type': 'Adam', 'params': {'lr': 'auto'}}}, TypeError, "optimizer.params.lr must be a non-negative number, got 'auto'"),
     ({'optimizer': {'type': 'Adam', 'params': {'betas': {0.9}}}}, TypeError, "optimizer.params.betas must be JSON data"),
+    ({'optimizer': {'type': 'Adam', 'params': {'amsgrad': 'false'}}}, TypeError, "optimizer.params.amsgrad must be true or false (or 1/0), got 'false' (for Adam)"),
+    ({'optimizer': {'type': 'AdamW', 'params': {'betas': 0.9}}}, TypeError, "optimizer.params.betas must be a list of 2 numbers, each >= 0 and < 1, got 0.9 (for AdamW)"),
+    ({'optimizer': {'type': 'Adam', 'params': {'betas': [0.9, 1.5]}}}, ValueError, "optimizer.params.betas[1] must be a number >= 0 and < 1, got 1.5 (for Adam)"),
+    ({'optimizer': {'type': 'Adam', 'params': {'betas': [0.9, 0.99, 0.999]}}}, TypeError, "optimizer.params.betas must be a list of 2 numbers, each >= 0 and < 1, got [0.9, 0.99, 0.999]"),
+    ({'optimizer': {'type': 'Lamb', 'params': {'betas': [-0.1, 0.9]}}}, ValueError, "optimizer.params.betas[0] must be a number >= 0 and < 1, got -0.1 (for Lamb)"),
+    ({'optimizer': {'type': 'SGD', 'params': {'lr': 0.1, 'nesterov': 'yes'}}}, TypeError, "optimizer.params.nesterov must be true or false (or 1/0), got 'yes' (for SGD)"),
+    ({'optimizer': {'type': 'Adam', 'params': {'eps': -1e-8}}}, ValueError, "optimizer.params.eps must be a non-negative number, got -1e-08 (for Adam)"),
     ({'optimizer': {'type': 'Adam', 'parms': {}}}, ValueError, "unknown key 'parms' in optimizer (did you mean 'params'?)"),
     ({'scheduler': {'type': 'WarmupCosine'}}, ValueError, "scheduler.type 'WarmupCosine' is not a known schedule (did you mean 'WarmupCosineLR'?)"),
     ({'scheduler': {'type': 'WarmupDecayLR', 'params': {'warmup_num_steps': 10}}}, ValueError, "scheduler.params.total_num_steps is required by WarmupDecayLR"),
     ({'scheduler': {'type': 'WarmupLR', 'params': {'warmup_max': 1e-3}}}, ValueError, "unknown key 'warmup_max' in scheduler.params for WarmupLR (did you mean 'warmup_max_lr'?)"),
     ({'scheduler': {'type': 'WarmupLR', 'params': {'warmup_type': 'cosine'}}}, ValueError, "scheduler.params.warmup_type must be one of 'log', 'linear', got 'cosine'"),
     ({'scheduler': {'type': 'StepLR', 'params': {'gamma': 0.5}}}, ValueError, "scheduler.params.step_size is required by StepLR"),
+    ({'scheduler': {'type': 'StepLR', 'params': {'step_size': 0}}}, ValueError, "scheduler.params.step_size must be a positive int, got 0 (for StepLR)"),
+    ({'scheduler': {'type': 'StepLR', 'params': {'step_size': 2.5}}}, TypeError, "scheduler.params.step_size must be a positive int, got 2.5 (for StepLR)"),
+    ({'scheduler': {'type': 'CosineAnnealingLR', 'params': {'T_max': 0}}}, ValueError, "scheduler.params.T_max must be a positive int, got 0 (for CosineAnnealingLR)"),
     ({'zero_optimization': 2}, TypeError, "zero_optimization must be a dict (JSON object), got 2"),
     ({'zero_optimization': {'stage': 4}}, ValueError, "zero_optimization.stage must be an int from 0 to 3, got 4"),
     ({'zero_optimization': {'stage': '2'}}, TypeError, "zero_optimization.stage must be an int from 0 to 3, got '2'"),
@@ -265,3 +277,29 @@ def test_configs_survive_pickle_and_deepcopy(source):
     import copy, pickle
     c = load_config(source)
     assert pickle.loads(pickle.dumps(c)) == c and copy.deepcopy(c) == c
+
+def test_deepspeed_leniency_is_kept():
+    "Values DeepSpeed takes and its users rely on load: flags as 1/0, null warmup steps, integral floats for sizes"
+    c = load_config({'train_batch_size': 8, 'zero_allow_untested_optimizer': 1, 'fp16': {'enabled': 0},
+                     'optimizer': {'type': 'Adam', 'params': {'lr': 1, 'amsgrad': 0, 'torch_adam': 1}},
+                     'scheduler': {'type': 'WarmupLR', 'params': {'warmup_num_steps': None}}})
+    assert (c.zero_allow_untested_optimizer, c.fp16.enabled) == (True, False)
+    assert c.optimizer.params == {'lr': 1, 'amsgrad': False, 'torch_adam': True}
+    assert c.scheduler.params == {'warmup_num_steps': None}
+    assert load_config({'train_batch_size': 8, 'scheduler': {'type': 'StepLR', 'params': {'step_size': 1e3}}}).scheduler.params['step_size'] == 1000
+
+def test_huge_bucket_sizes_are_clamped_with_a_warning():
+    from flexrt.config.blocks import MAX_BUCKET_SIZE
+    with pytest.warns(UserWarning, match=r"zero_optimization.reduce_bucket_size=1e\+15 is more than any device holds; using 1099511627776"):
+        c = load_config({'train_batch_size': 8, 'zero_optimization': {'stage': 2, 'reduce_bucket_size': 1e15}})
+    assert c.zero_optimization.reduce_bucket_size == MAX_BUCKET_SIZE
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert load_config(c.to_dict()) == c   # the clamped value round-trips silently
+
+def test_a_json_file_with_a_duplicate_key_is_refused(tmp_path):
+    path = tmp_path / 'ds.json'
+    path.write_text('{"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 0.001, "lr": 0.1}}}')
+    with pytest.raises(ValueError, match=re.escape("the key optimizer.params.lr is given twice (0.001 and 0.1)")): load_config(path)
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ValueError, match=re.escape("the key train_batch_size is given twice (8 and 16)")): load_config(path)

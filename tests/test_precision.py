@@ -330,3 +330,27 @@ def test_bf16_moe_norm_matches_fp32_with_flat_and_per_parameter_masters():
         assert norms['bf16'] == pytest.approx(expected, rel=2e-2)
         assert norms['bf16 flat'] == pytest.approx(norms['bf16'], rel=1e-6)
         assert norms['flat buffers'] == [(True, 6 * 3 + 3), (False, 6 * 3 + 3)]   # dense and expert never share one
+
+
+# ---------------------------------------------------------------- a run of skipped steps is reported
+
+@pytest.mark.parametrize('fp16', [{'enabled': True, 'loss_scale': 32768}, {'enabled': True, 'initial_scale_power': 8, 'hysteresis': 1}],
+                         ids=['static', 'dynamic'])
+def test_an_engine_warns_once_when_every_step_is_skipped(fp16):
+    "Non-finite data makes every step overflow: after SKIPPED_STEPS_WARNING of them in a row, one warning, at any scale"
+    import flexrt
+    from flexrt.loss_scaler import SKIPPED_STEPS_WARNING
+    torch.manual_seed(0)
+    engine = flexrt.initialize(model=torch.nn.Linear(4, 2), config={'train_batch_size': 2, 'steps_per_print': 10**6, 'fp16': fp16,
+                                                                    'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})[0]
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    bad = torch.full((2, 4), math.inf)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for _ in range(SKIPPED_STEPS_WARNING + 5):
+            engine.backward(engine(bad.half()).float().sum()); engine.step()
+    skipped = [str(x.message) for x in w if 'in a row were skipped' in str(x.message)]
+    assert len(skipped) == 1 and skipped[0].startswith(f"{SKIPPED_STEPS_WARNING} optimizer steps in a row were skipped"), skipped
+    assert engine.skipped_steps == SKIPPED_STEPS_WARNING + 5
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, engine.module.parameters()))
+    engine.close()

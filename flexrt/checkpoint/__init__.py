@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from .. import comm as dist, __version__
 from .files import (CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe, check_tag, staging_dir,
-                    write_manifest, read_manifest, verify_file, publish, read_latest, tag_dir)
+                    write_manifest, read_manifest, verify_file, publish, read_latest, tag_dir, discard_staging)
 from ..zero.stage3_params import GatheredParameters
 from .shards import (tensor_entries, optimizer_pieces, stepped_params, master_records, value_records, rng_state, set_rng_state, FragmentIndex)
 
@@ -147,9 +147,11 @@ def save_checkpoint(engine, # a flexrt Engine
     reports = [None] * dist.get_world_size()
     if dist.get_world_size() > 1: dist.all_gather_object(reports, files)
     else: reports = [files]
-    agree(error, 'writing the checkpoint files')
-    everything = {name: info for r in reports for name, info in r.items()}
-    agree(_attempt(_finish, engine, save_dir, tag, everything, save_latest)[1] if dist.get_rank() == 0 else None, 'publishing the checkpoint')
+    try:
+        agree(error, 'writing the checkpoint files')
+        everything = {name: info for r in reports for name, info in r.items()}
+        agree(_attempt(_finish, engine, save_dir, tag, everything, save_latest)[1] if dist.get_rank() == 0 else None, 'publishing the checkpoint')
+    except BaseException: discard_staging(save_dir, tag); raise   # every rank: no partial files, `latest` untouched
     return True
 
 # %% ../../nbs/45_checkpoint.ipynb #c017

@@ -4,17 +4,18 @@
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c003
 from __future__ import annotations
-import json, os, pickle, shutil, uuid
+import errno, io, json, os, pickle, re, shutil, uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 import torch, xxhash
 
 # %% auto #0
-__all__ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'CheckpointError', 'rank_file', 'checksum_file',
-           'fsync', 'atomic_write', 'save_torch', 'save_text', 'check_safe', 'safe_load', 'write_manifest',
-           'read_manifest', 'verify_file', 'check_tag', 'staging_dir', 'publish', 'available_tags', 'read_latest',
-           'tag_dir']
+__all__ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MAX_MANIFEST_BYTES', 'MAX_TAG_BYTES',
+           'CheckpointError', 'rank_file', 'loaded_files', 'checksum_file', 'fsync', 'atomic_write', 'serialized_size',
+           'save_torch', 'save_text', 'no_space_error', 'check_safe', 'safe_load', 'write_manifest', 'contained',
+           'check_manifest', 'read_manifest', 'verify_file', 'tag_problem', 'check_tag', 'staging_dir',
+           'discard_staging', 'publish', 'available_tags', 'read_latest', 'tag_dir']
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c005
 class CheckpointError(RuntimeError):
@@ -23,8 +24,19 @@ class CheckpointError(RuntimeError):
 FORMAT = 'flexrt-checkpoint'
 FORMAT_VERSION = 1
 MANIFEST, LATEST, MODEL_STATES = 'manifest.json', 'latest', 'model_states.pt'
+MAX_MANIFEST_BYTES, MAX_TAG_BYTES = 64 * 2**20, 255   # a larger manifest or `latest` is refused unread
 
 def rank_file(rank:int)->str: return f'rank_{rank:05d}.pt'   # the file rank `rank` writes
+
+def loaded_files(world_size:int)->list: # the files a load reads: the manifest must list (and so verify) each
+    "The files `load_checkpoint` and `consolidate` read from a checkpoint saved by `world_size` ranks"
+    return [MODEL_STATES] + [rank_file(r) for r in range(world_size)]
+
+def _show(value, width:int=60)->str:
+    "`repr(value)`, shortened for an error message"
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + '...'
+
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c007
 def checksum_file(path, # the file to hash
@@ -43,7 +55,8 @@ def fsync(path):
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c008
 def atomic_write(path, # the final file name
-                 write)->dict: # write(temporary path): creates the file
+                 write, # write(temporary path): creates the file
+                 needed=None)->dict: # needed(): the bytes the file takes, asked only when a write fails
     "Write `path` through a temporary file, fsync and rename it into place; return its size and checksum"
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.{uuid.uuid4().hex[:8]}.tmp')
@@ -54,18 +67,57 @@ def atomic_write(path, # the final file name
             digest = checksum_file(tmp)
             synced.result()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, Exception) and (full := no_space_error(e, path, needed)) is not None: raise full from e
         raise
     fsync(path.parent)
     return {'size': path.stat().st_size, 'xxh3_128': digest}
 
+# %% ../../nbs/45_checkpoint_files.ipynb #c008a
+class _Counter(io.RawIOBase):
+    "A file object that only counts the bytes written to it"
+    def __init__(self): self.size = 0
+    def writable(self)->bool: return True
+    def write(self, data)->int:
+        n = memoryview(data).nbytes
+        self.size += n
+        return n
+
+def serialized_size(obj)->int:
+    "The bytes `torch.save(obj)` writes (within the padding of its zip entries), without touching the disk"
+    sink = _Counter()
+    torch.save(obj, sink)
+    return sink.size
+
 def save_torch(obj, path)->dict: # size and checksum of the written file
     "`torch.save(obj)` to `path`, atomically, after checking `obj` can be loaded without unpickling objects"
     check_safe(obj, Path(path).name)
-    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    return atomic_write(path, lambda tmp: torch.save(obj, tmp), lambda: serialized_size(obj))
 
-def save_text(text:str, path)->dict: return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+def save_text(text:str, path)->dict: return atomic_write(path, lambda tmp: Path(tmp).write_text(text), lambda: len(text.encode()))
+
+# %% ../../nbs/45_checkpoint_files.ipynb #c008b
+def _causes(error:BaseException):
+    "`error` and the exceptions it was raised from (each once)"
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+def no_space_error(error:Exception, # what the write raised
+                   path:Path, # the file being written
+                   needed=None)->CheckpointError|None: # needed(): the bytes the file takes
+    "A `CheckpointError` saying the file system is full, when that is why writing `path` failed; None otherwise"
+    try: free, size = shutil.disk_usage(path.parent).free, needed() if needed is not None else None
+    except Exception: return None   # the original error is the one to see
+    full = any(getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) for e in _causes(error))
+    # torch's C++ writer reports a full disk as `RuntimeError: ... file write failed`, without the errno
+    full = full or (isinstance(error, RuntimeError) and size is not None and size + 2**16 > free)
+    if not full: return None
+    return CheckpointError(f"no space left on device writing {path} ({'?' if size is None else size} bytes needed, {free} bytes "
+                           f"free on its file system): free space or save elsewhere")
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c010
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
@@ -107,21 +159,87 @@ def write_manifest(directory, files:dict, **info)->dict: # files: {name: {'size'
     save_text(json.dumps(manifest, indent=1, sort_keys=True), Path(directory, MANIFEST))
     return manifest
 
-def read_manifest(directory)->dict:
-    "The manifest of a checkpoint directory; `CheckpointError` if it is missing or not flexrt's"
-    path = Path(directory, MANIFEST)
-    if not path.is_file(): raise CheckpointError(f"{directory} has no {MANIFEST}: it is not a complete flexrt checkpoint (an interrupted save leaves none)")
-    try: manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{path} is corrupted: {e}") from None
-    if manifest.get('format') != FORMAT: raise CheckpointError(f"{path} is not a flexrt checkpoint manifest")
-    if manifest.get('format_version', 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{directory} was written in checkpoint format {manifest['format_version']}, newer than this flexrt reads ({FORMAT_VERSION}): upgrade flexrt")
-    return manifest
+def contained(directory, # the checkpoint (or save) directory
+              name, # a relative file name from the manifest (or `latest`)
+              what:str)->Path: # what `name` is, for the message
+    "`directory/name`, if `name` is a relative path that resolves inside `directory`; `CheckpointError` naming `what` otherwise"
+    if not isinstance(name, str) or not name or '\0' in name or '\\' in name:
+        raise CheckpointError(f"{what}: {_show(name)} is not a file name")
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive:
+        raise CheckpointError(f"{what}: {_show(name)} is an absolute path; a checkpoint only names files inside itself")
+    if any(part in ('', '.', '..') for part in name.split('/')):
+        raise CheckpointError(f"{what}: {_show(name)} is not a plain relative path ('..', '.' or empty parts); a checkpoint only names files inside itself")
+    root = Path(directory).resolve()
+    if not (root / name).resolve().is_relative_to(root):
+        raise CheckpointError(f"{what}: {_show(name)} is a symlink that leads out of the checkpoint directory {root}; refused")
+    return Path(directory, name)
+
+# %% ../../nbs/45_checkpoint_files.ipynb #c015a
+def _int_field(m:dict, key:str, where, low:int, high:int|None=None, required:bool=False):
+    if key not in m:
+        if required: raise CheckpointError(f"{where}: the manifest field '{key}' is missing")
+        return
+    v = m[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+        raise CheckpointError(f"{where}: the manifest field '{key}' is {_show(v)}; it must be an int " +
+                              (f"from {low} to {high}" if high is not None else f">= {low}"))
+
+def _file_entry(name:str, info, where):
+    what = f"{where}: the manifest entry files[{_show(name)}]"
+    if not isinstance(info, dict): raise CheckpointError(f"{what} is {_show(info)}; it must be a dict with 'size' and 'xxh3_128'")
+    _int_field(info, 'size', what, 0, 2**53, required=True)
+    digest = info.get('xxh3_128')
+    if not (isinstance(digest, str) and re.fullmatch('[0-9a-f]{32}', digest)):
+        raise CheckpointError(f"{what} has 'xxh3_128' {_show(digest)}; it must be 32 lowercase hex digits")
+
+# %% ../../nbs/45_checkpoint_files.ipynb #c015b
+def check_manifest(m, # the parsed manifest.json
+                   where)->dict: # its path, for messages
+    "`m` if every field has its type and range; `CheckpointError` naming the first field that does not"
+    if not isinstance(m, dict): raise CheckpointError(f"{where} is not a flexrt checkpoint manifest (not a JSON object)")
+    if m.get('format') != FORMAT: raise CheckpointError(f"{where}: the manifest field 'format' is {_show(m.get('format'))}, not {FORMAT!r}: this is not a flexrt checkpoint manifest")
+    _int_field(m, 'format_version', where, 1, required=True)
+    if m['format_version'] > FORMAT_VERSION:
+        raise CheckpointError(f"{where} was written in checkpoint format {m['format_version']} (the manifest field 'format_version'), newer than this flexrt reads ({FORMAT_VERSION}): upgrade flexrt")
+    files = m.get('files')
+    if not isinstance(files, dict) or not files: raise CheckpointError(f"{where}: the manifest field 'files' is {_show(files)}; it must be a non-empty dict")
+    for name, info in files.items(): _file_entry(name, info, where)
+    _int_field(m, 'world_size', where, 1, len(files), required=True)   # every rank writes a listed file
+    _int_field(m, 'stage', where, 0, 3)
+    _int_field(m, 'global_steps', where, 0)
+    for key in ('tag', 'precision'):
+        if key in m and not (isinstance(m[key], str) and 0 < len(m[key]) <= MAX_TAG_BYTES and m[key].isprintable()):
+            raise CheckpointError(f"{where}: the manifest field '{key}' is {_show(m[key])}; it must be a short string of printable characters")
+    return m
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c016
+def _unique_keys(where):
+    def pairs(items:list)->dict:
+        seen = {}
+        for k, v in items:
+            if k in seen: raise CheckpointError(f"{where}: the key '{k}' appears twice ({_show(seen[k])} and {_show(v)})")
+            seen[k] = v
+        return seen
+    return pairs
+
+def read_manifest(directory)->dict:
+    "The checked manifest of a checkpoint directory; `CheckpointError` if it is missing, not flexrt's, or unsafe"
+    path = Path(directory, MANIFEST)
+    if not path.is_file(): raise CheckpointError(f"{directory} has no {MANIFEST}: it is not a complete flexrt checkpoint (an interrupted save leaves none)")
+    contained(directory, MANIFEST, MANIFEST)
+    with open(path, 'rb') as f: data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES: raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a flexrt manifest")
+    try: manifest = check_manifest(json.loads(data, object_pairs_hook=_unique_keys(path)), path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{path} is corrupted: {e}") from None
+    for name in manifest['files']: contained(directory, name, f"{path}: the manifest entry files[{_show(name)}]")
+    unlisted = [n for n in loaded_files(manifest['world_size']) if n not in manifest['files']]
+    if unlisted: raise CheckpointError(f"{path}: {unlisted[0]} is read by a load (the manifest field 'world_size' is {manifest['world_size']}) but the manifest does not list it, so it cannot be verified; refused")
+    return manifest
+
 def verify_file(directory, name:str, expected:dict)->str|None: # None when the file is intact, else what is wrong
-    "Check one manifest entry against the file on disk"
-    path = Path(directory, name)
+    "Check one manifest entry against the file on disk (never opening a file outside `directory`)"
+    try: path = contained(directory, name, 'manifest entry')
+    except CheckpointError as e: return str(e)
     if not path.is_file(): return f"{path} is missing"
     size = path.stat().st_size
     if size != expected['size']: return f"{path} has {size} bytes, the manifest says {expected['size']} (truncated or overwritten)"
@@ -129,15 +247,28 @@ def verify_file(directory, name:str, expected:dict)->str|None: # None when the f
     return None
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c019
+def tag_problem(tag:str)->str|None: # None when `tag` can name a checkpoint directory, else why not
+    "What makes `tag` unfit to name a checkpoint directory"
+    if not tag: return "is empty"
+    if len(tag.encode('utf-8', 'surrogatepass')) > MAX_TAG_BYTES: return f"is longer than {MAX_TAG_BYTES} bytes"
+    bad = sorted({c for c in tag if c in '/\\' or not c.isprintable()})
+    if bad: return f"holds {', '.join(map(repr, bad[:4]))}: a tag is one directory name of printable characters, without '/' or '\\'"
+    if tag.startswith('.'): return "starts with '.', which staging directories do"
+    if tag != tag.strip(): return "has surrounding spaces"
+    return None
+
 def check_tag(tag)->str:
     "The tag as a string; `ValueError` if it cannot name a checkpoint directory"
     tag = str(tag)
-    if not tag or tag.startswith('.') or '/' in tag or '\\' in tag or tag != tag.strip():
-        raise ValueError(f"checkpoint tag {tag!r} must be a non-empty directory name without '/' or surrounding spaces, not starting with '.'")
+    if (problem := tag_problem(tag)) is not None: raise ValueError(f"checkpoint tag {_show(tag)} {problem}")
     return tag
 
 def staging_dir(save_dir, tag:str)->Path: return Path(save_dir, f'.{tag}.partial')
 def _replaced_dir(save_dir, tag:str)->Path: return Path(save_dir, f'.{tag}.replaced')
+
+def discard_staging(save_dir, tag:str):
+    "Remove the staging directory of a failed save of `tag` (each rank may call it; what is already gone is fine)"
+    shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
 
 # %% ../../nbs/45_checkpoint_files.ipynb #c020
 def publish(save_dir, tag:str, # the staging directory `.<tag>.partial` is complete, with its manifest
@@ -163,9 +294,16 @@ def available_tags(load_dir)->list: # tags of complete checkpoints, newest first
     return [p.name for p in sorted(found, key=lambda p: (p / MANIFEST).stat().st_mtime, reverse=True)]
 
 def read_latest(load_dir)->str|None:
-    "The tag `latest` names, or None when there is no `latest` file"
+    "The tag `latest` names, or None when there is no `latest` file; `CheckpointError` if it cannot be a tag"
     path = Path(load_dir, LATEST)
-    return path.read_text().strip() if path.is_file() else None
+    if not path.is_file(): return None
+    contained(load_dir, LATEST, LATEST)
+    with open(path, 'rb') as f: data = f.read(MAX_TAG_BYTES + 3)
+    if len(data) > MAX_TAG_BYTES + 2: raise CheckpointError(f"{path} is over {MAX_TAG_BYTES} bytes, too long to name a tag: it is corrupted; rewrite it or pass tag=")
+    try: tag = data.decode('utf-8').strip()
+    except UnicodeDecodeError: raise CheckpointError(f"{path} is not UTF-8 text: it is corrupted; rewrite it or pass tag=") from None
+    if (problem := tag_problem(tag)) is not None: raise CheckpointError(f"{path} names the tag {_show(tag)}, which {problem}; rewrite it or pass tag=")
+    return tag
 
 def tag_dir(load_dir, tag:str)->Path:
     "The directory of a complete checkpoint `tag`; `CheckpointError` listing the available tags if there is none"

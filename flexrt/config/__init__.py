@@ -14,6 +14,7 @@ import dataclasses, json, os
 from dataclasses import field
 from pathlib import Path
 from typing import Literal
+from fastcore.basics import patch
 from .schema import Block, block, setting, coerce
 from .blocks import (FP16Config, BF16Config, OptimizerConfig, SchedulerConfig, OffloadOptimizerConfig, OffloadParamConfig,
                                   ZeroConfig, ProgressiveLayerDropConfig, DataTypesConfig)
@@ -38,7 +39,8 @@ def _exact(total:int, part:int, message:str)->int:
     if total % part: raise ValueError(message)
     return total // part
 
-def _resolve(self, dp_world_size:int)->BatchConfig: # data-parallel ranks (world size / model-parallel size)
+@patch
+def resolve(self:BatchConfig, dp_world_size:int)->BatchConfig: # data-parallel ranks (world size / model-parallel size)
     "All three sizes for `dp_world_size` data-parallel ranks, deriving the missing ones"
     w = coerce(dp_world_size, int, 'dp_world_size', {'ge': 1})
     tb, mb, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
@@ -49,7 +51,6 @@ def _resolve(self, dp_world_size:int)->BatchConfig: # data-parallel ranks (world
     if tb is None: tb = mb * gas * w
     if tb != mb * gas * w: raise ValueError(f"train_batch_size={tb} is not micro ({mb}) x accumulation ({gas}) x world ({w}) = {mb * gas * w}")
     return BatchConfig(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas)
-BatchConfig.resolve = _resolve
 
 # %% ../../nbs/20_config.ipynb #c011
 @block
@@ -84,39 +85,63 @@ class FlexConfig(Block):
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig) # autotuner settings
 
 # %% ../../nbs/20_config.ipynb #c013
-@classmethod
-def _flex_json_keys(cls)->tuple: return BATCH_KEYS + tuple(f.name for f in dataclasses.fields(cls) if f.name != 'batch')
-FlexConfig.json_keys = _flex_json_keys
+@patch(cls_method=True)
+def json_keys(cls:FlexConfig)->tuple: return BATCH_KEYS + tuple(f.name for f in dataclasses.fields(cls) if f.name != 'batch')
 
-@classmethod
-def _flex_upgrade(cls, data:dict)->dict:
+@patch(cls_method=True)
+def upgrade(cls:FlexConfig, data:dict)->dict:
     "Gather the top-level batch keys into `batch`, after the legacy renames"
     data = Block.upgrade.__func__(cls, data)
     data['batch'] = {k: data.pop(k) for k in BATCH_KEYS if k in data}
     return data
-FlexConfig.upgrade = _flex_upgrade
 
-def _flex_to_dict(self)->dict:
+@patch
+def to_dict(self:FlexConfig)->dict:
     "DeepSpeed-style JSON: batch keys at the top level, nulls left out; `load_config` of it gives an equal config"
     d = Block.to_dict(self)
     return {k: v for k, v in {**d.pop('batch'), **d}.items() if v is not None}
-FlexConfig.to_dict = _flex_to_dict
 
 # %% ../../nbs/20_config.ipynb #c014
-def _flex_validate(self):
+@patch
+def validate(self:FlexConfig):
     if self.fp16.enabled and self.bf16.enabled: raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
-FlexConfig.validate = _flex_validate
 
-def _resolve_batch(self, dp_world_size:int)->FlexConfig: # data-parallel ranks (world size / model-parallel size)
+@patch
+def resolve_batch(self:FlexConfig, dp_world_size:int)->FlexConfig: # data-parallel ranks (world size / model-parallel size)
     "A copy with all three batch sizes set for `dp_world_size` ranks (see `BatchConfig.resolve`)"
     return dataclasses.replace(self, batch=self.batch.resolve(dp_world_size))
-FlexConfig.resolve_batch = _resolve_batch
 
 # %% ../../nbs/20_config.ipynb #c017
+class _Pairs(dict):
+    "A JSON object that remembers keys it saw twice: [(key, first value, second value)]"
+    def __init__(self, pairs:list):
+        super().__init__()
+        self.twice = []
+        for k, v in pairs:
+            if k in self: self.twice.append((k, self[k], v))
+            self[k] = v
+
+def _first_duplicate(data, path:str='')->tuple|None: # (key path, first value, second value)
+    if isinstance(data, list): return next((d for i, v in enumerate(data) if (d := _first_duplicate(v, f"{path}[{i}]"))), None)
+    if not isinstance(data, dict): return None
+    if getattr(data, 'twice', None): k, a, b = data.twice[0]; return (f"{path}.{k}" if path else k), a, b
+    return next((d for k, v in data.items() if (d := _first_duplicate(v, f"{path}.{k}" if path else k))), None)
+
+# %% ../../nbs/20_config.ipynb #c017a
+def _plain_json(data):
+    if isinstance(data, dict): return {k: _plain_json(v) for k, v in data.items()}
+    return [_plain_json(v) for v in data] if isinstance(data, list) else data
+
 def _read_json(path:Path)->dict:
+    "The JSON object in `path`; ValueError for invalid JSON or a key given twice in one object (naming it and both values)"
     if not path.is_file(): raise FileNotFoundError(f"config file {path} not found")
-    try: return json.loads(path.read_text())
+    try: data = json.loads(path.read_text(), object_pairs_hook=_Pairs)
     except json.JSONDecodeError as e: raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+    if (twice := _first_duplicate(data)) is not None:
+        key, a, b = twice
+        raise ValueError(f"config file {path}: the key {key} is given twice ({json.dumps(a)[:60]} and {json.dumps(b)[:60]}); "
+                         "JSON keeps only the last, so keep the one you mean")
+    return _plain_json(data)
 
 def load_config(source, # a DeepSpeed-style dict, the path of a JSON file (str or Path), or a FlexConfig
                )->FlexConfig:

@@ -9,6 +9,7 @@ __all__ = ['closest', 'key_path', 'unknown_key', 'setting', 'describe', 'json_da
 import copy, dataclasses, difflib, functools, math, types, typing, warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
+from fastcore.basics import patch
 
 # %% ../../nbs/20_config_schema.ipynb #c006
 def closest(word:str, # what the user wrote
@@ -31,9 +32,10 @@ def unknown_key(name:str, block:str, valid)->ValueError:
 # %% ../../nbs/20_config_schema.ipynb #c009
 def setting(default:Any=None, # the value when the key is absent
             *, ge=None, gt=None, le=None, # bounds: value >= ge, value > gt, value <= le
+            clamp=None, # a larger value is lowered to this, with a warning (sizes no device holds)
            ):
     "A dataclass field for a config value, with optional bounds checked at construction"
-    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le).items() if v is not None}
+    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, clamp=clamp).items() if v is not None}
     if isinstance(default, (list, dict)): return field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     return field(default=default, metadata=meta)
 
@@ -65,7 +67,7 @@ def describe(tp, # a field annotation
     tp, nullable = _optional(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal: text = "one of " + ", ".join(repr(a) for a in args)
-    elif tp is bool: text = "true or false"
+    elif tp is bool: text = "true or false (or 1/0)"
     elif tp in (int, float): text = _describe_number(tp, meta or {})
     elif tp is str: text = "a string"
     elif tp is list or origin is list: text = "a list" + (f" of {_plural(args[0])}" if args else "")
@@ -99,6 +101,7 @@ def _convert(value, tp, path:str):
         if match: return match[0]
     elif tp is bool:
         if isinstance(value, bool): return value
+        if type(value) is int and value in (0, 1): return bool(value)   # DeepSpeed reads flags as truthy: 1 and 0 are fine
     elif tp in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         if tp is float: return float(value)
         if float(value).is_integer(): return int(value)
@@ -139,7 +142,14 @@ def coerce(value, # what the JSON (or the caller) gave
         raise error(f"{path} must be {describe(tp, meta)}, got {_show(value)}{hint}") from None
     if isinstance(out, (int, float)) and not isinstance(out, bool) and not _in_bounds(out, meta):
         raise ValueError(f"{path} must be {describe(inner, meta)}, got {_show(value)}")
-    return out
+    return _clamped(out, meta, path)
+
+def _clamped(value, meta:dict, path:str):
+    "`value`, or the field's clamp with a warning when `value` is above it"
+    clamp = meta.get('clamp')
+    if clamp is None or value is None or value <= clamp: return value
+    warnings.warn(f"{path}={value:g} is more than any device holds; using {clamp} (2**{math.log2(clamp):g}) instead", stacklevel=2)
+    return type(value)(clamp)
 
 # %% ../../nbs/20_config_schema.ipynb #c019
 def block(cls):
@@ -163,18 +173,17 @@ class Block:
 @functools.cache
 def _names(cls)->tuple: return tuple(f.name for f in fields(cls))
 
-@classmethod
-def _json_keys(cls)->tuple:
+@patch(cls_method=True)
+def json_keys(cls:Block)->tuple:
     "The current keys of the block's JSON (the field names, unless a subclass maps them differently)"
     return _names(cls)
-Block.json_keys = _json_keys
 
 @functools.cache
 def _required(cls)->tuple:
     return tuple(f.name for f in fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
 
-@classmethod
-def _upgrade(cls, data:dict)->dict:
+@patch(cls_method=True)
+def upgrade(cls:Block, data:dict)->dict:
     "Rename legacy keys in `data` (a copy); subclasses with other legacy forms override"
     for old, new in cls.renamed.items():
         if old not in data: continue
@@ -182,11 +191,10 @@ def _upgrade(cls, data:dict)->dict:
         warnings.warn(f"config key {key_path(cls.key, old)} is deprecated; use {key_path(cls.key, new)}", DeprecationWarning, stacklevel=3)
         data[new] = data.pop(old)
     return data
-Block.upgrade = _upgrade
 
 # %% ../../nbs/20_config_schema.ipynb #c021
-@classmethod
-def _from_dict(cls, data:dict): # the block's value in the JSON
+@patch(cls_method=True)
+def from_dict(cls:Block, data:dict): # the block's value in the JSON
     "Build the block from its JSON value, rejecting unknown keys and naming missing required ones"
     if isinstance(data, cls): return data
     if not isinstance(data, dict): raise TypeError(f"{cls.key or 'the config'} must be a dict (JSON object), got {_show(data)}")
@@ -196,14 +204,13 @@ def _from_dict(cls, data:dict): # the block's value in the JSON
     missing = [k for k in _required(cls) if k not in data]
     if missing: raise ValueError(f"{key_path(cls.key, missing[0])} is required")
     return cls(**data)
-Block.from_dict = _from_dict
 
 def _plain(value):
     if isinstance(value, Block): return value.to_dict()
     if isinstance(value, dict): return {k: _plain(v) for k, v in value.items()}
     return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
-def _to_dict(self)->dict:
+@patch
+def to_dict(self:Block)->dict:
     "The block as plain JSON data; `from_dict` of it gives an equal block"
     return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
-Block.to_dict = _to_dict

@@ -9,6 +9,7 @@ __all__ = ['CommsLoggerConfig', 'FlopsProfilerConfig', 'TensorBoardConfig', 'CSV
 # %% ../../nbs/20_config_services.ipynb #c003
 from dataclasses import field
 from typing import Literal
+from fastcore.basics import patch
 from .schema import Block, block, setting
 
 # %% ../../nbs/20_config_services.ipynb #c006
@@ -118,9 +119,9 @@ def _check_order(path:str, low_name:str, low, high_name:str, high, strict=False)
     if high is not None and (low >= high if strict else low > high):
         raise ValueError(f"{path}.{low_name}={low} must be {'below' if strict else 'at most'} {path}.{high_name}={high}")
 
-def _autotuning_validate(self):
+@patch
+def validate(self:AutotuningConfig):
     _check_order('autotuning', 'start_profile_step', self.start_profile_step, 'end_profile_step', self.end_profile_step, strict=True)
     _check_order('autotuning', 'min_train_batch_size', self.min_train_batch_size, 'max_train_batch_size', self.max_train_batch_size)
     _check_order('autotuning', 'min_train_micro_batch_size_per_gpu', self.min_train_micro_batch_size_per_gpu,
                  'max_train_micro_batch_size_per_gpu', self.max_train_micro_batch_size_per_gpu)
-AutotuningConfig.validate = _autotuning_validate
