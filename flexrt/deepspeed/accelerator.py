@@ -8,7 +8,7 @@ import os
 import psutil, torch
 
 # %% auto #0
-__all__ = ['Accelerator', 'get_accelerator', 'set_accelerator']
+__all__ = ['SUPPORTED_ACCELERATOR_LIST', 'Accelerator', 'get_accelerator', 'set_accelerator', 'is_current_accelerator_supported']
 
 # %% ../../nbs/70_deepspeed_accelerator.ipynb #c006
 class Accelerator:
@@ -124,3 +124,10 @@ def get_accelerator()->Accelerator:
     return _ACCELERATOR[0]
 
 def set_accelerator(accelerator:Accelerator): _ACCELERATOR[0] = accelerator
+
+# %% ../../nbs/70_deepspeed_accelerator.ipynb #c013
+SUPPORTED_ACCELERATOR_LIST = ['cuda', 'cpu', 'mps']
+
+def is_current_accelerator_supported()->bool:
+    "DeepSpeed's check that the chosen accelerator is one it knows (flexrt's are CUDA, CPU and MPS)"
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST

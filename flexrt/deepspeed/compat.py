@@ -8,9 +8,10 @@ import logging, warnings
 import torch
 
 # %% auto #0
-__all__ = ['logger', 'non_reentrant_checkpoint', 'FusedAdam', 'DeepSpeedCPUAdam', 'RepeatingLoader', 'log_dist',
-           'get_fp32_state_dict_from_zero_checkpoint', 'convert_zero_checkpoint_to_fp32_state_dict', 'configure',
-           'is_configured', 'reset', 'checkpoint']
+__all__ = ['logger', 'non_reentrant_checkpoint', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam',
+           'RepeatingLoader', 'log_dist', 'get_fp32_state_dict_from_zero_checkpoint',
+           'convert_zero_checkpoint_to_fp32_state_dict', 'configure', 'is_configured', 'reset', 'checkpoint',
+           'initialize', 'clip_grad_norm_', 'OpBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder']
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c006
 def _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw:bool, name:str)->torch.optim.Optimizer:
@@ -62,15 +63,21 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=
 # %% ../../nbs/71_deepspeed_compat.ipynb #c014
 _SETTINGS = {'configured': False, 'cpu': False}
 
+def _activation_block(deepspeed_config): # None, a dict, a JSON path or a FlexConfig
+    "The config's `activation_checkpointing` block, checked (defaults when absent)"
+    from flexrt.config import FlexConfig, ActivationCheckpointingConfig, load_config
+    if deepspeed_config is None: return ActivationCheckpointingConfig()
+    if isinstance(deepspeed_config, FlexConfig): return deepspeed_config.activation_checkpointing
+    if not isinstance(deepspeed_config, dict):
+        import json
+        with open(deepspeed_config) as f: deepspeed_config = json.load(f)
+    return ActivationCheckpointingConfig.from_dict(deepspeed_config.get('activation_checkpointing', {}))
+
 def configure(mpu_=None, deepspeed_config=None, partition_activations:bool|None=None, contiguous_checkpointing:bool|None=None,
               num_checkpoints:int|None=None, checkpoint_in_cpu:bool|None=None, synchronize:bool|None=None, profile:bool|None=None):
     "DeepSpeed's `checkpointing.configure`: what applies here is used, the rest is named in one warning"
-    block = {}
-    if deepspeed_config is not None:
-        import json
-        config = json.load(open(deepspeed_config)) if isinstance(deepspeed_config, str) else dict(deepspeed_config)
-        block = config.get('activation_checkpointing', {})
-    pick = lambda given, key: block.get(key, False) if given is None else given
+    block = _activation_block(deepspeed_config)
+    pick = lambda given, key: getattr(block, key) if given is None else given
     ignored = [k for k, v in (('partition_activations', pick(partition_activations, 'partition_activations')),
                               ('contiguous_memory_optimization', pick(contiguous_checkpointing, 'contiguous_memory_optimization')),
                               ('synchronize_checkpoint_boundary', pick(synchronize, 'synchronize_checkpoint_boundary')),
@@ -89,3 +96,44 @@ def checkpoint(function, *args):
         return tc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
 
 non_reentrant_checkpoint = checkpoint
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015b
+def initialize(*args, **kwargs)->tuple:
+    "`deepspeed.initialize`: `flexrt.initialize`, then `deepspeed.checkpointing` configured from the config's `activation_checkpointing` block when it sets anything"
+    import flexrt
+    from flexrt.config import ActivationCheckpointingConfig
+    out = flexrt.initialize(*args, **kwargs)
+    if out[0].config.activation_checkpointing != ActivationCheckpointingConfig(): configure(deepspeed_config=out[0].config)
+    return out
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015c
+def clip_grad_norm_(parameters, max_norm:float, norm_type:float=2, mpu=None)->torch.Tensor:
+    "DeepSpeed's `runtime.utils.clip_grad_norm_`: flexrt's, expert (`allreduce=False`) gradients reduced over the largest expert group of `deepspeed.utils.groups`"
+    from flexrt.utils import clip_grad_norm_ as clip
+    from flexrt.deepspeed.groups import _get_max_expert_parallel_group
+    return clip(parameters, max_norm, norm_type, mpu, expert_groups=_get_max_expert_parallel_group())
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015e
+def _major_minor(version)->str: return '.'.join(str(version).split('.')[:2]) if version else '0.0'
+
+torch_info = {'version': _major_minor(torch.__version__), 'cuda_version': _major_minor(torch.version.cuda),   # DeepSpeed's git_version_info
+              'hip_version': _major_minor(getattr(torch.version, 'hip', None)),
+              'nccl_version': '.'.join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else '0.0',
+              'bf16_support': torch.cuda.is_available() and torch.cuda.is_bf16_supported()}
+
+class OpBuilder:
+    "DeepSpeed's builder for an op flexrt maps to torch (its Adam): compatible everywhere torch runs; `load()` gives the module holding it"
+    NAME = ''
+    def is_compatible(self, verbose:bool=False)->bool: return True
+    def load(self, verbose:bool=True):
+        import flexrt.deepspeed.compat as m
+        return m
+
+class FusedAdamBuilder(OpBuilder): NAME = 'fused_adam'
+class CPUAdamBuilder(OpBuilder): NAME = 'cpu_adam'
+
+class _Ops(dict):
+    "DeepSpeed's `ops.__compatible_ops__`: the ops flexrt maps to torch are True; any other kernel name is False (flexrt builds none)"
+    def __missing__(self, name): return False
+
+COMPATIBLE_OPS = _Ops({FusedAdamBuilder.NAME: True, CPUAdamBuilder.NAME: True})
