@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
 
-.PHONY: install demo test sync-check nbtest pytest bench clean
+.PHONY: install demo test sync-check nbtest pytest bench ds-tests clean
 
 install: $(STAMP)
 
@@ -43,6 +43,12 @@ pytest: install
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	for b in bench/*.py; do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) $$b; done
+
+# DeepSpeed's own unit tests with flexrt in DeepSpeed's place (CPU, gloo): make ds-tests DS=/path/to/DeepSpeed.
+# Nothing is fetched; prints pass/fail/skip per test file.
+ds-tests: install
+	@test -n "$(DS)" || { echo "usage: make ds-tests DS=/path/to/a/DeepSpeed/checkout"; exit 2; }
+	PYTHONPATH=$(CURDIR) $(PY) tools/ds_tests.py $(DS)
 
 clean:
 	rm -rf $(VENV) _proc _docs .pytest_cache $(DEMO_OUT)

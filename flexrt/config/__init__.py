@@ -98,11 +98,11 @@ def json_keys(cls:FlexConfig)->tuple: return BATCH_KEYS + tuple(f.name for f in 
 @patch(cls_method=True)
 def upgrade(cls:FlexConfig, data:dict)->dict:
     "Gather the top-level batch keys into `batch`, after the legacy renames; DeepSpeed keys without effect warned and set aside"
+    data = Block.upgrade.__func__(cls, data)
     data, data['not_applied'] = split_no_effect(data, cls)
     if str(data.get('gradient_allreduce_op', '')).lower() == 'sum':
         warnings.warn("config key gradient_allreduce_op='sum' has no effect in flexrt: gradients are averaged over the data-parallel "
                       "ranks; multiply the loss by the world size for sums", NoEffectWarning, stacklevel=3)
-    data = Block.upgrade.__func__(cls, data)
     data['batch'] = {k: data.pop(k) for k in BATCH_KEYS if k in data}
     return data
 
