@@ -23,10 +23,11 @@ def counts(junit:Path)->dict:
         if kind == 'failed': failing.append(case.get('name'))
     return {**out, 'failing': failing}
 
-def run_file(ds:Path, test:str, timeout:int)->dict:
+def run_file(ds:Path, test:str, timeout:int, ranks:int=4)->dict:
     "Run one DeepSpeed test file under pytest with flexrt as deepspeed; its counts"
     env = {**os.environ, 'DS_ACCELERATOR': 'cpu', 'PYTHONPATH': os.pathsep.join([str(ROOT / 'tools' / 'ds_shim'), str(ROOT), str(ROOT / 'tools'), os.environ.get('PYTHONPATH', '')]),
-           'DS_UNITTEST_TIMEOUT': str(timeout), 'CUDA_VISIBLE_DEVICES': ''}
+           'DS_UNITTEST_TIMEOUT': str(timeout), 'CUDA_VISIBLE_DEVICES': '',
+           'LOCAL_SIZE': str(ranks)}   # DeepSpeed's CPU accelerator counts LOCAL_SIZE devices: tests for up to `ranks` ranks run
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / 'junit.xml'
         cmd = [sys.executable, '-m', 'pytest', '-p', 'ds_plugin', '-p', 'no:cacheprovider', '-q', '-rfE', '--tb=line',
@@ -42,13 +43,14 @@ def main(argv=None):
     p.add_argument('deepspeed', type=Path, help='a DeepSpeed checkout (its tests/ folder is used)')
     p.add_argument('files', nargs='*', default=FILES, help='test files, relative to the checkout')
     p.add_argument('--timeout', type=int, default=900, help='seconds per file')
+    p.add_argument('--ranks', type=int, default=4, help='most ranks a test may use (CPU devices DeepSpeed sees)')
     p.add_argument('-v', '--verbose', action='store_true', help="print each file's pytest output")
     a = p.parse_args(argv)
     ds = a.deepspeed.resolve()
     if not (ds / 'tests' / 'unit' / 'common.py').is_file(): p.error(f'{ds} is not a DeepSpeed checkout (no tests/unit/common.py)')
     rows = []
     for f in a.files:
-        r = run_file(ds, str(ds / f), a.timeout)
+        r = run_file(ds, str(ds / f), a.timeout, a.ranks)
         rows.append((f, r))
         if a.verbose: print(r['log'])
         print(f"{f:55s} pass {r['passed']:4d}  fail {r['failed']:4d}  skip {r['skipped']:4d}", flush=True)

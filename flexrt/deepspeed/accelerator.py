@@ -29,12 +29,15 @@ class Accelerator:
     def __repr__(self): return f"Accelerator({self._name!r})"
 
 # %% ../../nbs/70_deepspeed_accelerator.ipynb #c007
+import os
 from fastcore.basics import patch
 
 def _torch_device_module(self:Accelerator): return getattr(torch, self._name) if self._name != 'cpu' else None
 
 @patch
 def device_count(self:Accelerator)->int:
+    "Devices of this kind; on CPU, DeepSpeed's count: `LOCAL_SIZE` ranks if set, else 1"
+    if self._name == 'cpu': return int(os.environ.get('LOCAL_SIZE', 0)) or 1
     module = _torch_device_module(self)
     return module.device_count() if module is not None else 1
 @patch

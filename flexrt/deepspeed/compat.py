@@ -11,7 +11,9 @@ import torch
 __all__ = ['logger', 'non_reentrant_checkpoint', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam',
            'RepeatingLoader', 'log_dist', 'get_fp32_state_dict_from_zero_checkpoint',
            'convert_zero_checkpoint_to_fp32_state_dict', 'configure', 'is_configured', 'reset', 'checkpoint',
-           'initialize', 'clip_grad_norm_', 'OpBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder']
+           'initialize', 'clip_grad_norm_', 'OpBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder',
+           'count_used_parameters_in_backward', 'split_params_into_different_moe_groups_for_optimizer', 'CheckOverflow',
+           'inference_all_reduce']
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c006
 def _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw:bool, name:str)->torch.optim.Optimizer:
@@ -137,3 +139,52 @@ class _Ops(dict):
     def __missing__(self, name): return False
 
 COMPATIBLE_OPS = _Ops({FusedAdamBuilder.NAME: True, CPUAdamBuilder.NAME: True})
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015g
+def count_used_parameters_in_backward(parameters)->int:
+    "How many of `parameters` get a gradient from the backward pass now running (call it from a backward hook)"
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+    if torch._C._current_graph_task_id() == -1: raise RuntimeError("count_used_parameters_in_backward must be called during backward (from a hook)")
+    with torch.enable_grad():   # looking up a leaf's gradient accumulator needs grad mode, which backward turns off
+        nodes = [_get_grad_fn_or_grad_acc(p) for p in parameters if isinstance(p, torch.Tensor) and p.requires_grad]
+    return sum(1 for n in nodes if n is not None and torch._C._will_engine_execute_node(n))
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015i
+def _chunks(params:list, max_size)->list:
+    "`params` in consecutive runs of at most `max_size` elements each (a larger parameter alone)"
+    out, run, size = [], [], 0
+    for p in params:
+        if run and size + p.numel() > max_size: out.append(run); run, size = [], 0
+        run.append(p); size += p.numel()
+    return out + ([run] if run else [])
+
+def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=178956971)->list:
+    "DeepSpeed's MoE split: expert parameters (`allreduce=False`) leave their group for groups per `group_name` (`moe=True`), of at most `max_group_size` elements"
+    groups = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
+    is_expert = lambda p: getattr(p, 'allreduce', True) is False
+    out = []
+    for g in groups:
+        params, by_name = list(g['params']), {}
+        for p in filter(is_expert, params): by_name.setdefault(p.group_name, []).append(p)
+        out.append({**g, 'params': [p for p in params if not is_expert(p)]})
+        for name, ps in by_name.items():
+            out += [{**g, 'name': name, 'moe': True, 'params': run} for run in (_chunks(ps, max_group_size) if max_group_size else [ps])]
+    return out
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015k
+from ..utils import CheckOverflow as _CheckOverflow
+
+class CheckOverflow(_CheckOverflow):
+    "DeepSpeed's `CheckOverflow`: flexrt's; when the checked parameters include expert ones (`allreduce=False`), a norm-based check also agrees over the largest expert group, as DeepSpeed's does"
+    def check_using_norm(self, norm_group, reduce_overflow:bool=True)->bool:
+        from flexrt.deepspeed.groups import _get_max_expert_parallel_group
+        local, group = super().check_using_norm(norm_group, reduce_overflow), _get_max_expert_parallel_group()
+        if group is None or not any(getattr(p, 'allreduce', True) is False for p in self.params): return local
+        saved, self.group = self.group, group
+        try: return self._agree(local)
+        finally: self.group = saved
+
+def inference_all_reduce(tensor:torch.Tensor, op=None, group=None):
+    "DeepSpeed's `comm.inference_all_reduce` (its fused kernel for inference): the same sum, as `flexrt.comm.all_reduce`"
+    from flexrt import comm as dist
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
