@@ -9,7 +9,7 @@ STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
 PYTEST_LOG := .pytest-last.txt
 
-.PHONY: install demo test sync-check nbtest pytest bench screenshots clean
+.PHONY: install demo test sync-check nbtest pytest bench screenshots ds-tests clean
 
 install: $(STAMP)
 
@@ -55,6 +55,12 @@ screenshots: install
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	for b in bench/*.py; do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) $$b; done
+
+# DeepSpeed's own unit tests with flexrt in DeepSpeed's place (CPU, gloo): make ds-tests DS=/path/to/DeepSpeed.
+# Nothing is fetched; prints pass/fail/skip per test file.
+ds-tests: install
+	@test -n "$(DS)" || { echo "usage: make ds-tests DS=/path/to/a/DeepSpeed/checkout"; exit 2; }
+	PYTHONPATH=$(CURDIR) $(PY) tools/ds_tests.py $(DS)
 
 clean:
 	rm -rf $(VENV) _proc _docs .pytest_cache $(DEMO_OUT) $(PYTEST_LOG)

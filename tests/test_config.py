@@ -183,7 +183,7 @@ BAD = [
     ({'data_types': {'grad_accum_dtype': 'int8'}}, ValueError, "data_types.grad_accum_dtype must be one of 'fp32', 'fp16', 'bf16' or null, got 'int8'"),
     ({'flops_profiler': {'profile_step': 0}}, ValueError, "flops_profiler.profile_step must be a positive int, got 0"),
     ({'tensorboard': {'enabled': True, 'output_path': 3}}, TypeError, "tensorboard.output_path must be a string, got 3"),
-    ({'amp': {'enabled': True}}, ValueError, "unknown key 'amp' at the top level"),
+    ({'amps': {'enabled': True}}, ValueError, "unknown key 'amps' at the top level"),
 ]
 
 @pytest.mark.parametrize('config,error,fragment', BAD, ids=[repr(c)[:60] for c, _, _ in BAD])

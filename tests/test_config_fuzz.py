@@ -9,6 +9,7 @@ from flexrt.config.schema import Block, _optional
 def schema_fields(cls=FlexConfig, path=()):
     "(JSON key path, annotation, bounds metadata, has a default) for every field, nested blocks included"
     for f in dataclasses.fields(cls):
+        if f.name not in cls.json_keys() and f.name != 'batch': continue   # not a JSON key (FlexConfig.not_applied)
         if cls is FlexConfig and f.name == 'batch':   # the batch keys sit at the top level of the JSON
             yield from schema_fields(BatchConfig, path)
             continue

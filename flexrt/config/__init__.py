@@ -7,10 +7,10 @@ __all__ = ['BATCH_KEYS', 'BatchConfig', 'FlexConfig', 'load_config', 'Block', 'b
            'OptimizerConfig', 'SchedulerConfig', 'OffloadOptimizerConfig', 'OffloadParamConfig', 'ZeroConfig',
            'ProgressiveLayerDropConfig', 'DataTypesConfig', 'CommsLoggerConfig', 'FlopsProfilerConfig',
            'TensorBoardConfig', 'CSVMonitorConfig', 'WandbConfig', 'ParallelWriteConfig', 'CheckpointConfig',
-           'ModelInfoConfig', 'AutotuningConfig']
+           'ModelInfoConfig', 'AutotuningConfig', 'ActivationCheckpointingConfig', 'NO_EFFECT', 'NoEffectWarning']
 
 # %% ../../nbs/20_config.ipynb #c003
-import dataclasses, json, os
+import dataclasses, json, os, sys, warnings
 from dataclasses import field
 from pathlib import Path
 from typing import Literal
@@ -20,9 +20,11 @@ from .blocks import (FP16Config, BF16Config, OptimizerConfig, SchedulerConfig, O
                                   ZeroConfig, ProgressiveLayerDropConfig, DataTypesConfig)
 from .services import (CommsLoggerConfig, FlopsProfilerConfig, TensorBoardConfig, CSVMonitorConfig, WandbConfig,
                                     ParallelWriteConfig, CheckpointConfig, ModelInfoConfig, AutotuningConfig)
+from .compat import ActivationCheckpointingConfig, NO_EFFECT, NoEffectWarning, split_no_effect, merge_paths
 _all_ = ['Block', 'block', 'setting', 'FP16Config', 'BF16Config', 'OptimizerConfig', 'SchedulerConfig', 'OffloadOptimizerConfig',
          'OffloadParamConfig', 'ZeroConfig', 'ProgressiveLayerDropConfig', 'DataTypesConfig', 'CommsLoggerConfig', 'FlopsProfilerConfig',
-         'TensorBoardConfig', 'CSVMonitorConfig', 'WandbConfig', 'ParallelWriteConfig', 'CheckpointConfig', 'ModelInfoConfig', 'AutotuningConfig']
+         'TensorBoardConfig', 'CSVMonitorConfig', 'WandbConfig', 'ParallelWriteConfig', 'CheckpointConfig', 'ModelInfoConfig', 'AutotuningConfig',
+         'ActivationCheckpointingConfig', 'NO_EFFECT', 'NoEffectWarning']
 
 # %% ../../nbs/20_config.ipynb #c006
 BATCH_KEYS = ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps')
@@ -57,6 +59,7 @@ def resolve(self:BatchConfig, dp_world_size:int)->BatchConfig: # data-parallel r
 class FlexConfig(Block):
     "A whole training configuration: DeepSpeed's JSON keys as typed blocks, validated once at construction"
     renamed = {'bfloat16': 'bf16'}
+    legacy = tuple(k for k in NO_EFFECT if '.' not in k) # DeepSpeed blocks without effect here: warned, kept in not_applied
     batch: BatchConfig = field(default_factory=BatchConfig) # the three batch sizes (top-level keys in the JSON)
     fp16: FP16Config = field(default_factory=FP16Config) # fp16 with loss scaling
     bf16: BF16Config = field(default_factory=BF16Config) # bf16
@@ -65,12 +68,14 @@ class FlexConfig(Block):
     scheduler: SchedulerConfig | None = None # the learning-rate schedule to build; null when the script passes one
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig) # ZeRO stage and its knobs
     zero_allow_untested_optimizer: bool = False # allow a client optimizer under ZeRO
-    steps_per_print: int = setting(10, ge=1) # log a progress line every this many optimizer steps
+    steps_per_print: int | None = setting(10, ge=1) # log a progress line every this many optimizer steps (null: never)
     wall_clock_breakdown: bool = False # time forward, backward, all-reduce and step
     memory_breakdown: bool = False # report memory use around each phase
     dump_state: bool = False # print the engine's configuration at start
     prescale_gradients: bool = False # divide gradients before the all-reduce instead of after
     gradient_predivide_factor: float = setting(1.0, gt=0) # with prescale_gradients: divide by this before, the rest after
+    gradient_allreduce_op: Literal['mean', 'sum'] = 'mean' # gradients are averaged over ranks; 'sum' is warned (no effect)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig) # deepspeed.checkpointing settings
     communication_data_type: Literal['fp32', 'fp16', 'bf16'] | None = None # dtype of gradient all-reduce; null: the training dtype
     dataloader_drop_last: bool = False # drop the last incomplete batch in `deepspeed_io`
     sparse_gradients: bool = False # reduce embedding gradients as sparse tensors
@@ -83,15 +88,21 @@ class FlexConfig(Block):
     wandb: WandbConfig = field(default_factory=WandbConfig) # W&B sink
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig) # checkpoint behaviour
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig) # autotuner settings
+    not_applied: dict = setting({}) # DeepSpeed keys accepted without effect (see NO_EFFECT), as given; back in to_dict
+
 
 # %% ../../nbs/20_config.ipynb #c013
 @patch(cls_method=True)
-def json_keys(cls:FlexConfig)->tuple: return BATCH_KEYS + tuple(f.name for f in dataclasses.fields(cls) if f.name != 'batch')
+def json_keys(cls:FlexConfig)->tuple: return BATCH_KEYS + tuple(f.name for f in dataclasses.fields(cls) if f.name not in ('batch', 'not_applied'))
 
 @patch(cls_method=True)
 def upgrade(cls:FlexConfig, data:dict)->dict:
-    "Gather the top-level batch keys into `batch`, after the legacy renames"
+    "Gather the top-level batch keys into `batch`, after the legacy renames; DeepSpeed keys without effect warned and set aside"
     data = Block.upgrade.__func__(cls, data)
+    data, data['not_applied'] = split_no_effect(data, cls)
+    if str(data.get('gradient_allreduce_op', '')).lower() == 'sum':
+        warnings.warn("config key gradient_allreduce_op='sum' has no effect in flexrt: gradients are averaged over the data-parallel "
+                      "ranks; multiply the loss by the world size for sums", NoEffectWarning, stacklevel=3)
     data['batch'] = {k: data.pop(k) for k in BATCH_KEYS if k in data}
     return data
 
@@ -99,12 +110,14 @@ def upgrade(cls:FlexConfig, data:dict)->dict:
 def to_dict(self:FlexConfig)->dict:
     "DeepSpeed-style JSON: batch keys at the top level, nulls left out; `load_config` of it gives an equal config"
     d = Block.to_dict(self)
-    return {k: v for k, v in {**d.pop('batch'), **d}.items() if v is not None}
+    extra = d.pop('not_applied')
+    return merge_paths({k: v for k, v in {**d.pop('batch'), **d}.items() if v is not None}, extra)
 
 # %% ../../nbs/20_config.ipynb #c014
 @patch
 def validate(self:FlexConfig):
     if self.fp16.enabled and self.bf16.enabled: raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
+    if self.steps_per_print is None: self._set('steps_per_print', sys.maxsize)   # DeepSpeed's null: no progress lines
 
 @patch
 def resolve_batch(self:FlexConfig, dp_world_size:int)->FlexConfig: # data-parallel ranks (world size / model-parallel size)

@@ -234,6 +234,7 @@ def upgrade(cls:ZeroConfig, data:dict)->dict:
     data = Block.upgrade.__func__(cls, data)
     pin, used = data.pop('cpu_offload_use_pin_memory', None), False
     for old, new in (('cpu_offload', 'offload_optimizer'), ('cpu_offload_param', 'offload_param')):
+        if data.get(old, 0) is None: del data[old]   # DeepSpeed's default for these legacy flags is null: absent
         if old not in data: continue
         if new in data: raise ValueError(f"zero_optimization.{old} and zero_optimization.{new} both given; keep only '{new}'")
         warnings.warn(f"zero_optimization.{old} is deprecated; use zero_optimization.{new}", DeprecationWarning, stacklevel=3)

@@ -17,6 +17,13 @@ class Unavailable:
     def __call__(self, *args, **kwargs): self._fail()
     def __getattr__(self, attr): self._fail()
     def __repr__(self): return f'<unavailable in flexrt: {self._name}>'
+    def __instancecheck__(self, obj)->bool: return False   # `isinstance(x, DeepSpeedClass)`: no flexrt object is one
+    def __subclasscheck__(self, cls)->bool: return False
+    def __mro_entries__(self, bases)->tuple:
+        "`class X(DeepSpeedClass)` defines X; building one raises, naming the DeepSpeed class and why"
+        fail = self._fail
+        def __init__(obj, *args, **kwargs): fail()
+        return (type(self._name.rpartition('.')[2], (), {'__init__': __init__, '__doc__': f'unavailable in flexrt: {self._why}'}),)
 
 # %% ../../nbs/72_deepspeed.ipynb #c009
 class ShimModule(types.ModuleType):
@@ -27,7 +34,7 @@ class ShimModule(types.ModuleType):
         self._sources, self._names, self._unavailable = tuple(sources), dict(names or {}), dict(unavailable or {})
 
     def __getattr__(self, attr:str):
-        if attr.startswith('__'): raise AttributeError(attr)
+        if attr.startswith('__') and attr not in self._names: raise AttributeError(attr)
         if attr in self._names:
             value = self._names[attr]
             value = value() if isinstance(value, _Lazy) else value
@@ -57,31 +64,45 @@ _LR_CONSTANTS = {n.upper(): n for n in ('lr_schedule', 'lr_range_test_min_lr', '
     'VALID_LR_SCHEDULES': ['LRRangeTest', 'OneCycle', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR']}
 
 _C, _NO_PIPE = 'flexrt.deepspeed.compat', 'flexrt has no pipeline parallelism'
+_OWN_OPT = "flexrt's engine wraps the optimizer in its own precision/ZeRO optimizer, not DeepSpeed's class (isinstance is False)"
 TREE = {   # DeepSpeed path: (flexrt modules answering for it, extra names, {unavailable name: why})
     'deepspeed': (('flexrt',), {'__version__': '0.19.8', 'DeepSpeedEngine': _Lazy('flexrt.engine:Engine'),
                    'get_accelerator': _Lazy('flexrt.deepspeed.accelerator:get_accelerator'), 'log_dist': _Lazy(f'{_C}:log_dist'),
-                   'logger': _Lazy(f'{_C}:logger'), 'dist': _Lazy('flexrt.comm')},
+                   'logger': _Lazy(f'{_C}:logger'), 'dist': _Lazy('flexrt.comm'),
+                   'initialize': _Lazy(f'{_C}:initialize')},
                   {'PipelineModule': _NO_PIPE, 'PipelineEngine': _NO_PIPE, 'init_inference': 'flexrt trains; it has no inference engine',
                    'DeepSpeedTransformerLayer': 'no fused transformer kernels', 'tp_model_init': 'flexrt has no tensor parallelism'}),
-    'deepspeed.comm': (('flexrt.comm',), {}, {'inference_all_reduce': 'no inference kernels; use all_reduce'}),
+    'deepspeed.comm': (('flexrt.comm',), {'inference_all_reduce': _Lazy(f'{_C}:inference_all_reduce')}, {}),
     'deepspeed.accelerator': (('flexrt.deepspeed.accelerator',), {}, {}),
     'deepspeed.runtime': ((), {}, {}),
     'deepspeed.runtime.engine': ((), {'DeepSpeedEngine': _Lazy('flexrt.engine:Engine')}, {}),
-    'deepspeed.runtime.utils': (('flexrt.utils',), {}, {}),
+    'deepspeed.runtime.utils': (('flexrt.utils',), {'clip_grad_norm_': _Lazy(f'{_C}:clip_grad_norm_'), 'CheckOverflow': _Lazy(f'{_C}:CheckOverflow'),
+                                                   'count_used_parameters_in_backward': _Lazy(f'{_C}:count_used_parameters_in_backward')}, {}),
     'deepspeed.runtime.lr_schedules': (('flexrt.schedulers',), _LR_CONSTANTS, {}),
-    'deepspeed.runtime.config': (('flexrt.config',), {'DeepSpeedConfig': _Lazy('flexrt.config:load_config')}, {}),
+    'deepspeed.runtime.config': (('flexrt.deepspeed.config', 'flexrt.config'), {}, {}),
     'deepspeed.runtime.dataloader': ((_C,), {}, {}),
     'deepspeed.runtime.zero': (('flexrt.zero',), {}, {}),
-    'deepspeed.runtime.zero.config': (('flexrt.config.blocks',), {'DeepSpeedZeroConfig': _Lazy('flexrt.config.blocks:ZeroConfig')}, {}),
+    'deepspeed.runtime.zero.config': (('flexrt.deepspeed.config',), {}, {}),
     'deepspeed.runtime.activation_checkpointing': ((), {}, {}),
     'deepspeed.runtime.activation_checkpointing.checkpointing': ((_C,), {}, {}),
     'deepspeed.zero': (('flexrt.zero', 'flexrt.zero.stage3_params'), {},
                        {'Init': 'partitioning a model while it is built is not in flexrt yet: build it, then initialize at stage 3'}),
     'deepspeed.checkpointing': ((_C,), {}, {'get_cuda_rng_tracker': 'flexrt has no model parallelism',
                                             'model_parallel_cuda_manual_seed': 'flexrt has no model parallelism'}),
-    'deepspeed.utils': ((_C,), {'groups': _Lazy('flexrt.engine.parts')}, {}),
+    'deepspeed.utils': ((_C,), {}, {}),
+    'deepspeed.utils.groups': (('flexrt.deepspeed.groups',), {}, {}),
     'deepspeed.utils.zero_to_fp32': ((_C,), {}, {}),
-    'deepspeed.ops': ((), {}, {}),
+    'deepspeed.ops': ((), {'__compatible_ops__': _Lazy(f'{_C}:COMPATIBLE_OPS')}, {}),
+    'deepspeed.ops.op_builder': ((_C,), {}, {}),
+    'deepspeed.git_version_info': ((_C,), {}, {}),
+    'deepspeed.runtime.fp16': ((), {}, {}),
+    'deepspeed.runtime.fp16.fused_optimizer': ((), {}, {'FP16_Optimizer': _OWN_OPT}),
+    'deepspeed.runtime.fp16.unfused_optimizer': ((), {}, {'FP16_UnfusedOptimizer': _OWN_OPT}),
+    'deepspeed.runtime.zero.stage_1_and_2': ((), {}, {'DeepSpeedZeroOptimizer': _OWN_OPT}),
+    'deepspeed.runtime.zero.stage3': ((), {}, {'DeepSpeedZeroOptimizer_Stage3': _OWN_OPT}),
+    'deepspeed.runtime.zero.partition_parameters': (('flexrt.zero.stage3_params',), {},
+        {'ZeroParamStatus': "flexrt's stage-3 parameters carry no DeepSpeed status; GatheredParameters gathers them"}),
+    'deepspeed.moe.utils': ((_C,), {}, {}),
     'deepspeed.ops.adam': ((_C,), {}, {}),
     'deepspeed.ops.lamb': ((), {}, {'FusedLamb': 'torch has no LAMB optimizer'}),
     'deepspeed.ops.lion': ((), {}, {'FusedLion': 'torch has no Lion optimizer', 'DeepSpeedCPULion': 'torch has no Lion optimizer'}),

@@ -8,7 +8,7 @@ import os
 import psutil, torch
 
 # %% auto #0
-__all__ = ['Accelerator', 'get_accelerator', 'set_accelerator']
+__all__ = ['SUPPORTED_ACCELERATOR_LIST', 'Accelerator', 'get_accelerator', 'set_accelerator', 'is_current_accelerator_supported']
 
 # %% ../../nbs/70_deepspeed_accelerator.ipynb #c006
 class Accelerator:
@@ -29,12 +29,15 @@ class Accelerator:
     def __repr__(self): return f"Accelerator({self._name!r})"
 
 # %% ../../nbs/70_deepspeed_accelerator.ipynb #c007
+import os
 from fastcore.basics import patch
 
 def _torch_device_module(self:Accelerator): return getattr(torch, self._name) if self._name != 'cpu' else None
 
 @patch
 def device_count(self:Accelerator)->int:
+    "Devices of this kind; on CPU, DeepSpeed's count: `LOCAL_SIZE` ranks if set, else 1"
+    if self._name == 'cpu': return int(os.environ.get('LOCAL_SIZE', 0)) or 1
     module = _torch_device_module(self)
     return module.device_count() if module is not None else 1
 @patch
@@ -124,3 +127,10 @@ def get_accelerator()->Accelerator:
     return _ACCELERATOR[0]
 
 def set_accelerator(accelerator:Accelerator): _ACCELERATOR[0] = accelerator
+
+# %% ../../nbs/70_deepspeed_accelerator.ipynb #c013
+SUPPORTED_ACCELERATOR_LIST = ['cuda', 'cpu', 'mps']
+
+def is_current_accelerator_supported()->bool:
+    "DeepSpeed's check that the chosen accelerator is one it knows (flexrt's are CUDA, CPU and MPS)"
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST

@@ -8,9 +8,12 @@ import logging, warnings
 import torch
 
 # %% auto #0
-__all__ = ['logger', 'non_reentrant_checkpoint', 'FusedAdam', 'DeepSpeedCPUAdam', 'RepeatingLoader', 'log_dist',
-           'get_fp32_state_dict_from_zero_checkpoint', 'convert_zero_checkpoint_to_fp32_state_dict', 'configure',
-           'is_configured', 'reset', 'checkpoint']
+__all__ = ['logger', 'non_reentrant_checkpoint', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam',
+           'RepeatingLoader', 'log_dist', 'get_fp32_state_dict_from_zero_checkpoint',
+           'convert_zero_checkpoint_to_fp32_state_dict', 'configure', 'is_configured', 'reset', 'checkpoint',
+           'initialize', 'clip_grad_norm_', 'OpBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder',
+           'count_used_parameters_in_backward', 'split_params_into_different_moe_groups_for_optimizer', 'CheckOverflow',
+           'inference_all_reduce']
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c006
 def _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw:bool, name:str)->torch.optim.Optimizer:
@@ -62,15 +65,21 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=
 # %% ../../nbs/71_deepspeed_compat.ipynb #c014
 _SETTINGS = {'configured': False, 'cpu': False}
 
+def _activation_block(deepspeed_config): # None, a dict, a JSON path or a FlexConfig
+    "The config's `activation_checkpointing` block, checked (defaults when absent)"
+    from flexrt.config import FlexConfig, ActivationCheckpointingConfig, load_config
+    if deepspeed_config is None: return ActivationCheckpointingConfig()
+    if isinstance(deepspeed_config, FlexConfig): return deepspeed_config.activation_checkpointing
+    if not isinstance(deepspeed_config, dict):
+        import json
+        with open(deepspeed_config) as f: deepspeed_config = json.load(f)
+    return ActivationCheckpointingConfig.from_dict(deepspeed_config.get('activation_checkpointing', {}))
+
 def configure(mpu_=None, deepspeed_config=None, partition_activations:bool|None=None, contiguous_checkpointing:bool|None=None,
               num_checkpoints:int|None=None, checkpoint_in_cpu:bool|None=None, synchronize:bool|None=None, profile:bool|None=None):
     "DeepSpeed's `checkpointing.configure`: what applies here is used, the rest is named in one warning"
-    block = {}
-    if deepspeed_config is not None:
-        import json
-        config = json.load(open(deepspeed_config)) if isinstance(deepspeed_config, str) else dict(deepspeed_config)
-        block = config.get('activation_checkpointing', {})
-    pick = lambda given, key: block.get(key, False) if given is None else given
+    block = _activation_block(deepspeed_config)
+    pick = lambda given, key: getattr(block, key) if given is None else given
     ignored = [k for k, v in (('partition_activations', pick(partition_activations, 'partition_activations')),
                               ('contiguous_memory_optimization', pick(contiguous_checkpointing, 'contiguous_memory_optimization')),
                               ('synchronize_checkpoint_boundary', pick(synchronize, 'synchronize_checkpoint_boundary')),
@@ -89,3 +98,93 @@ def checkpoint(function, *args):
         return tc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
 
 non_reentrant_checkpoint = checkpoint
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015b
+def initialize(*args, **kwargs)->tuple:
+    "`deepspeed.initialize`: `flexrt.initialize`, then `deepspeed.checkpointing` configured from the config's `activation_checkpointing` block when it sets anything"
+    import flexrt
+    from flexrt.config import ActivationCheckpointingConfig
+    out = flexrt.initialize(*args, **kwargs)
+    if out[0].config.activation_checkpointing != ActivationCheckpointingConfig(): configure(deepspeed_config=out[0].config)
+    return out
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015c
+def clip_grad_norm_(parameters, max_norm:float, norm_type:float=2, mpu=None)->torch.Tensor:
+    "DeepSpeed's `runtime.utils.clip_grad_norm_`: flexrt's, expert (`allreduce=False`) gradients reduced over the largest expert group of `deepspeed.utils.groups`"
+    from flexrt.utils import clip_grad_norm_ as clip
+    from flexrt.deepspeed.groups import _get_max_expert_parallel_group
+    return clip(parameters, max_norm, norm_type, mpu, expert_groups=_get_max_expert_parallel_group())
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015e
+def _major_minor(version)->str: return '.'.join(str(version).split('.')[:2]) if version else '0.0'
+
+torch_info = {'version': _major_minor(torch.__version__), 'cuda_version': _major_minor(torch.version.cuda),   # DeepSpeed's git_version_info
+              'hip_version': _major_minor(getattr(torch.version, 'hip', None)),
+              'nccl_version': '.'.join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else '0.0',
+              'bf16_support': torch.cuda.is_available() and torch.cuda.is_bf16_supported()}
+
+class OpBuilder:
+    "DeepSpeed's builder for an op flexrt maps to torch (its Adam): compatible everywhere torch runs; `load()` gives the module holding it"
+    NAME = ''
+    def is_compatible(self, verbose:bool=False)->bool: return True
+    def load(self, verbose:bool=True):
+        import flexrt.deepspeed.compat as m
+        return m
+
+class FusedAdamBuilder(OpBuilder): NAME = 'fused_adam'
+class CPUAdamBuilder(OpBuilder): NAME = 'cpu_adam'
+
+class _Ops(dict):
+    "DeepSpeed's `ops.__compatible_ops__`: the ops flexrt maps to torch are True; any other kernel name is False (flexrt builds none)"
+    def __missing__(self, name): return False
+
+COMPATIBLE_OPS = _Ops({FusedAdamBuilder.NAME: True, CPUAdamBuilder.NAME: True})
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015g
+def count_used_parameters_in_backward(parameters)->int:
+    "How many of `parameters` get a gradient from the backward pass now running (call it from a backward hook)"
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
+    if torch._C._current_graph_task_id() == -1: raise RuntimeError("count_used_parameters_in_backward must be called during backward (from a hook)")
+    with torch.enable_grad():   # looking up a leaf's gradient accumulator needs grad mode, which backward turns off
+        nodes = [_get_grad_fn_or_grad_acc(p) for p in parameters if isinstance(p, torch.Tensor) and p.requires_grad]
+    return sum(1 for n in nodes if n is not None and torch._C._will_engine_execute_node(n))
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015i
+def _chunks(params:list, max_size)->list:
+    "`params` in consecutive runs of at most `max_size` elements each (a larger parameter alone)"
+    out, run, size = [], [], 0
+    for p in params:
+        if run and size + p.numel() > max_size: out.append(run); run, size = [], 0
+        run.append(p); size += p.numel()
+    return out + ([run] if run else [])
+
+def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=178956971)->list:
+    "DeepSpeed's MoE split: expert parameters (`allreduce=False`) leave their group for groups per `group_name` (`moe=True`), of at most `max_group_size` elements"
+    groups = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
+    is_expert = lambda p: getattr(p, 'allreduce', True) is False
+    out = []
+    for g in groups:
+        params, by_name = list(g['params']), {}
+        for p in filter(is_expert, params): by_name.setdefault(p.group_name, []).append(p)
+        out.append({**g, 'params': [p for p in params if not is_expert(p)]})
+        for name, ps in by_name.items():
+            out += [{**g, 'name': name, 'moe': True, 'params': run} for run in (_chunks(ps, max_group_size) if max_group_size else [ps])]
+    return out
+
+# %% ../../nbs/71_deepspeed_compat.ipynb #c015k
+from ..utils import CheckOverflow as _CheckOverflow
+
+class CheckOverflow(_CheckOverflow):
+    "DeepSpeed's `CheckOverflow`: flexrt's; when the checked parameters include expert ones (`allreduce=False`), a norm-based check also agrees over the largest expert group, as DeepSpeed's does"
+    def check_using_norm(self, norm_group, reduce_overflow:bool=True)->bool:
+        from flexrt.deepspeed.groups import _get_max_expert_parallel_group
+        local, group = super().check_using_norm(norm_group, reduce_overflow), _get_max_expert_parallel_group()
+        if group is None or not any(getattr(p, 'allreduce', True) is False for p in self.params): return local
+        saved, self.group = self.group, group
+        try: return self._agree(local)
+        finally: self.group = saved
+
+def inference_all_reduce(tensor:torch.Tensor, op=None, group=None):
+    "DeepSpeed's `comm.inference_all_reduce` (its fused kernel for inference): the same sum, as `flexrt.comm.all_reduce`"
+    from flexrt import comm as dist
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
