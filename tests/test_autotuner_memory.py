@@ -77,3 +77,33 @@ def test_memory_model_mlp():
 
 def test_memory_model_gpt():
     _check(run_distributed(_accuracy, 2, args=('gpt', (2, 8)), timeout=300)[0])
+
+def head1_fn():   # a 1-element bias: at stage 3 its shard views the whole gather buffer of the persistent parameters
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(),
+                               torch.nn.Linear(256, 1))
+def head1_step(engine):
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), 64)
+    engine.backward(engine(x).pow(2).mean()); engine.step()
+
+def _search_path(rank, world_size, results_dir):
+    "autotune's own trials, one stage scope at a time (knobs searched): each trial's prediction and measured peak"
+    from flexrt.autotuner import autotune
+    cfg = {'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
+           'autotuning': {'fast': False, 'tuner_num_trials': 6, 'start_profile_step': 1, 'end_profile_step': 2,
+                          'max_train_micro_batch_size_per_gpu': 64}}
+    rows = []
+    for stage in (0, 1, 2, 3):
+        res = autotune(head1_fn, head1_step, cfg, stages=[stage], micro_batches=[4, 64], results_dir=f'{results_dir}/z{stage}', resume=False)
+        ok = res.trials[res.trials.status == 'ok']
+        rows += [(r.stage, r.micro_batch, (r.reduce_bucket_size, r.stage3_param_persistence_threshold, r.overlap_comm),
+                  int(r.peak_bytes_predicted), int(r.peak_bytes_measured)) for r in ok.itertuples()]
+    return rows
+
+def test_search_path_predictions_meet_its_measured_peaks(tmp_path):
+    "The predictions autotune records (runner's profile, calibrated as trials come in) against the peaks its trials measured"
+    rows = run_distributed(_search_path, 2, args=(str(tmp_path),), timeout=600)[0]
+    assert {r[0] for r in rows} == {0, 1, 2, 3}
+    assert any(r[0] == 3 and r[2][1] > 1 for r in rows)   # stage 3 with persistent parameters (the 1-element bias among them)
+    assert len({r[2] for r in rows if r[0] == 3}) >= 2       # and more than one knob setting
+    _check(rows)

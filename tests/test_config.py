@@ -175,7 +175,7 @@ BAD = [
     ({'checkpoint': {'tag_validation': 'strict'}}, ValueError, "checkpoint.tag_validation must be one of 'Ignore', 'Warn', 'Fail', got 'strict'"),
     ({'checkpoint': {'parallel_write': {'stage': True}}}, ValueError, "unknown key 'stage' in checkpoint.parallel_write (valid: pipeline_stage)"),
     ({'autotuning': {'metric': 'speed'}}, ValueError, "autotuning.metric must be one of 'throughput', 'latency', 'flops', got 'speed'"),
-    ({'autotuning': {'tuner_type': 'bayes'}}, ValueError, "autotuning.tuner_type must be one of 'gridsearch', 'random', 'model_based', got 'bayes'"),
+    ({'autotuning': {'tuner_type': 'bayes'}}, ValueError, "autotuning.tuner_type must be one of 'gridsearch', 'random', 'model_based', 'tpe', 'gp', 'grid', got 'bayes'"),
     ({'autotuning': {'start_profile_step': 6}}, ValueError, "autotuning.start_profile_step=6 must be below autotuning.end_profile_step=5"),
     ({'autotuning': {'model_info': {'num_layer': 2}}}, ValueError, "unknown key 'num_layer' in autotuning.model_info (did you mean 'num_layers'?)"),
     ({'autotuning': {'arg_mappings': {'train_micro_batch_size_per_gpu': 1}}}, TypeError,

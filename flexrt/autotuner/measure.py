@@ -167,7 +167,7 @@ def optimizer_step(self:_Steps)->float: # seconds inside `train_step`
     return spent
 
 # %% ../../nbs/61_autotuner_measure.ipynb #c023
-def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_steps, timeout, dataset, start, trace)->dict:
+def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_steps, timeout, dataset, start, trace, flops_memo)->dict:
     "Build, warm up, time and close one engine; this rank's measurements (`trace`: weak references to what it built, the steps)"
     unit = GroupUnit(group) if group is not None and dist.get_world_size(group) != dist.get_world_size() else None
     engine = None
@@ -179,9 +179,12 @@ def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_st
         trace['refs'].append(weakref.ref(engine))
         loader = None if dataset is None else engine.deepspeed_io(dataset)
         steps = trace['steps'] = _Steps(engine, train_step, loader, group, timeout, start)
-        steps.count_next = warmup_steps > 0
+        mb = engine.train_micro_batch_size_per_gpu()
+        steps.flops = None if flops_memo is None else flops_memo.get(mb)   # the same at any stage and bucket size
+        steps.count_next = warmup_steps > 0 and steps.flops is None
         for _ in range(warmup_steps): steps.optimizer_step()
         times = [steps.optimizer_step() for _ in range(profile_steps)]
+        if flops_memo is not None and steps.flops is not None: flops_memo[mb] = steps.flops
         return {'times': times, 'flops': steps.flops, 'micro_steps': steps.micro_steps,
                 'samples': engine.train_batch_size(), 'gas': engine.gradient_accumulation_steps()}
     finally:
@@ -238,6 +241,7 @@ def run_trial(model_fn, # builds a fresh model (called once per trial, on every 
               memory_budget:int|None=None, # bytes per rank; a larger measured peak is `over_budget`
               timeout:float|None=None, # seconds; checked between micro-steps, a late trial stops early
               dataset=None, # a torch Dataset fed through `engine.deepspeed_io`, or None
+              flops_memo:dict|None=None, # FLOPs per micro-step by micro-batch, kept by the caller across trials of the same model_fn and train_step: counted once per micro-batch
              )->TrialResult:
     "Run one experiment on the calling ranks; every rank of `group` gets the same result"
     _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout)
@@ -246,7 +250,7 @@ def run_trial(model_fn, # builds a fresh model (called once per trial, on every 
     meter, local, trace = PeakMeter(_device()).start(), {'status': 'ok', 'reason': '', 'peer': False, 'summary': {}}, {}
     try:
         try: local['summary'] = _summary(_experiment(model_fn, train_step, ds_config, group, warmup_steps,
-                                                     profile_steps, timeout, dataset, start, trace), metric)
+                                                     profile_steps, timeout, dataset, start, trace, flops_memo), metric)
         except Exception as e:
             local.update(zip(('status', 'reason'), classify(e)), peer=isinstance(e, PeerFailed))
             if 'steps' in trace: local['summary'] = {'micro_steps': trace['steps'].micro_steps, 'steps_seconds': trace['steps'].spent}

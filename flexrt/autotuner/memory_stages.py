@@ -196,6 +196,12 @@ def _gather_bytes(shards:list, world_size:int, itemsize:int)->int:
     if world_size > 1: return world_size * sum(shards) * itemsize
     return sum(shards) * itemsize if len(shards) > 1 else 0
 
+def _resident_bytes(shards:list, world_size:int, itemsize:int)->int:
+    "What a finished gather of these shards keeps (`_Gather.finish`): a copy of each parameter whose rows are not contiguous, and the buffer while one parameter is still a view of it"
+    if len(shards) < 2 or world_size == 1: return _gather_bytes(shards, world_size, itemsize)   # views of the buffer
+    copies = sum(world_size * k * itemsize for k in shards if k > 1)   # N rows of k elements: reshape copies them
+    return copies + (_gather_bytes(shards, world_size, itemsize) if min(shards) == 1 else 0)   # a 1-element shard views the buffer
+
 def _keep(units:list, numel:list, s:Setting)->set:
     "The units kept gathered from forward to backward (`_plan_keep`): from the end, while reuse distance and live size allow"
     keep, between, live = set(), 0, 0
@@ -240,7 +246,8 @@ def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     frozen = sum(shard[i] for i in range(len(n)) if not pr.trainable[i])
     kept_whole = [i for i in range(len(n)) if persistent[i] and n[i]]
     whole = _gather_bytes([shard[i] for i in kept_whole], W, w)   # the persistent ones, gathered together
-    bd = dict(parameters=(St + frozen + pr.buffer_numel) * w + whole, gradients=St * 4,
+    held = _resident_bytes([shard[i] for i in kept_whole], W, w)   # what that gather leaves behind
+    bd = dict(parameters=(St + frozen + pr.buffer_numel) * w + held, gradients=St * 4,
               fp32_masters=St * 4 if w != 4 else 0, optimizer_state=_state_bytes(pr, [St], 4))
     units = [[i for i in u if not persistent[i]] for u in pr.units]
     gathered = [_gather_bytes([shard[i] for i in u], W, w) for u in units]

@@ -5,6 +5,7 @@
 # %% ../../nbs/65_autotuner_runner.ipynb #c002
 from __future__ import annotations
 import os, time, traceback, warnings
+from functools import partial
 from types import SimpleNamespace
 import torch
 from fastcore.basics import patch
@@ -115,7 +116,7 @@ class Tuner:
         self.group, self.group_index, self.num_groups = experiment_groups(ranks_per_experiment)
         self.world = experiment_world_size or _world() // self.num_groups   # ranks of one experiment
         self.search = self.store = self.gen = None
-        self.start_time, self.emitted = time.perf_counter(), 0
+        self.start_time, self.emitted, self.flops_memo = time.perf_counter(), 0, {}
 
 # %% ../../nbs/65_autotuner_runner.ipynb #c018
 @patch
@@ -184,11 +185,22 @@ def advance(self:Tuner, results:list|None)->list|None:
 @patch
 def measure(self:Tuner, config:dict, settings:dict):
     "Run one experiment on this rank's group"
-    if self.measure_fn is None: from flexrt.autotuner.measure import run_trial as fn
-    else: fn = self.measure_fn
+    if self.measure_fn is not None: fn = self.measure_fn
+    else:
+        from flexrt.autotuner.measure import run_trial
+        fn = partial(run_trial, flops_memo=self.flops_memo)   # FLOPs counted once per micro-batch
     return fn(self.model_fn, self.train_step, config, group=self.group, warmup_steps=settings['warmup_steps'],
               profile_steps=settings['profile_steps'], metric=settings['metric'], memory_budget=self.budget,
               timeout=self.trial_timeout, dataset=self.dataset)
+
+@patch
+def warm(self:Tuner):
+    "Ranks other than 0, while rank 0 profiles: build the model once under a memory tracker, as a trial does, so the first trial does not pay this process's one-time costs (the tracker's first use imports torch._dynamo: 1-2 s)"
+    if _rank() == 0 or self.measure_fn is not None or self.model_fn is None: return
+    from flexrt.autotuner.measure import PeakMeter
+    meter = PeakMeter(torch.device('cpu')).start()
+    try: self.model_fn()
+    finally: meter.stop()
 
 @patch
 def run_batch(self:Tuner, batch:list, settings:dict)->list:
@@ -247,6 +259,7 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
               results_dir=results_dir, max_trials=max_trials, time_budget=time_budget, stages=stages, micro_batches=micro_batches,
               on_trial=on_trial, seed=seed, resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile,
               predict=predict, experiment_world_size=experiment_world_size, mode=mode, mode_reason=mode_reason)
+    t.warm()   # ranks other than 0 (rank 0 is busy profiling meanwhile)
     settings = decide(t.start)
     batch = decide(t.advance, None)
     while batch is not None:

@@ -66,7 +66,7 @@ def feasible(self:Search, c:Candidate)->bool:
 def candidate(self:Search, stage:int, micro_batch:int, **knobs)->Candidate:
     "The point (stage, micro_batch) with the pre-knob-search knobs, overridden by `knobs`"
     gas = gradient_accumulation(self.s, micro_batch, self.world_size)
-    base = {} if stage == 0 else default_knobs(self.num_params, stage)
+    base = {} if stage == 0 else default_knobs(self.num_params, stage, self.tensor_sizes)   # within the knob search's choices
     return Candidate(stage, micro_batch, gas, **{**base, **knobs})
 
 # %% ../../nbs/63_autotuner_search.ipynb #c012

@@ -147,6 +147,6 @@ def knob_choices(num_params:int, # parameters in the model
         choices['stage3_param_persistence_threshold'] = sorted({0, int(sizes[len(sizes) // 2]), int(sizes[-1])})
     return choices
 
-def default_knobs(num_params:int, stage:int)->dict:
-    "The knobs used before the knob search: the middle choice of each"
-    return {k: v[len(v) // 2] if k != 'overlap_comm' else False for k, v in knob_choices(num_params, stage=stage).items()}
+def default_knobs(num_params:int, stage:int, tensor_sizes:list|None=None)->dict:
+    "The knobs used before the knob search: the middle choice of each (of the same choices the knob search draws from)"
+    return {k: v[len(v) // 2] if k != 'overlap_comm' else False for k, v in knob_choices(num_params, tensor_sizes, stage).items()}

@@ -102,7 +102,7 @@ class AutotuningConfig(Block):
     metric: Literal['throughput', 'latency', 'flops'] = 'throughput' # what the search optimises
     metric_path: str | None = None # where an experiment writes its metrics
     model_info_path: str | None = None # where the profiling run writes model info
-    tuner_type: Literal['gridsearch', 'random', 'model_based'] = 'gridsearch' # search strategy
+    tuner_type: Literal['gridsearch', 'random', 'model_based', 'tpe', 'gp', 'grid'] = 'gridsearch' # search strategy (flexrt's autotuner: model_based = tpe, gridsearch = grid)
     tuner_early_stopping: int = setting(5, ge=1) # experiments past the best without improvement before stopping
     tuner_num_trials: int = setting(50, ge=1) # most experiments per tuning space
     arg_mappings: dict[str, str] | None = None # config key -> script argument that carries it
