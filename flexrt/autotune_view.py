@@ -8,7 +8,7 @@ import copy, dataclasses, html, json, math, re, threading
 from collections import Counter
 import pandas as pd
 from .widgets import Plot, MiB
-from .autotuner.space import parse_bytes, format_bytes
+from .autotuner.space import parse_bytes, format_bytes, check_bucket_sizes
 
 # %% auto #0
 __all__ = ['METRICS', 'COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'best_trial', 'table_html',
@@ -27,6 +27,7 @@ class SearchSettings:
     num_processes:int=2 # ranks to launch
     max_trials:int|None=None # stop after this many trials; None: no limit
     time_budget:float|None=None # seconds; None: no limit
+    bucket_sizes:tuple|None=None # bucket sizes (elements) the knob search tries; None: the autotuner's, scaled to the model
 
     def __post_init__(self):
         self.stages = tuple(sorted(set(int(s) for s in self.stages)))
@@ -45,6 +46,7 @@ class SearchSettings:
                 raise ValueError(f'{name}={value!r} must be a positive int' + (' or None (no limit)' if name == 'max_trials' else ''))
         if self.time_budget is not None and not self.time_budget > 0:
             raise ValueError(f'time_budget={self.time_budget!r} must be positive seconds or None (no limit)')
+        if self.bucket_sizes is not None: self.bucket_sizes = tuple(check_bucket_sizes(self.bucket_sizes))
 
 # %% ../nbs/52_autotune_view.ipynb #c007
 def search_arguments(settings:SearchSettings, # what the controls ask
@@ -56,7 +58,7 @@ def search_arguments(settings:SearchSettings, # what the controls ask
     config.setdefault('autotuning', {}).update(metric=settings.metric, min_train_micro_batch_size_per_gpu=low,
                                                max_train_micro_batch_size_per_gpu=high)
     kwargs = dict(stages=list(settings.stages), memory_budget=settings.memory_budget, max_trials=settings.max_trials,
-                  time_budget=settings.time_budget)
+                  time_budget=settings.time_budget, bucket_sizes=None if settings.bucket_sizes is None else list(settings.bucket_sizes))
     return config, kwargs
 
 # %% ../nbs/52_autotune_view.ipynb #c010

@@ -34,7 +34,7 @@ def search_controls(config:dict, # the config to tune
         stages=W.SelectMultiple(options=[0, 1, 2, 3], value=[0, 1, 2, 3], rows=4, description='ZeRO stages', **style),
         micro_batch_range=W.IntRangeSlider(value=(1, max(64, micro)), min=1, max=max(512, micro), description='micro-batch', **style),
         bucket_sizes=W.SelectMultiple(options=[(f'{b:,}', b) for b in buckets], value=buckets, rows=3, description='buckets tried',
-                                      disabled=True, tooltip="the autotuner's, scaled to the model", **style),
+                                      tooltip="elements per bucket, scaled to the model (P/16, P/4, P); the knob search tries the ones selected", **style),
         metric=W.Dropdown(options=METRICS, value=config.get('autotuning', {}).get('metric', 'throughput'), description='metric', **style),
         memory_budget=W.Text(value=str(memory_budget or ''), placeholder='e.g. 2GiB', description='budget / rank', **style),
         num_processes=W.BoundedIntText(value=num_processes, min=1, max=1024, description='processes', **style),
@@ -47,7 +47,14 @@ def settings_from_controls(controls:dict)->SearchSettings:
     value = {name: control.value for name, control in controls.items()}
     return SearchSettings(stages=value['stages'], micro_batch_range=value['micro_batch_range'], metric=value['metric'],
                           memory_budget=value['memory_budget'] or None, num_processes=value['num_processes'],
-                          max_trials=value['max_trials'] or None, time_budget=value['time_budget'] or None)
+                          max_trials=value['max_trials'] or None, time_budget=value['time_budget'] or None,
+                          bucket_sizes=_chosen_buckets(controls.get('bucket_sizes')))
+
+def _chosen_buckets(control)->tuple|None: # None: all of the autotuner's own choices (its default)
+    "The bucket sizes selected, when they are not simply all the offered ones"
+    if control is None or set(control.value) == {v for _, v in control.options}: return None
+    if not control.value: raise ValueError('no bucket size selected: select one or more in "buckets tried"')
+    return tuple(control.value)
 
 # %% ../nbs/52_autotune_widget.ipynb #c012
 _UNITS = {'throughput': 'samples/s', 'latency': 's/step', 'flops': 'FLOP/s'}

@@ -131,3 +131,11 @@ def test_budget_errors_say_what_to_change(tmp_path):
     with pytest.raises(ValueError, match='space is empty'):
         autotune(None, train_step, config(), memory_budget='26MB', micro_batches=[128], **kw)
     with pytest.raises(ValueError, match='memory_budget'): autotune(None, train_step, config(), memory_budget='lots', **kw)
+
+def test_bucket_sizes_reach_the_knob_search(tmp_path):
+    "autotune(bucket_sizes=...) (the widget's 'buckets tried'): every knob experiment and the files use only those sizes"
+    chosen = [P // 8, P // 2]
+    result = _surface_tune(str(tmp_path), Counting(), bucket_sizes=chosen)
+    ran = result.trials[(result.trials['stage'] > 0) & (result.trials['status'] != 'pruned')]
+    assert len(ran) and set(ran['reduce_bucket_size']) <= set(chosen)
+    with pytest.raises(ValueError, match='positive ints'): _surface_tune(str(tmp_path / 'bad'), Counting(), bucket_sizes=[-1])

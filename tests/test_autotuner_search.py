@@ -90,3 +90,15 @@ def test_every_sampler_runs(tuner):
 def test_gp_without_scipy_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, 'scipy', None)   # as if scipy were not installed: `import scipy` raises ImportError
     with pytest.raises(ImportError, match='pip install scipy'): drive(new_search(26_000_000, fast=False, tuner_type='gp'), budget=26_000_000)
+
+def test_chosen_bucket_sizes_are_the_only_ones_tried():
+    "bucket_sizes (the widget's 'buckets tried') replaces the scaled choices in every knob experiment, and the pre-knob default"
+    budget, chosen = 26_000_000, (P // 8, P // 2)
+    s = new_search(budget, fast=False, bucket_sizes=chosen)
+    drive(s, budget=budget)
+    knob_runs = [r for r in s.records if r['phase'] == 'knobs' and r['status'] != 'pruned']
+    assert knob_runs, 'the knob search ran'
+    for r in s.records:
+        if r['stage'] in (1, 2, 3) and r['status'] != 'pruned': assert r['reduce_bucket_size'] in chosen, r
+        if r['stage'] in (1, 2) and r['status'] != 'pruned': assert r['allgather_bucket_size'] in chosen, r
+    with pytest.raises(ValueError, match='positive ints'): new_search(budget, bucket_sizes=(0,)).candidate(2, 4)

@@ -4,13 +4,13 @@
 
 # %% ../../nbs/65_autotuner_runner.ipynb #c002
 from __future__ import annotations
-import os, time, traceback, warnings
+import dataclasses, os, time, traceback, warnings
 from functools import partial
 from types import SimpleNamespace
 import torch
 from fastcore.basics import patch
 from .. import comm as dist, monitor, launch
-from .space import Candidate, tune_settings, parse_bytes, format_bytes, plain_config
+from .space import Candidate, tune_settings, parse_bytes, format_bytes, plain_config, check_bucket_sizes
 from .search import Search
 from .results import AutotuneResult, TrialStore, trials_frame, record_candidate
 
@@ -107,8 +107,9 @@ class Tuner:
     def __init__(self, model_fn, train_step, config:dict, *, dataset=None, memory_budget=None, ranks_per_experiment=None,
                  results_dir=None, max_trials=None, time_budget=None, stages=None, micro_batches=None, on_trial=None,
                  seed=0, resume=True, measure=None, trial_timeout=None, profile=None, predict=None, experiment_world_size=None,
-                 mode='in-process', mode_reason=''):
+                 mode='in-process', mode_reason='', bucket_sizes=None):
         self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, dict(config), dataset
+        self.bucket_sizes = None if bucket_sizes is None else tuple(check_bucket_sizes(bucket_sizes))
         self.budget, self.max_trials, self.time_budget = parse_bytes(memory_budget), max_trials, time_budget
         self.stages, self.micro_batches, self.on_trial, self.seed, self.resume = stages, micro_batches, on_trial, seed, resume
         self.trial_timeout, self.profile, self.mode, self.mode_reason = trial_timeout, profile, mode, mode_reason
@@ -125,6 +126,7 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     cfg = self.config
     if self.stages is not None: cfg = {**cfg, 'zero_optimization': {**cfg.get('zero_optimization', {}), 'stage': list(self.stages)}}
     s = tune_settings(cfg)
+    if self.bucket_sizes is not None: s = dataclasses.replace(s, bucket_sizes=self.bucket_sizes)
     raw = cfg.get('autotuning') or {}
     self.results_dir = self.results_dir or s.results_dir
     self.store = TrialStore(self.results_dir, fresh=not self.resume or raw.get('overwrite') is True)
@@ -252,13 +254,15 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
              predict=None, # callable(Candidate) -> per-rank peak bytes, instead of the memory model
              experiment_world_size:int|None=None, # ranks of one experiment when `measure` starts its own (the CLI's torchrun)
              mode:str='in-process', mode_reason:str='', # how experiments run (the CLI's launch-per-experiment sets these)
+             bucket_sizes=None, # bucket sizes (elements) the knob search tries; None: scaled to the model (P/16, P/4, P)
             )->AutotuneResult:
     "Find the fastest ZeRO stage × micro-batch × knob configuration that fits, inside the launched ranks"
     if measure is None and not callable(train_step): raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
     t = Tuner(model_fn, train_step, config, dataset=dataset, memory_budget=memory_budget, ranks_per_experiment=ranks_per_experiment,
               results_dir=results_dir, max_trials=max_trials, time_budget=time_budget, stages=stages, micro_batches=micro_batches,
               on_trial=on_trial, seed=seed, resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile,
-              predict=predict, experiment_world_size=experiment_world_size, mode=mode, mode_reason=mode_reason)
+              predict=predict, experiment_world_size=experiment_world_size, mode=mode, mode_reason=mode_reason,
+              bucket_sizes=bucket_sizes)
     t.warm()   # ranks other than 0 (rank 0 is busy profiling meanwhile)
     settings = decide(t.start)
     batch = decide(t.advance, None)

@@ -66,7 +66,7 @@ def feasible(self:Search, c:Candidate)->bool:
 def candidate(self:Search, stage:int, micro_batch:int, **knobs)->Candidate:
     "The point (stage, micro_batch) with the pre-knob-search knobs, overridden by `knobs`"
     gas = gradient_accumulation(self.s, micro_batch, self.world_size)
-    base = {} if stage == 0 else default_knobs(self.num_params, stage, self.tensor_sizes)   # within the knob search's choices
+    base = {} if stage == 0 else default_knobs(self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes)   # within the knob search's choices
     return Candidate(stage, micro_batch, gas, **{**base, **knobs})
 
 # %% ../../nbs/63_autotuner_search.ipynb #c012
@@ -250,7 +250,7 @@ def _since_best(trials)->int:
 def tune_knobs(self:Search, stage:int, micro_batch:int):
     "Search `stage`'s knobs at `micro_batch` with Optuna (`yield from` it); the best (score, candidate) found or None"
     import optuna
-    space = knob_choices(self.num_params, self.tensor_sizes, stage)
+    space = knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)
     study, best = self.study(stage, micro_batch, space), None
     budget = min(self.s.tuner_num_trials, math.prod(len(v) for v in space.values()))
     done = lambda: [t for t in study.trials if t.state.is_finished()]

@@ -11,7 +11,8 @@ from ..config.services import AutotuningConfig
 
 # %% auto #0
 __all__ = ['TUNER_TYPES', 'KNOBS', 'DEEPSPEED_DEFAULT_KNOBS', 'parse_bytes', 'format_bytes', 'TuneSettings', 'tune_settings',
-           'Candidate', 'plain_config', 'micro_batch_ladder', 'gradient_accumulation', 'knob_choices', 'default_knobs']
+           'Candidate', 'plain_config', 'micro_batch_ladder', 'gradient_accumulation', 'knob_choices', 'default_knobs',
+           'check_bucket_sizes']
 
 # %% ../../nbs/62_autotuner_space.ipynb #c005
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -45,6 +46,7 @@ class TuneSettings:
     min_micro_batch:int=1; max_micro_batch:int=1024; min_train_batch:int=1; max_train_batch:int|None=None
     warmup_steps:int=3; profile_steps:int=3; results_dir:str='autotuning_results'; overwrite:bool=True
     stages:tuple=(0, 1, 2, 3); gradient_accumulation:int=1
+    bucket_sizes:tuple|None=None   # the bucket sizes (elements) the knob search tries; None: scaled to the model
 
     @property
     def lower_is_better(self)->bool: return self.metric == 'latency'
@@ -135,10 +137,11 @@ def gradient_accumulation(s:TuneSettings, micro_batch:int, world_size:int)->int:
 # %% ../../nbs/62_autotuner_space.ipynb #c023
 def knob_choices(num_params:int, # parameters in the model
                  tensor_sizes:list|None=None, # element counts of the parameter tensors (for the persistence threshold)
-                 stage:int=2)->dict: # knob name -> list of values to try
-    "The ZeRO knobs' candidate values for `stage`, scaled to the model's size"
+                 stage:int=2, # the ZeRO stage whose knobs these are
+                 bucket_sizes=None)->dict: # the bucket sizes to try (elements); None: P/16, P/4 and P
+    "The ZeRO knobs' candidate values for `stage`, scaled to the model's size (or the bucket sizes you choose)"
     P = max(int(num_params), 16)
-    buckets = sorted({max(P // 16, 1024), max(P // 4, 1024), max(P, 1024)})
+    buckets = check_bucket_sizes(bucket_sizes) if bucket_sizes else sorted({max(P // 16, 1024), max(P // 4, 1024), max(P, 1024)})
     choices = {'reduce_bucket_size': buckets, 'overlap_comm': [False, True]}
     if stage in (1, 2): choices['allgather_bucket_size'] = buckets
     if stage == 3:
@@ -147,6 +150,13 @@ def knob_choices(num_params:int, # parameters in the model
         choices['stage3_param_persistence_threshold'] = sorted({0, int(sizes[len(sizes) // 2]), int(sizes[-1])})
     return choices
 
-def default_knobs(num_params:int, stage:int, tensor_sizes:list|None=None)->dict:
+def default_knobs(num_params:int, stage:int, tensor_sizes:list|None=None, bucket_sizes=None)->dict:
     "The knobs used before the knob search: the middle choice of each (of the same choices the knob search draws from)"
-    return {k: v[len(v) // 2] if k != 'overlap_comm' else False for k, v in knob_choices(num_params, tensor_sizes, stage).items()}
+    return {k: v[len(v) // 2] if k != 'overlap_comm' else False for k, v in knob_choices(num_params, tensor_sizes, stage, bucket_sizes).items()}
+
+def check_bucket_sizes(bucket_sizes)->list: # sorted, without repeats
+    "Bucket sizes you chose for the knob search: positive ints (elements), or a `ValueError` saying which is not"
+    sizes = list(bucket_sizes)
+    bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, int) or b <= 0]
+    if bad or not sizes: raise ValueError(f'bucket_sizes={sizes!r}: give one or more positive ints (elements per bucket), e.g. [2**20, 2**22]')
+    return sorted(set(sizes))
