@@ -1,0 +1,14 @@
+"""Session set-up shared by every test file.
+
+DeepSpeed (run next to flexrt in the parity tests) JIT-compiles its CPU shared-memory op into torch's extension
+cache on first use and guards the build with a `lock` file; a run killed while compiling leaves the lock behind and
+every later DeepSpeed start waits on it forever. No build can be in progress when a test session starts, so a lock
+found then is stale: remove it."""
+import os
+from pathlib import Path
+
+def _torch_extensions_dir() -> Path:
+    return Path(os.environ.get('TORCH_EXTENSIONS_DIR') or Path.home() / '.cache' / 'torch_extensions')
+
+def pytest_sessionstart(session):
+    for lock in _torch_extensions_dir().glob('*/*/lock'): lock.unlink(missing_ok=True)
