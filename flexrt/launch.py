@@ -7,7 +7,7 @@ from __future__ import annotations
 import faulthandler, os, signal, socket, tempfile, threading, traceback
 import psutil, torch
 from . import monitor, comm as dist
-from .launch_output import quiet_launcher
+from .launch_output import quiet_launcher, describe_launch
 
 # %% auto #0
 __all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain',
@@ -248,7 +248,7 @@ def _launch_blocking(run:Run, fn, args, num_processes, kwargs):
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     error = None   # garbage is collected before each fork: `launch` serves, and a serving kernel does (flexrt.monitor)
     try:
-        with monitor.listen(run._record), quiet_launcher(num_processes):
+        with monitor.listen(run._record), quiet_launcher():
             notebook_launcher(RankMain(fn), args, num_processes=num_processes, **kwargs)
     except BaseException as e: error = e
     finally:
@@ -268,6 +268,7 @@ def launch(train, # the training function; importable (not defined in the notebo
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f'num_processes must be a positive int, not {num_processes!r}')
     monitor.serve()
+    print(describe_launch(num_processes), flush=True)   # from the cell itself: a background thread's print may never show
     run = Run(tempfile.mktemp(prefix='flexrt-stop-'))
     os.environ[STOP_VARIABLE] = run.stop_file
     kwargs['use_port'] = str(use_port or free_port())

@@ -40,9 +40,8 @@ class _ElasticThreadWarning(logging.Filter):
                     str(record.msg).startswith('Failed to register signal handlers since torchelastic is running on a child thread'))
 
 @contextlib.contextmanager
-def quiet_launcher(num_processes:int): # the number of ranks, for the line saying what starts
-    "While the launcher runs in this thread: say what starts, drop the two misleading lines, pass everything else"
-    print(describe_launch(num_processes), flush=True)
+def quiet_launcher():
+    "While the launcher runs in this thread: drop the two misleading lines, pass everything else"
     thread, stream, logger = threading.current_thread(), sys.stdout, logging.getLogger(_ELASTIC_LOGGER)
     wrapped, quiet = _LaunchOutput(stream, thread), _ElasticThreadWarning(thread)
     sys.stdout = wrapped; logger.addFilter(quiet)
