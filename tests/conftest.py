@@ -12,3 +12,16 @@ def _torch_extensions_dir() -> Path:
 
 def pytest_sessionstart(session):
     for lock in _torch_extensions_dir().glob('*/*/lock'): lock.unlink(missing_ok=True)
+
+import pytest
+
+@pytest.fixture(autouse=True)
+def _no_live_views_left():
+    """After each test: close the live views it left open and stop the kernel's record hub, so no redraw or hub thread
+    of one test runs on while a later test forks its ranks (a fork copies locks such threads may hold)"""
+    yield
+    import sys
+    widgets, monitor = sys.modules.get('flexrt.widgets'), sys.modules.get('flexrt.monitor')
+    if widgets is not None:
+        for view in list(widgets._views): view.close()
+    if monitor is not None: monitor.stop_serving()
