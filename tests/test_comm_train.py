@@ -4,6 +4,7 @@ import os, re, runpy, subprocess, sys
 from pathlib import Path
 import pytest
 from helpers import run_distributed, free_port
+from helpers import run_torchrun
 
 SCRIPT = Path(__file__).resolve().parent.parent / 'examples' / 'plain_ddp_train.py'
 ORIGINAL, SWAPPED = 'import torch.distributed as dist\n', 'from flexrt import comm as dist\n'
@@ -18,7 +19,7 @@ def swapped(tmp_path_factory):
 
 def _torchrun(script):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(free_port()), str(script)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=SCRIPT.parent.parent)
+    out = run_torchrun(cmd, capture_output=True, text=True, timeout=120, cwd=SCRIPT.parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [l for l in out.stdout.splitlines() if l.startswith('world ')]
     assert len(lines) == 1, out.stdout

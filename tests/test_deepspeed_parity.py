@@ -17,6 +17,7 @@ import importlib.util, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from helpers import free_port
+from helpers import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / 'tests' / 'parity_train.py'
@@ -29,7 +30,7 @@ def _run(impl, out, *extra):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(free_port()),
            str(SCRIPT), '--impl', impl, '--out', str(out), *extra]
     env = {**os.environ, 'DS_ACCELERATOR': 'cpu', 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=ROOT, env=env)
+    r = run_torchrun(cmd, capture_output=True, text=True, timeout=540, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-6000:]
     return torch.load(out / f'{impl}.pt', weights_only=False)
 

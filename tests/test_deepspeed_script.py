@@ -5,6 +5,7 @@ accessors (ZeRO stage 2, gradient accumulation, clipping, a warmup schedule)."""
 import json, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
+from helpers import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / 'examples' / 'deepspeed_unmodified.py'
@@ -24,7 +25,7 @@ def _run(tmp_path, name, flexrt_runner):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(_free_port()), *runner,
            str(SCRIPT), '--deepspeed', '--deepspeed_config', str(tmp_path / 'ds.json'), '--out', str(out)]
     env = os.environ | {'DS_ACCELERATOR': 'cpu', 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(ROOT)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    r = run_torchrun(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, f'{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}'
     return json.loads(out.read_text())
 

@@ -7,6 +7,7 @@ import pytest, torch, torch.nn as nn
 import flexrt
 from flexrt import comm
 from helpers import free_port
+from helpers import run_torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / 'examples' / 'deepspeed_style.py'
@@ -82,7 +83,7 @@ def test_import_flexrt_is_light():
 def _torchrun(script, env=None):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(free_port()),
            str(script), '--deepspeed']
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT, env={**os.environ, **(env or {})})
+    out = run_torchrun(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
