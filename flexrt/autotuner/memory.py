@@ -95,6 +95,8 @@ def _record(model_fn, train_step, config:dict, micro:int, steps:int=3)->_Recorde
         for k in range(steps):
             if k == steps - 1: rec.start()
             train_step(engine)
+            rec.step()            # a train_step that leaves engine.step to its caller ends its micro-step here,
+            engine.zero_grad()    # and the next one starts without gradients, as after a step
         return rec
     finally:
         for h in hooks: h.remove()
