@@ -6,21 +6,12 @@ configuration `ds_config_optimal.json`, and the search's own folder `autotuning_
 """
 import os, sys, time
 from pathlib import Path
-import nbformat
-from nbclient import NotebookClient
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_notebook import execute
 
-EXAMPLES = Path(__file__).resolve().parent
-
-def run(out: Path, timeout: int = 600) -> nbformat.NotebookNode:
+def run(out: Path, timeout: int = 600):
     "Execute the notebook in a fresh kernel and save the executed copy in `out`"
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ['FLEXRT_AUTOTUNE_OUT'] = str(out.resolve())
-    nb = nbformat.read(EXAMPLES / 'autotune.ipynb', as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name='python3', resources={'metadata': {'path': str(EXAMPLES)}},
-                            store_widget_state=True)
-    try: client.execute()
-    finally: nbformat.write(nb, out / 'autotune.ipynb')
-    return nb
+    return execute('autotune.ipynb', out, {'FLEXRT_AUTOTUNE_OUT': str(out.resolve())}, timeout)
 
 if __name__ == '__main__':
     out = Path(os.environ.get('OUT', 'demo_out'))

@@ -6,21 +6,12 @@ STEPS sets the number of optimizer steps (default 30).
 """
 import os, sys, time
 from pathlib import Path
-import nbformat
-from nbclient import NotebookClient
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_notebook import execute
 
-EXAMPLES = Path(__file__).resolve().parent
-
-def run(out: Path, steps: int, timeout: int = 600) -> nbformat.NotebookNode:
+def run(out: Path, steps: int, timeout: int = 600):
     "Execute the quickstart in a fresh kernel and save the executed copy in `out`"
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.update(FLEXRT_QUICKSTART_OUT=str(out.resolve()), STEPS=str(steps))
-    nb = nbformat.read(EXAMPLES / 'quickstart.ipynb', as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name='python3', resources={'metadata': {'path': str(EXAMPLES)}},
-                            store_widget_state=True)
-    try: client.execute()
-    finally: nbformat.write(nb, out / 'quickstart.ipynb')
-    return nb
+    return execute('quickstart.ipynb', out, {'FLEXRT_QUICKSTART_OUT': str(out.resolve()), 'STEPS': str(steps)}, timeout)
 
 if __name__ == '__main__':
     out, steps = Path(os.environ.get('OUT', 'demo_out')), int(os.environ.get('STEPS', 30))
