@@ -103,6 +103,7 @@ class CommInterval:
     wait_start:float|None = None # when a caller first waited for it; None: nobody has
     wait_thread:int|None = None # the thread that waited
     end:float|None = None # when it finished; None: in flight
+    finished_by:str|None = None # what saw it finish: 'call' (synchronous), 'future' (its completion), 'wait' or 'poll' (no earlier sign)
     def waited(self, now:float):
         "Note a wait beginning at `now` on this thread (only the first one counts)"
         if self.wait_start is None: self.wait_start, self.wait_thread = now, threading.get_ident()
@@ -169,19 +170,19 @@ class TimedWork:
     def _on_future(self, fut):
         try: fut.value()
         except Exception: return None  # failed: the error surfaces at wait(), nothing is logged
-        self._finish()
+        self._finish('future')
     def wait(self, *args, **kwargs):
         if self._interval is not None: self._interval.waited(self._logger.clock())
-        out = self._work.wait(*args, **kwargs); self._finish(); return out
+        out = self._work.wait(*args, **kwargs); self._finish('wait'); return out
     def is_completed(self):
         done = self._work.is_completed()
-        if done: self._finish()
+        if done: self._finish('poll')
         return done
     def __getattr__(self, name): return getattr(self._work, name)
 
 # %% ../../nbs/01_comm_logger.ipynb #c027
 @patch
-def _finish(self:TimedWork):
+def _finish(self:TimedWork, by:str): # 'future', 'wait' or 'poll': what saw the op finish
     "Log the op once, when it (or, for a batch, its last work) completes"
     with self._lock:
         if self._done: return
@@ -190,7 +191,7 @@ def _finish(self:TimedWork):
             self._batch[0] -= 1
             if self._batch[0]: return
     now = self._logger.clock()
-    if self._interval is not None: self._interval.end = now
+    if self._interval is not None: self._interval.end, self._interval.finished_by = now, by
     if not self._cuda: return self._logger.record(self._key, now - self._start)
     end = torch.cuda.Event(enable_timing=True); end.record()  # in a future callback: a stream that waits for the op only
     self._logger.record_events(self._key, self._start, end)
@@ -215,7 +216,7 @@ def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dic
     if name == 'batch_isend_irecv':  # one logged call, complete when its last work is
         batch = [len(out)]; return [TimedWork(w, self, key, start, cuda, batch, interval) for w in out]
     if out is not None and (a.get('async_op') or name in ('isend', 'irecv')): return TimedWork(out, self, key, start, cuda, interval=interval)
-    interval.waited(interval.issued); interval.end = self.clock()   # synchronous: the caller was inside it throughout
+    interval.waited(interval.issued); interval.end, interval.finished_by = self.clock(), 'call'   # the caller was inside it throughout
     if not cuda: self.record(key, interval.end - start)
     else: end = torch.cuda.Event(enable_timing=True); end.record(); self.record_events(key, start, end)
     return out
