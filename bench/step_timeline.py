@@ -18,10 +18,12 @@ the step's start:
   `*_p2p` collectives) is seen to finish when a wait or a poll finds it done, so its overlapped part is the time
   from its issue to that wait: an upper bound of the real overlap.
 
-Then the summary of that step: step time; compute (the training thread not waiting for communication, Python
-included); blocked in communication (the union of the thread's waits); communication overlapped with compute (the
-union of the ops in flight, less the blocked part); the same per phase and per op (count, bytes, in flight, blocked,
-overlapped; per-op sums may exceed the step's unions when ops run concurrently). A last line gives the medians of
+Then the summary of that step: step time = compute (the training thread not waiting for communication, Python
+included) + blocked in communication (the union of the thread's waits, from each wait's start to its return: it
+includes the thread's wake-up after an op finished, shown apart); communication in flight (the union of the ops'
+spans) and the part of it that overlapped with compute (no wait of the thread under way); the same per phase, and
+per op (count, bytes, in flight, blocked, overlapped; per-op sums may exceed the step's unions when ops run
+concurrently). A last line gives the medians of
 the summary over all measured steps. Each step is the time around `loss = mse(engine(x), y); engine.backward(loss);
 engine.step()`; an op in flight across a step boundary (issued in one step, waited for in the next) is counted in
 each step for the part that falls inside it.
@@ -53,7 +55,7 @@ def timeline_config(args)->dict:
 def comm_record(index, iv)->dict:
     "One `CommInterval` of the comms logger's timeline as a plain dict"
     return dict(index=index, name=iv.name, op=iv.op, size=iv.size, ranks=iv.ranks, thread=iv.thread, issued=iv.issued,
-                wait_start=iv.wait_start, wait_thread=iv.wait_thread, end=iv.end, finished_by=iv.finished_by)
+                wait_start=iv.wait_start, wait_thread=iv.wait_thread, wait_end=iv.wait_end, end=iv.end, finished_by=iv.finished_by)
 
 def measure(rank, world_size, args)->dict:
     "Train the MLP with flexrt on this rank (process group started); the raw phases, collectives and step windows"
@@ -92,11 +94,12 @@ def overlap(a, b)->float:
     return sum(max(0., min(e1, e2) - max(s1, s2)) for s1, e1 in union(a) for s2, e2 in union(b))
 
 def comm_interval(r:dict, t0:float, t1:float, thread:int)->dict:
-    "Record `r` within the step [t0, t1]: its part in flight, the part the training thread `thread` waited (seconds)"
+    "Record `r` within the step [t0, t1]: its span in flight, the part of it the training thread `thread` waited, that wait"
     c0, c1 = max(r['issued'], t0), min(r['end'] if r['end'] is not None else t1, t1)
-    waited = r['wait_start'] is not None and r['wait_thread'] == thread
-    b0 = max(r['wait_start'], c0) if waited else c1
-    return dict(r, span=(c0, c1), blocked_span=(b0, max(b0, c1)))
+    if r['wait_start'] is None or r['wait_thread'] != thread: return dict(r, span=(c0, c1), blocked_span=(c1, c1), wait_span=None)
+    b0, w1 = max(r['wait_start'], c0), min(t1, next(t for t in (r['wait_end'], r['end'], t1) if t is not None))
+    w0 = max(r['wait_start'], t0)
+    return dict(r, span=(c0, c1), blocked_span=(b0, max(b0, c1)), wait_span=(w0, max(w0, w1)))
 
 def intervals(window, phases, comms, thread)->list:
     "The step's phases, the gaps between them and the collectives in flight, ordered by start (seconds, absolute)"
@@ -113,13 +116,15 @@ def summarise(window, items)->dict:
     "Step, compute, blocked and overlapped time of one step (ms), overall, per phase and per op"
     ms, (t0, t1) = 1e3, window
     ops = [i for i in items if i['kind'] == 'comm']
-    blocked, flight = [o['blocked_span'] for o in ops], [o['span'] for o in ops]
-    total = dict(step_ms=(t1 - t0) * ms, blocked_ms=length(blocked) * ms, comm_ms=length(flight) * ms)
-    total.update(compute_ms=total['step_ms'] - total['blocked_ms'], overlapped_ms=total['comm_ms'] - total['blocked_ms'])
+    waits, flight = [o['wait_span'] for o in ops if o['wait_span']], [o['span'] for o in ops]
+    blocked_in_flight = overlap(flight, waits) * ms
+    total = dict(step_ms=(t1 - t0) * ms, blocked_ms=length(waits) * ms, comm_ms=length(flight) * ms)
+    total.update(compute_ms=total['step_ms'] - total['blocked_ms'], overlapped_ms=total['comm_ms'] - blocked_in_flight,
+                 wake_ms=total['blocked_ms'] - blocked_in_flight)
     phases = {}
     for p in (i for i in items if i['kind'] != 'comm'):
         d = phases.setdefault(p['name'], dict(ms=0., blocked_ms=0.))
-        d['ms'] += (p['end'] - p['start']) * ms; d['blocked_ms'] += overlap([(p['start'], p['end'])], blocked) * ms
+        d['ms'] += (p['end'] - p['start']) * ms; d['blocked_ms'] += overlap([(p['start'], p['end'])], waits) * ms
     per_op = {}
     for o in ops:
         d = per_op.setdefault(o['name'], dict(count=0, bytes=0, comm_ms=0., blocked_ms=0., overlapped_ms=0.))
@@ -170,8 +175,9 @@ def print_timeline(step:dict, file=sys.stdout):
 def print_summary(step:dict, steps:list, file=sys.stdout):
     "The summary of one analysed step, per phase and per op, and the medians over all `steps`"
     t = step['total']
-    print(f"  step {t['step_ms']:.2f} ms = compute {t['compute_ms']:.2f} + blocked in communication {t['blocked_ms']:.2f}; "
-          f"communication in flight {t['comm_ms']:.2f}, of it overlapped with compute {t['overlapped_ms']:.2f}", file=file)
+    print(f"  step {t['step_ms']:.2f} ms = compute {t['compute_ms']:.2f} + blocked in communication {t['blocked_ms']:.2f} "
+          f"({t['wake_ms']:.2f} of it waking up after the op finished); communication in flight {t['comm_ms']:.2f}, "
+          f"of it overlapped with compute {t['overlapped_ms']:.2f}", file=file)
     for name, p in step['phases'].items():
         print(f"    phase {name:18s} {p['ms']:8.2f} ms, blocked {p['blocked_ms']:8.2f}, compute {p['ms'] - p['blocked_ms']:8.2f}", file=file)
     for name, o in sorted(step['ops'].items()):
@@ -215,8 +221,9 @@ def trace_events(rank:int, steps:list, origin:float)->list:
         out += [ev(f"wait {o['name']}", 0, *o['blocked_span'], bytes=o['size']) for o in ops if o['blocked_ms'] > 0]
         for o, lane in zip(ops, lanes([o['span'] for o in ops])):
             out.append(ev(o['name'], 1 + lane, *o['span'], op=o['op'], bytes=o['size'], blocked_ms=o['blocked_ms'],
-                          overlapped_ms=o['overlapped_ms']))
-    return out
+                          overlapped_ms=o['overlapped_ms'], finished_by=o['finished_by']))
+    tids = sorted({e['tid'] for e in out if e['ph'] == 'X' and e['tid'] > 0})
+    return out + [dict(name='thread_name', ph='M', pid=rank, tid=t, args=dict(name=f'comm in flight {t}')) for t in tids]
 
 def write_trace(path, args, ranks:list):
     "Write every rank's measured steps as a Chrome trace (plus the analysed steps under `flexrtSteps`)"

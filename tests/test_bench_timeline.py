@@ -29,8 +29,10 @@ def _check_step(step, raw, window):
         assert s['blocked_ms'] + s['overlapped_ms'] == pytest.approx(s['comm_ms'], abs=EPS)
     t = step['total']
     assert t['compute_ms'] + t['blocked_ms'] == pytest.approx(t['step_ms'], abs=EPS)
-    assert t['overlapped_ms'] + t['blocked_ms'] == pytest.approx(t['comm_ms'], abs=EPS)
-    assert t['blocked_ms'] <= sum(s['blocked_ms'] for s in step['ops'].values()) + EPS
+    assert t['overlapped_ms'] + t['blocked_ms'] - t['wake_ms'] == pytest.approx(t['comm_ms'], abs=EPS)
+    assert t['wake_ms'] >= -EPS and t['overlapped_ms'] >= -EPS
+    assert all(o['wait_span'] for o in ops if o['finished_by'] == 'call'), 'a synchronous op is waited for by its caller'
+    assert sum(p['blocked_ms'] for p in step['phases'].values()) == pytest.approx(t['blocked_ms'], abs=1e-3), 'waits lie in phases or gaps'
     assert t['comm_ms'] <= sum(s['comm_ms'] for s in step['ops'].values()) + EPS
     issued_inside = {r['index'] for r in raw['comms'] if window[0] <= r['issued'] <= window[1]}
     assert issued_inside <= {o['index'] for o in ops}, 'every op issued during the step is in its timeline'
@@ -44,6 +46,9 @@ def test_timeline_structure(stage, tmp_path):
     for raw in ranks:
         assert raw['logged_calls'] == len(raw['comms']) > 0, "the timeline holds every call the comms logger counted"
         assert all(r['end'] is not None and r['issued'] <= r['end'] for r in raw['comms'])
+        w = raw['windows']
+        assert all(any(a <= r['issued'] <= b for a, b in w) for r in raw['comms'] if r['issued'] >= w[0][0]), \
+            'no op issued between the measured steps: each step window holds all its communication'
         steps = st.analyse(raw)
         assert len(steps) == args.steps
         ops = [o for step, w in zip(steps, raw['windows']) for o in _check_step(step, raw, w)]
@@ -56,7 +61,7 @@ def test_timeline_structure(stage, tmp_path):
     out = io.StringIO()
     st.report(args, ranks, file=out)
     text = out.getvalue()
-    for word in PHASES + ['step', 'compute', 'blocked in communication', 'overlapped', 'median over 3 steps']: assert word in text
+    for word in PHASES + ['step', 'compute', 'blocked in communication', 'waking up', 'overlapped', 'median over 3 steps']: assert word in text
     st.write_trace(tmp_path / 't.json', args, ranks)
     trace = json.loads((tmp_path / 't.json').read_text())
     events = [e for e in trace['traceEvents'] if e['ph'] == 'X']

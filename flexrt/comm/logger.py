@@ -102,11 +102,15 @@ class CommInterval:
     thread:int = dataclasses.field(default_factory=threading.get_ident) # the thread that issued it
     wait_start:float|None = None # when a caller first waited for it; None: nobody has
     wait_thread:int|None = None # the thread that waited
+    wait_end:float|None = None # when that wait returned (after `end`: the waiter's wake-up)
     end:float|None = None # when it finished; None: in flight
     finished_by:str|None = None # what saw it finish: 'call' (synchronous), 'future' (its completion), 'wait' or 'poll' (no earlier sign)
     def waited(self, now:float):
         "Note a wait beginning at `now` on this thread (only the first one counts)"
         if self.wait_start is None: self.wait_start, self.wait_thread = now, threading.get_ident()
+    def wait_returned(self, now:float):
+        "Note that the first wait returned at `now`"
+        if self.wait_end is None and self.wait_thread == threading.get_ident(): self.wait_end = now
 
 # %% ../../nbs/01_comm_logger.ipynb #c020
 class CommsLogger:
@@ -172,8 +176,11 @@ class TimedWork:
         except Exception: return None  # failed: the error surfaces at wait(), nothing is logged
         self._finish('future')
     def wait(self, *args, **kwargs):
-        if self._interval is not None: self._interval.waited(self._logger.clock())
-        out = self._work.wait(*args, **kwargs); self._finish('wait'); return out
+        iv = self._interval
+        if iv is not None: iv.waited(self._logger.clock())
+        out = self._work.wait(*args, **kwargs); self._finish('wait')
+        if iv is not None: iv.wait_returned(self._logger.clock())
+        return out
     def is_completed(self):
         done = self._work.is_completed()
         if done: self._finish('poll')
@@ -216,7 +223,8 @@ def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dic
     if name == 'batch_isend_irecv':  # one logged call, complete when its last work is
         batch = [len(out)]; return [TimedWork(w, self, key, start, cuda, batch, interval) for w in out]
     if out is not None and (a.get('async_op') or name in ('isend', 'irecv')): return TimedWork(out, self, key, start, cuda, interval=interval)
-    interval.waited(interval.issued); interval.end, interval.finished_by = self.clock(), 'call'   # the caller was inside it throughout
+    interval.waited(interval.issued); interval.end, interval.finished_by = self.clock(), 'call'
+    interval.wait_returned(interval.end)   # synchronous: the caller was inside it throughout
     if not cuda: self.record(key, interval.end - start)
     else: end = torch.cuda.Event(enable_timing=True); end.record(); self.record_events(key, start, end)
     return out
