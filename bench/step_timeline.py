@@ -35,7 +35,7 @@ as overlap; the analysed steps of both ranks are under the key `flexrtSteps`.
 Only public pieces are read (the comms logger's records and the engine's timers), so the same command measures a
 tree before and after a change to the ZeRO code. Timings on a shared machine vary: compare runs on the same one.
 """
-import argparse, json, os, socket, statistics, sys, threading, time
+import argparse, dataclasses, json, os, socket, statistics, sys, threading, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_step as es   # the MLP, its batches, optimizer and engine config (sets DS_ACCELERATOR=cpu)
 import torch
@@ -54,8 +54,7 @@ def timeline_config(args)->dict:
 
 def comm_record(index, iv)->dict:
     "One `CommInterval` of the comms logger's timeline as a plain dict"
-    return dict(index=index, name=iv.name, op=iv.op, size=iv.size, ranks=iv.ranks, thread=iv.thread, issued=iv.issued,
-                wait_start=iv.wait_start, wait_thread=iv.wait_thread, wait_end=iv.wait_end, end=iv.end, finished_by=iv.finished_by)
+    return dict(index=index, **dataclasses.asdict(iv))
 
 def measure(rank, world_size, args)->dict:
     "Train the MLP with flexrt on this rank (process group started); the raw phases, collectives and step windows"

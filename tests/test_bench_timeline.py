@@ -69,6 +69,12 @@ def test_timeline_structure(stage, tmp_path):
     for rank, steps in enumerate(trace['flexrtSteps']):
         n_ops = sum(i['kind'] == 'comm' for s in steps for i in s['intervals'])
         assert sum(e['pid'] == rank and e['tid'] > 0 for e in events) == n_ops, 'each op in flight is one event on a comm lane'
+        thread = sorted((e for e in events if e['pid'] == rank and e['tid'] == 0), key=lambda e: (e['ts'], -e['dur']))
+        stack = []
+        for e in thread:   # steps hold phases, phases hold waits: events on the training thread's track nest
+            while stack and stack[-1] <= e['ts'] + 1e-3: stack.pop()
+            assert not stack or e['ts'] + e['dur'] <= stack[-1] + 1e-3, e
+            stack.append(e['ts'] + e['dur'])
         lanes = {}
         for e in sorted((e for e in events if e['pid'] == rank and e['tid'] > 0), key=lambda e: e['ts']):
             assert e['ts'] >= lanes.get(e['tid'], -1) - 1e-3, 'ops on one lane do not overlap'
