@@ -4,7 +4,7 @@
 
 # %% ../../nbs/01_comm_logger.ipynb #c003
 from __future__ import annotations
-import difflib, functools, inspect, json, os, sys, threading, time
+import collections, dataclasses, difflib, functools, inspect, json, os, sys, threading, time
 import pandas as pd
 import torch
 from .backends import OPS
@@ -12,8 +12,8 @@ from ..config import CommsLoggerConfig
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['LEGACY_OP_NAMES', 'comms_logger', 'SUMMARY_COLUMNS', 'comms_config', 'message_size', 'bus_factor', 'calc_bw',
-           'trim_mean', 'CommsLogger', 'TimedWork', 'timed_op', 'straggler_ms']
+__all__ = ['LEGACY_OP_NAMES', 'TIMELINE_LENGTH', 'comms_logger', 'SUMMARY_COLUMNS', 'comms_config', 'message_size', 'bus_factor',
+           'calc_bw', 'trim_mean', 'CommInterval', 'CommsLogger', 'TimedWork', 'timed_op', 'straggler_ms']
 
 # %% ../../nbs/01_comm_logger.ipynb #c006
 LEGACY_OP_NAMES = {'all_gather_base': 'all_gather_into_tensor', 'reduce_scatter_base': 'reduce_scatter_tensor'}
@@ -88,6 +88,30 @@ def trim_mean(values, proportion:float=0.1)->float:
     v = v[k:len(v) - k] or v
     return sum(v) / len(v) if v else 0.0
 
+# %% ../../nbs/01_comm_logger.ipynb #c019b
+TIMELINE_LENGTH = 100_000   # calls `CommsLogger.timeline` keeps; the oldest go first
+
+@dataclasses.dataclass(slots=True)
+class CommInterval:
+    "One logged call on the logger's clock (seconds): issued, first waited for, finished"
+    name:str # the log name
+    op:str # the public op
+    size:int # bytes it moves (S)
+    ranks:int # world size of its group
+    issued:float # when the call began
+    thread:int = dataclasses.field(default_factory=threading.get_ident) # the thread that issued it
+    wait_start:float|None = None # when a caller first waited for it; None: nobody has
+    wait_thread:int|None = None # the thread that waited
+    wait_end:float|None = None # when that wait returned (after `end`: the waiter's wake-up)
+    end:float|None = None # when it finished; None: in flight
+    finished_by:str|None = None # what saw it finish: 'call' (synchronous), 'future' (its completion), 'wait' or 'poll' (no earlier sign)
+    def waited(self, now:float):
+        "Note a wait beginning at `now` on this thread (only the first one counts)"
+        if self.wait_start is None: self.wait_start, self.wait_thread = now, threading.get_ident()
+    def wait_returned(self, now:float):
+        "Note that the first wait returned at `now`"
+        if self.wait_end is None and self.wait_thread == threading.get_ident(): self.wait_end = now
+
 # %% ../../nbs/01_comm_logger.ipynb #c020
 class CommsLogger:
     "Collects the latency of each profiled collective; `enabled` is the one flag the unprofiled path checks"
@@ -104,6 +128,7 @@ class CommsLogger:
         self.config, self.enabled, self._prof_ops = config, config.enabled, prof_ops
     def reset(self):
         "Forget every record"
+        self.timeline = collections.deque(maxlen=TIMELINE_LENGTH)   # the latest calls' `CommInterval`s, in issue order
         self.latencies, self._pending, self._lock = {}, [], threading.Lock()
     def wants(self, log_name:str, prof:bool)->bool:
         "Whether a call logged as `log_name` is profiled"
@@ -139,27 +164,32 @@ def flush(self:CommsLogger, wait:bool=True):
 # %% ../../nbs/01_comm_logger.ipynb #c026
 class TimedWork:
     "A work handle that logs its op's latency when the op completes; everything else goes to the wrapped handle"
-    def __init__(self, work, logger:CommsLogger, key:tuple, start, cuda:bool, batch:list|None=None):
+    def __init__(self, work, logger:CommsLogger, key:tuple, start, cuda:bool, batch:list|None=None,
+                 interval:CommInterval|None=None): # the call's entry in `logger.timeline` (shared by a batch's works)
         self._work, self._logger, self._key, self._start, self._cuda = work, logger, key, start, cuda
-        self._batch = batch  # shared [number of works left] when several works make one logged call
+        self._batch, self._interval = batch, interval  # batch: shared [number of works left] when several works make one logged call
         self._done, self._lock = False, threading.Lock()
         try: work.get_future().then(self._on_future)
         except RuntimeError: pass  # no future for this work (gloo p2p): timed at wait()/is_completed()
     def _on_future(self, fut):
         try: fut.value()
         except Exception: return None  # failed: the error surfaces at wait(), nothing is logged
-        self._finish()
+        self._finish('future')
     def wait(self, *args, **kwargs):
-        out = self._work.wait(*args, **kwargs); self._finish(); return out
+        iv = self._interval
+        if iv is not None: iv.waited(self._logger.clock())
+        out = self._work.wait(*args, **kwargs); self._finish('wait')
+        if iv is not None: iv.wait_returned(self._logger.clock())
+        return out
     def is_completed(self):
         done = self._work.is_completed()
-        if done: self._finish()
+        if done: self._finish('poll')
         return done
     def __getattr__(self, name): return getattr(self._work, name)
 
 # %% ../../nbs/01_comm_logger.ipynb #c027
 @patch
-def _finish(self:TimedWork):
+def _finish(self:TimedWork, by:str): # 'future', 'wait' or 'poll': what saw the op finish
     "Log the op once, when it (or, for a batch, its last work) completes"
     with self._lock:
         if self._done: return
@@ -167,7 +197,9 @@ def _finish(self:TimedWork):
         if self._batch is not None:
             self._batch[0] -= 1
             if self._batch[0]: return
-    if not self._cuda: return self._logger.record(self._key, self._logger.clock() - self._start)
+    now = self._logger.clock()
+    if self._interval is not None: self._interval.end, self._interval.finished_by = now, by
+    if not self._cuda: return self._logger.record(self._key, now - self._start)
     end = torch.cuda.Event(enable_timing=True); end.record()  # in a future callback: a stream that waits for the op only
     self._logger.record_events(self._key, self._start, end)
 
@@ -183,13 +215,17 @@ def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dic
     size, tensor = _SIZE[name](a, n)
     caller = sys._getframe(2).f_code.co_name if self.config.debug else None
     key, cuda = (log_name, name, size, n, caller), tensor is not None and tensor.is_cuda
+    interval = CommInterval(log_name, name, size, n, self.clock())
+    self.timeline.append(interval)
     if cuda: start = torch.cuda.Event(enable_timing=True); start.record()
-    else: start = self.clock()
+    else: start = interval.issued
     out = fn(*args, **kwargs)
     if name == 'batch_isend_irecv':  # one logged call, complete when its last work is
-        batch = [len(out)]; return [TimedWork(w, self, key, start, cuda, batch) for w in out]
-    if out is not None and (a.get('async_op') or name in ('isend', 'irecv')): return TimedWork(out, self, key, start, cuda)
-    if not cuda: self.record(key, self.clock() - start)
+        batch = [len(out)]; return [TimedWork(w, self, key, start, cuda, batch, interval) for w in out]
+    if out is not None and (a.get('async_op') or name in ('isend', 'irecv')): return TimedWork(out, self, key, start, cuda, interval=interval)
+    interval.waited(interval.issued); interval.end, interval.finished_by = self.clock(), 'call'
+    interval.wait_returned(interval.end)   # synchronous: the caller was inside it throughout
+    if not cuda: self.record(key, interval.end - start)
     else: end = torch.cuda.Event(enable_timing=True); end.record(); self.record_events(key, start, end)
     return out
 

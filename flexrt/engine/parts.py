@@ -4,7 +4,7 @@
 
 # %% ../../nbs/30_engine_parts.ipynb #c003
 from __future__ import annotations
-import contextlib, dataclasses, math, time
+import collections, contextlib, dataclasses, math, time
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
@@ -13,8 +13,8 @@ from ..memory import memory_snapshot, see_memory_usage
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['PHASES', 'StepCounter', 'Timers', 'StepClock', 'ProgressiveLayerDrop', 'NoLayerDrop', 'layer_drop', 'StepReporter',
-           'DataLoader', 'build_dataloader']
+__all__ = ['PHASES', 'TIMER_INTERVALS', 'StepCounter', 'Timers', 'StepClock', 'ProgressiveLayerDrop', 'NoLayerDrop', 'layer_drop',
+           'StepReporter', 'DataLoader', 'build_dataloader']
 
 # %% ../../nbs/30_engine_parts.ipynb #c006
 _COUNTERS = ('micro_steps', 'global_steps', 'global_samples', 'skipped_steps')
@@ -70,20 +70,23 @@ def window_micro_steps(self:StepCounter)->int: # 0 at a boundary
 
 # %% ../../nbs/30_engine_parts.ipynb #c011
 PHASES = ('forward', 'backward', 'allreduce', 'step')
+TIMER_INTERVALS = 4096   # phases `Timers.intervals` keeps; the oldest go first
 
 class _Timer:
     def __init__(self, timers, name): self.timers, self.name = timers, name
     def __enter__(self):
         self.timers.synchronize(); self.start = time.perf_counter()
     def __exit__(self, *exc):
-        self.timers.synchronize()
-        self.timers.totals[self.name] = self.timers.totals.get(self.name, 0.) + time.perf_counter() - self.start
+        self.timers.synchronize(); end = time.perf_counter()
+        self.timers.totals[self.name] = self.timers.totals.get(self.name, 0.) + end - self.start
+        self.timers.intervals.append((self.name, self.start, end))
 
 class Timers:
     "Wall-clock time per phase, summed until read; disabled timers cost one shared no-op context"
     def __init__(self, enabled:bool=False, # time anything at all (`wall_clock_breakdown`)
                  device:torch.device|None=None): # CUDA devices are synchronised around each phase
         self.enabled, self.totals = enabled, {}
+        self.intervals = collections.deque(maxlen=TIMER_INTERVALS)   # the latest phases as (name, start, end), perf_counter seconds
         self._cuda = device is not None and torch.device(device).type == 'cuda'
         self._off = contextlib.nullcontext()
     def synchronize(self):
