@@ -225,6 +225,12 @@ def _records(ms:dict, optims:list, files:list, groups:list, keys:dict)->list: # 
 
 def read_deepspeed(directory)->tuple: # (states, payloads) as flexrt's loader takes them
     "Read the DeepSpeed checkpoint in `directory` (a tag's directory) into flexrt's in-memory checkpoint form"
+    try: return _read_deepspeed(directory)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{directory} does not hold a DeepSpeed checkpoint flexrt can read: a field is missing or "
+                              f"of another type ({type(e).__name__}: {e}); it is incomplete, or from an unsupported DeepSpeed version") from e
+
+def _read_deepspeed(directory)->tuple:
     model_file, optim_files = deepspeed_files(directory)
     ms = load_deepspeed_file(model_file)
     optims = [load_deepspeed_file(f)['optimizer_state_dict'] for f in optim_files]
