@@ -54,7 +54,6 @@ def resume_rank(rank, world, ds_dir, cases, out_dir):
         losses = train_steps(engine, MORE, STEPS, rank, world, dtype)
         results[(name, stage, load_optimizer)] = {'path': path, 'client': client, 'lr': lr, 'global_steps': steps,
                                                   'losses': losses, 'saved': str(save), 'warnings': [str(w.message) for w in caught]}
-        engine.destroy() if hasattr(engine, 'destroy') else None
     return results
 
 def _rel(a, b): return max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -94,6 +93,9 @@ def test_consolidate_cli_equals_zero_to_fp32(ds_dir, tmp_path):
         got = load_file(tmp_path / f'{name}.safetensors')
         assert sorted(got) == sorted(ref), name
         for k, t in ref.items(): assert got[k].dtype == t.dtype and torch.equal(got[k], t), (name, k)
+    from flexrt.deepspeed.compat import get_fp32_state_dict_from_zero_checkpoint   # the drop-in's zero_to_fp32
+    got, ref = get_fp32_state_dict_from_zero_checkpoint(ds_dir / 'z2_bf16', tag='ckpt'), _reference(ds_dir, 'z2_bf16')['fp32']
+    assert list(got) == list(ref) and all(torch.equal(got[k], t) for k, t in ref.items())
     for name, extra, out in [('z3_fp32', [], 'z3.safetensors'), ('z2_bf16', ['--format', 'torch', '--tag', 'ckpt'], 'z2.bin')]:
         r = subprocess.run([sys.executable, '-m', 'flexrt.checkpoint.consolidate', str(ds_dir / name), str(tmp_path / out), *extra],
                            capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
