@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/ds_checkpoint_train.py OUT [STAGE,DTYPE ...]
 
-For each ZeRO stage and dtype, real DeepSpeed trains `Net` (two linears and a buffer) for `STEPS` steps with AdamW,
+For each ZeRO stage and dtype (fp32, bf16, or 'groups': fp32 with two param groups), real DeepSpeed trains `Net` (two linears and a buffer) for `STEPS` steps with AdamW,
 gradient clipping and a WarmupLR schedule, saves a checkpoint `OUT/z<stage>_<dtype>/ckpt` with a client state, then
 trains `MORE` further steps. Rank 0 writes `OUT/z<stage>_<dtype>/reference.pt`: the global loss of every further
 micro-step (the mean of the ranks' losses), the weights right after the save, the global step, and DeepSpeed's own
@@ -13,7 +13,7 @@ os.environ.setdefault('DS_ACCELERATOR', 'cpu')
 import torch, torch.nn as nn, torch.nn.functional as F
 
 STEPS, MORE, MICRO, GAS, CLIP, LR = 3, 2, 4, 2, 0.05, 2e-2
-RUNS = [(0, 'fp32'), (1, 'fp32'), (2, 'fp32'), (3, 'fp32'), (0, 'bf16'), (1, 'bf16'), (3, 'bf16')]
+RUNS = [(0, 'fp32'), (1, 'fp32'), (2, 'fp32'), (3, 'fp32'), (0, 'bf16'), (2, 'bf16'), (0, 'groups'), (2, 'groups'), (3, 'groups')]
 
 class Net(nn.Module):
     "A tiny model with a buffer (a checkpoint must carry buffers as well as parameters)"
@@ -29,6 +29,14 @@ def make_model():
     with torch.no_grad():   # weights bf16 holds exactly, so bf16 runs start from the same fp32 masters
         for p in model.parameters(): p.copy_(p.bfloat16().float())
     return model
+
+def parameters(model, dtype):
+    """What the optimizer gets: all parameters, or ('groups', fp32) biases without weight decay, then weights, so the
+    optimizer's order is not the module's"""
+    if dtype != 'groups': return model.parameters()
+    named = list(model.named_parameters())
+    return [{'params': [p for n, p in named if n.endswith('bias')], 'weight_decay': 0.0},
+            {'params': [p for n, p in named if not n.endswith('bias')]}]
 
 def config(stage, dtype, micro=MICRO):
     return {'train_micro_batch_size_per_gpu': micro, 'gradient_accumulation_steps': GAS, 'gradient_clipping': CLIP,
@@ -75,7 +83,7 @@ def fp32_state_dict(save_dir, stage):
 def run(deepspeed, stage, dtype, out):
     torch.distributed.barrier()
     model = make_model()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(stage, dtype))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters(model, dtype), config=config(stage, dtype))
     rank = torch.distributed.get_rank()
     train_steps(engine, STEPS, 0, rank, 2, dtype)
     save_dir = os.path.join(out, f'z{stage}_{dtype}')

@@ -84,16 +84,31 @@ def find_deepspeed_checkpoint(load_dir, # a save directory (with `latest`) or on
 
 # %% ../../nbs/45_checkpoint_deepspeed.ipynb #c016
 def _param_groups(ms:dict)->list: # [{name: shape}] per param group, in the flat buffers' order
-    "The trainable parameters per param group (stage 0 has no `param_shapes`: its optimizer's indices name them)"
+    "The trainable parameters per param group (stage 0 has no `param_shapes`: see `_stage0_groups`)"
     if ms.get('param_shapes'): return [{n: list(s) for n, s in g.items()} for g in ms['param_shapes']]
     shared, buffers = ms.get('shared_params') or {}, set(ms.get('buffer_names') or [])
     names = [n for n in ms['module'] if n not in buffers and n not in shared]
-    opt = ms.get('optimizer')
-    if opt is None: return [{n: list(ms['module'][n].shape) for n in names}]
-    groups = opt.get('optimizer_state_dict', opt)['param_groups']
-    bad = [i for g in groups for i in g['params'] if not 0 <= i < len(names)]
-    if bad: raise CheckpointError(f"the DeepSpeed optimizer state names parameter {bad[0]}, but the module has {len(names)} parameters")
-    return [{names[i]: list(ms['module'][names[i]].shape) for i in g['params']} for g in groups]
+    if ms.get('optimizer') is None: return [{n: list(ms['module'][n].shape) for n in names}]
+    return _stage0_groups(ms, names)
+
+def _stage0_shape(opt:dict, g:int, j:int, index:int)->list|None:
+    "The shape of the optimizer's parameter `index` (the j-th of group g), where the checkpoint shows it"
+    if 'fp32_groups' in opt: return list(opt['fp32_groups'][g][j].shape)
+    state = opt['state'].get(index, {})
+    return next((list(v.shape) for k, v in state.items() if k != 'step' and isinstance(v, torch.Tensor) and v.dim() > 0), None)
+
+def _stage0_groups(ms:dict, names:list)->list:
+    "The optimizer's parameters by index name none: each takes the first unused module parameter of its shape"
+    opt = ms['optimizer']
+    inner, free, out = opt.get('optimizer_state_dict', opt), list(names), []
+    for g, group in enumerate(inner['param_groups']):
+        out.append({})
+        for j, index in enumerate(group['params']):
+            shape = _stage0_shape(opt if 'fp32_groups' in opt else inner, g, j, index)
+            name = next((n for n in free if shape is None or list(ms['module'][n].shape) == shape), None)
+            if name is None: raise CheckpointError(f"the DeepSpeed optimizer's parameter {index} (shape {shape}) matches no remaining parameter of the module")
+            free.remove(name); out[-1][name] = list(ms['module'][name].shape)
+    return out
 
 def _entries(ms:dict, groups:list)->list:
     shapes = {n: s for g in groups for n, s in g.items()} | {n: list(s) for n, s in (ms.get('frozen_param_shapes') or {}).items()}
@@ -105,6 +120,8 @@ def _entries(ms:dict, groups:list)->list:
 def _record(pieces:list, master:torch.Tensor, state:dict)->dict:
     "A saved record as flexrt's loader reads it"
     master = master.detach().reshape(-1).float()
+    short = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() < master.numel()]
+    if short: raise CheckpointError(f"the optimizer state {short[0]!r} of {pieces[0][0]!r} is shorter than its {master.numel()} weights")
     elem = {k: v.reshape(-1)[:master.numel()].float() for k, v in state.items()
             if k != 'step' and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0 and v.numel() >= master.numel()}
     scalars = {k: v for k, v in state.items() if k not in elem}
