@@ -12,6 +12,7 @@ from .. import comm as dist, __version__
 from .files import (CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe, check_tag, staging_dir,
                     write_manifest, read_manifest, verify_file, publish, read_latest, tag_dir, discard_staging)
 from .plan import LoadPlan, _entries, _writes
+from .deepspeed_format import find_deepspeed_checkpoint, read_deepspeed
 from .shards import (tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex)
 from fastcore.basics import patch
 
@@ -171,13 +172,13 @@ def _restore_engine(engine, states:dict, payload:dict|None, scheduler:bool):
     "Counters, loss scaler, layer drop, schedule and this rank's random generators"
     engine.counter.load_state_dict(states['counters'])
     engine.precision.load_state_dict(states['precision'])
-    engine.layer_drop.load_state_dict(states['layer_drop'])
+    if states['layer_drop'] is not None: engine.layer_drop.load_state_dict(states['layer_drop'])   # None: DeepSpeed's
     if scheduler and engine.lr_scheduler is not None and states['lr_scheduler'] is not None:
         engine.lr_scheduler.load_state_dict(states['lr_scheduler'])
-    if payload is not None: set_rng_state(payload['rng'])
+    if payload is not None and 'rng' in payload: set_rng_state(payload['rng'])   # DeepSpeed saves no generators
 
 def _warn_world(states:dict):
-    if states['world_size'] != dist.get_world_size() and dist.get_rank() == 0:
+    if states.get('source') != 'deepspeed' and states['world_size'] != dist.get_world_size() and dist.get_rank() == 0:
         warnings.warn(f"the checkpoint was saved by {states['world_size']} ranks and is loaded by {dist.get_world_size()}: "
                       "weights and optimizer state are resharded exactly; random generator streams are restored only "
                       "for ranks that existed before")
@@ -192,22 +193,28 @@ def _plan(engine, states:dict, payloads:list, strict:bool, optimizer_states:bool
     for r, payload in enumerate(payloads): check_records(payload, rank_file(r), sizes)
     return LoadPlan(engine, states, FragmentIndex(payloads), strict, optimizer_states)
 
+def _read(load_dir, tag=None)->tuple|None: # (directory, states, payloads), or None: no `latest`
+    "Read a flexrt checkpoint (verified against its manifest; collective) or one DeepSpeed wrote"
+    if (ds := find_deepspeed_checkpoint(load_dir, tag)) is not None: return (ds, *read_deepspeed(ds))
+    directory = resolve(load_dir, tag)
+    if directory is None: return None
+    manifest = read_manifest(directory)
+    verify(directory, manifest)
+    return directory, safe_load(directory / MODEL_STATES), [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])]
+
 def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
-                    load_dir, # the directory `save_checkpoint` wrote to
+                    load_dir, # the directory `save_checkpoint` (or DeepSpeed's `save_checkpoint`) wrote to
                     tag=None, # which checkpoint (default: the one `latest` names)
                     load_module_strict:bool=True, # every tensor of the model must be in the checkpoint and vice versa
                     load_optimizer_states:bool=True, # restore the optimizer state (False: the optimizer starts afresh)
                     load_lr_scheduler_states:bool=True, # restore the schedule
                     load_module_only:bool=False)->tuple: # only the weights: no optimizer, schedule, counters or generators
     "Restore a checkpoint into `engine` (all ranks call it); `(checkpoint path, client_state)`, or `(None, None)` without `latest`"
-    directory = resolve(load_dir, tag)
-    if directory is None:
+    found = _read(load_dir, tag)
+    if found is None:
         if dist.get_rank() == 0: warnings.warn(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to name a checkpoint)")
         return None, None
-    manifest = read_manifest(directory)
-    verify(directory, manifest)
-    states = safe_load(directory / MODEL_STATES)
-    payloads = [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])]
+    directory, states, payloads = found
     plan, error = _attempt(_plan, engine, states, payloads, load_module_strict, load_optimizer_states and not load_module_only)
     agree(error, 'planning the checkpoint load')
     _warn_window(engine, 'load_checkpoint', "those gradients are dropped and training resumes with a fresh window")
@@ -246,8 +253,12 @@ def consolidate(ckpt_dir, # a save_dir (with `latest`) or one checkpoint's direc
                 mp_rank:int=0, # the model-parallel slice to take
                 ep_rank:int=0, # the expert-parallel rank whose experts to take
                 verify_checksums:bool=True)->OrderedDict:
-    "A full fp32 `state_dict` (buffers in their own dtype) from any flexrt checkpoint, in one process"
+    "A full fp32 `state_dict` (buffers in their own dtype) from any flexrt or DeepSpeed checkpoint, in one process"
     d = Path(ckpt_dir)
+    if (ds := find_deepspeed_checkpoint(d, tag)) is not None:
+        states, payloads = read_deepspeed(ds)
+        for r, payload in enumerate(payloads): check_records(payload, rank_file(r), _sizes(states))
+        return _assemble(states, FragmentIndex(payloads), mp_rank, ep_rank)
     directory = d if (d / 'manifest.json').is_file() and tag is None else resolve(d, tag)
     if directory is None: raise CheckpointError(f"{ckpt_dir} has no 'latest' file and no manifest.json: pass tag= or a checkpoint directory")
     manifest = read_manifest(directory)

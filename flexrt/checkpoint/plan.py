@@ -104,7 +104,7 @@ def _tensor_dtype(index:FragmentIndex, key:str, k:str)->torch.dtype:
 def _optimizer_state(self:LoadPlan)->dict|None: # a torch optimizer state_dict, or None (nothing to load)
     opt, saved = self.engine.basic_optimizer, self.states['optimizer']
     if opt is None or saved is None: return None
-    if saved['type'] != type(opt).__name__:
+    if saved['type'] is not None and saved['type'] != type(opt).__name__:   # None: DeepSpeed's, which names no class
         raise CheckpointError(f"the checkpoint's optimizer is {saved['type']}, this engine's {type(opt).__name__}: "
                               "use the same optimizer, or pass load_optimizer_states=False")
     sd = opt.state_dict()
