@@ -135,22 +135,29 @@ def _install_hooks(self:ParameterPartitioner):
     for p in self.records:
         if p.requires_grad: self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+def _recomputing()->bool:
+    "A forward running inside backward: activation checkpointing recomputing a block"
+    return torch._C._current_graph_task_id() != -1
+
 @patch
 def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     self._stack.append(unit)
-    if not self._traced and torch.is_grad_enabled() and unit.index not in self._position:
+    again = _recomputing()
+    if again: self._begin_backward()   # on the outer backward (a reentrant checkpoint runs its own inside)
+    elif not self._traced and torch.is_grad_enabled() and unit.index not in self._position:
         self._position[unit.index] = len(self.trace); self.trace.append(unit)
     if not unit.records: return
     for r in unit.records: r.active += 1
     gather_records(unit.records, owner=self)
-    self._prefetch(unit, +1)
+    if not again: self._prefetch(unit, +1)
 
 @patch
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
     self._stack.pop()
     if not unit.records: return
     for r in unit.records: r.active -= 1
-    if not (torch.is_grad_enabled() and unit.index in self._keep): release_records(unit.records)
+    keep = torch.is_grad_enabled() and (unit.index in self._keep or _recomputing())   # its backward comes next
+    if not keep: release_records(unit.records)
     if torch.is_grad_enabled():
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad: t.register_hook(partial(self._pre_backward, unit))
