@@ -4,12 +4,13 @@
 
 # %% ../nbs/17_checkpointing.ipynb #c003
 from __future__ import annotations
-import warnings
+import functools, warnings
 import torch
 import torch.utils.checkpoint as tc
 
 # %% auto #0
-__all__ = ['NO_EFFECT', 'non_reentrant_checkpoint', 'is_configured', 'reset', 'configure', 'checkpoint']
+__all__ = ['NO_EFFECT', 'non_reentrant_checkpoint', 'is_configured', 'reset', 'configure', 'checkpoint',
+           'partition_activations_in_checkpoint', 'set_num_layers']
 
 # %% ../nbs/17_checkpointing.ipynb #c006
 _SETTINGS = {'configured': False, 'cpu': False, 'synchronize': False}
@@ -76,8 +77,10 @@ def _synchronize():
     if torch.accelerator.is_available(): torch.accelerator.synchronize()
 
 def checkpoint(function, # the block to run: a module or any function of `args`
-               *args): # its inputs (tensors and other values)
-    "Run `function(*args)` keeping only its inputs; its activations are recomputed in backward, with the same RNG state"
+               *args, # its inputs (tensors and other values)
+               **kwargs): # its keyword arguments (tensors among them take part in autograd too)
+    "Run `function(*args, **kwargs)` keeping only its inputs; its activations are recomputed in backward, with the same RNG state"
+    if kwargs: function = functools.partial(function, **kwargs)
     if _SETTINGS['synchronize']: _synchronize()
     if _SETTINGS['cpu']: function, args = _inputs_on_cpu(function, args)
     out = tc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
@@ -85,3 +88,10 @@ def checkpoint(function, # the block to run: a module or any function of `args`
     return out
 
 non_reentrant_checkpoint = checkpoint   # DeepSpeed's name for the non-reentrant variant
+
+def partition_activations_in_checkpoint(partition_activation:bool): # DeepSpeed's switch for `partition_activations`
+    "Accepted for DeepSpeed scripts; warned once when True (flexrt has no model parallelism to partition over)"
+    _warn_ignored({'partition_activations': partition_activation})
+
+def set_num_layers(nlayers:int): # DeepSpeed sizes its contiguous checkpoint buffers with this
+    "Accepted for DeepSpeed scripts (Megatron calls it); flexrt has no contiguous buffers to size"
