@@ -28,56 +28,123 @@ class Net(nn.Module):
         for block in self.blocks: h = h + self.run(block, h)
         return self.out(h)
 
-def train_rank(rank, ws, stage, dtype, modes, reuse=0):
-    "For each mode: a fresh engine trains STEPS steps (2 micro-batches each) on this rank's data; losses and final full params"
+def train_rank(rank, ws, stages, dtype, modes, reuse=0):
+    "Per stage and mode: a fresh engine trains STEPS steps (2 micro-batches each) on this rank's data; losses, final params, bytes gathered"
+    out = {}
+    for stage in stages:
+        for mode in modes: out[stage, mode] = train(rank, ws, stage, dtype, mode, reuse)
+    return out
+
+def train(rank, ws, stage, dtype, mode, reuse):
+    "One run: the losses, the final full parameters (fp32) and the bytes the optimizer slot gathered and reduce-scattered"
     import flexrt
     from flexrt import checkpointing
     from flexrt.zero.stage3_params import GatheredParameters
+    checkpointing.reset()
+    if mode == 'cpu': checkpointing.configure(deepspeed_config={'activation_checkpointing': {'cpu_checkpointing': True}})
+    torch.manual_seed(0)
+    model = Net(mode)
+    cfg = {'train_batch_size': BATCH * ws, 'train_micro_batch_size_per_gpu': BATCH // 2, 'steps_per_print': 1000,
+           'optimizer': {'type': 'AdamW', 'params': {'lr': 0.01}}, 'gradient_clipping': 1.0,
+           'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0,
+                                 'stage3_max_reuse_distance': reuse}}
+    if dtype == 'bf16': cfg['bf16'] = {'enabled': True}
+    engine, *_ = flexrt.initialize(model=model, config=cfg)
+    g, losses = torch.Generator().manual_seed(1 + rank), []
+    torch.manual_seed(100 + rank)   # dropout masks: the same sequence in every mode
+    for _ in range(2 * STEPS):
+        x, y = torch.randn(BATCH // 2, 8, generator=g), torch.randn(BATCH // 2, 4, generator=g)
+        loss = (engine(x.to(torch.bfloat16 if dtype == 'bf16' else torch.float32)).float() - y).square().mean()
+        engine.backward(loss); engine.step(); losses.append(loss.item())
+    with GatheredParameters(list(model.parameters())): params = [p.detach().float().clone() for p in model.parameters()]
+    comm = getattr(engine.optimizer, 'comm_bytes', None)
+    engine.close(); checkpointing.reset()
+    return losses, params, comm
+
+def assert_same(results, stages, modes):
+    "Bit-for-bit: the recomputation runs the same kernels on the same inputs with the same random state"
+    for by in results:
+        for stage in stages:
+            losses0, params0, _ = by[stage, 'none']
+            for mode in modes:
+                losses, params, _ = by[stage, mode]
+                assert losses == losses0, (stage, mode)
+                for p, q in zip(params, params0): torch.testing.assert_close(p, q, atol=0, rtol=0, msg=f'stage {stage} {mode}')
+    assert results[0][0, 'none'][0] != results[1][0, 'none'][0]   # the ranks saw different data (and dropout masks)
+
+def test_checkpointed_training_equals_plain_fp32_every_stage():
+    "Every way of checkpointing trains exactly as without it at ZeRO 0-3: same dropout masks, same gradients, same steps"
+    results = run_distributed(train_rank, 2, args=((0, 1, 2, 3), 'fp32', ('none',) + MODES))
+    assert_same(results, (0, 1, 2, 3), MODES)
+    for by in results:   # stage 3: the recomputation gathers no more than backward does anyway (nothing kept: reuse distance 0)
+        for mode in ('flexrt', 'cpu', 'reentrant', 'non_reentrant'): assert by[3, mode][2] == by[3, 'none'][2], mode
+
+def test_checkpointed_training_equals_plain_bf16():
+    "bf16 at stages 0 and 3, at stage 3 with units kept gathered from forward to backward (the default reuse distance)"
+    modes = ('flexrt', 'reentrant', 'non_reentrant')
+    assert_same(run_distributed(train_rank, 2, args=((0, 3), 'bf16', ('none',) + modes, 10**9)), (0, 3), modes)
+
+def memory_rank(rank, ws, modes):
+    "Bytes of CPU tensors the first forward leaves alive for backward, and the peak over forward and backward, per stage and mode"
+    import flexrt
+    from flexrt.memory_tracker import TensorMemoryTracker
     out = {}
-    for mode in modes:
-        checkpointing.reset()
-        if mode == 'cpu': checkpointing.configure(deepspeed_config={'activation_checkpointing': {'cpu_checkpointing': True}})
-        torch.manual_seed(0)
-        model = Net(mode)
-        cfg = {'train_batch_size': BATCH * ws, 'train_micro_batch_size_per_gpu': BATCH // 2, 'steps_per_print': 1000,
-               'optimizer': {'type': 'AdamW', 'params': {'lr': 0.01}}, 'gradient_clipping': 1.0,
-               'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0,
-                                     'stage3_max_reuse_distance': reuse}}
-        if dtype == 'bf16': cfg['bf16'] = {'enabled': True}
-        engine, *_ = flexrt.initialize(model=model, config=cfg)
-        g, losses = torch.Generator().manual_seed(1 + rank), []
-        torch.manual_seed(100 + rank)   # dropout masks: the same sequence in every mode
-        for _ in range(2 * STEPS):
-            x, y = torch.randn(BATCH // 2, 8, generator=g), torch.randn(BATCH // 2, 4, generator=g)
-            loss = (engine(x.to(torch.bfloat16 if dtype == 'bf16' else torch.float32)).float() - y).square().mean()
-            engine.backward(loss); engine.step(); losses.append(loss.item())
-        with GatheredParameters(list(model.parameters())): params = [p.detach().float().clone() for p in model.parameters()]
-        comm = getattr(engine.optimizer, 'comm_bytes', None)
-        engine.close(); checkpointing.reset()
-        out[mode] = losses, params, comm
+    for stage in (0, 3):
+        for mode in modes:
+            torch.manual_seed(0)
+            model = Net(mode, width=32, depth=4)   # activations (512 x 128 per hidden layer) dwarf the parameters
+            cfg = {'train_batch_size': 512 * ws, 'steps_per_print': 1000, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.01}},
+                   'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0}}
+            engine, *_ = flexrt.initialize(model=model, config=cfg)
+            x, y = torch.randn(512, 8), torch.randn(512, 4)
+            with TensorMemoryTracker(count_existing=False) as tracker:
+                before = tracker.allocated_bytes
+                loss = (engine(x) - y).square().mean()
+                kept = tracker.allocated_bytes - before
+                engine.backward(loss)
+                peak = tracker.peak_bytes - before
+            del loss
+            engine.step(); engine.close()
+            out[stage, mode] = kept, peak
     return out
 
-def assert_same(results, modes):
-    "Bit-for-bit: the recomputation runs the same kernels on the same inputs with the same random state"
-    for by_mode in results:
-        losses0, params0, _ = by_mode['none']
-        for mode in modes:
-            losses, params, _ = by_mode[mode]
-            assert losses == losses0, mode
-            for p, q in zip(params, params0): torch.testing.assert_close(p, q, atol=0, rtol=0, msg=mode)
-    assert results[0]['none'][0] != results[1]['none'][0]   # the ranks saw different data (and dropout masks)
+def test_checkpointing_keeps_fewer_activation_bytes():
+    "Measured (exact CPU tensor bytes): the forward keeps under a fifth of the bytes, and backward peaks lower, at stages 0 and 3"
+    modes = ('none', 'flexrt', 'reentrant', 'non_reentrant')
+    for by in run_distributed(memory_rank, 2, args=(modes,)):
+        for stage in (0, 3):
+            kept0, peak0 = by[stage, 'none']
+            assert kept0 > 4 * 512 * 128 * 4 * 2   # at least two 512 x 128 fp32 tensors per block without checkpointing
+            for mode in modes[1:]:
+                kept, peak = by[stage, mode]
+                assert kept < kept0 / 5 and peak < peak0 * 0.6, (stage, mode, kept, kept0, peak, peak0)
 
-@pytest.mark.parametrize('stage', [0, 1, 2, 3])
-def test_checkpointed_training_equals_plain_fp32(stage):
-    "Every way of checkpointing trains exactly as without it: same dropout masks, same gradients, same steps"
-    results = run_distributed(train_rank, 2, args=(stage, 'fp32', ('none',) + MODES))
-    assert_same(results, MODES)
-    if stage == 3:   # the recomputation gathers no more than the backward gathers anyway (nothing kept: reuse distance 0)
-        for by_mode in results:
-            for mode in ('flexrt', 'cpu', 'reentrant', 'non_reentrant'): assert by_mode[mode][2] == by_mode['none'][2], mode
+def test_ignored_keys_warned_once_each_by_name():
+    "partition_activations and contiguous_memory_optimization need model parallelism: one warning each, naming the key and why"
+    from flexrt import checkpointing
+    from flexrt.config import NoEffectWarning
+    checkpointing._WARNED.clear()
+    cfg = {'activation_checkpointing': {'partition_activations': True, 'contiguous_memory_optimization': True, 'cpu_checkpointing': True}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(3): checkpointing.configure(deepspeed_config=cfg)
+    messages = [str(w.message) for w in caught if w.category is NoEffectWarning]
+    assert len(messages) == 2 and 'partition_activations' in messages[0] and 'contiguous_memory_optimization' in messages[1]
+    assert 'no model parallelism' in messages[0] and 'leaves allocation to torch' in messages[1]
+    assert checkpointing.is_configured() and checkpointing._SETTINGS['cpu']
+    checkpointing.reset()
 
-@pytest.mark.parametrize('stage', [0, 3])
-def test_checkpointed_training_equals_plain_bf16(stage):
-    "bf16, and at stage 3 with units kept gathered from forward to backward (the default reuse distance)"
-    modes = ('flexrt', 'reentrant', 'non_reentrant')
-    assert_same(run_distributed(train_rank, 2, args=(stage, 'bf16', ('none',) + modes, 10**9)), modes)
+@pytest.fixture
+def deepspeed_tree():
+    import flexrt.deepspeed as fd
+    yield fd.use_as_deepspeed()
+    fd.stop_using_as_deepspeed()
+
+def test_deepspeed_paths_are_flexrt_checkpointing(deepspeed_tree):
+    "`deepspeed.checkpointing` and DeepSpeed's runtime path give flexrt's functions; what needs model parallelism says so"
+    import deepspeed
+    from deepspeed.runtime.activation_checkpointing import checkpointing as runtime_path
+    from flexrt import checkpointing
+    assert deepspeed.checkpointing.checkpoint is checkpointing.checkpoint is runtime_path.checkpoint
+    assert deepspeed.checkpointing.configure is checkpointing.configure and deepspeed.checkpointing.non_reentrant_checkpoint is checkpointing.checkpoint
+    with pytest.raises(NotImplementedError, match='flexrt has no model parallelism'): deepspeed.checkpointing.get_cuda_rng_tracker()
