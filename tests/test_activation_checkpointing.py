@@ -148,3 +148,39 @@ def test_deepspeed_paths_are_flexrt_checkpointing(deepspeed_tree):
     assert deepspeed.checkpointing.checkpoint is checkpointing.checkpoint is runtime_path.checkpoint
     assert deepspeed.checkpointing.configure is checkpointing.configure and deepspeed.checkpointing.non_reentrant_checkpoint is checkpointing.checkpoint
     with pytest.raises(NotImplementedError, match='flexrt has no model parallelism'): deepspeed.checkpointing.get_cuda_rng_tracker()
+
+class Tied(nn.Module):
+    "GPT-style tied embedding and head, the head checkpointed: the shared weight gets gradients inside and outside the checkpoint"
+    def __init__(self, mode):
+        super().__init__()
+        self.mode, self.tok, self.mid, self.head = mode, nn.Embedding(11, 6), nn.Linear(6, 6), nn.Linear(6, 11, bias=False)
+        self.head.weight = self.tok.weight
+    def forward(self, ids):
+        h = self.mid(self.tok(ids))
+        return self.head(h) if self.mode == 'none' else tc.checkpoint(self.head, h, use_reentrant=self.mode == 'reentrant')
+
+def tied_rank(rank, ws, stage, modes):
+    import flexrt
+    out = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        cfg = {'train_batch_size': 4 * ws, 'steps_per_print': 1000, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}},
+               'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0}}
+        engine, *_ = flexrt.initialize(model=Tied(mode), config=cfg)
+        g, losses = torch.Generator().manual_seed(rank), []
+        try:
+            for _ in range(3):
+                ids = torch.randint(0, 11, (4, 5), generator=g)
+                loss = F.cross_entropy(engine(ids[:, :-1]).reshape(-1, 11), ids[:, 1:].reshape(-1))
+                engine.backward(loss); engine.step(); losses.append(loss.item())
+        except RuntimeError as e: losses = str(e)
+        engine.close()
+        out[mode] = losses
+    return out
+
+def test_parameter_shared_across_a_reentrant_checkpoint():
+    "Stage 3 sums the two gradients (the inner backward's and the outer one's); stages 0-2 refuse, saying what to use instead"
+    for by in run_distributed(tied_rank, 2, args=(3, ('none', 'reentrant', 'non_reentrant'))):
+        assert by['reentrant'] == by['none'] and by['non_reentrant'] == by['none'], by
+    for by in run_distributed(tied_rank, 2, args=(1, ('none', 'reentrant', 'non_reentrant'))):
+        assert by['non_reentrant'] == by['none'] and 'use_reentrant=False or flexrt.checkpointing.checkpoint' in by['reentrant']

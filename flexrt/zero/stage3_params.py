@@ -31,6 +31,7 @@ class _GradPart:
     def __init__(self, records:list):
         self.records, self.slot = records, {id(r): i for i, r in enumerate(records)}
         self.reduce, self.num_ready = None, 0   # the `_ReduceScatter` of the current backward; gradients in so far
+        self.late = []   # reduce-scatters of gradients that arrived after `reduce` was launched (see `_on_grad`)
 
 # %% ../../nbs/42_zero3_params.ipynb #c022
 class ParameterPartitioner:
@@ -208,10 +209,12 @@ def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
     r = self.records[p]
     part = self._grad_part.get(id(r))
     if part is not None and r.grad_shard is not None:
-        if part.reduce is None: part.reduce = _ReduceScatter(part.records, p.grad.dtype, p.grad.device, self.world_size)
-        part.reduce.add(part.slot[id(r)], p.grad)
-        part.num_ready += 1
-        if part.num_ready == len(part.records): part.reduce.launch(self)
+        if part.reduce is not None and part.reduce.out is not None: self._reduce_late(part, r, p.grad)
+        else:
+            if part.reduce is None: part.reduce = _ReduceScatter(part.records, p.grad.dtype, p.grad.device, self.world_size)
+            part.reduce.add(part.slot[id(r)], p.grad)
+            part.num_ready += 1
+            if part.num_ready == len(part.records): part.reduce.launch(self)
     p.grad = None
     release_records([r])
 
@@ -224,10 +227,19 @@ def _end_backward(self:ParameterPartitioner):
         if part.reduce is None: part.reduce = _ReduceScatter(part.records, first.shard.dtype, first.shard.device, self.world_size)
         if part.reduce.out is None: part.reduce.launch(self)
     for part in self._grad_parts:
-        if part.reduce is not None: part.reduce.finish()
-        part.reduce, part.num_ready = None, 0
+        for reduce in ([part.reduce] if part.reduce is not None else []) + part.late: reduce.finish()
+        part.reduce, part.num_ready, part.late = None, 0, []
     self.release_all()
     self._in_backward = False
+
+# %% ../../nbs/42_zero3_params.ipynb #c032b
+@patch
+def _reduce_late(self:ParameterPartitioner, part:_GradPart, r:ParamRecord, grad:torch.Tensor):
+    "`r`'s gradient arrived after its part's reduce-scatter was launched: reduce-scatter it on its own (zeros for the rest)"
+    late = _ReduceScatter(part.records, grad.dtype, grad.device, self.world_size)
+    late.add(part.slot[id(r)], grad)
+    late.launch(self)
+    part.late.append(late)
 
 # %% ../../nbs/42_zero3_params.ipynb #c033
 @patch
