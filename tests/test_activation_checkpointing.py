@@ -58,16 +58,17 @@ def train(rank, ws, stage, dtype, mode, reuse):
         engine.backward(loss); engine.step(); losses.append(loss.item())
     with GatheredParameters(list(model.parameters())): params = [p.detach().float().clone() for p in model.parameters()]
     comm = getattr(engine.optimizer, 'comm_bytes', None)
+    trace = [u.index for u in engine.optimizer.partitioner.trace] if stage == 3 else None   # ZeRO-3's prefetch order
     engine.close(); checkpointing.reset()
-    return losses, params, comm
+    return losses, params, comm, trace
 
 def assert_same(results, stages, modes):
     "Bit-for-bit: the recomputation runs the same kernels on the same inputs with the same random state"
     for by in results:
         for stage in stages:
-            losses0, params0, _ = by[stage, 'none']
+            losses0, params0, *_ = by[stage, 'none']
             for mode in modes:
-                losses, params, _ = by[stage, mode]
+                losses, params, *_ = by[stage, mode]
                 assert losses == losses0, (stage, mode)
                 for p, q in zip(params, params0): torch.testing.assert_close(p, q, atol=0, rtol=0, msg=f'stage {stage} {mode}')
     assert results[0][0, 'none'][0] != results[1][0, 'none'][0]   # the ranks saw different data (and dropout masks)
@@ -77,7 +78,9 @@ def test_checkpointed_training_equals_plain_fp32_every_stage():
     results = run_distributed(train_rank, 2, args=((0, 1, 2, 3), 'fp32', ('none',) + MODES))
     assert_same(results, (0, 1, 2, 3), MODES)
     for by in results:   # stage 3: the recomputation gathers no more than backward does anyway (nothing kept: reuse distance 0)
-        for mode in ('flexrt', 'cpu', 'reentrant', 'non_reentrant'): assert by[3, mode][2] == by[3, 'none'][2], mode
+        for mode in ('flexrt', 'cpu', 'reentrant', 'non_reentrant'):
+            assert by[3, mode][2] == by[3, 'none'][2], mode
+            assert by[3, mode][3] == by[3, 'none'][3], mode   # the prefetch order: the model's forward, recomputations not in it
 
 def test_checkpointed_training_equals_plain_bf16():
     "bf16 at stages 0 and 3, at stage 3 with units kept gathered from forward to backward (the default reuse distance)"

@@ -145,12 +145,17 @@ def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     self._stack.append(unit)
     again = _recomputing()
     if again: self._begin_backward()   # on the outer backward (a reentrant checkpoint runs its own inside)
-    elif not self._traced and torch.is_grad_enabled() and unit.index not in self._position:
-        self._position[unit.index] = len(self.trace); self.trace.append(unit)
+    elif not self._traced: self._record(unit)
     if not unit.records: return
     for r in unit.records: r.active += 1
     gather_records(unit.records, owner=self)
     if not again: self._prefetch(unit, +1)
+
+@patch
+def _record(self:ParameterPartitioner, unit:Unit):
+    "Until the first backward: the order of the last forward of the whole model (a reentrant checkpoint's no-grad part included)"
+    if unit.module is self.module: self.trace, self._position = [], {}   # a new forward of the model
+    if unit.index not in self._position: self._position[unit.index] = len(self.trace); self.trace.append(unit)
 
 @patch
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
