@@ -74,7 +74,9 @@ def _inputs_on_cpu(function, args:tuple)->tuple: # (function taking the CPU copi
 # %% ../nbs/17_checkpointing.ipynb #c015
 def _synchronize():
     "Wait for the accelerator's queued work (nothing to wait for on the CPU)"
-    if torch.accelerator.is_available(): torch.accelerator.synchronize()
+    accelerator = getattr(torch, 'accelerator', None)   # torch >= 2.6
+    if accelerator is not None and accelerator.is_available(): accelerator.synchronize()
+    elif torch.cuda.is_available(): torch.cuda.synchronize()
 
 def checkpoint(function, # the block to run: a module or any function of `args`
                *args, # its inputs (tensors and other values)
