@@ -112,7 +112,9 @@ def _on_grad(self:BucketReducer, bucket:Bucket, index:int, param):
     if not self._boundary: return
     if bucket.work is not None:
         raise RuntimeError("a gradient arrived for a bucket that is already being reduced: a second backward in the "
-                           "same micro-step needs set_boundary(...) before it (Engine.backward calls it)")
+                           "same micro-step needs set_boundary(...) before it (Engine.backward calls it); a parameter "
+                           "used both inside and outside torch.utils.checkpoint(..., use_reentrant=True) gets two: use "
+                           "use_reentrant=False or flexrt.checkpointing.checkpoint (ZeRO stage 3 accepts both)")
     self._started = True
     if not bucket.ready[index]: bucket.ready[index], bucket.num_ready = True, bucket.num_ready + 1
     while self._queue and self._queue[0].num_ready == len(self._queue[0].params): self._start(self._queue.popleft())

@@ -14,13 +14,13 @@ from .schema import Block, block, setting
 # %% ../../nbs/20_config_compat.ipynb #c006
 @block
 class ActivationCheckpointingConfig(Block):
-    "The `activation_checkpointing` block: how `deepspeed.checkpointing.checkpoint` keeps what it needs for recomputation"
+    "The `activation_checkpointing` block: how `flexrt.checkpointing.checkpoint` (`deepspeed.checkpointing`) keeps what it needs for recomputation"
     key = 'activation_checkpointing'
     partition_activations: bool = False # split saved activations across model-parallel ranks (no model parallelism here: warned)
     contiguous_memory_optimization: bool = False # copy saved activations into one buffer (warned: torch allocates)
     cpu_checkpointing: bool = False # keep the saved inputs on the CPU until backward
-    number_checkpoints: int | None = setting(None, ge=1) # checkpoints per forward (sizes DeepSpeed's contiguous buffer)
-    synchronize_checkpoint_boundary: bool = False # synchronise the device at each checkpoint (profiling; warned)
+    number_checkpoints: int | None = setting(None, ge=1) # checkpoints per forward (sizes DeepSpeed's contiguous buffer; warned)
+    synchronize_checkpoint_boundary: bool = False # synchronise the accelerator before and after each checkpointed block
     profile: bool = False # time the checkpointed forward and backward (warned)
 
 # %% ../../nbs/20_config_compat.ipynb #c009

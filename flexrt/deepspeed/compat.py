@@ -8,12 +8,10 @@ import logging, warnings
 import torch
 
 # %% auto #0
-__all__ = ['logger', 'non_reentrant_checkpoint', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam',
-           'RepeatingLoader', 'log_dist', 'get_fp32_state_dict_from_zero_checkpoint',
-           'convert_zero_checkpoint_to_fp32_state_dict', 'configure', 'is_configured', 'reset', 'checkpoint',
-           'initialize', 'clip_grad_norm_', 'OpBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder',
-           'count_used_parameters_in_backward', 'split_params_into_different_moe_groups_for_optimizer', 'CheckOverflow',
-           'inference_all_reduce']
+__all__ = ['logger', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam', 'RepeatingLoader', 'log_dist',
+           'get_fp32_state_dict_from_zero_checkpoint', 'convert_zero_checkpoint_to_fp32_state_dict', 'initialize',
+           'clip_grad_norm_', 'OpBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder', 'count_used_parameters_in_backward',
+           'split_params_into_different_moe_groups_for_optimizer', 'CheckOverflow', 'inference_all_reduce']
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c006
 def _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw:bool, name:str)->torch.optim.Optimizer:
@@ -63,41 +61,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=
     torch.save(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters), output_file)
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c014
-_SETTINGS = {'configured': False, 'cpu': False}
-
-def _activation_block(deepspeed_config): # None, a dict, a JSON path or a FlexConfig
-    "The config's `activation_checkpointing` block, checked (defaults when absent)"
-    from flexrt.config import FlexConfig, ActivationCheckpointingConfig, load_config
-    if deepspeed_config is None: return ActivationCheckpointingConfig()
-    if isinstance(deepspeed_config, FlexConfig): return deepspeed_config.activation_checkpointing
-    if not isinstance(deepspeed_config, dict):
-        import json
-        with open(deepspeed_config) as f: deepspeed_config = json.load(f)
-    return ActivationCheckpointingConfig.from_dict(deepspeed_config.get('activation_checkpointing', {}))
-
-def configure(mpu_=None, deepspeed_config=None, partition_activations:bool|None=None, contiguous_checkpointing:bool|None=None,
-              num_checkpoints:int|None=None, checkpoint_in_cpu:bool|None=None, synchronize:bool|None=None, profile:bool|None=None):
-    "DeepSpeed's `checkpointing.configure`: what applies here is used, the rest is named in one warning"
-    block = _activation_block(deepspeed_config)
-    pick = lambda given, key: getattr(block, key) if given is None else given
-    ignored = [k for k, v in (('partition_activations', pick(partition_activations, 'partition_activations')),
-                              ('contiguous_memory_optimization', pick(contiguous_checkpointing, 'contiguous_memory_optimization')),
-                              ('synchronize_checkpoint_boundary', pick(synchronize, 'synchronize_checkpoint_boundary')),
-                              ('profile', pick(profile, 'profile'))) if v]
-    if ignored: warnings.warn(f"activation checkpointing: {', '.join(ignored)} ignored (they apply to model-parallel activations "
-                              "or profiling, which flexrt does not have); checkpointing itself is on")
-    _SETTINGS.update(configured=True, cpu=bool(pick(checkpoint_in_cpu, 'cpu_checkpointing')))
-
-def is_configured()->bool: return _SETTINGS['configured']
-def reset(): _SETTINGS.update(configured=False, cpu=False)
-
-def checkpoint(function, *args):
-    "Run `function(*args)` without keeping its activations; they are recomputed in backward"
-    import contextlib, torch.utils.checkpoint as tc
-    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if _SETTINGS['cpu'] else contextlib.nullcontext():
-        return tc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
-
-non_reentrant_checkpoint = checkpoint
+from ..checkpointing import configure, is_configured, reset, checkpoint, non_reentrant_checkpoint, _SETTINGS
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c015b
 def initialize(*args, **kwargs)->tuple:

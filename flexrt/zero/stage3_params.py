@@ -31,6 +31,7 @@ class _GradPart:
     def __init__(self, records:list):
         self.records, self.slot = records, {id(r): i for i, r in enumerate(records)}
         self.reduce, self.num_ready = None, 0   # the `_ReduceScatter` of the current backward; gradients in so far
+        self.late = []   # reduce-scatters of gradients that arrived after `reduce` was launched (see `_on_grad`)
 
 # %% ../../nbs/42_zero3_params.ipynb #c022
 class ParameterPartitioner:
@@ -135,22 +136,34 @@ def _install_hooks(self:ParameterPartitioner):
     for p in self.records:
         if p.requires_grad: self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+def _recomputing()->bool:
+    "A forward running inside backward: activation checkpointing recomputing a block"
+    return torch._C._current_graph_task_id() != -1
+
 @patch
 def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     self._stack.append(unit)
-    if not self._traced and torch.is_grad_enabled() and unit.index not in self._position:
-        self._position[unit.index] = len(self.trace); self.trace.append(unit)
+    again = _recomputing()
+    if again: self._begin_backward()   # on the outer backward (a reentrant checkpoint runs its own inside)
+    elif not self._traced: self._record(unit)
     if not unit.records: return
     for r in unit.records: r.active += 1
     gather_records(unit.records, owner=self)
-    self._prefetch(unit, +1)
+    if not again: self._prefetch(unit, +1)
+
+@patch
+def _record(self:ParameterPartitioner, unit:Unit):
+    "Until the first backward: the order of the last forward of the whole model (a reentrant checkpoint's no-grad part included)"
+    if unit.module is self.module: self.trace, self._position = [], {}   # a new forward of the model
+    if unit.index not in self._position: self._position[unit.index] = len(self.trace); self.trace.append(unit)
 
 @patch
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
     self._stack.pop()
     if not unit.records: return
     for r in unit.records: r.active -= 1
-    if not (torch.is_grad_enabled() and unit.index in self._keep): release_records(unit.records)
+    keep = torch.is_grad_enabled() and (unit.index in self._keep or _recomputing())   # its backward comes next
+    if not keep: release_records(unit.records)
     if torch.is_grad_enabled():
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad: t.register_hook(partial(self._pre_backward, unit))
@@ -201,10 +214,12 @@ def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
     r = self.records[p]
     part = self._grad_part.get(id(r))
     if part is not None and r.grad_shard is not None:
-        if part.reduce is None: part.reduce = _ReduceScatter(part.records, p.grad.dtype, p.grad.device, self.world_size)
-        part.reduce.add(part.slot[id(r)], p.grad)
-        part.num_ready += 1
-        if part.num_ready == len(part.records): part.reduce.launch(self)
+        if part.reduce is not None and part.reduce.out is not None: self._reduce_late(part, r, p.grad)
+        else:
+            if part.reduce is None: part.reduce = _ReduceScatter(part.records, p.grad.dtype, p.grad.device, self.world_size)
+            part.reduce.add(part.slot[id(r)], p.grad)
+            part.num_ready += 1
+            if part.num_ready == len(part.records): part.reduce.launch(self)
     p.grad = None
     release_records([r])
 
@@ -217,10 +232,19 @@ def _end_backward(self:ParameterPartitioner):
         if part.reduce is None: part.reduce = _ReduceScatter(part.records, first.shard.dtype, first.shard.device, self.world_size)
         if part.reduce.out is None: part.reduce.launch(self)
     for part in self._grad_parts:
-        if part.reduce is not None: part.reduce.finish()
-        part.reduce, part.num_ready = None, 0
+        for reduce in ([part.reduce] if part.reduce is not None else []) + part.late: reduce.finish()
+        part.reduce, part.num_ready, part.late = None, 0, []
     self.release_all()
     self._in_backward = False
+
+# %% ../../nbs/42_zero3_params.ipynb #c032b
+@patch
+def _reduce_late(self:ParameterPartitioner, part:_GradPart, r:ParamRecord, grad:torch.Tensor):
+    "`r`'s gradient arrived after its part's reduce-scatter was launched: reduce-scatter it on its own (zeros for the rest)"
+    late = _ReduceScatter(part.records, grad.dtype, grad.device, self.world_size)
+    late.add(part.slot[id(r)], grad)
+    late.launch(self)
+    part.late.append(late)
 
 # %% ../../nbs/42_zero3_params.ipynb #c033
 @patch

@@ -97,11 +97,11 @@ def release_records(records:list):
 # %% ../../nbs/42_zero3_records.ipynb #c016
 @torch.no_grad()
 def _copy_rows(rows:torch.Tensor, off:int, record:ParamRecord, grad:torch.Tensor):
-    "Write `grad` into columns off:off+s of `rows` (N x L), row by row, leaving the padding as it is (zero)"
+    "Add `grad` into columns off:off+s of `rows` (N x L, zeros at first), row by row, leaving the padding as it is (zero)"
     s, flat = record.shard_numel, grad.reshape(-1)
     whole = record.numel // s
-    if whole: rows[:whole, off:off + s].copy_(flat[:whole * s].view(whole, s))
-    if whole * s < record.numel: rows[whole, off:off + record.numel - whole * s].copy_(flat[whole * s:])
+    if whole: rows[:whole, off:off + s].add_(flat[:whole * s].view(whole, s))
+    if whole * s < record.numel: rows[whole, off:off + record.numel - whole * s].add_(flat[whole * s:])
 
 class _ReduceScatter:
     "The gradient reduce-scatter of records of one process group: filled as gradients arrive, launched when complete"
