@@ -9,7 +9,7 @@ from ..config.services import TensorBoardConfig, CSVMonitorConfig, WandbConfig
 
 # %% auto #0
 __all__ = ['PREFIX', 'TIMER_NAMES', 'step_events', 'job_dir', 'require_package', 'CSVMonitor', 'TensorBoardMonitor',
-           'WandbMonitor', 'DeepSpeedMonitors']
+           'WandbMonitor', 'check_packages', 'DeepSpeedMonitors']
 
 # %% ../../nbs/35_monitor_ds_sinks.ipynb #c006
 PREFIX = 'Train/Samples/'
@@ -91,6 +91,11 @@ class WandbMonitor:
 # %% ../../nbs/35_monitor_ds_sinks.ipynb #c021
 _SINKS = (('tensorboard', TensorBoardMonitor, 'tensorboard'), ('csv_monitor', CSVMonitor, None), ('wandb', WandbMonitor, 'wandb'))
 
+def check_packages(config): # a `FlexConfig`
+    "Raise `ImportError` for the first enabled monitor block whose package is missing (call it on every rank)"
+    for key, _, package in _SINKS:
+        if package is not None and getattr(config, key).enabled: require_package(package, key)
+
 class DeepSpeedMonitors:
     "The sinks of the config's enabled `tensorboard`, `csv_monitor` and `wandb` blocks; `self(record)` writes a step"
     def __init__(self, sinks:list=(), # objects with `write_events(events)` and `close()`
@@ -101,10 +106,9 @@ class DeepSpeedMonitors:
     def from_config(cls, config, # a `FlexConfig`
                     rank:int=0): # this process's global rank: only rank 0 writes
         "The monitors `config` enables (none on ranks other than 0)"
-        enabled = [(getattr(config, key), make, package) for key, make, package in _SINKS if getattr(config, key).enabled]
-        for block, _, package in enabled:
-            if package is not None: require_package(package, block.key)
-        return cls([make(block) for block, make, _ in enabled] if rank == 0 else [], config.fp16.enabled)
+        check_packages(config)
+        blocks = [(getattr(config, key), make) for key, make, _ in _SINKS if getattr(config, key).enabled]
+        return cls([make(block) for block, make in blocks] if rank == 0 else [], config.fp16.enabled)
 
     def __bool__(self)->bool: return bool(self.sinks)
     def __call__(self, record:dict): self.write_events(step_events(record, self.loss_scale))
