@@ -46,7 +46,8 @@ def train(rank, world, out, impl, extra=None):
         if (i + 1) % GAS == 0:
             lrs.append(engine.get_lr()[0])
             if impl != 'deepspeed': scales.append(engine.precision.loss_scale)
-    writes = bool(getattr(engine, 'monitors', None)) if impl != 'deepspeed' else None
+    engine.monitor.write_events([('Train/Samples/custom', 0.25 + rank, engine.global_samples)])   # a script's own event
+    writes = (bool(engine.monitor), engine.monitor.enabled) if impl != 'deepspeed' else None
     if impl != 'deepspeed': engine.close()
     return losses, lrs, scales, writes
 
@@ -71,19 +72,20 @@ def test_rank0_writes_deepspeeds_layout_with_the_observed_values(tmp_path, impl)
         import sys
         if 'deepspeed' in sys.modules: pytest.skip('the real deepspeed is imported in this process')
     results = run_distributed(train, WORLD, args=(tmp_path, impl), timeout=180)
-    assert [r[3] for r in results] == [True, False]                     # sinks on rank 0 only
+    assert [r[3] for r in results] == [(True, True), (False, True)]     # sinks on rank 0 only; enabled on both
     assert sorted(os.listdir(tmp_path)) == ['csv', 'tb']
     assert len(os.listdir(tmp_path / 'tb')) == 1                        # one event file: rank 1 opened no writer
     losses, lrs = results[0][0], results[0][1]
     files = read_csvs(tmp_path / 'csv')
-    assert sorted(files) == ['Train_Samples_lr.csv', 'Train_Samples_train_loss.csv']     # fp32: no loss scale
+    assert sorted(files) == ['Train_Samples_custom.csv', 'Train_Samples_lr.csv', 'Train_Samples_train_loss.csv']   # fp32: no loss scale
+    assert files['Train_Samples_custom.csv'] == [['step', 'custom'], [str(SAMPLES[-1]), '0.25']]       # rank 0's own event only
     assert files['Train_Samples_lr.csv'] == [['step', 'lr'], *[[str(s), repr(lr)] for s, lr in zip(SAMPLES, lrs)]]
     assert files['Train_Samples_train_loss.csv'][0] == ['step', 'train_loss']
     assert [int(s) for s, _ in files['Train_Samples_train_loss.csv'][1:]] == SAMPLES
     torch.testing.assert_close([float(v) for _, v in files['Train_Samples_train_loss.csv'][1:]], step_means(losses), rtol=1e-6, atol=0)
     assert (tmp_path / 'csv' / 'Train_Samples_lr.csv').read_bytes().startswith(b'step,lr\r\n')
     tb = read_tensorboard(str(tmp_path / 'tb'))
-    assert sorted(tb) == ['Train/Samples/lr', 'Train/Samples/train_loss']
+    assert sorted(tb) == ['Train/Samples/custom', 'Train/Samples/lr', 'Train/Samples/train_loss']
     assert [s for s, _ in tb['Train/Samples/lr']] == SAMPLES
     torch.testing.assert_close([v for _, v in tb['Train/Samples/lr']], lrs, rtol=1e-6, atol=1e-9)           # stored as float32
     torch.testing.assert_close([v for _, v in tb['Train/Samples/train_loss']], step_means(losses), rtol=1e-6, atol=0)
@@ -114,7 +116,7 @@ def test_same_tags_steps_and_values_as_deepspeed(tmp_path):
     for name in ds_files: assert fx_files[name] == ds_files[name], name      # byte-for-byte the same rows
     assert (tmp_path / 'fx' / 'csv' / 'Train_Samples_lr.csv').read_bytes() == (tmp_path / 'ds' / 'csv' / 'Train_Samples_lr.csv').read_bytes()
     ds_tb, fx_tb = read_tensorboard(str(tmp_path / 'ds' / 'tb')), read_tensorboard(str(tmp_path / 'fx' / 'tb'))
-    assert set(ds_tb) == {'Train/Samples/lr'} and set(ds_tb) <= set(fx_tb)
+    assert set(ds_tb) == {'Train/Samples/lr', 'Train/Samples/custom'} and set(ds_tb) <= set(fx_tb)
     for tag in ds_tb: assert fx_tb[tag] == ds_tb[tag], tag
     assert [len(os.listdir(tmp_path / impl / 'tb')) for impl in ('ds', 'fx')] == [1, 1]
 

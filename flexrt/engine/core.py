@@ -132,8 +132,8 @@ def _setup_parts(self:Engine):
     self.counter = StepCounter(cfg.batch.gradient_accumulation_steps)
     self.timers, self.clock = Timers(cfg.wall_clock_breakdown, self.device), StepClock()
     self.layer_drop = layer_drop(cfg.progressive_layer_drop)
-    self.monitors = DeepSpeedMonitors.from_config(cfg, self.global_rank)   # tensorboard / csv_monitor / wandb, on rank 0
-    self.reporter = StepReporter(cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank, sinks=[self.monitors])
+    self.monitor = DeepSpeedMonitors.from_config(cfg, self.global_rank)   # tensorboard / csv_monitor / wandb, on rank 0 (DeepSpeed's name)
+    self.reporter = StepReporter(cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank, sinks=[self.monitor])
     self._comm_bytes_seen, self._comms_before = 0, None
     if cfg.comms_logger != CommsLoggerConfig():   # a default block changes nothing the script set itself
         self._comms_before = dist.comms_logger.config
@@ -322,6 +322,6 @@ def close(self:Engine):
     if self._closed: return
     self.optimizer.close()
     self.expert_groups.close()
-    self.monitors.close()
+    self.monitor.close()
     if self._comms_before is not None: dist.configure(self._comms_before)
     self._closed = True

@@ -99,8 +99,10 @@ def check_packages(config): # a `FlexConfig`
 class DeepSpeedMonitors:
     "The sinks of the config's enabled `tensorboard`, `csv_monitor` and `wandb` blocks; `self(record)` writes a step"
     def __init__(self, sinks:list=(), # objects with `write_events(events)` and `close()`
-                 loss_scale:bool=False): # write `Train/Samples/loss_scale` (fp16)
+                 loss_scale:bool=False, # write `Train/Samples/loss_scale` (fp16)
+                 enabled:bool|None=None): # whether the config enables any block (DeepSpeed's `monitor.enabled`; default: sinks given)
         self.sinks, self.loss_scale = list(sinks), loss_scale
+        self.enabled = bool(self.sinks) if enabled is None else enabled
 
     @classmethod
     def from_config(cls, config, # a `FlexConfig`
@@ -108,9 +110,9 @@ class DeepSpeedMonitors:
         "The monitors `config` enables (none on ranks other than 0)"
         check_packages(config)
         blocks = [(getattr(config, key), make) for key, make, _ in _SINKS if getattr(config, key).enabled]
-        return cls([make(block) for block, make in blocks] if rank == 0 else [], config.fp16.enabled)
+        return cls([make(block) for block, make in blocks] if rank == 0 else [], config.fp16.enabled, enabled=bool(blocks))
 
-    def __bool__(self)->bool: return bool(self.sinks)
+    def __bool__(self)->bool: return bool(self.sinks)   # whether this rank writes anything
     def __call__(self, record:dict): self.write_events(step_events(record, self.loss_scale))
     def write_events(self, events:list):
         for sink in self.sinks: sink.write_events(events)
