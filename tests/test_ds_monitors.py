@@ -168,3 +168,23 @@ def test_wandb_offline_run_on_rank0(tmp_path):
     assert [step for step, _ in history] == SAMPLES
     assert [row['Train/Samples/lr'] for _, row in history] == lrs
     torch.testing.assert_close([row['Train/Samples/train_loss'] for _, row in history], step_means(losses), rtol=1e-6, atol=0)
+
+def _trial_and_run(rank, world, out):
+    "An autotuner trial with the user's monitor blocks, then the run itself"
+    import flexrt
+    from flexrt.autotuner.measure import run_trial
+    model = lambda: torch.nn.Linear(4, 1)
+    def step(engine): engine.backward(engine(torch.randn(2, 4)).pow(2).mean()); engine.step()
+    cfg = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}, 'steps_per_print': 10**9,
+           'csv_monitor': {'enabled': True, 'output_path': str(out), 'job_name': 'run'},
+           'tensorboard': {'enabled': True, 'output_path': str(out), 'job_name': 'run_tb'}}
+    status = run_trial(model, step, cfg, warmup_steps=1, profile_steps=1).status
+    after_trial = sorted(os.listdir(out))
+    engine, *_ = flexrt.initialize(model=model(), config=cfg)
+    step(engine); engine.close()
+    return status, after_trial, sorted(os.listdir(out / 'run'))
+
+def test_autotuner_trials_write_no_run_logs(tmp_path):
+    (status, after_trial, files), = run_distributed(_trial_and_run, 1, args=(tmp_path,), timeout=120)
+    assert status == 'ok' and after_trial == []                          # the trial engines wrote nothing
+    assert files == ['Train_Samples_lr.csv', 'Train_Samples_train_loss.csv']   # the run itself does

@@ -8,8 +8,8 @@ import csv, importlib.util, math, os
 from ..config.services import TensorBoardConfig, CSVMonitorConfig, WandbConfig
 
 # %% auto #0
-__all__ = ['PREFIX', 'TIMER_NAMES', 'step_events', 'job_dir', 'require_package', 'CSVMonitor', 'TensorBoardMonitor',
-           'WandbMonitor', 'check_packages', 'DeepSpeedMonitors']
+__all__ = ['PREFIX', 'TIMER_NAMES', 'MONITOR_BLOCKS', 'step_events', 'job_dir', 'require_package', 'CSVMonitor',
+           'TensorBoardMonitor', 'WandbMonitor', 'check_packages', 'DeepSpeedMonitors', 'without_monitors']
 
 # %% ../../nbs/35_monitor_ds_sinks.ipynb #c006
 PREFIX = 'Train/Samples/'
@@ -119,3 +119,10 @@ class DeepSpeedMonitors:
     def close(self):
         for sink in self.sinks: sink.close()
         self.sinks = []
+
+# %% ../../nbs/35_monitor_ds_sinks.ipynb #c024
+MONITOR_BLOCKS = ('tensorboard', 'csv_monitor', 'wandb')
+
+def without_monitors(config:dict)->dict: # a DeepSpeed-style config dict
+    "`config` without its monitor blocks (a copy), for engines that are not the training run (autotuner trials)"
+    return {k: v for k, v in config.items() if k not in MONITOR_BLOCKS}
