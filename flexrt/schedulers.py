@@ -101,7 +101,7 @@ def _warmup_type(value)->str:
 def _warmup_fraction(i:int, num_steps:int, kind:str)->float:
     "How far warmup has come at batch `i` (< `num_steps`): 0 at the start"
     i = max(i, 0)
-    return math.log(i + 1) / math.log(num_steps) if kind == 'log' else i / num_steps
+    return (1.0 / math.log(num_steps)) * math.log(i + 1) if kind == 'log' else i / num_steps   # DeepSpeed's order: the same bits
 
 # %% ../nbs/26_schedulers.ipynb #c019
 class WarmupLR(BatchLRScheduler):

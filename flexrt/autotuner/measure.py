@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import flexrt
 from .. import comm as dist
 from ..memory_tracker import TensorMemoryTracker, active_tracker
+from ..monitor.ds_sinks import without_monitors
 
 # %% auto #0
 __all__ = ['STATUSES', 'METRICS', 'TrialResult', 'TrialTimeout', 'PeerFailed', 'classify', 'PeakMeter', 'agree_flags',
@@ -174,7 +175,7 @@ def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_st
     try:
         model = model_fn()
         trace['refs'] = [weakref.ref(t) for t in (model, *model.parameters())]
-        engine, *_ = flexrt.initialize(model=model, config=dict(ds_config), mpu=unit)
+        engine, *_ = flexrt.initialize(model=model, config=without_monitors(dict(ds_config)), mpu=unit)   # a trial writes no run logs
         del model
         trace['refs'].append(weakref.ref(engine))
         loader = None if dataset is None else engine.deepspeed_io(dataset)

@@ -11,6 +11,7 @@ import flexrt
 from .. import comm as dist
 from ..config import load_config
 from ..memory_tracker import TensorMemoryTracker, active_tracker
+from ..monitor.ds_sinks import without_monitors
 from .memory_stages import (Line, ModelProfile, STATE_TENSORS, STEP_TEMPORARIES, STATE_SCALAR_BYTES, setting,
                                             levels, replay)
 _all_ = ['Line', 'ModelProfile']
@@ -74,7 +75,7 @@ def _solo_unit():
 
 def _stage0_config(config:dict, micro:int)->dict:
     "`config` at stage 0, one micro-batch of `micro` per step, quiet"
-    out = {k: v for k, v in config.items() if k not in ('train_batch_size', 'autotuning')}
+    out = {k: v for k, v in without_monitors(config).items() if k not in ('train_batch_size', 'autotuning')}   # no run logs
     return {**out, 'train_micro_batch_size_per_gpu': micro, 'gradient_accumulation_steps': 1,
             'zero_optimization': {'stage': 0}, 'steps_per_print': 10**9}
 

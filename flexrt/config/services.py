@@ -38,7 +38,7 @@ class FlopsProfilerConfig(Block):
 # %% ../../nbs/20_config_services.ipynb #c010
 @block
 class TensorBoardConfig(Block):
-    "The `tensorboard` block: write step events as TensorBoard scalars"
+    "The `tensorboard` block: DeepSpeed's step events as TensorBoard scalars in `output_path/job_name` (rank 0; `flexrt.monitor.ds_sinks`)"
     key = 'tensorboard'
     enabled: bool = False # write TensorBoard event files
     output_path: str = '' # directory for the files ('' the current directory)
@@ -46,7 +46,7 @@ class TensorBoardConfig(Block):
 
 @block
 class CSVMonitorConfig(Block):
-    "The `csv_monitor` block: write step events as CSV files"
+    "The `csv_monitor` block: DeepSpeed's step events, one CSV file per event in `output_path/job_name` (rank 0)"
     key = 'csv_monitor'
     enabled: bool = False # write CSV files
     output_path: str = '' # directory for the files ('' the current directory)
@@ -54,7 +54,7 @@ class CSVMonitorConfig(Block):
 
 @block
 class WandbConfig(Block):
-    "The `wandb` block: send step events to Weights & Biases"
+    "The `wandb` block: DeepSpeed's step events to a Weights & Biases run (rank 0; `WANDB_MODE=offline` keeps it on disk)"
     key = 'wandb'
     enabled: bool = False # log to W&B (needs the wandb package)
     group: str | None = None # W&B group

@@ -109,6 +109,8 @@ TREE = {   # DeepSpeed path: (flexrt modules answering for it, extra names, {una
     'deepspeed.moe': ((), {}, {}),
     'deepspeed.moe.layer': ((), {}, {'MoE': "flexrt has no MoE layer: bring your own experts and mark them with expert groups"}),
     'deepspeed.pipe': ((), {}, {'PipelineModule': _NO_PIPE, 'LayerSpec': _NO_PIPE, 'TiedLayerSpec': _NO_PIPE}),
+    **{f'deepspeed.monitor{sub}': (('flexrt.deepspeed.monitor',), {}, {}) for sub in ('', '.monitor', '.config', '.tensorboard', '.csv_monitor', '.wandb')},
+    'deepspeed.monitor.comet': ((), {}, {'CometMonitor': 'flexrt has no Comet sink; use tensorboard, csv_monitor or wandb'}),
 }
 
 # %% ../../nbs/72_deepspeed.ipynb #c014

@@ -9,6 +9,7 @@ __all__ = ['DeepSpeedZeroOffloadParamConfig', 'DeepSpeedZeroOffloadOptimizerConf
 import warnings
 from ..config import FlexConfig, load_config
 from ..config.blocks import OffloadParamConfig, OffloadOptimizerConfig
+from .monitor import DeepSpeedMonitorConfig
 
 # %% ../../nbs/74_deepspeed_config.ipynb #c005
 class _Attrs:
@@ -73,4 +74,4 @@ class DeepSpeedConfig(_Attrs):
             memory_breakdown=r.memory_breakdown, dataloader_drop_last=r.dataloader_drop_last, sparse_gradients_enabled=r.sparse_gradients,
             checkpoint_tag_validation_enabled=r.checkpoint.tag_validation != 'Ignore', checkpoint_tag_validation_fail=r.checkpoint.tag_validation == 'Fail',
             load_universal_checkpoint=r.checkpoint.load_universal, use_node_local_storage=r.checkpoint.use_node_local_storage,
-            grad_accum_dtype=r.data_types.grad_accum_dtype))
+            grad_accum_dtype=r.data_types.grad_accum_dtype, monitor_config=DeepSpeedMonitorConfig.from_flexrt(r)))

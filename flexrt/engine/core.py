@@ -15,6 +15,7 @@ from ..utils.groups import ExpertGroups
 from .parts import (StepCounter, Timers, StepClock, StepReporter, layer_drop,
                                  build_dataloader)
 from .optim import client_optimizer, client_lr_scheduler
+from ..monitor.ds_sinks import DeepSpeedMonitors, check_packages
 from ..zero import SlotArgs, build_optimizer_slot
 from .. import checkpoint
 from fastcore.basics import patch
@@ -25,8 +26,7 @@ __all__ = ['unused_settings', 'check_stage', 'Engine', 'broadcast_tensors']
 # %% ../../nbs/30_engine_core.ipynb #c006
 def unused_settings(config:FlexConfig)->list: # the keys set to something this engine ignores
     "Config keys that are switched on but have no effect in this engine"
-    checks = {'flops_profiler.enabled': config.flops_profiler.enabled, 'tensorboard.enabled': config.tensorboard.enabled,
-              'csv_monitor.enabled': config.csv_monitor.enabled, 'wandb.enabled': config.wandb.enabled,
+    checks = {'flops_profiler.enabled': config.flops_profiler.enabled,
               'sparse_gradients': config.sparse_gradients, 'autotuning.enabled': config.autotuning.enabled,
               'communication_data_type': config.communication_data_type is not None,
               'data_types.grad_accum_dtype': config.data_types.grad_accum_dtype is not None}
@@ -54,7 +54,7 @@ class Engine(torch.nn.Module):
         super().__init__()
         if not isinstance(model, torch.nn.Module): raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(config, FlexConfig): raise TypeError(f"config must be a FlexConfig (use flexrt.config.load_config), got {type(config).__name__}")
-        check_stage(config)
+        check_stage(config); check_packages(config)   # before anything is built: a missing package stops every rank alike
         self._closed, self._in_no_sync, self._grad_norm, self.collate_fn = False, False, None, collate_fn
         self._place(mpu)
         self.config = config.resolve_batch(self.dp_world_size)
@@ -127,12 +127,13 @@ def _setup_optimizer(self:Engine, optimizer, model_parameters, lr_scheduler, opt
 
 @patch
 def _setup_parts(self:Engine):
-    "Counters, timers, the step clock, layer drop, the reporter; the comms logger when the config sets it"
+    "Counters, timers, the step clock, layer drop, the config's monitors and the reporter; the comms logger when the config sets it"
     cfg = self.config
     self.counter = StepCounter(cfg.batch.gradient_accumulation_steps)
     self.timers, self.clock = Timers(cfg.wall_clock_breakdown, self.device), StepClock()
     self.layer_drop = layer_drop(cfg.progressive_layer_drop)
-    self.reporter = StepReporter(cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank)
+    self.monitor = DeepSpeedMonitors.from_config(cfg, self.global_rank)   # tensorboard / csv_monitor / wandb, on rank 0 (DeepSpeed's name)
+    self.reporter = StepReporter(cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank, sinks=[self.monitor])
     self._comm_bytes_seen, self._comms_before = 0, None
     if cfg.comms_logger != CommsLoggerConfig():   # a default block changes nothing the script set itself
         self._comms_before = dist.comms_logger.config
@@ -317,9 +318,10 @@ def save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin
 # %% ../../nbs/30_engine_core.ipynb #c027
 @patch
 def close(self:Engine):
-    "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, restore the comms logger"
+    "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, restore the comms logger, close the monitors"
     if self._closed: return
     self.optimizer.close()
     self.expert_groups.close()
+    self.monitor.close()
     if self._comms_before is not None: dist.configure(self._comms_before)
     self._closed = True

@@ -78,14 +78,15 @@ class _Timer:
         self.timers.synchronize(); self.start = time.perf_counter()
     def __exit__(self, *exc):
         self.timers.synchronize(); end = time.perf_counter()
-        self.timers.totals[self.name] = self.timers.totals.get(self.name, 0.) + end - self.start
+        elapsed = end - self.start
+        for sums in (self.timers.totals, self.timers.window): sums[self.name] = sums.get(self.name, 0.) + elapsed
         self.timers.intervals.append((self.name, self.start, end))
 
 class Timers:
     "Wall-clock time per phase, summed until read; disabled timers cost one shared no-op context"
     def __init__(self, enabled:bool=False, # time anything at all (`wall_clock_breakdown`)
                  device:torch.device|None=None): # CUDA devices are synchronised around each phase
-        self.enabled, self.totals = enabled, {}
+        self.enabled, self.totals, self.window = enabled, {}, {}   # totals: until `read`; window: until `take_window`
         self.intervals = collections.deque(maxlen=TIMER_INTERVALS)   # the latest phases as (name, start, end), perf_counter seconds
         self._cuda = device is not None and torch.device(device).type == 'cuda'
         self._off = contextlib.nullcontext()
@@ -99,6 +100,12 @@ def read(self:Timers, steps:int=1)->dict: # divide the totals by this many steps
     "Milliseconds per step of each timed phase since the last read, then start again from zero"
     out = {n: self.totals[n] * 1e3 / max(steps, 1) for n in (*PHASES, *sorted(set(self.totals) - set(PHASES))) if n in self.totals}
     self.totals = {}
+    return out
+
+@patch
+def take_window(self:Timers)->dict:
+    "Milliseconds of each timed phase since the last call (one optimizer step, for the monitors), apart from `read`'s totals"
+    out, self.window = {n: s * 1e3 for n, s in self.window.items()}, {}
     return out
 
 @patch
@@ -153,9 +160,10 @@ class StepReporter:
                  timers:Timers|None=None, # printed with the progress line when enabled
                  memory_breakdown:bool=False, # print a memory line with the progress line
                  rank:int=0, # this process's global rank
-                 print_fn=print): # where lines go
+                 print_fn=print, # where lines go
+                 sinks=()): # callables given each step record on this rank, with `timings_ms` (the config's monitors)
         self.steps_per_print, self.timers, self.memory_breakdown = steps_per_print, timers or Timers(), memory_breakdown
-        self.rank, self.print_fn = rank, print_fn
+        self.rank, self.print_fn, self.sinks = rank, print_fn, [s for s in sinks if s]
         self._loss, self._losses = None, 0
 
     def add_loss(self, loss:torch.Tensor):
@@ -174,13 +182,20 @@ class StepReporter:
 def report(self:StepReporter, step:int, # optimizer steps so far (this one included)
             comm_bytes, # bytes this rank sent in collectives during the step, or a callable returning them
             **numbers): # samples, grad_norm, grad_norm_post_clip, lr, loss_scale, skipped, step_time, samples_per_s
-    "Emit the step record if anyone listens; print the progress line on rank 0 every `steps_per_print` steps"
+    "Write the step to the sinks, emit its record if anyone listens; print the progress line on rank 0 every `steps_per_print` steps"
     printing = self.rank == 0 and step % self.steps_per_print == 0
-    if not (printing or monitor.listening()): self._loss, self._losses = None, 0; return
+    if not (printing or self.sinks or monitor.listening()): self._loss, self._losses = None, 0; return
     record = dict(step=step, loss=self.take_loss(), **numbers, rank=self.rank,
                   comm_bytes=comm_bytes() if callable(comm_bytes) else comm_bytes)
+    if self.sinks: self.write_sinks(record)
     if monitor.listening(): monitor.emit('step', **record, memory=dataclasses.asdict(memory_snapshot()))
     if printing: self.print_line(record)
+
+@patch
+def write_sinks(self:StepReporter, record:dict):
+    "Hand the step record, with this step's phase times when timers run, to every sink"
+    record = {**record, 'timings_ms': self.timers.take_window() if self.timers.enabled else None}
+    for sink in self.sinks: sink(record)
 
 @patch
 def print_line(self:StepReporter, r:dict):
