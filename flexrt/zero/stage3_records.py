@@ -39,6 +39,21 @@ def fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
     out[:piece.numel()].copy_(piece)
     out[piece.numel():].zero_()
 
+# %% ../../nbs/42_zero3_records.ipynb #c008a
+@patch
+@torch.no_grad()
+def copy_shard(self:ParamRecord, out:torch.Tensor): # a flat tensor of `shard_numel` elements
+    "Copy this rank's piece of the parameter into `out`: from its full data when whole, else from its shard"
+    if self.full: self.fill_shard(self.param.data, out)
+    else: out.copy_(self.shard)
+
+@patch
+@torch.no_grad()
+def write_back(self:ParamRecord, src:int): # the rank, in the record's group, whose value is kept
+    "Broadcast the whole parameter from rank `src` of its group and keep this rank's piece of it in the shard"
+    if self.world_size > 1: dist.broadcast(self.param.data, src=dist.get_global_rank(self.group, src), group=self.group)
+    self.fill_shard(self.param.data)
+
 # %% ../../nbs/42_zero3_records.ipynb #c011
 def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
 def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if dist.prefers_p2p(group) else dist.reduce_scatter_tensor
