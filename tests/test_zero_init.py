@@ -34,23 +34,29 @@ class Net(nn.Module):
         for b in self.blocks: h = b(h)
         return self.head(h)
 
-def config(stage):
-    return {'train_micro_batch_size_per_gpu': BATCH, 'gradient_accumulation_steps': 1, 'steps_per_print': 10**6,
+def config(stage, precision=None):
+    return {**({precision: {'enabled': True}} if precision else {}), 'train_micro_batch_size_per_gpu': BATCH, 'gradient_accumulation_steps': 1, 'steps_per_print': 10**6,
             'optimizer': {'type': 'AdamW', 'params': {'lr': 0.02, 'weight_decay': 0.01}},
             'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 10}}
 
 def build(rank, init):
-    torch.manual_seed(rank)   # the ranks' seeds differ: rank 0's values must win, as initialize's broadcast makes them
-    if not init: return Net()
-    with zero.Init(config_dict_or_path=config(3)): return Net()
+    "Net, seeded by rank (rank 0's values must win, as initialize's broadcast makes them), then changed on rank 0 only"
+    torch.manual_seed(rank)
+    if init:
+        with zero.Init(config_dict_or_path=config(3)): model = Net()
+    else: model = Net()
+    fc = model.blocks[0].fc
+    with zero.GatheredParameters(list(fc.parameters()), modifier_rank=0):   # zero.Init: rank 0 changes the whole; plain: initialize broadcasts rank 0
+        if rank == 0: fc.bias.data.fill_(0.5)
+    return model
 
-def train(rank, world, model, stage, ckpt=None):
-    engine = flexrt.initialize(model=model, config=config(stage))[0]
+def train(rank, world, model, stage, ckpt=None, precision=None):
+    engine = flexrt.initialize(model=model, config=config(stage, precision))[0]
     batches = torch.randint(0, VOCAB, (world, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
     losses = []
     for s in range(STEPS):   # the same batch each step: the loss must fall
         ids = batches[rank]
-        loss = F.cross_entropy(engine(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss = F.cross_entropy(engine(ids[:, :-1]).float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         engine.backward(loss); engine.step(); losses.append(loss.item())
     state = engine.module_state_dict()
     if ckpt is not None: engine.save_checkpoint(ckpt, tag='t')
@@ -58,7 +64,7 @@ def train(rank, world, model, stage, ckpt=None):
     return losses, state
 
 def train_rank(rank, world, ckpt):
-    torch.manual_seed(0); reference = Net()    # what rank 0 builds as usual
+    reference = build(0, init=False)    # what rank 0 builds as usual
     model = build(rank, init=True)
     partitioned = [n for n, p in model.named_parameters() if p.numel() == 0 and hasattr(p, '_zero3')]
     with zero.GatheredParameters(list(model.parameters())):
@@ -69,6 +75,7 @@ def train_rank(rank, world, ckpt):
     out['init'] = train(rank, world, model, 3, ckpt)
     out['plain'] = train(rank, world, build(rank, init=False), 3)
     out['stage0'] = train(rank, world, build(rank, init=False), 0)
+    out['bf16'] = [train(rank, world, build(rank, init), 3, precision='bf16') for init in (True, False)]
     resumed = flexrt.initialize(model=build(rank, init=False), config=config(3))[0]   # the checkpoint, into an ordinary engine
     resumed.load_checkpoint(ckpt, tag='t')
     out['resumed'] = resumed.module_state_dict()
@@ -89,7 +96,10 @@ def test_trains_like_the_ordinary_paths(tmp_path):
             assert torch.equal(init_state[k], plain_state[k]), k
             torch.testing.assert_close(init_state[k], s0_state[k], rtol=1e-5, atol=1e-6)
             assert torch.equal(init_state[k], r['resumed'][k]), k
+        (init_losses, init_state), (plain_losses, plain_state) = r['bf16']   # fp32 masters from zero.Init's fp32 shards
+        assert init_losses == plain_losses and all(torch.equal(init_state[k], plain_state[k]) for k in init_state)
     assert results[0]['init'][1]['emb.weight'].shape == (VOCAB, DIM)
+    assert torch.equal(results[1]['init'][1]['blocks.0.fc.bias'], results[0]['init'][1]['blocks.0.fc.bias'])
 
 LAYERS, WIDTH = 12, 512
 
