@@ -135,12 +135,13 @@ def test_building_holds_a_shard_of_the_model_and_one_layer():
 # --- in this process: nothing stays patched --------------------------------------------------------------------
 
 def init_attributes():
-    return {c: c.__dict__.get('__init__') for c in zero.partitioned_init.module_classes()}, nn.Module.__dict__.get('__init_subclass__')
+    return ({c: c.__dict__.get('__init__') for c in zero.partitioned_init.module_classes()}, nn.Module.__dict__.get('__init_subclass__'),
+            nn.Parameter.__dict__['__deepcopy__'])
 
 def unchanged(before)->bool:
     "Every class that existed before has its own __init__ again, and Module its __init_subclass__"
-    inits, init_subclass = init_attributes()
-    return init_subclass is before[1] and all(inits[c] is f for c, f in before[0].items())
+    inits, init_subclass, deepcopy = init_attributes()
+    return init_subclass is before[1] and deepcopy is before[2] and all(inits[c] is f for c, f in before[0].items())
 
 def test_everything_restored_after_the_block():
     before = init_attributes()
@@ -173,6 +174,20 @@ def test_restored_after_an_exception():
     assert type(kept._parameters) is dict and [p.numel() for p in kept.parameters()] == [0, 0]
     assert Broken.__dict__['__init__'].__name__ == '__init__' and not hasattr(Broken.__init__, '__wrapped__')
     with zero.Init(): assert [p.numel() for p in nn.Linear(2, 2).parameters()] == [0, 0]   # usable again
+
+def encoder():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.Sequential(nn.TransformerEncoder(layer, 3, enable_nested_tensor=False), nn.MultiheadAttention(16, 2))
+
+def test_torch_layers_that_copy_and_reset():
+    "TransformerEncoder deep-copies its layer, MultiheadAttention resets a child's bias: equal to building as usual"
+    torch.manual_seed(0); plain = encoder()
+    torch.manual_seed(0)
+    with zero.Init(): built = encoder()
+    assert {p.numel() for p in built.parameters()} == {0} and {type(m._parameters) for m in built.modules()} == {dict}
+    with zero.GatheredParameters(list(built.parameters())):
+        assert all(torch.equal(p, q) for p, q in zip(built.parameters(), plain.parameters()))
+        assert len(list(built.parameters())) == len(list(plain.parameters()))
 
 def test_arguments():
     with pytest.raises(ValueError, match='zero_optimization.stage=1: set it to 3'):

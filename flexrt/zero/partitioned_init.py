@@ -4,7 +4,7 @@
 
 # %% ../../nbs/42_zero3_init.ipynb #c003
 from __future__ import annotations
-import functools, inspect, warnings
+import copy, functools, inspect, warnings
 import torch
 from .. import comm as dist
 from ..config import load_config
@@ -121,6 +121,7 @@ class _Watched(dict):
         return p
     def items(self): self._gather(); return dict.items(self)
     def values(self): self._gather(); return dict.values(self)
+    def __reduce_ex__(self, protocol): return dict, (dict(dict.items(self)),)   # a copy (deepcopy of a module) is plain
     def _gather(self):
         if self.init._building:
             for p in dict.values(self): self.init._on_access(p)
@@ -190,6 +191,20 @@ def _built(self:Init, module:torch.nn.Module):
     for m in module.modules():
         if type(m.__dict__.get('_parameters')) is dict and m._parameters: self._track(m)
 
+# %% ../../nbs/42_zero3_init.ipynb #c026b
+@patch
+@torch.no_grad()
+def _deepcopy_parameter(self:Init, p:torch.nn.Parameter, memo:dict):
+    "`copy.deepcopy(p)` inside the block: a copy of a partitioned parameter holds a copy of its shard"
+    owner, r = getattr(p, '_zero3', (None, None))
+    if owner is not self: return self._parameter_deepcopy(p, memo)
+    out = memo[id(p)] = type(p)(p.data.clone(), p.requires_grad)
+    record = copy.copy(r)
+    record.param, record.shard, record.pending, record.active, record.grad_shard = out, r.shard.clone(), None, 0, None
+    out._zero3 = (self, record)
+    if record.full: self._touched.setdefault(id(self._building[-1]) if self._building else None, []).append(record)
+    return out
+
 # %% ../../nbs/42_zero3_init.ipynb #c028
 @patch
 def _patch(self:Init):
@@ -202,6 +217,8 @@ def _patch(self:Init):
         else: before.__get__(None, cls)(**kwargs)
         wrap(cls)
     torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+    self._parameter_deepcopy = torch.nn.Parameter.__dict__['__deepcopy__']
+    torch.nn.Parameter.__deepcopy__ = lambda p, memo: self._deepcopy_parameter(p, memo)
 
 @patch
 def _unpatch(self:Init):
@@ -209,6 +226,7 @@ def _unpatch(self:Init):
     for cls, init in self._patched.items(): cls.__init__ = init
     if self._init_subclass is _ABSENT: del torch.nn.Module.__init_subclass__
     else: torch.nn.Module.__init_subclass__ = self._init_subclass
+    torch.nn.Parameter.__deepcopy__ = self._parameter_deepcopy
     for m in self._tracked: m.__dict__['_parameters'] = dict(dict.items(m._parameters))
     self._patched, self._tracked, self._depth, self._building = {}, [], {}, []
 
