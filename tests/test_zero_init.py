@@ -75,6 +75,12 @@ def train_rank(rank, world, ckpt):
     out['init'] = train(rank, world, model, 3, ckpt)
     out['plain'] = train(rank, world, build(rank, init=False), 3)
     out['stage0'] = train(rank, world, build(rank, init=False), 0)
+    with zero.Init(config_dict_or_path=config(3)) as init:   # DeepSpeed allows initialize inside the block
+        model = build(rank, init=True)
+        gathered = init.comm_bytes
+        out['inside'] = train(rank, world, model, 3)
+        out['inside_gathered'] = init.comm_bytes - gathered   # the engine's moves and partitioning are not watched
+        out['inside_later'] = [p.numel() for p in nn.Linear(3, 3).parameters()]   # still partitioning afterwards
     out['bf16'] = [train(rank, world, build(rank, init), 3, precision='bf16') for init in (True, False)]
     resumed = flexrt.initialize(model=build(rank, init=False), config=config(3))[0]   # the checkpoint, into an ordinary engine
     resumed.load_checkpoint(ckpt, tag='t')
@@ -89,6 +95,8 @@ def test_trains_like_the_ordinary_paths(tmp_path):
         assert r['same_start']   # gathered right after the build: rank 0's model, bit for bit
         (init_losses, init_state), (plain_losses, plain_state), (s0_losses, s0_state) = r['init'], r['plain'], r['stage0']
         assert init_losses == plain_losses   # the same computation, step for step
+        assert r['inside'][0] == init_losses and r['inside_later'] == [0, 0] and r['inside_gathered'] == 0
+        assert all(torch.equal(r['inside'][1][k], init_state[k]) for k in init_state)
         assert init_losses[-1] < init_losses[0]
         torch.testing.assert_close(torch.tensor(init_losses), torch.tensor(s0_losses), rtol=1e-5, atol=1e-6)
         assert init_state.keys() == plain_state.keys() == s0_state.keys() == r['resumed'].keys()

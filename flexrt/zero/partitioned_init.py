@@ -4,15 +4,15 @@
 
 # %% ../../nbs/42_zero3_init.ipynb #c003
 from __future__ import annotations
-import copy, functools, inspect, warnings
+import contextlib, copy, functools, inspect, warnings
 import torch
 from .. import comm as dist
 from ..config import load_config
-from .stage3_records import ParamRecord, gather_records, release_records
+from .stage3_records import ParamRecord, gather_records, release_records, set_ds_attributes
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Init', 'module_classes']
+__all__ = ['Init', 'module_classes', 'outside_init']
 
 # %% ../../nbs/42_zero3_init.ipynb #c006
 _NO_EFFECT = {   # DeepSpeed's Init argument: (its default, why it changes nothing here)
@@ -96,6 +96,7 @@ def _partition(self:Init, p:torch.nn.Parameter, name:str):
     r.shard = p.data.new_empty(r.shard_numel)
     r.write_back(0)
     p._zero3 = (self, r)
+    set_ds_attributes(r)
     release_records([r])
 
 @patch
@@ -202,6 +203,7 @@ def _deepcopy_parameter(self:Init, p:torch.nn.Parameter, memo:dict):
     record = copy.copy(r)
     record.param, record.shard, record.pending, record.active, record.grad_shard = out, r.shard.clone(), None, 0, None
     out._zero3 = (self, record)
+    set_ds_attributes(record)
     if record.full: self._touched.setdefault(id(self._building[-1]) if self._building else None, []).append(record)
     return out
 
@@ -227,8 +229,9 @@ def _unpatch(self:Init):
     if self._init_subclass is _ABSENT: del torch.nn.Module.__init_subclass__
     else: torch.nn.Module.__init_subclass__ = self._init_subclass
     torch.nn.Parameter.__deepcopy__ = self._parameter_deepcopy
-    for m in self._tracked: m.__dict__['_parameters'] = dict(dict.items(m._parameters))
-    self._patched, self._tracked, self._depth, self._building = {}, [], {}, []
+    for m in self._tracked:
+        if type(m.__dict__.get('_parameters')) is _Watched: m.__dict__['_parameters'] = dict(dict.items(m._parameters))
+    self._patched, self._tracked = {}, []
 
 # %% ../../nbs/42_zero3_init.ipynb #c029
 @patch
@@ -248,5 +251,16 @@ def __exit__(self:Init, kind, exc, tb):
             for key in list(self._touched): self._finish(key)
         else: release_records([r for rs in self._touched.values() for r in rs])
     finally:
-        self._touched = {}
+        self._touched, self._depth, self._building = {}, {}, []
         self._unpatch(); _active = None
+
+# %% ../../nbs/42_zero3_init.ipynb #c029b
+@contextlib.contextmanager
+def outside_init():
+    "Run the block as if no `zero.Init` were active (`initialize` does): collective when one is"
+    init = _active
+    if init is None: yield; return
+    for key in list(init._touched): init._finish(key)
+    init._unpatch()
+    try: yield
+    finally: init._patch()

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm as dist
 from ..reducer import _group_of
 from .param_access import track_parameters, untrack_parameters
-from .stage3_records import ParamRecord, gather_records, release_records, _ReduceScatter
+from .stage3_records import ParamRecord, gather_records, release_records, _ReduceScatter, set_ds_attributes, drop_ds_attributes
 from fastcore.basics import patch
 
 # %% auto #0
@@ -133,6 +133,7 @@ def partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat t
         r.copy_shard(shard)   # from the whole parameter, or from the shard `zero.Init` left
         r.shard, r.grad_shard = shard, grad_shards.get(p)
         p._zero3 = (self, r)
+        set_ds_attributes(r)
     release_records(list(self.records.values()))
     gather_records([r for r in self.records.values() if r.persistent and not r.full], owner=self)   # zero.Init's small ones
     self._install_hooks()
@@ -265,6 +266,7 @@ def close(self:ParameterPartitioner):
     for r in records:
         r.param.data = r.param.data.clone()   # its own storage, not a view of a gather buffer or a shard
         del r.param._zero3
+        drop_ds_attributes(r.param)
         r.shard = r.grad_shard = None
     self.partitioned = False
 
