@@ -91,8 +91,8 @@ def train_rank(rank, world, ckpt):
 def test_trains_like_the_ordinary_paths(tmp_path):
     results = run_distributed(train_rank, 2, args=(str(tmp_path),), timeout=180)
     for r in results:
-        assert r['partitioned'] == r['names'][:len(r['partitioned'])] and len(r['partitioned']) == len(r['names'])
-        assert r['same_start']   # gathered right after the build: rank 0's model, bit for bit
+        assert r['partitioned'] == r['names']   # every parameter partitioned (empty, with its record)
+        assert r['same_start']   # gathered right after the build: rank 0's model (and its change), bit for bit
         (init_losses, init_state), (plain_losses, plain_state), (s0_losses, s0_state) = r['init'], r['plain'], r['stage0']
         assert init_losses == plain_losses   # the same computation, step for step
         assert r['inside'][0] == init_losses and r['inside_later'] == [0, 0] and r['inside_gathered'] == 0
@@ -107,7 +107,6 @@ def test_trains_like_the_ordinary_paths(tmp_path):
         (init_losses, init_state), (plain_losses, plain_state) = r['bf16']   # fp32 masters from zero.Init's fp32 shards
         assert init_losses == plain_losses and all(torch.equal(init_state[k], plain_state[k]) for k in init_state)
     assert results[0]['init'][1]['emb.weight'].shape == (VOCAB, DIM)
-    assert torch.equal(results[1]['init'][1]['blocks.0.fc.bias'], results[0]['init'][1]['blocks.0.fc.bias'])
 
 LAYERS, WIDTH = 12, 512
 
