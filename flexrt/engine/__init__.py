@@ -11,6 +11,7 @@ from ..config import FlexConfig, load_config
 from .core import Engine
 from .optim import Lamb, build_optimizer, build_lr_scheduler
 from ..zero.stage0 import ReplicatedOptimizer
+from ..zero.partitioned_init import outside_init
 _all_ = ['Engine', 'ReplicatedOptimizer', 'Lamb', 'build_optimizer', 'build_lr_scheduler']
 
 # %% auto #0
@@ -62,8 +63,9 @@ def initialize(args=None, # argparse namespace carrying `deepspeed_config`, or N
     _check_model(model)
     cfg = load_config(source)
     dist.init_distributed(dist_init_required=dist_init_required)
-    engine = Engine(model, cfg, optimizer, model_parameters, lr_scheduler, mpu, collate_fn, expert_groups,
-                    optimizer_slot=optimizer_slot)
+    with outside_init():   # called inside a zero.Init block: the engine and what it does to the model are not watched
+        engine = Engine(model, cfg, optimizer, model_parameters, lr_scheduler, mpu, collate_fn, expert_groups,
+                        optimizer_slot=optimizer_slot)
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     return engine, engine.basic_optimizer, loader, engine.lr_scheduler
 

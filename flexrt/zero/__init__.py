@@ -13,6 +13,7 @@ from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroStage1, ShardReducer
 from .stage2 import ZeroStage2, Stage2Reducer
 from .stage3_params import GatheredParameters, register_external_parameter
+from .partitioned_init import Init
 
 # %% auto #0
 __all__ = ['STAGE_SLOTS', 'SlotArgs', 'build_optimizer_slot']
@@ -41,12 +42,19 @@ def _check_zero12(config:ZeroConfig):
         warnings.warn("zero_optimization contiguous_gradients=false is ignored: stages 1/2 always reduce gradients out "
                       "of one flat bucket buffer")
 
+def _refuse_partitioned(a:SlotArgs):
+    "Stages 0-2 need whole parameters: refuse a model `zero.Init` (or a stage-3 engine) left partitioned"
+    name = next((n for n, p in a.module.named_parameters() if getattr(p, '_zero3', None) is not None), None)
+    if name is not None: raise ValueError(f"parameter {name} is partitioned (the model was built inside flexrt.zero.Init) but "
+        f"zero_optimization.stage={a.config.stage}: use stage 3, or build the model outside zero.Init")
+
 def _stage0(a:SlotArgs)->ReplicatedOptimizer:
+    _refuse_partitioned(a)
     return ReplicatedOptimizer(a.module, a.optimizer, a.precision, a.group, a.expert_groups, a.mpu,
                                gradient_predivide_factor=a.gradient_predivide_factor)
 
 def _stage12(a:SlotArgs)->ZeroStage1:
-    _check_zero12(a.config)
+    _check_zero12(a.config); _refuse_partitioned(a)
     cls = ZeroStage1 if a.config.stage == 1 else ZeroStage2
     return cls(a.module, a.optimizer, a.precision, a.group, a.expert_groups, a.mpu,
                bucket_bytes=a.config.reduce_bucket_size * a.precision.dtype.itemsize,

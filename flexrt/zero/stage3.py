@@ -68,7 +68,7 @@ def _build_shards(self:Stage3Optimizer):
         sizes = [recs[p].shard_numel for p in params]
         device = next(iter(original), torch.empty(0)).device
         master = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-        for p, m in zip(params, master.split(sizes)): recs[p].fill_shard(p.data, m)
+        for p, m in zip(params, master.split(sizes)): recs[p].copy_shard(m)   # whole, or zero.Init's shard
         working = master if dtype == torch.float32 else master.to(dtype)
         grad = torch.zeros_like(master)
         for p, w, gr, m in zip(params, working.split(sizes), grad.split(sizes), master.split(sizes)):

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from .. import comm as dist
 from ..reducer import _group_of
 from .param_access import track_parameters, untrack_parameters
-from .stage3_records import ParamRecord, gather_records, release_records, _ReduceScatter
+from .stage3_records import ParamRecord, gather_records, release_records, _ReduceScatter, set_ds_attributes, drop_ds_attributes
 from fastcore.basics import patch
 
 # %% auto #0
@@ -33,6 +33,20 @@ class _GradPart:
         self.reduce, self.num_ready = None, 0   # the `_ReduceScatter` of the current backward; gradients in so far
         self.late = []   # reduce-scatters of gradients that arrived after `reduce` was launched (see `_on_grad`)
 
+# %% ../../nbs/42_zero3_params.ipynb #c021b
+def _record(p:torch.nn.Parameter, name:str, group)->ParamRecord:
+    "A new record for a whole parameter; for one `zero.Init` partitioned, its record, renamed and checked against `group`"
+    ws, rank = dist.get_world_size(group), dist.get_rank(group)
+    owner, r = getattr(p, '_zero3', (None, None))
+    if r is None: return ParamRecord(p, name, ws, rank, False, group)
+    if isinstance(owner, ParameterPartitioner):
+        raise ValueError(f"parameter {name} is partitioned by another stage-3 engine: close() that engine first")
+    if (r.world_size, r.rank) != (ws, rank):
+        raise ValueError(f"parameter {name} was partitioned by flexrt.zero.Init over {r.world_size} ranks (rank {r.rank} here) but "
+                         f"stage 3 partitions it over {ws} (rank {rank}): give zero.Init the data-parallel group initialize uses")
+    r.name, r.group = name, group
+    return r
+
 # %% ../../nbs/42_zero3_params.ipynb #c022
 class ParameterPartitioner:
     "ZeRO-3's model side: partition `module`'s parameters and install the hooks that gather and release them"
@@ -50,10 +64,9 @@ class ParameterPartitioner:
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.records, kept = {}, 0
         for name, p in module.named_parameters():
-            persistent = p.numel() == 0 or p.numel() < persistence_threshold and kept + p.numel() <= model_persistence_threshold
-            kept += p.numel() if persistent else 0
-            g = _group_of(p, group, expert_groups)   # an expert's own group, else `group`
-            self.records[p] = ParamRecord(p, name, dist.get_world_size(g), dist.get_rank(g), persistent, g)
+            r = self.records[p] = _record(p, name, _group_of(p, group, expert_groups))   # an expert's own group, else `group`
+            r.persistent = r.numel == 0 or r.numel < persistence_threshold and kept + r.numel <= model_persistence_threshold
+            kept += r.numel if r.persistent else 0
         trainable = [p for p in module.parameters() if p.requires_grad] if trainable is None else list(trainable)
         self._trainable = {p for p in trainable}
         self._build_units()
@@ -67,7 +80,7 @@ def _build_units(self:ParameterPartitioner):
     "A unit per module; a gradient part per process group of the first unit owning each trainable record"
     self.units, self._all_units, self._grad_parts, self._grad_part = [], [], [], {}
     for m in dict.fromkeys(self.module.modules()):
-        own = [self.records[p] for p in dict.fromkeys(m._parameters.values()) if p is not None and p.numel()]   # empty: nothing to do
+        own = [self.records[p] for p in dict.fromkeys(m._parameters.values()) if p is not None and self.records[p].numel]   # empty: nothing to do
         own += [self.records[p] for p in getattr(m, '_zero3_external', []) if self.records[p] not in own]
         unit = Unit(len(self._all_units), m, own)
         self._all_units.append(unit)
@@ -116,12 +129,14 @@ def partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat t
     "Fill every shard, release the non-persistent parameters and install the hooks"
     shards, grad_shards = shards or {}, grad_shards or {}
     for p, r in self.records.items():
-        r.shard = shards.get(p)
-        if r.shard is None: r.shard = p.data.new_empty(r.shard_numel)
-        r.fill_shard(p.data)
-        r.grad_shard = grad_shards.get(p)
+        shard = shards.get(p)
+        if shard is None: shard = p.data.new_empty(r.shard_numel)
+        r.copy_shard(shard)   # from the whole parameter, or from the shard `zero.Init` left
+        r.shard, r.grad_shard = shard, grad_shards.get(p)
         p._zero3 = (self, r)
+        set_ds_attributes(r)
     release_records(list(self.records.values()))
+    gather_records([r for r in self.records.values() if r.persistent and not r.full], owner=self)   # zero.Init's small ones
     self._install_hooks()
     self.partitioned = True
 
@@ -275,6 +290,7 @@ def close(self:ParameterPartitioner):
     for r in records:
         r.param.data = r.param.data.clone()   # its own storage, not a view of a gather buffer or a shard
         del r.param._zero3
+        drop_ds_attributes(r.param)
         r.shard = r.grad_shard = None
     self.partitioned = False
 
@@ -302,6 +318,5 @@ def GatheredParameters(params, # a parameter or an iterable of them (e.g. `modul
 @torch.no_grad()
 def write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
     "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
-    if r.world_size > 1: dist.broadcast(r.param.data, src=dist.get_global_rank(r.group, src), group=r.group)
-    r.fill_shard(r.param.data)
+    r.write_back(src)
     if self.on_modified is not None: self.on_modified(r)

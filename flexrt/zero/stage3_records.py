@@ -4,12 +4,13 @@
 
 # %% ../../nbs/42_zero3_records.ipynb #c003
 from __future__ import annotations
+import itertools
 import torch
 from .. import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['ParamRecord', 'gather_records', 'release_records']
+__all__ = ['ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records']
 
 # %% ../../nbs/42_zero3_records.ipynb #c006
 class ParamRecord:
@@ -38,6 +39,34 @@ def fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
     piece = full.reshape(-1)[start:start + self.shard_numel]
     out[:piece.numel()].copy_(piece)
     out[piece.numel():].zero_()
+
+# %% ../../nbs/42_zero3_records.ipynb #c008a
+@patch
+@torch.no_grad()
+def copy_shard(self:ParamRecord, out:torch.Tensor): # a flat tensor of `shard_numel` elements
+    "Copy this rank's piece of the parameter into `out`: from its full data when whole, else from its shard"
+    if self.full: self.fill_shard(self.param.data, out)
+    else: out.copy_(self.shard)
+
+@patch
+@torch.no_grad()
+def write_back(self:ParamRecord, src:int): # the rank, in the record's group, whose value is kept
+    "Broadcast the whole parameter from rank `src` of its group and keep this rank's piece of it in the shard"
+    if self.world_size > 1: dist.broadcast(self.param.data, src=dist.get_global_rank(self.group, src), group=self.group)
+    self.fill_shard(self.param.data)
+
+# %% ../../nbs/42_zero3_records.ipynb #c008d
+_ds_ids = itertools.count()
+
+def set_ds_attributes(r:ParamRecord):
+    "Give the record's parameter DeepSpeed's `ds_id` (kept if it has one), `ds_shape` and `ds_numel`"
+    p = r.param
+    if not hasattr(p, 'ds_id'): p.ds_id = next(_ds_ids)
+    p.ds_shape, p.ds_numel = r.shape, r.numel
+
+def drop_ds_attributes(p:torch.nn.Parameter):
+    "The parameter is whole again: remove `ds_id`, `ds_shape` and `ds_numel`"
+    for name in ('ds_id', 'ds_shape', 'ds_numel'): p.__dict__.pop(name, None)
 
 # %% ../../nbs/42_zero3_records.ipynb #c011
 def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
