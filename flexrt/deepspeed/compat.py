@@ -65,12 +65,9 @@ from ..checkpointing import configure, is_configured, reset, checkpoint, non_ree
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c015b
 def initialize(*args, **kwargs)->tuple:
-    "`deepspeed.initialize`: `flexrt.initialize`, then `deepspeed.checkpointing` configured from the config's `activation_checkpointing` block when it sets anything"
+    "`deepspeed.initialize`: `flexrt.initialize` (which also sets `deepspeed.checkpointing` up from the config's `activation_checkpointing` block)"
     import flexrt
-    from flexrt.config import ActivationCheckpointingConfig
-    out = flexrt.initialize(*args, **kwargs)
-    if out[0].config.activation_checkpointing != ActivationCheckpointingConfig(): configure(deepspeed_config=out[0].config)
-    return out
+    return flexrt.initialize(*args, **kwargs)
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c015c
 def clip_grad_norm_(parameters, max_norm:float, norm_type:float=2, mpu=None)->torch.Tensor:
