@@ -4,6 +4,7 @@
 
 # %% ../../nbs/04_comm_p2p.ipynb #c003
 from __future__ import annotations
+import queue, threading
 import torch
 from .backends import ReduceOp
 from .logger import timed_op
@@ -11,27 +12,76 @@ from .state import comm_state
 from .wrappers import get_world_size, get_rank, get_global_rank, get_backend
 
 # %% auto #0
-__all__ = ['P2PWork', 'prefers_p2p', 'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p']
+__all__ = ['P2PWork', 'P2PThread', 'ThreadedOp', 'prefers_p2p', 'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p']
 
 # %% ../../nbs/04_comm_p2p.ipynb #c006
 class P2PWork:
     "The handle of an op made of point-to-point messages: `wait()` waits for them all, then finishes the op"
+    finish_when_reported = True   # every rank started it: the comms logger may wait for it before reporting
     def __init__(self, works:list, finish=None): self._works, self._finish, self._done = works, finish, False
     def wait(self, timeout=None)->bool:
         if not self._done:
             for w in self._works: w.wait()
             if self._finish is not None: self._finish()
-            self._done = True
+            self._works, self._finish, self._done = [], None, True   # let go of the messages' tensors at once
         return True
     def is_completed(self)->bool: return self._done
     def get_future(self): raise RuntimeError("an op made of point-to-point messages has no future: call wait()")
 
 # %% ../../nbs/04_comm_p2p.ipynb #c009
-def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each; the works of all messages
-    if not sends and not recvs: return []
-    b, tag = comm_state.backend or comm_state.active(), comm_state.next_tag(group)
+def _post(b, tag:int, sends:dict, recvs:dict, group)->list:
+    "Post the messages of one op on backend `b` under `tag`; their works"
     works = [b.isend(t, get_global_rank(group, j), group, tag) for j, t in sends.items()]
     return works + [b.irecv(t, get_global_rank(group, j), group, tag) for j, t in recvs.items()]
+
+def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each; the works of all messages
+    if not sends and not recvs: return []
+    return _post(comm_state.backend or comm_state.active(), comm_state.next_tag(group), sends, recvs, group)
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010b
+class P2PThread:
+    "A daemon thread running one group's direct-message ops, one after another, in the order they were started"
+    def __init__(self):
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name='flexrt-p2p', daemon=True)
+        self._thread.start()
+    def _run(self):
+        while (job := self._jobs.get()) is not None: job()
+    def submit(self, job): self._jobs.put(job)
+    def close(self): self._jobs.put(None)   # ends after the jobs queued before; never blocks the caller
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010c
+class ThreadedOp:
+    "One op run by a `P2PThread`: `wait()` blocks until the thread finished it and re-raises what it raised"
+    def __init__(self, run): self._run, self._event, self._error = run, threading.Event(), None
+    def __call__(self):
+        try: self._run()
+        except BaseException as e: self._error = e
+        finally: self._run = None; self._event.set()   # the closure (and its tensors) goes at once
+    def wait(self):
+        self._event.wait()
+        if self._error is not None: raise self._error
+    def is_completed(self)->bool: return self._event.is_set()
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010e
+def _thread_of(group)->P2PThread:
+    "The group's p2p thread, started on first use"
+    thread = comm_state.p2p_threads.get(group)
+    if thread is None: thread = comm_state.p2p_threads[group] = P2PThread()
+    return thread
+
+def _start(sends:dict, recvs:dict, group, finish=None, async_op:bool=True)->P2PWork:
+    "Start one op's messages (on the group's thread when asynchronous on gloo); its handle, which runs `finish` once done"
+    if not sends and not recvs: return P2PWork([], finish)
+    b, tag = comm_state.backend or comm_state.active(), comm_state.next_tag(group)   # the tag: in call order, here
+    if not (async_op and comm_state.p2p_threaded and get_backend(group) == 'gloo'):
+        return P2PWork(_post(b, tag, sends, recvs, group), finish)
+    def run():
+        for w in _post(b, tag, sends, recvs, group): w.wait()
+        if finish is not None: finish()
+    op = ThreadedOp(run)
+    _thread_of(group).submit(op)
+    return P2PWork([op])
 
 # %% ../../nbs/04_comm_p2p.ipynb #c012
 def prefers_p2p(group=None)->bool:
@@ -54,7 +104,7 @@ def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_
     def finish():
         output.copy_(chunks[me])
         for j in sorted(received): output.add_(received[j])
-    work = P2PWork(_exchange({j: chunks[j] for j in received}, received, group), finish)
+    work = _start({j: chunks[j] for j in received}, received, group, finish, async_op)
     return work if async_op else work.wait() and None
 
 # %% ../../nbs/04_comm_p2p.ipynb #c016
@@ -65,5 +115,5 @@ def all_gather_into_tensor_p2p(output_tensor, input_tensor, group=None, async_op
     slots = _chunks(output_tensor, n, 'output_tensor')
     if slots[me].shape != input_tensor.shape: raise ValueError(f"input_tensor has shape {tuple(input_tensor.shape)}, a chunk of output {tuple(slots[me].shape)}")
     slots[me].copy_(input_tensor)
-    work = P2PWork(_exchange({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group))
+    work = _start({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group, None, async_op)
     return work if async_op else work.wait() and None
