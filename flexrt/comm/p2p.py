@@ -4,15 +4,17 @@
 
 # %% ../../nbs/04_comm_p2p.ipynb #c003
 from __future__ import annotations
-import queue, threading
+import collections, threading
 import torch
+from fastcore.basics import patch
 from .backends import ReduceOp
 from .logger import timed_op
 from .state import comm_state
 from .wrappers import get_world_size, get_rank, get_global_rank, get_backend
 
 # %% auto #0
-__all__ = ['P2PWork', 'P2PThread', 'ThreadedOp', 'prefers_p2p', 'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p']
+__all__ = ['P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads', 'prefers_p2p', 'reduce_scatter_tensor_p2p',
+           'all_gather_into_tensor_p2p']
 
 # %% ../../nbs/04_comm_p2p.ipynb #c006
 class P2PWork:
@@ -40,15 +42,33 @@ def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each;
 
 # %% ../../nbs/04_comm_p2p.ipynb #c010b
 class P2PThread:
-    "A daemon thread running one group's direct-message ops, one after another, in the order they were started"
-    def __init__(self):
-        self._jobs = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name='flexrt-p2p', daemon=True)
-        self._thread.start()
+    "Runs one group's direct-message ops in the order they were started, on a daemon thread that lives while some are queued"
+    def __init__(self): self._jobs, self._lock, self._thread, self._started = collections.deque(), threading.Lock(), None, []
+    def submit(self, job):
+        "Queue `job`; start the thread if none is running"
+        with self._lock:
+            self._jobs.append(job)
+            if self._thread is not None: return
+            self._thread = threading.Thread(target=self._run, name='flexrt-p2p', daemon=True)
+            self._started = [t for t in self._started if t.is_alive()] + [self._thread]
+            self._thread.start()
     def _run(self):
-        while (job := self._jobs.get()) is not None: job()
-    def submit(self, job): self._jobs.put(job)
-    def close(self): self._jobs.put(None)   # ends after the jobs queued before; never blocks the caller
+        while True:
+            with self._lock:
+                if not self._jobs: self._thread = None; return   # drained: this thread ends, the next submit starts one
+                job = self._jobs.popleft()
+            job()
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010b2
+@patch
+def close(self:P2PThread):
+    "Wait until the ops queued so far ran and every thread this runner started has ended"
+    with self._lock: threads = list(self._started)
+    for t in threads:
+        if t is not threading.current_thread(): t.join()
+
+@patch(as_prop=True)
+def running(self:P2PThread)->bool: return self._thread is not None   # a thread is working through the queue
 
 # %% ../../nbs/04_comm_p2p.ipynb #c010c
 class ThreadedOp:
@@ -82,6 +102,13 @@ def _start(sends:dict, recvs:dict, group, finish=None, async_op:bool=True)->P2PW
     op = ThreadedOp(run)
     _thread_of(group).submit(op)
     return P2PWork([op])
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010f
+def join_p2p_threads(*groups):
+    "Wait until the p2p threads of `groups` (none given: every group's) ran the ops queued on them and ended"
+    for g in (groups or list(comm_state.p2p_threads)):
+        thread = comm_state.p2p_threads.get(g)
+        if thread is not None: thread.close()
 
 # %% ../../nbs/04_comm_p2p.ipynb #c012
 def prefers_p2p(group=None)->bool:

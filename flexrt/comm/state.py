@@ -49,11 +49,11 @@ def next_tag(self:CommState, group)->int:
 # %% ../../nbs/04_comm_state.ipynb #c012
 @patch
 def forget(self:CommState, group=None):
-    "Forget `group`'s tag counter and stop its p2p thread; with None, every group's, the backend, the env and torch's backend"
+    "Forget `group`'s tag counter and join its p2p thread; with None, every group's, the backend, the env and torch's backend"
     if group is not None:
         self.p2p_tags.pop(group, None)
         thread = self.p2p_threads.pop(group, None)
-        if thread is not None: thread.close()
+        if thread is not None: thread.close()   # waits for the ops queued on it; the thread has ended
         return
     for thread in self.p2p_threads.values(): thread.close()
     self.p2p_threads.clear(); self.p2p_tags.clear()

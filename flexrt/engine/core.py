@@ -320,9 +320,10 @@ def save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin
 # %% ../../nbs/30_engine_core.ipynb #c027
 @patch
 def close(self:Engine):
-    "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, restore the comms logger"
+    "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, end the p2p threads, restore the comms logger"
     if self._closed: return
     self.optimizer.close()
     self.expert_groups.close()
+    dist.join_p2p_threads()   # no direct-message thread outlives the engine
     if self._comms_before is not None: dist.configure(self._comms_before)
     self._closed = True

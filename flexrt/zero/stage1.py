@@ -264,6 +264,7 @@ def close(self:ZeroStage1):
     "Finish the gathers in flight, remove the hooks and drop every gradient (the model keeps its parameters)"
     if self.deferred is not None: self.deferred.close()
     self.reducer.close()
+    dist.join_p2p_threads()   # the direct-message threads ran their last ops: none outlives the slot
     for bk in self.buckets:
         bk.master.grad = None
         for p in bk.params: p.grad = None
