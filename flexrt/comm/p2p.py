@@ -72,14 +72,15 @@ def running(self:P2PThread)->bool: return self._thread is not None   # a thread 
 
 # %% ../../nbs/04_comm_p2p.ipynb #c010c
 class ThreadedOp:
-    "One op run by a `P2PThread`: `wait()` blocks until the thread finished it and re-raises what it raised"
+    "One op run by a `P2PThread`: `wait()` blocks until the thread finished it, lets go of its tensors and re-raises what it raised"
     def __init__(self, run): self._run, self._event, self._error = run, threading.Event(), None
     def __call__(self):
         try: self._run()
         except BaseException as e: self._error = e
-        finally: self._run = None; self._event.set()   # the closure (and its tensors) goes at once
+        finally: self._event.set()   # the closure (its tensors) stays until wait(): memory is freed when the caller waits, not when the thread happens to finish
     def wait(self):
         self._event.wait()
+        self._run = None
         if self._error is not None: raise self._error
     def is_completed(self)->bool: return self._event.is_set()
 
