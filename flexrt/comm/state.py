@@ -20,7 +20,7 @@ class CommState:
         self.backend: CommBackend|None = None  # set explicitly (init_distributed, set_comm_backend); None: follow torch
         self.env: DistEnv|None = None          # what init_distributed found; None before it runs
         self.p2p_tags: dict = {}               # per group: how many direct-message ops it has started
-        self.p2p_threads: dict = {}            # per group: the thread that runs its direct-message ops (gloo), if started
+        self.p2p_threads: dict = {}            # per group: the P2PThread running its direct-message ops (gloo) while some are queued
         self.p2p_threaded: bool = True         # False: direct-message ops run on the calling thread
         self.single, self.torch = SingleProcessBackend(), TorchBackend()  # what calls go to when none is set
 
