@@ -19,9 +19,9 @@ def share(rank, world, s):
     micro = BATCH // world
     return X[s * BATCH + rank * micro:][:micro], Y[s * BATCH + rank * micro:][:micro]
 
-def order_rank(rank, world, stage):
+def order_rank(rank, world, stage, **config):
     "Per step: gathers in flight after step(); at each Linear's forward, how many of its own buckets were still pending"
-    engines = {0: engine_of(0), stage: engine_of(stage)}
+    engines = {0: engine_of(0), stage: engine_of(stage, **config)}
     deferred = engines[stage].optimizer.deferred
     pending_at = []
     def probe(m, args):   # registered after the slot's hook: runs once the slot waited for m's buckets
@@ -38,19 +38,32 @@ def order_rank(rank, world, stage):
         in_flight.append(len(deferred.pending)); probes.append(list(pending_at))
     params = {k: [p.detach().clone() for p in e.module.parameters()] for k, e in engines.items()}
     for e in engines.values(): e.close()
-    return losses, params, in_flight, probes, len(engines[stage].optimizer.buckets)
+    return losses, params, in_flight, probes, (len(engines[stage].optimizer.buckets), len(deferred.params_of))
 
 @pytest.mark.parametrize('stage', [1, 2])
 def test_forward_after_step_sees_updated_parameters_and_waits_bucket_by_bucket(stage):
-    for losses, params, in_flight, probes, num_buckets in run_distributed(order_rank, 2, args=(stage,)):
+    for losses, params, in_flight, probes, (num_buckets, num_gathers) in run_distributed(order_rank, 2, args=(stage,)):
         torch.testing.assert_close(torch.tensor(losses[stage]), torch.tensor(losses[0]), rtol=1e-5, atol=1e-6)
         for p, q in zip(params[stage], params[0]): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        assert num_buckets > 3 and in_flight == [num_buckets] * STEPS     # every bucket's gather left in flight by step()
+        assert num_gathers >= num_buckets > 3 and in_flight == [num_gathers] * STEPS   # every gather (bucket or piece) left in flight by step()
         for step, seen in enumerate(probes[1:], 1):          # step 0's forward ran before any step(): nothing pending
             assert all(own == 0 for _, own in seen), seen      # each Linear's buckets were finished before it ran
             total = [n for n, _ in seen]
             assert total[0] > 0 and total == sorted(total, reverse=True), seen   # the rest still in flight, waited later
         assert probes[0] == [(0, 0)] * 3
+
+def one_bucket(rank, world, stage):
+    return order_rank(rank, world, stage, zero_optimization={'stage': stage})   # the default bucket holds the whole model
+
+@pytest.mark.parametrize('stage', [1, 2])
+def test_a_one_bucket_model_is_gathered_in_pieces_waited_as_forward_reaches_them(stage):
+    for losses, params, in_flight, probes, (num_buckets, num_gathers) in run_distributed(one_bucket, 2, args=(stage,)):
+        torch.testing.assert_close(torch.tensor(losses[stage]), torch.tensor(losses[0]), rtol=1e-5, atol=1e-6)
+        for p, q in zip(params[stage], params[0]): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert (num_buckets, num_gathers) == (1, 4) and in_flight == [4] * STEPS
+        for seen in probes[1:]:
+            assert all(own == 0 for _, own in seen), seen          # each Linear waited for every piece it needs
+            assert seen[0][0] > 0, seen                             # the first Linear ran with pieces still in flight
 
 def wait_rank(rank, world, stage, tmp):
     "After step(): engine.module, gathered(), save_checkpoint and close() each find nothing in flight afterwards"

@@ -120,6 +120,11 @@ def _chunks(t:torch.Tensor, n:int, name:str)->tuple:
     if not t.is_contiguous() or t.shape[0] % n: raise ValueError(f"{name} must be contiguous with a first dimension divisible by {n}, got {tuple(t.shape)}")
     return t.chunk(n)
 
+def _slots(t:torch.Tensor, n:int, name:str)->tuple:
+    "The `n` places a gather writes: the chunks of a contiguous tensor, or the rows of an `(n, k)` one whose rows are contiguous"
+    if t.dim() == 2 and t.shape[0] == n and (t.stride(1) == 1 or t.shape[1] < 2): return t.unbind(0)
+    return _chunks(t, n, name)
+
 # %% ../../nbs/04_comm_p2p.ipynb #c014
 @timed_op
 def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name=None):
@@ -138,9 +143,9 @@ def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_
 # %% ../../nbs/04_comm_p2p.ipynb #c016
 @timed_op
 def all_gather_into_tensor_p2p(output_tensor, input_tensor, group=None, async_op=False, *, prof=False, log_name=None):
-    "`all_gather_into_tensor` by direct messages: rank r sends its input to every rank and receives theirs in place"
+    "`all_gather_into_tensor` by direct messages: rank r sends its input to every rank and receives theirs in place (`output_tensor` may also be `(N, k)` with contiguous rows: a piece of each rank's chunk of a larger buffer)"
     n, me = get_world_size(group), get_rank(group)
-    slots = _chunks(output_tensor, n, 'output_tensor')
+    slots = _slots(output_tensor, n, 'output_tensor')
     if slots[me].shape != input_tensor.shape: raise ValueError(f"input_tensor has shape {tuple(input_tensor.shape)}, a chunk of output {tuple(slots[me].shape)}")
     slots[me].copy_(input_tensor)
     work = _start({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group, None, async_op)

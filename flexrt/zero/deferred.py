@@ -35,12 +35,14 @@ def _unwatch(module):
 class DeferredGathers:
     "Handles of parameter all-gathers in flight, each waited on by the forward pre-hook of the first module that needs it"
     def __init__(self, module:torch.nn.Module, # the model whose forward the gathers overlap with
-                 params_of:list): # per bucket, the model parameters its gather writes
+                 params_of:list): # per gather (a bucket, or a piece of one), the model parameters it writes (some maybe in several)
         self.module, self.params_of, self.pending, self.num_waits, self.in_forward = module, params_of, {}, 0, False
-        owner = {id(p): i for i, ps in enumerate(params_of) for p in ps}
+        owner = {}
+        for i, ps in enumerate(params_of):
+            for p in ps: owner.setdefault(id(p), set()).add(i)
         self._needs, self._ran, self.root_buckets = {}, set(), None   # None: no forward recorded yet, the root waits for all
         for m in module.modules():
-            need = sorted({owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner})
+            need = sorted({i for p in m.parameters(recurse=False) for i in owner.get(id(p), ())})
             if need: self._needs[m] = need
         self._hooks = [m.register_forward_pre_hook(partial(self._before, m)) for m in module.modules()
                        if m in self._needs or m is module]

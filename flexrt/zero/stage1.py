@@ -121,7 +121,8 @@ class ZeroStage1(OptimizerSlot):
                  overlap_comm:bool=True, # stage 2: reduce buckets while backward runs (stage 1 always does)
                  reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk (3Ψ, not 2Ψ)
                  collectives:str='auto', # 'native', 'p2p', 'all_reduce' (see `ShardReducer`), 'auto': p2p on gloo
-                 defer_gather:bool=False): # leave the parameter all-gathers in flight until forward needs them (the engine does)
+                 defer_gather:bool=False, # leave the parameter all-gathers in flight until forward needs them (the engine does)
+                 gather_pieces:int=4): # deferred p2p gathers: split each bucket's into this many (at most), waited piece by piece
         if collectives not in ('auto', *ALGORITHMS):
             raise ValueError(f"collectives must be 'auto' or one of {ALGORITHMS}, got {collectives!r}")
         if optimizer is None: raise ValueError(f"ZeRO stage {self.stage} partitions an optimizer's state: pass optimizer= to initialize() or add an 'optimizer' block")
@@ -142,10 +143,24 @@ class ZeroStage1(OptimizerSlot):
         for gi, group_ in enumerate(optimizer.param_groups): group_['params'] = [bk.master for bk in self.buckets if bk.param_group == gi]
         self._setup_gradients()
         self.reducer = self._make_reducer(gradient_predivide_factor)
-        self.deferred = DeferredGathers(module, [bk.partition.params for bk in self.buckets]) if defer_gather else None
+        for bk in self.buckets: bk.pieces = _piece_bounds(bk, gather_pieces if defer_gather and collectives == 'p2p' else 1)
+        self.deferred = DeferredGathers(module, [_piece_params(bk.partition, *ab) for bk in self.buckets for ab in bk.pieces]) if defer_gather else None
 
     def __repr__(self): return (f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
                                 f'{len(self.buckets)} buckets over {self.world_size} ranks)')
+
+# %% ../../nbs/40_zero_stage1.ipynb #c012p
+def _piece_bounds(bk, pieces:int)->list: # [(start, end)] in a chunk, its end first
+    "Split each rank's chunk of `bk` into up to `pieces` ranges, last first (forward reaches a bucket's end first: buckets are in backward order)"
+    C = bk.partition.shard_numel
+    n = max(1, min(pieces, len(bk.params), C)) if bk.world_size > 1 else 1
+    step = -(-C // n)
+    return [(a, min(a + step, C)) for a in reversed(range(0, C, step))] or [(0, C)]
+
+def _piece_params(part:FlatPartition, a:int, b:int)->list:
+    "The parameters with elements in `[a, b)` of some rank's chunk: those a gather of that piece writes"
+    C, ranks = part.shard_numel, range(part.world_size)
+    return [p for p, s, e in zip(part.params, part.offsets, part.offsets[1:]) if any(max(s, r * C + a) < min(e, r * C + b) for r in ranks)]
 
 # %% ../../nbs/40_zero_stage1.ipynb #c014
 @patch
@@ -184,16 +199,20 @@ def clip_grad_norm(self:ZeroStage1, max_norm:float)->tuple: # (norm before clipp
 # %% ../../nbs/40_zero_stage1.ipynb #c020
 @patch
 @torch.no_grad()
-def _launch_gather(self:ZeroStage1, bk):
-    "Start the all-gather of one bucket's parameter buffer (its chunk from the masters); its handle, or None if local"
-    if bk.world_size > 1 and self.collectives == 'all_reduce': work = _gather_via_all_reduce(bk)
+def _launch_gather(self:ZeroStage1, bk)->list: # a handle per piece (None: nothing in flight)
+    "Start the all-gather of one bucket's parameter buffer (its chunk from the masters), piece by piece (`bk.pieces`)"
+    if bk.world_size > 1 and self.collectives == 'all_reduce': works = [_gather_via_all_reduce(bk)]
     else:
         send = bk.master.detach().to(bk.dtype, copy=True)
-        if bk.world_size == 1: bk.param_buffer.copy_(send); return None
-        gather = dist.all_gather_into_tensor_p2p if self.collectives == 'p2p' else dist.all_gather_into_tensor
-        work = gather(bk.param_buffer, send, group=bk.group, async_op=True)
+        if bk.world_size == 1: bk.param_buffer.copy_(send); return [None]
+        if len(bk.pieces) > 1:   # p2p: each piece lands in its columns of the (ranks x chunk) buffer
+            rows = bk.param_buffer.view(bk.world_size, -1)
+            works = [dist.all_gather_into_tensor_p2p(rows[:, a:b], send[a:b], group=bk.group, async_op=True) for a, b in bk.pieces]
+        else:
+            gather = dist.all_gather_into_tensor_p2p if self.collectives == 'p2p' else dist.all_gather_into_tensor
+            works = [gather(bk.param_buffer, send, group=bk.group, async_op=True)]
     self.comm_bytes += bk.param_buffer.nbytes
-    return work
+    return works
 
 @patch
 def wait_for_params(self:ZeroStage1):
@@ -213,7 +232,7 @@ def gathered(self:ZeroStage1, tensors:list, modifier_rank:int|None=None):
 def _gather_params(self:ZeroStage1):
     "Write the masters into this rank's chunk and all-gather every bucket's parameter buffer (waits for them)"
     self.wait_for_params()
-    works = [self._launch_gather(bk) for bk in self.buckets]
+    works = [w for bk in self.buckets for w in self._launch_gather(bk)]
     for w in works:
         if w is not None: w.wait()
 
@@ -242,12 +261,12 @@ def step(self:ZeroStage1):
     "The optimizer step on this rank's masters, then the all-gathers of the updated parameters (left in flight if deferred)"
     self.wait_for_params()
     if len(self.buckets) < 2 or type(self.optimizer).__name__ not in PER_PARAMETER:
-        self.optimizer.step(); works = [self._launch_gather(bk) for bk in self.buckets]
+        self.optimizer.step(); works = [w for bk in self.buckets for w in self._launch_gather(bk)]
     else:
         works = []
         for bk in self.buckets:
             _step_bucket(self.optimizer, bk)
-            works.append(self._launch_gather(bk))
+            works += self._launch_gather(bk)
     if self.deferred is None: works = [w.wait() for w in works if w is not None]
     else:
         for i, w in enumerate(works): self.deferred.launch(i, w)
