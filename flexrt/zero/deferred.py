@@ -99,3 +99,16 @@ def close(self:DeferredGathers):
     for h in self._hooks: h.remove()
     for m in self.module.modules(): _unwatch(m)
     self._hooks = []
+
+# %% ../../nbs/40_zero_deferred.ipynb #c014
+def _piece_bounds(bk, pieces:int)->list: # [(start, end)] in a chunk, its end first
+    "Split each rank's chunk of `bk` into up to `pieces` ranges, last first (forward reaches a bucket's end first: buckets are in backward order)"
+    C = bk.partition.shard_numel
+    n = max(1, min(pieces, len(bk.params), C)) if bk.world_size > 1 else 1
+    step = -(-C // n)
+    return [(a, min(a + step, C)) for a in reversed(range(0, C, step))] or [(0, C)]
+
+def _piece_params(part, a:int, b:int)->list:
+    "The parameters with elements in `[a, b)` of some rank's chunk: those a gather of that piece writes"
+    C, ranks = part.shard_numel, range(part.world_size)
+    return [p for p, s, e in zip(part.params, part.offsets, part.offsets[1:]) if any(max(s, r * C + a) < min(e, r * C + b) for r in ranks)]

@@ -11,7 +11,7 @@ from ..reducer import BucketReducer, plan_buckets, _group_of
 from .partition import FlatPartition, shard_grad_norm, clip_shards
 from ..memory import storage_bytes
 from .base import OptimizerSlot, Fragment, Piece
-from .deferred import DeferredGathers
+from .deferred import DeferredGathers, _piece_bounds, _piece_params
 from fastcore.basics import patch
 
 # %% auto #0
@@ -148,19 +148,6 @@ class ZeroStage1(OptimizerSlot):
 
     def __repr__(self): return (f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
                                 f'{len(self.buckets)} buckets over {self.world_size} ranks)')
-
-# %% ../../nbs/40_zero_stage1.ipynb #c012p
-def _piece_bounds(bk, pieces:int)->list: # [(start, end)] in a chunk, its end first
-    "Split each rank's chunk of `bk` into up to `pieces` ranges, last first (forward reaches a bucket's end first: buckets are in backward order)"
-    C = bk.partition.shard_numel
-    n = max(1, min(pieces, len(bk.params), C)) if bk.world_size > 1 else 1
-    step = -(-C // n)
-    return [(a, min(a + step, C)) for a in reversed(range(0, C, step))] or [(0, C)]
-
-def _piece_params(part:FlatPartition, a:int, b:int)->list:
-    "The parameters with elements in `[a, b)` of some rank's chunk: those a gather of that piece writes"
-    C, ranks = part.shard_numel, range(part.world_size)
-    return [p for p, s, e in zip(part.params, part.offsets, part.offsets[1:]) if any(max(s, r * C + a) < min(e, r * C + b) for r in ranks)]
 
 # %% ../../nbs/40_zero_stage1.ipynb #c014
 @patch
