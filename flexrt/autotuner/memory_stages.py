@@ -5,6 +5,7 @@
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c002
 from __future__ import annotations
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from ..config import load_config
 
@@ -60,6 +61,7 @@ class Setting:
     reduce_bucket_size: int; prefetch: int; persistence: int; reuse: int; live: int
     accumulation: int = 1   # micro-steps per optimizer step
     cuda: bool = False      # torch's optimizers step every tensor at once (foreach) on CUDA
+    overlap: bool = False   # stage 2: up to two buckets' reductions in flight (overlap_comm); else each waited at once
 
 def setting(config:dict, world_size:int, device:str='cpu')->tuple: # (Setting, the validated FlexConfig)
     "The memory-relevant settings of `config` on `world_size` ranks of `device` (gloo on CPU runs point-to-point)"
@@ -70,7 +72,7 @@ def setting(config:dict, world_size:int, device:str='cpu')->tuple: # (Setting, t
     if gas is None and cfg.batch.train_batch_size is not None: gas = cfg.resolve_batch(world_size).batch.gradient_accumulation_steps
     return Setting(z.stage, world_size, 2 if half else 4, masters, device == 'cpu' and world_size > 1, z.reduce_bucket_size,
                    z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, z.stage3_max_reuse_distance,
-                   z.stage3_max_live_parameters, gas or 1, device == 'cuda'), cfg
+                   z.stage3_max_live_parameters, gas or 1, device == 'cuda', bool(z.overlap_comm)), cfg
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c012
 def pad(numel:int, world_size:int)->int: return -(-numel // world_size) * world_size
@@ -133,11 +135,15 @@ def stage0(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     return bd, dict(init=init, backward=bwd, step=step)
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c023
-def _launch(t:Tally, s:Setting, members:list, padded:int, received:int, n:list, level:float):
-    "A bucket's reduction starts; stage 2 first copies its gradients into a new buffer (they live until the launch returns)"
+def _launch(t:Tally, s:Setting, members:list, padded:int, received:int, n:list, level:float, flight:deque):
+    "A bucket's reduction starts; stage 2 first finishes the oldest of two in flight, copies its gradients into a new buffer (they live until the launch returns)"
     if s.stage == 1: t.add(received); return
-    t.add(padded * s.itemsize + received).see(level)
+    while len(flight) >= 2: t.add(-flight.popleft())   # `Stage2Reducer._start`: the oldest reduction finishes, its buffers go
+    nbytes = padded * s.itemsize + received
+    t.add(nbytes).see(level)
     t.add(-sum(n[i] for i in members) * s.itemsize)
+    if s.overlap: flight.append(nbytes)
+    else: t.add(-nbytes)   # waited at once: bucket, output and receives go
 
 def _step12(pr:ModelProfile, s:Setting, static:float, hold:float, shards:list, sd:int)->Tally:
     "The optimizer steps each bucket's chunk; its updated copy is held for the all-gather until all finish"
@@ -176,7 +182,7 @@ def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {
     received = [p * w if s.p2p or W == 1 else sh * w for p, sh in zip(padded, shards)]   # output chunk (+ p2p receives)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     held = s.stage == 2 and s.accumulation > 1   # the last micro-step starts with the accumulated gradients in p.grad
-    arrived, nxt = [0] * len(buckets), 0
+    arrived, nxt, flight = [0] * len(buckets), 0, deque()
     t = Tally(sum(bd.values())).add(sum(n[i] for i in T) * w if held else 0).see(fwd)
     for i, before, after in events:
         t.see(before)
@@ -185,7 +191,7 @@ def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {
             arrived[b] += 1
             if s.stage == 2 and not held: t.add(n[i] * w)   # autograd's gradient waits for its bucket
             while nxt < len(buckets) and arrived[nxt] == len(buckets[nxt]):
-                _launch(t, s, buckets[nxt], padded[nxt], received[nxt], n, after); nxt += 1
+                _launch(t, s, buckets[nxt], padded[nxt], received[nxt], n, after, flight); nxt += 1
         t.see(after)
     t.see(tail)
     return bd, dict(init=_init12(pr, s, buckets, padded, shards), backward=t, step=_step12(pr, s, sum(bd.values()), hold, shards, sd))

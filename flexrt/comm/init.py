@@ -97,8 +97,8 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
 def destroy_process_group(group=None):
     "Destroy `group`, or with None the default group, flexrt.comm's choice of backend and all it learned about groups"
     if group is not None:
-        comm_state.forget(group)
+        comm_state.forget(group)   # its p2p thread finishes the ops queued on it first
         return (comm_state.backend or comm_state.active()).destroy_process_group(group)
     b = comm_state.backend if isinstance(comm_state.backend, TorchBackend) else comm_state.torch
+    comm_state.forget()   # p2p threads finish while the groups live; a new process group starts its tags from zero
     if tdist.is_available() and tdist.is_initialized(): b.destroy_process_group()
-    comm_state.forget()   # a new process group starts its p2p tags from zero on every rank

@@ -4,34 +4,112 @@
 
 # %% ../../nbs/04_comm_p2p.ipynb #c003
 from __future__ import annotations
+import collections, threading
 import torch
+from fastcore.basics import patch
 from .backends import ReduceOp
 from .logger import timed_op
 from .state import comm_state
 from .wrappers import get_world_size, get_rank, get_global_rank, get_backend
 
 # %% auto #0
-__all__ = ['P2PWork', 'prefers_p2p', 'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p']
+__all__ = ['P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads', 'prefers_p2p', 'reduce_scatter_tensor_p2p',
+           'all_gather_into_tensor_p2p']
 
 # %% ../../nbs/04_comm_p2p.ipynb #c006
 class P2PWork:
     "The handle of an op made of point-to-point messages: `wait()` waits for them all, then finishes the op"
+    finish_when_reported = True   # every rank started it: the comms logger may wait for it before reporting
     def __init__(self, works:list, finish=None): self._works, self._finish, self._done = works, finish, False
     def wait(self, timeout=None)->bool:
         if not self._done:
             for w in self._works: w.wait()
             if self._finish is not None: self._finish()
-            self._done = True
+            self._works, self._finish, self._done = [], None, True   # let go of the messages' tensors at once
         return True
     def is_completed(self)->bool: return self._done
     def get_future(self): raise RuntimeError("an op made of point-to-point messages has no future: call wait()")
 
 # %% ../../nbs/04_comm_p2p.ipynb #c009
-def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each; the works of all messages
-    if not sends and not recvs: return []
-    b, tag = comm_state.backend or comm_state.active(), comm_state.next_tag(group)
+def _post(b, tag:int, sends:dict, recvs:dict, group)->list:
+    "Post the messages of one op on backend `b` under `tag`; their works"
     works = [b.isend(t, get_global_rank(group, j), group, tag) for j, t in sends.items()]
     return works + [b.irecv(t, get_global_rank(group, j), group, tag) for j, t in recvs.items()]
+
+def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each; the works of all messages
+    if not sends and not recvs: return []
+    return _post(comm_state.backend or comm_state.active(), comm_state.next_tag(group), sends, recvs, group)
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010b
+class P2PThread:
+    "Runs one group's direct-message ops in the order they were started, on a daemon thread that lives while some are queued"
+    def __init__(self): self._jobs, self._lock, self._thread, self._started = collections.deque(), threading.Lock(), None, []
+    def submit(self, job):
+        "Queue `job`; start the thread if none is running"
+        with self._lock:
+            self._jobs.append(job)
+            if self._thread is not None: return
+            self._thread = threading.Thread(target=self._run, name='flexrt-p2p', daemon=True)
+            self._started = [t for t in self._started if t.is_alive()] + [self._thread]
+            self._thread.start()
+    def _run(self):
+        while True:
+            with self._lock:
+                if not self._jobs: self._thread = None; return   # drained: this thread ends, the next submit starts one
+                job = self._jobs.popleft()
+            job()
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010b2
+@patch
+def close(self:P2PThread):
+    "Wait until the ops queued so far ran and every thread this runner started has ended"
+    with self._lock: threads = list(self._started)
+    for t in threads:
+        if t is not threading.current_thread(): t.join()
+
+@patch(as_prop=True)
+def running(self:P2PThread)->bool: return self._thread is not None   # a thread is working through the queue
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010c
+class ThreadedOp:
+    "One op run by a `P2PThread`: `wait()` blocks until the thread finished it, lets go of its tensors and re-raises what it raised"
+    def __init__(self, run): self._run, self._event, self._error = run, threading.Event(), None
+    def __call__(self):
+        try: self._run()
+        except BaseException as e: self._error = e
+        finally: self._event.set()   # the closure (its tensors) stays until wait(): memory is freed when the caller waits, not when the thread happens to finish
+    def wait(self):
+        self._event.wait()
+        self._run = None
+        if self._error is not None: raise self._error
+    def is_completed(self)->bool: return self._event.is_set()
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010e
+def _thread_of(group)->P2PThread:
+    "The group's p2p thread, started on first use"
+    thread = comm_state.p2p_threads.get(group)
+    if thread is None: thread = comm_state.p2p_threads[group] = P2PThread()
+    return thread
+
+def _start(sends:dict, recvs:dict, group, finish=None, async_op:bool=True)->P2PWork:
+    "Start one op's messages (on the group's thread when asynchronous on gloo); its handle, which runs `finish` once done"
+    if not sends and not recvs: return P2PWork([], finish)
+    b, tag = comm_state.backend or comm_state.active(), comm_state.next_tag(group)   # the tag: in call order, here
+    if not (async_op and comm_state.p2p_threaded and get_backend(group) == 'gloo'):
+        return P2PWork(_post(b, tag, sends, recvs, group), finish)
+    def run():
+        for w in _post(b, tag, sends, recvs, group): w.wait()
+        if finish is not None: finish()
+    op = ThreadedOp(run)
+    _thread_of(group).submit(op)
+    return P2PWork([op])
+
+# %% ../../nbs/04_comm_p2p.ipynb #c010f
+def join_p2p_threads(*groups):
+    "Wait until the p2p threads of `groups` (none given: every group's) ran the ops queued on them and ended"
+    for g in (groups or list(comm_state.p2p_threads)):
+        thread = comm_state.p2p_threads.get(g)
+        if thread is not None: thread.close()
 
 # %% ../../nbs/04_comm_p2p.ipynb #c012
 def prefers_p2p(group=None)->bool:
@@ -41,6 +119,11 @@ def prefers_p2p(group=None)->bool:
 def _chunks(t:torch.Tensor, n:int, name:str)->tuple:
     if not t.is_contiguous() or t.shape[0] % n: raise ValueError(f"{name} must be contiguous with a first dimension divisible by {n}, got {tuple(t.shape)}")
     return t.chunk(n)
+
+def _slots(t:torch.Tensor, n:int, name:str)->tuple:
+    "The `n` places a gather writes: the chunks of a contiguous tensor, or the rows of an `(n, k)` one whose rows are contiguous"
+    if t.dim() == 2 and t.shape[0] == n and (t.stride(1) == 1 or t.shape[1] < 2): return t.unbind(0)
+    return _chunks(t, n, name)
 
 # %% ../../nbs/04_comm_p2p.ipynb #c014
 @timed_op
@@ -54,16 +137,16 @@ def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_
     def finish():
         output.copy_(chunks[me])
         for j in sorted(received): output.add_(received[j])
-    work = P2PWork(_exchange({j: chunks[j] for j in received}, received, group), finish)
+    work = _start({j: chunks[j] for j in received}, received, group, finish, async_op)
     return work if async_op else work.wait() and None
 
 # %% ../../nbs/04_comm_p2p.ipynb #c016
 @timed_op
 def all_gather_into_tensor_p2p(output_tensor, input_tensor, group=None, async_op=False, *, prof=False, log_name=None):
-    "`all_gather_into_tensor` by direct messages: rank r sends its input to every rank and receives theirs in place"
+    "`all_gather_into_tensor` by direct messages: rank r sends its input to every rank and receives theirs in place (`output_tensor` may also be `(N, k)` with contiguous rows: a piece of each rank's chunk of a larger buffer)"
     n, me = get_world_size(group), get_rank(group)
-    slots = _chunks(output_tensor, n, 'output_tensor')
+    slots = _slots(output_tensor, n, 'output_tensor')
     if slots[me].shape != input_tensor.shape: raise ValueError(f"input_tensor has shape {tuple(input_tensor.shape)}, a chunk of output {tuple(slots[me].shape)}")
     slots[me].copy_(input_tensor)
-    work = P2PWork(_exchange({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group))
+    work = _start({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group, None, async_op)
     return work if async_op else work.wait() and None

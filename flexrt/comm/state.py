@@ -20,6 +20,8 @@ class CommState:
         self.backend: CommBackend|None = None  # set explicitly (init_distributed, set_comm_backend); None: follow torch
         self.env: DistEnv|None = None          # what init_distributed found; None before it runs
         self.p2p_tags: dict = {}               # per group: how many direct-message ops it has started
+        self.p2p_threads: dict = {}            # per group: the P2PThread running its direct-message ops (gloo) while some are queued
+        self.p2p_threaded: bool = True         # False: direct-message ops run on the calling thread
         self.single, self.torch = SingleProcessBackend(), TorchBackend()  # what calls go to when none is set
 
     def active(self)->CommBackend:
@@ -47,9 +49,14 @@ def next_tag(self:CommState, group)->int:
 # %% ../../nbs/04_comm_state.ipynb #c012
 @patch
 def forget(self:CommState, group=None):
-    "Forget `group`'s tag counter; with None, every counter, the backend chosen, the env found and what torch's backend learned"
-    if group is not None: self.p2p_tags.pop(group, None); return
-    self.p2p_tags.clear()
+    "Forget `group`'s tag counter and join its p2p thread; with None, every group's, the backend, the env and torch's backend"
+    if group is not None:
+        self.p2p_tags.pop(group, None)
+        thread = self.p2p_threads.pop(group, None)
+        if thread is not None: thread.close()   # waits for the ops queued on it; the thread has ended
+        return
+    for thread in self.p2p_threads.values(): thread.close()
+    self.p2p_threads.clear(); self.p2p_tags.clear()
     self.torch = TorchBackend()
     self.backend, self.env = None, None
 
@@ -65,6 +72,7 @@ def forget_single_process(self:CommState):
 # %% ../../nbs/04_comm_state.ipynb #c018
 comm_state = CommState()
 os.register_at_fork(after_in_child=comm_state.forget_single_process)
+os.register_at_fork(after_in_child=comm_state.p2p_threads.clear)   # threads do not survive a fork: a child starts its own
 
 # %% ../../nbs/04_comm_state.ipynb #c020
 def get_comm_backend()->CommBackend:

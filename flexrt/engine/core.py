@@ -64,7 +64,9 @@ class Engine(torch.nn.Module):
         self._setup_parts()
 
     def __getattr__(self, name:str):
-        "Attributes the engine lacks come from the model, as in DeepSpeed"
+        "Attributes the engine lacks come from the model, as in DeepSpeed; the model's parameters are whole when read here"
+        slot = self.__dict__.get('optimizer')
+        if slot is not None and not name.startswith('__'): slot.wait_for_params()   # gathers left in flight finish
         try: return torch.nn.Module.__getattr__(self, name)
         except AttributeError:
             module = self.__dict__['_modules'].get('module')
@@ -148,7 +150,8 @@ def forward(self:Engine, *inputs, **kwargs):
     self.clock.start()
     cast = self.precision.cast_inputs
     with self.timers('forward'):
-        return self.module(*cast(inputs), **self.layer_drop.forward_kwargs(cast(kwargs)))
+        model = self._modules['module']   # not `self.module`, which waits for every gather in flight: forward's hooks wait
+        return model(*cast(inputs), **self.layer_drop.forward_kwargs(cast(kwargs)))
 
 @patch
 def backward(self:Engine, loss:torch.Tensor, # the micro-batch's loss (a scalar tensor)
@@ -318,10 +321,11 @@ def save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin
 # %% ../../nbs/30_engine_core.ipynb #c027
 @patch
 def close(self:Engine):
-    "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, restore the comms logger, close the monitors"
+    "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, end the p2p threads, restore the comms logger, close the monitors"
     if self._closed: return
     self.optimizer.close()
     self.expert_groups.close()
+    dist.join_p2p_threads()   # no direct-message thread outlives the engine
     self.monitor.close()
     if self._comms_before is not None: dist.configure(self._comms_before)
     self._closed = True

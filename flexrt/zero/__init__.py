@@ -59,7 +59,7 @@ def _stage12(a:SlotArgs)->ZeroStage1:
     return cls(a.module, a.optimizer, a.precision, a.group, a.expert_groups, a.mpu,
                bucket_bytes=a.config.reduce_bucket_size * a.precision.dtype.itemsize,
                gradient_predivide_factor=a.gradient_predivide_factor, overlap_comm=bool(a.config.overlap_comm),
-               reduce_scatter=a.config.reduce_scatter)
+               reduce_scatter=a.config.reduce_scatter, defer_gather=True)   # forward follows: it waits bucket by bucket
 
 def _stage3(a:SlotArgs)->OptimizerSlot:
     from flexrt.zero.stage3 import Stage3Optimizer   # imported when used: it installs module hooks machinery

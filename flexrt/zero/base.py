@@ -92,6 +92,10 @@ def gathered(self:OptimizerSlot, tensors:list, # model parameters
 def quiesce(self:OptimizerSlot):
     "Finish work in flight on the model's parameters before a load overwrites the slot's tensors"
 
+@patch
+def wait_for_params(self:OptimizerSlot):
+    "Finish updates of the model's parameters left in flight (stages 1-2 defer their all-gathers): reads see the new values"
+
 @patch(as_prop=True)
 def param_groups(self:OptimizerSlot)->list: return [] if self.optimizer is None else self.optimizer.param_groups
 @patch(as_prop=True)

@@ -4,12 +4,14 @@
 
 # %% ../../nbs/40_zero_stage1.ipynb #c003
 from __future__ import annotations
+import contextlib
 import torch
 from .. import comm as dist
 from ..reducer import BucketReducer, plan_buckets, _group_of
 from .partition import FlatPartition, shard_grad_norm, clip_shards
 from ..memory import storage_bytes
 from .base import OptimizerSlot, Fragment, Piece
+from .deferred import DeferredGathers, _piece_bounds, _piece_params
 from fastcore.basics import patch
 
 # %% auto #0
@@ -19,6 +21,8 @@ __all__ = ['ALGORITHMS', 'PER_PARAMETER', 'ShardReducer', 'ZeroStage1']
 class _Done:
     "The handle of a reduction that needed no collective (a group of one rank)"
     def wait(self): pass
+
+_FINISHED = _Done()
 
 ALGORITHMS = ('native', 'p2p', 'all_reduce')
 
@@ -53,6 +57,7 @@ class ShardReducer(BucketReducer):
         "Wait for the chunk, average it and store it in `bucket.grad_shard` (a bucket already finished is skipped)"
         if getattr(bucket, 'received', None) is None: return
         bucket.work.wait()
+        bucket.work = _FINISHED   # the handle may hold the buffers it sent and received: drop it now, not at the round's end
         received, bucket.received = bucket.received, None
         rest = self.world_size / self.predivide
         if rest != 1: received.div_(rest)
@@ -115,7 +120,9 @@ class ZeroStage1(OptimizerSlot):
                  gradient_predivide_factor:float=1., # divide gradients by this before the reduction, the rest after
                  overlap_comm:bool=True, # stage 2: reduce buckets while backward runs (stage 1 always does)
                  reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk (3Ψ, not 2Ψ)
-                 collectives:str='auto'): # 'native', 'p2p', 'all_reduce' (see `ShardReducer`), 'auto': p2p on gloo
+                 collectives:str='auto', # 'native', 'p2p', 'all_reduce' (see `ShardReducer`), 'auto': p2p on gloo
+                 defer_gather:bool=False, # leave the parameter all-gathers in flight until forward needs them (the engine does)
+                 gather_pieces:int=4): # deferred p2p gathers: split each bucket's into this many (at most), waited piece by piece
         if collectives not in ('auto', *ALGORITHMS):
             raise ValueError(f"collectives must be 'auto' or one of {ALGORITHMS}, got {collectives!r}")
         if optimizer is None: raise ValueError(f"ZeRO stage {self.stage} partitions an optimizer's state: pass optimizer= to initialize() or add an 'optimizer' block")
@@ -136,6 +143,8 @@ class ZeroStage1(OptimizerSlot):
         for gi, group_ in enumerate(optimizer.param_groups): group_['params'] = [bk.master for bk in self.buckets if bk.param_group == gi]
         self._setup_gradients()
         self.reducer = self._make_reducer(gradient_predivide_factor)
+        for bk in self.buckets: bk.pieces = _piece_bounds(bk, gather_pieces if defer_gather and collectives == 'p2p' else 1)
+        self.deferred = DeferredGathers(module, [_piece_params(bk.partition, *ab) for bk in self.buckets for ab in bk.pieces]) if defer_gather else None
 
     def __repr__(self): return (f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
                                 f'{len(self.buckets)} buckets over {self.world_size} ranks)')
@@ -177,21 +186,40 @@ def clip_grad_norm(self:ZeroStage1, max_norm:float)->tuple: # (norm before clipp
 # %% ../../nbs/40_zero_stage1.ipynb #c020
 @patch
 @torch.no_grad()
-def _launch_gather(self:ZeroStage1, bk):
-    "Start the all-gather of one bucket's parameter buffer (its chunk from the masters); its handle, or None if local"
-    if bk.world_size > 1 and self.collectives == 'all_reduce': work = _gather_via_all_reduce(bk)
+def _launch_gather(self:ZeroStage1, bk)->list: # a handle per piece (None: nothing in flight)
+    "Start the all-gather of one bucket's parameter buffer (its chunk from the masters), piece by piece (`bk.pieces`)"
+    if bk.world_size > 1 and self.collectives == 'all_reduce': works = [_gather_via_all_reduce(bk)]
     else:
         send = bk.master.detach().to(bk.dtype, copy=True)
-        if bk.world_size == 1: bk.param_buffer.copy_(send); return None
-        gather = dist.all_gather_into_tensor_p2p if self.collectives == 'p2p' else dist.all_gather_into_tensor
-        work = gather(bk.param_buffer, send, group=bk.group, async_op=True)
+        if bk.world_size == 1: bk.param_buffer.copy_(send); return [None]
+        if len(bk.pieces) > 1:   # p2p: each piece lands in its columns of the (ranks x chunk) buffer
+            rows = bk.param_buffer.view(bk.world_size, -1)
+            works = [dist.all_gather_into_tensor_p2p(rows[:, a:b], send[a:b], group=bk.group, async_op=True) for a, b in bk.pieces]
+        else:
+            gather = dist.all_gather_into_tensor_p2p if self.collectives == 'p2p' else dist.all_gather_into_tensor
+            works = [gather(bk.param_buffer, send, group=bk.group, async_op=True)]
     self.comm_bytes += bk.param_buffer.nbytes
-    return work
+    return works
+
+@patch
+def wait_for_params(self:ZeroStage1):
+    "Finish the parameter all-gathers left in flight: the model's parameters are whole afterwards"
+    if self.deferred is not None: self.deferred.wait_all()
+
+@patch
+def quiesce(self:ZeroStage1): self.wait_for_params()
+
+@patch
+def gathered(self:ZeroStage1, tensors:list, modifier_rank:int|None=None):
+    "The parameters are whole here once the gathers in flight finished (nothing is partitioned)"
+    self.wait_for_params()
+    return contextlib.nullcontext()
 
 @patch
 def _gather_params(self:ZeroStage1):
-    "Write the masters into this rank's chunk and all-gather every bucket's parameter buffer"
-    works = [self._launch_gather(bk) for bk in self.buckets]
+    "Write the masters into this rank's chunk and all-gather every bucket's parameter buffer (waits for them)"
+    self.wait_for_params()
+    works = [w for bk in self.buckets for w in self._launch_gather(bk)]
     for w in works:
         if w is not None: w.wait()
 
@@ -217,15 +245,18 @@ def _step_bucket(optimizer, bk):
 
 @patch
 def step(self:ZeroStage1):
-    "The optimizer step on this rank's masters, then the updated parameters all-gathered into the model"
+    "The optimizer step on this rank's masters, then the all-gathers of the updated parameters (left in flight if deferred)"
+    self.wait_for_params()
     if len(self.buckets) < 2 or type(self.optimizer).__name__ not in PER_PARAMETER:
-        self.optimizer.step(); self._gather_params(); return
-    works = []
-    for bk in self.buckets:
-        _step_bucket(self.optimizer, bk)
-        works.append(self._launch_gather(bk))
-    for w in works:
-        if w is not None: w.wait()
+        self.optimizer.step(); works = [w for bk in self.buckets for w in self._launch_gather(bk)]
+    else:
+        works = []
+        for bk in self.buckets:
+            _step_bucket(self.optimizer, bk)
+            works += self._launch_gather(bk)
+    if self.deferred is None: works = [w.wait() for w in works if w is not None]
+    else:
+        for i, w in enumerate(works): self.deferred.launch(i, w)
 
 # %% ../../nbs/40_zero_stage1.ipynb #c023
 @patch
@@ -236,8 +267,10 @@ def zero_grad(self:ZeroStage1, set_to_none:bool=True):
 
 @patch
 def close(self:ZeroStage1):
-    "Remove the hooks and drop every gradient (the model keeps its parameters)"
+    "Finish the gathers in flight, remove the hooks and drop every gradient (the model keeps its parameters)"
+    if self.deferred is not None: self.deferred.close()
     self.reducer.close()
+    dist.join_p2p_threads()   # the direct-message threads ran their last ops: none outlives the slot
     for bk in self.buckets:
         bk.master.grad = None
         for p in bk.params: p.grad = None
@@ -258,7 +291,8 @@ def memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_s
 # %% ../../nbs/40_zero_stage1.ipynb #c030
 @patch
 def fragments(self:ZeroStage1)->list: # [Fragment] one per bucket: this rank's master chunk
-    "Each bucket's master and the pieces of parameters its chunk holds"
+    "Each bucket's master and the pieces of parameters its chunk holds (after the gathers in flight finished)"
+    self.wait_for_params()
     out = []
     for bk in self.buckets:
         part = bk.partition

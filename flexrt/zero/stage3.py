@@ -215,6 +215,7 @@ def sync_model(self:Stage3Optimizer):
 def close(self:Stage3Optimizer):
     "Remove the hooks, give the module its full parameters (current values) and the torch optimizer its own; drops its state"
     self.partitioner.close()
+    dist.join_p2p_threads()   # the direct-message threads ran their last ops: none outlives the slot
     if self.optimizer is not None:
         for g, mine in zip(self.optimizer.param_groups, self.groups):
             self.optimizer.state.pop(mine['master'], None); g['params'] = mine['original']

@@ -71,6 +71,7 @@ class ParameterPartitioner:
         self._trainable = {p for p in trainable}
         self._build_units()
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
+        self._order, self.num_retraces = {}, 0   # this forward's units that gather something, in order; times the trace changed
         self._in_backward, self.partitioned, self.comm_bytes = False, False, 0   # comm_bytes: gathered + reduce-scattered
         self.on_modified = None   # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
 
@@ -162,6 +163,7 @@ def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     if again: self._begin_backward()   # on the outer backward (a reentrant checkpoint runs its own inside)
     elif not self._traced: self._record(unit)
     if not unit.records: return
+    if torch.is_grad_enabled(): self._order.setdefault(unit.index, unit)   # compared with the trace when backward begins
     for r in unit.records: r.active += 1
     gather_records(unit.records, owner=self)
     if not again: self._prefetch(unit, +1)
@@ -204,6 +206,8 @@ def _begin_backward(self:ParameterPartitioner):
     "Once per backward: ask autograd to call `_end_backward` when it is done"
     if self._in_backward: return
     if not self._traced: self._finish_trace(); self._plan_keep()
+    else: self._retrace()
+    self._order = {}
     self._in_backward, self._traced = True, True
     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -220,6 +224,16 @@ def _plan_keep(self:ParameterPartitioner):
     for unit in reversed(self.trace):
         if 2 * between >= self.max_reuse_distance or live + unit.numel > self.max_live_numel: break
         self._keep.add(unit.index); live += unit.numel; between += unit.numel
+
+# %% ../../nbs/42_zero3_params.ipynb #c031r
+@patch
+def _retrace(self:ParameterPartitioner):
+    "The forward just run used the units in another order than the trace: it becomes the trace (prefetch and keep follow)"
+    order = list(self._order.values())
+    if not order or [u.index for u in order] == [u.index for u in self.trace]: return
+    self.trace, self._position = order, {u.index: i for i, u in enumerate(order)}
+    self._keep = set(); self._plan_keep()
+    self.num_retraces += 1
 
 # %% ../../nbs/42_zero3_params.ipynb #c032
 @patch

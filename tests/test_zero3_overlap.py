@@ -1,0 +1,90 @@
+"""ZeRO-3 overlaps its communication with compute, in the order the first forward recorded (not the registration order):
+when a module's forward starts, the next module's gather is already in flight and the later ones are not started;
+when a module's backward starts, the gather of the module before it is in flight; each module's gradient
+reduce-scatter is launched as soon as its gradients are in and left in flight while the rest of backward runs, then
+finished when backward ends. Losses and parameters stay equal to stage 0 (2 gloo ranks)."""
+import torch, torch.nn as nn, torch.nn.functional as F
+from helpers import run_distributed
+
+ORDER = 'dbac'   # forward order; registration order is abcd
+
+class Shuffled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+    def forward(self, x):
+        for name in ORDER: x = torch.tanh(getattr(self, name)(x))
+        return x
+
+def _state(records)->str:
+    "'full', 'flight' (a gather started, not finished) or 'none' for a module's records"
+    if all(r.pending is not None for r in records): return 'flight'
+    if all(r.full for r in records): return 'full'
+    assert all(r.pending is None and not r.full for r in records), [(r.pending, r.full) for r in records]
+    return 'none'
+
+def overlap_rank(rank, world):
+    import flexrt
+    g = torch.Generator().manual_seed(rank)
+    X, Y = torch.randn(3, 4, 8, generator=g), torch.randn(3, 4, 8, generator=g)
+    runs = {}
+    for stage in (0, 3):
+        model = Shuffled()
+        config = {'train_batch_size': 4 * world, 'steps_per_print': 1000, 'optimizer': {'type': 'AdamW', 'params': {'lr': 0.05}},
+                  'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0}}
+        engine, *_ = flexrt.initialize(model=model, config=config)
+        seen = {'forward': [], 'backward': []}
+        if stage == 3:
+            part = engine.optimizer.partitioner
+            unit = {n: next(u for u in part.units if u.module is getattr(model, n)) for n in 'abcd'}
+            gp = {n: part._grad_part[id(unit[n].records[0])] for n in 'abcd'}
+            def at_forward(name, module, args):   # runs after the partitioner's own pre-hook (it is prepended)
+                seen['forward'].append((name, {n: _state(unit[n].records) for n in 'abcd' if n != name}))
+            arrived = {n: 0 for n in 'abcd'}
+            def at_grad(name, p):   # after the partitioner's gradient hook of each parameter: look once both are in
+                arrived[name] += 1
+                if arrived[name] % 2: return
+                launched = {n: (gp[n].reduce is not None and gp[n].reduce.out is not None,
+                                gp[n].reduce is not None and gp[n].reduce.work is not None and not gp[n].reduce.work.is_completed())
+                            for n in 'abcd'}
+                seen['backward'].append((name, {n: _state(unit[n].records) for n in 'abcd' if n != name}, launched))
+            for n in 'abcd':
+                getattr(model, n).register_forward_pre_hook(lambda m, a, n=n: at_forward(n, m, a))
+                for p in getattr(model, n).parameters(): p.register_post_accumulate_grad_hook(lambda p, n=n: at_grad(n, p))
+        losses = []
+        for s in range(3):
+            for k in seen: seen[k].clear()
+            loss = F.mse_loss(engine(X[s]), Y[s]); engine.backward(loss)
+            after = [gp[n].reduce for n in 'abcd'] if stage == 3 else []
+            engine.step(); losses.append(loss.item())
+        if stage == 3:
+            from flexrt.zero.stage3_params import GatheredParameters
+            with GatheredParameters(engine.module.parameters()): params = [p.detach().clone() for p in engine.module.parameters()]
+        else: params = [p.detach().clone() for p in engine.module.parameters()]
+        trace = ''.join(next(n for n in 'abcd' if getattr(model, n) is u.module) for u in part.trace) if stage == 3 else None
+        engine.close()
+        runs[stage] = (losses, params, dict(seen), trace, after)
+    return runs
+
+def test_stage3_prefetches_in_recorded_order_and_overlaps_reduce_scatter():
+    for runs in run_distributed(overlap_rank, 2, timeout=120):
+        (l0, p0, *_), (l3, p3, seen, trace, after) = runs[0], runs[3]
+        torch.testing.assert_close(torch.tensor(l3), torch.tensor(l0), rtol=1e-5, atol=1e-6)
+        for p, q in zip(p3, p0): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert trace == ORDER
+        # forward (third step): the next module in the recorded order is in flight, the earlier ones released, the later not started
+        assert [n for n, _ in seen['forward']] == list(ORDER)
+        for i, (name, states) in enumerate(seen['forward']):
+            nxt = ORDER[i + 1] if i + 1 < len(ORDER) else None
+            assert all(s == ('flight' if n == nxt else 'none') for n, s in states.items()), (name, states)
+        # backward: modules in reverse order; the one before each (in forward order) is being gathered
+        assert [n for n, *_ in seen['backward']] == list(reversed(ORDER))
+        for i, (name, states, launched) in enumerate(seen['backward']):
+            j = ORDER.index(name)
+            prev = ORDER[j - 1] if j > 0 else None
+            assert all(s == ('flight' if n == prev else 'none') for n, s in states.items()), (name, states)
+            done = set(ORDER[j:])   # this module and those whose backward already ran
+            # their reduce-scatters are launched and none has been waited on yet; the others are not started
+            assert all(launched[n] == ((True, True) if n in done else (False, False)) for n in ORDER), (name, launched)
+        assert after == [None] * 4   # backward's end finished every reduce-scatter
