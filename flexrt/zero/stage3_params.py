@@ -161,18 +161,17 @@ def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     self._stack.append(unit)
     again = _recomputing()
     if again: self._begin_backward()   # on the outer backward (a reentrant checkpoint runs its own inside)
-    elif not self._traced: self._record(unit)
+    else: self._record(unit)           # a recomputation is not the model's order
     if not unit.records: return
-    if torch.is_grad_enabled(): self._order.setdefault(unit.index, unit)   # compared with the trace when backward begins
     for r in unit.records: r.active += 1
     gather_records(unit.records, owner=self)
     if not again: self._prefetch(unit, +1)
 
 @patch
 def _record(self:ParameterPartitioner, unit:Unit):
-    "Until the first backward: the order of the last forward of the whole model (a reentrant checkpoint's no-grad part included)"
-    if unit.module is self.module: self.trace, self._position = [], {}   # a new forward of the model
-    if unit.index not in self._position: self._position[unit.index] = len(self.trace); self.trace.append(unit)
+    "The order of the last forward of the whole model (a reentrant checkpoint's no-grad part included): the trace at the first backward, compared with it at the later ones"
+    if unit.module is self.module: self._order = {}   # a new forward of the model
+    self._order.setdefault(unit.index, unit)
 
 @patch
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
@@ -207,14 +206,13 @@ def _begin_backward(self:ParameterPartitioner):
     if self._in_backward: return
     if not self._traced: self._finish_trace(); self._plan_keep()
     else: self._retrace()
-    self._order = {}
     self._in_backward, self._traced = True, True
     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
 @patch
 def _finish_trace(self:ParameterPartitioner):
     "The first forward's order of the units that gather something (the others only kept the stack)"
-    self.trace = [u for u in self.trace if u.records]
+    self.trace = [u for u in self._order.values() if u.records]
     self._position = {u.index: i for i, u in enumerate(self.trace)}
 
 @patch
@@ -229,7 +227,7 @@ def _plan_keep(self:ParameterPartitioner):
 @patch
 def _retrace(self:ParameterPartitioner):
     "The forward just run used the units in another order than the trace: it becomes the trace (prefetch and keep follow)"
-    order = list(self._order.values())
+    order = [u for u in self._order.values() if u.records]
     if not order or [u.index for u in order] == [u.index for u in self.trace]: return
     self.trace, self._position = order, {u.index: i for i, u in enumerate(order)}
     self._keep = set(); self._plan_keep()
