@@ -10,9 +10,8 @@ __all__ = ['memory_status', 'see_memory_usage', 'MemoryStatus', 'get_ma_status',
 import gc, os, threading, warnings, weakref
 from collections import deque
 from dataclasses import fields
-import torch
 from . import comm as dist
-from .memory_tracker import TensorMemoryTracker, active_tracker
+from .memory_tracker import TensorMemoryTracker
 from .memory_stats import MemorySnapshot, memory_snapshot, reset_peak_memory_stats, _memory_device, _tensor_stats
 from fastcore.basics import patch
 _all_ = ['MemorySnapshot', 'memory_snapshot', 'reset_peak_memory_stats']
