@@ -4,18 +4,17 @@
 
 # %% ../nbs/52_autotune_widget.ipynb #c003
 from __future__ import annotations
-import copy, json, os
+import copy, os
 import ipywidgets as W
 from . import monitor
-from .widgets import LiveView
-import html
 from .autotuner.space import parse_bytes, knob_choices
-from .autotune_view import (SearchView, SearchSettings, search_arguments, view_of_result, table_html, fill_metric,
-                                  fill_memory, search_plot, breakdown_html, METRICS, TABLE, MiB)
+from .autotune_view import SearchView, SearchSettings, search_arguments, breakdown_html, METRICS
+from .autotune_panel import SearchPanel, search_summary, _error_html
+_all_ = ['search_summary', 'SearchPanel']
 
 # %% auto #0
-__all__ = ['num_parameters', 'search_controls', 'settings_from_controls', 'search_summary', 'SearchPanel', 'MemoryPlanner',
-           'search_main', 'AutotuneWidget']
+__all__ = ['num_parameters', 'search_controls', 'settings_from_controls', 'MemoryPlanner', 'search_main', 'AutotuneWidget',
+           'search_summary', 'SearchPanel']
 
 # %% ../nbs/52_autotune_widget.ipynb #c006
 def num_parameters(model_fn)->int: # builds one model
@@ -55,97 +54,6 @@ def _chosen_buckets(control)->tuple|None: # None: all of the autotuner's own cho
     if control is None or set(control.value) == {v for _, v in control.options}: return None
     if not control.value: raise ValueError('no bucket size selected: select one or more in "buckets tried"')
     return tuple(control.value)
-
-# %% ../nbs/52_autotune_widget.ipynb #c012
-_UNITS = {'throughput': 'samples/s', 'latency': 's/step', 'flops': 'FLOP/s'}
-
-def search_summary(view:SearchView)->str:
-    "How many trials, of which status, and the best so far"
-    trials, best = view.trials, view.best
-    if trials.empty: return 'no trials yet'
-    counts = ', '.join(f'{n} {s}' for s, n in trials['status'].value_counts().items())
-    if best is None: return f'{len(trials)} trials ({counts}); none fits yet'
-    return (f"{len(trials)} trials ({counts}); best {best['metric']:.4g} {_UNITS.get(view.metric_name, '')}: "
-            f"stage {int(best['stage'])}, micro-batch {int(best['micro_batch'])} (trial {int(best['trial'])})")
-
-def _error_html(error:BaseException)->str: return f'<span style="color:#b00020">{type(error).__name__}: {html.escape(str(error))}</span>'
-
-# %% ../nbs/52_autotune_widget.ipynb #c014
-class SearchPanel(LiveView):
-    "A search's trials, plots and best configuration, redrawn as its records arrive"
-    kinds = ('experiment',)
-    def __init__(self, view:SearchView|None=None, # the records shown; default: a new, empty one
-                 interval:float=0.25, # seconds between table updates while records arrive (a trial shows within about this)
-                 cpu_share:float=0.1): # share of one core the plots may use on average
-        super().__init__(records=view if view is not None else SearchView(), interval=interval, cpu_share=cpu_share)
-        self.view = self.records
-
-    def build(self)->W.Widget:
-        self.status, self.notice, self.table, self.plot, self.best_json = W.HTML(), W.HTML(), W.HTML(), W.HTML(), W.HTML()
-        self._live = None   # the live figure (a `Plot`), made at the first draw
-        self.sort = W.Dropdown(options=TABLE, value='trial', description='sort by', layout=W.Layout(width='240px'))
-        self.descending = W.Checkbox(value=False, description='descending', indent=False)
-        for control in (self.sort, self.descending): control.observe(lambda _: self.refresh(plots=False), 'value')
-        self.write_button = W.Button(description='write ds_config_optimal.json', icon='save', layout=W.Layout(width='240px'))
-        self.write_button.on_click(lambda _: self._act(self.write_config))
-        return W.VBox([self.status, W.HBox([self.sort, self.descending]),
-                       W.Box([self.table], layout=W.Layout(max_height='320px', overflow='auto')), self.plot,
-                       W.HBox([W.HTML('<b>Best configuration</b>'), self.write_button, self.notice]), self.best_json])
-
-    def _act(self, action):
-        "A button's action; its error is shown next to the buttons and kept on `.error`"
-        try: self.notice.value = html.escape(str(action() or ''))
-        except Exception as e: self.error, self.notice.value = e, _error_html(e)
-
-    def draw_text(self):
-        view = self.view
-        self.table.value = table_html(view.trials, (view.best or {}).get('trial'), view.metric_name, self.sort.value,
-                                      not self.descending.value)
-        config = view.best_config
-        self.best_json.value = '<i>none yet</i>' if config is None else f'<pre>{html.escape(json.dumps(config, indent=2))}</pre>'
-        self.status.value = search_summary(view)
-
-    def new_plot(self, layout=None): return search_plot()
-
-    def fill(self, plot):
-        trials = self.view.trials
-        return fill_memory(fill_metric(plot, trials, self.view.metric_name), trials, self.view.memory_budget)
-
-    @property
-    def trials(self): return self.view.trials              # one row per trial so far (a copy)
-    @property
-    def best_config(self): return self.view.best_config    # the best configuration so far, for `flexrt.initialize`
-
-    def write_config(self, path='ds_config_optimal.json')->str: # where it was written
-        "Write the best configuration as JSON (the button's action)"
-        config = self.best_config
-        if config is None: raise ValueError('no configuration fits yet: run the search (or wait for a trial to succeed) first')
-        with open(path, 'w') as f: json.dump(config, f, indent=2)
-        return f'wrote {path}'
-
-    def save(self, path)->list: # the files written
-        "Write the plots (autotune.png), the trials (trials.csv) and the best configuration into the folder `path`"
-        os.makedirs(path, exist_ok=True); written = ['autotune.png', 'trials.csv']
-        self.figure().savefig(os.path.join(path, 'autotune.png'), dpi=100)
-        trials = self.trials
-        for column in ('config', 'peak_bytes_per_rank'): trials[column] = trials[column].map(_json_cell)
-        trials.to_csv(os.path.join(path, 'trials.csv'), index=False)
-        if self.best_config is not None: self.write_config(os.path.join(path, 'ds_config_optimal.json')); written.append('ds_config_optimal.json')
-        return written
-
-    @classmethod
-    def from_result(cls, result, **kwargs): # an `AutotuneResult`; further arguments of the class
-        "Browse a finished (or interrupted) search"
-        panel = cls(view=view_of_result(result), **kwargs); panel.refresh()
-        return panel
-
-    @classmethod
-    def load(cls, results_dir='autotuning_results', **kwargs): # a search's folder, e.g. written by `flexrt autotune`
-        "Browse the search whose files are in `results_dir`"
-        from flexrt.autotuner.results import AutotuneResult
-        return cls.from_result(AutotuneResult.load(results_dir), **kwargs)
-
-def _json_cell(value): return json.dumps(value) if isinstance(value, (dict, list)) else value
 
 # %% ../nbs/52_autotune_widget.ipynb #c019
 class MemoryPlanner:

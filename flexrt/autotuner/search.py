@@ -5,115 +5,19 @@
 # %% ../../nbs/63_autotuner_search.ipynb #c002
 from __future__ import annotations
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from fastcore.basics import patch
 from .space import (Candidate, TuneSettings, DEEPSPEED_DEFAULT_KNOBS, micro_batch_ladder,
                                     gradient_accumulation, knob_choices, default_knobs, format_bytes)
+from .search_runs import FITS, Experiment, SearchDone, SearchRuns
+_all_ = ['FITS', 'Experiment', 'SearchDone']
 
 # %% auto #0
-__all__ = ['FITS', 'Experiment', 'Search', 'SearchDone', 'make_sampler']
+__all__ = ['Search', 'make_sampler', 'FITS', 'Experiment', 'SearchDone']
 
-# %% ../../nbs/63_autotuner_search.ipynb #c007
-@dataclass(frozen=True)
-class Experiment:
-    "One run the search asks for"
-    candidate:Candidate; phase:str
-
-FITS = 'ok'
-
-class Search:
+# %% ../../nbs/63_autotuner_search.ipynb #c016b
+class Search(SearchRuns):
     "The autotuner's strategy over one model; `plan()` yields lists of experiments and is sent their results"
-    def __init__(self, settings:TuneSettings, # the `autotuning` block, read by `tune_settings`
-                 base_config:dict|None=None, # the user's DeepSpeed config (each record carries the candidate's)
-                 predict=None, # callable(Candidate) -> predicted per-rank peak bytes, or None
-                 memory_budget:int|None=None, # per-rank bytes; None: no prediction-based pruning
-                 world_size:int=1, # data-parallel ranks of one experiment
-                 num_params:int=1, # parameters, to scale the ZeRO knobs
-                 tensor_sizes:list|None=None, # element counts of the parameter tensors
-                 micro_batches:list|None=None, # the micro-batch sizes to consider; None: the ladder within the bounds
-                 plateau:float=0.01, # the throughput sweep stops when a step gains less than this
-                 max_trials:int|None=None, # most runs (re-measure excluded); None: no limit
-                 storage:str|None=None, # Optuna storage URL (e.g. 'sqlite:///results/study.db'); None in memory
-                 seed:int=0, # the samplers' seed
-                 parallel:int=1, # experiments that run at once (sub-groups); the knob search asks this many
-                 measured:dict|None=None, # candidate key -> result of a run (a resumed search replays these)
-                 first_trial:int=0): # the number of the first record (a resumed search continues the count)
-        self.s, self.base, self.predict_fn, self.budget = settings, base_config or {}, predict, memory_budget
-        self.world_size, self.num_params, self.tensor_sizes = world_size, num_params, tensor_sizes
-        self.micro_batches, self.plateau, self.max_trials = micro_batches, plateau, max_trials
-        self.storage, self.seed, self.parallel, self.first_trial = storage, seed, max(1, parallel), first_trial
-        self.measured, self.records, self.runs, self.stopped = dict(measured or {}), [], 0, ''
-        self.candidates, self.record_of = {}, {}  # key -> Candidate, key -> its record (runs of this plan)
-        self.max_micro_batch, self.max_micro_batch_runs, self.stage_best, self.baseline, self.best = {}, {}, {}, None, None
-        self.skipped = []   # stages the progressive rule skipped (the knob search probes them once)
-
-    def score(self, result)->float: # higher is better
-        return -result.metric if self.s.lower_is_better else result.metric
-
-# %% ../../nbs/63_autotuner_search.ipynb #c009
-@patch
-def predicted(self:Search, c:Candidate)->int|None:
-    "The predicted per-rank peak of `c`, or None without a memory model"
-    return None if self.predict_fn is None else int(self.predict_fn(c))
-
-@patch
-def feasible(self:Search, c:Candidate)->bool:
-    "Whether `c` is predicted to fit the budget (True without a budget or a model)"
-    p = self.predicted(c) if self.budget is not None else None
-    return p is None or p <= self.budget
-
-@patch
-def candidate(self:Search, stage:int, micro_batch:int, **knobs)->Candidate:
-    "The point (stage, micro_batch) with the pre-knob-search knobs, overridden by `knobs`"
-    gas = gradient_accumulation(self.s, micro_batch, self.world_size)
-    base = {} if stage == 0 else default_knobs(self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes)   # within the knob search's choices
-    return Candidate(stage, micro_batch, gas, **{**base, **knobs})
-
-# %% ../../nbs/63_autotuner_search.ipynb #c012
-_RESULT_FIELDS = ('samples_per_s', 'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds')
-
-@patch
-def record(self:Search, e:Experiment, result=None, status:str|None=None, reason:str='')->dict:
-    "The trial record of `e` (run: `result`; pruned: `status='pruned'` and `reason`)"
-    c = e.candidate
-    rec = dict(trial=self.first_trial + len(self.records), phase=e.phase, stage=c.stage, micro_batch=c.micro_batch,
-               gradient_accumulation=c.gradient_accumulation, **c.knobs(),
-               status=status or result.status, reason=reason if result is None else result.reason,
-               metric_name=self.s.metric, metric=None if result is None else result.metric)
-    rec.update({k: getattr(result, k, None) for k in _RESULT_FIELDS})
-    rec.update(peak_bytes_measured=getattr(result, 'peak_bytes', None),
-               peak_bytes_per_rank=list(getattr(result, 'peak_bytes_per_rank', None) or []),
-               peak_bytes_predicted=self.predicted(c), config=c.to_config(self.base, self.world_size))
-    self.records.append(rec)
-    return rec
-
-# %% ../../nbs/63_autotuner_search.ipynb #c015
-class SearchDone(Exception): "The run limit is reached: the plan stops where it is"
-
-@patch
-def run(self:Search, experiments:list)->list: # results, in order (`yield from` it)
-    "Yield the experiments not measured yet; record and return every result"
-    for e in experiments: self.candidates.setdefault(e.candidate.key, e.candidate)
-    todo = [e for e in experiments if e.candidate.key not in self.measured]
-    todo = list({e.candidate.key: e for e in todo}.values())
-    if todo:
-        if self.max_trials is not None and self.runs + len(todo) > self.max_trials:
-            todo = todo[:max(0, self.max_trials - self.runs)]
-            if not todo: raise SearchDone(f'max_trials={self.max_trials} runs reached')
-        results = yield todo
-        assert len(results) == len(todo), f'{len(todo)} experiments were asked, {len(results)} results came back'
-        self.runs += len(todo)
-        for e, res in zip(todo, results):
-            self.measured[e.candidate.key], self.candidates[e.candidate.key] = res, e.candidate
-            self.record_of[e.candidate.key] = self.record(e, res)
-    return [self.measured.get(e.candidate.key) for e in experiments]
-
-@patch
-def run_one(self:Search, c:Candidate, phase:str):
-    "Measure one candidate (`yield from` it); its result"
-    results = yield from self.run([Experiment(c, phase)])
-    if results[0] is None: raise SearchDone(f'max_trials={self.max_trials} runs reached')
-    return results[0]
 
 # %% ../../nbs/63_autotuner_search.ipynb #c018
 @patch

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/03_comm_backends.ipynb #c003
 from __future__ import annotations
-import re, weakref
+import weakref
 from datetime import timedelta
 import torch
 import torch.distributed as tdist
@@ -13,32 +13,13 @@ from .base import ReduceOp, CompletedWork, P2POp, OPS, CommBackend, CommError, C
 from .single import SingleProcessGroup, SingleProcessBackend
 from .fallbacks import (FALLBACKS, warn_fallback, all_gather_into_tensor_via_list, reduce_scatter_via_all_reduce,
                                    reduce_scatter_tensor_via_list, all_to_all_via_p2p, all_to_all_single_via_list)
-_all_ = ['OPS', 'CompletedWork', 'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError',
+from .failures import NATIVE_NAMES, is_transport_failure, is_unsupported
+_all_ = ['NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'OPS', 'CompletedWork', 'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError',
          'CommTimeoutError']
 
 # %% auto #0
-__all__ = ['NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'TorchBackend', 'ExplainedWork', 'OPS', 'CompletedWork',
+__all__ = ['TorchBackend', 'ExplainedWork', 'NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'OPS', 'CompletedWork',
            'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError', 'CommTimeoutError']
-
-# %% ../../nbs/03_comm_backends.ipynb #c006
-_TRANSPORT_SIGNS = ('timed out', 'timeout', 'connection closed', 'connection reset', 'broken pipe', 'connection refused')
-
-def is_transport_failure(error:BaseException)->bool:
-    "Whether `error` says the transport failed (a peer died or never answered), rather than the call being wrong"
-    msg = str(error).lower()
-    return isinstance(error, getattr(tdist, 'DistNetworkError', ())) or any(s in msg for s in _TRANSPORT_SIGNS)
-
-# %% ../../nbs/03_comm_backends.ipynb #c009
-NATIVE_NAMES = {  # our op -> c10d's names for it, as they appear in "Backend X does not support <name>"
-    'all_gather_into_tensor': ('_allgather_base', 'allgather_into_tensor_coalesced'),
-    'reduce_scatter_tensor': ('_reduce_scatter_base', 'reduce_scatter_tensor_coalesced'),
-    'reduce_scatter': ('reduce_scatter',), 'all_to_all': ('alltoall',), 'all_to_all_single': ('alltoall_base',)}
-
-def is_unsupported(op:str, error:BaseException)->bool:
-    "Whether `error` is the backend saying it does not implement `op` (and not some other failure)"
-    if not isinstance(error, RuntimeError): return False
-    said = re.search(r"does not support ([A-Za-z_]+)", str(error))
-    return said is not None and said.group(1) in NATIVE_NAMES[op]
 
 # %% ../../nbs/03_comm_backends.ipynb #c013
 class TorchBackend(CommBackend):
