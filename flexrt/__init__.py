@@ -16,7 +16,7 @@ _ENTRY_POINTS = {'initialize': 'flexrt.engine', 'add_config_arguments': 'flexrt.
 _ENTRY_POINTS.update(autotune='flexrt.autotuner', estimate_memory='flexrt.autotuner')
 _SUBMODULES = ('checkpoint', 'comm', 'config', 'engine', 'launch', 'loss_scaler', 'memory', 'memory_tracker', 'monitor', 'precision', 'reducer',
                'schedulers', 'utils', 'widgets', 'zero')
-_SUBMODULES += ('autotuner',)
+_SUBMODULES += ('autotuner', 'checkpointing')
 
 def __getattr__(name:str):
     "Load an entry point or a submodule on first use"
