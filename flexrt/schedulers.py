@@ -62,9 +62,11 @@ class WarmupDecayLR(WarmupLR):
     "WarmupLR, then a linear decay to `warmup_min_lr` at batch `total_num_steps`"
     def __init__(self, optimizer:Optimizer,
                  total_num_steps:int, # the batch at which the decay reaches `warmup_min_lr`
-                 warmup_min_lr:float|list=0., warmup_max_lr:float|list|None=None, warmup_num_steps:int=1000,
-                 warmup_type:str='log', last_batch_iteration:int=-1):
+                 warmup_min_lr:float|list=0.,
+                 warmup_max_lr:float|list|None=0.001, # DeepSpeed's default for this class; None: each group's own lr
+                 warmup_num_steps:int=1000, warmup_type:str='log', last_batch_iteration:int=-1):
         self.total_num_steps = _number('total_num_steps', total_num_steps, minimum=1, integer=True)
+        _warn_default_peak(_torch_optimizer(optimizer), warmup_max_lr)
         if total_num_steps < _steps('warmup_num_steps', warmup_num_steps):
             raise ValueError(f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
                              "raise total_num_steps to the length of training, or shorten the warmup")
@@ -74,6 +76,13 @@ class WarmupDecayLR(WarmupLR):
         i, n = self.last_batch_iteration, self.warmup_num_steps
         if i < n: return _warmup_fraction(i, n, self.warmup_type)
         return max(0., (self.total_num_steps - i) / max(1, self.total_num_steps - n))
+
+def _warn_default_peak(optimizer:Optimizer, warmup_max_lr):
+    "Warn when WarmupDecayLR's default peak (0.001) is not the optimizer's lr"
+    lrs = _initial_lrs(optimizer)
+    if warmup_max_lr == 0.001 and any(lr != 0.001 for lr in lrs):
+        warnings.warn(f"WarmupDecayLR warms up to warmup_max_lr=0.001 (DeepSpeed's default), not to the optimizer's lr {lrs}: "
+                      "pass warmup_max_lr (None: each group's own lr) to choose")
 
 # %% ../nbs/26_schedulers.ipynb #c014
 class WarmupCosineLR(BatchLRScheduler):
