@@ -8,102 +8,31 @@ import math, difflib, inspect, warnings
 from collections.abc import Mapping
 import torch
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
 from fastcore.basics import patch
+from .schedulers_base import BatchLRScheduler, _torch_optimizer, _initial_lrs, _per_group, _number, _steps
+from .schedulers_cycle import OneCycle, LRRangeTest
+
+_all_ = ['BatchLRScheduler', 'OneCycle', 'LRRangeTest']   # defined in those modules, public here too
 
 # %% auto #0
-__all__ = ['SCHEDULERS', 'BatchLRScheduler', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'OneCycle', 'LRRangeTest',
-           'build_scheduler']
+__all__ = ['SCHEDULERS', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'build_scheduler', 'BatchLRScheduler', 'OneCycle',
+           'LRRangeTest']
 
 # %% ../nbs/26_schedulers.ipynb #c006
-def _number(name:str, value, minimum:float|None=0., integer:bool=False)->float|int:
-    "`value` as a finite number (an int if `integer`) that is at least `minimum`"
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {value!r}")
-    if not math.isfinite(value) or (minimum is not None and value < minimum):
-        raise ValueError(f"{name} must be a finite number >= {minimum}, got {value!r}")
-    return value
-
-def _positive(name:str, value)->float:
-    "`value` as a finite number > 0"
-    if _number(name, value) == 0: raise ValueError(f"{name} must be > 0, got {value!r}")
-    return float(value)
-
-def _per_group(optimizer:Optimizer, value, name:str)->list:
-    "One non-negative number per param group, from a number or a list with one entry per group"
-    n = len(optimizer.param_groups)
-    if isinstance(value, (list, tuple)):
-        if len(value) != n: raise ValueError(f"{name} has {len(value)} values but the optimizer has {n} param groups")
-        return [float(_number(f'{name}[{i}]', v)) for i, v in enumerate(value)]
-    return [float(_number(name, value))] * n
-
-# %% ../nbs/26_schedulers.ipynb #c009
-def _torch_optimizer(optimizer)->Optimizer:
-    "`optimizer`, or the torch optimizer a wrapper holds in `.optimizer`"
-    inner = optimizer
-    for _ in range(4):
-        if isinstance(inner, Optimizer): return inner
-        inner = getattr(inner, 'optimizer', None)
-    raise TypeError(f"a learning-rate schedule needs a torch.optim.Optimizer (or a wrapper holding one in .optimizer), "
-                    f"got {type(optimizer).__name__}")
-
-def _initial_lrs(optimizer:Optimizer)->list:
-    "Each group's learning rate before any schedule changed it"
-    return [float(g.get('initial_lr', g['lr'])) for g in optimizer.param_groups]
-
-# %% ../nbs/26_schedulers.ipynb #c012
-def _set(group:dict, key:str, value):
-    "Set a param-group value, in place when the group holds it as a tensor"
-    if isinstance(group.get(key), torch.Tensor): group[key].fill_(value)
-    else: group[key] = value
-
-class BatchLRScheduler(LRScheduler):
-    "A torch LR scheduler that counts batches as DeepSpeed's do: `last_batch_iteration` is -1 before the first `step()`"
-    def __init__(self, optimizer:Optimizer, last_batch_iteration:int=-1):
-        self._built = False
-        super().__init__(_torch_optimizer(optimizer))
-        self.last_batch_iteration = _number('last_batch_iteration', last_batch_iteration, minimum=-1, integer=True)
-        self._built = True
-        self._apply()
-
-    def step(self, batch_iteration:int|None=None): # jump to this batch instead of the next one
-        "Advance to the next batch and set the optimizer's learning rates for it"
-        if not self._built: return   # torch's constructor steps once; ours sets the first learning rates itself
-        self.last_batch_iteration = self.last_batch_iteration + 1 if batch_iteration is None else int(batch_iteration)
-        self._apply()
-
-    def _apply(self):
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()): _set(group, 'lr', lr)
-        self._last_lr = [float(g['lr']) for g in self.optimizer.param_groups]
-        self.last_epoch = self.last_batch_iteration + 1   # torch's counter: steps taken since construction
-
-# %% ../nbs/26_schedulers.ipynb #c014
-@patch
-def state_dict(self:BatchLRScheduler)->dict: return {'last_batch_iteration': self.last_batch_iteration}
-
-@patch
-def load_state_dict(self:BatchLRScheduler, state:Mapping):
-    "Resume at the batch saved in `state`"
-    if 'last_batch_iteration' not in state:
-        raise ValueError(f"scheduler state needs 'last_batch_iteration' (DeepSpeed's format), got keys {sorted(state)}")
-    self.last_batch_iteration = _number('last_batch_iteration', state['last_batch_iteration'], minimum=-1, integer=True)
-    self._apply()
-
-
-# %% ../nbs/26_schedulers.ipynb #c017
 _WARMUP_TYPES = ('log', 'linear')
 
 def _warmup_type(value)->str:
-    if not isinstance(value, str) or value.lower() not in _WARMUP_TYPES:
-        raise ValueError(f"warmup_type must be one of {_WARMUP_TYPES}, got {value!r}")
-    return value.lower()
+    "'log' or 'linear' (any case); anything else warns and is 'log', as in DeepSpeed"
+    if isinstance(value, str) and value.lower() in _WARMUP_TYPES: return value.lower()
+    warnings.warn(f"warmup_type {value!r} is not one of {_WARMUP_TYPES}: using 'log' (as DeepSpeed does)")
+    return 'log'
 
 def _warmup_fraction(i:int, num_steps:int, kind:str)->float:
     "How far warmup has come at batch `i` (< `num_steps`): 0 at the start"
     i = max(i, 0)
     return (1.0 / math.log(num_steps)) * math.log(i + 1) if kind == 'log' else i / num_steps   # DeepSpeed's order: the same bits
 
-# %% ../nbs/26_schedulers.ipynb #c019
+# %% ../nbs/26_schedulers.ipynb #c008
 class WarmupLR(BatchLRScheduler):
     "Raise each group's lr from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps` batches, then hold it"
     def __init__(self, optimizer:Optimizer,
@@ -115,7 +44,7 @@ class WarmupLR(BatchLRScheduler):
         torch_opt = _torch_optimizer(optimizer)
         self.min_lrs = _per_group(torch_opt, warmup_min_lr, 'warmup_min_lr')
         self.max_lrs = _per_group(torch_opt, _initial_lrs(torch_opt) if warmup_max_lr is None else warmup_max_lr, 'warmup_max_lr')
-        self.warmup_num_steps = max(2, _number('warmup_num_steps', warmup_num_steps, minimum=1, integer=True))
+        self.warmup_num_steps = max(2, _steps('warmup_num_steps', warmup_num_steps))
         self.warmup_type = _warmup_type(warmup_type)
         super().__init__(torch_opt, last_batch_iteration)
 
@@ -128,15 +57,17 @@ class WarmupLR(BatchLRScheduler):
         gamma = self._gamma()
         return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
-# %% ../nbs/26_schedulers.ipynb #c022
+# %% ../nbs/26_schedulers.ipynb #c011
 class WarmupDecayLR(WarmupLR):
     "WarmupLR, then a linear decay to `warmup_min_lr` at batch `total_num_steps`"
     def __init__(self, optimizer:Optimizer,
                  total_num_steps:int, # the batch at which the decay reaches `warmup_min_lr`
-                 warmup_min_lr:float|list=0., warmup_max_lr:float|list|None=None, warmup_num_steps:int=1000,
-                 warmup_type:str='log', last_batch_iteration:int=-1):
+                 warmup_min_lr:float|list=0.,
+                 warmup_max_lr:float|list|None=0.001, # DeepSpeed's default for this class; None: each group's own lr
+                 warmup_num_steps:int=1000, warmup_type:str='log', last_batch_iteration:int=-1):
         self.total_num_steps = _number('total_num_steps', total_num_steps, minimum=1, integer=True)
-        if total_num_steps < warmup_num_steps:
+        _warn_default_peak(_torch_optimizer(optimizer), warmup_max_lr)
+        if total_num_steps < _steps('warmup_num_steps', warmup_num_steps):
             raise ValueError(f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
                              "raise total_num_steps to the length of training, or shorten the warmup")
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
@@ -146,7 +77,14 @@ class WarmupDecayLR(WarmupLR):
         if i < n: return _warmup_fraction(i, n, self.warmup_type)
         return max(0., (self.total_num_steps - i) / max(1, self.total_num_steps - n))
 
-# %% ../nbs/26_schedulers.ipynb #c025
+def _warn_default_peak(optimizer:Optimizer, warmup_max_lr):
+    "Warn when WarmupDecayLR's default peak (0.001) is not the optimizer's lr"
+    lrs = _initial_lrs(optimizer)
+    if warmup_max_lr == 0.001 and any(lr != 0.001 for lr in lrs):
+        warnings.warn(f"WarmupDecayLR warms up to warmup_max_lr=0.001 (DeepSpeed's default), not to the optimizer's lr {lrs}: "
+                      "pass warmup_max_lr (None: each group's own lr) to choose")
+
+# %% ../nbs/26_schedulers.ipynb #c014
 class WarmupCosineLR(BatchLRScheduler):
     "Warm up to each group's lr, then follow a cosine down to `cos_min_ratio` of it at `total_num_steps`"
     def __init__(self, optimizer:Optimizer,
@@ -159,7 +97,7 @@ class WarmupCosineLR(BatchLRScheduler):
         torch_opt = _torch_optimizer(optimizer)
         self.org_lrs = _initial_lrs(torch_opt)
         self.total_num_steps = _number('total_num_steps', total_num_steps, minimum=1, integer=True)
-        self.warmup_num_steps = max(2, _number('warmup_num_steps', warmup_num_steps, minimum=1, integer=True))
+        self.warmup_num_steps = max(2, _steps('warmup_num_steps', warmup_num_steps))
         if total_num_steps < warmup_num_steps:
             raise ValueError(f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
                              "raise total_num_steps to the length of training, or shorten the warmup")
@@ -171,7 +109,7 @@ def _ratio(name:str, value)->float:
     if _number(name, value) > 1: raise ValueError(f"{name} is a fraction of the learning rate, in [0, 1]; got {value!r}")
     return float(value)
 
-# %% ../nbs/26_schedulers.ipynb #c026
+# %% ../nbs/26_schedulers.ipynb #c015
 @patch
 def get_lr_ratio(self:WarmupCosineLR)->float:
     "The fraction of each group's lr at `last_batch_iteration`"
@@ -185,124 +123,7 @@ def get_lr(self:WarmupCosineLR)->list:
     ratio = self.get_lr_ratio()
     return [lr * ratio for lr in self.org_lrs]
 
-
-# %% ../nbs/26_schedulers.ipynb #c029
-def _momentum_key(optimizer:Optimizer)->str|None:
-    "'betas', 'momentum', or None when the optimizer has no momentum to cycle"
-    if 'betas' in optimizer.defaults: return 'betas'
-    if all(g.get('momentum', 0) > 0 for g in optimizer.param_groups): return 'momentum'
-    return None
-
-# %% ../nbs/26_schedulers.ipynb #c031
-class OneCycle(BatchLRScheduler):
-    "The 1cycle policy: lr up and down (momentum down and up) once, then an optional decay"
-    def __init__(self, optimizer:Optimizer,
-                 cycle_min_lr:float|list, # lr at the start and end of the cycle
-                 cycle_max_lr:float|list, # lr at the peak of the cycle
-                 decay_lr_rate:float=0., # lr decay rate after the cycle
-                 cycle_first_step_size:int=2000, # batches of the rising half
-                 cycle_second_step_size:int|None=None, # batches of the falling half (None: as the first)
-                 cycle_first_stair_count:int=0, # stairs in the rising half (0: move every batch)
-                 cycle_second_stair_count:int|None=None, # stairs in the falling half (None: as the first)
-                 decay_step_size:int=0, # batches per unit of decay after the cycle (0: no decay)
-                 cycle_momentum:bool=True, # move the momentum opposite to the lr
-                 cycle_min_mom:float|list=0.8, # momentum at the peak lr
-                 cycle_max_mom:float|list=0.9, # momentum at the start and end of the cycle
-                 decay_mom_rate:float=0., # momentum growth rate after the cycle
-                 last_batch_iteration:int=-1):
-        torch_opt = _torch_optimizer(optimizer)
-        self._shape(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count, cycle_second_stair_count, decay_step_size)
-        self.min_lrs, self.max_lrs = _per_group(torch_opt, cycle_min_lr, 'cycle_min_lr'), _per_group(torch_opt, cycle_max_lr, 'cycle_max_lr')
-        _ordered('cycle_min_lr', self.min_lrs, 'cycle_max_lr', self.max_lrs)
-        self.decay_lr_rate, self.decay_mom_rate = float(_number('decay_lr_rate', decay_lr_rate)), float(_number('decay_mom_rate', decay_mom_rate))
-        self.min_moms, self.max_moms = _per_group(torch_opt, cycle_min_mom, 'cycle_min_mom'), _per_group(torch_opt, cycle_max_mom, 'cycle_max_mom')
-        _ordered('cycle_min_mom', self.min_moms, 'cycle_max_mom', self.max_moms)
-        if any(m >= 1 for m in self.max_moms): raise ValueError(f"cycle_max_mom must be below 1, got {cycle_max_mom!r}")
-        self.momentum_key = _momentum_key(torch_opt) if cycle_momentum else None
-        if cycle_momentum and self.momentum_key is None:
-            warnings.warn(f"OneCycle: cycle_momentum is off because {type(torch_opt).__name__} has neither betas nor momentum > 0")
-        self.cycle_momentum = self.momentum_key is not None
-        super().__init__(torch_opt, last_batch_iteration)
-
-def _ordered(low_name, lows, high_name, highs):
-    if any(lo > hi for lo, hi in zip(lows, highs)):
-        raise ValueError(f"{low_name}={lows} must not exceed {high_name}={highs}")
-
-# %% ../nbs/26_schedulers.ipynb #c032
-@patch
-def _shape(self:OneCycle, first, second, first_stairs, second_stairs, decay_step_size):
-    "Check and store the cycle's lengths and stair counts"
-    self.first_step_size = _positive('cycle_first_step_size', first)
-    self.second_step_size = self.first_step_size if second is None else _positive('cycle_second_step_size', second)
-    self.total_size = self.first_step_size + self.second_step_size
-    self.first_stair_count = _number('cycle_first_stair_count', first_stairs, integer=True)
-    self.second_stair_count = self.first_stair_count if second_stairs is None else _number('cycle_second_stair_count', second_stairs, integer=True)
-    self.decay_step_size = float(_number('decay_step_size', decay_step_size))
-
-@patch
-def _cycle_fraction(self:OneCycle)->float:
-    "Where the lr is between `cycle_min_lr` (0) and `cycle_max_lr` (1) at `last_batch_iteration`"
-    position = (self.last_batch_iteration + 1) % self.total_size
-    if position <= self.first_step_size: done, size, stairs = position, self.first_step_size, self.first_stair_count
-    else: done, size, stairs = self.total_size - position, self.second_step_size, self.second_stair_count
-    return math.floor(done * stairs / size) / stairs if stairs else done / size
-
-
-# %% ../nbs/26_schedulers.ipynb #c033
-@patch
-def _decay_steps(self:OneCycle)->float:
-    "Units of decay so far: batches after the cycle / `decay_step_size`"
-    return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size if self.decay_step_size else 0.
-
-@patch
-def get_lr(self:OneCycle)->list:
-    if self.last_batch_iteration < self.total_size:
-        f = self._cycle_fraction()
-        return [lo + (hi - lo) * f for lo, hi in zip(self.min_lrs, self.max_lrs)]
-    return [lo / (1. + self.decay_lr_rate * self._decay_steps()) for lo in self.min_lrs]
-
-@patch
-def get_mom(self:OneCycle)->list|None:
-    "Momentum per group at `last_batch_iteration` (None when momentum is not cycled)"
-    if not self.cycle_momentum: return None
-    if self.last_batch_iteration < self.total_size:
-        f = self._cycle_fraction()
-        return [hi - (hi - lo) * f for lo, hi in zip(self.min_moms, self.max_moms)]
-    return [hi * (1. + self.decay_mom_rate * self._decay_steps()) for hi in self.max_moms]
-
-@patch
-def _apply(self:OneCycle):
-    BatchLRScheduler._apply(self)
-    if not self.cycle_momentum: return
-    for group, mom in zip(self.optimizer.param_groups, self.get_mom()):
-        if self.momentum_key == 'betas': group['betas'] = (mom, *tuple(group['betas'])[1:])
-        else: _set(group, 'momentum', mom)
-
-
-# %% ../nbs/26_schedulers.ipynb #c036
-class LRRangeTest(BatchLRScheduler):
-    "Grow the lr linearly from `lr_range_test_min_lr` to find where training diverges"
-    def __init__(self, optimizer:Optimizer,
-                 lr_range_test_min_lr:float|list=1e-3, # the starting lr
-                 lr_range_test_step_size:int=2000, # batches per unit of increase
-                 lr_range_test_step_rate:float=1.0, # increase per unit, as a multiple of the starting lr
-                 lr_range_test_staircase:bool=False, # increase in whole units instead of every batch
-                 last_batch_iteration:int=-1):
-        torch_opt = _torch_optimizer(optimizer)
-        self.min_lrs = _per_group(torch_opt, lr_range_test_min_lr, 'lr_range_test_min_lr')
-        self.step_size = _positive('lr_range_test_step_size', lr_range_test_step_size)
-        self.step_rate = float(_number('lr_range_test_step_rate', lr_range_test_step_rate))
-        if not isinstance(lr_range_test_staircase, bool):
-            raise TypeError(f"lr_range_test_staircase must be True or False, got {lr_range_test_staircase!r}")
-        self.staircase = lr_range_test_staircase
-        super().__init__(torch_opt, last_batch_iteration)
-
-    def get_lr(self)->list:
-        interval = (self.last_batch_iteration + 1) / self.step_size
-        if self.staircase: interval = math.floor(interval)
-        return [lr * (1. + self.step_rate * interval) for lr in self.min_lrs]
-
-# %% ../nbs/26_schedulers.ipynb #c039
+# %% ../nbs/26_schedulers.ipynb #c018
 SCHEDULERS = {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
 def _closest(name:str, valid)->str:
@@ -318,7 +139,7 @@ def _scheduler_class(type_name:str)->type:
         raise ValueError(f"unknown scheduler type {type_name!r}{_closest(type_name, SCHEDULERS)}; valid types: {', '.join(SCHEDULERS)}")
     return found
 
-# %% ../nbs/26_schedulers.ipynb #c041
+# %% ../nbs/26_schedulers.ipynb #c020
 def build_scheduler(type_name:str, # 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'OneCycle' or 'LRRangeTest' (any case)
                     optimizer, # the torch optimizer (or a wrapper holding it in .optimizer)
                     params:Mapping|None=None)->BatchLRScheduler: # the block's "params", with DeepSpeed's names
