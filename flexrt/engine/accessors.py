@@ -127,3 +127,8 @@ def module_state_dict(self:Engine, destination=None, prefix:str='', keep_vars:bo
 def empty_partition_cache(self:Engine):
     "Release parameters ZeRO stage 3 keeps gathered (a no-op at other stages)"
     self.optimizer.quiesce()
+
+@patch(as_prop=True)
+def sparse_tensor_module_names(self:Engine)->set:
+    "DeepSpeed's modules whose gradients it reduces as sparse tensors: none here (`sparse_gradients` has no effect; all are dense)"
+    return set()
