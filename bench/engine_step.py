@@ -150,7 +150,10 @@ def build_deepspeed(stage):
     def build(model, args):
         import deepspeed
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model), config=ds_config(args, stage))
+        # memory_efficient_linear off: DeepSpeed's stage 3 would otherwise replace torch.nn.functional.linear for the
+        # whole process ("persists unless manually reset") and every other implementation's layers would run through it
+        extra = {'memory_efficient_linear': False} if stage == 3 else {}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model), config=ds_config(args, stage, **extra))
         return engine_step(engine)
     return build
 
