@@ -9,7 +9,7 @@ import torch
 import torch.utils.checkpoint as tc
 
 # %% auto #0
-__all__ = ['NO_EFFECT', 'non_reentrant_checkpoint', 'is_configured', 'reset', 'configure', 'checkpoint',
+__all__ = ['NO_EFFECT', 'non_reentrant_checkpoint', 'is_configured', 'unconfigure', 'reset', 'configure', 'checkpoint',
            'partition_activations_in_checkpoint', 'set_num_layers']
 
 # %% ../nbs/17_checkpointing.ipynb #c006
@@ -23,12 +23,15 @@ NO_EFFECT = { # activation_checkpointing key -> why it has no effect in flexrt
     'profile': "it times DeepSpeed's checkpoint calls; use the engine's wall_clock_breakdown or the torch profiler"}
 
 def is_configured()->bool:
-    "Whether `configure` has been called since the last `reset`"
+    "Whether `configure` has been called since the last `unconfigure`"
     return _SETTINGS['configured']
 
-def reset():
-    "Forget the settings made by `configure`"
+def unconfigure():
+    "Forget the settings made by `configure` (flexrt's; DeepSpeed has no such call)"
     _SETTINGS.update(configured=False, cpu=False, synchronize=False)
+
+def reset():
+    "DeepSpeed's `reset()`, called between forwards that have no backward (evaluation): it frees the contiguous-memory buffers, which flexrt does not keep, so there is nothing to do; the settings stay"
 
 # %% ../nbs/17_checkpointing.ipynb #c007
 def _activation_block(deepspeed_config): # None, a dict, a JSON path or a FlexConfig

@@ -40,7 +40,7 @@ def train(rank, ws, stage, dtype, mode, reuse):
     import flexrt
     from flexrt import checkpointing
     from flexrt.zero.stage3_params import GatheredParameters
-    checkpointing.reset()
+    checkpointing.unconfigure()
     if mode == 'cpu': checkpointing.configure(deepspeed_config={'activation_checkpointing': {'cpu_checkpointing': True}})
     torch.manual_seed(0)
     model = Net(mode)
@@ -59,7 +59,7 @@ def train(rank, ws, stage, dtype, mode, reuse):
     with GatheredParameters(list(model.parameters())): params = [p.detach().float().clone() for p in model.parameters()]
     comm = getattr(engine.optimizer, 'comm_bytes', None)
     trace = [u.index for u in engine.optimizer.partitioner.trace] if stage == 3 else None   # ZeRO-3's prefetch order
-    engine.close(); checkpointing.reset()
+    engine.close(); checkpointing.unconfigure()
     return losses, params, comm, trace
 
 def assert_same(results, stages, modes):
@@ -135,7 +135,7 @@ def test_ignored_keys_warned_once_each_by_name():
     assert len(messages) == 2 and 'partition_activations' in messages[0] and 'contiguous_memory_optimization' in messages[1]
     assert 'no model parallelism' in messages[0] and 'leaves allocation to torch' in messages[1]
     assert checkpointing.is_configured() and checkpointing._SETTINGS['cpu']
-    checkpointing.reset()
+    checkpointing.unconfigure()
 
 @pytest.fixture
 def deepspeed_tree():

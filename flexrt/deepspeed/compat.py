@@ -61,7 +61,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=
     torch.save(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters), output_file)
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c014
-from ..checkpointing import configure, is_configured, reset, checkpoint, non_reentrant_checkpoint, _SETTINGS
+from ..checkpointing import configure, is_configured, reset, unconfigure, checkpoint, non_reentrant_checkpoint, _SETTINGS
 
 # %% ../../nbs/71_deepspeed_compat.ipynb #c015b
 def initialize(*args, **kwargs)->tuple:

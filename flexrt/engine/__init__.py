@@ -68,8 +68,8 @@ def initialize(args=None, # argparse namespace carrying `deepspeed_config`, or N
     with outside_init():   # called inside a zero.Init block: the engine and what it does to the model are not watched
         engine = Engine(model, cfg, optimizer, model_parameters, lr_scheduler, mpu, collate_fn, expert_groups,
                         optimizer_slot=optimizer_slot)
-    if cfg.activation_checkpointing != ActivationCheckpointingConfig():   # the block sets flexrt.checkpointing up
-        checkpointing.configure(deepspeed_config=cfg)
+    if cfg.activation_checkpointing != ActivationCheckpointingConfig() and not checkpointing.is_configured():
+        checkpointing.configure(deepspeed_config=cfg)   # the block sets flexrt.checkpointing up, unless you called configure()
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     return engine, engine.basic_optimizer, loader, engine.lr_scheduler
 

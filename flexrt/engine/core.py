@@ -323,9 +323,10 @@ def save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin
 def close(self:Engine):
     "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, end the p2p threads, restore the comms logger, close the monitors"
     if self._closed: return
-    self.optimizer.close()
-    self.expert_groups.close()
-    dist.join_p2p_threads()   # no direct-message thread outlives the engine
-    self.monitor.close()
-    if self._comms_before is not None: dist.configure(self._comms_before)
     self._closed = True
+    with contextlib.ExitStack() as parts:   # run last-in first, each even when one before it raised (a peer failed mid-step)
+        if self._comms_before is not None: parts.callback(dist.configure, self._comms_before)
+        parts.callback(self.monitor.close)
+        parts.callback(dist.join_p2p_threads)   # no direct-message thread outlives the engine
+        parts.callback(self.expert_groups.close)
+        parts.callback(self.optimizer.close)

@@ -165,8 +165,8 @@ def _wrap(self:Init, cls:type):
     "Make `cls.__init__` hand the module to `_built` when the outermost construction of it returns"
     init = cls.__dict__.get('__init__')
     if cls in self._patched or not inspect.isfunction(init): return
-    self._patched[cls] = init
     cls.__init__ = self._wrapped(init)
+    self._patched[cls] = init   # recorded once replaced: _unpatch restores only what was replaced
 
 @patch
 def _wrapped(self:Init, init):
@@ -210,24 +210,27 @@ def _deepcopy_parameter(self:Init, p:torch.nn.Parameter, memo:dict):
 # %% ../../nbs/42_zero3_init.ipynb #c028
 @patch
 def _patch(self:Init):
-    "Wrap the `__init__` of every module class, and of every one defined while the block runs"
-    for cls in module_classes(): self._wrap(cls)
+    "Wrap the `__init__` of every module class, and of every one defined while the block runs (all undone if a step fails)"
     self._init_subclass = before = torch.nn.Module.__dict__.get('__init_subclass__', _ABSENT)
+    self._parameter_deepcopy = torch.nn.Parameter.__dict__['__deepcopy__']
     wrap = self._wrap
     def __init_subclass__(cls, **kwargs):
         if before is _ABSENT: super(torch.nn.Module, cls).__init_subclass__(**kwargs)
         else: before.__get__(None, cls)(**kwargs)
         wrap(cls)
-    torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
-    self._parameter_deepcopy = torch.nn.Parameter.__dict__['__deepcopy__']
-    torch.nn.Parameter.__deepcopy__ = lambda p, memo: self._deepcopy_parameter(p, memo)
+    try:
+        for cls in module_classes(): self._wrap(cls)
+        torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+        torch.nn.Parameter.__deepcopy__ = lambda p, memo: self._deepcopy_parameter(p, memo)
+    except BaseException:
+        self._unpatch(); raise
 
 @patch
 def _unpatch(self:Init):
     "Give every class its own `__init__` back and Module its `__init_subclass__`; modules get plain `_parameters`"
     for cls, init in self._patched.items(): cls.__init__ = init
-    if self._init_subclass is _ABSENT: del torch.nn.Module.__init_subclass__
-    else: torch.nn.Module.__init_subclass__ = self._init_subclass
+    if self._init_subclass is not _ABSENT: torch.nn.Module.__init_subclass__ = self._init_subclass
+    elif '__init_subclass__' in torch.nn.Module.__dict__: del torch.nn.Module.__init_subclass__
     torch.nn.Parameter.__deepcopy__ = self._parameter_deepcopy
     for m in self._tracked:
         if type(m.__dict__.get('_parameters')) is _Watched: m.__dict__['_parameters'] = dict(dict.items(m._parameters))
@@ -258,9 +261,12 @@ def __exit__(self:Init, kind, exc, tb):
 @contextlib.contextmanager
 def outside_init():
     "Run the block as if no `zero.Init` were active (`initialize` does): collective when one is"
+    global _active
     init = _active
     if init is None: yield; return
     for key in list(init._touched): init._finish(key)
     init._unpatch()
     try: yield
-    finally: init._patch()
+    finally:
+        try: init._patch()
+        except BaseException: _active = None; raise   # nothing stays patched: the block is over

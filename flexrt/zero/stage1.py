@@ -267,14 +267,17 @@ def zero_grad(self:ZeroStage1, set_to_none:bool=True):
 
 @patch
 def close(self:ZeroStage1):
-    "Finish the gathers in flight, remove the hooks and drop every gradient (the model keeps its parameters)"
-    if self.deferred is not None: self.deferred.close()
-    self.reducer.close()
-    dist.join_p2p_threads()   # the direct-message threads ran their last ops: none outlives the slot
-    for bk in self.buckets:
-        bk.master.grad = None
-        for p in bk.params: p.grad = None
-        bk.buffer = bk.grad_shard = None
+    "Finish the gathers in flight, remove the hooks and drop every gradient (the model keeps its parameters); each part runs even when one before it raised (a peer failed mid-step)"
+    def drop_gradients():
+        for bk in self.buckets:
+            bk.master.grad = None
+            for p in bk.params: p.grad = None
+            bk.buffer = bk.grad_shard = None
+    with contextlib.ExitStack() as parts:   # run last-in first: gathers, reducer, direct-message threads, gradients
+        parts.callback(drop_gradients)
+        parts.callback(dist.join_p2p_threads)   # none outlives the slot
+        parts.callback(self.reducer.close)
+        if self.deferred is not None: parts.callback(self.deferred.close)
 
 # %% ../../nbs/40_zero_stage1.ipynb #c027
 @patch
