@@ -71,6 +71,7 @@ def idle_rank(rank, world):
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     left = []
     for stage in (1, 2, 3):
+        dist.join_p2p_threads(); dist.comm_state.p2p_threads.clear()   # `used` below: only this engine's thread
         engine, *_ = flexrt.initialize(model=model, config={'train_micro_batch_size_per_gpu': 2, 'steps_per_print': 10**9,
             'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}}, 'zero_optimization': {'stage': stage,
             'reduce_bucket_size': 16 * 17, 'stage3_param_persistence_threshold': 0}})
@@ -84,3 +85,45 @@ def idle_rank(rank, world):
 def test_no_p2p_thread_outlives_its_work():
     for left in run_distributed(idle_rank, 2, timeout=120):
         assert left == [(True, [])] * 3
+
+def test_a_job_that_raises_does_not_stop_the_runner():
+    "A job that raises ends its thread; the ops queued behind it, and later ones, still run (their wait() returns)"
+    import threading
+    from flexrt.comm.p2p import P2PThread, ThreadedOp
+    runner, gate, seen, hook = P2PThread(), threading.Event(), [], threading.excepthook
+    threading.excepthook = lambda a: seen.append(a.exc_type)
+    try:
+        runner.submit(lambda: (seen.append(threading.current_thread()), gate.wait(), 1 / 0))
+        queued = ThreadedOp(lambda: seen.append(threading.current_thread())); runner.submit(queued)
+        gate.set(); queued.wait(timeout=60)
+        later = ThreadedOp(lambda: seen.append('later')); runner.submit(later); later.wait(timeout=60)
+        runner.close()
+    finally: threading.excepthook = hook
+    dead, error, other, last = seen
+    assert (error, last) == (ZeroDivisionError, 'later') and other != dead   # a new thread ran the queued op
+    assert not runner.running and not any(t.is_alive() for t in runner._started)
+
+def test_wait_honours_its_timeout():
+    "P2PWork.wait(timeout) raises TimeoutError naming the op; a later wait finishes it"
+    import threading, datetime
+    from flexrt.comm.p2p import P2PThread, P2PWork, ThreadedOp
+    runner, gate = P2PThread(), threading.Event()
+    op = ThreadedOp(gate.wait); runner.submit(op)
+    work = P2PWork([op], name='reduce_scatter_tensor_p2p')
+    for timeout in (0.01, datetime.timedelta(milliseconds=10)):
+        with pytest.raises(TimeoutError, match='reduce_scatter_tensor_p2p did not finish'): work.wait(timeout=timeout)
+    assert not work.is_completed()
+    gate.set(); assert work.wait(timeout=60) and work.is_completed()
+    runner.close()
+
+def test_two_threads_waiting_finish_an_op_once():
+    "While one thread runs a handle's finish (the reduce-scatter's copy and sums), another's wait() does not run it again"
+    import threading
+    from flexrt.comm.p2p import P2PWork
+    entered, gate, calls = threading.Event(), threading.Event(), []
+    work = P2PWork([], lambda: (entered.set(), gate.wait(30), calls.append(1)), 'reduce_scatter_tensor_p2p')
+    waiter = threading.Thread(target=work.wait); waiter.start()
+    assert entered.wait(30)
+    with pytest.raises(TimeoutError, match='reduce_scatter_tensor_p2p'): work.wait(timeout=0.01)   # busy on the other thread
+    gate.set(); assert work.wait(timeout=60); waiter.join(30)
+    assert calls == [1] and work.is_completed() and not waiter.is_alive()

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/01_comm_logger.ipynb #c003
 from __future__ import annotations
-import collections, dataclasses, difflib, functools, inspect, json, os, sys, threading, time
+import collections, dataclasses, difflib, functools, inspect, json, os, sys, threading, time, weakref
 import pandas as pd
 import torch
 from .backends import OPS
@@ -130,7 +130,7 @@ class CommsLogger:
         "Forget every record"
         self.timeline = collections.deque(maxlen=TIMELINE_LENGTH)   # the latest calls' `CommInterval`s, in issue order
         self.latencies, self._pending, self._lock = {}, [], threading.Lock()
-        self._unreported = set()   # TimedWorks of ops that complete only when waited on (direct-message collectives)
+        self._unreported = weakref.WeakSet()   # TimedWorks of ops that complete only when waited on (direct-message collectives); weak: a dropped handle is not kept alive
     def wants(self, log_name:str, prof:bool)->bool:
         "Whether a call logged as `log_name` is profiled"
         return prof or self.config.prof_all or log_name in self._prof_ops
@@ -172,7 +172,8 @@ class TimedWork:
         self._done, self._lock = False, threading.Lock()
         try: work.get_future().then(self._on_future)
         except RuntimeError:  # no future for this work (gloo p2p): timed at wait()/is_completed()
-            if getattr(work, 'finish_when_reported', False): logger._unreported.add(self)   # flush() waits for it
+            if getattr(work, 'finish_when_reported', False):   # summary() waits for it (its wait() must be thread-safe and idempotent)
+                with logger._lock: logger._unreported.add(self)
     def _on_future(self, fut):
         try: fut.value()
         except Exception: return None  # failed: the error surfaces at wait(), nothing is logged
@@ -196,7 +197,7 @@ def _finish(self:TimedWork, by:str): # 'future', 'wait' or 'poll': what saw the 
     with self._lock:
         if self._done: return
         self._done = True
-        self._logger._unreported.discard(self)
+        with self._logger._lock: self._logger._unreported.discard(self)
         if self._batch is not None:
             self._batch[0] -= 1
             if self._batch[0]: return
@@ -257,7 +258,8 @@ def _row(key, lats):
 @patch
 def summary(self:CommsLogger, by_caller:bool|None=None, wait:bool=True)->pd.DataFrame:
     "One row per op, message size, world size (and caller when `debug` is on); `wait`: include unfinished CUDA ops"
-    for w in list(self._unreported): w.wait()   # a direct-message collective in flight: finished, so the report has it
+    with self._lock: unreported = list(self._unreported)
+    for w in unreported: w.wait()   # a direct-message collective in flight: finished, so the report has it
     self.flush(wait)
     by_caller = self.config.debug if by_caller is None else by_caller
     merged = {}

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/04_comm_p2p.ipynb #c003
 from __future__ import annotations
-import collections, threading
+import collections, datetime, threading, time
 import torch
 from fastcore.basics import patch
 from .backends import ReduceOp
@@ -17,15 +17,27 @@ __all__ = ['P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads', 'prefers_p2
            'all_gather_into_tensor_p2p']
 
 # %% ../../nbs/04_comm_p2p.ipynb #c006
+def _seconds(timeout)->float|None: return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+
 class P2PWork:
-    "The handle of an op made of point-to-point messages: `wait()` waits for them all, then finishes the op"
+    "The handle of an op made of point-to-point messages: `wait()` waits for them all, then finishes the op (once, on whichever thread waits first)"
     finish_when_reported = True   # every rank started it: the comms logger may wait for it before reporting
-    def __init__(self, works:list, finish=None): self._works, self._finish, self._done = works, finish, False
+    def __init__(self, works:list, finish=None, name:str='a direct-message op'):
+        self._works, self._finish, self._done, self._lock, self.name = works, finish, False, threading.Lock(), name
     def wait(self, timeout=None)->bool:
-        if not self._done:
-            for w in self._works: w.wait()
-            if self._finish is not None: self._finish()
-            self._works, self._finish, self._done = [], None, True   # let go of the messages' tensors at once
+        "`timeout` (seconds or a `timedelta`): `TimeoutError` naming the op if it is not done by then (torch's own works raise their own error)"
+        end = None if timeout is None else time.monotonic() + _seconds(timeout)
+        left = lambda: datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3))   # never 0: torch reads 0 as no timeout
+        if not self._lock.acquire(timeout=-1 if end is None else left().total_seconds()):   # another thread is finishing it
+            raise TimeoutError(f"{self.name} did not finish within {timeout}")
+        try:
+            if not self._done:
+                try:
+                    for w in self._works: w.wait() if end is None else w.wait(left())
+                except TimeoutError as e: raise TimeoutError(f"{self.name} did not finish within {timeout}") from e
+                if self._finish is not None: self._finish()
+                self._works, self._finish, self._done = [], None, True   # let go of the messages' tensors at once
+        finally: self._lock.release()
         return True
     def is_completed(self)->bool: return self._done
     def get_future(self): raise RuntimeError("an op made of point-to-point messages has no future: call wait()")
@@ -48,24 +60,33 @@ class P2PThread:
         "Queue `job`; start the thread if none is running"
         with self._lock:
             self._jobs.append(job)
-            if self._thread is not None: return
-            self._thread = threading.Thread(target=self._run, name='flexrt-p2p', daemon=True)
-            self._started = [t for t in self._started if t.is_alive()] + [self._thread]
-            self._thread.start()
+            if self._thread is None: self._spawn()
+    def _spawn(self): # with the lock held
+        self._thread = threading.Thread(target=self._run, name='flexrt-p2p', daemon=True)
+        self._started = [t for t in self._started if t.is_alive()] + [self._thread]
+        self._thread.start()
     def _run(self):
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    if not self._jobs: self._thread = None; return   # drained: this thread ends, the next submit starts one
+                    job = self._jobs.popleft()
+                job()
+        finally:   # a job raised: this thread ends; a new one runs what is still queued (the next submit would too)
             with self._lock:
-                if not self._jobs: self._thread = None; return   # drained: this thread ends, the next submit starts one
-                job = self._jobs.popleft()
-            job()
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                    if self._jobs: self._spawn()
 
 # %% ../../nbs/04_comm_p2p.ipynb #c010b2
 @patch
 def close(self:P2PThread):
     "Wait until the ops queued so far ran and every thread this runner started has ended"
-    with self._lock: threads = list(self._started)
-    for t in threads:
-        if t is not threading.current_thread(): t.join()
+    joined = {threading.current_thread()}
+    while True:   # a thread that ended by an error may have started another
+        with self._lock: threads = [t for t in self._started if t not in joined]
+        if not threads: return
+        for t in threads: t.join(); joined.add(t)
 
 @patch(as_prop=True)
 def running(self:P2PThread)->bool: return self._thread is not None   # a thread is working through the queue
@@ -78,8 +99,9 @@ class ThreadedOp:
         try: self._run()
         except BaseException as e: self._error = e
         finally: self._event.set()   # the closure (its tensors) stays until wait(): memory is freed when the caller waits, not when the thread happens to finish
-    def wait(self):
-        self._event.wait()
+    def wait(self, timeout=None):
+        "`timeout`: seconds or a `timedelta`"
+        if not self._event.wait(_seconds(timeout)): raise TimeoutError(f"the p2p thread did not run this op within {timeout}")
         self._run = None
         if self._error is not None: raise self._error
     def is_completed(self)->bool: return self._event.is_set()
@@ -91,18 +113,18 @@ def _thread_of(group)->P2PThread:
     if thread is None: thread = comm_state.p2p_threads[group] = P2PThread()
     return thread
 
-def _start(sends:dict, recvs:dict, group, finish=None, async_op:bool=True)->P2PWork:
+def _start(sends:dict, recvs:dict, group, finish=None, async_op:bool=True, name:str='a direct-message op')->P2PWork:
     "Start one op's messages (on the group's thread when asynchronous on gloo); its handle, which runs `finish` once done"
-    if not sends and not recvs: return P2PWork([], finish)
+    if not sends and not recvs: return P2PWork([], finish, name)
     b, tag = comm_state.backend or comm_state.active(), comm_state.next_tag(group)   # the tag: in call order, here
     if not (async_op and comm_state.p2p_threaded and get_backend(group) == 'gloo'):
-        return P2PWork(_post(b, tag, sends, recvs, group), finish)
+        return P2PWork(_post(b, tag, sends, recvs, group), finish, name)
     def run():
         for w in _post(b, tag, sends, recvs, group): w.wait()
         if finish is not None: finish()
     op = ThreadedOp(run)
     _thread_of(group).submit(op)
-    return P2PWork([op])
+    return P2PWork([op], name=name)
 
 # %% ../../nbs/04_comm_p2p.ipynb #c010f
 def join_p2p_threads(*groups):
@@ -120,9 +142,9 @@ def _chunks(t:torch.Tensor, n:int, name:str)->tuple:
     if not t.is_contiguous() or t.shape[0] % n: raise ValueError(f"{name} must be contiguous with a first dimension divisible by {n}, got {tuple(t.shape)}")
     return t.chunk(n)
 
-def _slots(t:torch.Tensor, n:int, name:str)->tuple:
-    "The `n` places a gather writes: the chunks of a contiguous tensor, or the rows of an `(n, k)` one whose rows are contiguous"
-    if t.dim() == 2 and t.shape[0] == n and (t.stride(1) == 1 or t.shape[1] < 2): return t.unbind(0)
+def _slots(t:torch.Tensor, n:int, name:str, piece:torch.Size)->tuple:
+    "The `n` places a gather of `piece`-shaped inputs writes: the rows of an `(n, k)` tensor whose rows are contiguous and have that shape, else its chunks"
+    if t.dim() == 2 and t.shape[0] == n and t.shape[1:] == piece and (t.stride(1) == 1 or t.shape[1] < 2): return t.unbind(0)
     return _chunks(t, n, name)
 
 # %% ../../nbs/04_comm_p2p.ipynb #c014
@@ -137,7 +159,7 @@ def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_
     def finish():
         output.copy_(chunks[me])
         for j in sorted(received): output.add_(received[j])
-    work = _start({j: chunks[j] for j in received}, received, group, finish, async_op)
+    work = _start({j: chunks[j] for j in received}, received, group, finish, async_op, 'reduce_scatter_tensor_p2p')
     return work if async_op else work.wait() and None
 
 # %% ../../nbs/04_comm_p2p.ipynb #c016
@@ -145,8 +167,9 @@ def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_
 def all_gather_into_tensor_p2p(output_tensor, input_tensor, group=None, async_op=False, *, prof=False, log_name=None):
     "`all_gather_into_tensor` by direct messages: rank r sends its input to every rank and receives theirs in place (`output_tensor` may also be `(N, k)` with contiguous rows: a piece of each rank's chunk of a larger buffer)"
     n, me = get_world_size(group), get_rank(group)
-    slots = _slots(output_tensor, n, 'output_tensor')
+    slots = _slots(output_tensor, n, 'output_tensor', input_tensor.shape)
     if slots[me].shape != input_tensor.shape: raise ValueError(f"input_tensor has shape {tuple(input_tensor.shape)}, a chunk of output {tuple(slots[me].shape)}")
     slots[me].copy_(input_tensor)
-    work = _start({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group, None, async_op)
+    work = _start({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group, None, async_op,
+                  'all_gather_into_tensor_p2p')
     return work if async_op else work.wait() and None
