@@ -78,7 +78,8 @@ def wait_rank(rank, world, stage, tmp):
         e.backward(F.mse_loss(e(x), y)); e.step()
         assert len(e.optimizer.deferred.pending) > 0
         return e
-    e = stepped(); module = e.module
+    e = stepped(); missing = hasattr(e, 'no_such_attribute'); out['hasattr'] = (missing, len(e.optimizer.deferred.pending) > 0)
+    module = e.module
     out['module'] = (len(e.optimizer.deferred.pending), [p.detach().clone() for p in module.parameters()]); e.close()
     e = stepped(); inner = e._modules['module']
     with e.optimizer.gathered(list(inner.parameters())):
@@ -87,7 +88,7 @@ def wait_rank(rank, world, stage, tmp):
     e = stepped(); e.save_checkpoint(tmp, tag='t')
     out['save'] = (len(e.optimizer.deferred.pending), None); e.close()
     loaded = engine_of(stage); loaded.load_checkpoint(tmp, tag='t')
-    out['load'] = (0, [p.detach().clone() for p in loaded.module.parameters()]); loaded.close()
+    out['load'] = (len(loaded.optimizer.deferred.pending), [p.detach().clone() for p in loaded.module.parameters()]); loaded.close()
     e = stepped(); inner = e._modules['module']; e.close()
     out['close'] = (len(e.optimizer.deferred.pending), [p.detach().clone() for p in inner.parameters()])
     ref.close()
@@ -96,11 +97,70 @@ def wait_rank(rank, world, stage, tmp):
 @pytest.mark.parametrize('stage', [1, 2])
 def test_module_gathered_checkpoint_and_close_wait_for_gathers_in_flight(stage, tmp_path):
     for out, expect in run_distributed(wait_rank, 2, args=(stage, str(tmp_path))):
-        assert set(out) == {'module', 'gathered', 'save', 'load', 'close'}
+        assert set(out) == {'hasattr', 'module', 'gathered', 'save', 'load', 'close'}
+        assert out.pop('hasattr') == (False, True)   # a name the engine and model lack waits for nothing
         for name, (pending, params) in out.items():
             assert pending == 0, name
             if params is not None:
                 for p, q in zip(params, expect): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+class ParentReads(torch.nn.Module):
+    "The parent multiplies by its child's weight itself before it calls the child"
+    def __init__(self):
+        super().__init__(); torch.manual_seed(0)
+        self.inp, self.child, self.out = torch.nn.Linear(6, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+        self.probe = lambda module: None
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        self.probe(self.child); w = self.child.weight; self.probe(self.child)
+        h = torch.tanh(F.linear(h, w))
+        return self.out(torch.tanh(self.child(h)))
+
+class TiedReads(torch.nn.Module):
+    "`head` shares `emb`'s weight; the parent reads it through `head` before `emb` or `head` runs"
+    def __init__(self):
+        super().__init__(); torch.manual_seed(0)
+        self.inp, self.emb, self.out = torch.nn.Linear(6, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+        self.head = torch.nn.Linear(16, 16, bias=False); self.head.weight = self.emb.weight
+        self.probe = lambda module: None
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        self.probe(self.head); w = self.head.weight; self.probe(self.head)
+        h = torch.tanh(F.linear(h, w.t()))
+        h = torch.tanh(self.emb(h))
+        return self.out(torch.tanh(self.head(h)))
+
+def reads_rank(rank, world, stage, name):
+    "Per step: the gathers of the weight read in flight just before the parent's read and just after it"
+    import flexrt
+    make = {'parent': ParentReads, 'tied': TiedReads}[name]
+    models = {0: make(), stage: make()}
+    engines = {k: flexrt.initialize(model=m, config={**CONFIG, **zero(k)})[0] for k, m in models.items()}
+    deferred, seen = engines[stage].optimizer.deferred, []
+    def probe(module):
+        w = dict.__getitem__(module._parameters, 'weight')   # an unwatched read: it waits for nothing
+        seen.append(sum(i in deferred.pending for i in deferred._buckets_of[id(w)]))
+    models[stage].probe = probe
+    losses, probes = {0: [], stage: []}, []
+    for s in range(STEPS):
+        x, y = share(rank, world, s)
+        for k, engine in engines.items():
+            loss = F.mse_loss(engine(x), y)
+            engine.backward(loss); engine.step(); losses[k].append(loss.item())
+        probes.append(list(seen)); seen.clear()
+    params = {k: [p.detach().clone() for p in e.module.parameters()] for k, e in engines.items()}
+    for e in engines.values(): e.close()
+    return losses, params, probes
+
+@pytest.mark.parametrize('name', ['parent', 'tied'])
+@pytest.mark.parametrize('stage', [1, 2])
+def test_a_parameter_read_before_its_module_runs_waits_for_its_gather(stage, name):
+    for losses, params, probes in run_distributed(reads_rank, 2, args=(stage, name)):
+        torch.testing.assert_close(torch.tensor(losses[stage]), torch.tensor(losses[0]), rtol=1e-5, atol=1e-6)
+        for p, q in zip(params[stage], params[0]): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert probes[0] == [0, 0]                       # no step yet: nothing in flight
+        for before, after in probes[1:]:
+            assert before > 0 and after == 0, probes     # in flight up to the read, finished by the read itself
 
 def eager_rank(rank, world):
     "defer_gather=False: step() returns with every gather finished (no hooks on the model)"

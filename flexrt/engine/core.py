@@ -64,14 +64,15 @@ class Engine(torch.nn.Module):
         self._setup_parts()
 
     def __getattr__(self, name:str):
-        "Attributes the engine lacks come from the model, as in DeepSpeed; the model's parameters are whole when read here"
-        slot = self.__dict__.get('optimizer')
-        if slot is not None and not name.startswith('__'): slot.wait_for_params()   # gathers left in flight finish
-        try: return torch.nn.Module.__getattr__(self, name)
+        "Attributes the engine lacks come from the model, as in DeepSpeed; the model's parameters are whole when one is read here"
+        try: value = torch.nn.Module.__getattr__(self, name)
         except AttributeError:
             module = self.__dict__['_modules'].get('module')
             if module is None or name.startswith('__'): raise
-            return getattr(module, name)
+            value = getattr(module, name)   # a name neither has raises here: a `hasattr` miss waits for nothing
+        slot = self.__dict__.get('optimizer')
+        if slot is not None and not name.startswith('__'): slot.wait_for_params()   # gathers left in flight finish
+        return value
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()

@@ -10,11 +10,11 @@ import torch
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['WatchedDict', 'DeferredGathers']
+__all__ = ['WatchedDict', 'WatchedParams', 'DeferredGathers']
 
 # %% ../../nbs/40_zero_deferred.ipynb #c005
 class WatchedDict(dict):
-    "A module's `_parameters` or `_modules`: reading it calls `owner.before_read()` first"
+    "A module's `_modules`: reading it calls `owner.before_read()` first"
     __slots__ = ('owner',)
     def __getitem__(self, key): self.owner.before_read(); return dict.__getitem__(self, key)
     def items(self): self.owner.before_read(); return dict.items(self)
@@ -22,10 +22,18 @@ class WatchedDict(dict):
     def __reduce__(self): return (dict, (dict(self),))   # a pickled or copied model holds plain dicts
     def __deepcopy__(self, memo): return copy.deepcopy(dict(self), memo)
 
+class WatchedParams(WatchedDict):
+    "A module's `_parameters`: reading parameters calls `owner.before_params(them)` first, during a forward too"
+    __slots__ = ()
+    def __getitem__(self, key): p = dict.__getitem__(self, key); self.owner.before_params((p,)); return p
+    def get(self, key, default=None): p = dict.get(self, key, default); self.owner.before_params((p,)); return p
+    def items(self): self.owner.before_params(dict.values(self)); return dict.items(self)
+    def values(self): self.owner.before_params(dict.values(self)); return dict.values(self)
+
 def _watch(module, owner):
-    for name in ('_parameters', '_modules'):
+    for name, cls in (('_parameters', WatchedParams), ('_modules', WatchedDict)):
         if type(module.__dict__[name]) is dict:
-            module.__dict__[name] = d = WatchedDict(module.__dict__[name]); d.owner = owner
+            module.__dict__[name] = d = cls(module.__dict__[name]); d.owner = owner
 
 def _unwatch(module):
     for name in ('_parameters', '_modules'):
@@ -37,7 +45,7 @@ class DeferredGathers:
     def __init__(self, module:torch.nn.Module, # the model whose forward the gathers overlap with
                  params_of:list): # per gather (a bucket, or a piece of one), the model parameters it writes (some maybe in several)
         self.module, self.params_of, self.pending, self.num_waits, self.in_forward = module, params_of, {}, 0, False
-        owner = {}
+        self._buckets_of = owner = {}   # id(parameter) -> the gathers that write it
         for i, ps in enumerate(params_of):
             for p in ps: owner.setdefault(id(p), set()).add(i)
         self._needs, self._ran, self.root_buckets = {}, set(), None   # None: no forward recorded yet, the root waits for all
@@ -73,6 +81,13 @@ def _after(self:DeferredGathers, module, args, output): self.in_forward = False 
 def before_read(self:DeferredGathers):
     "The model is read outside a forward: finish every gather in flight"
     if self.pending and not self.in_forward: self.wait_all()
+
+@patch
+def before_params(self:DeferredGathers, ps):
+    "Parameters `ps` are read: outside a forward finish every gather, during one the gathers that write `ps`"
+    if not self.pending: return
+    if not self.in_forward: return self.wait_all()
+    self._wait([i for p in ps for i in self._buckets_of.get(id(p), ())])
 
 # %% ../../nbs/40_zero_deferred.ipynb #c009
 @patch
