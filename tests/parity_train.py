@@ -121,6 +121,8 @@ def main():
     if args.impl == 'deepspeed':
         import deepspeed, logging
         deepspeed.utils.logger.setLevel(logging.ERROR)
+        # its CPU shared-memory op serves only inference_all_reduce; building it races on a lock shared by every process
+        deepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False
     else:
         import flexrt as deepspeed
     deepspeed.init_distributed(dist_backend='gloo')
