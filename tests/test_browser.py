@@ -100,7 +100,7 @@ def _watch_and_stop(page, shots: Path, name: str, log: Path):
     page.wait_for_function(f"{value} >= 40", timeout=120_000)                  # a picture of a run under way
     page.screenshot(path=str(shots / f'{name}_live.png'), full_page=True)
     page.click('button:has-text("Stop")')
-    page.wait_for_selector('button:has-text("Stopping")', timeout=30_000)
+    page.wait_for_selector('button:text-matches("Stopp(ing|ed)")', timeout=30_000)   # "Stopping" can pass between two polls
     stable = read()
     page.wait_for_selector('button:has-text("Stopped")', timeout=60_000)  # the ranks ended: the final state shows
     last, since = read(), time.time()

@@ -12,9 +12,19 @@ from test_browser import chromium, _server, _free_port, _start, _run_all_cells, 
 
 ROWS = 'tr.flexrt-trial'
 
+SLOW_STEP = """import time
+from autotune_widget_train import model_fn, train_step as quick_step, CONFIG
+CONFIG = {**CONFIG, 'autotuning': {**CONFIG['autotuning'], 'fast': False}}
+
+def train_step(engine):
+    "The example's step, slowed down: the search must still run when the test clicks Stop (the example's own takes 6 s)"
+    time.sleep(0.6); quick_step(engine)
+"""
+
 def _autotune_notebook(path: Path):
-    cells = [f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
-             "from flexrt.widgets import AutotuneWidget\nfrom autotune_widget_train import model_fn, train_step, CONFIG",
+    (path.parent / 'slow_autotune_step.py').write_text(SLOW_STEP)
+    cells = [f"import sys; sys.path[:0] = [{str(ROOT / 'examples')!r}, {str(path.parent)!r}]\n"
+             "from flexrt.widgets import AutotuneWidget\nfrom slow_autotune_step import model_fn, train_step, CONFIG",
              f"w = AutotuneWidget(model_fn, train_step, CONFIG, num_processes=2, memory_budget='512MiB', interval=0.3,\n"
              f"                   results_dir={str(path.parent / 'autotuning_results')!r})\n"
              "w.controls['stages'].value, w.controls['micro_batch_range'].value = (0, 1, 2, 3), (1, 64)\n"
@@ -39,7 +49,8 @@ def _run_watch_and_stop(page, shots: Path, name: str, log: Path):
     page.wait_for_function(f"document.querySelectorAll({ROWS!r}).length > {first}", timeout=180_000)
     rising = _count(page)
     page.click('button.widget-button:has-text("Stop")')
-    page.wait_for_selector('button.widget-button:has-text("Stopping")', timeout=30_000)
+    # "Stopping" lasts until the current trial ends; it can come and go between two polls, so either label will do here
+    page.wait_for_selector('button.widget-button:text-matches("Stopp(ing|ed)")', timeout=30_000)
     page.wait_for_selector('button.widget-button:has-text("Stopped")', timeout=180_000)   # the ranks ended
     last, since = _count(page), time.time()
     while time.time() - since < 2:                                      # stopped: no more rows
