@@ -7,13 +7,10 @@ from __future__ import annotations
 import dataclasses, math
 from dataclasses import dataclass, field
 import torch
-import flexrt
-from .. import comm as dist
 from ..config import load_config
-from ..memory_tracker import TensorMemoryTracker, active_tracker
-from ..monitor.ds_sinks import without_monitors
 from .memory_stages import (Line, ModelProfile, STATE_TENSORS, STEP_TEMPORARIES, STATE_SCALAR_BYTES, setting,
                                             levels, replay)
+from .memory_record import _Recorder, _record
 _all_ = ['Line', 'ModelProfile']
 
 # %% auto #0
@@ -46,64 +43,6 @@ def _structure(model:torch.nn.Module)->dict:
     return dict(num_params=sum(p.numel() for p in params), num_trainable=sum(p.numel() for p in params if p.requires_grad),
                 numels=[p.numel() for p in params], trainable=[p.requires_grad for p in params], units=[u for u in units if u],
                 buffer_numel=sum(b.numel() for b in model.buffers() if b.is_floating_point()))
-
-# %% ../../nbs/60_autotuner_memory.ipynb #c009
-class _Recorder:
-    "Activation levels of one micro-step around each gradient's arrival (exact tensor bytes)"
-    def __init__(self, tracker, index:dict): self.t, self.index, self.on = tracker, index, False
-    def start(self):
-        self.on, self.events, self.grads = True, [], 0
-        self.t.reset_peak(); self.start_bytes = self.t.allocated_bytes
-    def grad(self, p):
-        if not self.on: return
-        now, peak, g = self.t.allocated_bytes, self.t.peak_bytes, p.grad.untyped_storage().nbytes()
-        self.events.append((self.index[id(p)], peak - self.start_bytes - self.grads, now - self.start_bytes - self.grads - g))
-        self.grads += g; self.t.reset_peak()
-    def step(self):
-        if not self.on: return
-        self.tail = self.t.peak_bytes - self.start_bytes - self.grads
-        self.hold, self.on = self.t.allocated_bytes - self.start_bytes - self.grads, False
-
-# %% ../../nbs/60_autotuner_memory.ipynb #c010
-def _solo_unit():
-    "In a launched group: a unit whose data-parallel group is this rank alone (None when there is one rank)"
-    if not dist.is_initialized() or dist.get_world_size() == 1: return None
-    from flexrt.autotuner.measure import GroupUnit
-    unit = GroupUnit(None)
-    unit.group = unit.alone
-    return unit
-
-def _stage0_config(config:dict, micro:int)->dict:
-    "`config` at stage 0, one micro-batch of `micro` per step, quiet"
-    out = {k: v for k, v in without_monitors(config).items() if k not in ('train_batch_size', 'autotuning')}   # no run logs
-    return {**out, 'train_micro_batch_size_per_gpu': micro, 'gradient_accumulation_steps': 1,
-            'zero_optimization': {'stage': 0}, 'steps_per_print': 10**9}
-
-# %% ../../nbs/60_autotuner_memory.ipynb #c011
-def _record(model_fn, train_step, config:dict, micro:int, steps:int=3)->_Recorder:
-    "Run `steps` micro-steps of a stage-0 engine on this rank alone; the last one recorded"
-    unit, own = _solo_unit(), active_tracker() is None
-    tracker = TensorMemoryTracker(count_existing=False).enable() if own else active_tracker()
-    engine, hooks = None, []
-    try:
-        model = model_fn()
-        params = list(dict.fromkeys(model.parameters()))
-        rec = _Recorder(tracker, {id(p): i for i, p in enumerate(params)})
-        engine, *_ = flexrt.initialize(model=model, config=_stage0_config(config, micro), mpu=unit)
-        hooks = [p.register_post_accumulate_grad_hook(rec.grad) for p in params if p.requires_grad]
-        step = engine.step
-        engine.step = lambda *a, **k: (rec.step(), step(*a, **k))[1]
-        for k in range(steps):
-            if k == steps - 1: rec.start()
-            train_step(engine)
-            rec.step()            # a train_step that leaves engine.step to its caller ends its micro-step here,
-            engine.zero_grad()    # and the next one starts without gradients, as after a step
-        return rec
-    finally:
-        for h in hooks: h.remove()
-        if engine is not None: engine.close()
-        if own: tracker.disable()
-        if unit is not None: unit.close()
 
 # %% ../../nbs/60_autotuner_memory.ipynb #c013
 def _timeline(r1:_Recorder, m1:int, r2:_Recorder, m2:int)->dict:
