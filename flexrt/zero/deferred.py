@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from functools import partial
 import torch
+from .. import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
@@ -127,3 +128,25 @@ def _piece_params(part, a:int, b:int)->list:
     "The parameters with elements in `[a, b)` of some rank's chunk: those a gather of that piece writes"
     C, ranks = part.shard_numel, range(part.world_size)
     return [p for p, s, e in zip(part.params, part.offsets, part.offsets[1:]) if any(max(s, r * C + a) < min(e, r * C + b) for r in ranks)]
+
+# %% ../../nbs/40_zero_deferred.ipynb #c017
+@torch.no_grad()
+def _gather_bucket(bk, # a ZeRO 1/2 bucket: `master` (its chunk), `param_buffer`, `pieces`, `dtype`, `group`, `world_size`
+                   collectives:str)->list: # 'native', 'p2p' or 'all_reduce'; returns a handle per piece (None: nothing in flight)
+    "Start the all-gather of one bucket's parameter buffer (its chunk from the master), piece by piece (`bk.pieces`)"
+    if bk.world_size > 1 and collectives == 'all_reduce': return [_gather_via_all_reduce(bk)]
+    send = bk.master.detach().to(bk.dtype, copy=True)
+    if bk.world_size == 1: bk.param_buffer.copy_(send); return [None]
+    if len(bk.pieces) > 1:   # p2p: each piece lands in its columns of the (ranks x chunk) buffer
+        rows = bk.param_buffer.view(bk.world_size, -1)
+        return [dist.all_gather_into_tensor_p2p(rows[:, a:b], send[a:b], group=bk.group, async_op=True) for a, b in bk.pieces]
+    gather = dist.all_gather_into_tensor_p2p if collectives == 'p2p' else dist.all_gather_into_tensor
+    return [gather(bk.param_buffer, send, group=bk.group, async_op=True)]
+
+def _gather_via_all_reduce(bk):
+    "All-gather as a sum: the buffer zeroed but for this rank's chunk (x + 0 is exact), then all-reduced"
+    buf, (start, end) = bk.param_buffer, bk.partition.shard_range()
+    buf[:start].zero_(); buf[end:].zero_()
+    master = bk.master.detach()
+    if master.data_ptr() != buf[start:end].data_ptr(): buf[start:end].copy_(master)   # fp32 masters alias their chunk
+    return dist.all_reduce(buf, group=bk.group, async_op=True, log_name='all_gather_via_all_reduce')

@@ -11,7 +11,7 @@ from ..reducer import BucketReducer, plan_buckets, _group_of
 from .partition import FlatPartition, shard_grad_norm, clip_shards
 from ..memory import storage_bytes
 from .base import OptimizerSlot, Fragment, Piece
-from .deferred import DeferredGathers, _piece_bounds, _piece_params
+from .deferred import DeferredGathers, _piece_bounds, _piece_params, _gather_bucket
 from fastcore.basics import patch
 
 # %% auto #0
@@ -185,20 +185,10 @@ def clip_grad_norm(self:ZeroStage1, max_norm:float)->tuple: # (norm before clipp
 
 # %% ../../nbs/40_zero_stage1.ipynb #c020
 @patch
-@torch.no_grad()
 def _launch_gather(self:ZeroStage1, bk)->list: # a handle per piece (None: nothing in flight)
-    "Start the all-gather of one bucket's parameter buffer (its chunk from the masters), piece by piece (`bk.pieces`)"
-    if bk.world_size > 1 and self.collectives == 'all_reduce': works = [_gather_via_all_reduce(bk)]
-    else:
-        send = bk.master.detach().to(bk.dtype, copy=True)
-        if bk.world_size == 1: bk.param_buffer.copy_(send); return [None]
-        if len(bk.pieces) > 1:   # p2p: each piece lands in its columns of the (ranks x chunk) buffer
-            rows = bk.param_buffer.view(bk.world_size, -1)
-            works = [dist.all_gather_into_tensor_p2p(rows[:, a:b], send[a:b], group=bk.group, async_op=True) for a, b in bk.pieces]
-        else:
-            gather = dist.all_gather_into_tensor_p2p if self.collectives == 'p2p' else dist.all_gather_into_tensor
-            works = [gather(bk.param_buffer, send, group=bk.group, async_op=True)]
-    self.comm_bytes += bk.param_buffer.nbytes
+    "Start the all-gather of one bucket's parameter buffer (`_gather_bucket`) and count the bytes it moves"
+    works = _gather_bucket(bk, self.collectives)
+    if bk.world_size > 1: self.comm_bytes += bk.param_buffer.nbytes
     return works
 
 @patch
@@ -222,14 +212,6 @@ def _gather_params(self:ZeroStage1):
     works = [w for bk in self.buckets for w in self._launch_gather(bk)]
     for w in works:
         if w is not None: w.wait()
-
-def _gather_via_all_reduce(bk):
-    "All-gather as a sum: the buffer zeroed but for this rank's chunk (x + 0 is exact), then all-reduced"
-    buf, (start, end) = bk.param_buffer, bk.partition.shard_range()
-    buf[:start].zero_(); buf[end:].zero_()
-    master = bk.master.detach()
-    if master.data_ptr() != buf[start:end].data_ptr(): buf[start:end].copy_(master)   # fp32 masters alias their chunk
-    return dist.all_reduce(buf, group=bk.group, async_op=True, log_name='all_gather_via_all_reduce')
 
 # %% ../../nbs/40_zero_stage1.ipynb #c022
 PER_PARAMETER = ('Adam', 'AdamW', 'SGD', 'Adagrad', 'Adamax', 'RMSprop', 'NAdam', 'RAdam', 'Lamb')
