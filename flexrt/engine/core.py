@@ -4,11 +4,11 @@
 
 # %% ../../nbs/30_engine_core.ipynb #c003
 from __future__ import annotations
-import contextlib, dataclasses, importlib.util, math, warnings
+import contextlib, importlib.util, math, warnings
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
-from ..config import FlexConfig, BatchConfig
+from ..config import FlexConfig
 from ..config.services import CommsLoggerConfig
 from ..precision import Precision
 from ..utils.groups import ExpertGroups
@@ -17,7 +17,6 @@ from .parts import (StepCounter, Timers, StepClock, StepReporter, layer_drop,
 from .optim import client_optimizer, client_lr_scheduler
 from ..monitor.ds_sinks import DeepSpeedMonitors, check_packages
 from ..zero import SlotArgs, build_optimizer_slot
-from .. import checkpoint
 from fastcore.basics import patch
 
 # %% auto #0
@@ -242,22 +241,6 @@ def train_micro_batch_size_per_gpu(self:Engine)->int: return self.config.batch.t
 @patch
 def gradient_accumulation_steps(self:Engine)->int: return self.config.batch.gradient_accumulation_steps
 
-@patch
-def get_batch_info(self:Engine)->tuple:
-    "(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)"
-    return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
-
-@patch
-def set_train_batch_size(self:Engine, train_batch_size:int):
-    "Change the global batch size by changing the accumulation steps (the micro-batch size stays)"
-    micro, dp = self.train_micro_batch_size_per_gpu(), self.dp_world_size
-    if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0 or train_batch_size % (micro * dp):
-        raise ValueError(f"train_batch_size={train_batch_size!r} must be a positive multiple of micro ({micro}) x world ({dp}) = {micro * dp}")
-    gas = train_batch_size // (micro * dp)
-    self.config = dataclasses.replace(self.config, batch=BatchConfig(train_batch_size=train_batch_size,
-                                      train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas))
-    self.counter.gradient_accumulation_steps = gas
-
 # %% ../../nbs/30_engine_core.ipynb #c022
 @patch
 def get_lr(self:Engine)->list: return [g['lr'] for g in self.optimizer.param_groups]
@@ -270,12 +253,6 @@ def get_global_grad_norm(self:Engine)->float|None:
 def zero_grad(self:Engine, set_to_none:bool=True):
     "Drop the accumulated gradients"
     self.optimizer.zero_grad(set_to_none)
-
-
-@patch
-def memory_breakdown(self:Engine)->dict: # bytes: params, grads, optimizer_state, total (stage 3 adds persistent)
-    "Bytes this rank holds for parameters, gradients and optimizer state, as the ZeRO stage in use partitions them"
-    return self.optimizer.memory_breakdown()
 
 @patch(as_prop=True)
 def global_steps(self:Engine)->int: return self.counter.global_steps   # optimizer steps taken (skipped ones included)
@@ -296,28 +273,6 @@ def deepspeed_io(self:Engine, dataset, # a torch Dataset
     return build_dataloader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.dp_world_size, self.dp_rank,
                             collate_fn or self.collate_fn, data_sampler, self.config.dataloader_drop_last, pin_memory,
                             num_local_io_workers or 0)
-
-# %% ../../nbs/30_engine_core.ipynb #c026
-@patch
-def save_checkpoint(self:Engine, save_dir, # the directory holding the checkpoints (shared by all ranks)
-                     tag=None, # the checkpoint's name (default: global_step<N>)
-                     client_state:dict|None=None, # your own state: tensors, numbers, strings and containers of them
-                     save_latest:bool=True, # point `<save_dir>/latest` at this tag
-                     exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
-    "Save the complete training state (all ranks call it)"
-    return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-
-@patch
-def load_checkpoint(self:Engine, load_dir, tag=None, load_module_strict:bool=True, load_optimizer_states:bool=True,
-                     load_lr_scheduler_states:bool=True, load_module_only:bool=False)->tuple:
-    "Restore a checkpoint (all ranks call it): `(path, client_state)`, or `(None, None)` when `load_dir` has no `latest`"
-    return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                      load_lr_scheduler_states, load_module_only)
-
-@patch
-def save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin', exclude_frozen_parameters:bool=False)->bool:
-    "The model's weights in their working dtype, in one file written by rank 0 (all ranks call it)"
-    return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
 # %% ../../nbs/30_engine_core.ipynb #c027
 @patch
