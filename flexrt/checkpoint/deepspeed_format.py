@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum, math, pickle, re, zipfile
 from pathlib import Path
 import torch
+from .safe_globals import allowed_globals
 from .files import CheckpointError, MANIFEST, read_latest, check_tag
 
 # %% auto #0
@@ -37,7 +38,7 @@ def load_deepspeed_file(path)->object:
     "`torch.load` of one of DeepSpeed's files with only tensors, containers and `DEEPSPEED_GLOBALS`; `CheckpointError` naming any other global"
     safe = [(holder, name) for name, holder in DEEPSPEED_GLOBALS.items()]
     try:
-        with torch.serialization.safe_globals(safe):
+        with allowed_globals(safe):   # torch 2.4 onwards
             return torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         found = re.search(r'GLOBAL (\S+?)[,.]?\s', str(e) + ' ')
