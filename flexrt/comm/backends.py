@@ -21,6 +21,13 @@ _all_ = ['NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'OPS', 'Compl
 __all__ = ['TorchBackend', 'ExplainedWork', 'NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'OPS', 'CompletedWork',
            'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError', 'CommTimeoutError']
 
+# %% ../../nbs/03_comm_backends.ipynb #c012t
+_NEWER_NEW_GROUP_ARGS = {'device_id': None, 'sort_ranks': True}   # torch.distributed.new_group keywords torch 2.4 lacks, and their defaults
+
+def _new_group_kwargs(kwargs:dict)->dict:
+    "`kwargs` for torch's `new_group`, less the keywords torch 2.4 lacks where they hold their default"
+    return {k: v for k, v in kwargs.items() if k not in _NEWER_NEW_GROUP_ARGS or v != _NEWER_NEW_GROUP_ARGS[k]}
+
 # %% ../../nbs/03_comm_backends.ipynb #c013
 class TorchBackend(CommBackend):
     "torch.distributed on its process groups, with fallbacks for the fused ops a backend lacks"
@@ -35,7 +42,7 @@ class TorchBackend(CommBackend):
     def get_rank(self, group=None): return tdist.get_rank(group)
     def get_world_size(self, group=None): return tdist.get_world_size(group)
     def get_global_rank(self, group, group_rank): return group_rank if group is None else tdist.get_global_rank(group, group_rank)
-    def new_group(self, ranks=None, **kwargs): return tdist.new_group(ranks, **kwargs)
+    def new_group(self, ranks=None, **kwargs): return tdist.new_group(ranks, **_new_group_kwargs(kwargs))
     def destroy_process_group(self, group=None):
         tdist.destroy_process_group(group)
         if group is None: self._learned.clear()
@@ -173,9 +180,10 @@ def broadcast_object_list(self:TorchBackend, object_list, src=None, group=None, 
 
 # %% ../../nbs/03_comm_backends.ipynb #c035
 def _torch_p2p(p):
-    "torch's `P2POp` for flexrt's (or torch's) `p`"
+    "torch's `P2POp` for flexrt's (or torch's) `p` (`group_peer` only when set: torch before 2.6 lacks it)"
     if isinstance(p, tdist.P2POp): return p
-    return tdist.P2POp(tdist.isend if p.kind == 'isend' else tdist.irecv, p.tensor, p.peer, p.group, p.tag, p.group_peer)
+    op = tdist.isend if p.kind == 'isend' else tdist.irecv
+    return tdist.P2POp(op, p.tensor, p.peer, p.group, p.tag, **_opt(group_peer=p.group_peer))
 
 # %% ../../nbs/03_comm_backends.ipynb #c037
 @patch
