@@ -119,10 +119,8 @@ def main():
     global BF16_INIT
     BF16_INIT = not args.fp32_init
     if args.impl == 'deepspeed':
-        import deepspeed, logging
-        deepspeed.utils.logger.setLevel(logging.ERROR)
-        # its CPU shared-memory op serves only inference_all_reduce; building it races on a lock shared by every process
-        deepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False
+        from real_deepspeed import import_deepspeed   # quiet, no shared-memory comm op (see there)
+        deepspeed = import_deepspeed()
     else:
         import flexrt as deepspeed
     deepspeed.init_distributed(dist_backend='gloo')

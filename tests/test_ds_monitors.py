@@ -20,12 +20,8 @@ def config(out, **extra):
 def train(rank, world, out, impl, extra=None):
     "Train a tiny model; this rank's losses per micro-step, lr after each optimizer step, loss scale, whether it has sinks"
     if impl == 'deepspeed':
-        import deepspeed, logging
-        deepspeed.utils.logger.setLevel(logging.ERROR)
-        # DeepSpeed's CPU backend JIT-compiles a shared-memory op that only `inference_all_reduce` uses (training
-        # collectives go through gloo); the build takes minutes on a loaded machine and shares a lock file with every
-        # other DeepSpeed process of the user, so the op is marked unavailable, which DeepSpeed itself handles (None)
-        deepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False
+        from real_deepspeed import import_deepspeed   # quiet, no shared-memory comm op (see there)
+        deepspeed = import_deepspeed()
     elif impl == 'dropin':
         import flexrt.deepspeed
         flexrt.deepspeed.use_as_deepspeed()
