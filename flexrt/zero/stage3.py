@@ -49,7 +49,8 @@ class Stage3Optimizer(OptimizerSlot):
         self.partitioner = ParameterPartitioner(module, group, cfg.stage3_param_persistence_threshold,
                                                 cfg.stage3_model_persistence_threshold, cfg.stage3_prefetch_bucket_size, trainable,
                                                 cfg.stage3_max_reuse_distance, cfg.stage3_max_live_parameters,
-                                                getattr(expert_groups, 'data_parallel', expert_groups) or None)
+                                                getattr(expert_groups, 'data_parallel', expert_groups) or None,
+                                                reduce_bucket_numel=cfg.reduce_bucket_size)
         self._build_shards()
         self.partitioner.on_modified = lambda record: self._on_modified(record)
 
