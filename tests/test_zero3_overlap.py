@@ -2,8 +2,9 @@
 when a module's forward starts, the next module's gather is already in flight and the later ones are not started;
 when a module's backward starts, the gather of the module before it is in flight; each module's gradient
 reduce-scatter is launched as soon as its gradients are in and left in flight while the rest of backward runs, then
-finished when backward ends. With prefetch and reduce buckets of two modules, two modules are gathered in one
-collective and the next two prefetched, and two modules' gradients go in one reduce-scatter, launched once both are in.
+finished when backward ends. With prefetch and reduce buckets of two modules, chunks of one module, then two, are
+gathered in one collective each, the next chunk prefetched, and gradients go in buckets of one module, then two, each
+reduce-scatter launched once its gradients are in.
 Losses and parameters stay equal to stage 0 (2 gloo ranks)."""
 import pytest
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -94,13 +95,14 @@ def test_stage3_prefetches_in_recorded_order_and_overlaps_reduce_scatter():
             assert all(launched[n] == ((True, True) if n in done else (False, False)) for n in ORDER), (name, launched)
         assert after == [None] * 4   # backward's end finished every reduce-scatter
 
-# two modules a chunk (d b | a c) and a bucket (gradients c a | b d): what each module sees of the others when it runs
-CHUNKED_FORWARD = {'d': dict(b='full', a='flight', c='flight'), 'b': dict(d='none', a='flight', c='flight'),
-                   'a': dict(d='none', b='none', c='full'), 'c': dict(d='none', b='none', a='none')}
-CHUNKED_BACKWARD = {'c': (dict(a='full', b='flight', d='flight'), ''), 'a': (dict(c='none', b='flight', d='flight'), 'ca'),
-                    'b': (dict(c='none', a='none', d='full'), 'ca'), 'd': (dict(c='none', a='none', b='none'), 'cabd')}
+# chunks of one module, then two (d | b a | c), buckets likewise in backward order (c | a b | d): what each module sees
+# of the others when it runs, and (backward) the modules whose reduce-scatter is launched
+CHUNKED_FORWARD = {'d': dict(b='flight', a='flight', c='none'), 'b': dict(d='none', a='full', c='flight'),
+                   'a': dict(d='none', b='none', c='flight'), 'c': dict(d='none', b='none', a='none')}
+CHUNKED_BACKWARD = {'c': (dict(a='flight', b='flight', d='none'), 'c'), 'a': (dict(c='none', b='full', d='flight'), 'c'),
+                    'b': (dict(c='none', a='none', d='flight'), 'cab'), 'd': (dict(c='none', a='none', b='none'), 'cabd')}
 
-def test_stage3_gathers_two_modules_at_once_and_reduces_two_modules_gradients_together():
+def test_stage3_gathers_growing_chunks_of_modules_and_reduces_growing_buckets():
     for runs in run_distributed(overlap_rank, 2, args=(2,), timeout=120):
         (l0, p0, *_), (l3, p3, seen, trace, after) = runs[0], runs[3]
         torch.testing.assert_close(torch.tensor(l3), torch.tensor(l0), rtol=1e-5, atol=1e-6)

@@ -24,14 +24,17 @@ class Bucket:
 
 # %% ../../nbs/42_zero3_grads.ipynb #c006
 def plan_buckets(records:list, # trainable ParamRecords, in the order their gradients are expected
-                 bucket_numel:int)->list: # a bucket is closed once it holds at least this many elements
-    "Consecutive records of each process group in buckets of at least `bucket_numel` elements (the last may hold fewer)"
+                 bucket_numel:int, # a bucket is closed once it holds at least this many elements
+                 first_numel:int|None=None)->list: # the first bucket's size; each next one twice the last, up to `bucket_numel`
+    "Consecutive records of each process group in buckets of at least `bucket_numel` elements (the last may hold fewer); with `first_numel`, small ones first, doubling"
     if bucket_numel < 1: raise ValueError(f'reduce_bucket_size must be at least 1 element, got {bucket_numel}')
-    done, filling = [], {}
+    done, filling, cap = [], {}, {}
     for r in dict.fromkeys(records):   # each record once
-        same = filling.setdefault(id(r.group), [])
+        same, key = filling.setdefault(id(r.group), []), id(r.group)
         same.append(r)
-        if sum(x.numel for x in same) >= bucket_numel: done.append(Bucket(same)); del filling[id(r.group)]
+        if sum(x.numel for x in same) >= cap.get(key, min(bucket_numel, first_numel or bucket_numel)):
+            done.append(Bucket(same)); del filling[key]
+            cap[key] = min(bucket_numel, 2 * cap.get(key, min(bucket_numel, first_numel or bucket_numel)))
     return done + [Bucket(same) for same in filling.values()]
 
 # %% ../../nbs/42_zero3_grads.ipynb #c008
@@ -44,9 +47,9 @@ class GradBuckets:
         self.bucket_numel, self.world_size, self.owner = bucket_numel, world_size, owner
         self.plan(records)
 
-    def plan(self, records:list):
+    def plan(self, records:list, first_numel:int|None=None): # the first bucket's elements (see `plan_buckets`)
         "Bucket `records` (their expected gradient order); between backwards only"
-        self.buckets = plan_buckets(records, self.bucket_numel)
+        self.buckets = plan_buckets(records, self.bucket_numel, first_numel)
         self.bucket_of = {id(r): b for b in self.buckets for r in b.records}
 
     def bucket(self, r:ParamRecord)->Bucket|None: return self.bucket_of.get(id(r))   # None: not trainable here

@@ -233,13 +233,14 @@ def _plan_keep(self:ParameterPartitioner):
 @patch
 def _plan_chunks(self:ParameterPartitioner):
     "Cut the trace into chunks (`_chunk[i]`: the first and past-the-last positions of position i's); bucket gradients in its order"
-    self._chunk, start, size, kept = [], 0, 0, lambda i: self.trace[i].index in self._keep
-    for i, u in enumerate(self.trace):
-        if i > start and (size + u.numel > self.prefetch_numel or kept(i) != kept(start)):
-            self._chunk += [(start, i)] * (i - start); start, size = i, 0
+    self._chunk, start, size, most, kept = [], 0, 0, 1, lambda i: self.trace[i].index in self._keep
+    for i, u in enumerate(self.trace):   # chunks of 1, 2, 4, ... units: the first gather, which nothing overlaps, is small
+        if i > start and (size + u.numel > self.prefetch_numel or i - start >= most or kept(i) != kept(start)):
+            self._chunk += [(start, i)] * (i - start); start, size, most = i, 0, 2 * most
         size += u.numel
     self._chunk += [(start, len(self.trace))] * (len(self.trace) - start)
-    self.grads.plan(self._gradient_order(self.trace))
+    last = sum(r.numel for r in self.trace[-1].records if r.param in self._trainable) if self.trace else 0
+    self.grads.plan(self._gradient_order(self.trace), last or None)   # the first bucket: the last unit's gradients
 
 # %% ../../nbs/42_zero3_params.ipynb #c031r
 @patch
