@@ -2,9 +2,9 @@
 when a module's forward starts, the next module's gather is already in flight and the later ones are not started;
 when a module's backward starts, the gather of the module before it is in flight; each module's gradient
 reduce-scatter is launched as soon as its gradients are in and left in flight while the rest of backward runs, then
-finished when backward ends. With prefetch and reduce buckets of two modules, chunks of one module, then two, are
-gathered in one collective each, the next chunk prefetched, and gradients go in buckets of one module, then two, each
-reduce-scatter launched once its gradients are in.
+finished when backward ends. With a prefetch bucket of two modules, chunks of one module, then two, are gathered in
+one collective each, the next chunk prefetched; with larger reduce buckets two modules' gradients go in one
+reduce-scatter, launched once they are all in.
 Losses and parameters stay equal to stage 0 (2 gloo ranks)."""
 import pytest
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -30,7 +30,7 @@ def _state(records)->str:
 
 UNIT = 8 * 8 + 8   # elements of one Linear(8, 8)
 
-def overlap_rank(rank, world, units=1):
+def overlap_rank(rank, world, units=1, bucket=UNIT):
     import flexrt
     g = torch.Generator().manual_seed(rank)
     X, Y = torch.randn(3, 4, 8, generator=g), torch.randn(3, 4, 8, generator=g)
@@ -39,7 +39,7 @@ def overlap_rank(rank, world, units=1):
         model = Shuffled()
         config = {'train_batch_size': 4 * world, 'steps_per_print': 1000, 'optimizer': {'type': 'AdamW', 'params': {'lr': 0.05}},
                   'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0,
-                                        'stage3_prefetch_bucket_size': units * UNIT, 'reduce_bucket_size': units * UNIT}}
+                                        'stage3_prefetch_bucket_size': units * UNIT, 'reduce_bucket_size': bucket}}
         engine, *_ = flexrt.initialize(model=model, config=config)
         seen = {'forward': [], 'backward': []}
         if stage == 3:
@@ -95,15 +95,16 @@ def test_stage3_prefetches_in_recorded_order_and_overlaps_reduce_scatter():
             assert all(launched[n] == ((True, True) if n in done else (False, False)) for n in ORDER), (name, launched)
         assert after == [None] * 4   # backward's end finished every reduce-scatter
 
-# chunks of one module, then two (d | b a | c), buckets likewise in backward order (c | a b | d): what each module sees
-# of the others when it runs, and (backward) the modules whose reduce-scatter is launched
+# chunks of one module, then two (d | b a | c); gradient buckets closed on reaching 1/16 of 32 modules' elements, then
+# twice that, in backward order (c a | b d): what each module sees of the others when it runs, and (backward) the
+# modules whose reduce-scatter is launched
 CHUNKED_FORWARD = {'d': dict(b='flight', a='flight', c='none'), 'b': dict(d='none', a='full', c='flight'),
                    'a': dict(d='none', b='none', c='flight'), 'c': dict(d='none', b='none', a='none')}
-CHUNKED_BACKWARD = {'c': (dict(a='flight', b='flight', d='none'), 'c'), 'a': (dict(c='none', b='full', d='flight'), 'c'),
-                    'b': (dict(c='none', a='none', d='flight'), 'cab'), 'd': (dict(c='none', a='none', b='none'), 'cabd')}
+CHUNKED_BACKWARD = {'c': (dict(a='flight', b='flight', d='none'), ''), 'a': (dict(c='none', b='full', d='flight'), 'ca'),
+                    'b': (dict(c='none', a='none', d='flight'), 'ca'), 'd': (dict(c='none', a='none', b='none'), 'cabd')}
 
 def test_stage3_gathers_growing_chunks_of_modules_and_reduces_growing_buckets():
-    for runs in run_distributed(overlap_rank, 2, args=(2,), timeout=120):
+    for runs in run_distributed(overlap_rank, 2, args=(2, 32 * UNIT), timeout=120):
         (l0, p0, *_), (l3, p3, seen, trace, after) = runs[0], runs[3]
         torch.testing.assert_close(torch.tensor(l3), torch.tensor(l0), rtol=1e-5, atol=1e-6)
         for p, q in zip(p3, p0): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

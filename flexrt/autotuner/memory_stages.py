@@ -217,28 +217,56 @@ def _keep(units:list, numel:list, s:Setting)->set:
         keep.add(u); live += numel[u]; between += numel[u]
     return keep
 
-# %% ../../nbs/60_autotuner_memory_stages.ipynb #c029
-def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, gathered:list, kept:set, shard:list, persistent:list):
-    "Gradients land in per-module reduce-scatter buffers held to the end of backward; a gathered module goes with its last gradient"
+# %% ../../nbs/60_autotuner_memory_stages.ipynb #c029a
+def _chunks3(numel:list, kept:set, prefetch:int)->list: # lists of unit indices
+    "The partitioner's chunks (`_plan_chunks`): 1, 2, 4, ... consecutive units of at most `prefetch` elements, kept units apart"
+    chunks, cur, size, most = [], [], 0, 1
+    for u, k in enumerate(numel):
+        if cur and (size + k > prefetch or len(cur) >= most or (u in kept) != (cur[0] in kept)):
+            chunks.append(cur); cur, size, most = [], 0, 2 * most
+        cur.append(u); size += k
+    return chunks + ([cur] if cur else [])
+
+def _buckets3(pr:ModelProfile, s:Setting, events:list)->list: # lists of parameter indices
+    "`flexrt.zero.stage3_grads.plan_buckets` on the order the gradients arrive: closed on reaching 1/16 of the bucket size, then doubling"
+    order = [i for i in dict.fromkeys([e[0] for e in events] + list(range(len(pr.numels)))) if pr.trainable[i]]
+    cap = max(1, s.reduce_bucket_size // 16)
+    buckets, cur = [], []
+    for i in order:
+        cur.append(i)
+        if sum(pr.numels[j] for j in cur) >= cap: buckets.append(cur); cur, cap = [], min(s.reduce_bucket_size, 2 * cap)
+    return buckets + ([cur] if cur else [])
+
+# %% ../../nbs/60_autotuner_memory_stages.ipynb #c029b
+def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, gathered:list, kept:set, shard:list, persistent:list):
+    "Gradients land in bucket reduce-scatter buffers held to the end of backward; a chunk is gathered on entering it (the one before it prefetched) and goes with its last gradient"
     n, W, w = pr.numels, s.world_size, s.itemsize
-    unit_of = {}
-    for u, members in enumerate(pr.units):
-        for i in members: unit_of.setdefault(i, u)
-    own = [[i for i in m if unit_of[i] == u] for u, m in enumerate(pr.units)]
-    whole = {u: u in kept for u in range(len(pr.units))}
-    left = [sum(not persistent[i] for i in m) for m in pr.units]
-    pending = [sum(pr.trainable[i] for i in m) for m in own]
+    chunk_of = {}
+    for c, us in enumerate(chunks):
+        for u in us:
+            for i in pr.units[u]: chunk_of.setdefault(i, c)
+    state = ['whole' if chunks[c][0] in kept else 'none' for c in range(len(chunks))]
+    left = [len({i for u in us for i in pr.units[u] if not persistent[i]}) for us in chunks]
+    size = [sum(n[i] for u in us for i in dict.fromkeys(pr.units[u]) if not persistent[i]) for us in chunks]
+    buckets = _buckets3(pr, s, events)
+    bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
+    pending = [len(b) for b in buckets]
     for i, before, after in events:
-        u = unit_of[i]
-        if not whole[u] and gathered[u]: whole[u] = True; t.add(gathered[u])   # gathered again for its backward
+        c = chunk_of[i]
+        if state[c] != 'whole':
+            if state[c] == 'none': t.add(gathered[c])   # gathered again for its backward
+            state[c] = 'whole'
+            p = c - 1   # prefetched
+            if p >= 0 and state[p] == 'none' and s.prefetch and size[p] <= s.prefetch: t.add(gathered[p]); state[p] = 'flight'
         t.see(before)
-        L = sum(shard[j] for j in own[u] if pr.trainable[j])
-        if pending[u] == sum(pr.trainable[j] for j in own[u]): t.add(W * L * w).see(after + n[i] * w)
-        pending[u] -= 1
-        if pending[u] == 0 and W > 1: t.add(L * w + ((W - 1) * L * w if s.p2p else 0)).see(after + n[i] * w)
+        b = bucket_of[i]
+        L = sum(shard[j] for j in buckets[b])
+        if pending[b] == len(buckets[b]): t.add(W * L * w).see(after + n[i] * w)
+        pending[b] -= 1
+        if pending[b] == 0 and W > 1: t.add(L * w + ((W - 1) * L * w if s.p2p else 0)).see(after + n[i] * w)
         if not persistent[i]:
-            left[u] -= 1
-            if left[u] == 0 and whole[u]: t.add(-gathered[u]); whole[u] = False
+            left[c] -= 1
+            if left[c] == 0: t.add(-gathered[c]); state[c] = 'gone'
         t.see(after)
     return t
 
@@ -256,11 +284,14 @@ def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     bd = dict(parameters=(St + frozen + pr.buffer_numel) * w + held, gradients=St * 4,
               fp32_masters=St * 4 if w != 4 else 0, optimizer_state=_state_bytes(pr, [St], 4))
     units = [[i for i in u if not persistent[i]] for u in pr.units]
-    gathered = [_gather_bytes([shard[i] for i in u], W, w) for u in units]
-    kept = _keep(units, [sum(n[i] for i in u) for u in units], s)
-    t = Tally(sum(bd.values())).add(sum(gathered[u] for u in kept))
-    t.see(fwd, 2 * max((gathered[u] for u in range(len(units)) if u not in kept), default=0))   # one unit and its prefetch
-    _backward3(pr, s, t, events, gathered, kept, shard, persistent).see(tail)
+    numel = [sum(n[i] for i in u) for u in units]
+    kept = _keep(units, numel, s)
+    chunks = _chunks3(numel, kept, s.prefetch)
+    gathered = [_gather_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]
+    t = Tally(sum(bd.values())).add(sum(g for us, g in zip(chunks, gathered) if us[0] in kept))
+    ahead = lambda c: gathered[c] if c < len(chunks) and chunks[c][0] not in kept and s.prefetch and sum(numel[u] for u in chunks[c]) <= s.prefetch else 0
+    t.see(fwd, max((gathered[c] + ahead(c + 1) for c in range(len(chunks)) if chunks[c][0] not in kept), default=0))   # a chunk and the next
+    _backward3(pr, s, t, events, chunks, gathered, kept, shard, persistent).see(tail)
     step = Tally(sum(bd.values())).see(hold, pr.step_temporaries * St * 4)
     if W > 1: step.see(hold, whole + whole // W)   # the persistent parameters gathered again
     P = (sum(n) + pr.buffer_numel) * 4

@@ -66,7 +66,7 @@ class ParameterPartitioner:
         self._trainable = {p for p in trainable}
         self._build_units()
         self.trace, self._position, self._chunk, self._traced, self._hooks, self._tracked, self._stack = [], {}, [], False, [], [], []
-        self._order, self.num_retraces = {}, 0   # this forward's units that gather something, in order; times the trace changed
+        self._order, self.num_retraces, self._arrived = {}, 0, {}   # this forward's units that gather something, in order; times the trace changed; this backward's gradients, in order
         self._in_backward, self.partitioned, self.comm_bytes = False, False, 0   # comm_bytes: gathered + reduce-scattered
         self.on_modified = None   # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
 
@@ -239,8 +239,7 @@ def _plan_chunks(self:ParameterPartitioner):
             self._chunk += [(start, i)] * (i - start); start, size, most = i, 0, 2 * most
         size += u.numel
     self._chunk += [(start, len(self.trace))] * (len(self.trace) - start)
-    last = sum(r.numel for r in self.trace[-1].records if r.param in self._trainable) if self.trace else 0
-    self.grads.plan(self._gradient_order(self.trace), last or None)   # the first bucket: the last unit's gradients
+    self.grads.plan(self._gradient_order(self.trace))
 
 # %% ../../nbs/42_zero3_params.ipynb #c031r
 @patch
@@ -258,6 +257,7 @@ def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
     "A parameter's gradient is complete: into its bucket (launched once the bucket is full), dropped, the parameter released"
     self._begin_backward()
     r = self.records[p]
+    self._arrived[r] = None   # the order gradients arrive in: the next backward's buckets follow it
     self.grads.add(r, p.grad)
     p.grad = None
     release_records([r])
@@ -266,6 +266,9 @@ def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
 def _end_backward(self:ParameterPartitioner):
     "After backward: every bucket's reduce-scatter launched and finished into the shards; everything released"
     self.grads.end()
+    arrived = [r for r in self._arrived if r.param in self._trainable]
+    if arrived != self.grads.order[:len(arrived)]: self.grads.plan(list(dict.fromkeys(arrived + self.grads.order)))
+    self._arrived = {}
     self.release_all()
     self._in_backward = False
 
