@@ -65,7 +65,7 @@ def overlap_rank(rank, world, units=1, bucket=UNIT):
             after = [gp(n).reduce for n in 'abcd'] if stage == 3 else []
             engine.step(); losses.append(loss.item())
         if stage == 3:
-            from flexrt.zero.stage3_params import GatheredParameters
+            from flexrt.zero.stage3_gathered import GatheredParameters
             with GatheredParameters(engine.module.parameters()): params = [p.detach().clone() for p in engine.module.parameters()]
         else: params = [p.detach().clone() for p in engine.module.parameters()]
         trace = ''.join(next(n for n in 'abcd' if getattr(model, n) is u.module) for u in part.trace) if stage == 3 else None

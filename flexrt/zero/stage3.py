@@ -10,7 +10,8 @@ from .. import comm as dist
 from ..config import ZeroConfig
 from .base import OptimizerSlot, Fragment, Piece
 from .partition import shard_grad_norm, clip_shards
-from .stage3_params import ParameterPartitioner, GatheredParameters, register_external_parameter
+from .stage3_params import ParameterPartitioner, register_external_parameter
+from .stage3_gathered import GatheredParameters
 from fastcore.basics import patch
 
 # %% auto #0

@@ -4,7 +4,6 @@
 
 # %% ../../nbs/42_zero3_params.ipynb #c003
 from __future__ import annotations
-import contextlib
 from functools import partial
 import torch
 from torch.utils._pytree import tree_flatten
@@ -16,7 +15,7 @@ from .stage3_grads import GradBuckets
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Unit', 'ParameterPartitioner', 'register_external_parameter', 'GatheredParameters']
+__all__ = ['Unit', 'ParameterPartitioner', 'register_external_parameter']
 
 # %% ../../nbs/42_zero3_params.ipynb #c020
 class Unit:
@@ -304,30 +303,3 @@ def close(self:ParameterPartitioner):
         drop_ds_attributes(r.param)
         r.shard = r.grad_shard = None
     self.partitioned = False
-
-# %% ../../nbs/42_zero3_params.ipynb #c036
-@contextlib.contextmanager
-def GatheredParameters(params, # a parameter or an iterable of them (e.g. `module.parameters()`)
-                       modifier_rank:int|None=None, # the rank whose changes are kept (None: read only)
-                       fwd_module=None, # accepted for DeepSpeed compatibility
-                       enabled:bool=True): # False: do nothing
-    "Gather the ZeRO-3 parameters in `params` for the block; with `modifier_rank`, keep that rank's changes"
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    owned = [getattr(p, '_zero3', None) for p in params] if enabled else []
-    owned = [o for o in dict.fromkeys(owned) if o is not None]
-    for part, r in owned: r.active += 1
-    gather_records([r for _, r in owned])
-    try: yield
-    finally:
-        for part, r in owned:
-            if modifier_rank is not None: part.write_back(r, modifier_rank)
-            r.active -= 1
-            release_records([r])
-
-# %% ../../nbs/42_zero3_params.ipynb #c037
-@patch
-@torch.no_grad()
-def write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
-    "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
-    r.write_back(src)
-    if self.on_modified is not None: self.on_modified(r)
