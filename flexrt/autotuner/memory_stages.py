@@ -8,6 +8,7 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from ..config import load_config
+from ..zero.stage3_records import COALESCE_NUMEL
 
 # %% auto #0
 __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'Line', 'ModelProfile', 'Setting',
@@ -219,22 +220,22 @@ def _keep(units:list, numel:list, s:Setting)->set:
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c029a
 def _chunks3(numel:list, kept:set, prefetch:int)->list: # lists of unit indices
-    "The partitioner's chunks (`_plan_chunks`): 1, 2, 4, ... consecutive units of at most `prefetch` elements, kept units apart"
-    chunks, cur, size, most = [], [], 0, 1
+    "The partitioner's chunks (`_plan_chunks`): consecutive units up to `COALESCE_NUMEL` elements, at most `prefetch`, kept units apart"
+    chunks, cur, size = [], [], 0
     for u, k in enumerate(numel):
-        if cur and (size + k > prefetch or len(cur) >= most or (u in kept) != (cur[0] in kept)):
-            chunks.append(cur); cur, size, most = [], 0, 2 * most
+        if cur and (size >= COALESCE_NUMEL or size + k > prefetch or (u in kept) != (cur[0] in kept)):
+            chunks.append(cur); cur, size = [], 0
         cur.append(u); size += k
     return chunks + ([cur] if cur else [])
 
 def _buckets3(pr:ModelProfile, s:Setting, events:list)->list: # lists of parameter indices
-    "`flexrt.zero.stage3_grads.plan_buckets` on the order the gradients arrive: closed on reaching 1/16 of the bucket size, then doubling"
+    "`flexrt.zero.stage3_grads.plan_buckets` on the order the gradients arrive: closed on reaching `COALESCE_NUMEL` elements or the bucket size"
     order = [i for i in dict.fromkeys([e[0] for e in events] + list(range(len(pr.numels)))) if pr.trainable[i]]
-    cap = max(1, s.reduce_bucket_size // 16)
+    cap = min(s.reduce_bucket_size, COALESCE_NUMEL)
     buckets, cur = [], []
     for i in order:
         cur.append(i)
-        if sum(pr.numels[j] for j in cur) >= cap: buckets.append(cur); cur, cap = [], min(s.reduce_bucket_size, 2 * cap)
+        if sum(pr.numels[j] for j in cur) >= cap: buckets.append(cur); cur = []
     return buckets + ([cur] if cur else [])
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c029b

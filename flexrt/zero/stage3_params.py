@@ -10,8 +10,9 @@ from torch.utils._pytree import tree_flatten
 from .. import comm as dist
 from ..reducer import _group_of
 from .param_access import track_parameters, untrack_parameters
-from .stage3_records import ParamRecord, gather_records, release_records, set_ds_attributes, drop_ds_attributes
+from .stage3_records import ParamRecord, gather_records, release_records, set_ds_attributes, drop_ds_attributes, COALESCE_NUMEL
 from .stage3_grads import GradBuckets
+from .stage3_saved import enter_saved_views, exit_saved_views
 from fastcore.basics import patch
 
 # %% auto #0
@@ -66,7 +67,7 @@ class ParameterPartitioner:
         self._build_units()
         self.trace, self._position, self._chunk, self._traced, self._hooks, self._tracked, self._stack = [], {}, [], False, [], [], []
         self._order, self.num_retraces, self._arrived = {}, 0, {}   # this forward's units that gather something, in order; times the trace changed; this backward's gradients, in order
-        self._in_backward, self.partitioned, self.comm_bytes = False, False, 0   # comm_bytes: gathered + reduce-scattered
+        self._in_backward, self.partitioned, self.comm_bytes, self._saving = False, False, 0, []   # comm_bytes: gathered + reduce-scattered
         self.on_modified = None   # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
 
 # %% ../../nbs/42_zero3_params.ipynb #c023
@@ -154,6 +155,7 @@ def _recomputing()->bool:
 @patch
 def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     self._stack.append(unit)
+    if unit.module is self.module: enter_saved_views(self._saving)   # views of parameters are saved as such
     again = _recomputing()
     if again: self._begin_backward()   # on the outer backward (a reentrant checkpoint runs its own inside)
     else: self._note_order(unit)       # a recomputation is not the model's order
@@ -171,6 +173,7 @@ def _note_order(self:ParameterPartitioner, unit:Unit):
 @patch
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
     self._stack.pop()
+    if unit.module is self.module: exit_saved_views(self._saving)
     if not unit.records: return
     for r in unit.records: r.active -= 1
     keep = torch.is_grad_enabled() and (unit.index in self._keep or _recomputing())   # its backward comes next
@@ -232,10 +235,10 @@ def _plan_keep(self:ParameterPartitioner):
 @patch
 def _plan_chunks(self:ParameterPartitioner):
     "Cut the trace into chunks (`_chunk[i]`: the first and past-the-last positions of position i's); bucket gradients in its order"
-    self._chunk, start, size, most, kept = [], 0, 0, 1, lambda i: self.trace[i].index in self._keep
-    for i, u in enumerate(self.trace):   # chunks of 1, 2, 4, ... units: the first gather, which nothing overlaps, is small
-        if i > start and (size + u.numel > self.prefetch_numel or i - start >= most or kept(i) != kept(start)):
-            self._chunk += [(start, i)] * (i - start); start, size, most = i, 0, 2 * most
+    self._chunk, start, size, kept = [], 0, 0, lambda i: self.trace[i].index in self._keep
+    for i, u in enumerate(self.trace):
+        if i > start and (size >= COALESCE_NUMEL or size + u.numel > self.prefetch_numel or kept(i) != kept(start)):
+            self._chunk += [(start, i)] * (i - start); start, size = i, 0
         size += u.numel
     self._chunk += [(start, len(self.trace))] * (len(self.trace) - start)
     self.grads.plan(self._gradient_order(self.trace))
