@@ -209,6 +209,12 @@ def _resident_bytes(shards:list, world_size:int, itemsize:int)->int:
     copies = sum(world_size * k * itemsize for k in shards if k > 1)   # N rows of k elements: reshape copies them
     return copies + (_gather_bytes(shards, world_size, itemsize) if min(shards) == 1 else 0)   # a 1-element shard views the buffer
 
+def _chunk_bytes(shards:list, world_size:int, itemsize:int)->tuple: # (buffer, resident, during)
+    "A chunk's gather: its buffer while in flight, what stays after `_Gather.finish`, and the most held while it finishes"
+    G, R = _gather_bytes(shards, world_size, itemsize), _resident_bytes(shards, world_size, itemsize)
+    copies = sum(world_size * k * itemsize for k in shards if k > 1) if len(shards) > 1 and world_size > 1 else 0
+    return G, R, G + copies
+
 def _keep(units:list, numel:list, s:Setting)->set:
     "The units kept gathered from forward to backward (`_plan_keep`): from the end, while reuse distance and live size allow"
     keep, between, live = set(), 0, 0
@@ -249,25 +255,34 @@ def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, ga
     state = ['whole' if chunks[c][0] in kept else 'none' for c in range(len(chunks))]
     left = [len({i for u in us for i in pr.units[u] if not persistent[i]}) for us in chunks]
     size = [sum(n[i] for u in us for i in dict.fromkeys(pr.units[u]) if not persistent[i]) for us in chunks]
+    own = [list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks]
+    copying = [W > 1 and len(o) > 1 for o in own]   # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
+    views = [sum(not copying[c] or shard[i] == 1 for i in o) for c, o in enumerate(own)]   # what keeps the buffer alive
+    copied = [sum(W * shard[i] * w for i in o if copying[c] and shard[i] > 1) for c, o in enumerate(own)]
     buckets = _buckets3(pr, s, events)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     pending = [len(b) for b in buckets]
     for i, before, after in events:
         c = chunk_of[i]
-        if state[c] != 'whole':
-            if state[c] == 'none': t.add(gathered[c])   # gathered again for its backward
+        if state[c] != 'whole':   # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
+            G, R, D = gathered[c]
+            t.add(-G if state[c] == 'flight' else 0).see(before, D).add(R)
             state[c] = 'whole'
             p = c - 1   # prefetched
-            if p >= 0 and state[p] == 'none' and s.prefetch and size[p] <= s.prefetch: t.add(gathered[p]); state[p] = 'flight'
+            if p >= 0 and state[p] == 'none' and s.prefetch and size[p] <= s.prefetch: t.add(gathered[p][0]); state[p] = 'flight'
         t.see(before)
         b = bucket_of[i]
         L = sum(shard[j] for j in buckets[b])
         if pending[b] == len(buckets[b]): t.add(W * L * w).see(after + n[i] * w)
         pending[b] -= 1
         if pending[b] == 0 and W > 1: t.add(L * w + ((W - 1) * L * w if s.p2p else 0)).see(after + n[i] * w)
-        if not persistent[i]:
+        if not persistent[i] and state[c] == 'whole':   # released: its own copy goes; the buffer with the last view of it
             left[c] -= 1
-            if left[c] == 0: t.add(-gathered[c]); state[c] = 'gone'
+            views[c] -= not copying[c] or shard[i] == 1
+            mine = W * shard[i] * w if copying[c] and shard[i] > 1 else 0
+            if views[c] == 0 and left[c] >= 0: mine += gathered[c][1] - copied[c]; views[c] = -1   # the buffer, once
+            t.add(-mine)
+            if left[c] == 0: state[c] = 'gone'
         t.see(after)
     return t
 
@@ -288,10 +303,11 @@ def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     numel = [sum(n[i] for i in u) for u in units]
     kept = _keep(units, numel, s)
     chunks = _chunks3(numel, kept, s.prefetch)
-    gathered = [_gather_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]
-    t = Tally(sum(bd.values())).add(sum(g for us, g in zip(chunks, gathered) if us[0] in kept))
-    ahead = lambda c: gathered[c] if c < len(chunks) and chunks[c][0] not in kept and s.prefetch and sum(numel[u] for u in chunks[c]) <= s.prefetch else 0
-    t.see(fwd, max((gathered[c] + ahead(c + 1) for c in range(len(chunks)) if chunks[c][0] not in kept), default=0))   # a chunk and the next
+    gathered = [_chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]   # (G, R, D)
+    t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept))
+    ahead = lambda c: gathered[c][0] if c < len(chunks) and chunks[c][0] not in kept and s.prefetch and sum(numel[u] for u in chunks[c]) <= s.prefetch else 0
+    t.see(fwd, max((g[2] - g[1] if us[0] in kept else max(g[2], g[1] + ahead(c + 1)) for c, (us, g) in enumerate(zip(chunks, gathered))),
+                   default=0))   # a chunk being finished (buffer and copies), or held with the next one in flight
     _backward3(pr, s, t, events, chunks, gathered, kept, shard, persistent).see(tail)
     step = Tally(sum(bd.values())).see(hold, pr.step_temporaries * St * 4)
     if W > 1: step.see(hold, whole + whole // W)   # the persistent parameters gathered again
