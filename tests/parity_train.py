@@ -62,7 +62,7 @@ def full_weights(deepspeed, engine, stage):
     if stage == 3:
         # flexrt has no `deepspeed.zero.GatheredParameters` at the top of `flexrt.zero` (a known difference): take its own
         gathered = getattr(deepspeed.zero, 'GatheredParameters', None)
-        if gathered is None: from flexrt.zero.stage3_params import GatheredParameters as gathered
+        if gathered is None: from flexrt.zero.stage3_gathered import GatheredParameters as gathered
         with gathered([p for _, p in params]):
             return {n: p.detach().clone() for n, p in params}
     return {n: p.detach().clone() for n, p in params}

@@ -39,7 +39,7 @@ def train(rank, ws, stage, dtype, mode, reuse):
     "One run: the losses, the final full parameters (fp32) and the bytes the optimizer slot gathered and reduce-scattered"
     import flexrt
     from flexrt import checkpointing
-    from flexrt.zero.stage3_params import GatheredParameters
+    from flexrt.zero.stage3_gathered import GatheredParameters
     checkpointing.unconfigure()
     if mode == 'cpu': checkpointing.configure(deepspeed_config={'activation_checkpointing': {'cpu_checkpointing': True}})
     torch.manual_seed(0)

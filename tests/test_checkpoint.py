@@ -55,7 +55,7 @@ def random_steps(engine, steps):
 
 def snapshot(engine):
     "Whole fp32 parameters and buffers (ZeRO-3 parameters gathered), the counters, the lr and the loss scale"
-    from flexrt.zero.stage3_params import GatheredParameters
+    from flexrt.zero.stage3_gathered import GatheredParameters
     with GatheredParameters(engine.module.parameters(), enabled=engine.optimizer.stage == 3):
         tensors = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return tensors, (engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps), engine.get_lr(), engine.precision.loss_scale
@@ -214,7 +214,7 @@ def consolidate_rank(rank, world, d):
     random_steps(e, 2)
     e.save_checkpoint(d)
     e.save_16bit_model(d, 'model16.bin')
-    from flexrt.zero.stage3_params import GatheredParameters
+    from flexrt.zero.stage3_gathered import GatheredParameters
     with GatheredParameters(e.module.parameters()):
         working = {k: v.detach().clone() for k, v in e.module.state_dict().items()}
     names = {p: n for n, p in e.module.named_parameters()}

@@ -2,7 +2,10 @@
 when a module's forward starts, the next module's gather is already in flight and the later ones are not started;
 when a module's backward starts, the gather of the module before it is in flight; each module's gradient
 reduce-scatter is launched as soon as its gradients are in and left in flight while the rest of backward runs, then
-finished when backward ends. Losses and parameters stay equal to stage 0 (2 gloo ranks)."""
+finished when backward ends. With prefetch and reduce buckets of two modules, two modules are gathered in one
+collective and the next two prefetched, and two modules' gradients go in one reduce-scatter, launched once all are in.
+Losses and parameters stay equal to stage 0 (2 gloo ranks)."""
+import pytest
 import torch, torch.nn as nn, torch.nn.functional as F
 from helpers import run_distributed
 
@@ -24,7 +27,9 @@ def _state(records)->str:
     assert all(r.pending is None and not r.full for r in records), [(r.pending, r.full) for r in records]
     return 'none'
 
-def overlap_rank(rank, world):
+UNIT = 8 * 8 + 8   # elements of one Linear(8, 8)
+
+def overlap_rank(rank, world, units=1, bucket=UNIT):
     import flexrt
     g = torch.Generator().manual_seed(rank)
     X, Y = torch.randn(3, 4, 8, generator=g), torch.randn(3, 4, 8, generator=g)
@@ -32,22 +37,22 @@ def overlap_rank(rank, world):
     for stage in (0, 3):
         model = Shuffled()
         config = {'train_batch_size': 4 * world, 'steps_per_print': 1000, 'optimizer': {'type': 'AdamW', 'params': {'lr': 0.05}},
-                  'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0}}
+                  'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0,
+                                        'stage3_prefetch_bucket_size': units * UNIT, 'reduce_bucket_size': bucket}}
         engine, *_ = flexrt.initialize(model=model, config=config)
         seen = {'forward': [], 'backward': []}
         if stage == 3:
             part = engine.optimizer.partitioner
             unit = {n: next(u for u in part.units if u.module is getattr(model, n)) for n in 'abcd'}
-            gp = {n: part._grad_part[id(unit[n].records[0])] for n in 'abcd'}
+            gp = lambda n: part.grads.bucket(unit[n].records[0])   # buckets are planned again when the trace is known
             def at_forward(name, module, args):   # runs after the partitioner's own pre-hook (it is prepended)
                 seen['forward'].append((name, {n: _state(unit[n].records) for n in 'abcd' if n != name}))
             arrived = {n: 0 for n in 'abcd'}
             def at_grad(name, p):   # after the partitioner's gradient hook of each parameter: look once both are in
                 arrived[name] += 1
                 if arrived[name] % 2: return
-                launched = {n: (gp[n].reduce is not None and gp[n].reduce.out is not None,
-                                gp[n].reduce is not None and gp[n].reduce.work is not None and not gp[n].reduce.work.is_completed())
-                            for n in 'abcd'}
+                launched = {n: (gp(n).launched, gp(n).reduce is not None and gp(n).reduce.work is not None
+                                and (units > 1 or not gp(n).reduce.work.is_completed())) for n in 'abcd'}   # not finished yet
                 seen['backward'].append((name, {n: _state(unit[n].records) for n in 'abcd' if n != name}, launched))
             for n in 'abcd':
                 getattr(model, n).register_forward_pre_hook(lambda m, a, n=n: at_forward(n, m, a))
@@ -56,10 +61,10 @@ def overlap_rank(rank, world):
         for s in range(3):
             for k in seen: seen[k].clear()
             loss = F.mse_loss(engine(X[s]), Y[s]); engine.backward(loss)
-            after = [gp[n].reduce for n in 'abcd'] if stage == 3 else []
+            after = [gp(n).reduce for n in 'abcd'] if stage == 3 else []
             engine.step(); losses.append(loss.item())
         if stage == 3:
-            from flexrt.zero.stage3_params import GatheredParameters
+            from flexrt.zero.stage3_gathered import GatheredParameters
             with GatheredParameters(engine.module.parameters()): params = [p.detach().clone() for p in engine.module.parameters()]
         else: params = [p.detach().clone() for p in engine.module.parameters()]
         trace = ''.join(next(n for n in 'abcd' if getattr(model, n) is u.module) for u in part.trace) if stage == 3 else None
@@ -88,3 +93,53 @@ def test_stage3_prefetches_in_recorded_order_and_overlaps_reduce_scatter():
             # their reduce-scatters are launched and none has been waited on yet; the others are not started
             assert all(launched[n] == ((True, True) if n in done else (False, False)) for n in ORDER), (name, launched)
         assert after == [None] * 4   # backward's end finished every reduce-scatter
+
+# two modules a chunk (d b | a c) and a bucket (gradients c a | b d): what each module sees of the others when it
+# runs, and (backward) the modules whose reduce-scatter is launched
+CHUNKED_FORWARD = {'d': dict(b='full', a='flight', c='flight'), 'b': dict(d='none', a='flight', c='flight'),
+                   'a': dict(d='none', b='none', c='full'), 'c': dict(d='none', b='none', a='none')}
+CHUNKED_BACKWARD = {'c': (dict(a='full', b='flight', d='flight'), ''), 'a': (dict(c='none', b='flight', d='flight'), 'ca'),
+                    'b': (dict(c='none', a='none', d='full'), 'ca'), 'd': (dict(c='none', a='none', b='none'), 'cabd')}
+
+def test_stage3_gathers_two_modules_at_once_and_reduces_two_modules_gradients_together():
+    for runs in run_distributed(overlap_rank, 2, args=(2, 2 * UNIT), timeout=120):
+        (l0, p0, *_), (l3, p3, seen, trace, after) = runs[0], runs[3]
+        torch.testing.assert_close(torch.tensor(l3), torch.tensor(l0), rtol=1e-5, atol=1e-6)
+        for p, q in zip(p3, p0): torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert trace == ORDER
+        assert seen['forward'] == [(n, CHUNKED_FORWARD[n]) for n in ORDER]
+        for name, states, launched in seen['backward']:
+            expected, done = CHUNKED_BACKWARD[name]
+            assert states == expected, (name, states)
+            assert launched == {n: (n in done, n in done) for n in 'abcd'}, (name, launched)
+        assert [n for n, *_ in seen['backward']] == list(reversed(ORDER))
+        assert after == [None] * 4
+
+def _count_collectives(rank, world, widths):
+    "All-gathers and reduce-scatters of one training step at stage 3 (defaults but persistence 0 and reuse distance 0)"
+    import flexrt
+    from flexrt import comm as dist
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    config = {'train_batch_size': 2 * world, 'steps_per_print': 1000, 'optimizer': {'type': 'AdamW', 'params': {'lr': 0.01}},
+              'zero_optimization': {'stage': 3, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0}}
+    engine, *_ = flexrt.initialize(model=model, config=config)
+    x = torch.randn(2, widths[0])
+    def step(): engine.backward(engine(x).square().mean()); engine.step()
+    step()                                     # the first step records the order the next ones follow
+    dist.configure(enabled=True, prof_all=True); dist.reset_log()
+    step()
+    counts = {}
+    for op, sizes in dist.comms_logger.stats(wait=True).items():
+        kind = 'gather' if 'all_gather' in op else 'reduce' if 'reduce_scatter' in op else None
+        if kind: counts[kind] = counts.get(kind, 0) + sum(s['count'] for s in sizes.values())
+    dist.configure(enabled=False); engine.close()
+    return counts
+
+def test_stage3_coalesces_small_layers_into_few_collectives_and_keeps_large_ones_apart():
+    from flexrt.zero.stage3_records import COALESCE_NUMEL
+    assert 12 * (64 * 64 + 64) < COALESCE_NUMEL <= 1024 * 512
+    # 12 small layers: one chunk gathered in forward, one again in backward, one reduce-scatter (not 12, 12 and 12)
+    assert run_distributed(_count_collectives, 2, args=([64] * 13,), timeout=120)[0] == {'gather': 2, 'reduce': 1}
+    # 3 layers of 2**19 elements or more: each gathered alone in forward and in backward, each reduced alone
+    assert run_distributed(_count_collectives, 2, args=([1024, 512, 1024, 512],), timeout=120)[0] == {'gather': 6, 'reduce': 3}

@@ -10,7 +10,8 @@ from .. import comm as dist
 from ..config import ZeroConfig
 from .base import OptimizerSlot, Fragment, Piece
 from .partition import shard_grad_norm, clip_shards
-from .stage3_params import ParameterPartitioner, GatheredParameters, register_external_parameter
+from .stage3_params import ParameterPartitioner, register_external_parameter
+from .stage3_gathered import GatheredParameters
 from fastcore.basics import patch
 
 # %% auto #0
@@ -49,7 +50,8 @@ class Stage3Optimizer(OptimizerSlot):
         self.partitioner = ParameterPartitioner(module, group, cfg.stage3_param_persistence_threshold,
                                                 cfg.stage3_model_persistence_threshold, cfg.stage3_prefetch_bucket_size, trainable,
                                                 cfg.stage3_max_reuse_distance, cfg.stage3_max_live_parameters,
-                                                getattr(expert_groups, 'data_parallel', expert_groups) or None)
+                                                getattr(expert_groups, 'data_parallel', expert_groups) or None,
+                                                reduce_bucket_numel=cfg.reduce_bucket_size)
         self._build_shards()
         self.partitioner.on_modified = lambda record: self._on_modified(record)
 

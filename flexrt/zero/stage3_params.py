@@ -4,18 +4,19 @@
 
 # %% ../../nbs/42_zero3_params.ipynb #c003
 from __future__ import annotations
-import contextlib
 from functools import partial
 import torch
 from torch.utils._pytree import tree_flatten
 from .. import comm as dist
 from ..reducer import _group_of
 from .param_access import track_parameters, untrack_parameters
-from .stage3_records import ParamRecord, gather_records, release_records, _ReduceScatter, set_ds_attributes, drop_ds_attributes
+from .stage3_records import ParamRecord, gather_records, release_records, set_ds_attributes, drop_ds_attributes, COALESCE_NUMEL
+from .stage3_grads import GradBuckets
+from .stage3_saved import enter_saved_views, exit_saved_views
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Unit', 'ParameterPartitioner', 'register_external_parameter', 'GatheredParameters']
+__all__ = ['Unit', 'ParameterPartitioner', 'register_external_parameter']
 
 # %% ../../nbs/42_zero3_params.ipynb #c020
 class Unit:
@@ -25,13 +26,6 @@ class Unit:
     @property
     def numel(self)->int: return sum(r.numel for r in self.records if not r.persistent)
     def __repr__(self): return f"Unit({self.index}, {type(self.module).__name__}, {len(self.records)} params)"
-
-class _GradPart:
-    "Trainable records of one unit and one process group: their gradients are reduce-scattered together"
-    def __init__(self, records:list):
-        self.records, self.slot = records, {id(r): i for i, r in enumerate(records)}
-        self.reduce, self.num_ready = None, 0   # the `_ReduceScatter` of the current backward; gradients in so far
-        self.late = []   # reduce-scatters of gradients that arrived after `reduce` was launched (see `_on_grad`)
 
 # %% ../../nbs/42_zero3_params.ipynb #c021b
 def _record(p:torch.nn.Parameter, name:str, group)->ParamRecord:
@@ -54,12 +48,13 @@ class ParameterPartitioner:
                  group=None, # the data-parallel process group (None: all ranks)
                  persistence_threshold:int=100_000, # parameters with fewer elements stay whole
                  model_persistence_threshold:int=2**63 - 1, # at most this many elements stay whole in all
-                 prefetch_numel:int=50_000_000, # prefetch the next unit when it has at most this many elements (0: never)
+                 prefetch_numel:int=50_000_000, # gather consecutive units of at most this many elements in one collective, a chunk ahead (0: one unit at a time, no prefetch)
                  trainable=None, # the parameters whose gradients are reduce-scattered (default: those requiring grad)
                  max_reuse_distance:int=0, # keep a unit gathered from forward to backward if fewer elements are gathered in between
                  max_live_numel:int=1_000_000_000, # ... and the units kept so hold at most this many elements
-                 expert_groups=None): # {group_name: expert data-parallel group} for MoE parameters (allreduce=False)
-        self.module, self.group, self.prefetch_numel = module, group, prefetch_numel
+                 expert_groups=None, # {group_name: expert data-parallel group} for MoE parameters (allreduce=False)
+                 reduce_bucket_numel:int=500_000_000): # gradients are reduce-scattered in buckets of this many elements
+        self.module, self.group, self.prefetch_numel, self.reduce_bucket_numel = module, group, prefetch_numel, reduce_bucket_numel
         self.max_reuse_distance, self.max_live_numel, self._keep = max_reuse_distance, max_live_numel, set()
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.records, kept = {}, 0
@@ -70,28 +65,29 @@ class ParameterPartitioner:
         trainable = [p for p in module.parameters() if p.requires_grad] if trainable is None else list(trainable)
         self._trainable = {p for p in trainable}
         self._build_units()
-        self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
-        self._order, self.num_retraces = {}, 0   # this forward's units that gather something, in order; times the trace changed
-        self._in_backward, self.partitioned, self.comm_bytes = False, False, 0   # comm_bytes: gathered + reduce-scattered
+        self.trace, self._position, self._chunk, self._traced, self._hooks, self._tracked, self._stack = [], {}, [], False, [], [], []
+        self._order, self.num_retraces, self._arrived = {}, 0, {}   # this forward's units that gather something, in order; times the trace changed; this backward's gradients, in order
+        self._in_backward, self.partitioned, self.comm_bytes, self._saving = False, False, 0, []   # comm_bytes: gathered + reduce-scattered
         self.on_modified = None   # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
 
 # %% ../../nbs/42_zero3_params.ipynb #c023
 @patch
 def _build_units(self:ParameterPartitioner):
-    "A unit per module; a gradient part per process group of the first unit owning each trainable record"
-    self.units, self._all_units, self._grad_parts, self._grad_part = [], [], [], {}
+    "A unit per module; gradient buckets in reverse module order (until a backward shows the real order)"
+    self.units, self._all_units = [], []
     for m in dict.fromkeys(self.module.modules()):
         own = [self.records[p] for p in dict.fromkeys(m._parameters.values()) if p is not None and self.records[p].numel]   # empty: nothing to do
         own += [self.records[p] for p in getattr(m, '_zero3_external', []) if self.records[p] not in own]
         unit = Unit(len(self._all_units), m, own)
         self._all_units.append(unit)
         if own: self.units.append(unit)
-        parts = {}
-        for r in own:
-            if r.param in self._trainable and id(r) not in self._grad_part: parts.setdefault(id(r.group), []).append(r); self._grad_part[id(r)] = None
-        for same in parts.values():
-            part = _GradPart(same); self._grad_parts.append(part)
-            for r in same: self._grad_part[id(r)] = part
+    self.grads = GradBuckets(self._gradient_order(self.units), self.reduce_bucket_numel, self.world_size, owner=self)
+
+@patch
+def _gradient_order(self:ParameterPartitioner, units:list)->list:
+    "The trainable records in the order a backward through `units` (listed in forward order) produces their gradients"
+    order = [r for u in reversed(units) for r in reversed(u.records)] + list(self.records.values())
+    return [r for r in dict.fromkeys(order) if r.param in self._trainable]
 
 # %% ../../nbs/42_zero3_params.ipynb #c024
 def register_external_parameter(module:torch.nn.Module, # the module whose forward uses `param`
@@ -159,16 +155,17 @@ def _recomputing()->bool:
 @patch
 def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
     self._stack.append(unit)
+    if unit.module is self.module: enter_saved_views(self._saving)   # views of parameters are saved as such
     again = _recomputing()
     if again: self._begin_backward()   # on the outer backward (a reentrant checkpoint runs its own inside)
-    else: self._record(unit)           # a recomputation is not the model's order
+    else: self._note_order(unit)       # a recomputation is not the model's order
     if not unit.records: return
     for r in unit.records: r.active += 1
-    gather_records(unit.records, owner=self)
-    if not again: self._prefetch(unit, +1)
+    if again: gather_records(unit.records, owner=self)
+    else: self._fetch(unit, +1)
 
 @patch
-def _record(self:ParameterPartitioner, unit:Unit):
+def _note_order(self:ParameterPartitioner, unit:Unit):
     "The order of the last forward of the whole model (a reentrant checkpoint's no-grad part included): the trace at the first backward, compared with it at the later ones"
     if unit.module is self.module: self._order = {}   # a new forward of the model
     self._order.setdefault(unit.index, unit)
@@ -176,6 +173,7 @@ def _record(self:ParameterPartitioner, unit:Unit):
 @patch
 def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
     self._stack.pop()
+    if unit.module is self.module: exit_saved_views(self._saving)
     if not unit.records: return
     for r in unit.records: r.active -= 1
     keep = torch.is_grad_enabled() and (unit.index in self._keep or _recomputing())   # its backward comes next
@@ -186,25 +184,35 @@ def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
 
 # %% ../../nbs/42_zero3_params.ipynb #c031
 @patch
-def _prefetch(self:ParameterPartitioner, unit:Unit, step:int):
-    "Start gathering the unit that ran `step` places after `unit` in the first forward"
-    if not self._traced or not self.prefetch_numel or unit.index not in self._position: return
-    i = self._position[unit.index] + step
-    if 0 <= i < len(self.trace) and self.trace[i].numel <= self.prefetch_numel:
-        gather_records(self.trace[i].records, async_op=True, owner=self)
+def _fetch(self:ParameterPartitioner, unit:Unit, step:int): # +1: in forward, -1: in backward
+    "Gather `unit` with the rest of its chunk ahead (one collective); on entering a chunk, start gathering the next one"
+    i = self._position.get(unit.index) if self._traced else None
+    if i is None: return gather_records(unit.records, owner=self)   # not in the trace: alone
+    a, b = self._chunk[i]
+    need = any(not r.full and r.pending is None for r in unit.records)
+    if need: gather_records(self._chunk_records(i, b) if step > 0 else self._chunk_records(a, i + 1), async_op=True, owner=self)
+    gather_records(unit.records, owner=self)
+    j = b if step > 0 else a - 1   # the next chunk in this direction
+    if (need or i == (a if step > 0 else b - 1)) and self.prefetch_numel and 0 <= j < len(self.trace):
+        c = self._chunk[j]
+        if sum(u.numel for u in self.trace[c[0]:c[1]]) <= self.prefetch_numel:
+            gather_records(self._chunk_records(*c), async_op=True, owner=self)
+
+@patch
+def _chunk_records(self:ParameterPartitioner, a:int, b:int)->list: # trace positions a..b-1
+    return list(dict.fromkeys(r for u in self.trace[a:b] for r in u.records))
 
 @patch
 def _pre_backward(self:ParameterPartitioner, unit:Unit, grad):
     "Gradient hook on the unit's outputs: gather its parameters before autograd enters it"
     self._begin_backward()
-    gather_records(unit.records, owner=self)
-    self._prefetch(unit, -1)
+    self._fetch(unit, -1)
 
 @patch
 def _begin_backward(self:ParameterPartitioner):
     "Once per backward: ask autograd to call `_end_backward` when it is done"
     if self._in_backward: return
-    if not self._traced: self._finish_trace(); self._plan_keep()
+    if not self._traced: self._finish_trace(); self._plan_keep(); self._plan_chunks()
     else: self._retrace()
     self._in_backward, self._traced = True, True
     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -223,6 +231,18 @@ def _plan_keep(self:ParameterPartitioner):
         if 2 * between >= self.max_reuse_distance or live + unit.numel > self.max_live_numel: break
         self._keep.add(unit.index); live += unit.numel; between += unit.numel
 
+# %% ../../nbs/42_zero3_params.ipynb #c031q
+@patch
+def _plan_chunks(self:ParameterPartitioner):
+    "Cut the trace into chunks (`_chunk[i]`: the first and past-the-last positions of position i's); bucket gradients in its order"
+    self._chunk, start, size, kept = [], 0, 0, lambda i: self.trace[i].index in self._keep
+    for i, u in enumerate(self.trace):
+        if i > start and (size >= COALESCE_NUMEL or size + u.numel > self.prefetch_numel or kept(i) != kept(start)):
+            self._chunk += [(start, i)] * (i - start); start, size = i, 0
+        size += u.numel
+    self._chunk += [(start, len(self.trace))] * (len(self.trace) - start)
+    self.grads.plan(self._gradient_order(self.trace))
+
 # %% ../../nbs/42_zero3_params.ipynb #c031r
 @patch
 def _retrace(self:ParameterPartitioner):
@@ -230,48 +250,29 @@ def _retrace(self:ParameterPartitioner):
     order = [u for u in self._order.values() if u.records]
     if not order or [u.index for u in order] == [u.index for u in self.trace]: return
     self.trace, self._position = order, {u.index: i for i, u in enumerate(order)}
-    self._keep = set(); self._plan_keep()
+    self._keep = set(); self._plan_keep(); self._plan_chunks()
     self.num_retraces += 1
 
 # %% ../../nbs/42_zero3_params.ipynb #c032
 @patch
 def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
-    "A parameter's gradient is complete: copy it into its part's buffer, drop it, release the parameter"
+    "A parameter's gradient is complete: into its bucket (launched once the bucket is full), dropped, the parameter released"
     self._begin_backward()
     r = self.records[p]
-    part = self._grad_part.get(id(r))
-    if part is not None and r.grad_shard is not None:
-        if part.reduce is not None and part.reduce.out is not None: self._reduce_late(part, r, p.grad)
-        else:
-            if part.reduce is None: part.reduce = _ReduceScatter(part.records, p.grad.dtype, p.grad.device, self.world_size)
-            part.reduce.add(part.slot[id(r)], p.grad)
-            part.num_ready += 1
-            if part.num_ready == len(part.records): part.reduce.launch(self)
+    self._arrived[r] = None   # the order gradients arrive in: the next backward's buckets follow it
+    self.grads.add(r, p.grad)
     p.grad = None
     release_records([r])
 
 @patch
 def _end_backward(self:ParameterPartitioner):
-    "After backward: launch the parts not launched (missing gradients are zeros), add the results into the shards, release all"
-    for part in self._grad_parts:
-        first = part.records[0]
-        if first.grad_shard is None: continue
-        if part.reduce is None: part.reduce = _ReduceScatter(part.records, first.shard.dtype, first.shard.device, self.world_size)
-        if part.reduce.out is None: part.reduce.launch(self)
-    for part in self._grad_parts:
-        for reduce in ([part.reduce] if part.reduce is not None else []) + part.late: reduce.finish()
-        part.reduce, part.num_ready, part.late = None, 0, []
+    "After backward: every bucket's reduce-scatter launched and finished into the shards; everything released"
+    self.grads.end()
+    arrived = [r for r in self._arrived if r.param in self._trainable]
+    if arrived != self.grads.order[:len(arrived)]: self.grads.plan(list(dict.fromkeys(arrived + self.grads.order)))
+    self._arrived = {}
     self.release_all()
     self._in_backward = False
-
-# %% ../../nbs/42_zero3_params.ipynb #c032b
-@patch
-def _reduce_late(self:ParameterPartitioner, part:_GradPart, r:ParamRecord, grad:torch.Tensor):
-    "`r`'s gradient arrived after its part's reduce-scatter was launched: reduce-scatter it on its own (zeros for the rest)"
-    late = _ReduceScatter(part.records, grad.dtype, grad.device, self.world_size)
-    late.add(part.slot[id(r)], grad)
-    late.launch(self)
-    part.late.append(late)
 
 # %% ../../nbs/42_zero3_params.ipynb #c033
 @patch
@@ -305,30 +306,3 @@ def close(self:ParameterPartitioner):
         drop_ds_attributes(r.param)
         r.shard = r.grad_shard = None
     self.partitioned = False
-
-# %% ../../nbs/42_zero3_params.ipynb #c036
-@contextlib.contextmanager
-def GatheredParameters(params, # a parameter or an iterable of them (e.g. `module.parameters()`)
-                       modifier_rank:int|None=None, # the rank whose changes are kept (None: read only)
-                       fwd_module=None, # accepted for DeepSpeed compatibility
-                       enabled:bool=True): # False: do nothing
-    "Gather the ZeRO-3 parameters in `params` for the block; with `modifier_rank`, keep that rank's changes"
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    owned = [getattr(p, '_zero3', None) for p in params] if enabled else []
-    owned = [o for o in dict.fromkeys(owned) if o is not None]
-    for part, r in owned: r.active += 1
-    gather_records([r for _, r in owned])
-    try: yield
-    finally:
-        for part, r in owned:
-            if modifier_rank is not None: part.write_back(r, modifier_rank)
-            r.active -= 1
-            release_records([r])
-
-# %% ../../nbs/42_zero3_params.ipynb #c037
-@patch
-@torch.no_grad()
-def write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
-    "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
-    r.write_back(src)
-    if self.on_modified is not None: self.on_modified(r)
