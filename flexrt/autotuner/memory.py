@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from ..config import load_config
 from .memory_stages import (Line, ModelProfile, STATE_TENSORS, STEP_TEMPORARIES, STATE_SCALAR_BYTES, setting,
-                                            levels, replay)
+                                            levels)
+from .memory_stage3 import replay
 from .memory_record import _Recorder, _record
 _all_ = ['Line', 'ModelProfile']
 

@@ -8,11 +8,10 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from ..config import load_config
-from ..zero.stage3_records import COALESCE_NUMEL
 
 # %% auto #0
 __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'Line', 'ModelProfile', 'Setting',
-           'setting', 'pad', 'plan_buckets', 'Tally', 'levels', 'stage0', 'stage12', 'stage3', 'replay']
+           'setting', 'pad', 'plan_buckets', 'Tally', 'levels', 'stage0', 'stage12']
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c005
 @dataclass
@@ -196,126 +195,3 @@ def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {
         t.see(after)
     t.see(tail)
     return bd, dict(init=_init12(pr, s, buckets, padded, shards), backward=t, step=_step12(pr, s, sum(bd.values()), hold, shards, sd))
-
-# %% ../../nbs/60_autotuner_memory_stages.ipynb #c028
-def _gather_bytes(shards:list, world_size:int, itemsize:int)->int:
-    "The buffer one gather of these shards makes: N x their sum (one rank: their concatenation, if more than one)"
-    if world_size > 1: return world_size * sum(shards) * itemsize
-    return sum(shards) * itemsize if len(shards) > 1 else 0
-
-def _resident_bytes(shards:list, world_size:int, itemsize:int)->int:
-    "What a finished gather of these shards keeps (`_Gather.finish`): a copy of each parameter whose rows are not contiguous, and the buffer while one parameter is still a view of it"
-    if len(shards) < 2 or world_size == 1: return _gather_bytes(shards, world_size, itemsize)   # views of the buffer
-    copies = sum(world_size * k * itemsize for k in shards if k > 1)   # N rows of k elements: reshape copies them
-    return copies + (_gather_bytes(shards, world_size, itemsize) if min(shards) == 1 else 0)   # a 1-element shard views the buffer
-
-def _chunk_bytes(shards:list, world_size:int, itemsize:int)->tuple: # (buffer, resident, during)
-    "A chunk's gather: its buffer while in flight, what stays after `_Gather.finish`, and the most held while it finishes"
-    G, R = _gather_bytes(shards, world_size, itemsize), _resident_bytes(shards, world_size, itemsize)
-    copies = sum(world_size * k * itemsize for k in shards if k > 1) if len(shards) > 1 and world_size > 1 else 0
-    return G, R, G + copies
-
-def _keep(units:list, numel:list, s:Setting)->set:
-    "The units kept gathered from forward to backward (`_plan_keep`): from the end, while reuse distance and live size allow"
-    keep, between, live = set(), 0, 0
-    for u in reversed(range(len(units))):
-        if not numel[u]: continue
-        if 2 * between >= s.reuse or live + numel[u] > s.live: break
-        keep.add(u); live += numel[u]; between += numel[u]
-    return keep
-
-# %% ../../nbs/60_autotuner_memory_stages.ipynb #c029a
-def _chunks3(numel:list, kept:set, prefetch:int)->list: # lists of unit indices
-    "The partitioner's chunks (`_plan_chunks`): consecutive units up to `COALESCE_NUMEL` elements, at most `prefetch`, kept units apart"
-    chunks, cur, size = [], [], 0
-    for u, k in enumerate(numel):
-        if cur and (size >= COALESCE_NUMEL or size + k > prefetch or (u in kept) != (cur[0] in kept)):
-            chunks.append(cur); cur, size = [], 0
-        cur.append(u); size += k
-    return chunks + ([cur] if cur else [])
-
-def _buckets3(pr:ModelProfile, s:Setting, events:list)->list: # lists of parameter indices
-    "`flexrt.zero.stage3_grads.plan_buckets` on the order the gradients arrive: closed on reaching `COALESCE_NUMEL` elements or the bucket size"
-    order = [i for i in dict.fromkeys([e[0] for e in events] + list(range(len(pr.numels)))) if pr.trainable[i]]
-    cap = min(s.reduce_bucket_size, COALESCE_NUMEL)
-    buckets, cur = [], []
-    for i in order:
-        cur.append(i)
-        if sum(pr.numels[j] for j in cur) >= cap: buckets.append(cur); cur = []
-    return buckets + ([cur] if cur else [])
-
-# %% ../../nbs/60_autotuner_memory_stages.ipynb #c029b
-def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, gathered:list, kept:set, shard:list, persistent:list):
-    "Gradients land in bucket reduce-scatter buffers held to the end of backward; a chunk is gathered on entering it (the one before it prefetched) and goes with its last gradient"
-    n, W, w = pr.numels, s.world_size, s.itemsize
-    chunk_of = {}
-    for c, us in enumerate(chunks):
-        for u in us:
-            for i in pr.units[u]: chunk_of.setdefault(i, c)
-    state = ['whole' if chunks[c][0] in kept else 'none' for c in range(len(chunks))]
-    left = [len({i for u in us for i in pr.units[u] if not persistent[i]}) for us in chunks]
-    size = [sum(n[i] for u in us for i in dict.fromkeys(pr.units[u]) if not persistent[i]) for us in chunks]
-    own = [list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks]
-    copying = [W > 1 and len(o) > 1 for o in own]   # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
-    views = [sum(not copying[c] or shard[i] == 1 for i in o) for c, o in enumerate(own)]   # what keeps the buffer alive
-    copied = [sum(W * shard[i] * w for i in o if copying[c] and shard[i] > 1) for c, o in enumerate(own)]
-    buckets = _buckets3(pr, s, events)
-    bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
-    pending = [len(b) for b in buckets]
-    for i, before, after in events:
-        c = chunk_of[i]
-        if state[c] != 'whole':   # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
-            G, R, D = gathered[c]
-            t.add(-G if state[c] == 'flight' else 0).see(before, D).add(R)
-            state[c] = 'whole'
-            p = c - 1   # prefetched
-            if p >= 0 and state[p] == 'none' and s.prefetch and size[p] <= s.prefetch: t.add(gathered[p][0]); state[p] = 'flight'
-        t.see(before)
-        b = bucket_of[i]
-        L = sum(shard[j] for j in buckets[b])
-        if pending[b] == len(buckets[b]): t.add(W * L * w).see(after + n[i] * w)
-        pending[b] -= 1
-        if pending[b] == 0 and W > 1: t.add(L * w + ((W - 1) * L * w if s.p2p else 0)).see(after + n[i] * w)
-        if not persistent[i] and state[c] == 'whole':   # released: its own copy goes; the buffer with the last view of it
-            left[c] -= 1
-            views[c] -= not copying[c] or shard[i] == 1
-            mine = W * shard[i] * w if copying[c] and shard[i] > 1 else 0
-            if views[c] == 0 and left[c] >= 0: mine += gathered[c][1] - copied[c]; views[c] = -1   # the buffer, once
-            t.add(-mine)
-            if left[c] == 0: state[c] = 'gone'
-        t.see(after)
-    return t
-
-# %% ../../nbs/60_autotuner_memory_stages.ipynb #c030
-def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {phase: Tally})
-    fwd, events, tail, hold = lv
-    n, W, w = pr.numels, s.world_size, s.itemsize
-    shard = [-(-k // W) for k in n]
-    persistent = [k == 0 or k < s.persistence for k in n]
-    St = sum(shard[i] for i in range(len(n)) if pr.trainable[i])
-    frozen = sum(shard[i] for i in range(len(n)) if not pr.trainable[i])
-    kept_whole = [i for i in range(len(n)) if persistent[i] and n[i]]
-    whole = _gather_bytes([shard[i] for i in kept_whole], W, w)   # the persistent ones, gathered together
-    held = _resident_bytes([shard[i] for i in kept_whole], W, w)   # what that gather leaves behind
-    bd = dict(parameters=(St + frozen + pr.buffer_numel) * w + held, gradients=St * 4,
-              fp32_masters=St * 4 if w != 4 else 0, optimizer_state=_state_bytes(pr, [St], 4))
-    units = [[i for i in u if not persistent[i]] for u in pr.units]
-    numel = [sum(n[i] for i in u) for u in units]
-    kept = _keep(units, numel, s)
-    chunks = _chunks3(numel, kept, s.prefetch)
-    gathered = [_chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]   # (G, R, D)
-    t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept))
-    ahead = lambda c: gathered[c][0] if c < len(chunks) and chunks[c][0] not in kept and s.prefetch and sum(numel[u] for u in chunks[c]) <= s.prefetch else 0
-    t.see(fwd, max((g[2] - g[1] if us[0] in kept else max(g[2], g[1] + ahead(c + 1)) for c, (us, g) in enumerate(zip(chunks, gathered))),
-                   default=0))   # a chunk being finished (buffer and copies), or held with the next one in flight
-    _backward3(pr, s, t, events, chunks, gathered, kept, shard, persistent).see(tail)
-    step = Tally(sum(bd.values())).see(hold, pr.step_temporaries * St * 4)
-    if W > 1: step.see(hold, whole + whole // W)   # the persistent parameters gathered again
-    P = (sum(n) + pr.buffer_numel) * 4
-    init = Tally(0.).see(0., max(P * (2 if W > 1 else 1), P + St * 8 + (St * w if w != 4 else 0)))
-    return bd, dict(init=init, backward=t, step=step)
-
-# %% ../../nbs/60_autotuner_memory_stages.ipynb #c033
-def replay(profile:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {phase: Tally})
-    "Replay a micro-step and an optimizer step of stage `s.stage` over the activation levels `lv`"
-    return {0: stage0, 1: stage12, 2: stage12, 3: stage3}[s.stage](profile, s, lv)

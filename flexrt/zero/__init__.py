@@ -12,8 +12,7 @@ from .partition import FlatPartition
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroStage1, ShardReducer
 from .stage2 import ZeroStage2, Stage2Reducer
-from .stage3_params import register_external_parameter
-from .stage3_gathered import GatheredParameters
+from .stage3_gathered import GatheredParameters, register_external_parameter
 from .partitioned_init import Init
 
 # %% auto #0

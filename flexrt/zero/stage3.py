@@ -10,8 +10,8 @@ from .. import comm as dist
 from ..config import ZeroConfig
 from .base import OptimizerSlot, Fragment, Piece
 from .partition import shard_grad_norm, clip_shards
-from .stage3_params import ParameterPartitioner, register_external_parameter
-from .stage3_gathered import GatheredParameters
+from .stage3_params import ParameterPartitioner
+from .stage3_gathered import GatheredParameters, register_external_parameter
 from fastcore.basics import patch
 
 # %% auto #0

@@ -16,7 +16,7 @@ from .stage3_saved import enter_saved_views, exit_saved_views
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Unit', 'ParameterPartitioner', 'register_external_parameter']
+__all__ = ['Unit', 'ParameterPartitioner']
 
 # %% ../../nbs/42_zero3_params.ipynb #c020
 class Unit:
@@ -88,13 +88,6 @@ def _gradient_order(self:ParameterPartitioner, units:list)->list:
     "The trainable records in the order a backward through `units` (listed in forward order) produces their gradients"
     order = [r for u in reversed(units) for r in reversed(u.records)] + list(self.records.values())
     return [r for r in dict.fromkeys(order) if r.param in self._trainable]
-
-# %% ../../nbs/42_zero3_params.ipynb #c024
-def register_external_parameter(module:torch.nn.Module, # the module whose forward uses `param`
-                                param:torch.nn.Parameter): # a parameter owned by another module
-    "Declare that `module`'s forward reads `param` (optional: reads are detected; call before building the optimizer)"
-    ext = module.__dict__.setdefault('_zero3_external', [])
-    if not any(p is param for p in ext): ext.append(param)
 
 # %% ../../nbs/42_zero3_params.ipynb #c026
 @patch
