@@ -143,3 +143,28 @@ def test_stage3_coalesces_small_layers_into_few_collectives_and_keeps_large_ones
     assert run_distributed(_count_collectives, 2, args=([64] * 13,), timeout=120)[0] == {'gather': 2, 'reduce': 1}
     # 3 layers of 2**19 elements or more: each gathered alone in forward and in backward, each reduced alone
     assert run_distributed(_count_collectives, 2, args=([1024, 512, 1024, 512],), timeout=120)[0] == {'gather': 6, 'reduce': 3}
+
+def _held_after_forward(rank, world):
+    "Bytes a stage-3 forward leaves allocated (activations and what autograd saved), and one layer's gathered bytes"
+    import flexrt
+    from flexrt.memory_tracker import TensorMemoryTracker
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+    config = {'train_batch_size': 4 * world, 'steps_per_print': 1000, 'optimizer': {'type': 'AdamW', 'params': {'lr': 0.01}},
+              'zero_optimization': {'stage': 3, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0,
+                                    'stage3_prefetch_bucket_size': 256 * 256 + 256}}   # one layer a chunk
+    tracker = TensorMemoryTracker(count_existing=False).enable()
+    engine, *_ = flexrt.initialize(model=model, config=config)
+    x, held = torch.randn(4, 256), []
+    for _ in range(3):
+        before = tracker.allocated_bytes
+        y = engine(x); held.append(tracker.allocated_bytes - before)
+        engine.backward(y.square().mean()); engine.step()
+    tracker.disable(); engine.close()
+    return held, world * -(-(256 * 256 + 256) // world) * 4
+
+def test_stage3_forward_frees_what_it_gathered_although_autograd_saved_views_of_it():
+    "Every Linear saves weight.t() for its backward: that view must not keep the gathered weight alive until then"
+    for held, layer in run_distributed(_held_after_forward, 2, timeout=120):
+        activations = 8 * 4 * 256 * 4 * 2   # inputs and outputs of 8 layers, 4 rows, fp32 (an upper bound)
+        assert all(h <= activations + layer for h in held), (held, layer)   # at most the next layer's prefetch in flight
