@@ -51,8 +51,8 @@ def overlap_rank(rank, world, units=1, bucket=UNIT):
             def at_grad(name, p):   # after the partitioner's gradient hook of each parameter: look once both are in
                 arrived[name] += 1
                 if arrived[name] % 2: return
-                launched = {n: (gp(n).launched, gp(n).reduce is not None and gp(n).reduce.work is not None
-                                and (units > 1 or not gp(n).reduce.work.is_completed())) for n in 'abcd'}   # not finished yet
+                launched = {n: (gp(n).launched, gp(n).reduce is not None and gp(n).reduce.work is not None)
+                            for n in 'abcd'}   # launched, and not yet waited on (finished) by flexrt
                 seen['backward'].append((name, {n: _state(unit[n].records) for n in 'abcd' if n != name}, launched))
             for n in 'abcd':
                 getattr(model, n).register_forward_pre_hook(lambda m, a, n=n: at_forward(n, m, a))
