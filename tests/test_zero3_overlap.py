@@ -137,7 +137,7 @@ def _count_collectives(rank, world, widths):
     return counts
 
 def test_stage3_coalesces_small_layers_into_few_collectives_and_keeps_large_ones_apart():
-    from flexrt.zero.stage3_records import COALESCE_NUMEL
+    from flexrt.zero.stage3_plan import COALESCE_NUMEL
     assert 12 * (64 * 64 + 64) < COALESCE_NUMEL <= 1024 * 512
     # 12 small layers: one chunk gathered in forward, one again in backward, one reduce-scatter (not 12, 12 and 12)
     assert run_distributed(_count_collectives, 2, args=([64] * 13,), timeout=120)[0] == {'gather': 2, 'reduce': 1}

@@ -5,7 +5,7 @@
 # %% ../../nbs/60_autotuner_memory_stage3.ipynb #c002
 from __future__ import annotations
 from .memory_stages import ModelProfile, Setting, Tally, _state_bytes, stage0, stage12
-from ..zero.stage3_records import COALESCE_NUMEL
+from ..zero.stage3_plan import COALESCE_NUMEL, plan_keep, plan_chunks, split_buckets
 
 # %% auto #0
 __all__ = ['stage3', 'replay']
@@ -19,43 +19,22 @@ def _gather_bytes(shards:list, world_size:int, itemsize:int)->int:
 def _resident_bytes(shards:list, world_size:int, itemsize:int)->int:
     "What a finished gather of these shards keeps (`_Gather.finish`): a copy of each parameter whose rows are not contiguous, and the buffer while one parameter is still a view of it"
     if len(shards) < 2 or world_size == 1: return _gather_bytes(shards, world_size, itemsize)   # views of the buffer
-    copies = sum(world_size * k * itemsize for k in shards if k > 1)   # N rows of k elements: reshape copies them
-    return copies + (_gather_bytes(shards, world_size, itemsize) if min(shards) == 1 else 0)   # a 1-element shard views the buffer
+    return _copies(shards, world_size, itemsize) + (_gather_bytes(shards, world_size, itemsize) if min(shards) == 1 else 0)   # a 1-element shard views the buffer
+
+def _copies(shards:list, world_size:int, itemsize:int)->int:
+    "The copies `_Gather.finish` makes of several parameters gathered together: N rows of k elements each, for k > 1"
+    return sum(world_size * k * itemsize for k in shards if k > 1) if len(shards) > 1 and world_size > 1 else 0
 
 def _chunk_bytes(shards:list, world_size:int, itemsize:int)->tuple: # (buffer, resident, during)
     "A chunk's gather: its buffer while in flight, what stays after `_Gather.finish`, and the most held while it finishes"
-    G, R = _gather_bytes(shards, world_size, itemsize), _resident_bytes(shards, world_size, itemsize)
-    copies = sum(world_size * k * itemsize for k in shards if k > 1) if len(shards) > 1 and world_size > 1 else 0
-    return G, R, G + copies
-
-def _keep(units:list, numel:list, s:Setting)->set:
-    "The units kept gathered from forward to backward (`_plan_keep`): from the end, while reuse distance and live size allow"
-    keep, between, live = set(), 0, 0
-    for u in reversed(range(len(units))):
-        if not numel[u]: continue
-        if 2 * between >= s.reuse or live + numel[u] > s.live: break
-        keep.add(u); live += numel[u]; between += numel[u]
-    return keep
+    G = _gather_bytes(shards, world_size, itemsize)
+    return G, _resident_bytes(shards, world_size, itemsize), G + _copies(shards, world_size, itemsize)
 
 # %% ../../nbs/60_autotuner_memory_stage3.ipynb #c029a
-def _chunks3(numel:list, kept:set, prefetch:int)->list: # lists of unit indices
-    "The partitioner's chunks (`_plan_chunks`): consecutive units up to `COALESCE_NUMEL` elements, at most `prefetch`, kept units apart"
-    chunks, cur, size = [], [], 0
-    for u, k in enumerate(numel):
-        if cur and (size >= COALESCE_NUMEL or size + k > prefetch or (u in kept) != (cur[0] in kept)):
-            chunks.append(cur); cur, size = [], 0
-        cur.append(u); size += k
-    return chunks + ([cur] if cur else [])
-
 def _buckets3(pr:ModelProfile, s:Setting, events:list)->list: # lists of parameter indices
-    "`flexrt.zero.stage3_grads.plan_buckets` on the order the gradients arrive: closed on reaching `COALESCE_NUMEL` elements or the bucket size"
+    "The partitioner's gradient buckets (`split_buckets`) on the order the gradients arrive"
     order = [i for i in dict.fromkeys([e[0] for e in events] + list(range(len(pr.numels)))) if pr.trainable[i]]
-    cap = min(s.reduce_bucket_size, COALESCE_NUMEL)
-    buckets, cur = [], []
-    for i in order:
-        cur.append(i)
-        if sum(pr.numels[j] for j in cur) >= cap: buckets.append(cur); cur = []
-    return buckets + ([cur] if cur else [])
+    return [[order[j] for j in b] for b in split_buckets([pr.numels[i] for i in order], min(s.reduce_bucket_size, COALESCE_NUMEL))]
 
 # %% ../../nbs/60_autotuner_memory_stage3.ipynb #c029b
 def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, gathered:list, kept:set, shard:list, persistent:list):
@@ -77,7 +56,8 @@ def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, ga
     pending = [len(b) for b in buckets]
     for i, before, after in events:
         c = chunk_of[i]
-        if state[c] != 'whole':   # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
+        if state[c] in ('none', 'flight'):   # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
+            # ('gone': every parameter it gathers is released; what comes later in it is persistent)
             G, R, D = gathered[c]
             t.add(-G if state[c] == 'flight' else 0).see(before, D).add(R)
             state[c] = 'whole'
@@ -114,8 +94,8 @@ def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
               fp32_masters=St * 4 if w != 4 else 0, optimizer_state=_state_bytes(pr, [St], 4))
     units = [[i for i in u if not persistent[i]] for u in pr.units]
     numel = [sum(n[i] for i in u) for u in units]
-    kept = _keep(units, numel, s)
-    chunks = _chunks3(numel, kept, s.prefetch)
+    kept = plan_keep(numel, s.reuse, s.live)   # the partitioner's own plans, on the units in registration order
+    chunks = [list(range(*c)) for c in plan_chunks(numel, kept, s.prefetch)]
     gathered = [_chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]   # (G, R, D)
     t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept))
     ahead = lambda c: gathered[c][0] if c < len(chunks) and chunks[c][0] not in kept and s.prefetch and sum(numel[u] for u in chunks[c]) <= s.prefetch else 0

@@ -5,7 +5,8 @@
 # %% ../../nbs/42_zero3_grads.ipynb #c003
 from __future__ import annotations
 import torch
-from .stage3_records import ParamRecord, _ReduceScatter, COALESCE_NUMEL
+from .stage3_records import ParamRecord, _ReduceScatter
+from .stage3_plan import COALESCE_NUMEL, split_buckets
 from fastcore.basics import patch
 
 # %% auto #0
@@ -25,14 +26,10 @@ class Bucket:
 # %% ../../nbs/42_zero3_grads.ipynb #c006
 def plan_buckets(records:list, # trainable ParamRecords, in the order their gradients are expected
                  bucket_numel:int)->list: # a bucket is closed once it holds at least this many elements
-    "Consecutive records of each process group in buckets of at least `bucket_numel` elements (the last may hold fewer)"
-    if bucket_numel < 1: raise ValueError(f'reduce_bucket_size must be at least 1 element, got {bucket_numel}')
-    done, filling = [], {}
-    for r in dict.fromkeys(records):   # each record once
-        same = filling.setdefault(id(r.group), [])
-        same.append(r)
-        if sum(x.numel for x in same) >= bucket_numel: done.append(Bucket(same)); del filling[id(r.group)]
-    return done + [Bucket(same) for same in filling.values()]
+    "Consecutive records of each process group in buckets of at least `bucket_numel` elements (`split_buckets`; the last may hold fewer)"
+    groups = {}
+    for r in dict.fromkeys(records): groups.setdefault(id(r.group), []).append(r)   # each record once
+    return [Bucket([same[i] for i in b]) for same in groups.values() for b in split_buckets([r.numel for r in same], bucket_numel)]
 
 # %% ../../nbs/42_zero3_grads.ipynb #c008
 class GradBuckets:

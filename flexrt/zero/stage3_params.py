@@ -10,7 +10,8 @@ from torch.utils._pytree import tree_flatten
 from .. import comm as dist
 from ..reducer import _group_of
 from .param_access import track_parameters, untrack_parameters
-from .stage3_records import ParamRecord, gather_records, release_records, set_ds_attributes, drop_ds_attributes, COALESCE_NUMEL
+from .stage3_records import ParamRecord, gather_records, release_records, set_ds_attributes, drop_ds_attributes
+from .stage3_plan import plan_keep, plan_chunks
 from .stage3_grads import GradBuckets
 from .stage3_saved import enter_saved_views, exit_saved_views
 from fastcore.basics import patch
@@ -218,22 +219,16 @@ def _finish_trace(self:ParameterPartitioner):
 
 @patch
 def _plan_keep(self:ParameterPartitioner):
-    "The units whose backward comes soon after their forward: from the end of the trace, while the reuse distance allows"
-    between = live = 0   # elements gathered between a unit's forward and its backward: twice those after it
-    for unit in reversed(self.trace):
-        if 2 * between >= self.max_reuse_distance or live + unit.numel > self.max_live_numel: break
-        self._keep.add(unit.index); live += unit.numel; between += unit.numel
+    "The units whose backward comes soon after their forward (`plan_keep` on the trace)"
+    kept = plan_keep([u.numel for u in self.trace], self.max_reuse_distance, self.max_live_numel)
+    self._keep = {self.trace[i].index for i in kept}
 
 # %% ../../nbs/42_zero3_params.ipynb #c031q
 @patch
 def _plan_chunks(self:ParameterPartitioner):
-    "Cut the trace into chunks (`_chunk[i]`: the first and past-the-last positions of position i's); bucket gradients in its order"
-    self._chunk, start, size, kept = [], 0, 0, lambda i: self.trace[i].index in self._keep
-    for i, u in enumerate(self.trace):
-        if i > start and (size >= COALESCE_NUMEL or size + u.numel > self.prefetch_numel or kept(i) != kept(start)):
-            self._chunk += [(start, i)] * (i - start); start, size = i, 0
-        size += u.numel
-    self._chunk += [(start, len(self.trace))] * (len(self.trace) - start)
+    "Cut the trace into chunks (`plan_chunks`; `_chunk[i]`: the bounds of position i's); bucket gradients in its order"
+    kept = {i for i, u in enumerate(self.trace) if u.index in self._keep}
+    self._chunk = [c for c in plan_chunks([u.numel for u in self.trace], kept, self.prefetch_numel) for _ in range(*c)]
     self.grads.plan(self._gradient_order(self.trace))
 
 # %% ../../nbs/42_zero3_params.ipynb #c031r
@@ -243,7 +238,7 @@ def _retrace(self:ParameterPartitioner):
     order = [u for u in self._order.values() if u.records]
     if not order or [u.index for u in order] == [u.index for u in self.trace]: return
     self.trace, self._position = order, {u.index: i for i, u in enumerate(order)}
-    self._keep = set(); self._plan_keep(); self._plan_chunks()
+    self._plan_keep(); self._plan_chunks()
     self.num_retraces += 1
 
 # %% ../../nbs/42_zero3_params.ipynb #c032

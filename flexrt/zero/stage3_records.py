@@ -10,7 +10,7 @@ from .. import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['COALESCE_NUMEL', 'ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records']
+__all__ = ['ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records']
 
 # %% ../../nbs/42_zero3_records.ipynb #c006
 class ParamRecord:
@@ -69,8 +69,6 @@ def drop_ds_attributes(p:torch.nn.Parameter):
     for name in ('ds_id', 'ds_shape', 'ds_numel'): p.__dict__.pop(name, None)
 
 # %% ../../nbs/42_zero3_records.ipynb #c011
-COALESCE_NUMEL = 2 ** 19   # elements (2 MiB of fp32): stage 3 gathers and reduce-scatters at least this many together (when not limited otherwise)
-
 def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
 def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if dist.prefers_p2p(group) else dist.reduce_scatter_tensor
 
