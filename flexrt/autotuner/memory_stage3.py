@@ -45,15 +45,13 @@ def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, ga
         for u in us:
             for i in pr.units[u]: chunk_of.setdefault(i, c)
     state = ['whole' if chunks[c][0] in kept else 'none' for c in range(len(chunks))]
-    left = [len({i for u in us for i in pr.units[u] if not persistent[i]}) for us in chunks]
-    size = [sum(n[i] for u in us for i in dict.fromkeys(pr.units[u]) if not persistent[i]) for us in chunks]
-    own = [list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks]
+    own = [list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks]   # what each gathers
+    left, size = [len(o) for o in own], [sum(n[i] for i in o) for o in own]
     copying = [W > 1 and len(o) > 1 for o in own]   # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
     views = [sum(not copying[c] or shard[i] == 1 for i in o) for c, o in enumerate(own)]   # what keeps the buffer alive
-    copied = [sum(W * shard[i] * w for i in o if copying[c] and shard[i] > 1) for c, o in enumerate(own)]
     buckets = _buckets3(pr, s, events)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
-    pending = [len(b) for b in buckets]
+    pending, width = [len(b) for b in buckets], [sum(shard[j] for j in b) for b in buckets]
     for i, before, after in events:
         c = chunk_of[i]
         if state[c] in ('none', 'flight'):   # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
@@ -65,7 +63,7 @@ def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, ga
             if p >= 0 and state[p] == 'none' and s.prefetch and size[p] <= s.prefetch: t.add(gathered[p][0]); state[p] = 'flight'
         t.see(before)
         b = bucket_of[i]
-        L = sum(shard[j] for j in buckets[b])
+        L = width[b]
         if pending[b] == len(buckets[b]): t.add(W * L * w).see(after + n[i] * w)
         pending[b] -= 1
         if pending[b] == 0 and W > 1: t.add(L * w + ((W - 1) * L * w if s.p2p else 0)).see(after + n[i] * w)
@@ -73,7 +71,7 @@ def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, ga
             left[c] -= 1
             views[c] -= not copying[c] or shard[i] == 1
             mine = W * shard[i] * w if copying[c] and shard[i] > 1 else 0
-            if views[c] == 0 and left[c] >= 0: mine += gathered[c][1] - copied[c]; views[c] = -1   # the buffer, once
+            if views[c] == 0: mine += gathered[c][1] - (gathered[c][2] - gathered[c][0]); views[c] = -1   # the buffer (resident less copies), once
             t.add(-mine)
             if left[c] == 0: state[c] = 'gone'
         t.see(after)
