@@ -1,6 +1,7 @@
 """ZeRO-3 overlaps its communication with compute, in the order the first forward recorded (not the registration order):
 when a module's forward starts, the next module's gather is already in flight and the later ones are not started;
-when a module's backward starts, the gather of the module before it is in flight; each module's gradient
+when a module's backward starts, the gather of the module before it is in flight (with a larger prefetch bucket, as
+many modules ahead as it holds); each module's gradient
 reduce-scatter is launched as soon as its gradients are in and left in flight while the rest of backward runs, then
 finished when backward ends. With prefetch and reduce buckets of two modules, two modules are gathered in one
 collective and the next two prefetched, and two modules' gradients go in one reduce-scatter, launched once all are in.
@@ -138,11 +139,47 @@ def _count_collectives(rank, world, widths):
 
 def test_stage3_coalesces_small_layers_into_few_collectives_and_keeps_large_ones_apart():
     from flexrt.zero.stage3_plan import COALESCE_NUMEL
-    assert 12 * (64 * 64 + 64) < COALESCE_NUMEL <= 1024 * 512
+    assert 12 * (64 * 64 + 64) < COALESCE_NUMEL <= 1024 * 1024
     # 12 small layers: one chunk gathered in forward, one again in backward, one reduce-scatter (not 12, 12 and 12)
     assert run_distributed(_count_collectives, 2, args=([64] * 13,), timeout=120)[0] == {'gather': 2, 'reduce': 1}
-    # 3 layers of 2**19 elements or more: each gathered alone in forward and in backward, each reduced alone
-    assert run_distributed(_count_collectives, 2, args=([1024, 512, 1024, 512],), timeout=120)[0] == {'gather': 6, 'reduce': 3}
+    # 3 layers of COALESCE_NUMEL elements or more: each gathered alone in forward and in backward, each reduced alone
+    assert run_distributed(_count_collectives, 2, args=([1024] * 4,), timeout=120)[0] == {'gather': 6, 'reduce': 3}
+
+def _ahead_rank(rank, world):
+    "What each of 4 large layers sees of the others when its forward starts and while its backward runs, with prefetch of two layers; losses at stages 0 and 3"
+    import flexrt
+    g = torch.Generator().manual_seed(rank)
+    X, Y = torch.randn(3, 2, 1024, generator=g), torch.randn(3, 2, 1024, generator=g)
+    layer = 1024 * 1024 + 1024   # elements of one layer: more than COALESCE_NUMEL, so a chunk each
+    out = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+        config = {'train_batch_size': 2 * world, 'steps_per_print': 1000, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-4}},
+                  'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0, 'stage3_max_reuse_distance': 0,
+                                        'stage3_prefetch_bucket_size': 2 * layer}}
+        engine, *_ = flexrt.initialize(model=model, config=config)
+        seen, losses = [], []
+        if stage == 3:
+            units = [next(u for u in engine.optimizer.partitioner.units if u.module is m) for m in model]
+            look = lambda: ''.join({'full': 'F', 'flight': '~', 'none': '.'}[_state(u.records[:1])] for u in units)   # the weights
+            for m in model:
+                m.register_forward_pre_hook(lambda m, a: seen.append(('forward', look())))
+                m.weight.register_hook(lambda g: seen.append(('backward', look())))   # its gradient, while its backward runs
+        for s in range(3):
+            del seen[:]
+            loss = F.mse_loss(engine(X[s]), Y[s]); engine.backward(loss); engine.step(); losses.append(loss.item())
+        engine.close()
+        out[stage] = losses, list(seen)
+    return out
+
+def test_stage3_gathers_as_many_chunks_ahead_as_the_prefetch_bucket_holds():
+    for out in run_distributed(_ahead_rank, 2, timeout=120):
+        (l0, _), (l3, seen) = out[0], out[3]
+        torch.testing.assert_close(torch.tensor(l3), torch.tensor(l0), rtol=1e-5, atol=1e-6)
+        # F: whole, ~: gathering, .: released. Forward: each layer whole, the next two gathering; backward: the two before
+        assert seen == [('forward', 'F~~.'), ('forward', '.F~~'), ('forward', '..F~'), ('forward', '...F'),
+                        ('backward', '.~~F'), ('backward', '~~F.'), ('backward', '~F..'), ('backward', 'F...')], seen
 
 def _held_after_forward(rank, world):
     "Bytes a stage-3 forward leaves allocated (activations and what autograd saved), and one layer's gathered bytes"

@@ -54,23 +54,34 @@ def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each;
 
 # %% ../../nbs/04_comm_p2p.ipynb #c010b
 class P2PThread:
-    "Runs one group's direct-message ops in the order they were started, on a daemon thread that lives while some are queued"
-    def __init__(self): self._jobs, self._lock, self._thread, self._started = collections.deque(), threading.Lock(), None, []
+    "Runs one group's direct-message ops in the order they were started, on a daemon thread that lives while some are queued and `linger` seconds after"
+    def __init__(self, linger:float=2.): # seconds an idle thread waits for the next op before it ends
+        self._jobs, self._lock, self._thread, self._started = collections.deque(), threading.Condition(), None, []
+        self.linger, self._closing = linger, 0
     def submit(self, job):
         "Queue `job`; start the thread if none is running"
         with self._lock:
             self._jobs.append(job)
             if self._thread is None: self._spawn()
+            else: self._lock.notify()
     def _spawn(self): # with the lock held
         self._thread = threading.Thread(target=self._run, name='flexrt-p2p', daemon=True)
         self._started = [t for t in self._started if t.is_alive()] + [self._thread]
         self._thread.start()
+    def _next(self): # with the lock held
+        "The next job; None once the queue stayed empty `linger` seconds, or at once when empty while the runner closes"
+        end = time.monotonic() + self.linger
+        while not self._jobs:
+            left = end - time.monotonic()
+            if self._closing or left <= 0: return None
+            self._lock.wait(left)
+        return self._jobs.popleft()
     def _run(self):
         try:
             while True:
                 with self._lock:
-                    if not self._jobs: self._thread = None; return   # drained: this thread ends, the next submit starts one
-                    job = self._jobs.popleft()
+                    job = self._next()
+                    if job is None: self._thread = None; return   # idle: this thread ends, the next submit starts one
                 job()
         finally:   # a job raised: this thread ends; a new one runs what is still queued (the next submit would too)
             with self._lock:
@@ -81,12 +92,16 @@ class P2PThread:
 # %% ../../nbs/04_comm_p2p.ipynb #c010b2
 @patch
 def close(self:P2PThread):
-    "Wait until the ops queued so far ran and every thread this runner started has ended"
+    "Wait until the ops queued so far ran and every thread this runner started has ended (an idle one ends at once)"
     joined = {threading.current_thread()}
-    while True:   # a thread that ended by an error may have started another
-        with self._lock: threads = [t for t in self._started if t not in joined]
-        if not threads: return
-        for t in threads: t.join(); joined.add(t)
+    with self._lock: self._closing += 1; self._lock.notify_all()
+    try:
+        while True:   # a thread that ended by an error may have started another
+            with self._lock: threads = [t for t in self._started if t not in joined]
+            if not threads: return
+            for t in threads: t.join(); joined.add(t)
+    finally:
+        with self._lock: self._closing -= 1
 
 @patch(as_prop=True)
 def running(self:P2PThread)->bool: return self._thread is not None   # a thread is working through the queue
