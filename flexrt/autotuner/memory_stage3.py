@@ -70,7 +70,7 @@ def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, ga
         L = width[b]
         if pending[b] == len(buckets[b]): t.add(W * L * w).see(after + n[i] * w)
         pending[b] -= 1
-        if pending[b] == 0 and W > 1: t.add(L * w + ((W - 1) * L * w if s.p2p else 0)).see(after + n[i] * w)
+        if pending[b] == 0 and W > 1: t.add(L * w + ((W - 1) * L * w if s.p2p and W > 2 else 0)).see(after + n[i] * w)   # output (+ p2p receives: 2 ranks receive into it)
         if not persistent[i] and state[c] == 'whole':   # released: its own copy goes; the buffer with the last view of it
             left[c] -= 1
             views[c] -= not copying[c] or shard[i] == 1

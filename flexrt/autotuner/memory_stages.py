@@ -136,14 +136,13 @@ def stage0(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
 
 # %% ../../nbs/60_autotuner_memory_stages.ipynb #c023
 def _launch(t:Tally, s:Setting, members:list, padded:int, received:int, n:list, level:float, flight:deque):
-    "A bucket's reduction starts; stage 2 first finishes the oldest of two in flight, copies its gradients into a new buffer (they live until the launch returns)"
+    "A bucket's reduction starts; stage 2 first finishes the oldest of two in flight, copies its gradients into a spare bucket buffer (they live until the launch returns)"
     if s.stage == 1: t.add(received); return
-    while len(flight) >= 2: t.add(-flight.popleft())   # `Stage2Reducer._start`: the oldest reduction finishes, its buffers go
-    nbytes = padded * s.itemsize + received
-    t.add(nbytes).see(level)
+    while len(flight) >= 2: t.add(-flight.popleft())   # `Stage2Reducer._start`: the oldest reduction finishes, its output goes (its buffer is a spare)
+    t.add(received).see(level)   # the bucket buffers are held throughout (`stage12` counts them with the gradients)
     t.add(-sum(n[i] for i in members) * s.itemsize)
-    if s.overlap: flight.append(nbytes)
-    else: t.add(-nbytes)   # waited at once: bucket, output and receives go
+    if s.overlap: flight.append(received)
+    else: t.add(-received)   # waited at once: output and receives go
 
 def _step12(pr:ModelProfile, s:Setting, static:float, hold:float, shards:list, sd:int)->Tally:
     "The optimizer steps each bucket's chunk; its updated copy is held for the all-gather until all finish"
@@ -177,9 +176,11 @@ def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {
     padded = [pad(sum(n[i] for i in b), W) for b in buckets]
     shards = [p // W for p in padded]
     frozen = sum(n) - sum(n[i] for i in T) + pr.buffer_numel
-    bd = dict(parameters=(sum(padded) + frozen) * w, gradients=(sum(padded) if s.stage == 1 else sum(shards)) * w,
+    spares = (min(2, len(buckets)) if s.overlap else 1) * (max(padded, default=0) + max(shards, default=0))   # stage 2's bucket buffers (and outputs), kept between backwards
+    bd = dict(parameters=(sum(padded) + frozen) * w, gradients=(sum(padded) if s.stage == 1 else sum(shards) + spares) * w,
               fp32_masters=sum(shards) * 4 if s.masters else 0, optimizer_state=_state_bytes(pr, shards, sd))
-    received = [p * w if s.p2p or W == 1 else sh * w for p, sh in zip(padded, shards)]   # output chunk (+ p2p receives)
+    extra = (W - 1 if s.p2p and W > 2 else 0)   # p2p receives besides the output (2 ranks: the one peer's chunk lands in the output)
+    received = [((sh if s.stage == 1 or W == 1 else 0) + extra * sh) * w for sh in shards]   # what a launch allocates: stage 1's output chunk (stage 2's is in its buffer)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     held = s.stage == 2 and s.accumulation > 1   # the last micro-step starts with the accumulated gradients in p.grad
     arrived, nxt, flight = [0] * len(buckets), 0, deque()

@@ -48,9 +48,11 @@ class ShardReducer(BucketReducer):
             bucket.received = chunk
             name = 'reduce_scatter_via_all_reduce' if self.reduce_scatter else None
             return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True, log_name=name)
-        bucket.received = torch.empty_like(chunk)
+        bucket.received = self._output(bucket, chunk)
         op = dist.reduce_scatter_tensor_p2p if self.algorithm == 'p2p' else dist.reduce_scatter_tensor
         return op(bucket.received, bucket.buffer, group=bucket.group, async_op=True)
+
+    def _output(self, bucket, chunk)->torch.Tensor: return torch.empty_like(chunk)   # where the reduce-scatter writes this rank's chunk
 
     @torch.no_grad()
     def _finish(self, bucket):
@@ -268,7 +270,7 @@ def memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_s
     seen, model = set(), list(self.module.parameters())
     params = storage_bytes([bk.param_buffer for bk in self.buckets] + model, seen)
     grads = storage_bytes([t for bk in self.buckets for t in (bk.buffer, bk.grad_shard, bk.master.grad)] +
-                           [p.grad for p in model], seen)
+                           [p.grad for p in model] + list(getattr(self.reducer, 'spare_buffers', ())), seen)   # stage 2 keeps bucket buffers
     state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     state = storage_bytes([bk.master for bk in self.buckets] + state, seen)
     return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}

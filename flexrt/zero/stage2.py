@@ -15,7 +15,7 @@ __all__ = ['Stage2Reducer', 'ZeroStage2']
 
 # %% ../../nbs/40_zero_stage2.ipynb #c006
 class Stage2Reducer(ShardReducer):
-    "Reduce-scatter buckets into per-rank gradient shards; a bucket buffer lives only while its reduction does"
+    "Reduce-scatter buckets into per-rank gradient shards, through at most `max_in_flight` bucket buffers, kept between reductions"
     accumulate = True
     def __init__(self, buckets:list, # from `plan_buckets(..., align=world size)`, with `.partition` and `.grad_shard`
                  world_size:int, # the data-parallel world size
@@ -24,14 +24,21 @@ class Stage2Reducer(ShardReducer):
                  reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk
                  max_in_flight:int=2, # buckets being reduced at once (each holds its buffer)
                  algorithm:str='native'): # how each reduce-scatter runs (see `ShardReducer`)
-        for bk in buckets: bk.buffer = bk.views = None
+        for bk in buckets: bk.buffer = bk.views = bk.whole = None
         self.overlap_comm, self.max_in_flight, self._in_flight = bool(overlap_comm), max(1, max_in_flight), deque()
+        self._spare, self._head, self._tail = {}, {}, {}   # per (dtype, device): the buffers not in use; the largest bucket, and chunk
+        for bk in buckets:
+            key = bk.dtype, bk.device
+            self._head[key] = max(self._head.get(key, 0), bk.partition.padded_numel)
+            self._tail[key] = max(self._tail.get(key, 0), bk.partition.shard_numel)
         super().__init__(buckets, world_size, gradient_predivide_factor, reduce_scatter, algorithm)
 
     def _start(self, bucket):
-        "Copy the bucket's gradients into a new buffer, drop `p.grad`, launch the reduce-scatter"
+        "Copy the bucket's gradients into a buffer (a spare one, else a new one), drop `p.grad`, launch the reduce-scatter"
         while len(self._in_flight) >= self.max_in_flight: self._finish(self._in_flight.popleft())
-        bucket.buffer = torch.empty(bucket.partition.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        spare, key = self._spare.setdefault((bucket.dtype, bucket.device), []), (bucket.dtype, bucket.device)
+        bucket.whole = spare.pop() if spare else torch.empty(self._head[key] + self._tail[key], dtype=bucket.dtype, device=bucket.device)
+        bucket.buffer = bucket.whole[:bucket.partition.padded_numel]
         bucket.buffer[bucket.numel:].zero_()
         bucket.views = bucket.partition.views(bucket.buffer)
         BucketReducer._start(self, bucket)
@@ -39,10 +46,16 @@ class Stage2Reducer(ShardReducer):
         if self.overlap_comm: self._in_flight.append(bucket)
         else: self._finish(bucket)
 
+    def _output(self, bucket, chunk)->torch.Tensor:
+        "The reduce-scatter's output: the part of the bucket's buffer after the largest bucket"
+        head = self._head[bucket.dtype, bucket.device]
+        return bucket.whole[head:head + chunk.numel()].view_as(chunk)
+
     def _finish(self, bucket):
-        "Add the averaged chunk to the shard; free the bucket buffer"
+        "Add the averaged chunk to the shard; keep the bucket buffer as a spare"
         ShardReducer._finish(self, bucket)
-        bucket.buffer = bucket.views = None
+        if bucket.whole is not None: self._spare[bucket.dtype, bucket.device].append(bucket.whole)
+        bucket.buffer = bucket.views = bucket.whole = None
 
 # %% ../../nbs/40_zero_stage2.ipynb #c007
 @patch
@@ -50,6 +63,15 @@ def wait(self:Stage2Reducer):
     "Finish the round (see `BucketReducer.wait`); nothing stays in flight"
     BucketReducer.wait(self)
     self._in_flight.clear()
+
+@patch(as_prop=True)
+def spare_buffers(self:Stage2Reducer)->list: return [b for bs in self._spare.values() for b in bs]   # bucket buffers not in use
+
+@patch
+def close(self:Stage2Reducer):
+    "Finish what is in flight (see `BucketReducer.close`) and let the spare bucket buffers go"
+    BucketReducer.close(self)
+    self._spare = {}
 
 @patch
 @torch.no_grad()
