@@ -82,7 +82,7 @@ class P2PThread:
                 with self._lock:
                     job = self._next()
                     if job is None: self._thread = None; return   # idle: this thread ends, the next submit starts one
-                job()
+                job(); job = None   # let go of it (and its tensors) before waiting for the next
         finally:   # a job raised: this thread ends; a new one runs what is still queued (the next submit would too)
             with self._lock:
                 if self._thread is threading.current_thread():
