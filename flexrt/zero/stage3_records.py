@@ -125,12 +125,15 @@ def release_records(records:list):
 
 # %% ../../nbs/42_zero3_records.ipynb #c016
 @torch.no_grad()
-def _copy_rows(rows:torch.Tensor, off:int, record:ParamRecord, grad:torch.Tensor):
-    "Add `grad` into columns off:off+s of `rows` (N x L, zeros at first), row by row, leaving the padding as it is (zero)"
+def _copy_rows(rows:torch.Tensor, off:int, record:ParamRecord, grad:torch.Tensor,
+               first:bool=False): # the columns hold nothing yet: copy, and zero the padding
+    "Add (`first`: copy) `grad` into columns off:off+s of `rows` (N x L), row by row; the padding past the parameter's end is zero"
     s, flat = record.shard_numel, grad.reshape(-1)
-    whole = record.numel // s
-    if whole: rows[:whole, off:off + s].add_(flat[:whole * s].view(whole, s))
-    if whole * s < record.numel: rows[whole, off:off + record.numel - whole * s].add_(flat[whole * s:])
+    whole, rest = record.numel // s, record.numel % s
+    if whole: (rows[:whole, off:off + s].copy_ if first else rows[:whole, off:off + s].add_)(flat[:whole * s].view(whole, s))
+    if rest: (rows[whole, off:off + rest].copy_ if first else rows[whole, off:off + rest].add_)(flat[whole * s:])
+    if first and whole < rows.shape[0]:   # the padding: the end of the row the parameter ends in, and the rows after it
+        rows[whole, off + rest:off + s].zero_(); rows[whole + 1:, off:off + s].zero_()
 
 class _ReduceScatter:
     "The gradient reduce-scatter of records of one process group: filled as gradients arrive, launched when complete"
@@ -138,15 +141,19 @@ class _ReduceScatter:
         self.records, self.n, self.group, self.divisor = records, records[0].world_size, records[0].group, divisor
         self.offsets = [0]
         for r in records: self.offsets.append(self.offsets[-1] + r.shard_numel)
-        self.buffer = torch.zeros(self.n, self.offsets[-1], dtype=dtype, device=device)
-        self.out = self.work = None
+        self.buffer = torch.empty(self.n, self.offsets[-1], dtype=dtype, device=device)   # each record's columns: written by its first gradient, else zeroed at launch
+        self.out, self.work, self.written = None, None, [False] * len(records)
 
-    def add(self, index:int, grad:torch.Tensor): _copy_rows(self.buffer, self.offsets[index], self.records[index], grad)
+    def add(self, index:int, grad:torch.Tensor):
+        _copy_rows(self.buffer, self.offsets[index], self.records[index], grad, first=not self.written[index])
+        self.written[index] = True
 
 # %% ../../nbs/42_zero3_records.ipynb #c017
 @patch
 def launch(self:_ReduceScatter, owner=None): # owner: counts the bytes in its `comm_bytes`
-    "Start the reduce-scatter over the records' group (nothing to start in a group of one)"
+    "Start the reduce-scatter over the records' group (nothing to start in a group of one); a record without a gradient counts as zeros"
+    for i, done in enumerate(self.written):
+        if not done: self.buffer[:, self.offsets[i]:self.offsets[i + 1]].zero_()
     if self.n == 1: self.out = self.buffer.view(-1); return
     self.out = self.buffer.new_empty(self.offsets[-1])
     self.work = _reduce_scatter(self.group)(self.out, self.buffer.view(-1), group=self.group, async_op=True)
