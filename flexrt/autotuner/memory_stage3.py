@@ -6,7 +6,7 @@
 from __future__ import annotations
 from .memory_stages import ModelProfile, Setting, Tally, _state_bytes, stage0, stage12
 from itertools import accumulate
-from ..zero.stage3_plan import COALESCE_NUMEL, plan_keep, plan_chunks, plan_ahead, split_buckets
+from ..zero.stage3_plan import COALESCE_NUMEL, plan_keep, plan_chunks, chunk_ends, plan_ahead, split_buckets
 
 # %% auto #0
 __all__ = ['stage3', 'replay']
@@ -39,7 +39,7 @@ def _buckets3(pr:ModelProfile, s:Setting, events:list)->list: # lists of paramet
 
 # %% ../../nbs/60_autotuner_memory_stage3.ipynb #c029b
 def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, gathered:list, kept:set, shard:list, persistent:list,
-               ends:list): # ends[c]: elements gathered by the chunks before chunk c
+               ends:list): # `chunk_ends` of the chunks
     "Gradients land in bucket reduce-scatter buffers held to the end of backward; a chunk is gathered on entering it (those before it within the prefetch gathering) and goes with its last gradient"
     n, W, w = pr.numels, s.world_size, s.itemsize
     chunk_of = {}
@@ -48,7 +48,7 @@ def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, ga
             for i in pr.units[u]: chunk_of.setdefault(i, c)
     state = ['whole' if chunks[c][0] in kept else 'none' for c in range(len(chunks))]
     own = [list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks]   # what each gathers
-    left, ahead = [len(o) for o in own], len(chunks)   # ahead: the farthest chunk started (`ParameterPartitioner._prefetch`)
+    left, ahead = [len(o) for o in own], None   # ahead: the farthest chunk started (`ParameterPartitioner._prefetch`)
     copying = [W > 1 and len(o) > 1 for o in own]   # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
     views = [sum(not copying[c] or shard[i] == 1 for i in o) for c, o in enumerate(own)]   # what keeps the buffer alive
     buckets = _buckets3(pr, s, events)
@@ -61,10 +61,9 @@ def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, ga
             G, R, D = gathered[c]
             t.add(-G if state[c] == 'flight' else 0).see(before, D).add(R)
             state[c] = 'whole'
-        start = ahead if ahead < c else c
-        ahead = plan_ahead(ends, c, -1, s.prefetch, start)
-        for p in range(start - 1, ahead - 1, -1):   # the chunks before it, gathering ahead
+        for p in plan_ahead(ends, c, -1, s.prefetch, ahead):   # the chunks before it, gathering ahead
             if state[p] == 'none': t.add(gathered[p][0]); state[p] = 'flight'
+            ahead = p
         t.see(before)
         b = bucket_of[i]
         L = width[b]
@@ -97,15 +96,15 @@ def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     units = [[i for i in u if not persistent[i]] for u in pr.units]
     numel = [sum(n[i] for i in u) for u in units]
     kept = plan_keep(numel, s.reuse, s.live)   # the partitioner's own plans, on the units in registration order
-    chunks = [list(range(*c)) for c in plan_chunks(numel, kept, s.prefetch)]
+    bounds = plan_chunks(numel, kept, s.prefetch)
+    chunks, ends = [list(range(*c)) for c in bounds], chunk_ends(numel, bounds)
     gathered = [_chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]   # (G, R, D)
     t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept))
-    ends = [0, *accumulate(sum(numel[u] for u in us) for us in chunks)]
     flying = [0, *accumulate(0 if us[0] in kept else g[0] for us, g in zip(chunks, gathered))]   # buffers of chunks gathering ahead (kept ones: counted)
     peak, j = 0, 0
     for c, (us, g) in enumerate(zip(chunks, gathered)):
         before = flying[max(j, c) + 1] - flying[c + 1]   # started ahead by the chunks before it
-        j = max(j, plan_ahead(ends, c, +1, s.prefetch))
+        j = max([j, c, *plan_ahead(ends, c, +1, s.prefetch, j)])   # the farthest started (c itself: none ahead)
         mine = g[1] if us[0] in kept else 0
         peak = max(peak, g[2] - mine + before, g[1] - mine + flying[j + 1] - flying[c + 1])
     t.see(fwd, peak)   # a chunk being finished (buffer and copies), or held, with the chunks ahead in flight

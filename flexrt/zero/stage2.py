@@ -36,7 +36,8 @@ class Stage2Reducer(ShardReducer):
     def _start(self, bucket):
         "Copy the bucket's gradients into a buffer (a spare one, else a new one), drop `p.grad`, launch the reduce-scatter"
         while len(self._in_flight) >= self.max_in_flight: self._finish(self._in_flight.popleft())
-        spare, key = self._spare.setdefault((bucket.dtype, bucket.device), []), (bucket.dtype, bucket.device)
+        key = bucket.dtype, bucket.device
+        spare = self._spare.setdefault(key, [])
         bucket.whole = spare.pop() if spare else torch.empty(self._head[key] + self._tail[key], dtype=bucket.dtype, device=bucket.device)
         bucket.buffer = bucket.whole[:bucket.partition.padded_numel]
         bucket.buffer[bucket.numel:].zero_()

@@ -11,7 +11,7 @@ from .. import comm as dist
 from ..reducer import _group_of
 from .param_access import track_parameters, untrack_parameters
 from .stage3_records import ParamRecord, gather_records, release_records, set_ds_attributes, drop_ds_attributes
-from .stage3_plan import plan_keep, plan_chunks, plan_ahead
+from .stage3_plan import plan_keep, plan_chunks, chunk_ends, plan_ahead
 from .stage3_grads import GradBuckets
 from .stage3_saved import enter_saved_views, exit_saved_views
 from fastcore.basics import patch
@@ -66,8 +66,8 @@ class ParameterPartitioner:
         trainable = [p for p in module.parameters() if p.requires_grad] if trainable is None else list(trainable)
         self._trainable = {p for p in trainable}
         self._build_units()
-        self.trace, self._position, self._chunk, self._traced, self._hooks, self._tracked, self._stack = [], {}, [], False, [], [], []
-        self._bounds, self._chunk_index, self._chunk_ends, self._ahead = [], [], [0], -1   # chunks; each position's; elements before each; the farthest started
+        self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
+        self._bounds, self._chunk_of, self._ends, self._ahead = [], [], [0], -1   # chunks; each position's; `chunk_ends`; the farthest started
         self._order, self.num_retraces, self._arrived = {}, 0, {}   # this forward's units that gather something, in order; times the trace changed; this backward's gradients, in order
         self._in_backward, self.partitioned, self.comm_bytes, self._saving = False, False, 0, []   # comm_bytes: gathered + reduce-scattered
         self.on_modified = None   # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
@@ -183,19 +183,18 @@ def _fetch(self:ParameterPartitioner, unit:Unit, step:int): # +1: in forward, -1
     "Gather `unit` with the rest of its chunk ahead (one collective), then keep the chunks after it gathering, up to `prefetch_numel` elements"
     i = self._position.get(unit.index) if self._traced else None
     if i is None: return gather_records(unit.records, owner=self)   # not in the trace: alone
-    a, b = self._chunk[i]
+    a, b = self._bounds[self._chunk_of[i]]
     if any(not r.full and r.pending is None for r in unit.records):
         gather_records(self._chunk_records(i, b) if step > 0 else self._chunk_records(a, i + 1), async_op=True, owner=self)
     gather_records(unit.records, owner=self)
-    self._prefetch(self._chunk_index[i], step)
+    self._prefetch(self._chunk_of[i], step)
 
 @patch
 def _prefetch(self:ParameterPartitioner, k:int, step:int): # k: the chunk entered; step: +1 forward, -1 backward
     "Start gathering the chunks `plan_ahead` says should be under way once chunk `k` is entered (those not started yet)"
-    ahead = self._ahead if (self._ahead - k) * step > 0 else k
-    j = plan_ahead(self._chunk_ends, k, step, self.prefetch_numel, ahead)
-    for c in range(ahead + step, j + step, step): gather_records(self._chunk_records(*self._bounds[c]), async_op=True, owner=self)
-    self._ahead = j
+    for c in plan_ahead(self._ends, k, step, self.prefetch_numel, self._ahead):
+        gather_records(self._chunk_records(*self._bounds[c]), async_op=True, owner=self)
+        self._ahead = c
 
 @patch
 def _chunk_records(self:ParameterPartitioner, a:int, b:int)->list: # trace positions a..b-1
@@ -211,16 +210,9 @@ def _pre_backward(self:ParameterPartitioner, unit:Unit, grad):
 def _begin_backward(self:ParameterPartitioner):
     "Once per backward: ask autograd to call `_end_backward` when it is done"
     if self._in_backward: return
-    if not self._traced: self._finish_trace(); self._plan_keep(); self._plan_chunks()
-    else: self._retrace()
+    self._retrace()
     self._in_backward, self._traced, self._ahead = True, True, len(self._bounds)   # nothing gathered ahead in this direction yet
     torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-@patch
-def _finish_trace(self:ParameterPartitioner):
-    "The first forward's order of the units that gather something (the others only kept the stack)"
-    self.trace = [u for u in self._order.values() if u.records]
-    self._position = {u.index: i for i, u in enumerate(self.trace)}
 
 @patch
 def _plan_keep(self:ParameterPartitioner):
@@ -231,24 +223,21 @@ def _plan_keep(self:ParameterPartitioner):
 # %% ../../nbs/42_zero3_params.ipynb #c031q
 @patch
 def _plan_chunks(self:ParameterPartitioner):
-    "Cut the trace into chunks (`plan_chunks`; `_chunk[i]`: the bounds of position i's); bucket gradients in its order"
-    kept = {i for i, u in enumerate(self.trace) if u.index in self._keep}
-    self._bounds = plan_chunks([u.numel for u in self.trace], kept, self.prefetch_numel)
-    self._chunk = [c for c in self._bounds for _ in range(*c)]
-    self._chunk_index = [k for k, c in enumerate(self._bounds) for _ in range(*c)]
-    self._chunk_ends = [0]
-    for a, b in self._bounds: self._chunk_ends.append(self._chunk_ends[-1] + sum(u.numel for u in self.trace[a:b]))
+    "Cut the trace into chunks (`plan_chunks`; `_chunk_of[i]`: position i's), for `plan_ahead`; bucket gradients in its order"
+    kept, numels = {i for i, u in enumerate(self.trace) if u.index in self._keep}, [u.numel for u in self.trace]
+    self._bounds = plan_chunks(numels, kept, self.prefetch_numel)
+    self._chunk_of, self._ends = [k for k, c in enumerate(self._bounds) for _ in range(*c)], chunk_ends(numels, self._bounds)
     self.grads.plan(self._gradient_order(self.trace))
 
 # %% ../../nbs/42_zero3_params.ipynb #c031r
 @patch
 def _retrace(self:ParameterPartitioner):
-    "The forward just run used the units in another order than the trace: it becomes the trace (prefetch and keep follow)"
+    "The order the forward just run used its units that gather something in becomes the trace, the first time or when it changed (prefetch and keep follow)"
     order = [u for u in self._order.values() if u.records]
-    if not order or [u.index for u in order] == [u.index for u in self.trace]: return
+    if self._traced and (not order or [u.index for u in order] == [u.index for u in self.trace]): return
+    self.num_retraces += self._traced
     self.trace, self._position = order, {u.index: i for i, u in enumerate(order)}
     self._plan_keep(); self._plan_chunks()
-    self.num_retraces += 1
 
 # %% ../../nbs/42_zero3_params.ipynb #c032
 @patch

@@ -4,9 +4,10 @@
 
 # %% ../../nbs/42_zero3_plan.ipynb #c003
 from __future__ import annotations
+from itertools import accumulate
 
 # %% auto #0
-__all__ = ['COALESCE_NUMEL', 'plan_keep', 'plan_chunks', 'split_buckets', 'plan_ahead']
+__all__ = ['COALESCE_NUMEL', 'plan_keep', 'plan_chunks', 'split_buckets', 'chunk_ends', 'plan_ahead']
 
 # %% ../../nbs/42_zero3_plan.ipynb #c005
 COALESCE_NUMEL = 2 ** 20   # elements (4 MiB of fp32): stage 3 gathers and reduce-scatters at least this many together (when not limited otherwise)
@@ -43,12 +44,18 @@ def split_buckets(numels:list, # elements of each gradient, in arrival order
         if size >= bucket_numel: done.append(cur); cur, size = [], 0
     return done + ([cur] if cur else [])
 
-def plan_ahead(ends:list, # ends[c]: elements in the chunks before chunk c (len: chunks + 1)
+def chunk_ends(numels:list, # elements gathered by each unit, in trace order
+               bounds:list)->list: # `plan_chunks`' chunks
+    "Elements in the chunks before each chunk, and in all of them (`plan_ahead`'s `ends`)"
+    return [0, *accumulate(sum(numels[a:b]) for a, b in bounds)]
+
+def plan_ahead(ends:list, # `chunk_ends`: ends[c] elements in the chunks before chunk c
                k:int, # the chunk being entered
                step:int, # +1: in forward (the chunks after it); -1: in backward (the ones before it)
                limit:int, # at most this many elements gathered ahead (`stage3_prefetch_bucket_size`)
-               start:int|None=None)->int: # the farthest chunk already started in this direction (default `k`)
-    "The farthest chunk to be gathering once chunk `k` is entered: the next ones in direction `step` while they hold at most `limit` elements together (`k`: none)"
-    j, n = k if start is None else start, len(ends) - 1
+               started:int|None=None)->range: # the farthest chunk started so far (counts only if past `k` in direction `step`)
+    "The chunks to start gathering on entering chunk `k`: the next ones in direction `step` while they hold at most `limit` elements together, less those started"
+    j = started if started is not None and (started - k) * step > 0 else k
+    first, n = j + step, len(ends) - 1
     while 0 <= j + step < n and (ends[j + step + 1] - ends[k + 1] if step > 0 else ends[k] - ends[j + step]) <= limit: j += step
-    return j
+    return range(first, j + step, step)
