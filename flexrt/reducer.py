@@ -91,6 +91,7 @@ def _group_of(p, group=None, expert_groups=None):
 # %% ../nbs/31_reducer.ipynb #c020
 class BucketReducer:
     "Reduce gradients bucket by bucket as backward produces them; subclasses define `_launch` and `_finish`"
+    grads_in_buckets = True   # the buckets keep their buffers and each p.grad lives in its slot (stage 2 copies at launch instead)
     def __init__(self, buckets:list): # from `plan_buckets`; every rank of a group must build the same list
         self.buckets, self._boundary = buckets, True
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, bk, i))
@@ -106,15 +107,23 @@ class BucketReducer:
     def _finish(self, bucket): raise NotImplementedError("a BucketReducer subclass waits and writes results here")
 
 # %% ../nbs/31_reducer.ipynb #c021
+@torch.no_grad()
+def _adopt(param, view):
+    "Make `param.grad` the view of its slot, copying a gradient that lives elsewhere (a new one, after `zero_grad`)"
+    grad = param.grad
+    if grad is None or grad.data_ptr() == view.data_ptr(): return
+    view.copy_(grad); param.grad = view
+
 @patch
 def _on_grad(self:BucketReducer, bucket:Bucket, index:int, param):
-    "Hook: on a boundary backward, mark the gradient ready and launch the complete buckets at the head of the queue"
-    if not self._boundary: return
-    if bucket.work is not None:
+    "Hook: move a new gradient into its slot; on a boundary backward, mark it ready and launch the complete buckets at the head of the queue"
+    if self._boundary and bucket.work is not None:
         raise RuntimeError("a gradient arrived for a bucket that is already being reduced: a second backward in the "
                            "same micro-step needs set_boundary(...) before it (Engine.backward calls it); a parameter "
                            "used both inside and outside torch.utils.checkpoint(..., use_reentrant=True) gets two: use "
                            "use_reentrant=False or flexrt.checkpointing.checkpoint (ZeRO stage 3 accepts both)")
+    if self.grads_in_buckets: _adopt(param, bucket.views[index])
+    if not self._boundary: return
     self._started = True
     if not bucket.ready[index]: bucket.ready[index], bucket.num_ready = True, bucket.num_ready + 1
     while self._queue and self._queue[0].num_ready == len(self._queue[0].params): self._start(self._queue.popleft())
@@ -163,10 +172,9 @@ def close(self:BucketReducer):
 @patch
 @torch.no_grad()
 def zero_grad(self:BucketReducer):
-    "Zero the gradients in the buckets, in place (p.grad becomes a view of its slot)"
-    if self.buckets: torch._foreach_zero_([bk.buffer for bk in self.buckets])
+    "Drop the gradients (the buffers keep stale values: the next backward copies each new gradient into its slot)"
     for bk in self.buckets:
-        for p, view in zip(bk.params, bk.views): p.grad = view
+        for p in bk.params: p.grad = None
 
 # %% ../nbs/31_reducer.ipynb #c029
 @patch

@@ -46,6 +46,11 @@ def train_rank(rank, world, gas, extra=None, drop_step=None):
     import flexrt
     micro = BATCH // (world * gas)
     engine, *_ = flexrt.initialize(model=make_model(seed=rank), config={**CONFIG, 'gradient_accumulation_steps': gas, **(extra or {})})
+    flat = getattr(engine.optimizer, '_flat_gradients', None)   # stage 0 only: the norm and clipping run over the reducer's flat buckets
+    if flat is not None:
+        flat_results = []
+        def spy(): flat_results.append(flat()); return flat_results[-1]
+        engine.optimizer._flat_gradients = spy
     if drop_step is not None: engine.optimizer = DropOneStep(engine.optimizer, drop_step)
     assert engine.get_batch_info() == (BATCH, micro, gas)
     X, Y = make_data()
@@ -62,8 +67,7 @@ def train_rank(rank, world, gas, extra=None, drop_step=None):
         norms.append(engine.get_global_grad_norm())
     params = [p.detach().float().clone() for p in gathered(engine)]
     if drop_step is not None: engine.optimizer = engine.optimizer.owner
-    flat_gradients = getattr(engine.optimizer, '_flat_gradients', None)   # stage 0 only
-    flat_norm = flat_gradients is not None and flat_gradients() is not None   # norm and clipping over the reducer's flat buckets
+    flat_norm = flat is not None and len(flat_results) == STEPS and all(r is not None for r in flat_results)
     counters = (engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps, engine.get_lr(), flat_norm)
     engine.close()
     return losses, params, norms, counters

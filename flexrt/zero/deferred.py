@@ -134,19 +134,26 @@ def _piece_params(part, a:int, b:int)->list:
 def _gather_bucket(bk, # a ZeRO 1/2 bucket: `master` (its chunk), `param_buffer`, `pieces`, `dtype`, `group`, `world_size`
                    collectives:str)->list: # 'native', 'p2p' or 'all_reduce'; returns a handle per piece (None: nothing in flight)
     "Start the all-gather of one bucket's parameter buffer (its chunk from the master), piece by piece (`bk.pieces`)"
-    if bk.world_size > 1 and collectives == 'all_reduce': return [_gather_via_all_reduce(bk)]
-    send = bk.master.detach().to(bk.dtype, copy=True)
-    if bk.world_size == 1: bk.param_buffer.copy_(send); return [None]
-    if len(bk.pieces) > 1:   # p2p: each piece lands in its columns of the (ranks x chunk) buffer
+    if bk.world_size == 1: _own_chunk(bk); return [None]
+    if collectives == 'all_reduce': return [_gather_via_all_reduce(bk)]
+    if collectives == 'native':   # the backend's own op gets an input of its own
+        return [dist.all_gather_into_tensor(bk.param_buffer, bk.master.detach().to(bk.dtype, copy=True), group=bk.group, async_op=True)]
+    send = _own_chunk(bk)   # p2p: the slot of this rank is the input itself, so nothing is copied
+    if len(bk.pieces) > 1:   # each piece lands in its columns of the (ranks x chunk) buffer
         rows = bk.param_buffer.view(bk.world_size, -1)
         return [dist.all_gather_into_tensor_p2p(rows[:, a:b], send[a:b], group=bk.group, async_op=True) for a, b in bk.pieces]
-    gather = dist.all_gather_into_tensor_p2p if collectives == 'p2p' else dist.all_gather_into_tensor
-    return [gather(bk.param_buffer, send, group=bk.group, async_op=True)]
+    return [dist.all_gather_into_tensor_p2p(bk.param_buffer, send, group=bk.group, async_op=True)]
+
+def _own_chunk(bk)->torch.Tensor:
+    "This rank's chunk of the parameter buffer, holding the master's value (cast to the working dtype)"
+    start, end = bk.partition.shard_range() if bk.world_size > 1 else (0, bk.param_buffer.numel())
+    own, master = bk.param_buffer[start:end], bk.master.detach()
+    if master.data_ptr() != own.data_ptr(): own.copy_(master)   # fp32 masters alias their chunk
+    return own
 
 def _gather_via_all_reduce(bk):
     "All-gather as a sum: the buffer zeroed but for this rank's chunk (x + 0 is exact), then all-reduced"
     buf, (start, end) = bk.param_buffer, bk.partition.shard_range()
     buf[:start].zero_(); buf[end:].zero_()
-    master = bk.master.detach()
-    if master.data_ptr() != buf[start:end].data_ptr(): buf[start:end].copy_(master)   # fp32 masters alias their chunk
+    _own_chunk(bk)
     return dist.all_reduce(buf, group=bk.group, async_op=True, log_name='all_gather_via_all_reduce')

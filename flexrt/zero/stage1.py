@@ -61,9 +61,12 @@ class ShardReducer(BucketReducer):
         bucket.work.wait()
         bucket.work = _FINISHED   # the handle may hold the buffers it sent and received: drop it now, not at the round's end
         received, bucket.received = bucket.received, None
-        rest = self.world_size / self.predivide
-        if rest != 1: received.div_(rest)
-        (bucket.grad_shard.add_ if self.accumulate else bucket.grad_shard.copy_)(received)
+        rest, shard = self.world_size / self.predivide, bucket.grad_shard
+        if self.accumulate and not getattr(bucket, 'stale', False):
+            shard.add_(received.div_(rest) if rest != 1 else received)
+        elif rest != 1: torch.div(received, rest, out=shard)   # the same division, written where it is kept
+        else: shard.copy_(received)
+        bucket.stale = False
 
 # %% ../../nbs/40_zero_stage1.ipynb #c009
 def _trainable_groups(optimizer)->list: # per param group, its distinct parameters that require a gradient
@@ -245,9 +248,9 @@ def step(self:ZeroStage1):
 # %% ../../nbs/40_zero_stage1.ipynb #c023
 @patch
 def zero_grad(self:ZeroStage1, set_to_none:bool=True):
-    "Zero the gradient buffers in place (`set_to_none` is moot: the buffers stay); drop the masters' fp32 copies"
+    "Drop the gradients (`set_to_none` is moot: the buffers stay, and the next reduction overwrites them)"
     self.reducer.zero_grad()
-    for bk in self.buckets: bk.master.grad = None if self.master_weights else bk.grad_shard
+    for bk in self.buckets: bk.master.grad = None
 
 @patch
 def close(self:ZeroStage1):

@@ -16,7 +16,7 @@ __all__ = ['Stage2Reducer', 'ZeroStage2']
 # %% ../../nbs/40_zero_stage2.ipynb #c006
 class Stage2Reducer(ShardReducer):
     "Reduce-scatter buckets into per-rank gradient shards, through at most `max_in_flight` bucket buffers, kept between reductions"
-    accumulate = True
+    accumulate, grads_in_buckets = True, False   # gradients stay in `p.grad` until their bucket launches
     def __init__(self, buckets:list, # from `plan_buckets(..., align=world size)`, with `.partition` and `.grad_shard`
                  world_size:int, # the data-parallel world size
                  gradient_predivide_factor:float=1., # divide by this before the reduction, the rest after
@@ -77,9 +77,9 @@ def close(self:Stage2Reducer):
 @patch
 @torch.no_grad()
 def zero_grad(self:Stage2Reducer):
-    "Zero the gradient shards; drop any accumulated `p.grad`"
-    if self.buckets: torch._foreach_zero_([bk.grad_shard for bk in self.buckets])
+    "Mark the gradient shards stale (the next reduction overwrites them); drop any accumulated `p.grad`"
     for bk in self.buckets:
+        bk.stale = True
         for p in bk.params: p.grad = None
 
 # %% ../../nbs/40_zero_stage2.ipynb #c009
