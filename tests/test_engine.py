@@ -187,3 +187,21 @@ def test_no_sync_accumulates_then_reduces():
     loss.backward()
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), float('inf')).item()
     for norm in run_distributed(no_sync_rank, 2): assert norm == pytest.approx(expected, rel=1e-5)
+
+# ---- zero_grad leaves buffers as they are (the next backward overwrites them): a step with no backward still sees zeros
+def _step_without_backward(rank, world, stage):
+    import flexrt
+    engine, *_ = flexrt.initialize(model=make_model(), config={**CONFIG, 'gradient_clipping': 0.,
+                                   'zero_optimization': {'stage': stage, 'reduce_bucket_size': 60}})
+    X, Y = make_data()
+    micro = BATCH // world
+    engine.backward(F.mse_loss(engine(X[rank * micro:(rank + 1) * micro]), Y[rank * micro:(rank + 1) * micro])); engine.step()
+    grads = engine.optimizer.reduced_gradients()   # after zero_grad, with no backward since: every gradient is zero
+    out = (len(grads) > 0, all(bool((g == 0).all()) for g in grads if g is not None), all(g is not None for g in grads))
+    engine.close()
+    return out
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_gradients_after_zero_grad_are_zeros_not_the_last_step(stage):
+    for nonempty, zeros, present in run_distributed(_step_without_backward, 2, args=(stage,)):
+        assert nonempty and present and zeros

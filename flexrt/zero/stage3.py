@@ -92,8 +92,11 @@ def set_boundary(self:Stage3Optimizer, is_boundary:bool):
 
 @patch
 def reduced_gradients(self:Stage3Optimizer)->list: # this rank's fp32 gradient shard, one flat tensor per param group
-    "The gradient shards the optimizer will step with (backward already reduce-scattered them)"
+    "The gradient shards the optimizer will step with (backward already reduce-scattered them; shards no backward wrote since `zero_grad` are zeros)"
     self.partitioner.release_all()
+    stale = [r for r in self.partitioner.records.values() if r.grad_stale]
+    if stale: torch._foreach_zero_([r.grad_shard for r in stale if r.grad_shard is not None])
+    for r in stale: r.grad_stale = False
     return [g['grad'] for g in self.groups]
 
 @patch
@@ -123,9 +126,8 @@ def step(self:Stage3Optimizer):
 
 @patch
 def zero_grad(self:Stage3Optimizer, set_to_none:bool=True):
-    "Zero the gradient shards in place (they stay allocated: the memory model counts them)"
-    if self.groups: torch._foreach_zero_([g['grad'] for g in self.groups])
-    for p in self.partitioner.records: p.grad = None
+    "Mark the gradient shards stale (they stay allocated: the memory model counts them); the next reduction overwrites them"
+    for p, r in self.partitioner.records.items(): p.grad, r.grad_stale = None, r.grad_shard is not None
 
 # %% ../../nbs/42_zero3.ipynb #c017
 def _nbytes(t): return t.numel() * t.element_size()

@@ -24,6 +24,7 @@ class ParamRecord:
         self.shape, self.numel, self.world_size, self.rank = param.shape, param.numel(), world_size, rank
         self.shard_numel = -(-self.numel // world_size)
         self.shard, self.grad_shard = None, None   # flat tensors of shard_numel; the optimizer may give views of its buffers
+        self.grad_stale = False   # grad_shard holds an old step's value: the next reduction overwrites it instead of adding
         self.full, self.pending, self.active = True, None, 0   # full data present; gather in flight; forwards using it
 
     def __repr__(self): return f"ParamRecord({self.name}, {tuple(self.shape)}, shard={self.shard_numel}{', persistent' if self.persistent else ''})"
@@ -162,10 +163,14 @@ def launch(self:_ReduceScatter, owner=None): # owner: counts the bytes in its `c
 @patch
 @torch.no_grad()
 def finish(self:_ReduceScatter):
-    "Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard`"
+    "Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard` (copy it into a stale one)"
     if self.work is not None: self.work.wait()
     if self.divisor != 1: self.out.div_(self.divisor)
-    dst = [r.grad_shard for r in self.records]
-    src = [self.out[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
-    torch._foreach_add_(dst, [s.to(d.dtype) for s, d in zip(src, dst)])
+    add, copy = ([], []), ([], [])
+    for r, a, b in zip(self.records, self.offsets, self.offsets[1:]):
+        dst, src = copy if r.grad_stale else add
+        dst.append(r.grad_shard); src.append(self.out[a:b])
+        r.grad_stale = False
+    if add[0]: torch._foreach_add_(add[0], [s.to(d.dtype) for d, s in zip(*add)])
+    if copy[0]: torch._foreach_copy_(*copy)
     self.buffer = self.out = self.work = None
