@@ -66,7 +66,9 @@ def _build_shards(self:Stage3Optimizer):
         original = list(g['params'])
         params = [p for p in dict.fromkeys(original) if p.requires_grad]   # frozen ones are never stepped
         experts = [p for p in params if getattr(p, 'allreduce', True) is False]
-        params = [p for p in params if getattr(p, 'allreduce', True) is not False] + experts   # experts last
+        dense = [p for p in params if getattr(p, 'allreduce', True) is not False]
+        params = [p for p in dense if not recs[p].persistent] + [p for p in dense if recs[p].persistent] + experts   # experts last
+        # the gathered (non-persistent) shards lie end to end in model order: a chunk of consecutive ones is sent as one view
         sizes = [recs[p].shard_numel for p in params]
         device = next(iter(original), torch.empty(0)).device
         master = torch.empty(sum(sizes), dtype=torch.float32, device=device)

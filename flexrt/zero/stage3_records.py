@@ -74,12 +74,26 @@ def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p
 def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if dist.prefers_p2p(group) else dist.reduce_scatter_tensor
 
 # %% ../../nbs/42_zero3_records.ipynb #c012
+def _adjacent(ts:list)->torch.Tensor|None:
+    "One flat view of the contiguous tensors `ts` when they lie end to end in one storage (shards of one optimizer buffer, in order), else None"
+    first, end = ts[0], ts[0].data_ptr()
+    for t in ts:
+        if t.data_ptr() != end or t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr(): return None
+        end += t.numel() * t.element_size()
+    return first.as_strided(((end - first.data_ptr()) // first.element_size(),), (1,))
+
+def _send_buffer(shards:list, n:int)->torch.Tensor:
+    "The shards end to end: one alone, a view of the buffer they lie in (n > 1: it is only read while in flight), else a copy"
+    if len(shards) == 1: return shards[0]
+    joined = _adjacent(shards) if n > 1 else None   # one rank gathers nothing: the parameters would alias the shards
+    return torch.cat(shards) if joined is None else joined
+
 class _Gather:
     "An all-gather of several parameters' shards, maybe still in flight"
     def __init__(self, records:list, owner=None): # records of one process group; owner: counts the bytes in its `comm_bytes`
         self.records, n, group = records, records[0].world_size, records[0].group
         self.length = sum(r.shard_numel for r in records)
-        shards = torch.cat([r.shard for r in records]) if len(records) > 1 else records[0].shard
+        shards = _send_buffer([r.shard for r in records], n)
         self.out = shards.new_empty(n * self.length) if n > 1 else shards
         self.work = _all_gather(group)(self.out, shards, group=group, async_op=True) if n > 1 else None
         for r in records: r.pending = self
