@@ -12,6 +12,7 @@ from ..config import FlexConfig
 from ..config.services import CommsLoggerConfig
 from ..precision import Precision
 from ..utils.groups import ExpertGroups
+from ..memory import tune_cpu_malloc
 from .parts import (StepCounter, Timers, StepClock, StepReporter, layer_drop,
                                  build_dataloader)
 from .optim import client_optimizer, client_lr_scheduler
@@ -79,7 +80,7 @@ class Engine(torch.nn.Module):
 # %% ../../nbs/30_engine_core.ipynb #c010
 @patch
 def _place(self:Engine, mpu):
-    "Ranks, process groups and device of this process"
+    "Ranks, process groups and device of this process (on CPU, glibc's malloc keeps freed buffers for reuse: `tune_cpu_malloc`)"
     self.mpu, self.world_size, self.global_rank = mpu, dist.get_world_size(), dist.get_rank()
     self.local_rank = dist.get_local_rank()
     self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
@@ -87,6 +88,7 @@ def _place(self:Engine, mpu):
     self.mp_world_size = self.world_size // self.dp_world_size
     cuda = torch.cuda.is_available()
     self.device = torch.device('cuda', self.local_rank % torch.cuda.device_count()) if cuda else torch.device('cpu')
+    if not cuda: tune_cpu_malloc()   # CPU buffers freed every step are reused, not faulted in anew (see flexrt.memory)
 
 # %% ../../nbs/30_engine_core.ipynb #c012
 @torch.no_grad()
