@@ -33,6 +33,10 @@ Both engines get the same config (gradient_clipping 0, overlap_comm true, reduce
 4M = 16 MiB of fp32 by default, between DDP's 1 MiB first and 25 MiB later buckets).
 flexrt's engine still computes the global gradient norm every step (get_global_grad_norm() reports it); DeepSpeed
 at clipping 0 does not: like with like, flexrt carries one norm pass more.
+On CPU the first flexrt engine built fixes glibc's malloc thresholds for the process (`flexrt.memory.tune_cpu_malloc`:
+buffers under 32 MiB come from the heap and are reused, instead of being mapped and faulted in anew each step). All
+implementations share the rank's process, so DDP, DeepSpeed and FSDP2 run with the same setting: the comparison
+stays like with like. Set MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ to run every implementation with your own.
 
 Each round runs every implementation for `--steps` steps; the order alternates between rounds (the machine's speed
 drifts, and other processes share its cores), round 0 only warms up. Printed per implementation: the median step
