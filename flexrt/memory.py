@@ -8,7 +8,7 @@ __all__ = ['memory_status', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'see_memory_
            'reset_peak_memory_stats']
 
 # %% ../nbs/16_memory.ipynb #c002
-import ctypes, gc, os, threading, warnings, weakref
+import ctypes, gc, os, sys, threading, warnings, weakref
 from collections import deque
 from dataclasses import fields
 from . import comm as dist
@@ -113,8 +113,9 @@ def tune_cpu_malloc(mmap_threshold:int=32 << 20, # blocks below this many bytes 
                     trim_threshold:int=64 << 20)->bool: # free bytes the heap keeps at its top before giving them back
     "Fix glibc's malloc thresholds so multi-MiB CPU tensors freed each step are reused, not mapped and faulted in anew; False where not applied"
     if any(k in os.environ for k in ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')): return False   # the user chose
-    try: libc = ctypes.CDLL(None); libc.gnu_get_libc_version   # glibc only
-    except (OSError, AttributeError): return False
+    if not sys.platform.startswith('linux'): return False
+    try: libc = ctypes.CDLL(None); libc.gnu_get_libc_version   # glibc only (musl has no mallopt thresholds)
+    except (OSError, AttributeError, TypeError): return False
     return libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1 and libc.mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) == 1
 
 # %% ../nbs/16_memory.ipynb #c043
