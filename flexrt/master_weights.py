@@ -22,7 +22,9 @@ def _zero_grads(tensors, set_to_none:bool):
     "Drop (or zero) the gradients of `tensors`"
     if set_to_none:
         for t in tensors: t.grad = None
-    else: torch._foreach_zero_([t.grad for t in tensors if t.grad is not None])
+    else:
+        grads = [t.grad for t in tensors if t.grad is not None]
+        if grads: torch._foreach_zero_(grads)   # none yet (before the first backward, or after a step): nothing to zero
 
 # %% ../nbs/25_master_weights.ipynb #c007
 class ModelWeights:

@@ -171,10 +171,11 @@ def close(self:BucketReducer):
 # %% ../nbs/31_reducer.ipynb #c027
 @patch
 @torch.no_grad()
-def zero_grad(self:BucketReducer):
-    "Drop the gradients (the buffers keep stale values: the next backward copies each new gradient into its slot)"
+def zero_grad(self:BucketReducer, set_to_none:bool=True): # False: torch's other contract, zeros in place
+    "Drop the gradients (the buffers keep stale values: the next backward copies each new gradient into its slot); `set_to_none=False`: zero the buffers, each `p.grad` its slot"
+    if not set_to_none and self.buckets: torch._foreach_zero_([bk.buffer for bk in self.buckets])
     for bk in self.buckets:
-        for p in bk.params: p.grad = None
+        for p, view in zip(bk.params, bk.views): p.grad = None if set_to_none else view
 
 # %% ../nbs/31_reducer.ipynb #c029
 @patch

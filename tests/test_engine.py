@@ -198,10 +198,14 @@ def _step_without_backward(rank, world, stage):
     engine.backward(F.mse_loss(engine(X[rank * micro:(rank + 1) * micro]), Y[rank * micro:(rank + 1) * micro])); engine.step()
     grads = engine.optimizer.reduced_gradients()   # after zero_grad, with no backward since: every gradient is zero
     out = (len(grads) > 0, all(bool((g == 0).all()) for g in grads if g is not None), all(g is not None for g in grads))
+    engine.backward(F.mse_loss(engine(X[:micro]), Y[:micro])); engine.step()
+    engine.zero_grad(set_to_none=False)   # torch's other contract: stages 0-1 keep whole gradients, as zeros
+    kept = [p.grad for p in engine.module.parameters()]
+    out += (all(g is not None and bool((g == 0).all()) for g in kept) if stage < 2 else all(g is None for g in kept),)
     engine.close()
     return out
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_gradients_after_zero_grad_are_zeros_not_the_last_step(stage):
-    for nonempty, zeros, present in run_distributed(_step_without_backward, 2, args=(stage,)):
-        assert nonempty and present and zeros
+    for nonempty, zeros, present, set_to_none_false in run_distributed(_step_without_backward, 2, args=(stage,)):
+        assert nonempty and present and zeros and set_to_none_false

@@ -90,9 +90,9 @@ def step(self:ReplicatedOptimizer):
 
 @patch
 def zero_grad(self:ReplicatedOptimizer, set_to_none:bool=True):
-    "Drop the gradients; the reducer's buffers are zeroed in place so the next backward accumulates into them"
+    "Drop the gradients (`set_to_none=False`: zero them in place, the reducer's buffers included)"
     self.weights.zero_grad(set_to_none)
-    self.reducer.zero_grad()
+    self.reducer.zero_grad(set_to_none)
 
 @patch
 def close(self:ReplicatedOptimizer):

@@ -176,6 +176,9 @@ def set_boundary(self:ZeroStage1, is_boundary:bool):
 def reduced_gradients(self:ZeroStage1)->list: # this rank's gradient chunks, one per bucket (fp32 with master weights)
     "At the boundary: wait for the reduce-scatters and hand this rank's averaged chunks to the masters"
     self.reducer.wait()
+    stale = [bk for bk in self.buckets if getattr(bk, 'stale', False)]   # stage 2: no boundary backward since zero_grad
+    if stale: torch._foreach_zero_([bk.grad_shard for bk in stale])   # zeros, as a round with no gradient gives, not the last step's
+    for bk in stale: bk.stale = False
     self.comm_bytes += sum(bk.partition.padded_numel * bk.dtype.itemsize for bk in self.buckets if bk.world_size > 1)
     for bk in self.buckets: bk.master.grad = bk.grad_shard.float() if self.master_weights else bk.grad_shard
     return [bk.master.grad for bk in self.buckets]
@@ -248,9 +251,9 @@ def step(self:ZeroStage1):
 # %% ../../nbs/40_zero_stage1.ipynb #c023
 @patch
 def zero_grad(self:ZeroStage1, set_to_none:bool=True):
-    "Drop the gradients (`set_to_none` is moot: the buffers stay, and the next reduction overwrites them)"
-    self.reducer.zero_grad()
-    for bk in self.buckets: bk.master.grad = None
+    "Drop the gradients (the buffers stay: the next reduction overwrites them); `set_to_none=False`: zero them in place"
+    self.reducer.zero_grad(set_to_none)
+    for bk in self.buckets: bk.master.grad = None if set_to_none or self.master_weights else bk.grad_shard
 
 @patch
 def close(self:ZeroStage1):

@@ -76,10 +76,11 @@ def close(self:Stage2Reducer):
 
 @patch
 @torch.no_grad()
-def zero_grad(self:Stage2Reducer):
-    "Mark the gradient shards stale (the next reduction overwrites them); drop any accumulated `p.grad`"
+def zero_grad(self:Stage2Reducer, set_to_none:bool=True): # False: zero the shards in place now
+    "Mark the gradient shards stale (the next reduction overwrites them; `reduced_gradients` zeroes those none wrote); drop any accumulated `p.grad`"
+    if not set_to_none and self.buckets: torch._foreach_zero_([bk.grad_shard for bk in self.buckets])
     for bk in self.buckets:
-        bk.stale = True
+        bk.stale = set_to_none
         for p in bk.params: p.grad = None
 
 # %% ../../nbs/40_zero_stage2.ipynb #c009

@@ -127,9 +127,10 @@ def step(self:Stage3Optimizer):
     self._write_working()
 
 @patch
-def zero_grad(self:Stage3Optimizer, set_to_none:bool=True):
+def zero_grad(self:Stage3Optimizer, set_to_none:bool=True): # False: zero the shards in place now
     "Mark the gradient shards stale (they stay allocated: the memory model counts them); the next reduction overwrites them"
-    for p, r in self.partitioner.records.items(): p.grad, r.grad_stale = None, r.grad_shard is not None
+    if not set_to_none and self.groups: torch._foreach_zero_([g['grad'] for g in self.groups])
+    for p, r in self.partitioner.records.items(): p.grad, r.grad_stale = None, set_to_none and r.grad_shard is not None
 
 # %% ../../nbs/42_zero3.ipynb #c017
 def _nbytes(t): return t.numel() * t.element_size()
