@@ -112,7 +112,8 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameter number
 def tune_cpu_malloc(mmap_threshold:int=32 << 20, # blocks below this many bytes come from the heap and are reused (glibc's maximum)
                     trim_threshold:int=64 << 20)->bool: # free bytes the heap keeps at its top before giving them back
     "Fix glibc's malloc thresholds so multi-MiB CPU tensors freed each step are reused, not mapped and faulted in anew; False where not applied"
-    if any(k in os.environ for k in ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')): return False   # the user chose
+    tunables = os.environ.get('GLIBC_TUNABLES', '')
+    if any(k in os.environ for k in ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')) or 'threshold' in tunables: return False   # the user chose
     if not sys.platform.startswith('linux'): return False
     try: libc = ctypes.CDLL(None); libc.gnu_get_libc_version   # glibc only (musl has no mallopt thresholds)
     except (OSError, AttributeError, TypeError): return False

@@ -111,7 +111,7 @@ class BucketReducer:
 def _adopt(param, view):
     "Make `param.grad` the view of its slot, copying a gradient that lives elsewhere (a new one, after `zero_grad`)"
     grad = param.grad
-    if grad is None or grad.data_ptr() == view.data_ptr(): return
+    if grad is None or grad.requires_grad or grad.data_ptr() == view.data_ptr(): return   # create_graph: keep its graph until launch
     view.copy_(grad); param.grad = view
 
 @patch
