@@ -59,7 +59,9 @@ class SearchPanel(LiveView):
                                       not self.descending.value)
         config = view.best_config
         self.best_json.value = '<i>none yet</i>' if config is None else f'<pre>{html.escape(json.dumps(config, indent=2))}</pre>'
-        self.status.value = search_summary(view)
+        self.status.value = self.status_html()   # one assignment: a reader never sees a half-built line
+
+    def status_html(self)->str: return search_summary(self.view)   # the status line (subclasses add to it)
 
     def new_plot(self, layout=None): return search_plot()
 

@@ -177,9 +177,12 @@ class AutotuneWidget(SearchPanel):
         state = self.state
         if state != self._shown: self._show_state(state)
         super().draw_text()
+
+    def status_html(self)->str:
+        "The search's state, its summary and, after a failure, the error"
+        state = self.state
         error = self.launched.error if state == 'failed' else None
-        self.status.value = f'<b>{state}</b> &middot; {self.status.value}' + (
-            f'<br>{_error_html(error).splitlines()[0]}' if error is not None else '')
+        return f'<b>{state}</b> &middot; {super().status_html()}' + (f'<br>{_error_html(error).splitlines()[0]}' if error is not None else '')
 
     def _show_state(self, state:str):
         "Buttons for `state`; after a search, its folder's result (the planner then uses its calibrated profile)"
