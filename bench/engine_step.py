@@ -20,7 +20,7 @@ Implementations (`--impls` picks some; `--stages` keeps those of the listed ZeRO
   GPT's tied head (the root's forward reads `tok.weight`) is detected by both engines: no model change.
   On gloo flexrt's stages 1/2 run their reduce-scatter and all-gather as direct messages
   (`flexrt.comm.reduce_scatter_tensor_p2p`, `all_gather_into_tensor_p2p`: faster there than gloo's own ops; see
-  `flexrt.zero.stage1.ShardReducer`).
+  `flexrt.zero.shard_reducer.ShardReducer`).
 - flexrt-z1-ar, flexrt-z2-ar (not run by default): zero_optimization.reduce_scatter=false, DeepSpeed's switch to
   all-reduce the gradients and keep the rank's chunk.
 - deepspeed-z0 .. deepspeed-z3: deepspeed.initialize(...) with the same config on CPU (DS_ACCELERATOR=cpu).

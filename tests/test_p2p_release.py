@@ -25,7 +25,7 @@ def test_a_finished_p2p_handle_holds_no_tensors(threaded):
 def stage2_rank(rank, world):
     "At the end of backward, before reducer.wait(): only the buckets still in flight hold a buffer"
     from flexrt.zero import ZeroStage2
-    from flexrt.zero.stage1 import _FINISHED
+    from flexrt.zero.shard_reducer import _FINISHED
     from flexrt.precision import Precision
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])

@@ -10,7 +10,8 @@ from ..config.blocks import ZeroConfig
 from .base import OptimizerSlot, Fragment, Piece, consecutive, check_slot
 from .partition import FlatPartition
 from .stage0 import ReplicatedOptimizer
-from .stage1 import ZeroStage1, ShardReducer
+from .stage1 import ZeroStage1
+from .shard_reducer import ShardReducer
 from .stage2 import ZeroStage2, Stage2Reducer
 from .stage3_gathered import GatheredParameters, register_external_parameter
 from .partitioned_init import Init

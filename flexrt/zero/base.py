@@ -10,7 +10,7 @@ import torch
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['REQUIRED', 'Piece', 'Fragment', 'consecutive', 'OptimizerSlot', 'check_slot']
+__all__ = ['REQUIRED', 'Piece', 'Fragment', 'consecutive', 'zero_stale', 'OptimizerSlot', 'check_slot']
 
 # %% ../../nbs/40_zero_base.ipynb #c006
 class Piece(NamedTuple):
@@ -33,6 +33,13 @@ def consecutive(master:torch.Tensor, # a master holding `params` whole, end to e
     pieces, offset = [], 0
     for p in params: pieces.append(Piece(p, 0, p.numel(), offset)); offset += p.numel()
     return Fragment(master, pieces, replicated)
+
+# %% ../../nbs/40_zero_base.ipynb #3ed9fe1e
+def zero_stale(holders):
+    "Zero the `grad_shard` of each holder still marked `grad_stale` (no reduction wrote it since `zero_grad`), and clear the mark"
+    stale = [h for h in holders if h.grad_stale]
+    if stale: torch._foreach_zero_([h.grad_shard for h in stale if h.grad_shard is not None])
+    for h in stale: h.grad_stale = False
 
 # %% ../../nbs/40_zero_base.ipynb #c009
 class OptimizerSlot:

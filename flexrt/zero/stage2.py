@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections import deque
 import torch
 from ..reducer import BucketReducer
-from .stage1 import ZeroStage1, ShardReducer
+from .stage1 import ZeroStage1
+from .shard_reducer import ShardReducer
 from fastcore.basics import patch
 
 # %% auto #0
@@ -80,7 +81,7 @@ def zero_grad(self:Stage2Reducer, set_to_none:bool=True): # False: zero the shar
     "Mark the gradient shards stale (the next reduction overwrites them; `reduced_gradients` zeroes those none wrote); drop any accumulated `p.grad`"
     if not set_to_none and self.buckets: torch._foreach_zero_([bk.grad_shard for bk in self.buckets])
     for bk in self.buckets:
-        bk.stale = set_to_none
+        bk.grad_stale = set_to_none
         for p in bk.params: p.grad = None
 
 # %% ../../nbs/40_zero_stage2.ipynb #c009

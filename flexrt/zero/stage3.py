@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from .. import comm as dist
 from ..config import ZeroConfig
-from .base import OptimizerSlot, Fragment, Piece
+from .base import OptimizerSlot, Fragment, Piece, zero_stale
 from .partition import shard_grad_norm, clip_shards
 from .stage3_params import ParameterPartitioner
 from .stage3_gathered import GatheredParameters, register_external_parameter
@@ -96,9 +96,7 @@ def set_boundary(self:Stage3Optimizer, is_boundary:bool):
 def reduced_gradients(self:Stage3Optimizer)->list: # this rank's fp32 gradient shard, one flat tensor per param group
     "The gradient shards the optimizer will step with (backward already reduce-scattered them; shards no backward wrote since `zero_grad` are zeros)"
     self.partitioner.release_all()
-    stale = [r for r in self.partitioner.records.values() if r.grad_stale]
-    if stale: torch._foreach_zero_([r.grad_shard for r in stale if r.grad_shard is not None])
-    for r in stale: r.grad_stale = False
+    zero_stale(self.partitioner.records.values())
     return [g['grad'] for g in self.groups]
 
 @patch

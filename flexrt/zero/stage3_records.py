@@ -76,9 +76,9 @@ def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if dist.prefer
 # %% ../../nbs/42_zero3_records.ipynb #c012
 def _adjacent(ts:list)->torch.Tensor|None:
     "One flat view of the contiguous tensors `ts` when they lie end to end in one storage (shards of one optimizer buffer, in order), else None"
-    first, end = ts[0], ts[0].data_ptr()
+    first, end, storage = ts[0], ts[0].data_ptr(), ts[0].untyped_storage().data_ptr()
     for t in ts:
-        if t.data_ptr() != end or t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr(): return None
+        if t.data_ptr() != end or t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage: return None
         end += t.numel() * t.element_size()
     return first.as_strided(((end - first.data_ptr()) // first.element_size(),), (1,))
 
