@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
 def search(watched: bool, a, folder: str):
     "One search; returns (trials DataFrame, wall seconds, kernel CPU seconds, plots drawn)"
     from flexrt import monitor
-    from flexrt.autotune_widget import AutotuneWidget, search_main
+    from flexrt.widgets.autotune_widget import AutotuneWidget, search_main
     from flexrt.autotuner.results import AutotuneResult
     from autotune_widget_train import model_fn, train_step, CONFIG
     monitor.stop_serving()

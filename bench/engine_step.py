@@ -14,7 +14,7 @@ micro-batch per step, every implementation training its own copy of the same ini
 Implementations (`--impls` picks some; `--stages` keeps those of the listed ZeRO stages, DDP always):
 
 - ddp: torch.nn.parallel.DistributedDataParallel (defaults: a 1 MiB first bucket, then 25 MiB ones).
-- flexrt-reducer: a plain loop with flexrt.reducer.GradientReducer (bucketed all-reduce overlapping backward),
+- flexrt-reducer: a plain loop with flexrt.zero.reducer.GradientReducer (bucketed all-reduce overlapping backward),
   the engine's stage 0 without the engine around it.
 - flexrt-z0 .. flexrt-z3: flexrt.initialize(...) with zero_optimization.stage 0..3 (`ds_config`). At stage 3 the
   GPT's tied head (the root's forward reads `tok.weight`) is detected by both engines: no model change.
@@ -128,7 +128,7 @@ def build_ddp(model, args):
     return torch_step(nn.parallel.DistributedDataParallel(model), adamw(model))
 
 def build_flexrt_reducer(model, args):
-    from flexrt.reducer import GradientReducer
+    from flexrt.zero.reducer import GradientReducer
     reducer, opt = GradientReducer(model.parameters()), adamw(model)
     def step(x, y):
         reducer.set_boundary(True)

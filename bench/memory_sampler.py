@@ -12,7 +12,7 @@ import argparse, random, time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from flexrt.memory import MemorySampler, memory_snapshot
-from flexrt.memory_tracker import TensorMemoryTracker
+from flexrt.memory.tracker import TensorMemoryTracker
 
 def make_step(width:int, batch:int, depth:int=3):
     "A training step closure for an MLP `depth` layers deep"

@@ -36,7 +36,7 @@ def train(steps: int, out_dir: str):
     import flexrt
     from flexrt import comm as dist, monitor
     from flexrt.memory import MemorySampler, see_memory_usage
-    from flexrt.memory_tracker import TensorMemoryTracker
+    from flexrt.memory.tracker import TensorMemoryTracker
 
     env = dist.init_distributed()
     tracker = TensorMemoryTracker().enable()               # exact bytes of live CPU tensors on this rank

@@ -26,7 +26,7 @@ def train(steps: int = 40, step_delay: float = 0.0, track_memory: bool = True):
     import flexrt
     from flexrt import comm as dist, monitor
     from flexrt.launch import should_stop
-    from flexrt.memory_tracker import TensorMemoryTracker
+    from flexrt.memory.tracker import TensorMemoryTracker
     env = dist.init_distributed()
     tracker = TensorMemoryTracker().enable() if track_memory else None   # exact live CPU tensor bytes (CUDA has its own)
     torch.manual_seed(1234)

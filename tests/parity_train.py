@@ -62,7 +62,7 @@ def full_weights(deepspeed, engine, stage):
     if stage == 3:
         # flexrt has no `deepspeed.zero.GatheredParameters` at the top of `flexrt.zero` (a known difference): take its own
         gathered = getattr(deepspeed.zero, 'GatheredParameters', None)
-        if gathered is None: from flexrt.zero.stage3_gathered import GatheredParameters as gathered
+        if gathered is None: from flexrt.zero.stage3.gathered import GatheredParameters as gathered
         with gathered([p for _, p in params]):
             return {n: p.detach().clone() for n, p in params}
     return {n: p.detach().clone() for n, p in params}
@@ -94,7 +94,7 @@ def read_deepspeed(save_dir, stage):
 def read_flexrt(save_dir, stage):
     "flexrt's checkpoint as per-parameter tensors: fp32 masters via consolidate, Adam moments from its fragment index"
     from flexrt.checkpoint import consolidate, resolve
-    from flexrt.checkpoint.files import safe_load, read_manifest, rank_file, MODEL_STATES
+    from flexrt.checkpoint.layout import safe_load, read_manifest, rank_file, MODEL_STATES
     from flexrt.checkpoint.shards import FragmentIndex
     out = {'masters': dict(consolidate(save_dir, tag='final'))}
     directory = resolve(save_dir, 'final')

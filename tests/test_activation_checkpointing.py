@@ -39,7 +39,7 @@ def train(rank, ws, stage, dtype, mode, reuse):
     "One run: the losses, the final full parameters (fp32) and the bytes the optimizer slot gathered and reduce-scattered"
     import flexrt
     from flexrt import checkpointing
-    from flexrt.zero.stage3_gathered import GatheredParameters
+    from flexrt.zero.stage3.gathered import GatheredParameters
     checkpointing.unconfigure()
     if mode == 'cpu': checkpointing.configure(deepspeed_config={'activation_checkpointing': {'cpu_checkpointing': True}})
     torch.manual_seed(0)
@@ -90,7 +90,7 @@ def test_checkpointed_training_equals_plain_bf16():
 def memory_rank(rank, ws, modes):
     "Bytes of CPU tensors the first forward leaves alive for backward, and the peak over forward and backward, per stage and mode"
     import flexrt
-    from flexrt.memory_tracker import TensorMemoryTracker
+    from flexrt.memory.tracker import TensorMemoryTracker
     out = {}
     for stage in (0, 3):
         for mode in modes:

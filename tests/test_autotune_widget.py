@@ -1,4 +1,4 @@
-"""flexrt.autotune_widget, driven without a browser: the controls become `autotune` arguments; a real search on two
+"""flexrt.widgets.autotune_widget, driven without a browser: the controls become `autotune` arguments; a real search on two
 gloo ranks, launched in the background by `w.run()`, fills the trial table and the plots while it runs (its records
 reach this process over the monitor channel); Stop ends it after the current trial with the best so far kept; the
 folder it wrote reopens with the same trials; an interrupted search resumes from it."""
@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd, pytest, torch
 from flexrt import monitor
 from flexrt.autotuner.results import AutotuneResult
-from flexrt.autotune_view import search_arguments
+from flexrt.widgets.autotune_view import search_arguments
 from flexrt.widgets import AutotuneWidget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))

@@ -55,7 +55,7 @@ def random_steps(engine, steps):
 
 def snapshot(engine):
     "Whole fp32 parameters and buffers (ZeRO-3 parameters gathered), the counters, the lr and the loss scale"
-    from flexrt.zero.stage3_gathered import GatheredParameters
+    from flexrt.zero.stage3.gathered import GatheredParameters
     with GatheredParameters(engine.module.parameters(), enabled=engine.optimizer.stage == 3):
         tensors = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return tensors, (engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps), engine.get_lr(), engine.precision.loss_scale
@@ -214,7 +214,7 @@ def consolidate_rank(rank, world, d):
     random_steps(e, 2)
     e.save_checkpoint(d)
     e.save_16bit_model(d, 'model16.bin')
-    from flexrt.zero.stage3_gathered import GatheredParameters
+    from flexrt.zero.stage3.gathered import GatheredParameters
     with GatheredParameters(e.module.parameters()):
         working = {k: v.detach().clone() for k, v in e.module.state_dict().items()}
     names = {p: n for n, p in e.module.named_parameters()}
@@ -355,7 +355,7 @@ MARKER = '/tmp/flexrt_ckpt_pwned'
 
 def test_malicious_pickle_is_refused_even_with_a_valid_checksum(saved):
     from flexrt.checkpoint import CheckpointError
-    from flexrt.checkpoint.files import checksum_file
+    from flexrt.checkpoint.layout import checksum_file
     e, d, ckpt = saved
     Path(MARKER).unlink(missing_ok=True)
     torch.save({'masters': [], 'values': [], 'rng': Payload()}, ckpt / 'rank_00000.pt')
@@ -430,7 +430,7 @@ def wait_for_pause(proc, timeout=120):
 def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     "A real SIGKILL at each moment of a save where files are on their way: the last published checkpoint still loads"
     from flexrt.checkpoint import consolidate
-    from flexrt.checkpoint.files import read_latest, available_tags
+    from flexrt.checkpoint.layout import read_latest, available_tags
     script = tmp_path / 'worker.py'; script.write_text(CRASH_WORKER)
     for attempt, (pause_rank, pause_at) in enumerate(PAUSES):
         d = tmp_path / f'run{attempt}'
@@ -480,7 +480,7 @@ def moe_load_rank(rank, world, d, d2, stage):
 
 def saved_tensors(d):
     "Every saved (key, field) assembled whole, and each key's scalar state, from a checkpoint directory"
-    from flexrt.checkpoint.files import safe_load, read_manifest
+    from flexrt.checkpoint.layout import safe_load, read_manifest
     from flexrt.checkpoint.shards import FragmentIndex
     world = read_manifest(d)['world_size']
     index = FragmentIndex([safe_load(Path(d, f'rank_{r:05d}.pt')) for r in range(world)])
@@ -550,7 +550,7 @@ def elements_rank(rank, world, root):
         e.close()
 
 def test_every_element_is_saved_once(tmp_path):
-    from flexrt.checkpoint.files import safe_load
+    from flexrt.checkpoint.layout import safe_load
     run_distributed(elements_rank, 2, args=(str(tmp_path),))
     model = make_model()
     trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}

@@ -75,7 +75,7 @@ def train_rank(rank, world, gas, extra=None, drop_step=None):
 def gathered(engine)->list:
     "The model's parameters, whole (ZeRO-3 partitions them between forwards)"
     if engine.optimizer.stage != 3: return [p.detach().clone() for p in engine.module.parameters()]
-    from flexrt.zero.stage3_gathered import GatheredParameters
+    from flexrt.zero.stage3.gathered import GatheredParameters
     with GatheredParameters(engine.module.parameters()): return [p.detach().clone() for p in engine.module.parameters()]
 
 def both_accumulations(rank, world):

@@ -5,7 +5,7 @@ import psutil, pytest, torch
 from helpers import run_distributed
 from flexrt.memory import (MemorySampler, MemorySnapshot, MemoryStatus, get_ma_status, memory_snapshot,
                            memory_status, reset_peak_memory_stats, see_memory_usage)
-from flexrt.memory_tracker import TensorMemoryTracker
+from flexrt.memory.tracker import TensorMemoryTracker
 
 MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA device on this machine: the real CUDA '

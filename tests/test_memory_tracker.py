@@ -4,7 +4,7 @@ import numpy as np
 import pytest, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import run_distributed
-from flexrt.memory_tracker import TensorMemoryTracker, active_tracker
+from flexrt.memory.tracker import TensorMemoryTracker, active_tracker
 
 MiB = 1 << 20
 

@@ -3,7 +3,7 @@ import copy, math, warnings
 import pytest
 import torch
 from helpers import run_distributed
-from flexrt.loss_scaler import DynamicLossScaler, StaticLossScaler, make_loss_scaler
+from flexrt.precision.loss_scaler import DynamicLossScaler, StaticLossScaler, make_loss_scaler
 from flexrt.precision import MasterWeights, ModelWeights, Precision
 
 
@@ -339,7 +339,7 @@ def test_bf16_moe_norm_matches_fp32_with_flat_and_per_parameter_masters():
 def test_an_engine_warns_once_when_every_step_is_skipped(fp16):
     "Non-finite data makes every step overflow: after SKIPPED_STEPS_WARNING of them in a row, one warning, at any scale"
     import flexrt
-    from flexrt.loss_scaler import SKIPPED_STEPS_WARNING
+    from flexrt.precision.loss_scaler import SKIPPED_STEPS_WARNING
     torch.manual_seed(0)
     engine = flexrt.initialize(model=torch.nn.Linear(4, 2), config={'train_batch_size': 2, 'steps_per_print': 10**6, 'fp16': fp16,
                                                                     'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})[0]

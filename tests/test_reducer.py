@@ -1,4 +1,4 @@
-"""flexrt.reducer on real 2- and 4-rank gloo groups: averaged gradients equal a single-process reference (the whole
+"""flexrt.zero.reducer on real 2- and 4-rank gloo groups: averaged gradients equal a single-process reference (the whole
 batch on one process), with several buckets, accumulation (no collective off the boundary, counted by the comms
 logger), unused, frozen and tied parameters, expert groups, mixed dtypes, several backward passes per micro-step,
 close(); one process: nothing to do; bad input."""
@@ -8,7 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 from helpers import run_distributed
 from flexrt import comm as dist
-from flexrt.reducer import GradientReducer, plan_buckets
+from flexrt.zero.reducer import GradientReducer, plan_buckets
 
 def _mlp(seed=0):
     torch.manual_seed(seed)

@@ -141,7 +141,7 @@ def test_engine_moe_experts_partitioned_match_one_process(stage):
 def breakdown_rank(rank, world, stage):
     "engine.memory_breakdown() after two steps, the tensor bytes the engine added to the process, and the state's scalars"
     import flexrt
-    from flexrt.memory_tracker import TensorMemoryTracker
+    from flexrt.memory.tracker import TensorMemoryTracker
     X, Y = make_data()
     gc.collect()
     with TensorMemoryTracker(count_existing=True) as tracker: before = tracker.allocated_bytes

@@ -7,9 +7,9 @@ from helpers import run_distributed
 from flexrt import comm as dist
 from flexrt.config import ZeroConfig
 from flexrt.precision import Precision
-from flexrt.memory_tracker import TensorMemoryTracker
+from flexrt.memory.tracker import TensorMemoryTracker
 from flexrt.zero.stage3 import Stage3Optimizer
-from flexrt.zero.stage3_gathered import GatheredParameters
+from flexrt.zero.stage3.gathered import GatheredParameters
 
 VOCAB, DIM, BATCH, SEQ = 11, 6, 8, 5
 

@@ -7,7 +7,7 @@ from test_engine_fp16_moe import MoENet, moe_reference, bf16_moe_reference, data
 
 def moe_rank(rank, world, ep_size, stage, dtype='fp32', gas=1, threshold=0):
     import flexrt
-    from flexrt.zero.stage3_gathered import GatheredParameters
+    from flexrt.zero.stage3.gathered import GatheredParameters
     model = MoENet(rank, 100 + rank, ep_size)      # the engine's broadcasts make each group's replicas equal
     cfg = {'train_batch_size': BATCH, 'train_micro_batch_size_per_gpu': BATCH // world // gas, 'gradient_clipping': CLIP,
            'optimizer': {'type': 'SGD', 'params': {'lr': LR}}, 'bf16': {'enabled': dtype == 'bf16'}, 'steps_per_print': 1000,

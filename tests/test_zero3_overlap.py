@@ -65,7 +65,7 @@ def overlap_rank(rank, world, units=1, bucket=UNIT):
             after = [gp(n).reduce for n in 'abcd'] if stage == 3 else []
             engine.step(); losses.append(loss.item())
         if stage == 3:
-            from flexrt.zero.stage3_gathered import GatheredParameters
+            from flexrt.zero.stage3.gathered import GatheredParameters
             with GatheredParameters(engine.module.parameters()): params = [p.detach().clone() for p in engine.module.parameters()]
         else: params = [p.detach().clone() for p in engine.module.parameters()]
         trace = ''.join(next(n for n in 'abcd' if getattr(model, n) is u.module) for u in part.trace) if stage == 3 else None
@@ -138,7 +138,7 @@ def _count_collectives(rank, world, widths):
     return counts
 
 def test_stage3_coalesces_small_layers_into_few_collectives_and_keeps_large_ones_apart():
-    from flexrt.zero.stage3_plan import COALESCE_NUMEL
+    from flexrt.zero.stage3.plan import COALESCE_NUMEL
     assert 12 * (64 * 64 + 64) < COALESCE_NUMEL <= 1024 * 1024
     # 12 small layers: one chunk gathered in forward, one again in backward, one reduce-scatter (not 12, 12 and 12)
     assert run_distributed(_count_collectives, 2, args=([64] * 13,), timeout=120)[0] == {'gather': 2, 'reduce': 1}
@@ -184,7 +184,7 @@ def test_stage3_gathers_as_many_chunks_ahead_as_the_prefetch_bucket_holds():
 def _held_after_forward(rank, world):
     "Bytes a stage-3 forward leaves allocated (activations and what autograd saved), and one layer's gathered bytes"
     import flexrt
-    from flexrt.memory_tracker import TensorMemoryTracker
+    from flexrt.memory.tracker import TensorMemoryTracker
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
     config = {'train_batch_size': 4 * world, 'steps_per_print': 1000, 'optimizer': {'type': 'AdamW', 'params': {'lr': 0.01}},

@@ -36,7 +36,7 @@ def retrace_rank(rank, world):
                 traces.append((''.join(names[id(u.module)] for u in part.trace), part.num_retraces))
         params = [p.detach().clone() for p in engine.module.parameters()] if stage == 0 else None
         if stage == 3:
-            from flexrt.zero.stage3_gathered import GatheredParameters
+            from flexrt.zero.stage3.gathered import GatheredParameters
             with GatheredParameters(engine.module.parameters()): params = [p.detach().clone() for p in engine.module.parameters()]
         engine.close()
         runs[stage] = (losses, params, traces)

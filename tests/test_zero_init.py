@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from helpers import run_distributed
 import flexrt
 from flexrt import zero
-from flexrt.memory_tracker import TensorMemoryTracker
+from flexrt.memory.tracker import TensorMemoryTracker
 
 VOCAB, DIM, BATCH, SEQ, STEPS = 13, 8, 4, 6, 3
 
