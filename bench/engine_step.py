@@ -1,7 +1,7 @@
 """Training step time on 2 gloo ranks: DDP vs flexrt (ZeRO stages 0-3) vs DeepSpeed (same stages) vs FSDP2, interleaved.
 
     python bench/engine_step.py [--workload gpt,mlp] [--stages 0,1,2,3] [--quick] [--rounds 12] [--steps 2]
-                                [--impls NAME,...] [--layers 4] [--dim 192] [--vocab 2048] [--seq 64] [--batch 8]
+                                [--impls NAME,...] [--baseline REV] [--layers 4] [--dim 192] [--vocab 2048] [--seq 64] [--batch 8]
                                 [--mlp-layers 8] [--mlp-width 1024] [--mlp-batch 4]
 
 Two workloads, each measured in its own run of interleaved rounds, fp32, torch's AdamW, no clipping, one
@@ -28,6 +28,9 @@ Implementations (`--impls` picks some; `--stages` keeps those of the listed ZeRO
   `reshard_after_forward=True` (parameters partitioned between uses: ZeRO-3) or False (kept gathered from forward
   to backward: ZeRO-2-like).
 - no-comm: the same loop with no communication at all, the floor every implementation pays.
+- baseline-z0 .. baseline-z3 (with `--baseline REV`): flexrt as it was at git revision REV, imported in the same
+  ranks under the name `flexrt_baseline` (its `flexrt/` tree copied from git and renamed), so a change is measured
+  against the code before it in one interleaved run; each flexrt-zN then also prints its paired ratio to baseline-zN.
 
 Both engines get the same config (gradient_clipping 0, overlap_comm true, reduce_bucket_size `--bucket` elements:
 4M = 16 MiB of fp32 by default, between DDP's 1 MiB first and 25 MiB later buckets).
@@ -150,6 +153,30 @@ def build_flexrt(stage, **zero):
         return engine_step(engine)
     return build
 
+def build_baseline(stage):
+    def build(model, args):
+        import flexrt_baseline
+        engine, *_ = flexrt_baseline.initialize(model=model, optimizer=adamw(model), config=ds_config(args, stage))
+        return engine_step(engine)
+    return build
+
+def export_baseline(rev:str)->str:
+    "A directory holding git revision `rev`'s flexrt/ as the package `flexrt_baseline` (its own name rewritten)"
+    import re, subprocess, tarfile, tempfile, io
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = subprocess.run(['git', 'archive', rev, 'flexrt'], cwd=root, capture_output=True)
+    if tree.returncode: raise SystemExit(f"--baseline {rev}: git archive failed: {tree.stderr.decode().strip()}")
+    out = tempfile.mkdtemp(prefix='flexrt-baseline-')
+    with tarfile.open(fileobj=io.BytesIO(tree.stdout)) as tar: tar.extractall(out, filter='data')
+    os.rename(os.path.join(out, 'flexrt'), os.path.join(out, 'flexrt_baseline'))
+    for folder, _, files in os.walk(os.path.join(out, 'flexrt_baseline')):
+        for f in files:
+            if f.endswith('.py'):
+                path = os.path.join(folder, f)
+                with open(path) as fh: text = fh.read()
+                with open(path, 'w') as fh: fh.write(re.sub(r'\bflexrt\b(?!_)', 'flexrt_baseline', text))
+    return out
+
 def build_deepspeed(stage):
     def build(model, args):
         import deepspeed
@@ -178,12 +205,13 @@ BUILDERS = {'ddp': build_ddp, 'flexrt-reducer': build_flexrt_reducer,
             **{f'flexrt-z{s}': build_flexrt(s) for s in range(4)},
             'flexrt-z1-ar': build_flexrt(1, reduce_scatter=False), 'flexrt-z2-ar': build_flexrt(2, reduce_scatter=False),
             **{f'deepspeed-z{s}': build_deepspeed(s) for s in range(4)},
+            **{f'baseline-z{s}': build_baseline(s) for s in range(4)},
             'fsdp2': build_fsdp2(True), 'fsdp2-noreshard': build_fsdp2(False), 'no-comm': build_no_comm}
 
 def stage_of(name):
     "The ZeRO stage an implementation runs (None: DDP and the no-communication floor)"
     if name == 'flexrt-reducer': return 0
-    if name.startswith(('flexrt-z', 'deepspeed-z')): return int(name.split('-z')[1][0])
+    if name.startswith(('flexrt-z', 'deepspeed-z', 'baseline-z')): return int(name.split('-z')[1][0])
     if name.startswith('fsdp2'): return 3 if name == 'fsdp2' else 2
     return None
 
@@ -209,6 +237,7 @@ def worker(rank, world, port, args, names):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(args.threads)
+    if args.baseline_dir: sys.path.insert(0, args.baseline_dir)
     warnings.filterwarnings('ignore')
     logging.disable(logging.WARNING)
     tdist.init_process_group('gloo', rank=rank, world_size=world)
@@ -245,16 +274,25 @@ def describe(model, args):
 def report(times, cpu, losses, model, args):
     print(describe(model, args))
     med, base = statistics.median, 'ddp'
-    print(f"  {'':16s} {'median':>9s}  vs DDP  {'cpu':>8s}  cpu vs DDP   vs DeepSpeed  vs FSDP2   max |loss - DDP's|")
+    baseline = any(n.startswith('baseline-') for n in times)
+    print(f"  {'':16s} {'median':>9s}  vs DDP  {'cpu':>8s}  cpu vs DDP   vs DeepSpeed  vs FSDP2   max |loss - DDP's|"
+          + ("   vs baseline (cpu)" if baseline else ''))
     for name, ts in times.items():
         ds, fsdp = peers(name)
         vs = lambda other: f"{paired(ts, times[other]):8.2f}x" if other in times else ' ' * 9
         drift = ('n/a (no averaging)' if name == 'no-comm' else
                  f"{max(abs(a - b) for a, b in zip(losses[name], losses[base])):.1e}")
         print(f"  {name:16s} {med(ts) * 1e3:6.1f} ms {paired(ts, times[base]):6.2f}x {med(cpu[name]) * 1e3:6.1f} ms "
-              f"{paired(cpu[name], cpu[base]):8.2f}x    {vs(ds)}   {vs(fsdp)}   {drift}")
+              f"{paired(cpu[name], cpu[base]):8.2f}x    {vs(ds)}   {vs(fsdp)}   {drift:18s}"
+              + (against_baseline(name, times, cpu) if baseline else ''))
     print("  all ratios paired: median over rounds of (this implementation's time / the other's in the same round); "
           "vs DeepSpeed: its same stage; vs FSDP2: fsdp2 for stage 3, fsdp2-noreshard for stages 1-2")
+
+def against_baseline(name, times, cpu)->str:
+    "flexrt-zN's paired ratios to baseline-zN (time and cpu), or nothing"
+    other = name.replace('flexrt-z', 'baseline-z')
+    if not name.startswith('flexrt-z') or other not in times: return ''
+    return f"   {paired(times[name], times[other]):6.3f}x ({paired(cpu[name], cpu[other]):.3f}x)"
 
 DEFAULT_IMPLS = ['ddp', 'flexrt-reducer', 'flexrt-z0', 'deepspeed-z0', 'flexrt-z1', 'deepspeed-z1',
                  'flexrt-z2', 'deepspeed-z2', 'fsdp2-noreshard', 'flexrt-z3', 'deepspeed-z3', 'fsdp2', 'no-comm']
@@ -278,11 +316,17 @@ def main():
     ap.add_argument('--threads', type=int, default=1, help='torch threads per rank')
     ap.add_argument('--bucket', type=int, default=2 ** 22, help="engines' reduce_bucket_size, in elements")
     ap.add_argument('--impls', default=','.join(DEFAULT_IMPLS))
+    ap.add_argument('--baseline', default=None, metavar='REV',
+                    help='also run flexrt as of git revision REV (baseline-zN next to each flexrt-zN), e.g. HEAD~1')
     args = ap.parse_args()
     if args.quick: args.rounds = 6
     stages = {int(s) for s in args.stages.split(',')}
     wanted = [n for n in args.impls.split(',') if n == 'ddp' or stage_of(n) is None or stage_of(n) in stages]
     if 'ddp' not in wanted: wanted.insert(0, 'ddp')   # every ratio is against DDP
+    args.baseline_dir = None
+    if args.baseline:
+        args.baseline_dir = export_baseline(args.baseline)
+        wanted = [m for n in wanted for m in ([n, f'baseline-z{stage_of(n)}'] if n.startswith('flexrt-z') and n[-1].isdigit() else [n])]
     names, missing = available(wanted)
     for name, why in missing.items(): print(f"{name}: skipped, {why}")
     for workload in args.workload.split(','):

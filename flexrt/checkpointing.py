@@ -9,11 +9,11 @@ import torch
 import torch.utils.checkpoint as tc
 
 # %% auto #0
-__all__ = ['NO_EFFECT', 'non_reentrant_checkpoint', 'is_configured', 'unconfigure', 'reset', 'configure', 'checkpoint',
-           'partition_activations_in_checkpoint', 'set_num_layers']
+__all__ = ['SETTINGS', 'NO_EFFECT', 'non_reentrant_checkpoint', 'is_configured', 'unconfigure', 'reset', 'configure',
+           'checkpoint', 'partition_activations_in_checkpoint', 'set_num_layers']
 
 # %% ../nbs/45_checkpointing.ipynb #c006
-_SETTINGS = {'configured': False, 'cpu': False, 'synchronize': False}
+SETTINGS = {'configured': False, 'cpu': False, 'synchronize': False}   # what `configure` set; read it, change it with `configure`/`unconfigure`
 _WARNED: set = set()   # the ignored keys already warned about in this process
 
 NO_EFFECT = { # activation_checkpointing key -> why it has no effect in flexrt
@@ -24,11 +24,11 @@ NO_EFFECT = { # activation_checkpointing key -> why it has no effect in flexrt
 
 def is_configured()->bool:
     "Whether `configure` has been called since the last `unconfigure`"
-    return _SETTINGS['configured']
+    return SETTINGS['configured']
 
 def unconfigure():
     "Forget the settings made by `configure` (flexrt's; DeepSpeed has no such call)"
-    _SETTINGS.update(configured=False, cpu=False, synchronize=False)
+    SETTINGS.update(configured=False, cpu=False, synchronize=False)
 
 def reset():
     "DeepSpeed's `reset()`, called between forwards that have no backward (evaluation): it frees the contiguous-memory buffers, which flexrt does not keep, so there is nothing to do; the settings stay"
@@ -64,7 +64,7 @@ def configure(mpu_=None, # DeepSpeed's model-parallel unit (accepted; flexrt has
     _warn_ignored({'partition_activations': pick(partition_activations, 'partition_activations'),
                    'contiguous_memory_optimization': pick(contiguous_checkpointing, 'contiguous_memory_optimization'),
                    'number_checkpoints': pick(num_checkpoints, 'number_checkpoints'), 'profile': pick(profile, 'profile')})
-    _SETTINGS.update(configured=True, cpu=bool(pick(checkpoint_in_cpu, 'cpu_checkpointing')),
+    SETTINGS.update(configured=True, cpu=bool(pick(checkpoint_in_cpu, 'cpu_checkpointing')),
                      synchronize=bool(pick(synchronize, 'synchronize_checkpoint_boundary')))
 
 # %% ../nbs/45_checkpointing.ipynb #c013
@@ -86,10 +86,10 @@ def checkpoint(function, # the block to run: a module or any function of `args`
                **kwargs): # its keyword arguments (tensors among them take part in autograd too)
     "Run `function(*args, **kwargs)` keeping only its inputs; its activations are recomputed in backward, with the same RNG state"
     if kwargs: function = functools.partial(function, **kwargs)
-    if _SETTINGS['synchronize']: _synchronize()
-    if _SETTINGS['cpu']: function, args = _inputs_on_cpu(function, args)
+    if SETTINGS['synchronize']: _synchronize()
+    if SETTINGS['cpu']: function, args = _inputs_on_cpu(function, args)
     out = tc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
-    if _SETTINGS['synchronize']: _synchronize()
+    if SETTINGS['synchronize']: _synchronize()
     return out
 
 non_reentrant_checkpoint = checkpoint   # DeepSpeed's name for the non-reentrant variant

@@ -21,7 +21,7 @@ def _no_live_views_left():
     of one test runs on while a later test forks its ranks (a fork copies locks such threads may hold)"""
     yield
     import sys
-    widgets, monitor = sys.modules.get('flexrt.widgets'), sys.modules.get('flexrt.monitor')
-    if widgets is not None:
-        for view in list(widgets._views): view.close()
+    live, monitor = sys.modules.get('flexrt.widgets.live'), sys.modules.get('flexrt.monitor')
+    if live is not None:
+        for view in list(live._views): view.close()
     if monitor is not None: monitor.stop_serving()

@@ -134,7 +134,7 @@ def test_ignored_keys_warned_once_each_by_name():
     messages = [str(w.message) for w in caught if w.category is NoEffectWarning]
     assert len(messages) == 2 and 'partition_activations' in messages[0] and 'contiguous_memory_optimization' in messages[1]
     assert 'no model parallelism' in messages[0] and 'leaves allocation to torch' in messages[1]
-    assert checkpointing.is_configured() and checkpointing._SETTINGS['cpu']
+    assert checkpointing.is_configured() and checkpointing.SETTINGS['cpu']
     checkpointing.unconfigure()
 
 @pytest.fixture

@@ -128,7 +128,7 @@ def test_initialize_configures_activation_checkpointing_from_the_config(deepspee
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), dist_init_required=False,
                                       config={'train_batch_size': 2, 'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}},
                                               'activation_checkpointing': {'cpu_checkpointing': True}})
-    assert compat.is_configured() and compat._SETTINGS['cpu']
+    assert compat.is_configured() and compat.SETTINGS['cpu']
     compat.reset()
 
 def _expert_clip(rank, world):

@@ -260,9 +260,9 @@ class _BlockError(Exception): pass
 
 def _broken_sampler(monkeypatch)->MemorySampler:
     "A started sampler whose thread has failed: every snapshot raises"
-    import flexrt.memory
+    import flexrt.memory.reports
     def failing(device=None): raise OSError('cannot read /proc')     # injected failure of the real snapshot
-    monkeypatch.setattr(flexrt.memory, 'memory_snapshot', failing)
+    monkeypatch.setattr(flexrt.memory.reports, 'memory_snapshot', failing)
     s = MemorySampler(interval_ms=1).start()
     s._thread.join(10)
     return s

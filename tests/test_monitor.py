@@ -7,7 +7,7 @@ from flexrt import monitor, comm
 @pytest.fixture(autouse=True)
 def clean():
     yield
-    for fn in monitor._listeners: monitor.remove_listener(fn)
+    for fn in monitor.events._listeners: monitor.remove_listener(fn)
     comm.destroy_process_group()
 
 def test_records_reach_every_listener_in_order():

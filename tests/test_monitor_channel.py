@@ -10,7 +10,7 @@ from flexrt.monitor import wire
 @pytest.fixture(autouse=True)
 def clean():
     yield
-    for fn in monitor._listeners: monitor.remove_listener(fn)
+    for fn in monitor.events._listeners: monitor.remove_listener(fn)
     monitor.stop_serving()
 
 def _address(hub): host, port = hub.address.rsplit(':', 1); return host, int(port)

@@ -1,5 +1,5 @@
 "The set-up contract's guards: notebooks and package must agree, and README.md must be generated from index.ipynb."
-import json, shutil, subprocess, sys
+import importlib.util, json, shutil, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -45,3 +45,52 @@ def test_readme_is_generated_from_index(tree):
     (tree / 'README.md').write_text('hand-edited\n')
     r = check(tree)
     assert r.returncode == 1 and 'changed: README.md' in r.stdout, r.stdout
+
+def _import_graph():
+    spec = importlib.util.spec_from_file_location('import_graph', ROOT / 'tools' / 'import_graph.py')
+    module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+    return module
+
+def test_seams_hold_in_the_package():
+    "No import circle, nothing up a layer or back into a face, no private name across modules, no foreign patches"
+    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'import_graph.py')], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True); path.write_text(text)
+
+def _notebook(path, default_exp):
+    _write(path, json.dumps({'cells': [{'cell_type': 'code', 'source': f'#| default_exp {default_exp}'}]}))
+
+def test_import_graph_reports_each_kind_of_broken_seam(tmp_path, capsys):
+    "A small package with one of each problem: the tool names every one of them, and passes the same package mended"
+    pkg = tmp_path / 'flexrt'
+    _write(pkg / '__init__.py', 'def __getattr__(name): ...\n')
+    _write(pkg / 'low' / '__init__.py', 'from .a import A\n')
+    _write(pkg / 'low' / 'a.py', 'from .b import _helper\nclass A: pass\n')
+    _write(pkg / 'low' / 'b.py', 'from . import a\nfrom flexrt import low\nfrom ..high.h import H\ndef _helper(): return a.A\n')
+    _write(pkg / 'high' / '__init__.py', '')
+    _write(pkg / 'high' / 'h.py', 'from fastcore.basics import patch\nimport flexrt\nfrom ..low import a\n'
+           'class H: pass\n@patch\ndef grow(self:a.A): return flexrt.initialize, a._private\n')
+    _notebook(tmp_path / 'nbs' / '10_low_a.ipynb', 'low.a'); _notebook(tmp_path / 'nbs' / '10_low_b.ipynb', 'low.b')
+    _notebook(tmp_path / 'nbs' / '20_high_h.ipynb', 'high.h')
+    graph = _import_graph()
+    assert graph.report(pkg) == 1
+    out = capsys.readouterr().out
+    for problem in ('flexrt.low.a <-> flexrt.low.b', 'flexrt.low.b imports flexrt.low\n',
+                    'flexrt.low.a takes _helper from flexrt.low.b', 'flexrt.high.h: grow patched onto A (flexrt.low.a)',
+                    'flexrt.high.h: flexrt.initialize', 'flexrt.low.b (10) imports flexrt.high.h (20)',
+                    'flexrt.high.h:6 reads a._private'):
+        assert problem in out, (problem, out)
+    _write(pkg / 'low' / 'a.py', 'class A:\n    def grow(self): return 1\n')
+    _write(pkg / 'low' / 'b.py', 'from .a import A\ndef helper(): return A\n')
+    _write(pkg / 'high' / 'h.py', 'from ..low.a import A\nclass H(A): pass\n')
+    assert graph.report(pkg) == 0, capsys.readouterr().out
+
+def test_architecture_page_names_every_module():
+    "docs/architecture.md lists each module of the package (the README's layout table points there)"
+    page = (ROOT / 'docs' / 'architecture.md').read_text()
+    for path in sorted((ROOT / 'flexrt').rglob('*.py')):
+        parts = path.relative_to(ROOT / 'flexrt').with_suffix('').parts
+        if parts[-1] in ('__init__', '_modidx') or parts == ('__init__',): continue
+        assert f"`{'.'.join(parts)}`" in page, f"{'.'.join(parts)} is not in docs/architecture.md"

@@ -1,11 +1,12 @@
 """The package's seams, read from its source with `ast`: import circles, imports that run back up into a package's
-face, private names imported across modules, methods patched onto a class from another module, in-package code that
+face, imports that point up a layer (a notebook with a higher `NN_` imported by a lower one), private names imported
+across modules or read from them, methods patched onto a class from another module, in-package code that
 reaches a name through `flexrt/__init__`'s lazy loading, and the loose modules at the top level.
 
 `python tools/import_graph.py` prints what it finds and exits 1 if anything breaks the rules (tests/test_project.py
 runs it); `--graph` also prints every module's in-package imports.
 """
-import ast, collections, sys
+import ast, collections, json, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +75,7 @@ def patched_from_elsewhere(mods):
             if not any(ast.unparse(d).split('(')[0] in ('patch', 'fastcore.basics.patch') for d in node.decorator_list): continue
             ann = node.args.args[0].annotation
             if ann is None: continue
-            for cls in (c.strip() for c in ast.unparse(ann).split('|')):
+            for cls in (c.strip().split('.')[-1] for c in ast.unparse(ann).split('|')):
                 if cls in defined and m not in defined[cls]:
                     out.append(f'{m}: {node.name} patched onto {cls} ({", ".join(sorted(defined[cls]))})')
     return out
@@ -92,6 +93,34 @@ def through_the_face(mods):
                 if isinstance(arg, ast.Constant) and arg.value == 'flexrt': out.append(f'{m}: import_module("flexrt")')
     return out
 
+def private_attributes(mods):
+    "`module._name` where `module` is an in-package module imported under that name"
+    out = []
+    for m, (p, tree) in mods.items():
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or '').startswith('flexrt')):
+                base = resolve(node, m, p.name == '__init__.py')
+                aliases |= {a.asname or a.name for a in node.names if f'{base}.{a.name}' in mods}
+            elif isinstance(node, ast.Import):
+                aliases |= {(a.asname or a.name).split('.')[0] for a in node.names if a.name in mods}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith('_') and not node.attr.startswith('__')):
+                out.append(f'{m}:{node.lineno} reads {node.value.id}.{node.attr}')
+    return sorted(set(out))
+
+def layers(root):
+    "{module: NN} from each notebook's name `NN_...` and its `#| default_exp` (the layer the module sits in)"
+    out = {}
+    for nb in sorted(root.parent.glob('nbs/[0-9]*.ipynb')):
+        for cell in json.loads(nb.read_text())['cells'][:3]:
+            text = ''.join(cell['source'])
+            if text.startswith('#| default_exp'):
+                name = text.split()[2].removesuffix('.__init__')
+                out['flexrt' if name == '__init__' else f'flexrt.{name}'] = int(nb.name.split('_')[0])
+    return out
+
 def report(root=ROOT / 'flexrt', show_graph=False):
     mods = parse(root)
     edges, problems = collections.defaultdict(set), collections.defaultdict(list)
@@ -106,6 +135,14 @@ def report(root=ROOT / 'flexrt', show_graph=False):
         if not is_package and target == 'flexrt' and name != '__version__':
             problems['imports that run back up into a package face'].append(f'{importer} imports flexrt')
     for c in circles(edges): problems['import circles'].append(' <-> '.join(c))
+    layer = layers(root)
+    for importer, target, _ in imports(mods):
+        if (importer in layer and target in layer and layer[target] > layer[importer] and target != 'flexrt'
+                and not target.startswith(importer + '.')):   # a face hands on its own sub-wings
+            problems['imports that point up a layer (to a higher notebook number)'].append(
+                f'{importer} ({layer[importer]:02d}) imports {target} ({layer[target]:02d})')
+    problems['imports that point up a layer (to a higher notebook number)'] = sorted(set(problems['imports that point up a layer (to a higher notebook number)']))
+    problems['private names read from another module'] += private_attributes(mods)
     problems['methods patched from another module'] += patched_from_elsewhere(mods)
     problems['names reached through flexrt/__init__'] += through_the_face(mods)
     loose = sorted(m for m, (p, _) in mods.items() if m.count('.') == 1 and p.name != '__init__.py')

@@ -12,7 +12,5 @@ from .results import AutotuneResult, TrialStore, COLUMNS
 from .runner import autotune, autotune_main
 
 # %% ../../nbs/72_autotuner.ipynb #c003
-def estimate_memory(model_fn_or_profile, config:dict, world_size:int=1, micro_batch:int|None=None, *, train_step=None):
-    "The memory model's per-rank peak for `config` on `world_size` ranks (see `flexrt.autotuner.memory.estimate_memory`)"
-    from flexrt.autotuner.memory.model import estimate_memory as estimate
-    return estimate(model_fn_or_profile, config, world_size=world_size, micro_batch=micro_batch, train_step=train_step)
+from .memory.model import estimate_memory   # also `flexrt.estimate_memory`
+_all_ = ['estimate_memory']

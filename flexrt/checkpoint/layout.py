@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os, re, shutil
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from .storage import (CheckpointError, FORMAT, FORMAT_VERSION, MANIFEST, LATEST, MODEL_STATES, MAX_MANIFEST_BYTES,
-    MAX_TAG_BYTES, rank_file, loaded_files, _show, checksum_file, fsync, atomic_write, serialized_size, save_torch, save_text,
+    MAX_TAG_BYTES, rank_file, loaded_files, short_repr, checksum_file, fsync, atomic_write, serialized_size, save_torch, save_text,
     no_space_error, check_safe, safe_load)
 _all_ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MAX_MANIFEST_BYTES', 'MAX_TAG_BYTES', 'CheckpointError', 'rank_file', 'loaded_files', 'checksum_file', 'fsync', 'atomic_write', 'serialized_size', 'save_torch', 'save_text', 'no_space_error', 'check_safe', 'safe_load']
 
@@ -30,14 +30,14 @@ def contained(directory, # the checkpoint (or save) directory
               what:str)->Path: # what `name` is, for the message
     "`directory/name`, if `name` is a relative path that resolves inside `directory`; `CheckpointError` naming `what` otherwise"
     if not isinstance(name, str) or not name or '\0' in name or '\\' in name:
-        raise CheckpointError(f"{what}: {_show(name)} is not a file name")
+        raise CheckpointError(f"{what}: {short_repr(name)} is not a file name")
     if PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive:
-        raise CheckpointError(f"{what}: {_show(name)} is an absolute path; a checkpoint only names files inside itself")
+        raise CheckpointError(f"{what}: {short_repr(name)} is an absolute path; a checkpoint only names files inside itself")
     if any(part in ('', '.', '..') for part in name.split('/')):
-        raise CheckpointError(f"{what}: {_show(name)} is not a plain relative path ('..', '.' or empty parts); a checkpoint only names files inside itself")
+        raise CheckpointError(f"{what}: {short_repr(name)} is not a plain relative path ('..', '.' or empty parts); a checkpoint only names files inside itself")
     root = Path(directory).resolve()
     if not (root / name).resolve().is_relative_to(root):
-        raise CheckpointError(f"{what}: {_show(name)} is a symlink that leads out of the checkpoint directory {root}; refused")
+        raise CheckpointError(f"{what}: {short_repr(name)} is a symlink that leads out of the checkpoint directory {root}; refused")
     return Path(directory, name)
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c015a
@@ -47,28 +47,28 @@ def _int_field(m:dict, key:str, where, low:int, high:int|None=None, required:boo
         return
     v = m[key]
     if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
-        raise CheckpointError(f"{where}: the manifest field '{key}' is {_show(v)}; it must be an int " +
+        raise CheckpointError(f"{where}: the manifest field '{key}' is {short_repr(v)}; it must be an int " +
                               (f"from {low} to {high}" if high is not None else f">= {low}"))
 
 def _file_entry(name:str, info, where):
-    what = f"{where}: the manifest entry files[{_show(name)}]"
-    if not isinstance(info, dict): raise CheckpointError(f"{what} is {_show(info)}; it must be a dict with 'size' and 'xxh3_128'")
+    what = f"{where}: the manifest entry files[{short_repr(name)}]"
+    if not isinstance(info, dict): raise CheckpointError(f"{what} is {short_repr(info)}; it must be a dict with 'size' and 'xxh3_128'")
     _int_field(info, 'size', what, 0, 2**53, required=True)
     digest = info.get('xxh3_128')
     if not (isinstance(digest, str) and re.fullmatch('[0-9a-f]{32}', digest)):
-        raise CheckpointError(f"{what} has 'xxh3_128' {_show(digest)}; it must be 32 lowercase hex digits")
+        raise CheckpointError(f"{what} has 'xxh3_128' {short_repr(digest)}; it must be 32 lowercase hex digits")
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c015b
 def check_manifest(m, # the parsed manifest.json
                    where)->dict: # its path, for messages
     "`m` if every field has its type and range; `CheckpointError` naming the first field that does not"
     if not isinstance(m, dict): raise CheckpointError(f"{where} is not a flexrt checkpoint manifest (not a JSON object)")
-    if m.get('format') != FORMAT: raise CheckpointError(f"{where}: the manifest field 'format' is {_show(m.get('format'))}, not {FORMAT!r}: this is not a flexrt checkpoint manifest")
+    if m.get('format') != FORMAT: raise CheckpointError(f"{where}: the manifest field 'format' is {short_repr(m.get('format'))}, not {FORMAT!r}: this is not a flexrt checkpoint manifest")
     _int_field(m, 'format_version', where, 1, required=True)
     if m['format_version'] > FORMAT_VERSION:
         raise CheckpointError(f"{where} was written in checkpoint format {m['format_version']} (the manifest field 'format_version'), newer than this flexrt reads ({FORMAT_VERSION}): upgrade flexrt")
     files = m.get('files')
-    if not isinstance(files, dict) or not files: raise CheckpointError(f"{where}: the manifest field 'files' is {_show(files)}; it must be a non-empty dict")
+    if not isinstance(files, dict) or not files: raise CheckpointError(f"{where}: the manifest field 'files' is {short_repr(files)}; it must be a non-empty dict")
     for name, info in files.items(): _file_entry(name, info, where)
     _int_field(m, 'world_size', where, 1, len(files), required=True)   # every rank writes a listed file
     if isinstance(m.get('stage'), str): _text_field(m, 'stage', where)   # information only: a custom optimizer slot's name
@@ -79,14 +79,14 @@ def check_manifest(m, # the parsed manifest.json
 
 def _text_field(m:dict, key:str, where):
     if key in m and not (isinstance(m[key], str) and 0 < len(m[key]) <= MAX_TAG_BYTES and m[key].isprintable()):
-        raise CheckpointError(f"{where}: the manifest field '{key}' is {_show(m[key])}; it must be a short string of printable characters")
+        raise CheckpointError(f"{where}: the manifest field '{key}' is {short_repr(m[key])}; it must be a short string of printable characters")
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c016
 def _unique_keys(where):
     def pairs(items:list)->dict:
         seen = {}
         for k, v in items:
-            if k in seen: raise CheckpointError(f"{where}: the key '{k}' appears twice ({_show(seen[k])} and {_show(v)})")
+            if k in seen: raise CheckpointError(f"{where}: the key '{k}' appears twice ({short_repr(seen[k])} and {short_repr(v)})")
             seen[k] = v
         return seen
     return pairs
@@ -100,7 +100,7 @@ def read_manifest(directory)->dict:
     if len(data) > MAX_MANIFEST_BYTES: raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a flexrt manifest")
     try: manifest = check_manifest(json.loads(data, object_pairs_hook=_unique_keys(path)), path)
     except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{path} is corrupted: {e}") from None
-    for name in manifest['files']: contained(directory, name, f"{path}: the manifest entry files[{_show(name)}]")
+    for name in manifest['files']: contained(directory, name, f"{path}: the manifest entry files[{short_repr(name)}]")
     unlisted = [n for n in loaded_files(manifest['world_size']) if n not in manifest['files']]
     if unlisted: raise CheckpointError(f"{path}: {unlisted[0]} is read by a load (the manifest field 'world_size' is {manifest['world_size']}) but the manifest does not list it, so it cannot be verified; refused")
     return manifest
@@ -129,7 +129,7 @@ def tag_problem(tag:str)->str|None: # None when `tag` can name a checkpoint dire
 def check_tag(tag)->str:
     "The tag as a string; `ValueError` if it cannot name a checkpoint directory"
     tag = str(tag)
-    if (problem := tag_problem(tag)) is not None: raise ValueError(f"checkpoint tag {_show(tag)} {problem}")
+    if (problem := tag_problem(tag)) is not None: raise ValueError(f"checkpoint tag {short_repr(tag)} {problem}")
     return tag
 
 def staging_dir(save_dir, tag:str)->Path: return Path(save_dir, f'.{tag}.partial')
@@ -171,7 +171,7 @@ def read_latest(load_dir)->str|None:
     if len(data) > MAX_TAG_BYTES + 2: raise CheckpointError(f"{path} is over {MAX_TAG_BYTES} bytes, too long to name a tag: it is corrupted; rewrite it or pass tag=")
     try: tag = data.decode('utf-8').strip()
     except UnicodeDecodeError: raise CheckpointError(f"{path} is not UTF-8 text: it is corrupted; rewrite it or pass tag=") from None
-    if (problem := tag_problem(tag)) is not None: raise CheckpointError(f"{path} names the tag {_show(tag)}, which {problem}; rewrite it or pass tag=")
+    if (problem := tag_problem(tag)) is not None: raise CheckpointError(f"{path} names the tag {short_repr(tag)}, which {problem}; rewrite it or pass tag=")
     return tag
 
 def tag_dir(load_dir, tag:str)->Path:

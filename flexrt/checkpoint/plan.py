@@ -11,14 +11,16 @@ from .shards import tensor_entries, FragmentIndex
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['LoadPlan']
+__all__ = ['engine_entries', 'rank_writes', 'LoadPlan']
 
 # %% ../../nbs/60_checkpoint_plan.ipynb #c010
 def _mp_rank(engine)->int|None: return engine.mpu.get_model_parallel_rank() if engine.mpu is not None and engine.mp_world_size > 1 else None
 
-def _entries(engine)->list: return tensor_entries(engine.module, engine.expert_groups, _mp_rank(engine), engine.optimizer.full_shape)
+def engine_entries(engine)->list: # [(name, key, tensor, kind, shape)], as `tensor_entries` gives them
+    "The engine's tensors as the checkpoint names them"
+    return tensor_entries(engine.module, engine.expert_groups, _mp_rank(engine), engine.optimizer.full_shape)
 
-def _writes(engine):
+def rank_writes(engine):
     "writes(t, i): whether this rank writes the i-th replicated tensor `t` (round-robin over the group replicating it)"
     def writes(t, i):
         dp = engine.expert_groups.data_parallel.get(getattr(t, 'group_name', None)) if getattr(t, 'allreduce', True) is False else engine.dp_group
@@ -30,7 +32,7 @@ class LoadPlan:
     "Everything a load will copy, checked before anything is changed"
     def __init__(self, engine, states:dict, index:FragmentIndex, strict:bool, optimizer_states:bool):
         self.engine, self.states, self.index = engine, states, index
-        self.entries = _entries(engine)
+        self.entries = engine_entries(engine)
         self.skip = self._check_names(strict)
         self.masters = self._check_masters()
         self.values = self._check_values()

@@ -11,7 +11,8 @@ import torch
 from .. import comm as dist, __version__
 from .layout import (CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe, check_tag, staging_dir,
                     write_manifest, read_manifest, verify_file, publish, read_latest, tag_dir, discard_staging)
-from .plan import LoadPlan, _entries, _writes
+from .plan import LoadPlan, engine_entries, rank_writes
+from .engine_surface import check_engine
 from .deepspeed_format import find_deepspeed_checkpoint, read_deepspeed
 from .shards import (tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex)
 from fastcore.basics import patch
@@ -59,10 +60,10 @@ def agree_on_tag(tag:str, mode:str='Warn', device=None)->str: # the tag every ra
     return first
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c011
-def rank_payload(engine, entries:list, # `_entries(engine)`
+def rank_payload(engine, entries:list, # `engine_entries(engine)`
                  exclude:set=frozenset())->dict: # exclude: ids of tensors not to save
     "What this rank writes: its masters with their optimizer state, its values, its random generators"
-    writes = _writes(engine)
+    writes = rank_writes(engine)
     keys = {t: key for _, key, t, *_ in entries}
     covered = {id(p) for p in engine.optimizer.stepped_params()}
     masters = master_records(engine.optimizer, keys, writes, exclude)
@@ -98,7 +99,7 @@ def _prepare(save_dir:Path, tag:str):
     staging_dir(save_dir, tag).mkdir()
 
 def _write_files(engine, staging:Path, client_state:dict, exclude_frozen:bool)->dict: # {file name: size and checksum}
-    entries = _entries(engine)
+    entries = engine_entries(engine)
     frozen = [(n, t) for n, _, t, kind, _ in entries if kind == 'param' and not t.requires_grad] if exclude_frozen else []
     payload = rank_payload(engine, entries, {id(t) for _, t in frozen})
     files = {rank_file(dist.get_rank()): save_torch(payload, staging / rank_file(dist.get_rank()))}
@@ -122,13 +123,14 @@ def _warn_window(engine, what:str, consequence:str):
                       f"{engine.gradient_accumulation_steps()} micro-batches accumulated since the last optimizer step): {consequence}")
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c015
-def save_checkpoint(engine, # a flexrt Engine
+def save_checkpoint(engine, # a flexrt Engine (anything with `CheckpointEngine`'s attributes)
                     save_dir, # the directory holding the checkpoints (created if needed; shared by all ranks)
                     tag=None, # the checkpoint's name (default: global_step<N>)
                     client_state:dict|None=None, # your own state (epoch, data position...): tensors, numbers, strings, containers
                     save_latest:bool=True, # point `<save_dir>/latest` at this tag
                     exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
     "Save the engine's complete training state under `<save_dir>/<tag>/` (all ranks call it); True when done"
+    check_engine(engine)
     if save_dir is None or str(save_dir) == '': raise ValueError("save_checkpoint needs a save_dir: the directory that holds the checkpoints")
     save_dir, client_state = Path(save_dir), {} if client_state is None else client_state
     tag = check_tag(f'global_step{engine.global_steps}' if tag is None else tag)
@@ -210,6 +212,7 @@ def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
                     load_lr_scheduler_states:bool=True, # restore the schedule
                     load_module_only:bool=False)->tuple: # only the weights: no optimizer, schedule, counters or generators
     "Restore a checkpoint into `engine` (all ranks call it); `(checkpoint path, client_state)`, or `(None, None)` without `latest`"
+    check_engine(engine)
     found = _read(load_dir, tag)
     if found is None:
         if dist.get_rank() == 0: warnings.warn(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to name a checkpoint)")
@@ -241,6 +244,7 @@ def save_16bit_model(engine, save_dir, # where to write
                      save_filename:str='pytorch_model.bin', # the file name
                      exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
     "Write the model's weights in their working dtype to one file on rank 0 (all ranks call it)"
+    check_engine(engine)
     if save_dir is None or str(save_dir) == '': raise ValueError("save_16bit_model needs a save_dir")
     sd = _full_state_dict(engine, exclude_frozen_parameters)
     if dist.get_rank() == 0: Path(save_dir).mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ __all__ = ['RANGES', 'bounds_text', 'param_kinds', 'check_param', 'check_params_
 # %% ../../nbs/00_config_params.ipynb #c003
 import inspect, math, types, typing
 import torch
-from .schema import _show, describe
+from .schema import short_repr, describe
 
 # %% ../../nbs/00_config_params.ipynb #c005
 RANGES = { # parameter name -> bounds: ge (>=), gt (>), lt (<), le (<=); for a tuple, of each element
@@ -79,7 +79,7 @@ def check_param(value, # what the config gives
     name = path.rsplit('.', 1)[-1]
     if kind is None or (value is None and nullable): return value
     auto = ". 'auto' is a placeholder the Hugging Face Trainer fills in; give the value itself" if value == 'auto' else ''
-    wrong = lambda: TypeError(f"{path} must be {_describe(kind, name)}, got {_show(value)} (for {owner}){auto}")
+    wrong = lambda: TypeError(f"{path} must be {_describe(kind, name)}, got {short_repr(value)} (for {owner}){auto}")
     if kind == bool:
         if isinstance(value, bool) or (type(value) is int and value in (0, 1)): return bool(value)
         raise wrong()
@@ -92,7 +92,7 @@ def check_param(value, # what the config gives
     for i, v in enumerate(items):
         if not _within(v, RANGES.get(name, {})):
             where = f"{path}[{i}]" if isinstance(kind, tuple) else path
-            raise ValueError(f"{where} must be {_describe(kind, name, element=True)}, got {_show(v)} (for {owner})")
+            raise ValueError(f"{where} must be {_describe(kind, name, element=True)}, got {short_repr(v)} (for {owner})")
     return list(value) if isinstance(kind, tuple) else int(value) if kind == int else value
 
 # %% ../../nbs/00_config_params.ipynb #c012

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import logging, warnings
 import torch
+from ..engine import initialize as _engine_initialize   # `initialize` below is DeepSpeed's name for it
 
 # %% auto #0
 __all__ = ['logger', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam', 'RepeatingLoader', 'log_dist',
@@ -61,20 +62,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=
     torch.save(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters), output_file)
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c014
-from ..checkpointing import configure, is_configured, reset, unconfigure, checkpoint, non_reentrant_checkpoint, _SETTINGS
+from ..checkpointing import configure, is_configured, reset, unconfigure, checkpoint, non_reentrant_checkpoint, SETTINGS
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015b
 def initialize(*args, **kwargs)->tuple:
     "`deepspeed.initialize`: `flexrt.initialize` (which also sets `deepspeed.checkpointing` up from the config's `activation_checkpointing` block)"
-    import flexrt
-    return flexrt.initialize(*args, **kwargs)
+    return _engine_initialize(*args, **kwargs)
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015c
 def clip_grad_norm_(parameters, max_norm:float, norm_type:float=2, mpu=None)->torch.Tensor:
     "DeepSpeed's `runtime.utils.clip_grad_norm_`: flexrt's, expert (`allreduce=False`) gradients reduced over the largest expert group of `deepspeed.utils.groups`"
     from flexrt.utils import clip_grad_norm_ as clip
-    from flexrt.deepspeed.groups import _get_max_expert_parallel_group
-    return clip(parameters, max_norm, norm_type, mpu, expert_groups=_get_max_expert_parallel_group())
+    from flexrt.deepspeed.groups import max_expert_parallel_group
+    return clip(parameters, max_norm, norm_type, mpu, expert_groups=max_expert_parallel_group())
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015e
 def _major_minor(version)->str: return '.'.join(str(version).split('.')[:2]) if version else '0.0'
@@ -138,8 +138,8 @@ from ..utils import CheckOverflow as _CheckOverflow
 class CheckOverflow(_CheckOverflow):
     "DeepSpeed's `CheckOverflow`: flexrt's; when the checked parameters include expert ones (`allreduce=False`), a norm-based check also agrees over the largest expert group, as DeepSpeed's does"
     def check_using_norm(self, norm_group, reduce_overflow:bool=True)->bool:
-        from flexrt.deepspeed.groups import _get_max_expert_parallel_group
-        local, group = super().check_using_norm(norm_group, reduce_overflow), _get_max_expert_parallel_group()
+        from flexrt.deepspeed.groups import max_expert_parallel_group
+        local, group = super().check_using_norm(norm_group, reduce_overflow), max_expert_parallel_group()
         if group is None or not any(getattr(p, 'allreduce', True) is False for p in self.params): return local
         saved, self.group = self.group, group
         try: return self._agree(local)

@@ -72,6 +72,3 @@ def initialize(args=None, # argparse namespace carrying `deepspeed_config`, or N
         checkpointing.configure(deepspeed_config=cfg)   # the block sets flexrt.checkpointing up, unless you called configure()
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     return engine, engine.basic_optimizer, loader, engine.lr_scheduler
-
-# %% ../../nbs/65_engine.ipynb #c990
-from . import accessors   # DeepSpeed's engine accessors (`engine.zero_optimization_stage()`, ...), patched onto Engine

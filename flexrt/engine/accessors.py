@@ -7,13 +7,16 @@ from __future__ import annotations
 import dataclasses, operator
 from fastcore.basics import patch
 import torch
-from .core import Engine
 from .. import comm as dist
 from ..config import BatchConfig
-from .. import checkpoint
+from ..checkpoint import save_load
 
 # %% auto #0
-__all__ = ['ACCESSORS']
+__all__ = ['ACCESSORS', 'DeepSpeedAccessors']
+
+# %% ../../nbs/65_engine_accessors.ipynb #c004b
+class DeepSpeedAccessors:
+    "DeepSpeed's engine methods over what `Engine` provides (`config`, `optimizer`, `counter`, `module`, the parallel groups); `Engine` inherits them"
 
 # %% ../../nbs/65_engine_accessors.ipynb #c006
 _z = 'zero_optimization.'
@@ -64,45 +67,45 @@ ACCESSORS = {   # DeepSpeed engine method: a dotted path in engine.config, or a 
 
 def _accessor(name:str, how):
     read = how if callable(how) else operator.attrgetter(how)
-    def method(self:Engine): return read(self.config)
-    method.__name__, method.__qualname__ = name, f'Engine.{name}'
+    def method(self:DeepSpeedAccessors): return read(self.config)
+    method.__name__, method.__qualname__ = name, f'DeepSpeedAccessors.{name}'
     method.__doc__ = f"DeepSpeed's `engine.{name}()`: " + (f"`config.{how}`" if isinstance(how, str) else 'from the config')
     return method
 
-for _name, _how in ACCESSORS.items(): setattr(Engine, _name, _accessor(_name, _how))   # one generated method per entry
+for _name, _how in ACCESSORS.items(): setattr(DeepSpeedAccessors, _name, _accessor(_name, _how))   # one generated method per entry
 
 # %% ../../nbs/65_engine_accessors.ipynb #c009
 @patch
-def get_mom(self:Engine)->list:
+def get_mom(self:DeepSpeedAccessors)->list:
     "Each param group's momentum, as DeepSpeed reports it: Adam's `betas` pair, or SGD's `momentum`"
     return [tuple(g['betas']) if 'betas' in g else g.get('momentum', 0.) for g in self.optimizer.param_groups]
 
 @patch
-def was_step_applied(self:Engine)->bool:
+def was_step_applied(self:DeepSpeedAccessors)->bool:
     "Whether the last `step()` updated the weights (False inside an accumulation window or after an fp16 overflow)"
     return self.counter.last_step_applied
 
 @patch
-def destroy(self:Engine):
+def destroy(self:DeepSpeedAccessors):
     "DeepSpeed's name for `close()`: hooks, buffers and process groups of this engine are released"
     self.close()
 
 # %% ../../nbs/65_engine_accessors.ipynb #c010
 @patch
-def get_data_parallel_group(self:Engine): return self.dp_group if self.dp_group is not None else dist.get_world_group()
+def get_data_parallel_group(self:DeepSpeedAccessors): return self.dp_group if self.dp_group is not None else dist.get_world_group()
 @patch
-def get_data_parallel_rank(self:Engine)->int: return self.dp_rank
+def get_data_parallel_rank(self:DeepSpeedAccessors)->int: return self.dp_rank
 @patch
-def get_data_parallel_world_size(self:Engine)->int: return self.dp_world_size
+def get_data_parallel_world_size(self:DeepSpeedAccessors)->int: return self.dp_world_size
 @patch
-def get_model_parallel_rank(self:Engine)->int: return self.mpu.get_model_parallel_rank() if self.mpu is not None else 0
+def get_model_parallel_rank(self:DeepSpeedAccessors)->int: return self.mpu.get_model_parallel_rank() if self.mpu is not None else 0
 @patch
-def get_model_parallel_world_size(self:Engine)->int: return self.mp_world_size
+def get_model_parallel_world_size(self:DeepSpeedAccessors)->int: return self.mp_world_size
 @patch
-def get_sequence_parallel_group(self:Engine): return None   # flexrt has no sequence parallelism
+def get_sequence_parallel_group(self:DeepSpeedAccessors): return None   # flexrt has no sequence parallelism
 
 @patch
-def set_train_micro_batch_size(self:Engine, micro_batch_size:int):
+def set_train_micro_batch_size(self:DeepSpeedAccessors, micro_batch_size:int):
     "Change the micro-batch size, keeping the accumulation steps (the global batch size follows)"
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
         raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
@@ -112,12 +115,12 @@ def set_train_micro_batch_size(self:Engine, micro_batch_size:int):
 
 # %% ../../nbs/65_engine_accessors.ipynb #c010b
 @patch
-def get_batch_info(self:Engine)->tuple:
+def get_batch_info(self:DeepSpeedAccessors)->tuple:
     "(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)"
     return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
 
 @patch
-def set_train_batch_size(self:Engine, train_batch_size:int):
+def set_train_batch_size(self:DeepSpeedAccessors, train_batch_size:int):
     "Change the global batch size by changing the accumulation steps (the micro-batch size stays)"
     micro, dp = self.train_micro_batch_size_per_gpu(), self.dp_world_size
     if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0 or train_batch_size % (micro * dp):
@@ -129,7 +132,7 @@ def set_train_batch_size(self:Engine, train_batch_size:int):
 
 # %% ../../nbs/65_engine_accessors.ipynb #c012
 @patch
-def module_state_dict(self:Engine, destination=None, prefix:str='', keep_vars:bool=False,
+def module_state_dict(self:DeepSpeedAccessors, destination=None, prefix:str='', keep_vars:bool=False,
                       exclude_frozen_parameters:bool=False)->dict:
     "The model's complete weights (gathered at ZeRO stage 3), as `module.state_dict()` names them; every rank calls it"
     with self.optimizer.gathered(list(self.module.parameters())):
@@ -141,38 +144,38 @@ def module_state_dict(self:Engine, destination=None, prefix:str='', keep_vars:bo
     return state
 
 @patch
-def empty_partition_cache(self:Engine):
+def empty_partition_cache(self:DeepSpeedAccessors):
     "Release parameters ZeRO stage 3 keeps gathered (a no-op at other stages)"
     self.optimizer.quiesce()
 
 @patch(as_prop=True)
-def sparse_tensor_module_names(self:Engine)->set:
+def sparse_tensor_module_names(self:DeepSpeedAccessors)->set:
     "DeepSpeed's modules whose gradients it reduces as sparse tensors: none here (`sparse_gradients` has no effect; all are dense)"
     return set()
 
 @patch
-def memory_breakdown(self:Engine)->dict: # bytes: params, grads, optimizer_state, total (stage 3 adds persistent)
+def memory_breakdown(self:DeepSpeedAccessors)->dict: # bytes: params, grads, optimizer_state, total (stage 3 adds persistent)
     "Bytes this rank holds for parameters, gradients and optimizer state, as the ZeRO stage in use partitions them"
     return self.optimizer.memory_breakdown()
 
 # %% ../../nbs/65_engine_accessors.ipynb #c015
 @patch
-def save_checkpoint(self:Engine, save_dir, # the directory holding the checkpoints (shared by all ranks)
+def save_checkpoint(self:DeepSpeedAccessors, save_dir, # the directory holding the checkpoints (shared by all ranks)
                      tag=None, # the checkpoint's name (default: global_step<N>)
                      client_state:dict|None=None, # your own state: tensors, numbers, strings and containers of them
                      save_latest:bool=True, # point `<save_dir>/latest` at this tag
                      exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
     "Save the complete training state (all ranks call it)"
-    return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
 @patch
-def load_checkpoint(self:Engine, load_dir, tag=None, load_module_strict:bool=True, load_optimizer_states:bool=True,
+def load_checkpoint(self:DeepSpeedAccessors, load_dir, tag=None, load_module_strict:bool=True, load_optimizer_states:bool=True,
                      load_lr_scheduler_states:bool=True, load_module_only:bool=False)->tuple:
     "Restore a checkpoint (all ranks call it): `(path, client_state)`, or `(None, None)` when `load_dir` has no `latest`"
-    return checkpoint.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                      load_lr_scheduler_states, load_module_only)
+    return save_load.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                     load_lr_scheduler_states, load_module_only)
 
 @patch
-def save_16bit_model(self:Engine, save_dir, save_filename:str='pytorch_model.bin', exclude_frozen_parameters:bool=False)->bool:
+def save_16bit_model(self:DeepSpeedAccessors, save_dir, save_filename:str='pytorch_model.bin', exclude_frozen_parameters:bool=False)->bool:
     "The model's weights in their working dtype, in one file written by rank 0 (all ranks call it)"
-    return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+    return save_load.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)

@@ -18,6 +18,7 @@ from .parts import (StepCounter, Timers, StepClock, StepReporter, layer_drop,
 from .optim import client_optimizer, client_lr_scheduler
 from ..monitor.ds_sinks import DeepSpeedMonitors, check_packages
 from ..zero import SlotArgs, build_optimizer_slot
+from .accessors import DeepSpeedAccessors
 from fastcore.basics import patch
 
 # %% auto #0
@@ -39,7 +40,7 @@ def check_stage(config:FlexConfig):
         raise NotImplementedError("zero_optimization.stage=3 is not available in this build: use stage 0, 1 or 2")
 
 # %% ../../nbs/65_engine_core.ipynb #c009
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedAccessors, torch.nn.Module):
     "DeepSpeed's engine API over `module`: forward, backward (loss scaling, accumulation) and step (reduce, clip, update)"
     def __init__(self, model:torch.nn.Module, # the model to train
                  config:FlexConfig, # the validated configuration (batch sizes may still be partly given)

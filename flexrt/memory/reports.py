@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import fields
 from .. import comm as dist
 from .tracker import TensorMemoryTracker
-from .stats import MemorySnapshot, memory_snapshot, reset_peak_memory_stats, _memory_device, _tensor_stats
+from .stats import MemorySnapshot, memory_snapshot, reset_peak_memory_stats, memory_device, tensor_memory_stats
 from fastcore.basics import patch
 _all_ = ['MemorySnapshot', 'memory_snapshot', 'reset_peak_memory_stats']
 
@@ -87,7 +87,7 @@ memory_status = MemoryStatus()
 def get_ma_status()->int:
     "Bytes of live tensors on this device if this is rank 0, else 0"
     if dist.get_rank() != 0: return 0
-    allocated, *_, tracked = _tensor_stats(_memory_device())
+    allocated, *_, tracked = tensor_memory_stats(memory_device())
     if not tracked:
         warnings.warn('get_ma_status: no TensorMemoryTracker is enabled, so CPU tensor bytes are not counted and '
                       '0 is returned; enable one with TensorMemoryTracker().enable()', stacklevel=2)
@@ -135,7 +135,7 @@ class MemorySampler:
             raise ValueError(f'capacity must be a positive int (the number of snapshots kept), not {capacity!r}')
         if on_sample is not None and not callable(on_sample):
             raise TypeError(f'on_sample must be a callable taking one MemorySnapshot, not {type(on_sample).__name__}')
-        _memory_device(device)  # refuse an unsupported device here, not later on the thread
+        memory_device(device)  # refuse an unsupported device here, not later on the thread
         self.interval_ms, self.capacity, self.device, self.on_sample = interval_ms, capacity, device, on_sample
         self._buffer, self.num_samples, self._error = deque(maxlen=capacity), 0, None
         self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()

@@ -11,7 +11,7 @@ from .wire import MAX_MESSAGE_BYTES, MalformedMessage, frame, answer, parse_mess
 
 # %% auto #0
 __all__ = ['ADDRESS_VARIABLE', 'KEY_VARIABLE', 'OWNER_VARIABLE', 'lower_thread_priority', 'Hub', 'serve', 'stop_serving',
-           'ranks_connected']
+           'ranks_connected', 'forget_hub']
 
 # %% ../../nbs/30_monitor_channel.ipynb #c006
 def lower_thread_priority(niceness:int=10)->bool: # False where threads have no priority of their own
@@ -173,7 +173,7 @@ def _on_frame(self:Hub, peer:_Peer, payload:bytes):
     if message['type'] == 'flush': return self._write(peer, frame(b'{"type":"flushed"}'))
     records, bad = check_records(message['records'])
     if bad: self._count(peer, 'malformed', f'{bad} record(s) that are not dicts with a string "kind"', bad)
-    for record in records: events._deliver(record)
+    for record in records: events.deliver(record)
     with self._lock: self.num_received += len(records); self._dropped[message['sender']] = message['dropped']
 
 # %% ../../nbs/30_monitor_channel.ipynb #c025
@@ -232,3 +232,9 @@ def stop_serving():
 def ranks_connected()->int:
     "How many worker ranks are connected to this kernel's hub now (0 when it does not serve)"
     return _hub.num_open if _hub is not None else 0
+
+# %% ../../nbs/30_monitor_channel.ipynb #c032
+def forget_hub():
+    "Drop the hub this process inherited by fork, without closing it (the parent serves it)"
+    global _hub
+    _hub = None

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib, threading, time, traceback, warnings
 
 # %% auto #0
-__all__ = ['listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'log', 'emit_snapshot', 'sample_memory']
+__all__ = ['listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'deliver', 'log', 'emit_snapshot', 'sample_memory',
+           'route_to']
 
 # %% ../../nbs/30_monitor_events.ipynb #c006
 _listeners: tuple = ()        # the registered listeners, in registration order
@@ -55,12 +56,6 @@ def emit(kind:str, # the event type: 'step', 'memory', 'comm', 'experiment', ...
         try: fn(event)
         except Exception as e: _report(fn, e)
 
-def _deliver(event:dict):
-    "Hand an already built record (one that arrived from a rank or a file) to every listener of this process"
-    for fn in _listeners:
-        try: fn(event)
-        except Exception as e: _report(fn, e)
-
 # %% ../../nbs/30_monitor_events.ipynb #c014
 @contextlib.contextmanager
 def listen(fn): # a callable taking one record
@@ -68,6 +63,13 @@ def listen(fn): # a callable taking one record
     add_listener(fn)
     try: yield fn
     finally: remove_listener(fn)
+
+# %% ../../nbs/30_monitor_events.ipynb #c015b
+def deliver(record:dict): # a record built elsewhere: a dict with 'kind' and 'time'
+    "Hand an already built record (one that arrived from a rank or a file) to every listener of this process"
+    for fn in _listeners:
+        try: fn(record)
+        except Exception as e: _report(fn, e)
 
 # %% ../../nbs/30_monitor_events.ipynb #c019
 def log(**values): # the values to record, e.g. `accuracy=0.91`
@@ -85,3 +87,11 @@ def sample_memory(interval_ms:float=100, # time between samples, in milliseconds
     "A `MemorySampler` (not started; use it as a context manager) whose every snapshot is emitted as a `'memory'` record"
     from flexrt.memory.reports import MemorySampler
     return MemorySampler(interval_ms, on_sample=emit_snapshot, **kwargs)
+
+# %% ../../nbs/30_monitor_events.ipynb #c023b
+def route_to(forwarder, # a callable taking one record: a worker rank's link to the kernel
+             inherited:bool=False): # the listeners were copied from the parent by fork: forget them first
+    "Hand every record from now on to `forwarder` too (no lock: call it at import or right after a fork)"
+    global _listeners
+    if inherited: _listeners, _failed[:] = (), []
+    _listeners = _listeners + (forwarder,)

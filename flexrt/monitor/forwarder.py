@@ -138,9 +138,9 @@ def _attach_from_environment(inherited:bool=False):
     global _forwarder
     address, owner = os.environ.get(ADDRESS_VARIABLE), os.environ.get(OWNER_VARIABLE)
     if not address or owner == str(os.getpid()): return None
-    if inherited: events._listeners, channel._hub, events._failed[:] = (), None, []   # the kernel's listeners get records by the channel
+    if inherited: channel.forget_hub()   # the kernel's hub, listeners too (below): they get records by the channel
     _forwarder = Forwarder(address, bytes.fromhex(os.environ[KEY_VARIABLE]))
-    events._listeners = events._listeners + (_forwarder,)   # no lock: runs at import or right after fork, before other threads
+    events.route_to(_forwarder, inherited)   # no lock: runs at import or right after fork, before other threads
     return _forwarder
 
 def flush():

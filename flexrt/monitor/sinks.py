@@ -8,14 +8,14 @@ import json, os, threading
 from . import events
 
 # %% auto #0
-__all__ = ['JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
+__all__ = ['flatten_record', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
 
 # %% ../../nbs/30_monitor_sinks.ipynb #c005
-def _flat(record:dict, prefix:str='')->dict:
+def flatten_record(record:dict, prefix:str='')->dict:
     "Nested dicts as dotted keys"
     out = {}
     for k, v in record.items():
-        if isinstance(v, dict): out.update(_flat(v, f'{prefix}{k}.'))
+        if isinstance(v, dict): out.update(flatten_record(v, f'{prefix}{k}.'))
         else: out[prefix + k] = v
     return out
 
@@ -46,7 +46,7 @@ class CSVSink:
     def __call__(self, record:dict):
         if record.get('kind') not in self.kinds: return
         import csv
-        row = _flat(record)
+        row = flatten_record(record)
         with self._lock:
             if self._writer is None:
                 self._writer = csv.DictWriter(self._file, fieldnames=list(row), extrasaction='ignore')
@@ -67,7 +67,7 @@ class TensorBoardSink:
     def __call__(self, record:dict):
         if record.get('kind') not in self.kinds: return
         step = record.get('step', 0)
-        for k, v in _flat(record).items():
+        for k, v in flatten_record(record).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ('step', 'time'):
                 self.writer.add_scalar(k, v, step)
     def close(self): self.writer.close()
@@ -78,7 +78,7 @@ class follow:
     def __init__(self, path, # the JSONL file (it may not exist yet)
                  fn=None, # callable taking one record; default: this process's listeners
                  interval:float=0.2): # seconds between looks at the file
-        self.path, self.fn, self.interval, self.num_records = str(path), fn or events._deliver, interval, 0
+        self.path, self.fn, self.interval, self.num_records = str(path), fn or events.deliver, interval, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-follow'); self._thread.start()
 

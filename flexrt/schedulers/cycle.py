@@ -8,7 +8,7 @@ import math, warnings
 import torch
 from torch.optim import Optimizer
 from fastcore.basics import patch
-from .base import BatchLRScheduler, _torch_optimizer, _per_group, _number, _positive, _set
+from .base import BatchLRScheduler, torch_optimizer, per_group_values, check_number, check_positive, set_group_value
 
 # %% auto #0
 __all__ = ['OneCycle', 'LRRangeTest']
@@ -37,12 +37,12 @@ class OneCycle(BatchLRScheduler):
                  cycle_max_mom:float|list=0.9, # momentum at the start and end of the cycle
                  decay_mom_rate:float=0., # momentum growth rate after the cycle
                  last_batch_iteration:int=-1):
-        torch_opt = _torch_optimizer(optimizer)
+        torch_opt = torch_optimizer(optimizer)
         self._shape(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count, cycle_second_stair_count, decay_step_size)
-        self.min_lrs, self.max_lrs = _per_group(torch_opt, cycle_min_lr, 'cycle_min_lr'), _per_group(torch_opt, cycle_max_lr, 'cycle_max_lr')
+        self.min_lrs, self.max_lrs = per_group_values(torch_opt, cycle_min_lr, 'cycle_min_lr'), per_group_values(torch_opt, cycle_max_lr, 'cycle_max_lr')
         _ordered('cycle_min_lr', self.min_lrs, 'cycle_max_lr', self.max_lrs)
-        self.decay_lr_rate, self.decay_mom_rate = float(_number('decay_lr_rate', decay_lr_rate)), float(_number('decay_mom_rate', decay_mom_rate))
-        self.min_moms, self.max_moms = _per_group(torch_opt, cycle_min_mom, 'cycle_min_mom'), _per_group(torch_opt, cycle_max_mom, 'cycle_max_mom')
+        self.decay_lr_rate, self.decay_mom_rate = float(check_number('decay_lr_rate', decay_lr_rate)), float(check_number('decay_mom_rate', decay_mom_rate))
+        self.min_moms, self.max_moms = per_group_values(torch_opt, cycle_min_mom, 'cycle_min_mom'), per_group_values(torch_opt, cycle_max_mom, 'cycle_max_mom')
         _ordered('cycle_min_mom', self.min_moms, 'cycle_max_mom', self.max_moms)
         if any(m >= 1 for m in self.max_moms): raise ValueError(f"cycle_max_mom must be below 1, got {cycle_max_mom!r}")
         self.momentum_key = _momentum_key(torch_opt) if cycle_momentum else None
@@ -60,13 +60,13 @@ def _ordered(low_name, lows, high_name, highs):
 @patch
 def _shape(self:OneCycle, first, second, first_stairs, second_stairs, decay_step_size):
     "Check and store the cycle's lengths and stair counts"
-    self.first_step_size = _positive('cycle_first_step_size', first)
-    self.second_step_size = self.first_step_size if second is None else float(_number('cycle_second_step_size', second))
+    self.first_step_size = check_positive('cycle_first_step_size', first)
+    self.second_step_size = self.first_step_size if second is None else float(check_number('cycle_second_step_size', second))
     self.total_size = self.first_step_size + self.second_step_size
     self.step_ratio = self.first_step_size / self.total_size   # the rising share of the cycle
-    self.first_stair_count = _number('cycle_first_stair_count', first_stairs, integer=True)
-    self.second_stair_count = self.first_stair_count if second_stairs is None else _number('cycle_second_stair_count', second_stairs, integer=True)
-    self.decay_step_size = float(_number('decay_step_size', decay_step_size))
+    self.first_stair_count = check_number('cycle_first_stair_count', first_stairs, integer=True)
+    self.second_stair_count = self.first_stair_count if second_stairs is None else check_number('cycle_second_stair_count', second_stairs, integer=True)
+    self.decay_step_size = float(check_number('decay_step_size', decay_step_size))
 
 @patch
 def _cycle_fraction(self:OneCycle)->float:
@@ -110,7 +110,7 @@ def _set_momentum(self:OneCycle, moms:list):
     "Write each group's momentum (Adam's beta1, or SGD's momentum)"
     for group, mom in zip(self.optimizer.param_groups, moms):
         if self.momentum_key == 'betas': group['betas'] = (mom, *tuple(group['betas'])[1:])
-        else: _set(group, 'momentum', mom)
+        else: set_group_value(group, 'momentum', mom)
 
 @patch
 def _apply(self:OneCycle):
@@ -126,10 +126,10 @@ class LRRangeTest(BatchLRScheduler):
                  lr_range_test_step_rate:float=1.0, # increase per unit, as a multiple of the starting lr
                  lr_range_test_staircase:bool=False, # increase in whole units instead of every batch
                  last_batch_iteration:int=-1):
-        torch_opt = _torch_optimizer(optimizer)
-        self.min_lrs = _per_group(torch_opt, lr_range_test_min_lr, 'lr_range_test_min_lr')
-        self.step_size = _positive('lr_range_test_step_size', lr_range_test_step_size)
-        self.step_rate = float(_number('lr_range_test_step_rate', lr_range_test_step_rate))
+        torch_opt = torch_optimizer(optimizer)
+        self.min_lrs = per_group_values(torch_opt, lr_range_test_min_lr, 'lr_range_test_min_lr')
+        self.step_size = check_positive('lr_range_test_step_size', lr_range_test_step_size)
+        self.step_rate = float(check_number('lr_range_test_step_rate', lr_range_test_step_rate))
         if not isinstance(lr_range_test_staircase, bool):
             raise TypeError(f"lr_range_test_staircase must be True or False, got {lr_range_test_staircase!r}")
         self.staircase = lr_range_test_staircase

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch.optim import Optimizer
 from fastcore.basics import patch
-from .base import BatchLRScheduler, _torch_optimizer, _initial_lrs, _per_group, _number, _steps
+from .base import BatchLRScheduler, torch_optimizer, initial_lrs, per_group_values, check_number, check_steps
 
 
 # %% auto #0
@@ -38,10 +38,10 @@ class WarmupLR(BatchLRScheduler):
                  warmup_num_steps:int=1000, # batches of warmup (at least 2 are used)
                  warmup_type:str='log', # 'log' or 'linear' rise
                  last_batch_iteration:int=-1): # the batch to resume at (-1: start)
-        torch_opt = _torch_optimizer(optimizer)
-        self.min_lrs = _per_group(torch_opt, warmup_min_lr, 'warmup_min_lr')
-        self.max_lrs = _per_group(torch_opt, _initial_lrs(torch_opt) if warmup_max_lr is None else warmup_max_lr, 'warmup_max_lr')
-        self.warmup_num_steps = max(2, _steps('warmup_num_steps', warmup_num_steps))
+        torch_opt = torch_optimizer(optimizer)
+        self.min_lrs = per_group_values(torch_opt, warmup_min_lr, 'warmup_min_lr')
+        self.max_lrs = per_group_values(torch_opt, initial_lrs(torch_opt) if warmup_max_lr is None else warmup_max_lr, 'warmup_max_lr')
+        self.warmup_num_steps = max(2, check_steps('warmup_num_steps', warmup_num_steps))
         self.warmup_type = _warmup_type(warmup_type)
         super().__init__(torch_opt, last_batch_iteration)
 
@@ -62,9 +62,9 @@ class WarmupDecayLR(WarmupLR):
                  warmup_min_lr:float|list=0.,
                  warmup_max_lr:float|list|None=0.001, # DeepSpeed's default for this class; None: each group's own lr
                  warmup_num_steps:int=1000, warmup_type:str='log', last_batch_iteration:int=-1):
-        self.total_num_steps = _number('total_num_steps', total_num_steps, minimum=1, integer=True)
-        _warn_default_peak(_torch_optimizer(optimizer), warmup_max_lr)
-        if total_num_steps < _steps('warmup_num_steps', warmup_num_steps):
+        self.total_num_steps = check_number('total_num_steps', total_num_steps, minimum=1, integer=True)
+        _warn_default_peak(torch_optimizer(optimizer), warmup_max_lr)
+        if total_num_steps < check_steps('warmup_num_steps', warmup_num_steps):
             raise ValueError(f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
                              "raise total_num_steps to the length of training, or shorten the warmup")
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
@@ -76,7 +76,7 @@ class WarmupDecayLR(WarmupLR):
 
 def _warn_default_peak(optimizer:Optimizer, warmup_max_lr):
     "Warn when WarmupDecayLR's default peak (0.001) is not the optimizer's lr"
-    lrs = _initial_lrs(optimizer)
+    lrs = initial_lrs(optimizer)
     if warmup_max_lr == 0.001 and any(lr != 0.001 for lr in lrs):
         warnings.warn(f"WarmupDecayLR warms up to warmup_max_lr=0.001 (DeepSpeed's default), not to the optimizer's lr {lrs}: "
                       "pass warmup_max_lr (None: each group's own lr) to choose")
@@ -91,10 +91,10 @@ class WarmupCosineLR(BatchLRScheduler):
                  cos_min_ratio:float=0.0001, # fraction of the lr at the end of the cosine
                  warmup_type:str='log', # 'log' or 'linear' rise
                  last_batch_iteration:int=-1):
-        torch_opt = _torch_optimizer(optimizer)
-        self.org_lrs = _initial_lrs(torch_opt)
-        self.total_num_steps = _number('total_num_steps', total_num_steps, minimum=1, integer=True)
-        self.warmup_num_steps = max(2, _steps('warmup_num_steps', warmup_num_steps))
+        torch_opt = torch_optimizer(optimizer)
+        self.org_lrs = initial_lrs(torch_opt)
+        self.total_num_steps = check_number('total_num_steps', total_num_steps, minimum=1, integer=True)
+        self.warmup_num_steps = max(2, check_steps('warmup_num_steps', warmup_num_steps))
         if total_num_steps < warmup_num_steps:
             raise ValueError(f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
                              "raise total_num_steps to the length of training, or shorten the warmup")
@@ -103,7 +103,7 @@ class WarmupCosineLR(BatchLRScheduler):
         super().__init__(torch_opt, last_batch_iteration)
 
 def _ratio(name:str, value)->float:
-    if _number(name, value) > 1: raise ValueError(f"{name} is a fraction of the learning rate, in [0, 1]; got {value!r}")
+    if check_number(name, value) > 1: raise ValueError(f"{name} is a fraction of the learning rate, in [0, 1]; got {value!r}")
     return float(value)
 
 # %% ../../nbs/42_schedulers_warmup.ipynb #c015

@@ -4,11 +4,11 @@
 
 # %% auto #0
 __all__ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_decorator', 'call_to_str', 'get_only_unique_item',
-           'is_model_parallel_parameter', 'bwc_tensor_model_parallel_rank', 'MpuAdapter', 'copy_to_device',
-           'move_to_device', 'prefix_sum_inc', 'partition_uniform', 'partition_balanced', 'align_dense_tensors',
-           'PartitionedTensor', 'all_gather_dp_groups', 'clip_grad_norm_', 'get_grad_norm', 'get_weight_norm',
-           'get_grad_zeros', 'get_global_norm_of_tensors', 'clip_tensors_by_global_norm', 'get_global_norm',
-           'has_inf_or_nan', 'CheckOverflow']
+           'is_model_parallel_parameter', 'bwc_tensor_model_parallel_rank', 'MpuAdapter', 'as_tensor_list',
+           'copy_to_device', 'move_to_device', 'prefix_sum_inc', 'partition_uniform', 'partition_balanced',
+           'align_dense_tensors', 'PartitionedTensor', 'all_gather_dp_groups', 'clip_grad_norm_', 'get_grad_norm',
+           'get_weight_norm', 'get_grad_zeros', 'get_global_norm_of_tensors', 'clip_tensors_by_global_norm',
+           'get_global_norm', 'has_inf_or_nan', 'CheckOverflow']
 
 # %% ../../nbs/20_utils.ipynb #c003
 from .core import *
@@ -18,7 +18,7 @@ from .grads import *
 # %% ../../nbs/20_utils.ipynb #c006
 _all_ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_decorator', 'call_to_str',
          'get_only_unique_item', 'is_model_parallel_parameter', 'bwc_tensor_model_parallel_rank', 'MpuAdapter',
-         'copy_to_device', 'move_to_device',
+         'as_tensor_list', 'copy_to_device', 'move_to_device',
          'prefix_sum_inc', 'partition_uniform', 'partition_balanced', 'align_dense_tensors', 'PartitionedTensor',
          'all_gather_dp_groups',
          'clip_grad_norm_', 'get_grad_norm', 'get_weight_norm', 'get_grad_zeros', 'get_global_norm_of_tensors',

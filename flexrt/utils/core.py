@@ -10,8 +10,8 @@ from .. import comm as dist
 
 # %% auto #0
 __all__ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_decorator', 'call_to_str', 'get_only_unique_item',
-           'is_model_parallel_parameter', 'bwc_tensor_model_parallel_rank', 'MpuAdapter', 'copy_to_device',
-           'move_to_device']
+           'is_model_parallel_parameter', 'bwc_tensor_model_parallel_rank', 'MpuAdapter', 'as_tensor_list',
+           'copy_to_device', 'move_to_device']
 
 # %% ../../nbs/20_utils_core.ipynb #c006
 def set_random_seed(seed:int): # any Python int; reduced into each library's accepted range
@@ -112,7 +112,7 @@ class MpuAdapter:
     def __repr__(self): return f'MpuAdapter(world_size={self.world_size}, tensor_rank={self.tensor_rank})'
 
 # %% ../../nbs/20_utils_core.ipynb #c030
-def _tensor_list(tensors, # one tensor (if `single_ok`) or an iterable of tensors
+def as_tensor_list(tensors, # one tensor (if `single_ok`) or an iterable of tensors
                  name:str='parameters', # the argument's name, for the error
                  single_ok:bool=True)->list:
     "`tensors` as a list; TypeError naming the argument and the first non-tensor"

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
-from .core import MpuAdapter, _tensor_list
+from .core import MpuAdapter, as_tensor_list
 from fastcore.basics import patch
 
 # %% auto #0
@@ -92,7 +92,7 @@ def _is_expert(p)->bool: return getattr(p, 'allreduce', True) is False
 def _split_parameters(parameters, mp:MpuAdapter, use_grad=True, skip_pipe_replicated=False):
     "Buckets of (all tensors, dense tensors counted here), and {declared expert group name: buckets counted here}"
     every, dense, experts = {}, {}, {}
-    for p in _tensor_list(parameters):
+    for p in as_tensor_list(parameters):
         target = experts.setdefault(getattr(p, 'group_name', None), {}) if _is_expert(p) else dense   # declared even without a grad
         t = p.grad if use_grad else p.detach()
         if t is None or not t.numel(): continue
@@ -206,7 +206,7 @@ def get_global_norm_of_tensors(input_tensors, # a tensor or an iterable of tenso
                                mpu=None, # sum over its model-parallel group, or None
                                moe_ep_group=None)->float: # also sum over this group (disjoint shards), or None
     "Global p-norm of `input_tensors` over the given groups; -1 if it is not finite (DeepSpeed's contract)"
-    tensors, p, mp = _tensor_list(input_tensors, 'input_tensors'), _norm_type(norm_type), MpuAdapter(mpu)
+    tensors, p, mp = as_tensor_list(input_tensors, 'input_tensors'), _norm_type(norm_type), MpuAdapter(mpu)
     extra = _LOCAL if moe_ep_group is None else moe_ep_group
     return _finite_or_minus_one(_global_norm(_buckets(tensors), {}, p, mp, extra_group=extra))
 
@@ -214,7 +214,7 @@ def get_global_norm_of_tensors(input_tensors, # a tensor or an iterable of tenso
 def clip_tensors_by_global_norm(input_tensors, max_norm:float=1.0, global_norm:float|None=None, mpu=None,
                                 eps:float=1e-6, moe_ep_group=None)->float: # the global norm before clipping
     "Scale `input_tensors` in place so their global norm is at most `max_norm`; a -1 or non-finite norm touches nothing"
-    tensors, max_norm = _tensor_list(input_tensors, 'input_tensors'), _max_norm(max_norm)
+    tensors, max_norm = as_tensor_list(input_tensors, 'input_tensors'), _max_norm(max_norm)
     if global_norm is None: global_norm = get_global_norm_of_tensors(tensors, 2, mpu, moe_ep_group)
     if global_norm == -1: return global_norm
     _scale_if_above(_buckets(tensors), max_norm, torch.as_tensor(float(global_norm), dtype=torch.float32), eps)
@@ -254,7 +254,7 @@ class CheckOverflow:
     @staticmethod
     def _flatten(param_groups)->list:
         out = []
-        for g in param_groups: out += _tensor_list(g['params'] if isinstance(g, Mapping) else g, 'param_groups')
+        for g in param_groups: out += as_tensor_list(g['params'] if isinstance(g, Mapping) else g, 'param_groups')
         return out
 
     @staticmethod
@@ -273,7 +273,7 @@ class CheckOverflow:
 @patch
 def has_overflow(self:CheckOverflow, params, has_moe_params=None)->bool:
     "True on every rank if any rank's gradients among `params` hold inf or nan"
-    grads = [p.grad for p in _tensor_list(params) if p.grad is not None]
+    grads = [p.grad for p in as_tensor_list(params) if p.grad is not None]
     return self._agree(_any_non_finite(grads))
 
 @patch
@@ -284,7 +284,7 @@ def check(self:CheckOverflow, param_groups=None)->bool:
 @patch
 def has_overflow_serial(self:CheckOverflow, params)->bool:
     "This rank's answer only, tensor by tensor (no communication)"
-    return any(has_inf_or_nan(p.grad, i) for i, p in enumerate(_tensor_list(params)) if p.grad is not None)
+    return any(has_inf_or_nan(p.grad, i) for i, p in enumerate(as_tensor_list(params)) if p.grad is not None)
 
 @patch
 def check_using_norm(self:CheckOverflow, norm_group, reduce_overflow:bool=True)->bool:

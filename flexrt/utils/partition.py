@@ -8,7 +8,7 @@ import bisect, itertools, math
 from collections import deque
 import torch
 from .. import comm as dist
-from .core import _tensor_list
+from .core import as_tensor_list
 from fastcore.basics import patch
 
 # %% auto #0
@@ -140,7 +140,7 @@ def partition_balanced(weights, # non-negative weight per item (e.g. parameters 
 def align_dense_tensors(tensor_list, # tensors that will be flattened together
                         alignment:int)->list: # the total element count is padded to a multiple of this
     "`tensor_list` plus, if needed, a zero tensor that pads the total number of elements to a multiple of `alignment`"
-    tensor_list = _tensor_list(tensor_list, 'tensor_list', single_ok=False); _check_count('alignment', alignment, 1)
+    tensor_list = as_tensor_list(tensor_list, 'tensor_list', single_ok=False); _check_count('alignment', alignment, 1)
     remaining = -sum(t.numel() for t in tensor_list) % alignment
     if remaining == 0 or not tensor_list: return tensor_list
     first = tensor_list[0]
@@ -253,5 +253,5 @@ def all_gather_dp_groups(groups_flat, # per parameter group: the flat buffer hol
         raise ValueError(f"{len(groups_flat)} flat buffers for {len(partitioned_param_groups)} parameter groups")
     for i, (flat, partitions) in enumerate(zip(groups_flat, partitioned_param_groups)):
         group = dp_process_group[i] if isinstance(dp_process_group, (list, tuple)) else dp_process_group
-        _gather_group(flat, _tensor_list(partitions, f'partitioned_param_groups[{i}]', single_ok=False), group,
+        _gather_group(flat, as_tensor_list(partitions, f'partitioned_param_groups[{i}]', single_ok=False), group,
                       start_alignment_factor, allgather_bucket_size)

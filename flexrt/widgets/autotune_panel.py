@@ -10,7 +10,7 @@ from .live import LiveView
 from .autotune_view import SearchView, view_of_result, table_html, fill_metric, fill_memory, search_plot, TABLE
 
 # %% auto #0
-__all__ = ['search_summary', 'SearchPanel']
+__all__ = ['search_summary', 'error_html', 'SearchPanel']
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #c012
 _UNITS = {'throughput': 'samples/s', 'latency': 's/step', 'flops': 'FLOP/s'}
@@ -24,7 +24,9 @@ def search_summary(view:SearchView)->str:
     return (f"{len(trials)} trials ({counts}); best {best['metric']:.4g} {_UNITS.get(view.metric_name, '')}: "
             f"stage {int(best['stage'])}, micro-batch {int(best['micro_batch'])} (trial {int(best['trial'])})")
 
-def _error_html(error:BaseException)->str: return f'<span style="color:#b00020">{type(error).__name__}: {html.escape(str(error))}</span>'
+def error_html(error:BaseException)->str:
+    "`error` as red HTML: its type, then its message (how the widgets show a failed action)"
+    return f'<span style="color:#b00020">{type(error).__name__}: {html.escape(str(error))}</span>'
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #c014
 class SearchPanel(LiveView):
@@ -51,7 +53,7 @@ class SearchPanel(LiveView):
     def _act(self, action):
         "A button's action; its error is shown next to the buttons and kept on `.error`"
         try: self.notice.value = html.escape(str(action() or ''))
-        except Exception as e: self.error, self.notice.value = e, _error_html(e)
+        except Exception as e: self.error, self.notice.value = e, error_html(e)
 
     def draw_text(self):
         view = self.view

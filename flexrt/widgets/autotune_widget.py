@@ -9,7 +9,7 @@ import ipywidgets as W
 from .. import monitor
 from ..autotuner.space import parse_bytes, knob_choices
 from .autotune_view import SearchView, SearchSettings, search_arguments, breakdown_html, METRICS
-from .autotune_panel import SearchPanel, search_summary, _error_html
+from .autotune_panel import SearchPanel, search_summary, error_html
 _all_ = ['search_summary', 'SearchPanel']
 
 # %% auto #0
@@ -75,7 +75,7 @@ class MemoryPlanner:
         try:
             self.last = self.estimate(self.stage.value, self.micro_batch.value, self.world_size.value)
             self.output.value = breakdown_html(self.last.breakdown, self.last.peak_bytes, self.budget())
-        except Exception as e: self.error, self.last, self.output.value = e, None, _error_html(e)
+        except Exception as e: self.error, self.last, self.output.value = e, None, error_html(e)
         return self.last
 
 # %% ../../nbs/80_widgets_autotune_widget.ipynb #c022
@@ -182,7 +182,7 @@ class AutotuneWidget(SearchPanel):
         "The search's state, its summary and, after a failure, the error"
         state = self.state
         error = self.launched.error if state == 'failed' else None
-        return f'<b>{state}</b> &middot; {super().status_html()}' + (f'<br>{_error_html(error).splitlines()[0]}' if error is not None else '')
+        return f'<b>{state}</b> &middot; {super().status_html()}' + (f'<br>{error_html(error).splitlines()[0]}' if error is not None else '')
 
     def _show_state(self, state:str):
         "Buttons for `state`; after a search, its folder's result (the planner then uses its calibrated profile)"

@@ -8,6 +8,7 @@ import threading
 from collections import Counter
 import pandas as pd
 from .. import monitor
+from ..monitor.sinks import flatten_record
 
 # %% auto #0
 __all__ = ['RecordStore', 'rank0_steps']
@@ -24,7 +25,7 @@ class RecordStore:
         if kind == 'memory':
             record = {k: record[k] for k in ('kind', 'time', 'rank') if k in record} | {
                 'memory': {k: v for k, v in record.items() if k not in ('kind', 'time', 'rank')}}
-        flat = monitor._flat(record)
+        flat = flatten_record(record)
         with self._lock:
             for rows in (self._rows[None], self._rows.setdefault(kind, [])):
                 rows.append(flat)

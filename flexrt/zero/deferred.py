@@ -11,7 +11,7 @@ from .. import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['WatchedDict', 'WatchedParams', 'DeferredGathers']
+__all__ = ['WatchedDict', 'WatchedParams', 'DeferredGathers', 'piece_bounds', 'piece_params', 'gather_bucket']
 
 # %% ../../nbs/50_zero_deferred.ipynb #c005
 class WatchedDict(dict):
@@ -117,21 +117,21 @@ def close(self:DeferredGathers):
     self._hooks = []
 
 # %% ../../nbs/50_zero_deferred.ipynb #c014
-def _piece_bounds(bk, pieces:int)->list: # [(start, end)] in a chunk, its end first
+def piece_bounds(bk, pieces:int)->list: # [(start, end)] in a chunk, its end first
     "Split each rank's chunk of `bk` into up to `pieces` ranges, last first (forward reaches a bucket's end first: buckets are in backward order)"
     C = bk.partition.shard_numel
     n = max(1, min(pieces, len(bk.params), C)) if bk.world_size > 1 else 1
     step = -(-C // n)
     return [(a, min(a + step, C)) for a in reversed(range(0, C, step))] or [(0, C)]
 
-def _piece_params(part, a:int, b:int)->list:
+def piece_params(part, a:int, b:int)->list:
     "The parameters with elements in `[a, b)` of some rank's chunk: those a gather of that piece writes"
     C, ranks = part.shard_numel, range(part.world_size)
     return [p for p, s, e in zip(part.params, part.offsets, part.offsets[1:]) if any(max(s, r * C + a) < min(e, r * C + b) for r in ranks)]
 
 # %% ../../nbs/50_zero_deferred.ipynb #c017
 @torch.no_grad()
-def _gather_bucket(bk, # a ZeRO 1/2 bucket: `master` (its chunk), `param_buffer`, `pieces`, `dtype`, `group`, `world_size`
+def gather_bucket(bk, # a ZeRO 1/2 bucket: `master` (its chunk), `param_buffer`, `pieces`, `dtype`, `group`, `world_size`
                    collectives:str)->list: # 'native', 'p2p' or 'all_reduce'; returns a handle per piece (None: nothing in flight)
     "Start the all-gather of one bucket's parameter buffer (its chunk from the master), piece by piece (`bk.pieces`)"
     if bk.world_size == 1: _own_chunk(bk); return [None]

@@ -13,7 +13,7 @@ from .. import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Bucket', 'plan_buckets', 'BucketReducer', 'GradientReducer']
+__all__ = ['Bucket', 'plan_buckets', 'reduction_group', 'BucketReducer', 'GradientReducer']
 
 # %% ../../nbs/50_zero_reducer.ipynb #c006
 class Bucket:
@@ -75,7 +75,7 @@ def _trainable(params)->list:
     return out
 
 # %% ../../nbs/50_zero_reducer.ipynb #c017
-def _group_of(p, group=None, expert_groups=None):
+def reduction_group(p, group=None, expert_groups=None):
     "The process group `p`'s gradient is averaged over"
     if getattr(p, 'allreduce', True) is not False: return group
     name = getattr(p, 'group_name', None)
@@ -211,7 +211,7 @@ class GradientReducer(BucketReducer):
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.world_size = dist.get_world_size(group)   # the data-parallel world size: every bucket's divisor
         params = _trainable(params)
-        groups = {id(p): _group_of(p, group, expert_groups) for p in params}
+        groups = {id(p): reduction_group(p, group, expert_groups) for p in params}
         shared = list(reversed(params)) if self.world_size > 1 else []
         super().__init__(plan_buckets(shared, bucket_bytes, lambda p: groups[id(p)], first_bucket_bytes=first_bucket_bytes))
 

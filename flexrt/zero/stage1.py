@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import torch
 from .. import comm as dist
-from .reducer import plan_buckets, _group_of
+from .reducer import plan_buckets, reduction_group
 from .partition import FlatPartition, shard_grad_norm, clip_shards
 from ..memory.reports import storage_bytes
 from .base import OptimizerSlot, Fragment, Piece, zero_stale
 from .shard_reducer import ShardReducer, ALGORITHMS
-from .deferred import DeferredGathers, _piece_bounds, _piece_params, _gather_bucket
+from .deferred import DeferredGathers, piece_bounds, piece_params, gather_bucket
 from fastcore.basics import patch
 
 # %% auto #0
@@ -40,7 +40,7 @@ def _plan(groups:list, bucket_bytes:int, dp_group, expert_groups)->list: # bucke
     for gi, params in enumerate(groups):
         by_group = {}
         for p in reversed(params):
-            g = _group_of(p, dp_group, expert_groups)
+            g = reduction_group(p, dp_group, expert_groups)
             by_group.setdefault(id(g), (g, []))[1].append(p)
         for g, ps in by_group.values():
             for bk in plan_buckets(ps, bucket_bytes, lambda p, g=g: g, align=dist.get_world_size(g)):
@@ -98,8 +98,8 @@ class ZeroStage1(OptimizerSlot):
         for gi, group_ in enumerate(optimizer.param_groups): group_['params'] = [bk.master for bk in self.buckets if bk.param_group == gi]
         self._setup_gradients()
         self.reducer = self._make_reducer(gradient_predivide_factor)
-        for bk in self.buckets: bk.pieces = _piece_bounds(bk, gather_pieces if defer_gather and collectives == 'p2p' else 1)
-        self.deferred = DeferredGathers(module, [_piece_params(bk.partition, *ab) for bk in self.buckets for ab in bk.pieces]) if defer_gather else None
+        for bk in self.buckets: bk.pieces = piece_bounds(bk, gather_pieces if defer_gather and collectives == 'p2p' else 1)
+        self.deferred = DeferredGathers(module, [piece_params(bk.partition, *ab) for bk in self.buckets for ab in bk.pieces]) if defer_gather else None
 
     def __repr__(self): return (f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
                                 f'{len(self.buckets)} buckets over {self.world_size} ranks)')
@@ -142,8 +142,8 @@ def clip_grad_norm(self:ZeroStage1, max_norm:float)->tuple: # (norm before clipp
 # %% ../../nbs/50_zero_stage1.ipynb #c020
 @patch
 def _launch_gather(self:ZeroStage1, bk)->list: # a handle per piece (None: nothing in flight)
-    "Start the all-gather of one bucket's parameter buffer (`_gather_bucket`) and count the bytes it moves"
-    works = _gather_bucket(bk, self.collectives)
+    "Start the all-gather of one bucket's parameter buffer (`gather_bucket`) and count the bytes it moves"
+    works = gather_bucket(bk, self.collectives)
     if bk.world_size > 1: self.comm_bytes += bk.param_buffer.nbytes
     return works
 

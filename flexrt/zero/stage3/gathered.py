@@ -6,9 +6,7 @@
 from __future__ import annotations
 import contextlib
 import torch
-from .records import ParamRecord, gather_records, release_records
-from .params import ParameterPartitioner
-from fastcore.basics import patch
+from .records import gather_records, release_records
 
 # %% auto #0
 __all__ = ['register_external_parameter', 'GatheredParameters']
@@ -38,11 +36,3 @@ def GatheredParameters(params, # a parameter or an iterable of them (e.g. `modul
             if modifier_rank is not None: part.write_back(r, modifier_rank)
             r.active -= 1
             release_records([r])
-
-# %% ../../../nbs/52_zero_stage3_gathered.ipynb #c037
-@patch
-@torch.no_grad()
-def write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
-    "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
-    r.write_back(src)
-    if self.on_modified is not None: self.on_modified(r)

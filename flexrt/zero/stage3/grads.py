@@ -5,7 +5,7 @@
 # %% ../../../nbs/52_zero_stage3_grads.ipynb #c003
 from __future__ import annotations
 import torch
-from .records import ParamRecord, _ReduceScatter
+from .records import ParamRecord, GradientReduceScatter
 from .plan import COALESCE_NUMEL, split_buckets
 from fastcore.basics import patch
 
@@ -17,7 +17,7 @@ class Bucket:
     "Trainable records of one process group whose gradients are reduce-scattered together"
     def __init__(self, records:list):
         self.records, self.slot = records, {id(r): i for i, r in enumerate(records)}
-        self.reduce, self.launched, self.num_ready = None, False, 0   # this backward's `_ReduceScatter`; gradients in so far
+        self.reduce, self.launched, self.num_ready = None, False, 0   # this backward's `GradientReduceScatter`; gradients in so far
         self.late = []   # reduce-scatters of gradients that arrived after the bucket was launched (see `GradBuckets.add`)
     @property
     def numel(self)->int: return sum(r.numel for r in self.records)
@@ -50,8 +50,8 @@ class GradBuckets:
 
 # %% ../../../nbs/52_zero_stage3_grads.ipynb #c009
 @patch
-def _new_reduce(self:GradBuckets, b:Bucket, like:torch.Tensor)->_ReduceScatter:
-    return _ReduceScatter(b.records, like.dtype, like.device, self.world_size)
+def _new_reduce(self:GradBuckets, b:Bucket, like:torch.Tensor)->GradientReduceScatter:
+    return GradientReduceScatter(b.records, like.dtype, like.device, self.world_size)
 
 @patch
 def add(self:GradBuckets, r:ParamRecord, # a record whose gradient is complete

@@ -8,7 +8,7 @@ from functools import partial
 import torch
 from torch.utils._pytree import tree_flatten
 from ... import comm as dist
-from ..reducer import _group_of
+from ..reducer import reduction_group
 from .access import track_parameters, untrack_parameters
 from .records import ParamRecord, gather_records, release_records, set_ds_attributes, drop_ds_attributes
 from .plan import plan_keep, plan_chunks, chunk_ends, plan_ahead
@@ -60,7 +60,7 @@ class ParameterPartitioner:
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.records, kept = {}, 0
         for name, p in module.named_parameters():
-            r = self.records[p] = _record(p, name, _group_of(p, group, expert_groups))   # an expert's own group, else `group`
+            r = self.records[p] = _record(p, name, reduction_group(p, group, expert_groups))   # an expert's own group, else `group`
             r.persistent = r.numel == 0 or r.numel < persistence_threshold and kept + r.numel <= model_persistence_threshold
             kept += r.numel if r.persistent else 0
         trainable = [p for p in module.parameters() if p.requires_grad] if trainable is None else list(trainable)
@@ -273,6 +273,14 @@ def refresh_persistent(self:ParameterPartitioner):
     persistent = [r for r in self.records.values() if r.persistent and r.numel]
     for r in persistent: r.full = False
     if persistent: gather_records(persistent, owner=self)
+
+# %% ../../../nbs/52_zero_stage3_params.ipynb #c033x
+@patch
+@torch.no_grad()
+def write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
+    "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
+    r.write_back(src)
+    if self.on_modified is not None: self.on_modified(r)
 
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c034
 @patch

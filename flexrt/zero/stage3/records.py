@@ -10,7 +10,7 @@ from ... import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records']
+__all__ = ['ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records', 'GradientReduceScatter']
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c006
 class ParamRecord:
@@ -150,7 +150,7 @@ def _copy_rows(rows:torch.Tensor, off:int, record:ParamRecord, grad:torch.Tensor
     if first and whole < rows.shape[0]:   # the padding: the end of the row the parameter ends in, and the rows after it
         rows[whole, off + rest:off + s].zero_(); rows[whole + 1:, off:off + s].zero_()
 
-class _ReduceScatter:
+class GradientReduceScatter:
     "The gradient reduce-scatter of records of one process group: filled as gradients arrive, launched when complete"
     def __init__(self, records:list, dtype, device, divisor:int): # divisor: the data-parallel size (gradients are averaged over it)
         self.records, self.n, self.group, self.divisor = records, records[0].world_size, records[0].group, divisor
@@ -165,7 +165,7 @@ class _ReduceScatter:
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c017
 @patch
-def launch(self:_ReduceScatter, owner=None): # owner: counts the bytes in its `comm_bytes`
+def launch(self:GradientReduceScatter, owner=None): # owner: counts the bytes in its `comm_bytes`
     "Start the reduce-scatter over the records' group (nothing to start in a group of one); a record without a gradient counts as zeros"
     for i, done in enumerate(self.written):
         if not done: self.buffer[:, self.offsets[i]:self.offsets[i + 1]].zero_()
@@ -176,7 +176,7 @@ def launch(self:_ReduceScatter, owner=None): # owner: counts the bytes in its `c
 
 @patch
 @torch.no_grad()
-def finish(self:_ReduceScatter):
+def finish(self:GradientReduceScatter):
     "Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard` (copy it into a stale one)"
     if self.work is not None: self.work.wait()
     if self.divisor != 1: self.out.div_(self.divisor)
