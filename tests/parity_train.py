@@ -94,7 +94,8 @@ def read_deepspeed(save_dir, stage):
 def read_flexrt(save_dir, stage):
     "flexrt's checkpoint as per-parameter tensors: fp32 masters via consolidate, Adam moments from its fragment index"
     from flexrt.checkpoint import consolidate, resolve
-    from flexrt.checkpoint.layout import safe_load, read_manifest, rank_file, MODEL_STATES
+    from flexrt.checkpoint.layout import read_manifest
+    from flexrt.checkpoint.storage import safe_load, rank_file, MODEL_STATES
     from flexrt.checkpoint.shards import FragmentIndex
     out = {'masters': dict(consolidate(save_dir, tag='final'))}
     directory = resolve(save_dir, 'final')

@@ -355,7 +355,7 @@ MARKER = '/tmp/flexrt_ckpt_pwned'
 
 def test_malicious_pickle_is_refused_even_with_a_valid_checksum(saved):
     from flexrt.checkpoint import CheckpointError
-    from flexrt.checkpoint.layout import checksum_file
+    from flexrt.checkpoint.storage import checksum_file
     e, d, ckpt = saved
     Path(MARKER).unlink(missing_ok=True)
     torch.save({'masters': [], 'values': [], 'rng': Payload()}, ckpt / 'rank_00000.pt')
@@ -480,7 +480,8 @@ def moe_load_rank(rank, world, d, d2, stage):
 
 def saved_tensors(d):
     "Every saved (key, field) assembled whole, and each key's scalar state, from a checkpoint directory"
-    from flexrt.checkpoint.layout import safe_load, read_manifest
+    from flexrt.checkpoint.layout import read_manifest
+    from flexrt.checkpoint.storage import safe_load
     from flexrt.checkpoint.shards import FragmentIndex
     world = read_manifest(d)['world_size']
     index = FragmentIndex([safe_load(Path(d, f'rank_{r:05d}.pt')) for r in range(world)])
@@ -550,7 +551,7 @@ def elements_rank(rank, world, root):
         e.close()
 
 def test_every_element_is_saved_once(tmp_path):
-    from flexrt.checkpoint.layout import safe_load
+    from flexrt.checkpoint.storage import safe_load
     run_distributed(elements_rank, 2, args=(str(tmp_path),))
     model = make_model()
     trainable = {id(p): p.numel() for p in model.parameters() if p.requires_grad}

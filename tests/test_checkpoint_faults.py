@@ -147,7 +147,7 @@ def test_a_manifest_that_is_not_a_json_object_is_refused(ckpt, text):
 # paths: every name must resolve inside the tag directory; nothing outside is opened, even listed with its true hash
 
 def true_entry(path):
-    from flexrt.checkpoint.layout import checksum_file
+    from flexrt.checkpoint.storage import checksum_file
     return {'size': path.stat().st_size, 'xxh3_128': checksum_file(path)}
 
 PATHS = ['../outside/copy.pt', '../../outside/copy.pt', 'sub/../../outside/copy.pt', './rank_00000.pt', 'a//b', 'a\\b',

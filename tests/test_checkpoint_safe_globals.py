@@ -11,7 +11,7 @@ import importlib.util
 import pytest, torch
 from flexrt.checkpoint import safe_globals as sg
 from flexrt.checkpoint.deepspeed_format import load_deepspeed_file, DeepSpeedData, ZeroStage
-from flexrt.checkpoint.layout import CheckpointError
+from flexrt.checkpoint.storage import CheckpointError
 
 APIS = ['current', 'no_named_pairs', 'no_context_manager', 'torch_2_4']
 

@@ -43,7 +43,7 @@ CASES = [(k, c) for k in (master, state, scalar, buffer, frozen) for c in CORRUP
 
 def tamper(ckpt, kind, corruption):
     "Corrupt one tensor (or one piece's element range) of rank 0's file, then rewrite its size and checksum in the manifest"
-    from flexrt.checkpoint.layout import checksum_file
+    from flexrt.checkpoint.storage import checksum_file
     path = ckpt / 'rank_00000.pt'
     payload = torch.load(path, weights_only=True)
     holder, field = kind(payload)

@@ -78,7 +78,7 @@ def test_import_flexrt_is_light():
     probe = "import sys, flexrt; assert 'torch' not in sys.modules; print(flexrt.__version__); print(flexrt.initialize.__module__)"
     out = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [flexrt.__version__, 'flexrt.engine']
+    assert out.stdout.split() == [flexrt.__version__, 'flexrt.engine.build']
 
 def _torchrun(script, env=None, runner=()):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(free_port()),

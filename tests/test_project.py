@@ -1,5 +1,5 @@
 "The set-up contract's guards: notebooks and package must agree, and README.md must be generated from index.ipynb."
-import importlib.util, json, shutil, subprocess, sys
+import importlib, importlib.util, json, re, shutil, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -94,3 +94,22 @@ def test_architecture_page_names_every_module():
         parts = path.relative_to(ROOT / 'flexrt').with_suffix('').parts
         if parts[-1] in ('__init__', '_modidx') or parts == ('__init__',): continue
         assert f"`{'.'.join(parts)}`" in page, f"{'.'.join(parts)} is not in docs/architecture.md"
+    rows = {m.group(1) for m in re.finditer(r'^\| `([a-z_.]+)`(?: \(face\))? ', page, re.M)}
+    for name in rows:   # and names no module that is gone
+        parts = name.split('.')
+        assert (ROOT / 'flexrt').joinpath(*parts).with_suffix('.py').exists() or (ROOT / 'flexrt').joinpath(*parts, '__init__.py').exists() \
+            or name in ('flexrt',), f"docs/architecture.md lists {name}, which is not a module of flexrt/"
+
+def test_names_the_docs_give_resolve():
+    "Every `flexrt.<dotted name>` in README.md and docs/architecture.md imports (a module) or is an attribute of one"
+    text = (ROOT / 'README.md').read_text() + (ROOT / 'docs' / 'architecture.md').read_text()
+    stale = []
+    for ref in sorted(set(re.findall(r'`(flexrt(?:\.[A-Za-z_][A-Za-z_0-9]*)+)', text))):
+        parts, obj = ref.split('.'), None
+        for i in range(len(parts), 0, -1):
+            try: obj = importlib.import_module('.'.join(parts[:i])); break
+            except ImportError: continue
+        try:
+            for name in parts[i:]: obj = getattr(obj, name)
+        except AttributeError: stale.append(ref)
+    assert not stale, f"names in the docs that do not exist: {stale}"

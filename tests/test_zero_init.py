@@ -145,7 +145,7 @@ def test_building_holds_a_shard_of_the_model_and_one_layer():
 # --- in this process: nothing stays patched --------------------------------------------------------------------
 
 def init_attributes():
-    return ({c: c.__dict__.get('__init__') for c in zero.partitioned_init.module_classes()}, nn.Module.__dict__.get('__init_subclass__'),
+    return ({c: c.__dict__.get('__init__') for c in zero.stage3.partitioned_init.module_classes()}, nn.Module.__dict__.get('__init_subclass__'),
             nn.Parameter.__dict__['__deepcopy__'])
 
 def unchanged(before)->bool:
@@ -180,7 +180,7 @@ def test_restored_after_an_exception():
             kept = nn.Linear(4, 4)
             kept.weight                                               # a lookup gathers it; the exception releases it
             Broken()
-    assert unchanged(before) and zero.partitioned_init._active is None
+    assert unchanged(before) and zero.stage3.partitioned_init._active is None
     assert type(kept._parameters) is dict and [p.numel() for p in kept.parameters()] == [0, 0]
     assert Broken.__dict__['__init__'].__name__ == '__init__' and not hasattr(Broken.__init__, '__wrapped__')
     with zero.Init(): assert [p.numel() for p in nn.Linear(2, 2).parameters()] == [0, 0]   # usable again
@@ -203,7 +203,7 @@ def test_arguments():
     with pytest.raises(ValueError, match='zero_optimization.stage=1: set it to 3'):
         zero.Init(config_dict_or_path={'zero_optimization': {'stage': 1}})
     with pytest.raises(ValueError, match='pass one'): zero.Init(config_dict_or_path={}, config={})
-    zero.partitioned_init._warned.discard('remote_device')
+    zero.stage3.partitioned_init._warned.discard('remote_device')
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         zero.Init(remote_device='cpu', pin_memory=False); zero.Init(remote_device='cpu')
