@@ -6,7 +6,7 @@
 from __future__ import annotations
 import collections, gc, json, os, secrets, selectors, socket, sys, threading, time, warnings
 from fastcore.basics import patch
-from . import events
+from .events import deliver
 from .wire import MAX_MESSAGE_BYTES, MalformedMessage, frame, answer, parse_message, check_records
 
 # %% auto #0
@@ -173,7 +173,7 @@ def _on_frame(self:Hub, peer:_Peer, payload:bytes):
     if message['type'] == 'flush': return self._write(peer, frame(b'{"type":"flushed"}'))
     records, bad = check_records(message['records'])
     if bad: self._count(peer, 'malformed', f'{bad} record(s) that are not dicts with a string "kind"', bad)
-    for record in records: events.deliver(record)
+    for record in records: deliver(record)
     with self._lock: self.num_received += len(records); self._dropped[message['sender']] = message['dropped']
 
 # %% ../../nbs/30_monitor_channel.ipynb #c025

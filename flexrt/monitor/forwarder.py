@@ -7,9 +7,8 @@ from __future__ import annotations
 import atexit, collections, json, os, socket, threading, warnings
 import multiprocessing.util
 from fastcore.basics import patch
-from . import events
-from . import channel
-from .channel import ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE
+from .events import route_to
+from .channel import ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE, forget_hub
 from .wire import MAX_MESSAGE_BYTES, frame, read_frame, connect, encode_record
 
 # %% auto #0
@@ -138,9 +137,9 @@ def _attach_from_environment(inherited:bool=False):
     global _forwarder
     address, owner = os.environ.get(ADDRESS_VARIABLE), os.environ.get(OWNER_VARIABLE)
     if not address or owner == str(os.getpid()): return None
-    if inherited: channel.forget_hub()   # the kernel's hub, listeners too (below): they get records by the channel
+    if inherited: forget_hub()   # the kernel's hub, listeners too (below): they get records by the channel
     _forwarder = Forwarder(address, bytes.fromhex(os.environ[KEY_VARIABLE]))
-    events.route_to(_forwarder, inherited)   # no lock: runs at import or right after fork, before other threads
+    route_to(_forwarder, inherited)   # no lock: runs at import or right after fork, before other threads
     return _forwarder
 
 def flush():

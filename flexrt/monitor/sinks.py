@@ -5,7 +5,7 @@
 # %% ../../nbs/30_monitor_sinks.ipynb #c003
 from __future__ import annotations
 import json, os, threading
-from . import events
+from .events import deliver
 
 # %% auto #0
 __all__ = ['flatten_record', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
@@ -78,7 +78,7 @@ class follow:
     def __init__(self, path, # the JSONL file (it may not exist yet)
                  fn=None, # callable taking one record; default: this process's listeners
                  interval:float=0.2): # seconds between looks at the file
-        self.path, self.fn, self.interval, self.num_records = str(path), fn or events.deliver, interval, 0
+        self.path, self.fn, self.interval, self.num_records = str(path), fn or deliver, interval, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-follow'); self._thread.start()
 

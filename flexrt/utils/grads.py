@@ -269,25 +269,20 @@ class CheckOverflow:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
-# %% ../../nbs/20_utils_grads.ipynb #c057
-@patch
-def has_overflow(self:CheckOverflow, params, has_moe_params=None)->bool:
-    "True on every rank if any rank's gradients among `params` hold inf or nan"
-    grads = [p.grad for p in as_tensor_list(params) if p.grad is not None]
-    return self._agree(_any_non_finite(grads))
+    def has_overflow(self, params, has_moe_params=None)->bool:
+        "True on every rank if any rank's gradients among `params` hold inf or nan"
+        grads = [p.grad for p in as_tensor_list(params) if p.grad is not None]
+        return self._agree(_any_non_finite(grads))
 
-@patch
-def check(self:CheckOverflow, param_groups=None)->bool:
-    "`has_overflow` over `param_groups`, or over the groups given at construction"
-    return self.has_overflow(self._flatten(param_groups) if param_groups is not None else self.params)
+    def check(self, param_groups=None)->bool:
+        "`has_overflow` over `param_groups`, or over the groups given at construction"
+        return self.has_overflow(self._flatten(param_groups) if param_groups is not None else self.params)
 
-@patch
-def has_overflow_serial(self:CheckOverflow, params)->bool:
-    "This rank's answer only, tensor by tensor (no communication)"
-    return any(has_inf_or_nan(p.grad, i) for i, p in enumerate(as_tensor_list(params)) if p.grad is not None)
+    def has_overflow_serial(self, params)->bool:
+        "This rank's answer only, tensor by tensor (no communication)"
+        return any(has_inf_or_nan(p.grad, i) for i, p in enumerate(as_tensor_list(params)) if p.grad is not None)
 
-@patch
-def check_using_norm(self:CheckOverflow, norm_group, reduce_overflow:bool=True)->bool:
-    "Overflow from already computed norms: any -1 sentinel or non-finite value (agreed across ranks by default)"
-    local = any(float(n) == -1 or not math.isfinite(float(n)) for n in norm_group)
-    return self._agree(local) if reduce_overflow else local
+    def check_using_norm(self, norm_group, reduce_overflow:bool=True)->bool:
+        "Overflow from already computed norms: any -1 sentinel or non-finite value (agreed across ranks by default)"
+        local = any(float(n) == -1 or not math.isfinite(float(n)) for n in norm_group)
+        return self._agree(local) if reduce_overflow else local
