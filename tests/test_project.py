@@ -113,3 +113,19 @@ def test_names_the_docs_give_resolve():
             for name in parts[i:]: obj = getattr(obj, name)
         except AttributeError: stale.append(ref)
     assert not stale, f"names in the docs that do not exist: {stale}"
+
+def test_public_paths_users_know_keep_working():
+    "The paths the README and DeepSpeed users import from resolve to the objects the wings define"
+    import flexrt, flexrt.widgets, flexrt.zero, flexrt.memory, flexrt.checkpointing, flexrt.launch
+    from flexrt.engine.build import initialize
+    from flexrt.widgets.dashboard import TrainingDashboard
+    from flexrt.widgets.autotune_widget import AutotuneWidget
+    from flexrt.zero.stage3.gathered import GatheredParameters
+    from flexrt.zero.stage3.partitioned_init import Init
+    from flexrt.memory.reports import see_memory_usage
+    from flexrt.checkpoint.save_load import save_checkpoint
+    assert flexrt.initialize is initialize and flexrt.AutotuneWidget is AutotuneWidget
+    assert flexrt.widgets.TrainingDashboard is TrainingDashboard and flexrt.widgets.AutotuneWidget is AutotuneWidget
+    assert flexrt.zero.GatheredParameters is GatheredParameters and flexrt.zero.Init is Init
+    assert flexrt.memory.see_memory_usage is see_memory_usage and flexrt.checkpoint.save_checkpoint is save_checkpoint
+    assert callable(flexrt.launch) and callable(flexrt.checkpointing.checkpoint)
