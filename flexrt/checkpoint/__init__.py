@@ -25,8 +25,8 @@ from .layout import (write_manifest, contained, check_manifest, read_manifest, v
                                       read_latest, tag_dir)
 from .shards import (tensor_entries, master_records, value_records, rng_state, set_rng_state,
                                       FragmentIndex, check_records)
-from .engine_surface import (CheckpointEngine, REQUIRED, check_engine)
-from .plan import (engine_entries, rank_writes, LoadPlan)
+from .engine_surface import CheckpointEngine, REQUIRED, check_engine
+from .plan import engine_entries, rank_writes, LoadPlan
 from .deepspeed_format import (DEEPSPEED_GLOBALS, DeepSpeedData, ZeroStage, load_deepspeed_file,
                                                 deepspeed_files, find_deepspeed_checkpoint, stage0_records,
                                                 zero12_records, zero3_records, read_deepspeed)

@@ -14,7 +14,7 @@ from .layout import (CheckpointError, MODEL_STATES, rank_file, save_torch, safe_
 from .plan import LoadPlan, engine_entries, rank_writes
 from .engine_surface import check_engine
 from .deepspeed_format import find_deepspeed_checkpoint, read_deepspeed
-from .shards import (tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex)
+from .shards import tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex
 from fastcore.basics import patch
 
 # %% auto #0

@@ -7,8 +7,8 @@ __all__ = ['config_source', 'add_config_arguments', 'initialize', 'Engine', 'Lam
            'ReplicatedOptimizer']
 
 # %% ../../nbs/65_engine.ipynb #c003
-from .build import (config_source, add_config_arguments, initialize)
-from .core import (Engine)
-from .optim import (Lamb, build_optimizer, build_lr_scheduler)
-from ..zero.stage0 import (ReplicatedOptimizer)
+from .build import config_source, add_config_arguments, initialize
+from .core import Engine
+from .optim import Lamb, build_optimizer, build_lr_scheduler
+from ..zero.stage0 import ReplicatedOptimizer
 _all_ = ['config_source', 'add_config_arguments', 'initialize', 'Engine', 'Lamb', 'build_optimizer', 'build_lr_scheduler', 'ReplicatedOptimizer']

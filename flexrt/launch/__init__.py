@@ -9,7 +9,7 @@ __all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'pr
 # %% ../../nbs/35_launch.ipynb #c003
 from .launcher import (STOP_VARIABLE, STACK_SIGNAL, stop_requested, should_stop, prepare_stop,
                                     request_stop, RankMain, RankError, Run, free_port, launch)
-from .output import (describe_launch, quiet_launcher)
+from .output import describe_launch, quiet_launcher
 import sys, types
 
 class _CallableModule(types.ModuleType):

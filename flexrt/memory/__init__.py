@@ -8,8 +8,8 @@ __all__ = ['active_tracker', 'TensorMemoryTracker', 'MemorySnapshot', 'memory_sn
            'storage_bytes', 'tune_cpu_malloc', 'MemorySampler']
 
 # %% ../../nbs/25_memory.ipynb #c003
-from .tracker import (active_tracker, TensorMemoryTracker)
-from .stats import (MemorySnapshot, memory_snapshot, reset_peak_memory_stats)
+from .tracker import active_tracker, TensorMemoryTracker
+from .stats import MemorySnapshot, memory_snapshot, reset_peak_memory_stats
 from .reports import (memory_status, M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, see_memory_usage, MemoryStatus,
                                    get_ma_status, storage_bytes, tune_cpu_malloc, MemorySampler)
 _all_ = ['active_tracker', 'TensorMemoryTracker', 'MemorySnapshot', 'memory_snapshot', 'reset_peak_memory_stats', 'memory_status', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'see_memory_usage', 'MemoryStatus', 'get_ma_status', 'storage_bytes', 'tune_cpu_malloc', 'MemorySampler']

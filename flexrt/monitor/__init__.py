@@ -12,7 +12,7 @@ from .events import (listening, add_listener, remove_listener, emit, listen, log
                                    sample_memory, deliver)
 from .channel import (ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE, lower_thread_priority, Hub,
                                     serve, stop_serving, ranks_connected)
-from .forwarder import (Forwarder, flush)
-from .sinks import (JSONLSink, CSVSink, TensorBoardSink, follow)
+from .forwarder import Forwarder, flush
+from .sinks import JSONLSink, CSVSink, TensorBoardSink, follow
 from . import events, wire, channel, forwarder, sinks, ds_sinks
 _all_ = ['listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'log', 'emit_snapshot', 'sample_memory', 'deliver', 'ADDRESS_VARIABLE', 'KEY_VARIABLE', 'OWNER_VARIABLE', 'lower_thread_priority', 'Hub', 'serve', 'stop_serving', 'ranks_connected', 'Forwarder', 'flush', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']

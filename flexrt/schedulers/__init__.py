@@ -7,8 +7,8 @@ __all__ = ['BatchLRScheduler', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'O
            'build_scheduler']
 
 # %% ../../nbs/42_schedulers.ipynb #c003
-from .base import (BatchLRScheduler)
-from .warmup import (WarmupLR, WarmupDecayLR, WarmupCosineLR)
-from .cycle import (OneCycle, LRRangeTest)
-from .build import (SCHEDULERS, build_scheduler)
+from .base import BatchLRScheduler
+from .warmup import WarmupLR, WarmupDecayLR, WarmupCosineLR
+from .cycle import OneCycle, LRRangeTest
+from .build import SCHEDULERS, build_scheduler
 _all_ = ['BatchLRScheduler', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'OneCycle', 'LRRangeTest', 'SCHEDULERS', 'build_scheduler']

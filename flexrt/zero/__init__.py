@@ -8,12 +8,12 @@ __all__ = ['SlotArgs', 'STAGE_SLOTS', 'build_optimizer_slot', 'OptimizerSlot', '
            'Stage3Optimizer', 'GatheredParameters', 'register_external_parameter', 'Init']
 
 # %% ../../nbs/50_zero.ipynb #c003
-from .slots import (SlotArgs, STAGE_SLOTS, build_optimizer_slot)
-from .base import (OptimizerSlot, Fragment, Piece, consecutive, check_slot)
-from .partition import (FlatPartition)
-from .stage0 import (ReplicatedOptimizer)
-from .stage1 import (ZeroStage1)
-from .shard_reducer import (ShardReducer)
-from .stage2 import (ZeroStage2, Stage2Reducer)
-from .stage3 import (Stage3Optimizer, GatheredParameters, register_external_parameter, Init)
+from .slots import SlotArgs, STAGE_SLOTS, build_optimizer_slot
+from .base import OptimizerSlot, Fragment, Piece, consecutive, check_slot
+from .partition import FlatPartition
+from .stage0 import ReplicatedOptimizer
+from .stage1 import ZeroStage1
+from .shard_reducer import ShardReducer
+from .stage2 import ZeroStage2, Stage2Reducer
+from .stage3 import Stage3Optimizer, GatheredParameters, register_external_parameter, Init
 _all_ = ['SlotArgs', 'STAGE_SLOTS', 'build_optimizer_slot', 'OptimizerSlot', 'Fragment', 'Piece', 'consecutive', 'check_slot', 'FlatPartition', 'ReplicatedOptimizer', 'ZeroStage1', 'ShardReducer', 'ZeroStage2', 'Stage2Reducer', 'Stage3Optimizer', 'GatheredParameters', 'register_external_parameter', 'Init']

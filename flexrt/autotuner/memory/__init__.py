@@ -14,7 +14,7 @@ __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_S
 from .stages import (STATE_TENSORS, STEP_TEMPORARIES, STATE_SCALAR_BYTES, FOREACH_STEP, Line,
                                             ModelProfile, Setting, setting, pad, plan_buckets, Tally, levels, stage0,
                                             stage12)
-from .stage3 import (stage3, replay)
+from .stage3 import stage3, replay
 from .model import (profile_model, MemoryEstimate, estimate_memory, calibrate,
                                            estimate_zero2_model_states_mem_needs,
                                            estimate_zero2_model_states_mem_needs_all_cold,
