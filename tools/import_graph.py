@@ -135,13 +135,12 @@ def report(root=ROOT / 'flexrt', show_graph=False):
         if not is_package and target == 'flexrt' and name != '__version__':
             problems['imports that run back up into a package face'].append(f'{importer} imports flexrt')
     for c in circles(edges): problems['import circles'].append(' <-> '.join(c))
-    layer = layers(root)
-    for importer, target, _ in imports(mods):
-        if (importer in layer and target in layer and layer[target] > layer[importer] and target != 'flexrt'
-                and not target.startswith(importer + '.')):   # a face hands on its own sub-wings
-            problems['imports that point up a layer (to a higher notebook number)'].append(
-                f'{importer} ({layer[importer]:02d}) imports {target} ({layer[target]:02d})')
-    problems['imports that point up a layer (to a higher notebook number)'] = sorted(set(problems['imports that point up a layer (to a higher notebook number)']))
+    layer, up = layers(root), 'imports that point up a layer (to a higher notebook number)'
+    for importer, targets in sorted(edges.items()):
+        for target in sorted(targets):
+            if (importer in layer and target in layer and layer[target] > layer[importer] and target != 'flexrt'
+                    and not target.startswith(importer + '.')):   # a face hands on its own sub-wings
+                problems[up].append(f'{importer} ({layer[importer]:02d}) imports {target} ({layer[target]:02d})')
     problems['private names read from another module'] += private_attributes(mods)
     problems['methods patched from another module'] += patched_from_elsewhere(mods)
     problems['names reached through flexrt/__init__'] += through_the_face(mods)

@@ -8,7 +8,7 @@ import argparse, sys, types
 from pathlib import Path
 import torch
 from .save_load import consolidate as consolidate_checkpoint
-from .layout import CheckpointError, atomic_write
+from .storage import CheckpointError, atomic_write
 
 # %% auto #0
 __all__ = ['output_format', 'save_state_dict', 'main']

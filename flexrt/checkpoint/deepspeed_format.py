@@ -8,7 +8,8 @@ import enum, math, pickle, re, zipfile
 from pathlib import Path
 import torch
 from .safe_globals import allowed_globals
-from .layout import CheckpointError, MANIFEST, read_latest, check_tag
+from .storage import CheckpointError, MANIFEST
+from .layout import read_latest, check_tag
 
 # %% auto #0
 __all__ = ['DEEPSPEED_GLOBALS', 'DeepSpeedData', 'ZeroStage', 'load_deepspeed_file', 'deepspeed_files',

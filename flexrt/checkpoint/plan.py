@@ -6,7 +6,7 @@
 from __future__ import annotations
 import torch
 from .. import comm as dist
-from .layout import CheckpointError
+from .storage import CheckpointError
 from .shards import tensor_entries, FragmentIndex
 from fastcore.basics import patch
 

@@ -9,13 +9,13 @@ from collections import OrderedDict
 from pathlib import Path
 import torch
 from .. import comm as dist, __version__
-from .layout import (CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe, check_tag, staging_dir,
-                    write_manifest, read_manifest, verify_file, publish, read_latest, tag_dir, discard_staging)
+from .storage import CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe
+from .layout import (check_tag, staging_dir, write_manifest, read_manifest, verify_file, publish, read_latest,
+                                      tag_dir, discard_staging)
 from .plan import LoadPlan, engine_entries, rank_writes
 from .engine_surface import check_engine
 from .deepspeed_format import find_deepspeed_checkpoint, read_deepspeed
 from .shards import tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['agree', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'load_checkpoint',

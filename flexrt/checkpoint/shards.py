@@ -7,7 +7,7 @@ from __future__ import annotations
 import random, sys
 import torch
 from .. import comm as dist
-from .layout import CheckpointError
+from .storage import CheckpointError
 from fastcore.basics import patch
 
 # %% auto #0

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import dataclasses
 from datetime import datetime
-from .backends import CommBackend
+from .base import CommBackend
 from .logger import comms_config, comms_logger, straggler_ms
 from .state import comm_state
 from .wrappers import get_world_size, get_rank

@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import torch.distributed as tdist
 from fastcore.basics import patch
-from .backends import CommBackend, TorchBackend, SingleProcessBackend
+from .base import CommBackend
+from .backends import TorchBackend
+from .single import SingleProcessBackend
 from .env import DistEnv
 
 # %% auto #0

@@ -5,7 +5,8 @@
 # %% ../../nbs/10_comm_wrappers.ipynb #c003
 from __future__ import annotations
 import torch.distributed as tdist
-from .backends import ReduceOp, TorchBackend, SingleProcessBackend
+from .backends import ReduceOp, TorchBackend
+from .single import SingleProcessBackend
 from .env import discover_env
 from .logger import timed_op
 from .state import comm_state

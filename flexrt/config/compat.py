@@ -8,7 +8,6 @@ __all__ = ['NO_EFFECT', 'ActivationCheckpointingConfig', 'no_effect_entry', 'lea
 
 # %% ../../nbs/00_config_compat.ipynb #c003
 import copy, dataclasses, types, typing, warnings
-from fastcore.basics import patch
 from .schema import Block, block, setting
 
 # %% ../../nbs/00_config_compat.ipynb #c006

@@ -73,7 +73,7 @@ def empty_cache(self:Accelerator):
 
 # %% ../../nbs/90_deepspeed_accelerator.ipynb #c009
 def _cpu_tensor_stats()->tuple: # allocated, max allocated
-    from flexrt.memory.reports import memory_snapshot
+    from flexrt.memory.stats import memory_snapshot
     s = memory_snapshot()
     return s.allocated_bytes, s.max_allocated_bytes
 

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from .. import monitor
-from ..memory.reports import memory_snapshot, see_memory_usage
+from ..memory.stats import memory_snapshot
+from ..memory.reports import see_memory_usage
 from fastcore.basics import patch
 
 # %% auto #0

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from .core import MpuAdapter, as_tensor_list
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['clip_grad_norm_', 'get_grad_norm', 'get_weight_norm', 'get_grad_zeros', 'get_global_norm_of_tensors',
