@@ -9,7 +9,7 @@ STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
 PYTEST_LOG := .pytest-last.txt
 
-.PHONY: install demo test sync-check nbtest pytest bench screenshots ds-tests clean
+.PHONY: install demo test test-all sync-check nbtest pytest bench screenshots ds-tests clean
 
 install: $(STAMP)
 
@@ -28,9 +28,15 @@ demo: install
 	OUT=$(DEMO_OUT) $(PY) examples/run_quickstart.py
 	OUT=$(DEMO_OUT) $(PY) examples/run_autotune.py
 
-# The last line says how much was skipped (pytest prints each skip's reason with -rs, each expected failure with -rx).
+# The last line says how much was skipped (pytest prints each skip's and expected failure's reason with -rsx; not
+# -rs -rx: pytest keeps only the last -r). The generated config cases (tests/test_config_fuzz.py) run as a sample that
+# keeps every block and every wrong-type kind; pytest prints its seed (FLEXRT_FUZZ_SEED=<n> picks another).
 test: install sync-check nbtest pytest
 	@echo "make test: $$(grep -Eo '[0-9]+ skipped' $(PYTEST_LOG) | tail -1 || echo '0 skipped') and $$(grep -Eo '[0-9]+ xfailed' $(PYTEST_LOG) | tail -1 || echo '0 xfailed') in pytest (reasons listed above); nbtest runs notebook cells without the 'slow' flag"
+
+# Nightly: `make test` with every generated config case (FLEXRT_FUZZ_ALL=1) instead of the sample.
+test-all: export FLEXRT_FUZZ_ALL := 1
+test-all: test
 
 # Notebooks are the source: cleaning and exporting them must change nothing in nbs/ or flexrt/.
 sync-check: install
@@ -43,7 +49,7 @@ nbtest: install
 # tests/test_browser.py installs Debian's Chromium with apt-get on first use (root), or skips saying why it cannot.
 # tests/test_deepspeed_parity.py runs the pinned DeepSpeed (dev extra) on CPU next to flexrt.
 pytest: install
-	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rs -rx -p no:cacheprovider | tee $(PYTEST_LOG)
+	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rsx -p no:cacheprovider | tee $(PYTEST_LOG)
 
 # The README's pictures are the browser tests' screenshots of real pages (JupyterLab and Voila in Chromium), taken
 # while two ranks train (`*_live.png`), after Stop (`*_dashboard.png`) and after an autotune search (`*_autotune.png`);

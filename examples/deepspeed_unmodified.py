@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 2 examples/deepspeed_unmodified.py --deepspeed --deepspeed_config ds.json --out out.json
     torchrun --nproc_per_node 2 -m flexrt.deepspeed examples/deepspeed_unmodified.py --deepspeed --deepspeed_config ds.json --out out.json
 
-The first runs DeepSpeed, the second the same file on flexrt; tests/test_deepspeed_dropin.py checks they agree.
-Rank 0 writes the losses, what the engine's accessors said, and the final weights (as lists) to --out.
+The first runs DeepSpeed, the second the same file on flexrt; tests/test_deepspeed_script.py checks they agree.
+Rank 0 writes the losses, the gradient norm of each applied step, what the engine's accessors said, and the final
+weights (as lists) to --out.
 """
 import argparse, json
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -41,7 +42,7 @@ def main():
     torch.manual_seed(0)
     model = Net()
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(), training_data=dataset())
-    data, losses, applied = RepeatingLoader(loader), [], []
+    data, losses, applied, norms = RepeatingLoader(loader), [], [], []
     for micro_step in range(args.steps * engine.gradient_accumulation_steps()):
         x, y = next(data)
         loss = F.mse_loss(engine(x.to(engine.device)), y.to(engine.device))
@@ -49,13 +50,14 @@ def main():
         engine.step()
         applied.append(engine.was_step_applied())
         losses.append(loss.item())
+        if applied[-1]: norms.append(float(engine.get_global_grad_norm()))
     log_dist(f'trained {args.steps} steps', ranks=[0])
     weights = {k: v.float().flatten().tolist() for k, v in engine.module_state_dict().items()}
     accessors = {name: getattr(engine, name)() for name in ('zero_optimization_stage', 'fp16_enabled', 'bfloat16_enabled',
                  'gradient_clipping', 'train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps',
                  'get_lr', 'get_mom', 'zero_reduce_bucket_size', 'steps_per_print', 'dynamic_loss_scale')}
     if dist.get_rank() == 0:
-        json.dump({'losses': losses, 'weights': weights, 'accessors': accessors, 'applied': applied,
+        json.dump({'losses': losses, 'norms': norms, 'weights': weights, 'accessors': accessors, 'applied': applied,
                    'world_size': dist.get_world_size()},
                   open(args.out, 'w'))
     engine.destroy()

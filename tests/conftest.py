@@ -25,3 +25,15 @@ def _no_live_views_left():
     if live is not None:
         for view in list(live._views): view.close()
     if monitor is not None: monitor.stop_serving()
+
+def pytest_report_header(config):
+    "The seed of the generated config sets' sample (tests/fuzz_sample.py), so a failure can be run again"
+    import fuzz_sample
+    return fuzz_sample.describe()
+
+def pytest_terminal_summary(terminalreporter):
+    "The seed again at the end (`-q` hides the header), with how many generated cases ran"
+    import fuzz_sample
+    if not fuzz_sample.RUN: return
+    counts = ', '.join(f'{name} {run} of {made}' for name, (run, made) in fuzz_sample.RUN.items())
+    terminalreporter.write_line(f'{fuzz_sample.describe()}; ran {counts}')

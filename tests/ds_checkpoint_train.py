@@ -5,8 +5,9 @@
 For each ZeRO stage and dtype (fp32, bf16, or 'groups': fp32 with two param groups), real DeepSpeed trains `Net` (two linears and a buffer) for `STEPS` steps with AdamW,
 gradient clipping and a WarmupLR schedule, saves a checkpoint `OUT/z<stage>_<dtype>/ckpt` with a client state, then
 trains `MORE` further steps. Rank 0 writes `OUT/z<stage>_<dtype>/reference.pt`: the global loss of every further
-micro-step (the mean of the ranks' losses), the weights right after the save, the global step, and DeepSpeed's own
-`zero_to_fp32` state dict of the checkpoint. flexrt must load the checkpoint and continue with the same losses.
+micro-step (the mean of the ranks' losses), the gradient norm of every further step (None where DeepSpeed keeps none:
+stage 0 in fp32), the weights right after the save, the global step, and DeepSpeed's own `zero_to_fp32` state dict of
+the checkpoint. flexrt must load the checkpoint and continue with the same losses and norms.
 """
 import os, sys
 os.environ.setdefault('DS_ACCELERATOR', 'cpu')
@@ -56,8 +57,8 @@ def global_batch(step, micro, world):
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 def train_steps(engine, steps, first, rank, world, dtype):
-    "Train `steps` optimizer steps from step `first`; the global loss of each micro-step"
-    losses = []
+    "Train `steps` optimizer steps from step `first`; the global loss of each micro-step and the gradient norm of each step"
+    losses, norms = [], []
     for step in range(first, first + steps):
         for micro in range(GAS):
             x, y = batch(step, micro, rank) if world == 2 else global_batch(step, micro, world)
@@ -66,7 +67,9 @@ def train_steps(engine, steps, first, rank, world, dtype):
             total = loss.detach().clone()
             torch.distributed.all_reduce(total)
             losses.append(total.item() / world)
-    return losses
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+    return losses, norms
 
 def fp32_state_dict(save_dir, stage):
     """DeepSpeed's fp32 weights of the checkpoint: its zero_to_fp32 under ZeRO; at stage 0 (which zero_to_fp32 does not
@@ -91,7 +94,7 @@ def run(deepspeed, stage, dtype, out):
     torch.distributed.barrier()
     ref = {'global_steps': engine.global_steps, 'lr': engine.get_lr()[0]}
     if rank == 0: ref['fp32'] = fp32_state_dict(save_dir, stage)
-    ref['losses'] = train_steps(engine, MORE, STEPS, rank, 2, dtype)
+    ref['losses'], ref['norms'] = train_steps(engine, MORE, STEPS, rank, 2, dtype)
     if rank == 0: torch.save(ref, os.path.join(save_dir, 'reference.pt'))
     torch.distributed.barrier()
 

@@ -36,7 +36,8 @@ def train_rank(rank, ws, stages, dtype, modes, reuse=0):
     return out
 
 def train(rank, ws, stage, dtype, mode, reuse):
-    "One run: the losses, the final full parameters (fp32) and the bytes the optimizer slot gathered and reduce-scattered"
+    """One run: the losses, the final full parameters (fp32), the bytes the optimizer slot gathered and reduce-scattered,
+    ZeRO-3's prefetch order, the gradient norms"""
     import flexrt
     from flexrt import checkpointing
     from flexrt.zero.stage3.gathered import GatheredParameters
@@ -50,26 +51,27 @@ def train(rank, ws, stage, dtype, mode, reuse):
                                  'stage3_max_reuse_distance': reuse}}
     if dtype == 'bf16': cfg['bf16'] = {'enabled': True}
     engine, *_ = flexrt.initialize(model=model, config=cfg)
-    g, losses = torch.Generator().manual_seed(1 + rank), []
+    g, losses, norms = torch.Generator().manual_seed(1 + rank), [], []
     torch.manual_seed(100 + rank)   # dropout masks: the same sequence in every mode
-    for _ in range(2 * STEPS):
+    for micro in range(2 * STEPS):
         x, y = torch.randn(BATCH // 2, 8, generator=g), torch.randn(BATCH // 2, 4, generator=g)
         loss = (engine(x.to(torch.bfloat16 if dtype == 'bf16' else torch.float32)).float() - y).square().mean()
         engine.backward(loss); engine.step(); losses.append(loss.item())
+        if micro % 2: norms.append(engine.get_global_grad_norm())   # 2 micro-batches a step
     with GatheredParameters(list(model.parameters())): params = [p.detach().float().clone() for p in model.parameters()]
     comm = getattr(engine.optimizer, 'comm_bytes', None)
     trace = [u.index for u in engine.optimizer.partitioner.trace] if stage == 3 else None   # ZeRO-3's prefetch order
     engine.close(); checkpointing.unconfigure()
-    return losses, params, comm, trace
+    return losses, params, comm, trace, norms
 
 def assert_same(results, stages, modes):
     "Bit-for-bit: the recomputation runs the same kernels on the same inputs with the same random state"
     for by in results:
         for stage in stages:
-            losses0, params0, *_ = by[stage, 'none']
+            losses0, params0, *_, norms0 = by[stage, 'none']
             for mode in modes:
-                losses, params, *_ = by[stage, mode]
-                assert losses == losses0, (stage, mode)
+                losses, params, *_, norms = by[stage, mode]
+                assert losses == losses0 and norms == norms0, (stage, mode)
                 for p, q in zip(params, params0): torch.testing.assert_close(p, q, atol=0, rtol=0, msg=f'stage {stage} {mode}')
     assert results[0][0, 'none'][0] != results[1][0, 'none'][0]   # the ranks saw different data (and dropout masks)
 
@@ -77,6 +79,11 @@ def test_checkpointed_training_equals_plain_fp32_every_stage():
     "Every way of checkpointing trains exactly as without it at ZeRO 0-3: same dropout masks, same gradients, same steps"
     results = run_distributed(train_rank, 2, args=((0, 1, 2, 3), 'fp32', ('none',) + MODES))
     assert_same(results, (0, 1, 2, 3), MODES)
+    for by in results:   # and the ZeRO stages train as stage 0 (replicated) does, up to summation order: losses and gradient norms
+        losses0, *_, norms0 = by[0, 'none']
+        for stage in (1, 2, 3):
+            losses, *_, norms = by[stage, 'none']
+            assert losses == pytest.approx(losses0, rel=1e-5) and norms == pytest.approx(norms0, rel=1e-5), (stage, norms, norms0)
     for by in results:   # stage 3: the recomputation gathers no more than backward does anyway (nothing kept: reuse distance 0)
         for mode in ('flexrt', 'cpu', 'reentrant', 'non_reentrant'):
             assert by[3, mode][2] == by[3, 'none'][2], mode

@@ -4,13 +4,13 @@ two ranks train in the background, clicks Stop, sees the button end as "Stopped"
 early, and saves a screenshot (to $FLEXRT_ARTIFACTS, else the test's temp folder; `make screenshots` writes them to
 docs/images/, where the README shows them).
 
-The first minute is checked as a user sees it: within 1 s of the first step record on the page the gradient-norm plot
-is there, no plot of nothing and no empty section is shown, and the launching cell says what it started and prints no
-warning.
+The first minute is checked as a user sees it: once the first step record is on the page the gradient-norm plot comes
+(how soon is measured by bench/dashboard_overhead.py, not timed here), no plot of nothing and no empty section is
+shown, and the launching cell says what it started and prints no warning.
 
 Chromium comes from `apt-get install chromium` on first use; the test skips (with the reason) only where that cannot
 be done."""
-import os, shutil, signal, socket, subprocess, sys, time
+import json, os, shutil, signal, socket, subprocess, sys, threading
 from pathlib import Path
 import nbformat, pytest
 
@@ -52,13 +52,13 @@ def _live_notebook(path: Path):
     nb.metadata['kernelspec'] = {'name': 'python3', 'display_name': 'python3', 'language': 'python'}
     nbformat.write(nb, path)
 
-def _wait_listening(port, timeout=60):
-    "Wait until the server accepts connections (a GET of the page would already start a kernel and run the notebook)"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try: socket.create_connection(('127.0.0.1', port), timeout=1).close(); return
-        except OSError: time.sleep(0.3)   # poll: the server is another process with no readiness signal
-    raise TimeoutError(f'the server did not listen on port {port} within {timeout} s')
+def _wait_listening(server: subprocess.Popen, port, timeout=60):
+    "Wait until the server says it runs at its URL: it listens from then on (a GET of the page would already start a kernel and run the notebook)"
+    with server.said:
+        said = server.said.wait_for(lambda: server.output_ended or any(f':{port}/' in line for line in server.lines), timeout)
+        if said and not server.output_ended: return
+    raise TimeoutError(f'the server did not say it listens on port {port} (within {timeout} s, or before it ended):\n'
+                       + ''.join(server.lines[-30:]))
 
 COUNTER = '.jp-OutputArea input[type=number], .widget-inline-hbox input[type=number]'
 # a function of a section's bold title: whether the section (its widget box) shows a PNG plot
@@ -90,10 +90,10 @@ def _watch_and_stop(page, shots: Path, name: str, log: Path):
     value = f"document.querySelector({COUNTER!r}).value"
     page.wait_for_function(f"{value} > 0", timeout=120_000)
     first = read()
-    try: page.wait_for_function(f"({SECTION_IMAGE})('Gradient norm')", timeout=1_000)   # the first look: a plot at once
+    try: page.wait_for_function(f"({SECTION_IMAGE})('Gradient norm')", timeout=60_000)   # the first look: a plot comes
     except Exception:
         page.screenshot(path=str(shots / f'{name}_first_look.png'), full_page=True)
-        raise AssertionError('no gradient-norm plot within 1 s of the first step record')
+        raise AssertionError('no gradient-norm plot after the first step record')
     _check_first_look(page)
     page.wait_for_function(f"{value} > {first}", timeout=60_000)
     rising = read()
@@ -103,12 +103,19 @@ def _watch_and_stop(page, shots: Path, name: str, log: Path):
     page.wait_for_selector('button:text-matches("Stopp(ing|ed)")', timeout=30_000)   # "Stopping" can pass between two polls
     stable = read()
     page.wait_for_selector('button:has-text("Stopped")', timeout=60_000)  # the ranks ended: the final state shows
-    last, since = read(), time.time()
-    while time.time() - since < 2:                                   # stopped: the counter stays
-        time.sleep(0.5); now = read()   # watch: that nothing changes can only be observed over a span
-        if now != last: last, since = now, time.time()
+    last = _settled(page, f"Number({value} || 0)")                    # stopped: the counter stays
     page.screenshot(path=str(shots / f'{name}_dashboard.png'), full_page=True)
     return first, rising, stable, last
+
+def _settled(page, expression: str, quiet_ms: int = 2_000, most: int = 30):
+    "The value of the JavaScript `expression` once it stayed the same for `quiet_ms` (the browser watches it change)"
+    from playwright.sync_api import TimeoutError as NoChange
+    last = page.evaluate(expression)
+    for _ in range(most):
+        try: page.wait_for_function(f"({expression}) !== {json.dumps(last)}", timeout=quiet_ms)
+        except NoChange: return last
+        last = page.evaluate(expression)
+    raise AssertionError(f'{expression} kept changing: {last}')
 
 def _browse(chromium, url: str, open_page, name: str, server: subprocess.Popen, port: int, tmp_path: Path, watch=None,
             viewport=(1100, 1400)):
@@ -116,7 +123,7 @@ def _browse(chromium, url: str, open_page, name: str, server: subprocess.Popen, 
     from playwright.sync_api import sync_playwright
     shots = Path(os.environ.get('FLEXRT_ARTIFACTS', tmp_path)); shots.mkdir(parents=True, exist_ok=True)
     try:
-        _wait_listening(port)
+        _wait_listening(server, port)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=['--headless', '--no-sandbox', '--disable-gpu',
                 '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'])
@@ -147,8 +154,17 @@ def _lab_server(tmp_path: Path):
     return server, port
 
 def _start(command, tmp_path: Path, env=None) -> subprocess.Popen:
-    log = open(tmp_path / 'server.log', 'w')
-    return subprocess.Popen(command, start_new_session=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+    "Start a server; a thread copies its output into server.log and onto `.lines`, notifying `.said` at each line"
+    server = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    server.lines, server.said, server.output_ended = [], threading.Condition(), False
+    def copy():
+        with open(tmp_path / 'server.log', 'w') as log:
+            for line in server.stdout:
+                log.write(line); log.flush()
+                with server.said: server.lines.append(line); server.said.notify_all()
+        with server.said: server.output_ended = True; server.said.notify_all()
+    threading.Thread(target=copy, daemon=True, name='server-output').start()
+    return server
 
 def test_voila_dashboard_counts_steps_live_and_stops_from_the_button(chromium, tmp_path):
     voila = _server('voila')

@@ -5,10 +5,9 @@ rows stop growing, and saves a screenshot to $FLEXRT_ARTIFACTS (else the test's 
 them to docs/images/, where Voila's is the README's picture).
 
 Chromium and the servers come as in tests/test_browser.py (it skips, with the reason, where they cannot)."""
-import time
 from pathlib import Path
 import nbformat
-from test_browser import chromium, _server, _free_port, _start, _run_all_cells, _browse, _lab_server, ROOT   # chromium: the fixture
+from test_browser import chromium, _server, _free_port, _start, _run_all_cells, _browse, _lab_server, _settled, ROOT   # chromium: the fixture
 
 ROWS = 'tr.flexrt-trial'
 
@@ -52,10 +51,7 @@ def _run_watch_and_stop(page, shots: Path, name: str, log: Path):
     # "Stopping" lasts until the current trial ends; it can come and go between two polls, so either label will do here
     page.wait_for_selector('button.widget-button:text-matches("Stopp(ing|ed)")', timeout=30_000)
     page.wait_for_selector('button.widget-button:has-text("Stopped")', timeout=180_000)   # the ranks ended
-    last, since = _count(page), time.time()
-    while time.time() - since < 2:                                      # stopped: no more rows
-        time.sleep(0.5); now = _count(page)
-        if now != last: last, since = now, time.time()
+    last = _settled(page, f"document.querySelectorAll({ROWS!r}).length")   # stopped: no more rows
     status = page.locator('b:text-is("stopped")').count()           # the status line's state
     page.screenshot(path=str(shots / f'{name}_autotune.png'), full_page=True)
     return first, rising, last, status

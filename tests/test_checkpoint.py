@@ -1,6 +1,8 @@
 """Checkpoints on real gloo ranks: exact (bitwise) resume at every ZeRO stage and precision, loading at another world
-size and stage, crash safety under SIGKILL, corruption and malicious-pickle detection, clear errors that change nothing."""
-import json, os, shutil, signal, subprocess, sys, time, warnings
+size and stage (losses and gradient norms as one process), crash safety under SIGKILL and inside a tag's re-save,
+corruption and malicious-pickle detection, clear errors that change nothing, raised on every rank together."""
+import hashlib, json, os, shutil, signal, subprocess, sys, time, warnings
+from unittest import mock
 from pathlib import Path
 import pytest, torch
 import torch.nn as nn
@@ -42,16 +44,16 @@ def engine_for(stage, precision='fp32', seed=0, gas=2, dropout=0.1):
     return flexrt.initialize(model=make_model(seed, dropout), config=config(stage, precision, gas))[0]
 
 def random_steps(engine, steps):
-    "Steps on data drawn from this rank's torch generator (so resuming must restore it); the mean losses per step"
-    losses, gas = [], engine.gradient_accumulation_steps()
+    "Steps on data drawn from this rank's torch generator (so resuming must restore it); per step, the mean loss and the gradient norm"
+    out, gas = [], engine.gradient_accumulation_steps()
     for _ in range(steps):
         total = 0.
         for _ in range(gas):
             ids = torch.randint(0, VOCAB, (engine.train_micro_batch_size_per_gpu(), 4))
             loss = F.cross_entropy(engine(ids).float(), ids[:, 0])
             engine.backward(loss); engine.step(); total += loss.item()
-        losses.append(total / gas)
-    return losses
+        out.append((total / gas, engine.get_global_grad_norm()))
+    return out
 
 def snapshot(engine):
     "Whole fp32 parameters and buffers (ZeRO-3 parameters gathered), the counters, the lr and the loss scale"
@@ -90,7 +92,7 @@ def test_exact_resume_is_bitwise(tmp_path, stage, precision):
     saved = run_distributed(straight_and_save, 2, args=(stage, precision, str(tmp_path)))
     resumed = run_distributed(resume, 2, args=(stage, precision, str(tmp_path)))
     for (straight, first, after), (rest, snap, client, tag) in zip(saved, resumed):
-        assert first + rest == straight                  # identical losses, bit for bit
+        assert first + rest == straight                  # identical losses and gradient norms, bit for bit
         tensors, counters, lr, scale = after
         assert snap[1:] == (counters, lr, scale)
         assert tensors.keys() == snap[0].keys()
@@ -99,37 +101,49 @@ def test_exact_resume_is_bitwise(tmp_path, stage, precision):
     if precision == 'fp16': assert saved[0][2][3] != 2.0 ** 12   # the scaler moved, so restoring its state mattered
 
 # ---------------------------------------------------------------------------------------------------------------
-# resharding: save at 2 or 4 ranks, load at 1, 2 and 4 ranks into every stage; the same losses as one process
+# resharding: save at 2 or 4 ranks, load at 1, 2 and 4 ranks into every stage; the same losses and gradient norms as one process
 
-def batches():
+def batches(batch=BATCH):
     g = torch.Generator().manual_seed(3)
-    return torch.randint(0, VOCAB, (2 * N, BATCH, 5), generator=g)
+    return torch.randint(0, VOCAB, (2 * N, batch, 5), generator=g)
 
 def global_steps(engine, rank, world, first, steps):
-    "Steps `first`..`first+steps-1` of the fixed data, this rank's share of each global batch; its part of each loss"
-    out, data, gas = [], batches(), engine.gradient_accumulation_steps()
-    micro = engine.train_micro_batch_size_per_gpu()
+    "Steps `first`..`first+steps-1` of the fixed data, this rank's share of each global batch; per step, its part of the loss and the gradient norm"
+    batch, gas, micro = engine.train_batch_size(), engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    out, data = [], batches(batch)
     for s in range(first, first + steps):
         total = 0.
         for k in range(gas):
             ids = data[s, (rank * gas + k) * micro:(rank * gas + k + 1) * micro]
-            loss = F.cross_entropy(engine(ids).float(), ids[:, 0], reduction='sum') / BATCH * world * gas
+            loss = F.cross_entropy(engine(ids).float(), ids[:, 0], reduction='sum') / batch * world * gas
             engine.backward(loss); engine.step(); total += loss.item() / (world * gas)
-        out.append(total)
+        out.append((total, engine.get_global_grad_norm()))
     return out
 
-def reference_losses():
-    "One process, the whole batch per step, plain torch: the losses of all 2N steps and the final weights"
+def whole_steps(ranks)->tuple: # (losses, norms), one of each per step
+    "The ranks' `global_steps`: each step's loss (the sum of the ranks' parts) and gradient norm (the same on every rank)"
+    steps = list(zip(*ranks))
+    for s, parts in enumerate(steps): assert len({n for _, n in parts}) == 1, f'step {s}: the ranks report different gradient norms {parts}'
+    return [sum(l for l, _ in parts) for parts in steps], [parts[0][1] for parts in steps]
+
+def assert_like_reference(ranks, want:tuple, where): # want: the reference's (losses, norms) of these steps
+    "The ranks' `global_steps` give the reference's losses and gradient norms (an unscaled gradient moves the norm, even where Adam and clipping hide it from the losses)"
+    losses, norms = whole_steps(ranks)
+    assert losses == pytest.approx(want[0], abs=1e-5), (where, 'losses', losses, want[0])
+    assert norms == pytest.approx(want[1], rel=1e-5), (where, 'gradient norms', norms, want[1])
+
+def reference_losses(batch=BATCH):
+    "One process, the whole batch per step, plain torch: the losses and gradient norms (before clipping) of all 2N steps, the final weights"
     model = make_model(dropout=0.)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02, weight_decay=0.01)
     import flexrt.schedulers as S
     sched = S.WarmupDecayLR(opt, warmup_num_steps=2, total_num_steps=10)
-    losses = []
-    for ids in batches():
+    losses, norms = [], []
+    for ids in batches(batch):
         loss = F.cross_entropy(model(ids), ids[:, 0])
-        loss.backward(); torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        loss.backward(); norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
         opt.step(); sched.step(); opt.zero_grad(); losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 def save_stages(rank, world, root):
     out = {}
@@ -156,15 +170,13 @@ def ref(): return reference_losses()
 
 @pytest.mark.parametrize('save_world', [2, 4])
 def test_reshard_to_any_world_size_and_stage(tmp_path, ref, save_world):
-    losses, final = ref
-    total = lambda parts: [sum(x) for x in zip(*parts)]   # the ranks' parts of each step's loss
+    losses, norms, final = ref
     saved = run_distributed(save_stages, save_world, args=(str(tmp_path),), timeout=120)
-    for stage in range(4): assert total(r[stage] for r in saved) == pytest.approx(losses[:N], abs=1e-5), stage
+    for stage in range(4): assert_like_reference([r[stage] for r in saved], (losses[:N], norms[:N]), (save_world, stage))
     for world in (1, 2, 4):
         results = run_distributed(load_stages, world, args=(str(tmp_path),), timeout=180)
         for (saved, stage), (_, tensors) in results[0].items():
-            rest = total(r[saved, stage][0] for r in results)
-            assert rest == pytest.approx(losses[N:], abs=1e-5), (save_world, saved, world, stage)
+            assert_like_reference([r[saved, stage][0] for r in results], (losses[N:], norms[N:]), (save_world, saved, world, stage))
             for k, v in final.items():
                 assert torch.allclose(tensors[k].float(), v.float(), atol=1e-5), (save_world, saved, world, stage, k)
 
@@ -186,13 +198,11 @@ def load_accumulations(rank, world, root, accumulations):
 
 def test_resume_with_another_accumulation_and_micro_batch(tmp_path, ref):
     "Saved on 2 ranks with accumulation 1; resumed on 1 rank with accumulation 2 and 4 (and on 2 with 2, 4): the reference"
-    losses, _ = ref
-    total = lambda parts: [sum(x) for x in zip(*parts)]
+    losses, norms, _ = ref
     run_distributed(save_stages, 2, args=(str(tmp_path),), timeout=120)
     for world, accumulations in ((1, (2, 4)), (2, (2,))):
         results = run_distributed(load_accumulations, world, args=(str(tmp_path), accumulations), timeout=240)
-        for key in results[0]:
-            assert total(r[key] for r in results) == pytest.approx(losses[N:], abs=1e-5), (world, key)
+        for key in results[0]: assert_like_reference([r[key] for r in results], (losses[N:], norms[N:]), (world, key))
 
 def test_loading_inside_an_accumulation_window_warns_and_starts_a_fresh_one(tmp_path):
     e = engine_for(1, gas=2)
@@ -303,6 +313,47 @@ def test_errors_are_clear_raised_everywhere_and_change_nothing(tmp_path):
         assert ('builtins.object' if rank == 1 else 'failed on rank 1') in msgs['client']
         assert unchanged
         assert files == ['good', 'latest']      # the refused save left nothing behind
+
+def files_of(d)->dict:
+    "Every file under `d` with its bytes' digest"
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(d).rglob('*')) if p.is_file()}
+
+def damage(path):
+    "Rewrite a checkpoint file as a valid torch file with other bytes: only its checksum can tell"
+    payload = torch.load(path, weights_only=True)
+    payload['damaged'] = True
+    torch.save(payload, path)
+
+def damaged_rank(rank, world, root):
+    "Per file of a stage-1 checkpoint: a copy with that file damaged, loaded on every rank; what each load did"
+    from flexrt import comm
+    e = engine_for(1, gas=1)
+    random_steps(e, 1)
+    e.save_checkpoint(Path(root, 'good'), tag='t')
+    before, out = snapshot(e)[0], {}
+    for name in sorted(json.loads(Path(root, 'good', 't', 'manifest.json').read_text())['files']):
+        d = Path(root, name)
+        if rank == 0: shutil.copytree(Path(root, 'good'), d); damage(d / 't' / name)
+        comm.barrier()
+        on_disk = files_of(d)
+        try: e.load_checkpoint(d); outcome = 'loaded'
+        except Exception as err: outcome = f'{type(err).__name__}: {err}'
+        out[name] = outcome, files_of(d) == on_disk
+    unchanged = all(torch.equal(v, snapshot(e)[0][k]) for k, v in before.items())
+    intact = e.load_checkpoint(Path(root, 'good'))[0]   # the ranks are still in step: the next collective works
+    e.close()
+    return out, unchanged, intact
+
+def test_a_file_one_rank_verifies_fails_the_load_on_every_rank(tmp_path):
+    "Each rank checksums only its share of the files; a damaged one raises CheckpointError on every rank, none waits in a collective"
+    for rank, (outcomes, unchanged, intact) in enumerate(run_distributed(damaged_rank, 2, args=(str(tmp_path),), timeout=30)):
+        assert sorted(outcomes) == ['model_states.pt', 'rank_00000.pt', 'rank_00001.pt']
+        for name, (outcome, same_files) in outcomes.items():
+            assert outcome.startswith('CheckpointError: the checkpoint is corrupted'), (rank, name, outcome)
+            assert f"{Path(tmp_path, name, 't', name)} " in outcome, (rank, name, outcome)   # the damaged file, by path
+            assert same_files, (rank, name, 'the refused load changed files on disk')
+        assert unchanged, (rank, 'a refused load changed the engine')
+        assert intact == str(tmp_path / 'good' / 't'), rank
 
 def tag_rank(rank, world, d, mode):
     import flexrt
@@ -449,6 +500,51 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         assert Path(path).name == tag == f'global_step{e.global_steps}' and client == {'step': e.global_steps}
         e.close()
         shutil.rmtree(d)
+
+# a crash inside the swap of a re-saved tag: the old directory moved aside to `.<tag>.replaced`, then the new one in place
+
+class Crash(BaseException):
+    "The process dies here: nothing after it runs, not even the save's clean-up"
+
+# where the second save dies (before or after its rename onto a name), what that leaves, and which save a load must find
+SWAP_CRASHES = {'nothing moved': ('before', '.t.replaced', ['.t.partial', 'latest', 't'], 't', 1),
+                'old moved aside, new not in place': ('before', 't', ['.t.partial', '.t.replaced', 'latest'], '.t.replaced', 1),
+                'both present': ('after', 't', ['.t.replaced', 'latest', 't'], 't', 2)}
+
+def crashed_resave(d, when:str, onto:str):
+    "Save tag 't', train on, save 't' again until the crash; the weights of both saves"
+    e = engine_for(0, gas=1, dropout=0.)
+    random_steps(e, 1); e.save_checkpoint(d, tag='t', client_state={'save': 1}); first = snapshot(e)[0]
+    random_steps(e, 1); second = snapshot(e)[0]
+    real = os.replace
+    def replace(src, dst, *args, **kwargs):
+        hit = Path(dst) == Path(d, onto)
+        if hit and when == 'before': raise Crash()
+        real(src, dst, *args, **kwargs)
+        if hit: raise Crash()
+    with mock.patch('os.replace', replace), mock.patch('flexrt.checkpoint.save_load.discard_staging', lambda *a: None):
+        with pytest.raises(Crash): e.save_checkpoint(d, tag='t', client_state={'save': 2})
+    e.close()
+    return first, second
+
+@pytest.mark.parametrize('crash', SWAP_CRASHES)
+def test_a_crash_inside_the_swap_of_a_resaved_tag(tmp_path, crash):
+    "A load finds the complete checkpoint (the old one until the new one is in place), and the next save leaves a clean directory"
+    d, (when, onto, left, found, save) = tmp_path / 'ckpt', SWAP_CRASHES[crash]
+    saved = dict(zip((1, 2), crashed_resave(d, when, onto)))
+    assert sorted(os.listdir(d)) == left, (crash, 'the crash left', sorted(os.listdir(d)))
+    e = engine_for(0, gas=1, dropout=0., seed=99)
+    assert e.load_checkpoint(d) == (str(d / found), {'save': save}), crash
+    got = snapshot(e)[0]
+    for k, v in saved[save].items(): assert torch.equal(got[k], v), (crash, k)
+    random_steps(e, 1); e.save_checkpoint(d, tag='t', client_state={'save': 3}); third = snapshot(e)[0]
+    assert sorted(os.listdir(d)) == ['latest', 't'], (crash, 'left behind', sorted(os.listdir(d)))
+    e.close()
+    e = engine_for(0, gas=1, dropout=0., seed=99)
+    assert e.load_checkpoint(d) == (str(d / 't'), {'save': 3}), crash
+    got = snapshot(e)[0]
+    for k, v in third.items(): assert torch.equal(got[k], v), (crash, k)
+    e.close()
 
 # ---------------------------------------------------------------------------------------------------------------
 # MoE: expert parameters carry their expert-parallel rank in their key; resharding 4 ranks -> 2 keeps every expert

@@ -1,14 +1,17 @@
 """Checkpoints written by real DeepSpeed (0.19.8, CPU, gloo, 2 ranks; tests/ds_checkpoint_train.py) at ZeRO stages
 0-3 in fp32 and bf16 and with two param groups, loaded into flexrt at 1 and 2 ranks and another stage: the fp32 masters equal DeepSpeed's
 (exactly), the global step, schedule and client state are restored, and training continues with DeepSpeed's own
-continued losses. `python -m flexrt.checkpoint.consolidate` writes exactly what DeepSpeed's `zero_to_fp32` returns.
+continued losses and gradient norms. `python -m flexrt.checkpoint.consolidate` writes exactly what DeepSpeed's `zero_to_fp32` returns.
 A checkpoint file holding any global besides DeepSpeed's data types is refused by name, and nothing in it runs.
 
 Tolerances: fp32 runs do the same float operations as DeepSpeed up to summation order across ranks (at 1 rank the
 two ranks' micro-batches are one batch), so the losses agree to 1e-6 relative (measured: 0 at 2 ranks after stages
 0/1, <= 8.4e-8 otherwise). bf16 runs also round 16-bit gradients differently where DeepSpeed reduces bf16 gradients per
 micro-batch (stages 2/3, see test_deepspeed_parity) or the batch is split otherwise (1 rank): 1e-4 (measured <= 2.8e-5
-for the runs here). A load that drops the optimizer state moves the losses by 2.8e-2 (checked below, > 1e-3)."""
+for the runs here). The gradient norms of the continued steps (DeepSpeed keeps none at stage 0 in fp32) agree to the
+same 1e-6 in fp32; in bf16 they are norms of gradients rounded to bf16 at other points: 2**-8 relative, half a bf16 ulp
+(measured <= 9.4e-4); a gradient not divided by the world size would double them. A load that drops the optimizer
+state moves the losses by 2.8e-2 (checked below, > 1e-3)."""
 import importlib.util, os, subprocess, sys, warnings
 from pathlib import Path
 import pytest, torch
@@ -21,6 +24,7 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec('deepspeed') is No
                                             "`pip install -e .[dev]` installs the pinned version")
 RUNS = ['z0_fp32', 'z1_fp32', 'z2_fp32', 'z3_fp32', 'z0_bf16', 'z2_bf16', 'z0_groups', 'z2_groups', 'z3_groups']
 TOL = {'fp32': 1e-6, 'groups': 1e-6, 'bf16': 1e-4}
+NORM_TOL = {**TOL, 'bf16': 2 ** -8}
 
 def _env():
     return {**os.environ, 'DS_ACCELERATOR': 'cpu', 'PYTHONPATH': os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))}
@@ -51,9 +55,9 @@ def resume_rank(rank, world, ds_dir, cases, out_dir):
         lr, steps = engine.get_lr()[0], engine.global_steps
         save = Path(out_dir, f'{name}_{stage}_{world}_{load_optimizer}')
         engine.save_checkpoint(save, tag='again')
-        losses = train_steps(engine, MORE, STEPS, rank, world, dtype)
-        results[(name, stage, load_optimizer)] = {'path': path, 'client': client, 'lr': lr, 'global_steps': steps,
-                                                  'losses': losses, 'saved': str(save), 'warnings': [str(w.message) for w in caught]}
+        losses, norms = train_steps(engine, MORE, STEPS, rank, world, dtype)
+        results[(name, stage, load_optimizer)] = {'path': path, 'client': client, 'lr': lr, 'global_steps': steps, 'losses': losses,
+                                                  'norms': norms, 'saved': str(save), 'warnings': [str(w.message) for w in caught]}
     return results
 
 def _rel(a, b): return max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -82,6 +86,9 @@ def test_deepspeed_checkpoint_resumes_in_flexrt(ds_dir, tmp_path, world):
             assert torch.equal(masters[k], t.to(masters[k].dtype)), (where, k, (masters[k] - t).abs().max())
         if load_optimizer: assert _rel(got['losses'], ref['losses']) <= TOL[dtype], (where, got['losses'], ref['losses'])
         else: assert _rel(got['losses'], ref['losses']) > 1e-3, (where, 'the optimizer state must matter')
+        assert len(ref['norms']) == len(got['norms']) and (None in ref['norms']) == (name in ('z0_fp32', 'z0_groups')), (where, ref['norms'])
+        if load_optimizer and None not in ref['norms']:
+            assert _rel(got['norms'], ref['norms']) <= NORM_TOL[dtype], (where, 'gradient norms', got['norms'], ref['norms'])
 
 @needs_deepspeed
 def test_consolidate_cli_equals_zero_to_fp32(ds_dir, tmp_path):

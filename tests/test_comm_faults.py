@@ -1,6 +1,7 @@
 """Fallbacks (forced on gloo, which has every op) give torch's native result, warn once naming the op, and are logged
-under the op's own name. Collectives that cannot complete raise within the timeout, naming op, rank and group."""
-import os, time, warnings
+under the op's own name. Collectives that cannot complete raise within the timeout, naming op, rank and group; the
+direct-message ops (flexrt.comm.p2p) also name the peers that never answered, and flexrt.launch blames those."""
+import os, warnings
 from datetime import timedelta
 import pytest, torch, torch.distributed as tdist
 from helpers import run_distributed
@@ -84,41 +85,47 @@ def test_fallback_on_subgroup():
 
 # ---- timeouts and dead peers -------------------------------------------------------------------------------------
 
-def _skip_collective(rank, ws, async_op, subgroup):
+def _skip_collective(rank, ws, async_op, subgroup, raised):
     dist.init_distributed(timeout=timedelta(seconds=2))
     group = dist.new_group([0, 1]) if subgroup else None
     if rank == 1:
-        time.sleep(4)  # never calls the all_reduce; outlives rank 0's timeout
+        raised.wait(60)  # never calls the all_reduce; stays until rank 0 gave up on it (leaving would be another failure)
         return None
-    t0 = time.monotonic()
     try:
         w = dist.all_reduce(torch.ones(3), group=group, async_op=async_op)
         if async_op: w.wait()
     except dist.CommTimeoutError as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
-    return 'no error', '', 0.0
+        return type(e).__name__, str(e)
+    finally: raised.set()
+    return 'no error', ''
 
 @pytest.mark.parametrize('async_op,subgroup', [(False, False), (True, True)])
 def test_skipped_collective_times_out(async_op, subgroup):
-    name, msg, waited = run_distributed(_skip_collective, 2, args=(async_op, subgroup), init=False)[0]
+    "Raised at all (run_distributed's own timeout fails a hang), and naming op, timeout, rank and group"
+    name, msg = run_distributed(_skip_collective, 2, args=(async_op, subgroup, _fork_event()), init=False)[0]
     assert name == 'CommTimeoutError'
     group = r"'\S+' \(ranks \[0, 1\], backend gloo\)" if subgroup else r'WORLD \(ranks \[0, 1\], backend gloo\)'
     import re
     assert re.search(rf"all_reduce did not complete within the timeout of 2s on rank 0 in group {group}", msg), msg
-    assert waited < 30  # raised, not hung (the gloo timeout is 2 s; the bound only guards against a hang)
 
-def _peer_leaves(rank, ws):
+def _peer_leaves(rank, ws, entering):
     dist.init_distributed(timeout=timedelta(seconds=20))
     if rank == 1:
-        time.sleep(0.5)   # ordering aid: rank 0 is likely inside its all_reduce (either way it must raise)
+        entering.wait(60)   # ordering aid: rank 0 is about to enter its all_reduce (either way it must raise)
         tdist.destroy_process_group()  # closes its connections while rank 0 waits in a collective
         return None
+    entering.set()
     try: dist.all_reduce(torch.ones(3))
     except dist.CommError as e: return str(e)
     return 'no error'
 
+def _fork_event():
+    "An event the forked ranks of run_distributed share"
+    import multiprocessing as mp
+    return mp.get_context('fork').Event()
+
 def test_dead_peer_names_op():
-    msg = run_distributed(_peer_leaves, 2, init=False)[0]
+    msg = run_distributed(_peer_leaves, 2, args=(_fork_event(),), init=False)[0]
     assert msg.startswith('all_reduce did not complete') and 'rank 0 in group WORLD' in msg, msg
 
 def _user_error_passes_through(rank, ws):
@@ -179,3 +186,68 @@ def test_missing_op_learned_per_group_and_forgotten():
         assert out['subgroup_missing'] == []
         assert 'complex dtype' in out['other_error'] and out['other_missing'] == []
         assert out['after_reinit'] == [] and out['warned_again'] == 1
+
+# ---- direct-message ops (flexrt.comm.p2p): the error names the peers that never answered ---------------------------
+
+def _skip_p2p(rank, ws, op, async_op, threaded, answered):
+    "Rank 1 never calls `op`; it stays (on `answered`, a semaphore the ranks share) until every other rank has raised"
+    from flexrt.comm.state import comm_state
+    dist.init_distributed(timeout=timedelta(seconds=1.5))
+    comm_state.p2p_threaded = threaded
+    if rank == 1:
+        for _ in range(ws - 1): answered.acquire(timeout=60)
+        return None
+    try:
+        if op == 'reduce_scatter_tensor_p2p': w = dist.reduce_scatter_tensor_p2p(torch.empty(2), torch.ones(2 * ws), async_op=async_op)
+        else: w = dist.all_gather_into_tensor_p2p(torch.empty(2 * ws), torch.ones(2), async_op=async_op)
+        if async_op: w.wait()
+    except dist.CommTimeoutError as e: return str(e), e.peers
+    finally: answered.release()
+    return 'no error', []
+
+@pytest.mark.parametrize('op,ws,async_op,threaded', [
+    ('reduce_scatter_tensor_p2p', 2, False, False),    # on the calling thread
+    ('reduce_scatter_tensor_p2p', 3, True, True),      # on the group's p2p thread
+    ('all_gather_into_tensor_p2p', 3, True, False)])
+def test_a_p2p_op_names_the_peer_that_never_answered(op, ws, async_op, threaded):
+    import multiprocessing as mp
+    results = run_distributed(_skip_p2p, ws, args=(op, async_op, threaded, mp.get_context('fork').Semaphore(0)), init=False)
+    for rank in [r for r in range(ws) if r != 1]:
+        msg, peers = results[rank]
+        assert peers == [1], msg
+        assert msg.startswith(f"{op} did not complete within the timeout of 1.5s on rank {rank} in group WORLD"), msg
+        assert f"rank 1 never sent or received {op}'s messages" in msg and 'None' not in msg, msg
+
+def hang_in_stage2_step(rank_to_hang=1, after=1, timeout=1, linger=30):
+    "A ZeRO stage-2 engine on gloo (its reduce-scatters are direct messages); `rank_to_hang` never enters the backward of step `after`"
+    import threading, flexrt
+    from flexrt.comm.p2p import P2PThread
+    dist.init_distributed(timeout=timeout)
+    dist.comm_state.p2p_threads[None] = P2PThread(linger=linger)   # idle after the step's gathers, still there when the stacks are taken
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    engine, *_ = flexrt.initialize(model=model, config={'train_micro_batch_size_per_gpu': 2, 'steps_per_print': 10**9,
+        'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}}, 'zero_optimization': {'stage': 2}})
+    assert engine.optimizer.collectives == 'p2p'
+    for step in range(10):
+        loss = engine(torch.randn(2, 8)).square().mean()
+        if step == after and dist.get_rank() == rank_to_hang: threading.Event().wait()   # stuck for good, as a real hang
+        engine.backward(loss); engine.step()
+
+@pytest.mark.parametrize('num_processes,background', [(2, False), (3, True)])
+def test_launch_blames_the_rank_that_never_entered_the_p2p_reduce_scatter(num_processes, background):
+    "The hung rank's p2p thread lingers after its gathers: its stack shows that thread inside flexrt.comm, yet it is the one to blame"
+    from flexrt import monitor
+    from flexrt.launch import launch, RankError
+    try:
+        with pytest.raises(RankError) as info:
+            run = launch(hang_in_stage2_step, num_processes=num_processes, background=background)
+            run.wait(120)
+    finally: monitor.stop_serving()
+    error, others = info.value, [r for r in range(num_processes) if r != 1]
+    assert (error.rank, error.op, error.waiting) == (1, 'reduce_scatter_tensor_p2p', others), str(error)
+    said = str(error)
+    assert said.startswith(f'rank 1 did not arrive at reduce_scatter_tensor_p2p: rank{"s" if len(others) > 1 else ""} {others} waited in it'), said
+    assert 'within the timeout of 1s' in said and "rank 1 never sent or received reduce_scatter_tensor_p2p's messages" in said, said
+    assert 'within None' not in said
+    assert 'in hang_in_stage2_step' in error.traceback                 # where rank 1 was: its own stack

@@ -1,8 +1,12 @@
 """Bad configs generated from the schema itself: every field of every block x a value of each wrong JSON type, each
 bound crossed, each required key left out, each key given twice in a JSON file. A field added to any block is covered
-by these tests without editing them. Every error must be a TypeError/ValueError naming the key path and the value."""
+by these tests without editing them. Every error must be a TypeError/ValueError naming the key path and the value.
+
+`make test` runs a sample of each set (tests/fuzz_sample.py: seed printed, every block and every wrong-type kind in
+it); `make test-all` (FLEXRT_FUZZ_ALL=1) runs every case."""
 import dataclasses, json, re, typing, warnings
 import pytest
+from fuzz_sample import FRACTION, sample
 from flexrt.config import FlexConfig, BatchConfig, load_config
 from flexrt.config.schema import Block, _optional
 
@@ -48,26 +52,58 @@ def wrong_values(tp)->list:
     return [(k, v) for k, v in candidates.items() if k not in ok]
 
 def crossed_bounds(tp, meta)->list:
+    "(which bound, a value past it) for each bound in `meta`"
     inner, _ = _optional(tp)
     step = 1 if inner is int else 0.5
     out = []
-    if 'ge' in meta: out.append(meta['ge'] - step)
-    if 'gt' in meta: out.append(meta['gt'])
-    if 'le' in meta: out.append(meta['le'] + step)
+    if 'ge' in meta: out.append(('ge', meta['ge'] - step))
+    if 'gt' in meta: out.append(('gt', meta['gt']))
+    if 'le' in meta: out.append(('le', meta['le'] + step))
     return out
 
 def dotted(path): return '.'.join(path)
 
-WRONG = [(p, k, v) for p, tp, _, _ in FIELDS for k, v in wrong_values(tp)]
-BOUNDS = [(p, v) for p, tp, meta, _ in FIELDS for v in crossed_bounds(tp, meta)]
+def type_class(tp)->str:
+    "The annotation's kind, as `wrong_values` tells them apart: 'bool', 'int|None', 'Literal', 'list[int]', 'Block', ..."
+    inner, nullable = _optional(tp)
+    if typing.get_origin(inner) is typing.Literal: name = 'Literal'
+    elif isinstance(inner, type) and issubclass(inner, Block): name = 'Block'
+    else: name = inner.__name__ if isinstance(inner, type) else str(inner)
+    return name + ('|None' if nullable else '')
+
+TYPES = {p: type_class(tp) for p, tp, _, _ in FIELDS}
+def block(path)->str: return dotted(path[:-1]) or '(top level)'   # the block a key belongs to
+
+ALL_WRONG = [(p, k, v) for p, tp, _, _ in FIELDS for k, v in wrong_values(tp)]
+ALL_BOUNDS = [(p, which, v) for p, tp, meta, _ in FIELDS for which, v in crossed_bounds(tp, meta)]
+ALL_DUPLICATES = [p for p, *_ in FIELDS]
+ALL_BOOLS = [p for p, tp, _, _ in FIELDS if _optional(tp)[0] is bool]
+# the sets run: every block, every wrong-type kind per block and per annotation kind, every bound kind (fuzz_sample)
+WRONG = sample('wrong types', ALL_WRONG, [lambda c: (block(c[0]), c[1]), lambda c: (TYPES[c[0]], c[1])])
+BOUNDS = [(p, v) for p, _, v in sample('bounds', ALL_BOUNDS, [lambda c: block(c[0]), lambda c: (TYPES[c[0]], c[1])])]
 CLAMPED = [(p, meta['clamp']) for p, _, meta, _ in FIELDS if 'clamp' in meta]
 REQUIRED = [p for p, _, _, required in FIELDS if required]
+DUPLICATES = sample('keys twice', ALL_DUPLICATES, [block, TYPES.get])
+BOOLS = sample('flags as 1/0', ALL_BOOLS, [block])
 
 def test_the_generator_sees_the_whole_schema():
     paths = {dotted(p) for p, *_ in FIELDS}
     assert {'train_batch_size', 'fp16.loss_scale', 'zero_optimization.reduce_bucket_size', 'optimizer.type',
             'zero_optimization.offload_param.buffer_size', 'autotuning.model_info.num_layers'} <= paths
-    assert len(FIELDS) > 100 and len(WRONG) > 4 * len(FIELDS) and len(BOUNDS) > 40 and REQUIRED
+    assert len(FIELDS) > 100 and len(ALL_WRONG) > 4 * len(FIELDS) and len(ALL_BOUNDS) > 40 and REQUIRED
+
+def test_the_sample_covers_every_block_and_every_wrong_kind():
+    "What a run leaves out of the generated sets is a random part of each block, never a whole block or kind"
+    blocks = {block(p) for p, *_ in FIELDS}
+    assert {block(p) for p, _, _ in WRONG} == blocks and {block(p) for p in DUPLICATES} == blocks
+    assert {(block(p), k) for p, k, _ in WRONG} == {(block(p), k) for p, k, _ in ALL_WRONG}
+    assert {(TYPES[p], k) for p, k, _ in WRONG} == {(TYPES[p], k) for p, k, _ in ALL_WRONG}
+    assert {block(p) for p, _ in BOUNDS} == {block(p) for p, _, _ in ALL_BOUNDS}
+    bound = {(p, v): which for p, which, v in ALL_BOUNDS}
+    assert {(TYPES[p], bound[p, v]) for p, v in BOUNDS} == {(TYPES[p], which) for p, which, _ in ALL_BOUNDS}
+    assert {block(p) for p in BOOLS} == {block(p) for p in ALL_BOOLS}
+    for run, whole in ((WRONG, ALL_WRONG), (DUPLICATES, ALL_DUPLICATES), (BOOLS, ALL_BOOLS)):
+        assert all(case in whole for case in run) and len(run) >= FRACTION * len(whole)
 
 def _message_names(error, path, value):
     text = str(error)
@@ -104,8 +140,6 @@ def test_a_missing_required_key_is_named(path):
     del node[path[-1]]
     with pytest.raises(ValueError, match=re.escape(f"{dotted(path)} is required")): load_config(cfg)
 
-DUPLICATES = [p for p, *_ in FIELDS]
-
 @pytest.mark.parametrize('path', DUPLICATES, ids=[dotted(p) for p in DUPLICATES])
 def test_a_key_given_twice_in_a_json_file_is_refused_naming_both_values(path, tmp_path):
     text = json.dumps(config_with(path, '@@'))
@@ -114,8 +148,6 @@ def test_a_key_given_twice_in_a_json_file_is_refused_naming_both_values(path, tm
     file = tmp_path / 'ds.json'
     file.write_text(text.replace(f'{leaf}: "@@"', f'{leaf}: 1, {leaf}: 2'))
     with pytest.raises(ValueError, match=re.escape(f"the key {dotted(path)} is given twice (1 and 2)")): load_config(file)
-
-BOOLS = [p for p, tp, _, _ in FIELDS if _optional(tp)[0] is bool]
 
 @pytest.mark.parametrize('path', BOOLS, ids=[dotted(p) for p in BOOLS])
 def test_every_flag_takes_one_and_zero_as_deepspeed_does(path):

@@ -1,7 +1,8 @@
 """An unmodified DeepSpeed script (examples/deepspeed_unmodified.py: `import deepspeed`, DeepSpeed's submodules, its
 engine accessors) runs on flexrt through `python -m flexrt.deepspeed`, under torchrun on 2 ranks, and agrees with
-the same file run on DeepSpeed itself: the same losses, the same final weights, the same answers from the engine's
-accessors (ZeRO stage 2, gradient accumulation, clipping, a warmup schedule)."""
+the same file run on DeepSpeed itself: the same losses and gradient norms, the same final weights, the same answers
+from the engine's accessors (ZeRO stage 2, gradient accumulation, clipping, a warmup schedule). The norms see what the
+losses cannot: Adam and clipping hide a gradient scaled by a constant (say, not divided by the world size)."""
 import importlib.util, json, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
@@ -35,6 +36,9 @@ def test_unmodified_deepspeed_script_runs_on_flexrt_as_on_deepspeed(tmp_path):
     ours, theirs = _run(tmp_path, 'flexrt', True), _run(tmp_path, 'deepspeed', False)
     assert ours['world_size'] == theirs['world_size'] == 2
     torch.testing.assert_close(torch.tensor(ours['losses']), torch.tensor(theirs['losses']), rtol=1e-5, atol=1e-6)
+    assert len(ours['norms']) == len(theirs['norms']) == 6
+    torch.testing.assert_close(torch.tensor(ours['norms']), torch.tensor(theirs['norms']), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"gradient norms {ours['norms']} vs DeepSpeed's {theirs['norms']}: {m}")
     assert ours['weights'].keys() == theirs['weights'].keys()
     for k in ours['weights']: torch.testing.assert_close(torch.tensor(ours['weights'][k]), torch.tensor(theirs['weights'][k]), rtol=1e-5, atol=1e-6)
     assert ours['applied'] == theirs['applied'] and ours['applied'].count(True) == 6    # every 2nd micro-step applies

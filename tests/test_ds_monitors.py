@@ -2,7 +2,7 @@
 (`output_path/job_name/`), written by rank 0 only, holding the losses and learning rates the training script saw; the
 same training under DeepSpeed 0.19.8 writes the same tags, steps and values (flexrt adds `Train/Samples/train_loss`,
 which DeepSpeed's plain engine no longer writes). A block whose package is missing stops every rank with an error
-naming the package; wandb in offline mode keeps its run on disk (skipped where wandb is not installed)."""
+naming the package; wandb (a dev requirement) in offline mode keeps its run on disk, read back here record by record."""
 import csv, glob, importlib.util, math, os
 import pytest, torch, torch.nn.functional as F
 from helpers import run_distributed
@@ -137,11 +137,11 @@ def _wandb_run(rank, world, out):
     os.environ.update(WANDB_MODE='offline', WANDB_DIR=str(out), WANDB_SILENT='true')
     return train(rank, world, out / 'files', 'flexrt', {'wandb': {'enabled': True, 'project': 'flexrt-test', 'group': 'g'}})
 
-def wandb_history(path)->list:
-    "[(step, {key: value})] of the history records in an offline run's `.wandb` file (leveldb-log chunks of protobuf Records)"
-    import json, struct
+def wandb_records(path)->list:
+    "The protobuf Records of an offline run's `.wandb` file (leveldb-log chunks), as wandb wrote them"
+    import struct
     from wandb.proto import wandb_internal_pb2 as pb
-    data, pos, pending, rows = open(path, 'rb').read(), 7, b'', []   # 7: the file's ':W&B' header
+    data, pos, pending, records = open(path, 'rb').read(), 7, b'', []   # 7: the file's ':W&B' header
     assert data[:4] == b':W&B', data[:7]
     while pos + 7 <= len(data):
         space = 32768 - pos % 32768                                  # chunks never cross a 32 KiB block
@@ -150,21 +150,36 @@ def wandb_history(path)->list:
         pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (1, 4):                                           # a full record, or the last chunk of one
             record = pb.Record(); record.ParseFromString(pending); pending = b''
-            if record.WhichOneof('record_type') == 'history':
-                items = {i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in record.history.item}   # 'a/b' is stored nested
-                rows.append((record.history.step.num, {k: v for k, v in items.items() if not k.startswith('_')}))
+            records.append(record)
+    return records
+
+def wandb_history(records)->list:
+    "[(step, {key: value})] of the history records (wandb's own `_step`, `_runtime`, ... left out)"
+    import json
+    rows = []
+    for record in records:
+        if record.WhichOneof('record_type') != 'history': continue
+        items = {i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in record.history.item}   # 'a/b' is stored nested
+        rows.append((record.history.step.num, {k: v for k, v in items.items() if not k.startswith('_')}))
     return rows
 
 def test_wandb_offline_run_on_rank0(tmp_path):
-    pytest.importorskip('wandb', reason='wandb is optional (pip install wandb); its block is checked only where installed')
+    "The block's settings name the run; each step's loss and learning rate are logged at its step (samples seen)"
     results = run_distributed(_wandb_run, WORLD, args=(tmp_path,), timeout=240)
     runs = glob.glob(str(tmp_path / 'wandb' / 'offline-run-*' / 'run-*.wandb'))
     assert len(runs) == 1                                                # rank 0 only
+    records = wandb_records(runs[0])
+    run, = [r.run for r in records if r.WhichOneof('record_type') == 'run']
+    assert (run.project, run.run_group) == ('flexrt-test', 'g')
+    assert records[-1].WhichOneof('record_type') == 'exit'              # engine.close() finished the run
     losses, lrs = results[0][0], results[0][1]
-    history = wandb_history(runs[0])
+    history = wandb_history(records)
     assert [step for step, _ in history] == SAMPLES
-    assert [row['Train/Samples/lr'] for _, row in history] == lrs
+    assert [sorted(row) for _, row in history] == [['Train/Samples/lr', 'Train/Samples/train_loss']] * (STEPS - 1) + [
+        ['Train/Samples/custom', 'Train/Samples/lr', 'Train/Samples/train_loss']]   # the script's own event: at its step
+    assert [row['Train/Samples/lr'] for _, row in history] == lrs and len(set(lrs)) == 3
     torch.testing.assert_close([row['Train/Samples/train_loss'] for _, row in history], step_means(losses), rtol=1e-6, atol=0)
+    assert history[-1][1]['Train/Samples/custom'] == 0.25                # rank 0's (rank 1 would have written 1.25)
 
 def _trial_and_run(rank, world, out):
     "An autotuner trial with the user's monitor blocks, then the run itself"

@@ -22,8 +22,10 @@ def _idle(hub, n):
     return socks
 
 def _closed_by_hub(sock)->bool:
-    "Read until the hub closes the connection (the challenge comes first); True once it did"
-    while sock.recv(4096): pass
+    "Read until the hub closes the connection (the challenge comes first); True once it did (a reset: closed with bytes unread)"
+    try:
+        while sock.recv(4096): pass
+    except ConnectionResetError: pass
     return True
 
 def _records_message(records, sender='test', dropped=0)->bytes:
@@ -79,6 +81,19 @@ def test_a_wrong_handshake_is_closed_at_once(first_frame):
     wire.read_frame(sock); sock.sendall(first_frame)
     assert _closed_by_hub(sock) and hub.num_refused == 1
     hub.close()
+
+def test_a_large_frame_before_authenticating_is_closed_unbuffered():
+    "A peer without the key may announce at most a handshake's 64 bytes; 1 MiB is refused at its header, the rest never read"
+    hub, got = monitor.Hub(handshake_timeout=3600), []                # the deadline cannot be what closes it
+    monitor.add_listener(got.append)
+    [bad] = _idle(hub, 1)
+    wire.read_frame(bad)                                             # the challenge: the hub serves this connection
+    bad.sendall((1 << 20).to_bytes(4, 'big') + b'a' * 4096)          # announces 1 MiB, sends its start
+    good, _ = wire.connect(_address(hub), hub.key)                   # served after the bad frame's bytes were there
+    good.sendall(wire.frame(_records_message([{'kind': 'step', 'step': 1}]))); _flushed(good)
+    assert hub.num_refused == 1 and hub.num_open == 1, ('the hub keeps buffering an unauthenticated 1 MiB frame', hub.stats())
+    assert _closed_by_hub(bad) and _steps(got) == [1]
+    bad.close(); good.close(); hub.close()
 
 def test_unauthenticated_connections_beyond_the_cap_close_the_oldest():
     hub = monitor.Hub(handshake_timeout=3600, max_pending=5)

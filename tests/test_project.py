@@ -129,3 +129,26 @@ def test_public_paths_users_know_keep_working():
     assert flexrt.zero.GatheredParameters is GatheredParameters and flexrt.zero.Init is Init
     assert flexrt.memory.see_memory_usage is see_memory_usage and flexrt.checkpoint.save_checkpoint is save_checkpoint
     assert callable(flexrt.launch) and callable(flexrt.checkpointing.checkpoint)
+
+def test_make_test_lists_skip_and_xfail_reasons_and_counts_them(tmp_path):
+    "pytest keeps only the last -r: the Makefile asks for both at once, and `make test`'s last line counts both"
+    tests = tmp_path / 'test_some.py'
+    tests.write_text("import pytest\ndef test_runs(): pass\n@pytest.mark.skip(reason='needs a GPU')\ndef test_gpu(): pass\n"
+                     "@pytest.mark.xfail(reason='known gap')\ndef test_gap(): assert 0\n")
+    flags = re.search(r'-m pytest tests (.*) \| tee', (ROOT / 'Makefile').read_text()).group(1)
+    log = tmp_path / 'pytest.txt'
+    run = subprocess.run([sys.executable, '-m', 'pytest', str(tests), *flags.split()], capture_output=True, text=True, cwd=tmp_path)
+    log.write_text(run.stdout)
+    assert 'SKIPPED [1]' in run.stdout and 'needs a GPU' in run.stdout and 'known gap' in run.stdout, run.stdout
+    make = subprocess.run(['make', '-s', '-C', str(ROOT), '-o', 'install', '-o', 'sync-check', '-o', 'nbtest', '-o', 'pytest',
+                           'test', f'PYTEST_LOG={log}'], capture_output=True, text=True)
+    assert make.stdout.strip().splitlines()[-1].startswith('make test: 1 skipped and 1 xfailed in pytest'), make.stdout + make.stderr
+
+@pytest.mark.parametrize('target,every_case', [('test', ''), ('test-all', '1')])
+def test_make_test_all_runs_every_generated_case(tmp_path, target, every_case):
+    "`make test-all` is `make test` with FLEXRT_FUZZ_ALL=1 (tests/fuzz_sample.py); a stand-in python shows what pytest would get"
+    python = tmp_path / 'python'
+    python.write_text('#!/bin/sh\necho "FLEXRT_FUZZ_ALL=[$FLEXRT_FUZZ_ALL] $*"\n'); python.chmod(0o755)
+    make = subprocess.run(['make', '-s', '-C', str(ROOT), '-o', 'install', '-o', 'sync-check', '-o', 'nbtest', target,
+                           f'PY={python}', f'PYTEST_LOG={tmp_path / "log.txt"}'], capture_output=True, text=True)
+    assert f'FLEXRT_FUZZ_ALL=[{every_case}] -m pytest tests' in make.stdout, make.stdout + make.stderr

@@ -8,7 +8,7 @@ import pytest, torch
 from helpers import run_distributed
 from flexrt import comm as dist
 from flexrt.zero.base import OptimizerSlot, consecutive
-from test_checkpoint import make_model, config, global_steps, reference_losses, N, BATCH
+from test_checkpoint import make_model, config, global_steps, reference_losses, assert_like_reference, N, BATCH
 
 class ReversedFp64Slot(OptimizerSlot):
     "Replicated (stage-0-like): one flat fp32 master, parameters in reverse order; gradients all-reduced in fp64"
@@ -61,9 +61,9 @@ def save_rank(rank, world, root):
     assert e.optimizer.comm_bytes > 0 and e.memory_breakdown()['total'] > 0
     e.save_checkpoint(Path(root, 'toy'), tag='t'); e.close()
     e = engine(2)
-    global_steps(e, rank, world, 0, N)
+    stage2 = global_steps(e, rank, world, 0, N)
     e.save_checkpoint(Path(root, 'stage2'), tag='t'); e.close()
-    return toy
+    return toy, stage2
 
 def load_rank(rank, world, root):
     out = {}
@@ -76,14 +76,12 @@ def load_rank(rank, world, root):
     return out
 
 def test_a_toy_slot_trains_checkpoints_and_reshards_through_the_contract(tmp_path):
-    losses, _ = reference_losses()
-    total = lambda parts: [sum(x) for x in zip(*parts)]   # the ranks' parts of each step's loss
+    losses, norms, _ = reference_losses()
     saved = run_distributed(save_rank, 2, args=(str(tmp_path),), timeout=120)
-    assert total(saved) == pytest.approx(losses[:N], abs=1e-5)
+    for k, name in enumerate(('toy', 'stage2')): assert_like_reference([r[k] for r in saved], (losses[:N], norms[:N]), name)
     for world in (1, 2):
         results = run_distributed(load_rank, world, args=(str(tmp_path),), timeout=180)
-        for key in results[0]:
-            assert total(r[key] for r in results) == pytest.approx(losses[N:], abs=1e-5), (world, key)
+        for key in results[0]: assert_like_reference([r[key] for r in results], (losses[N:], norms[N:]), (world, key))
 
 def test_a_slot_missing_a_method_or_of_the_wrong_type_is_refused():
     class Partial(OptimizerSlot):

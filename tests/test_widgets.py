@@ -1,11 +1,12 @@
 """flexrt.widgets: views are thin over a RecordStore that tests drive directly; the dashboard's Stop button stops a
 background run on every rank at the same step; save() writes the plots and every record."""
-import sys, time
+import sys, threading
 from pathlib import Path
 import pandas as pd, pytest
 from flexrt import monitor
 from flexrt.launch import launch
 from flexrt.widgets import RecordStore, GradNormTrace, MemoryMonitor, TrainingDashboard
+from flexrt.widgets.plots import figure_html
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
 from quickstart_train import count_until_stopped
@@ -31,6 +32,85 @@ def test_views_show_the_latest_values_of_their_records():
     assert 'skipped 1' in trace.text.value and trace.plot.value.startswith('<img src="data:image/png;base64,')
     assert 'rank 0: 5.0 MiB (peak 10.0)' in memory.text.value and 'RSS 100 MiB' in memory.text.value
 
+# --- what the plots draw, read from the figure the PNG is made of ----------------------------------------------------
+def drawn(figure)->dict:
+    "{(panel title, line label): (x, y)} of every line in `figure`, as lists of floats"
+    return {(ax.get_title(), line.get_label()): ([float(v) for v in line.get_xdata()], [float(v) for v in line.get_ydata()])
+            for ax in figure.axes for line in ax.get_lines()}
+
+def assert_axes_hold_their_lines(figure):
+    "Each panel's x and y ranges cover every point of its lines (nothing drawn off the visible area)"
+    for ax in figure.axes:
+        points = [(x, y) for line in ax.get_lines() for x, y in zip(line.get_xdata(), line.get_ydata())]
+        if not points: continue
+        (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+        xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+        assert x0 <= min(xs) and max(xs) <= x1 and y0 <= min(ys) and max(ys) <= y1, (ax.get_title(), (x0, x1), (y0, y1), xs, ys)
+
+def noisy_step(rank, n, skipped=False):
+    "`step` whose numbers differ by rank: rank 1's are 10x rank 0's"
+    record, k = step(rank, n, skipped), 10.0 ** rank
+    return record | {'loss': k / n, 'grad_norm': 3.0 * k / n, 'grad_norm_post_clip': min(1.0, 3.0 * k / n), 'lr': [0.1 * k * n]}
+
+def test_gradient_norm_plot_draws_rank0s_steps_the_clip_and_the_skipped_steps():
+    records = RecordStore()
+    trace = GradNormTrace(clip=1.0, records=records, redraw=False)
+    for n in range(1, 6):
+        for rank in (0, 1): records(noisy_step(rank, n, skipped=n == 2))
+    trace.refresh()
+    figure = trace.live_figure
+    assert trace.plot.value == figure_html(figure)                      # the PNG shown is this figure
+    steps = [1., 2., 3., 4., 5.]
+    assert drawn(figure) == {
+        ('gradient norm', 'before clipping'): (steps, [3.0 / n for n in range(1, 6)]),     # rank 0's view only
+        ('gradient norm', 'after clipping'): (steps, [min(1.0, 3.0 / n) for n in range(1, 6)]),
+        ('gradient norm', 'clip 1'): ([1., 5.], [1., 1.]),                                 # the threshold, first to last step
+        ('gradient norm', 'skipped (overflow)'): ([2.], [1.5]),                           # at the skipped step's norm
+        ('loss', '_loss'): (steps, [1.0 / n for n in range(1, 6)]),
+        ('learning rate', '_lr'): (steps, [0.1 * n for n in range(1, 6)]),
+        ('loss scale', '_loss scale'): (steps, [2.0 ** 16] * 5)}
+    assert_axes_hold_their_lines(figure)
+    for n in range(6, 41):                                               # more steps: the same lines, longer, axes rescaled
+        for rank in (0, 1): records(noisy_step(rank, n))
+    trace.refresh()
+    assert trace.live_figure is figure and trace.num_plots == 2
+    lines = drawn(figure)
+    assert lines[('gradient norm', 'before clipping')][0] == [float(n) for n in range(1, 41)]
+    assert lines[('gradient norm', 'clip 1')] == ([1., 40.], [1., 1.]) and lines[('learning rate', '_lr')][1][-1] == 4.0
+    assert_axes_hold_their_lines(figure)
+    assert drawn(trace.figure()) == lines                                # save() draws the same as the live view
+    trace.close()
+
+def test_memory_plot_draws_each_ranks_bytes_over_time():
+    records = RecordStore()
+    memory = MemoryMonitor(records=records, redraw=False)
+    for n in range(1, 5):
+        for rank in (0, 1):
+            records(step(rank, n) | {'memory': {'allocated_bytes': (n + 10 * rank) << 20, 'max_allocated_bytes': (2 * n + 10 * rank) << 20,
+                                                 'process_rss_bytes': (100 + 50 * rank + n) << 20}})
+    memory.refresh()
+    figure, seconds = memory.live_figure, [0., 1., 2., 3.]              # x: seconds since the first record
+    assert memory.plot.value == figure_html(figure)
+    assert drawn(figure) == {
+        ('tensor memory', f'rank {r} allocated'): (seconds, [n + 10. * r for n in range(1, 5)]) for r in (0, 1)} | {
+        ('tensor memory', f'rank {r} peak'): (seconds, [2. * n + 10 * r for n in range(1, 5)]) for r in (0, 1)} | {
+        ('process RSS', f'rank {r}'): (seconds, [100. + 50 * r + n for n in range(1, 5)]) for r in (0, 1)}
+    assert_axes_hold_their_lines(figure)
+    assert [ax.get_ylabel() for ax in figure.axes] == ['MiB', 'MiB'] and [ax.get_xlabel() for ax in figure.axes] == ['s', 's']
+    memory.close()
+
+def test_memory_plot_without_tensor_bytes_draws_the_rss_alone():
+    records = RecordStore()
+    memory = MemoryMonitor(records=records, redraw=False)
+    for n in (1, 2):
+        for rank in (0, 1):
+            records(step(rank, n) | {'memory': {'allocated_bytes': 0, 'max_allocated_bytes': 0, 'tracked': False,
+                                                 'process_rss_bytes': (200 + rank) << 20}})
+    memory.refresh()
+    assert drawn(memory.live_figure) == {('process RSS', f'rank {r}'): ([0., 1.], [200. + r] * 2) for r in (0, 1)}
+    assert_axes_hold_their_lines(memory.live_figure)
+    memory.close()
+
 def test_dashboard_gets_kernel_records_and_saves_plots_and_history(tmp_path):
     dash = TrainingDashboard(total_steps=8, interval=0.05)
     for n in range(1, 5):
@@ -41,41 +121,48 @@ def test_dashboard_gets_kernel_records_and_saves_plots_and_history(tmp_path):
     assert dash.save(tmp_path) == ['grad_norm.png', 'memory.png', 'history.csv']
     saved = pd.read_csv(tmp_path / 'history.csv')
     assert list(saved[saved['rank'] == 1]['step']) == [1, 2, 3, 4] and (tmp_path / 'memory.png').stat().st_size > 1000
+    norms, rss = drawn(dash.grad_norm.figure()), drawn(dash.memory.figure())   # what the PNGs were drawn from
+    assert norms[('gradient norm', 'before clipping')] == ([1., 2., 3., 4.], [3.0, 1.5, 1.0, 0.75])
+    assert rss[('tensor memory', 'rank 1 allocated')][1] == [1., 2., 3., 4.] and rss[('process RSS', 'rank 0')][1] == [100.] * 4
     dash.close()
     monitor.emit('step', rank=0, step=5)                             # closed: no longer listening
     assert len(dash.history) == 8 and isinstance(dash.history, pd.DataFrame)
 
 def test_stop_button_stops_every_rank_at_the_same_step():
     dash = TrainingDashboard(interval=0.1)
-    run = launch(count_until_stopped, (5000,), num_processes=2, background=True)
-    deadline = time.time() + 90
-    while len(dash.records._frame()) < 12 and time.time() < deadline: time.sleep(0.05)   # poll: records come from other processes
+    twelve, stopped, seen = threading.Event(), threading.Event(), []
+    def count(record): seen.append(record); len(seen) >= 12 and twelve.set()   # after the dashboard's store, which listens first
+    dash.stop_button.observe(lambda change: change['new'] == 'Stopped' and stopped.set(), names='description')
+    with monitor.listen(count):
+        run = launch(count_until_stopped, (5000,), num_processes=2, background=True)
+        assert twelve.wait(90)                                       # records from the ranks reached the dashboard
     dash.stop_button.click()
     assert dash.stop_button.description == 'Stopping'
     assert run.wait(90) and dash.stop_button.disabled
     logs = dash.records.frame('log')
     last = logs.groupby('rank')['step'].max()
     assert last[0] == last[1] < 4999 and len(logs) == 2 * (last[0] + 1)
-    deadline = time.time() + 30                                      # the redraw thread sees the ranks gone
-    while dash.stop_button.description != 'Stopped' and time.time() < deadline: time.sleep(0.05)   # poll: the redraw thread's change
+    assert stopped.wait(30)                                          # the redraw thread saw the ranks gone
     assert (dash.stop_button.description, dash.stop_button.disabled) == ('Stopped', True)
     dash.close()
 
-def sample_memory_in_rank(seconds):
-    "A rank that only samples its memory, through the monitor (module-level: forked ranks run it)"
+def sample_memory_in_rank(num_samples):
+    "A rank that only samples its memory, through the monitor, until its sampler took `num_samples` (module-level: forked ranks run it)"
     from flexrt import comm, monitor
     comm.init_distributed()
-    with monitor.sample_memory(interval_ms=10): time.sleep(seconds)   # the rank's work: sampling goes on meanwhile
+    taken, seen = threading.Event(), []
+    def count(record): record['kind'] == 'memory' and seen.append(record); len(seen) >= num_samples and taken.set()
+    with monitor.listen(count), monitor.sample_memory(interval_ms=10): assert taken.wait(60)   # the sampler's thread at work
     comm.destroy_process_group()
 
 def test_memory_monitor_fills_from_samplers_in_the_ranks():
     from accelerate import notebook_launcher
     from flexrt.launch import free_port
     view = MemoryMonitor(interval=3600)
-    notebook_launcher(sample_memory_in_rank, (0.3,), num_processes=2, use_port=str(free_port()))
+    notebook_launcher(sample_memory_in_rank, (3,), num_processes=2, use_port=str(free_port()))
     view.refresh()
     memory = view.records.frame('memory')
-    assert sorted(memory['rank'].unique()) == [0, 1] and (memory.groupby('rank').size() >= 2).all()   # at start and at stop
+    assert sorted(memory['rank'].unique()) == [0, 1] and (memory.groupby('rank').size() >= 4).all()   # 3 while it ran, 1 at stop
     assert (memory['memory.process_rss_bytes'] > 0).all() and view.num_plots >= 1   # drawn on its own with the first records
     assert view._plotted == view._plot_key()                          # and refresh() drew every record
     assert 'rank 0:' in view.text.value and 'rank 1:' in view.text.value and view.plot.value.startswith('<img')

@@ -1,5 +1,5 @@
 "flexrt.zero.Init: a model built partitioned trains as the ordinary stage-3 path and stage 0 do; memory while building; nothing left patched"
-import time, warnings
+import queue, warnings, weakref
 import pytest, torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -53,15 +53,15 @@ def build(rank, init):
 def train(rank, world, model, stage, ckpt=None, precision=None):
     engine = flexrt.initialize(model=model, config=config(stage, precision))[0]
     batches = torch.randint(0, VOCAB, (world, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    losses = []
+    losses, norms = [], []
     for s in range(STEPS):   # the same batch each step: the loss must fall
         ids = batches[rank]
         loss = F.cross_entropy(engine(ids[:, :-1]).float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        engine.backward(loss); engine.step(); losses.append(loss.item())
+        engine.backward(loss); engine.step(); losses.append(loss.item()); norms.append(engine.get_global_grad_norm())
     state = engine.module_state_dict()
     if ckpt is not None: engine.save_checkpoint(ckpt, tag='t')
     engine.close()
-    return losses, state
+    return losses, state, norms
 
 def train_rank(rank, world, ckpt):
     reference = build(0, init=False)    # what rank 0 builds as usual
@@ -93,24 +93,46 @@ def test_trains_like_the_ordinary_paths(tmp_path):
     for r in results:
         assert r['partitioned'] == r['names']   # every parameter partitioned (empty, with its record)
         assert r['same_start']   # gathered right after the build: rank 0's model (and its change), bit for bit
-        (init_losses, init_state), (plain_losses, plain_state), (s0_losses, s0_state) = r['init'], r['plain'], r['stage0']
-        assert init_losses == plain_losses   # the same computation, step for step
-        assert r['inside'][0] == init_losses and r['inside_later'] == [0, 0] and r['inside_gathered'] == 0
+        (init_losses, init_state, init_norms), (plain_losses, plain_state, plain_norms) = r['init'], r['plain']
+        s0_losses, s0_state, s0_norms = r['stage0']
+        assert init_losses == plain_losses and init_norms == plain_norms   # the same computation, step for step
+        assert r['inside'][0] == init_losses and r['inside'][2] == init_norms
+        assert r['inside_later'] == [0, 0] and r['inside_gathered'] == 0
         assert all(torch.equal(r['inside'][1][k], init_state[k]) for k in init_state)
         assert init_losses[-1] < init_losses[0]
         torch.testing.assert_close(torch.tensor(init_losses), torch.tensor(s0_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(init_norms), torch.tensor(s0_norms), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f'gradient norms: {m}')
         assert init_state.keys() == plain_state.keys() == s0_state.keys() == r['resumed'].keys()
         for k in init_state:
             assert torch.equal(init_state[k], plain_state[k]), k
             torch.testing.assert_close(init_state[k], s0_state[k], rtol=1e-5, atol=1e-6)
             assert torch.equal(init_state[k], r['resumed'][k]), k
-        (init_losses, init_state), (plain_losses, plain_state) = r['bf16']   # fp32 masters from zero.Init's fp32 shards
-        assert init_losses == plain_losses and all(torch.equal(init_state[k], plain_state[k]) for k in init_state)
+        # bf16: the fp32 masters come from zero.Init's fp32 shards
+        (init_losses, init_state, init_norms), (plain_losses, plain_state, plain_norms) = r['bf16']
+        assert init_losses == plain_losses and init_norms == plain_norms
+        assert all(torch.equal(init_state[k], plain_state[k]) for k in init_state)
     assert results[0]['init'][1]['emb.weight'].shape == (VOCAB, DIM)
 
 LAYERS, WIDTH = 12, 512
 
 def layers(): return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+def settled(tracker, target:int)->int:
+    """The tracker's bytes once they are down to `target`, waiting on frees: gloo's worker thread may hold the last
+    broadcast tensor (the last bias) a moment after the broadcast returned, and frees it on its own thread"""
+    # a weakref callback per storage: SimpleQueue.put is C code, so the freeing thread runs it and the tracker's own callback
+    # (also C) with no switch of threads between them, and a wake-up here always finds the free counted
+    freed = queue.SimpleQueue()
+    def watch(ref):   # a function, so no strong reference to the storage outlives the call
+        storage = ref()
+        return None if storage is None else weakref.ref(storage, freed.put)
+    watched = [watch(r) for r in list(tracker._live.values())]
+    while tracker.allocated_bytes > target:
+        try: freed.get(timeout=60)   # a safety net against a hang, not a synchronisation
+        except queue.Empty: break
+    del watched
+    return tracker.allocated_bytes
 
 def build_memory_rank(rank, world):
     "Bytes of live CPU tensors while building: as usual, then inside zero.Init"
@@ -122,9 +144,7 @@ def build_memory_rank(rank, world):
     with TensorMemoryTracker(count_existing=False) as built:
         with zero.Init(): model = layers()
         peak, shards = built.peak_bytes, LAYERS * (WIDTH * WIDTH + WIDTH) * 4 // 2
-        deadline = time.monotonic() + 5   # gloo's worker thread may hold the last broadcast tensor (the last bias) a moment longer
-        while built.allocated_bytes > shards and time.monotonic() < deadline: time.sleep(0.01)
-        held = built.allocated_bytes
+        held = settled(built, shards)
     with zero.GatheredParameters(list(model[3].parameters())):   # rank 0's values
         first = model[3].weight[0, :4].clone()
     return plain_peak, peak, held, first

@@ -21,8 +21,8 @@ _all_ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initialized
          'has_reduce_scatter_tensor', 'get_all_ranks_from_group', 'barrier', 'monitored_barrier', 'broadcast',
          'all_reduce', 'reduce', 'reduce_scatter', 'reduce_scatter_tensor', 'all_gather', 'all_gather_into_tensor',
          'gather', 'scatter', 'all_to_all', 'all_to_all_single', 'all_gather_object', 'broadcast_object_list', 'send',
-         'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads', 'prefers_p2p', 'reduce_scatter_tensor_p2p',
-         'all_gather_into_tensor_p2p', 'configure', 'reset_log', 'get_comm_stats', 'init_distributed',
+         'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads', 'prefers_p2p', 'timeout_seconds',
+         'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p', 'configure', 'reset_log', 'get_comm_stats', 'init_distributed',
          'init_process_group', 'destroy_process_group', 'log_summary', 'ReduceOp', 'P2POp', 'CommBackend',
          'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError', 'DistEnv', 'EnvError',
          'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']
@@ -34,7 +34,7 @@ __all__ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initializ
            'all_reduce', 'reduce', 'reduce_scatter', 'reduce_scatter_tensor', 'all_gather', 'all_gather_into_tensor',
            'gather', 'scatter', 'all_to_all', 'all_to_all_single', 'all_gather_object', 'broadcast_object_list', 'send',
            'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads',
-           'prefers_p2p', 'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p', 'configure', 'reset_log',
-           'get_comm_stats', 'init_distributed', 'init_process_group', 'destroy_process_group', 'log_summary',
-           'ReduceOp', 'P2POp', 'CommBackend', 'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError',
-           'DistEnv', 'EnvError', 'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']
+           'prefers_p2p', 'timeout_seconds', 'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p', 'configure',
+           'reset_log', 'get_comm_stats', 'init_distributed', 'init_process_group', 'destroy_process_group',
+           'log_summary', 'ReduceOp', 'P2POp', 'CommBackend', 'TorchBackend', 'SingleProcessBackend', 'CommError',
+           'CommTimeoutError', 'DistEnv', 'EnvError', 'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']

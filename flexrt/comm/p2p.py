@@ -7,34 +7,80 @@ from __future__ import annotations
 import collections, datetime, threading, time
 import torch
 from fastcore.basics import patch
+from .base import CommError, CommTimeoutError
 from .backends import ReduceOp
 from .logger import timed_op
 from .state import comm_state
 from .wrappers import get_world_size, get_rank, get_global_rank, get_backend
 
 # %% auto #0
-__all__ = ['P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads', 'prefers_p2p', 'reduce_scatter_tensor_p2p',
-           'all_gather_into_tensor_p2p']
+__all__ = ['timeout_seconds', 'P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads', 'prefers_p2p',
+           'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p']
 
-# %% ../../nbs/10_comm_p2p.ipynb #c006
+# %% ../../nbs/10_comm_p2p.ipynb #c005b
+_TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)   # torch.distributed's default_pg_timeout
+
 def _seconds(timeout)->float|None: return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
 
+def _left(end:float)->datetime.timedelta:
+    "The time until monotonic `end`; never 0, which torch reads as no timeout"
+    return datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3))
+
+def timeout_seconds(group=None, # the group an op runs on
+                    timeout=None, # the op's own timeout (seconds or a `timedelta`); None: the group's
+                   )->float: # seconds, never None
+    "How long an op on `group` waits before it fails: `timeout`, else the process group's, else torch's default"
+    if timeout is None: timeout = getattr(comm_state.backend or comm_state.active(), 'group_timeout', lambda g: None)(group)
+    return _seconds(_TORCH_DEFAULT_TIMEOUT if timeout is None else timeout)
+
+# %% ../../nbs/10_comm_p2p.ipynb #c005d
+def _unanswered(name:str, group, peers:list, error:BaseException, timeout=None)->CommError:
+    "The error of op `name` whose messages with `peers` (group ranks) failed with `error`: it names them, this rank and the wait"
+    ranks, timed_out = sorted({get_global_rank(group, p) for p in peers}), isinstance(error, TimeoutError)
+    within = f" within the timeout of {timeout_seconds(group, timeout):g}s" if timed_out else ''
+    try: where = f"rank {get_rank()} in group {(comm_state.backend or comm_state.active()).describe_group(group)}"
+    except Exception: where = 'a rank whose process group is gone'
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    exc = (CommTimeoutError if timed_out else CommError)(
+        f"{name} did not complete{within} on {where}: {who} never sent or received {name}'s messages (died, or never "
+        "called it); every rank of the group must call the same collectives in the same order. Raise the timeout with "
+        "init_distributed(timeout=...) if the ranks are only slow.")
+    exc.peers = ranks   # global ranks: flexrt.launch blames them
+    return exc
+
+def _answered(work)->bool:
+    "Whether the message `work` completed, asking for a moment only"
+    try: work.wait(datetime.timedelta(milliseconds=10)); return True
+    except Exception: return False
+
+def _wait_messages(works:list, peers:list|None, name:str, group, end:float|None=None, timeout=None):
+    "Wait for an op's `works` (by monotonic `end`); a failed message raises `_unanswered` naming its `peers` that never answered"
+    for i, w in enumerate(works):
+        try: w.wait() if end is None else w.wait(_left(end))
+        except (CommError, TimeoutError) as e:
+            if peers is None: raise   # not messages (a `ThreadedOp`): its own error
+            late = [peers[i]] + [p for p, later in zip(peers[i + 1:], works[i + 1:]) if not _answered(later)]
+            raise _unanswered(name, group, late, e, timeout) from e
+
+# %% ../../nbs/10_comm_p2p.ipynb #c006
 class P2PWork:
     "The handle of an op made of point-to-point messages: `wait()` waits for them all, then finishes the op (once, on whichever thread waits first)"
     finish_when_reported = True   # every rank started it: the comms logger may wait for it before reporting
-    def __init__(self, works:list, finish=None, name:str='a direct-message op'):
+    def __init__(self, works:list, finish=None, name:str='a direct-message op',
+                 peers:list|None=None, # the group rank each of `works` exchanges with; None: they are not messages (a `ThreadedOp`)
+                 group=None): # the group the messages go over
         self._works, self._finish, self._done, self._lock, self.name = works, finish, False, threading.Lock(), name
+        self._peers, self._group = peers, group
     def wait(self, timeout=None)->bool:
-        "`timeout` (seconds or a `timedelta`): `TimeoutError` naming the op if it is not done by then (torch's own works raise their own error)"
+        "`timeout` (seconds or a `timedelta`): `TimeoutError` naming the op if it is not done by then; a failed message: `CommError` naming the ranks that never answered"
         end = None if timeout is None else time.monotonic() + _seconds(timeout)
-        left = lambda: datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3))   # never 0: torch reads 0 as no timeout
-        if not self._lock.acquire(timeout=-1 if end is None else left().total_seconds()):   # another thread is finishing it
-            raise TimeoutError(f"{self.name} did not finish within {timeout}")
+        late = lambda: TimeoutError(f"{self.name} did not finish within {timeout_seconds(self._group, timeout):g}s")
+        if not self._lock.acquire(timeout=-1 if end is None else _left(end).total_seconds()): raise late()   # another thread is finishing it
         try:
             if not self._done:
-                try:
-                    for w in self._works: w.wait() if end is None else w.wait(left())
-                except TimeoutError as e: raise TimeoutError(f"{self.name} did not finish within {timeout}") from e
+                try: _wait_messages(self._works, self._peers, self.name, self._group, end, timeout)
+                except CommError: raise   # it names the op, the ranks that never answered and the timeout
+                except TimeoutError as e: raise late() from e
                 if self._finish is not None: self._finish()
                 self._works, self._finish, self._done = [], None, True   # let go of the messages' tensors at once
         finally: self._lock.release()
@@ -116,7 +162,7 @@ class ThreadedOp:
         finally: self._event.set()   # the closure (its tensors) stays until wait(): memory is freed when the caller waits, not when the thread happens to finish
     def wait(self, timeout=None):
         "`timeout`: seconds or a `timedelta`"
-        if not self._event.wait(_seconds(timeout)): raise TimeoutError(f"the p2p thread did not run this op within {timeout}")
+        if not self._event.wait(_seconds(timeout)): raise TimeoutError(f"the p2p thread did not run this op within {_seconds(timeout):g}s")
         self._run = None
         if self._error is not None: raise self._error
     def is_completed(self)->bool: return self._event.is_set()
@@ -132,10 +178,11 @@ def _start(sends:dict, recvs:dict, group, finish=None, async_op:bool=True, name:
     "Start one op's messages (on the group's thread when asynchronous on gloo); its handle, which runs `finish` once done"
     if not sends and not recvs: return P2PWork([], finish, name)
     b, tag = comm_state.backend or comm_state.active(), comm_state.next_tag(group)   # the tag: in call order, here
+    peers = [*sends, *recvs]   # the group rank each message goes to or comes from, in `_post`'s order
     if not (async_op and comm_state.p2p_threaded and get_backend(group) == 'gloo'):
-        return P2PWork(_post(b, tag, sends, recvs, group), finish, name)
+        return P2PWork(_post(b, tag, sends, recvs, group), finish, name, peers, group)
     def run():
-        for w in _post(b, tag, sends, recvs, group): w.wait()
+        _wait_messages(_post(b, tag, sends, recvs, group), peers, name, group)
         if finish is not None: finish()
     op = ThreadedOp(run)
     _thread_of(group).submit(op)

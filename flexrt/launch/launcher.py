@@ -45,11 +45,12 @@ def request_stop():
 STACK_SIGNAL = signal.SIGUSR1
 
 def _failure(error:BaseException)->dict:
-    "What a rank reports about `error`: a failed collective's op and whether it timed out"
+    "What a rank reports about `error`: a failed collective's op, whether it timed out, the ranks it says never answered"
     if not isinstance(error, dist.CommError): return {'comm': False}
     said = str(error)
     return {'comm': True, 'timed_out': isinstance(error, dist.CommTimeoutError),
-            'op': said.split(' did not complete', 1)[0] if ' did not complete' in said else None}
+            'op': said.split(' did not complete', 1)[0] if ' did not complete' in said else None,
+            'peers': list(getattr(error, 'peers', ()))}   # direct messages know their peers (flexrt.comm.p2p)
 
 # %% ../../nbs/35_launch_launcher.ipynb #c012
 class RankMain:
@@ -144,8 +145,10 @@ def _blame(reports:list, # the ranks' 'rank_error' records
             if r not in reported and code and not (late and code == -signal.SIGTERM)}
     if died: return _died(*next(iter(died.items())), reports)
     silent, waits = sorted(set(started) - reported), [r for r in reports if r.get('comm')]
-    waits += [{'rank': r, 'error': 'stopped by the launcher inside it'} for r in silent if _in_collective(stacks.get(r))]
-    missing = [r for r in silent if not _in_collective(stacks.get(r))]
+    named = {p for r in waits for p in r.get('peers') or ()}       # ranks a waiting one says never answered
+    inside = lambda r: _in_collective(stacks.get(r)) and r not in named
+    waits += [{'rank': r, 'error': 'stopped by the launcher inside it'} for r in silent if inside(r)]
+    missing = [r for r in silent if not inside(r)]
     if missing and waits: return _absent(missing, waits, stacks)
     if reports: r = first(reports); return RankError(r['rank'], r['error'], r['traceback'])
     return error

@@ -125,6 +125,11 @@ def draw_plot(self:LiveView):
     if self._live is None or layout != self._layout: self._live, self._layout = self.new_plot(layout), layout
     self.plot.value = figure_html(self.fill(self._live).render())
 
+@patch(as_prop=True)
+def live_figure(self:LiveView)->Figure|None:
+    "The figure the plot's PNG was last drawn from; None before the first plot"
+    return self._live.figure if self.num_plots else None
+
 @patch
 def figure(self:LiveView)->Figure:
     "The plot of the whole history, as a new figure"
