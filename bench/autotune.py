@@ -1,10 +1,11 @@
-"""The autotuner's measured goals (issue #13) on 2 gloo ranks (CPU), two workloads (a small GPT and a wide MLP).
+"""The autotuner's measured goals (issues #13, #24) on 2 gloo ranks (CPU), two workloads (a small GPT and a wide MLP).
 
     python bench/autotune.py [--quick] [--workloads gpt,mlp] [--reps 3] [--seeds 20] [--out bench_out/autotune]
+    python bench/autotune.py --phases trust,gpt_time --workloads mlp     # the #24 goals only
 
 Phases (each prints a table; all files go to --out):
 1. surface: every rank runs `run_trial` over the grid stage x micro-batches x reduce x allgather/prefetch buckets, `--reps`
-   repetitions, recording the metric, measured peak and the memory model's prediction -> surface_<workload>.csv.
+   repetitions, each timed as the search times a trial (until the median step time is within 3%, or 40 steps / 4 s), recording the metric, measured peak and the memory model's prediction -> surface_<workload>.csv.
    Prints the memory model's error (predicted vs measured per-rank peak) over every point.
 2. search: the default `flexrt.autotune` at three budgets (30/60/90% of the range the grid's peaks span): trials, runs
    per stage to find the largest micro-batch, median per-experiment overhead (seconds - steps_seconds), total time, the
@@ -14,6 +15,14 @@ Phases (each prints a table; all files go to --out):
    re-implementation of DeepSpeed's fast mode and of its grid search with early stopping 5.
 4. launch: the same experiments as one torchrun + initialize per experiment (the CLI's launch-per-experiment mode)
    against in-process, end to end.
+5. trust (#24): the default search repeated --searches times (10) on a budget-bound workload (--trust-budget, 10 MiB: the MLP's stages fit 550-700 samples)
+   while a load generator this script starts and stops keeps one core busy; then an interleaved brute-force sweep in the
+   same run (every stage x the micro-batches from an eighth of each stage's largest up, plus every configuration a search
+   ran or chose; --sweep-rounds (7) rounds, each in a rotated order, each reading timed to 3% or 1 s (as the playoff
+   times its readings); each candidate's score is the median over rounds of its
+   throughput over the stage-0 reference's in the same round). Prints how often the winner is within 5% of the sweep's
+   best (goal >= 9 of 10) and the runs per stage spent on the largest micro-batch (goal <= 3 on average).
+6. gpt_time (#24): the default search on examples/autotune.py's GPT at its default budget, quiet machine (goal <= 60 s).
 The ranks are 2 spawned processes (gloo); phase 3 runs in this process. Phases 1-2 need flexrt.autotuner.memory.
 """
 import argparse, json, math, os, random, statistics, sys, tempfile, time
@@ -55,7 +64,7 @@ def grid_points(num_params, micro_batches, stages=(0, 1, 2, 3)):
 # ---- phase 1 and 2 run on the ranks --------------------------------------------------------------------------------
 def rank_surface(workload, micro_batches, reps, out):
     from flexrt import comm
-    from flexrt.autotuner.measure import run_trial
+    from flexrt.autotuner.measure import run_trial, Precision
     from flexrt.autotuner import memory
     model_fn, step = WORKLOADS[workload]
     comm.init_distributed()
@@ -65,7 +74,7 @@ def rank_surface(workload, micro_batches, reps, out):
         cfg = c.to_config(CONFIG, comm.get_world_size())
         pred = memory.estimate_memory(prof, cfg, world_size=comm.get_world_size(), micro_batch=c.micro_batch).peak_bytes
         for rep in range(reps):
-            r = run_trial(model_fn, step, cfg, warmup_steps=2, profile_steps=3)
+            r = run_trial(model_fn, step, cfg, warmup_steps=2, profile_steps=3, precision=Precision())   # as the search measures
             rows.append(dict(stage=c.stage, micro_batch=c.micro_batch, reduce=c.reduce_bucket_size, other=c.allgather_bucket_size,
                              rep=rep, status=r.status, metric=r.metric, peak=r.peak_bytes, predicted=pred,
                              seconds=r.seconds, steps_seconds=r.steps_seconds))
@@ -125,7 +134,8 @@ def ours(surface, budget, seed, fast, num_params, mbs):
     except StopIteration: pass
     truth = surface.groupby(['stage', 'micro_batch', 'reduce', 'other']).metric.mean()
     c = s.best[1]
-    return truth[(c.stage, c.micro_batch, c.reduce_bucket_size if c.stage else 0, c.allgather_bucket_size if c.stage else 0)], s.runs + 1
+    playoff = sum(r['phase'] == 'playoff' for r in s.records)
+    return truth[(c.stage, c.micro_batch, c.reduce_bucket_size if c.stage else 0, c.allgather_bucket_size if c.stage else 0)], s.runs + playoff
 
 def deepspeed_fast(mean, feasible, mbs):
     "DeepSpeed's fast mode on the surface: per stage binary-search the largest mbs, try 3 sizes from max/2, stop when a stage does not beat the previous"
@@ -169,7 +179,7 @@ def replay(out, workloads, seeds):
         num_params = int(surface.reduce[surface.reduce > 0].max())
         for stage in (1, 2, 3):
             sub = [k for k in mean.index if k[0] == stage]
-            mids = sorted({k[2] for k in sub}); DEFAULT[stage] = (mids[len(mids) // 2], mids[len(mids) // 2])
+            sizes = sorted({k[2] for k in sub}); DEFAULT[stage] = (sizes[-1], sizes[-1])   # one bucket: DeepSpeed's 5e8 on a model this small
         for frac in (0.3, 0.6, 0.9):
             budget = lo + frac * (hi - lo)
             feasible = {k: (k in mean.index and peak[k] <= budget) for k in peak.index}
@@ -189,6 +199,61 @@ def replay(out, workloads, seeds):
             rows.append(dict(workload=w, budget_frac=frac, method='deepspeed grid (early stop 5)', grid=grid, noise=noise,
                              regret_median=1 - v / best, regret_max=1 - v / best, within=float(1 - v / best <= max(0.02, noise)), runs_median=n))
     return pd.DataFrame(rows)
+
+# ---- phase 5: trust (#24) -----------------------------------------------------------------------------------------------
+def load_generator():
+    "A process that keeps one core busy until killed"
+    import subprocess
+    return subprocess.Popen([sys.executable, '-c', 'while True: pass'])
+
+def rank_trust(workload, budget, searches, rounds, out):
+    from flexrt import comm
+    from flexrt.autotuner import autotune
+    from flexrt.autotuner.measure import run_trial, Precision
+    from flexrt.autotuner.results import record_candidate
+    model_fn, step = WORKLOADS[workload]
+    comm.init_distributed()
+    cfg = {**CONFIG, 'autotuning': {**CONFIG['autotuning'], 'max_train_micro_batch_size_per_gpu': 1024}}
+    rows, seen = [], {}
+    for i in range(searches):
+        t = time.perf_counter()
+        res = autotune(model_fn, step, cfg, memory_budget=int(budget), results_dir=f'{out}/trust_{workload}_{i}', resume=False)
+        df = res.trials
+        for r in df[(df.status == 'ok') & (df.phase != 'playoff')].to_dict('records'): seen.setdefault(record_candidate(r).key, r['config'])
+        seen.setdefault(record_candidate(res.best).key, res.best_config)
+        mx = df[(df.phase == 'max_micro_batch') & (df.status != 'pruned')].groupby('stage').size()
+        rows.append(dict(search=i, seconds=time.perf_counter() - t, winner=record_candidate(res.best).key, name=res.best and
+                         f"z{res.best['stage']} mb{res.best['micro_batch']}", runs=int(((df.status != 'pruned') & (df.phase != 'playoff')).sum()),
+                         playoff_runs=int((df.phase == 'playoff').sum()), max_mb_runs=mx.to_dict(), verdict=res.verdict))
+    largest = {}
+    for c in seen.values(): largest[c['zero_optimization']['stage']] = max(largest.get(c['zero_optimization']['stage'], 0), c['train_micro_batch_size_per_gpu'])
+    grid = {}
+    for key, c in seen.items():   # every configuration the searches ran or chose ...
+        if c['train_micro_batch_size_per_gpu'] >= largest[c['zero_optimization']['stage']] / 8: grid[key] = c
+    reference = min((k for k, c in grid.items() if c['zero_optimization']['stage'] == 0), key=lambda k: -grid[k]['train_micro_batch_size_per_gpu'], default=None)
+    keys, ratios = sorted(grid), {k: [] for k in grid}
+    for r in range(rounds):   # ... measured in interleaved rounds, each in a rotated order
+        order = keys[r % len(keys):] + keys[:r % len(keys)]
+        got = {k: run_trial(model_fn, step, grid[k], warmup_steps=2, profile_steps=5, precision=Precision(max_seconds=1.0)) for k in order}
+        ref = got[reference].metric if reference and got[reference].status == 'ok' else None
+        for k, g in got.items():
+            if g.status == 'ok' and ref: ratios[k].append(g.metric / ref)
+    score = {k: statistics.median(v) for k, v in ratios.items() if v}
+    best = max(score.values())
+    for row in rows: row['vs_sweep_best'] = score.get(row['winner'], float('nan')) / best
+    top = max(score, key=score.get)
+    return dict(rows=rows, sweep=len(grid), rounds=rounds, best=f"z{grid[top]['zero_optimization']['stage']} mb{grid[top]['train_micro_batch_size_per_gpu']}")
+
+def rank_gpt_time(out):
+    from flexrt import comm
+    from flexrt.autotuner import autotune
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('example_autotune', Path(__file__).parent.parent / 'examples' / 'autotune.py')
+    example = importlib.util.module_from_spec(spec); spec.loader.exec_module(example)
+    comm.init_distributed()
+    t = time.perf_counter()
+    res = autotune(example.model_fn, example.train_step, example.CONFIG, memory_budget='16MiB', results_dir=f'{out}/gpt_time', resume=False)
+    return dict(seconds=time.perf_counter() - t, trials=int((res.trials.status != 'pruned').sum()), verdict=res.verdict)
 
 # ---- phase 4: in-process vs one launch per experiment ---------------------------------------------------------------
 SCRIPT = '''import argparse, sys, torch
@@ -224,11 +289,14 @@ def main():
     p.add_argument('--quick', action='store_true', help='fewer micro-batches and repetitions, 5 seeds')
     p.add_argument('--workloads', default='gpt,mlp'); p.add_argument('--reps', type=int, default=3)
     p.add_argument('--seeds', type=int, default=20); p.add_argument('--out', default='bench_out/autotune')
-    p.add_argument('--phases', default='surface,search,replay,launch')
+    p.add_argument('--micro-batches', default=None, help='the surface\'s micro-batches, e.g. 1,4,16,32 (default: 1..64, --quick 1,4,16,32)')
+    p.add_argument('--phases', default='surface,search,replay,launch,trust,gpt_time')
+    p.add_argument('--searches', type=int, default=10); p.add_argument('--sweep-rounds', type=int, default=7)
+    p.add_argument('--trust-budget', default='10MiB', help="the budget-bound search's per-rank budget")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     workloads, phases = a.workloads.split(','), a.phases.split(',')
-    mbs = [1, 4, 16, 32] if a.quick else [1, 2, 4, 8, 16, 32, 48, 64]
+    mbs = [int(m) for m in a.micro_batches.split(',')] if a.micro_batches else [1, 4, 16, 32] if a.quick else [1, 2, 4, 8, 16, 32, 48, 64]
     reps, seeds = (2, 5) if a.quick else (a.reps, a.seeds)
     print(f'# bench/autotune.py {"--quick " if a.quick else ""}workloads={workloads} micro_batches={mbs} reps={reps} seeds={seeds}')
     import multiprocessing as mp
@@ -264,6 +332,24 @@ def main():
             t_launch, st = launch_compare(a.out, w, cands)
             print(f'\n## {len(cands)} experiments, {w}: in-process {t_in:.1f} s, one torchrun each {t_launch:.1f} s '
                   f'({t_launch / t_in:.1f}x slower; statuses {st})')
+    if 'trust' in phases:
+        from flexrt.autotuner.space import parse_bytes
+        for w in workloads:
+            busy = load_generator()
+            try: got = ranks(rank_trust, w, parse_bytes(a.trust_budget), a.searches, a.sweep_rounds, a.out)
+            finally: busy.kill(); busy.wait()
+            df = pd.DataFrame(got['rows'])
+            df.to_csv(f'{a.out}/trust_{w}.csv', index=False)
+            runs = [n for d in df.max_mb_runs for n in d.values()]
+            within = int((df.vs_sweep_best >= 0.95).sum())
+            print(f"\n## trust, {w}, budget {a.trust_budget}, one core kept busy: winner within 5% of the interleaved sweep's best "
+                  f"({got['best']}, {got['sweep']} configurations x {got['rounds']} rounds) in {within} of {len(df)} searches (goal >= 9 of 10); "
+                  f"largest micro-batch: {statistics.mean(runs):.2f} runs per stage on average, at most {max(runs)} (goal <= 3)")
+            print(df[['search', 'name', 'vs_sweep_best', 'runs', 'playoff_runs', 'seconds', 'verdict']].to_string(index=False))
+    if 'gpt_time' in phases:
+        got = ranks(rank_gpt_time, a.out)
+        print(f"\n## default search on examples/autotune.py's GPT (16 MiB, 2 ranks, quiet): {got['seconds']:.1f} s, {got['trials']} runs "
+              f"(goal <= 60 s); {got['verdict']}")
     if 'replay' in phases:
         df = replay(a.out, workloads, seeds)
         df.to_csv(f'{a.out}/replay.csv', index=False)

@@ -4,7 +4,7 @@ Memory per rank follows the ZeRO formulas for fp32 Adam on 2 ranks (16P, 12P, 10
 stages 0-3) plus activations per sample and the bucket buffers; throughput falls with the communication the stage and
 knobs imply. `measure` answers like `flexrt.autotuner.measure.run_trial` (same keyword arguments); `grid` lists the
 surface's points as a table (the "recorded" surface the search is replayed against); `faulty` makes a share of
-trials fail in the four ways a real trial fails.
+trials fail in the four ways a real trial fails; `noisy` reads each run with seeded noise, as a busy machine does.
 """
 import itertools, zlib
 from types import SimpleNamespace
@@ -63,3 +63,18 @@ def grid(micro_batches=(1, 2, 4, 8, 16, 32, 48, 64), buckets=(P // 16, P // 4, P
     for stage, mb, r, a in itertools.product(range(4), micro_batches, buckets, buckets):
         yield dict(stage=stage, micro_batch=mb, reduce=r, other=a, peak=peak(stage, mb, r, a, a, False),
                    throughput=throughput(stage, mb, r, a, a, False))
+
+def noisy(share=0.03, seed=0, lucky=None, level=None):
+    """A `measure` whose every reading is off by a random factor in [1 - share, 1 + share] (seeded); `lucky(config)`: a
+    factor for a configuration's first reading only; `level`: every configuration reads `level` x what stage 0 reads (1000)"""
+    import random
+    rng, seen = random.Random(seed), set()
+    def fn(model_fn, train_step, config, **kwargs):
+        r = measure(model_fn, train_step, config, **kwargs)
+        if r.status != 'ok': return r
+        point = _point(config)
+        base = r.metric if level is None else 1000. * (1. if point[0] == 0 else level)
+        boost = lucky(config) if lucky and point not in seen else 1.
+        seen.add(point)
+        return result('ok', metric=base * boost * rng.uniform(1 - share, 1 + share), peak_bytes=r.peak_bytes)
+    return fn

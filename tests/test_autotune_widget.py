@@ -1,8 +1,10 @@
 """flexrt.widgets.autotune_widget, driven without a browser: the controls become `autotune` arguments; a real search on two
 gloo ranks, launched in the background by `w.run()`, fills the trial table and the plots while it runs (its records
 reach this process over the monitor channel); Stop ends it after the current trial with the best so far kept; the
-folder it wrote reopens with the same trials; an interrupted search resumes from it."""
-import json, os, time
+folder it wrote reopens with the same trials; an interrupted search resumes from it. Synthetic records (no training)
+check what the figure and the texts show of the search's confidence: the intervals, the playoff, the margin, the
+throughput x peak-memory view with its Pareto front and budget, and an old result without any of them."""
+import json, math, os, sqlite3
 import sys
 from pathlib import Path
 import pandas as pd, pytest, torch
@@ -36,12 +38,9 @@ def widget(tmp_path, **kwargs):
     return w
 
 def wait_for(condition, w, timeout=180):
-    "Poll `condition` (records arrive on other threads) until true; raise what the ranks raised if they end first"
-    deadline = time.time() + timeout
-    while not condition():
-        if w.launched.done: w.wait(); assert condition(), f'the search ended ({w.state}) first'
-        assert time.time() < deadline, 'timed out'
-        time.sleep(0.05)
+    "Wait for a drawing after which `condition` holds (records arrive on other threads); raise what the ranks raised if they end first"
+    assert w.wait_drawn(lambda: condition() or w.launched.done, timeout), 'timed out'
+    if not condition(): w.wait(); assert condition(), f'the search ended ({w.state}) first'
 
 def test_controls_become_autotune_arguments(tmp_path):
     w = widget(tmp_path, memory_budget='96MiB', num_processes=2)
@@ -147,3 +146,150 @@ def test_a_search_that_cannot_start_shows_why_and_can_run_again(tmp_path):
     w.controls['memory_budget'].value = '256MiB'; w.controls['max_trials'].value = 1
     w.run(); assert w.wait(180) and w.state == 'finished' and len(w.trials) >= 1
     w.close()
+
+# What the figure and the texts show of the search's confidence, from synthetic records (no training)
+import re
+from types import SimpleNamespace
+from flexrt.widgets.autotune_view import SearchView, search_plot, MiB
+from flexrt.widgets.autotune_panel import SearchPanel
+
+def record(n, stage, mb, metric=None, peak=None, status='ok', phase='throughput', **more):
+    "A trial record as the autotuner emits it"
+    return {'kind': 'experiment', 'event': 'trial', 'trial': n, 'phase': phase, 'stage': stage, 'micro_batch': mb,
+            'gradient_accumulation': 1, 'reduce_bucket_size': 2**20, 'allgather_bucket_size': 2**20, 'overlap_comm': False,
+            'status': status, 'reason': '' if status == 'ok' else status, 'metric_name': 'throughput', 'metric': metric,
+            'samples_per_s': metric, 'peak_bytes_measured': peak, 'peak_bytes_per_rank': [peak, peak], 'peak_bytes_predicted': peak,
+            'seconds': 1.0, 'config': {'train_micro_batch_size_per_gpu': mb, 'zero_optimization': {'stage': stage}}} | more
+
+# the search's points: stage, micro-batch, metric, measured per-rank peak in MiB (all distinct)
+SEARCH = [(0, 4, 210., 60), (0, 8, 300., 95), (0, 16, 330., 170), (1, 4, 200., 45), (1, 8, 290., 70), (1, 16, 345., 120),
+          (2, 8, 280., 58), (2, 16, 335., 100), (2, 32, 350., 190), (3, 16, 240., 52), (3, 32, 260., 88)]
+
+def as_metric(samples_per_s, metric_name):
+    "SEARCH's figure as `metric_name` (latency: seconds per step of 64 samples, lower is better)"
+    return 64 / samples_per_s if metric_name == 'latency' else samples_per_s
+
+def searched(budget_mib=640, metric_name='throughput', rounds=3):
+    "A view of SEARCH (each point with its interval), an oom, and `rounds` playoff rounds whose metrics beat everything searched"
+    view = SearchView()
+    view({'kind': 'experiment', 'event': 'start', 'metric': metric_name, 'memory_budget': budget_mib * MiB})
+    for n, (s, mb, m, p) in enumerate(SEARCH):
+        m = as_metric(m, metric_name)
+        view(record(n, s, mb, m, p * MiB, metric_name=metric_name, metric_low=m * 0.97, metric_high=m * 1.02, noise=0.03,
+                    steps_measured=40, round=None))
+    view(record(len(SEARCH), 0, 32, status='oom', metric_name=metric_name))
+    n = len(SEARCH) + 1
+    for r in range(1, rounds + 1):
+        for s, mb, p in ((1, 16, 120), (2, 32, 190), (0, 8, 95)):
+            good = 0.001 if metric_name == 'latency' else 999.
+            view(record(n, s, mb, good, p * MiB + 1, phase='playoff', round=r, metric_name=metric_name, metric_low=good, metric_high=good))
+            n += 1
+    return view
+
+def filled(view):
+    "The panel's figure for `view`, drawn: a `Plot`"
+    panel = SearchPanel(view=view, interval=3600)
+    plot = panel.fill(search_plot()); plot.render(); panel.close()
+    return plot
+
+def standing(name, stage, mb, ratio, low=None, high=None, baseline=False, rounds=3):
+    return {'name': name, 'stage': stage, 'micro_batch': mb, 'gradient_accumulation': 1, 'is_baseline': baseline,
+            'ratio': ratio, 'low': low, 'high': high, 'rounds': rounds}
+
+def test_interval_bars_are_the_records_intervals_and_the_playoff_is_no_search_point():
+    view = searched()
+    plot, trials = filled(view), view.trials
+    for stage in range(4):
+        rows = trials[(trials['stage'] == stage) & (trials['phase'] == 'throughput') & (trials['status'] == 'ok')]
+        line, bars = plot.lines[(0, f'stage {stage}')], plot.lines[(0, f'_stage {stage} 95%')]
+        assert list(line.get_xdata()) == list(rows['micro_batch']) and list(line.get_ydata()) == list(rows['metric'])
+        xs, ys = bars.get_data()
+        assert [x for x in xs if not math.isnan(x)] == [mb for mb in rows['micro_batch'] for _ in (0, 1)]
+        assert list(zip(ys[0::3], ys[1::3])) == list(zip(rows['metric_low'], rows['metric_high']))   # each bar: the record's interval
+        assert all(math.isnan(y) for y in ys[2::3]) and bars.get_color() == line.get_color()
+    low, high = plot.axes[0].get_ylim()
+    assert low <= min(m for *_, m, _ in SEARCH) * 0.97 and max(m for *_, m, _ in SEARCH) * 1.02 <= high < 999   # bars on the axis, repeats not
+    drawn = sorted(y for s in range(4) for y in plot.lines[(1, f'stage {s}')].get_ydata())
+    assert drawn == sorted(m for *_, m, _ in SEARCH)                  # the memory view too: no playoff point
+    assert view.best['trial'] == 8 and view.best['phase'] == 'throughput'   # nor does a repeat pass for the best so far
+
+def test_pareto_line_is_exactly_the_pareto_optimal_trials():
+    for metric_name in ('throughput', 'latency'):
+        plot = filled(searched(metric_name=metric_name))
+        better = (lambda a, b: a < b) if metric_name == 'latency' else (lambda a, b: a > b)
+        points = [(p, as_metric(m, metric_name)) for *_, m, p in SEARCH]
+        dominated = lambda p, m: any(q <= p and not better(m, n) and (q < p or better(n, m)) for q, n in points if (q, n) != (p, m))
+        optimal = sorted((p, m) for p, m in points if not dominated(p, m))
+        front = plot.lines[(1, 'Pareto front')]
+        assert list(zip(front.get_xdata(), front.get_ydata())) == optimal, metric_name
+        assert front.get_drawstyle() == 'steps-post' and len(optimal) == 8   # a front worth the name: not every point, not one
+        drawn = sorted((x, y) for s in range(4) for x, y in zip(*plot.lines[(1, f'stage {s}')].get_data()))
+        assert drawn == sorted(points)                                # a point per ok search trial, coloured by stage
+        assert [plot.lines[(1, f'stage {s}')].get_color() for s in range(4)] == [plot.lines[(0, f'stage {s}')].get_color() for s in range(4)]
+
+def test_budget_is_a_line_within_the_data_and_a_note_far_above_it():
+    plot = filled(searched(budget_mib=150))
+    assert list(plot.lines[(1, 'budget')].get_xdata()) == [150., 150.]   # the budget in MiB, on the axis
+    assert plot.axes[1].get_xlim() == pytest.approx((0, 190 * 1.15))
+    assert not [t for t in plot.axes[1].texts if t.get_gid() == 'budget' and t.get_visible()]
+    far = filled(searched(budget_mib=1900))                          # 10x the largest peak: the axis stays with the data
+    low, high = far.axes[1].get_xlim()
+    assert low == 0 and 190 < high <= 1.2 * 190 and (1, 'budget') not in far.lines
+    notes = [t for t in far.axes[1].texts if t.get_gid() == 'budget' and t.get_visible()]
+    assert [t.get_text() for t in notes] == ['budget 1,900 MiB →'] and notes[0].xy[0] > 0.9   # at the right edge
+    assert 190 < far.axes[2].get_ylim()[1] <= 1.2 * 190               # the per-trial memory panel too
+    assert [t.get_text() for t in far.axes[2].texts if t.get_visible()] == ['budget 1,900 MiB ↑']
+
+def test_status_line_and_standings_from_playoff_and_end_records():
+    view = searched()
+    panel = SearchPanel(view=view, interval=3600); panel.refresh()
+    assert '<br>' not in panel.status.value and panel.standings.value == ''   # before the playoff: no margin
+    view({'kind': 'experiment', 'event': 'playoff', 'round': 3, 'max_rounds': 9, 'reference': 'baseline',
+          'standings': [standing('z1 mb16', 1, 16, 1.12, 1.08, 1.16), standing('z2 mb32', 2, 32, 1.09, 1.05, 1.13),
+                        standing('z0 mb8', 0, 8, 1.0, baseline=True), standing('z3 mb32', 3, 32, 0.74, rounds=1)]})
+    panel.refresh()
+    assert panel.status.value.endswith('<br>playoff round 3/9: leader z1 mb16 1.12× [1.08–1.16]')
+    cells = lambda: [re.findall(r'<td>(.*?)</td>', row) for row in re.findall(r'<tr class="flexrt-standing".*?</tr>', panel.standings.value)]
+    assert cells() == [['&#9733; leader', 'z1 mb16', '1', '16', '1', '1.12× [1.08–1.16]', '3'],
+                       ['&asymp; tie', 'z2 mb32', '2', '32', '1', '1.09× [1.05–1.13]', '3'],
+                       ['', 'z0 mb8 <i>(baseline)</i>', '0', '8', '1', '1.00×', '3'],
+                       ['', 'z3 mb32', '3', '32', '1', '0.74×', '1']]
+    verdict = ('stage 1, micro-batch 16: 1.12× the baseline [1.08–1.16], 1.03× the runner-up (stage 2, micro-batch 32) '
+               '[0.99–1.06]: a tie with stage 2, micro-batch 32 within noise')
+    best = {k: v for k, v in record(5, 1, 16, 345., 120 * MiB).items() if k not in ('kind', 'event')}
+    view({'kind': 'experiment', 'event': 'end', 'best': best, 'best_config': best['config'],
+          'margin': {'baseline': {'ratio': 1.12, 'low': 1.08, 'high': 1.16}, 'ties': [],
+                     'runner_up': {'name': 'z2 mb32', 'ratio': 1.03, 'low': 0.99, 'high': 1.06}, 'verdict': verdict}})
+    panel.refresh()
+    assert panel.status.value.endswith(f'(trial 5)<br>{verdict}')      # the winner, then the margin it won by
+    assert [c[0] for c in cells()] == ['&#9733; leader', '', '', '']    # the standings stay; the end's ties decide
+    panel.close()
+
+def test_an_old_result_without_the_new_columns_still_shows(tmp_path):
+    "A folder written before the playoff: no intervals, a 'remeasure' row, no margin"
+    folder = tmp_path / 'autotuning_results'; folder.mkdir()
+    old = lambda *a, **k: {key: v for key, v in record(*a, **k).items() if key not in ('kind', 'event')}
+    records = [old(n, s, mb, m, p * MiB) for n, (s, mb, m, p) in enumerate(SEARCH)] + [old(11, 2, 32, 360., 190 * MiB, phase='remeasure')]
+    meta = {'best_config': records[11]['config'], 'best': records[11], 'baseline': records[0], 'memory_budget': 640 * MiB,
+            'mode': 'in-process', 'results_dir': str(folder), 'stopped': '', 'mode_reason': '', 'seconds': 12.0}
+    with sqlite3.connect(folder / 'study.db') as db:
+        db.execute('CREATE TABLE flexrt_trials (trial INTEGER PRIMARY KEY, record TEXT)')
+        db.execute('CREATE TABLE flexrt_meta (name TEXT PRIMARY KEY, value TEXT)')
+        db.executemany('INSERT INTO flexrt_trials VALUES (?, ?)', [(r['trial'], json.dumps(r)) for r in records])
+        db.execute('INSERT INTO flexrt_meta VALUES (?, ?)', ('result', json.dumps(meta)))
+    panel = SearchPanel.load(str(folder))
+    assert panel.table.value.count('<tr class="flexrt-trial"') == 12 and panel.standings.value == ''
+    assert panel.status.value.startswith('12 trials (12 ok); best 360 samples/s') and '<br>' not in panel.status.value
+    plot = panel.fill(search_plot()); plot.render()
+    assert not [n for _, n in plot.lines if n.endswith('95%')]                 # no intervals, no bars
+    assert 360. not in list(plot.lines[(0, 'stage 2')].get_ydata())           # the re-measurement is no search point
+    assert len(plot.lines[(1, 'Pareto front')].get_xdata()) >= 3
+    assert panel.plot.value.startswith('<img src="data:image/png')
+    panel.close()
+    margin = {'baseline': {'ratio': 1.2, 'low': 1.1, 'high': 1.3}, 'runner_up': None, 'ties': [], 'verdict': 'stage 2: 1.20× the baseline'}
+    result = SimpleNamespace(trials=panel.trials, best_config=meta['best_config'], best=meta['best'], memory_budget=None,
+                             results_dir=str(folder), margin=margin, verdict=margin['verdict'])
+    decided = SearchPanel.from_result(result, interval=3600)              # a result that has a margin but no standings
+    assert decided.status.value.endswith('<br>stage 2: 1.20× the baseline')
+    assert '<td>the baseline</td><td>1.20× [1.10–1.30]</td>' in decided.standings.value
+    decided.close()

@@ -46,12 +46,17 @@ def test_two_ranks_agree_and_best_config_initializes(tmp_path):
     loaded = AutotuneResult.load(str(tmp_path))
     assert loaded.best_config == best0['config'] and len(loaded.trials) == n0
 
+def is_playoff(kw)->bool:
+    "Whether `measure` was called for a playoff round: those time a quarter of a search trial's seconds (1 s by default)"
+    return kw['precision'].max_seconds < 4.0
+
 def _subgroups(rank, world, results_dir):
     ran = []
     def measure(model_fn, train_step, cfg, **kw):
         from flexrt.autotuner.measure import run_trial
-        ran.append((cfg['zero_optimization']['stage'], cfg['train_micro_batch_size_per_gpu'],
-                    cfg['zero_optimization'].get('overlap_comm'), cfg['zero_optimization'].get('reduce_bucket_size')))
+        if not is_playoff(kw):   # a search trial (the playoff re-measures the same candidates on purpose)
+            ran.append((cfg['zero_optimization']['stage'], cfg['train_micro_batch_size_per_gpu'],
+                        cfg['zero_optimization'].get('overlap_comm'), cfg['zero_optimization'].get('reduce_bucket_size')))
         return run_trial(model_fn, train_step, cfg, **kw)
     result = autotune(model_fn, train_step, config(fast=False, tuner_num_trials=4), results_dir=results_dir, stages=[1],
                       ranks_per_experiment=1, measure=measure)
@@ -81,8 +86,12 @@ def test_stop_file_stops_between_trials(tmp_path):
     assert out[0] == out[1] == ('stop requested', 2)
 
 class Counting:
-    def __init__(self): self.calls = 0
-    def __call__(self, *args, **kw): self.calls += 1; return surface_measure(*args, **kw)
+    "The surface's measure, counting search runs (`calls`) and playoff runs (`playoff`) apart"
+    def __init__(self): self.calls = self.playoff = 0
+    def __call__(self, *args, **kw):
+        if is_playoff(kw): self.playoff += 1
+        else: self.calls += 1
+        return surface_measure(*args, **kw)
 
 def _surface_tune(results_dir, measure, **kw):
     return autotune(None, train_step, config(fast=False, max_train_micro_batch_size_per_gpu=64), results_dir=results_dir,
@@ -94,10 +103,10 @@ def test_resume_from_study_db(tmp_path):
     full = _surface_tune(str(tmp_path / 'whole'), whole)
     first, second = Counting(), Counting()
     part = _surface_tune(str(tmp_path / 'split'), first, max_trials=7)
-    assert first.calls == 7 + 1 and 'max_trials' in part.stopped   # 7 runs and the re-measure
+    assert first.calls == 7 and first.playoff >= 5 and 'max_trials' in part.stopped   # 7 runs, then the playoff
     rest = _surface_tune(str(tmp_path / 'split'), second)
-    assert (tmp_path / 'split' / 'study.db').exists()
-    assert first.calls - 1 + second.calls <= whole.calls + 2  # the resumed search runs only what is left (Optuna may differ)
+    assert (tmp_path / 'split' / 'study.db').exists() and rest.study.startswith('resumed')
+    assert first.calls + second.calls <= whole.calls + 2  # the resumed search runs only what is left (Optuna may differ)
     assert rest.best['stage'] == full.best['stage'] and rest.best['micro_batch'] == full.best['micro_batch']
     assert len(rest.trials) > len(part.trials)
 
@@ -139,3 +148,73 @@ def test_bucket_sizes_reach_the_knob_search(tmp_path):
     ran = result.trials[(result.trials['stage'] > 0) & (result.trials['status'] != 'pruned')]
     assert len(ran) and set(ran['reduce_bucket_size']) <= set(chosen)
     with pytest.raises(ValueError, match='positive ints'): _surface_tune(str(tmp_path / 'bad'), Counting(), bucket_sizes=[-1])
+
+# ---- issue #24: runs wherever the README says, never a quiet None, resumes only the same search, a fixed global batch ----
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def readme_autotune_snippet()->str:
+    "The README's autotuning example, verbatim (the python block of its 'Autotuning' section)"
+    text = open(os.path.join(ROOT, 'README.md')).read()
+    section = text[text.index('## Autotuning'):]
+    return section[section.index('```python\n') + 10:section.index('\n```', section.index('```python\n'))]
+
+def test_readme_snippet_under_torchrun_without_init_distributed(tmp_path):
+    "The README's snippet as is, 2 ranks under torchrun, no init_distributed(): the world comes from the environment"
+    import json, sys
+    from helpers import run_torchrun
+    snippet = readme_autotune_snippet()
+    assert 'init_distributed' not in snippet
+    script = tmp_path / 'readme_autotune.py'
+    script.write_text(snippet + '\nimport json, torch.distributed as td\n'
+                      'print("RESULT", json.dumps(dict(rank=td.get_rank(), world=td.get_world_size(), best=result.best_config["train_micro_batch_size_per_gpu"], '
+                      'stage=result.best_config["zero_optimization"]["stage"], ok=int((result.trials.status == "ok").sum()), verdict=result.verdict)))\n')
+    done = run_torchrun([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script)],
+                        capture_output=True, text=True, timeout=400, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = [json.loads(l.split('RESULT ', 1)[1]) for l in done.stdout.splitlines() if 'RESULT ' in l]
+    assert sorted(r['rank'] for r in results) == [0, 1] and all(r['world'] == 2 for r in results)
+    assert results[0]['best'] == results[1]['best'] and results[0]['ok'] > 0 and results[0]['verdict'], results
+
+def _all_fail(rank, world, results_dir):
+    def broken(model_fn, train_step, cfg, **kw):
+        return SimpleNamespace(status='error', reason='ValueError: the data loader is empty (injected)', metric=None, peak_bytes=None,
+                               peak_bytes_per_rank=[])
+    try: autotune(None, train_step, config(), results_dir=results_dir, measure=broken, profile=PROFILE, stages=[0, 1])
+    except flexrt.autotuner.AutotuneError as e: return str(e), len(e.trials)
+    return None
+
+def test_no_trial_succeeds_raises_autotune_error_on_every_rank(tmp_path):
+    out = run_distributed(_all_fail, world_size=2, args=(str(tmp_path),), timeout=120)
+    assert out[0] == out[1] and out[0] is not None, out
+    message, n = out[0]
+    assert 'no configuration that runs' in message and 'ValueError: the data loader is empty (injected)' in message
+    assert 'Fix: run flexrt.autotuner.measure.run_trial' in message and n > 0
+    assert (tmp_path / 'trials.csv').exists()   # the failed trials stay readable
+
+def test_a_study_of_another_model_is_not_resumed(tmp_path):
+    def other_model(): return nn.Sequential(nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 1))
+    kw = dict(results_dir=str(tmp_path / 'res'), measure=surface_measure, predict=surface_predict, memory_budget=26_000_000, profile=PROFILE)
+    first = autotune(model_fn, train_step, config(), **kw)
+    again = autotune(model_fn, train_step, config(), **kw)
+    assert again.study.startswith('resumed') and len(again.trials) > len(first.trials)
+    with pytest.warns(UserWarning, match='not resumed'):
+        other = autotune(other_model, train_step, config(), **kw)
+    assert 'model (its parameter shapes)' in other.study and other.trials.trial.min() == 0 and len(other.trials) < len(again.trials)
+    moved = other.study.split('moved to ')[1]
+    assert len(AutotuneResult.load(moved).trials) == len(again.trials)   # the other search kept, aside
+    assert 'study: new search' in open(os.path.join(kw['results_dir'], 'summary.txt')).read()
+
+def test_fixed_global_batch(tmp_path):
+    "train_batch_size given: every trial's config makes exactly it (micro-batch x accumulation)"
+    cfg = {**config(max_train_micro_batch_size_per_gpu=64), 'train_batch_size': 48}
+    result = autotune(None, train_step, cfg, results_dir=str(tmp_path), measure=surface_measure, predict=surface_predict,
+                      memory_budget=26_000_000, profile=PROFILE)
+    ran = result.trials[result.trials.status != 'pruned']
+    assert all(c['train_batch_size'] == 48 for c in result.trials.config) and set(ran.gradient_accumulation) > {1}
+    assert all(48 % m == 0 for m in result.trials.micro_batch) and result.best_config['train_batch_size'] == 48
+    out = run_distributed(_odd_global_batch, world_size=2, args=(str(tmp_path / 'odd'),), timeout=60)
+    assert out[0] == out[1] and 'train_batch_size=47 is not a multiple of the 2 data-parallel ranks' in out[0], out
+
+def _odd_global_batch(rank, world, results_dir):
+    try: autotune(None, train_step, {**config(), 'train_batch_size': 47}, results_dir=results_dir, measure=surface_measure, profile=PROFILE)
+    except ValueError as e: return str(e)

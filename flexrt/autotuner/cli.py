@@ -140,7 +140,7 @@ class LaunchMeasure:
         self.script, self.script_args, self.nproc, self.folder, self.count = script, script_args, nproc, folder, 0
 
     def __call__(self, model_fn, train_step, ds_config:dict, *, group=None, warmup_steps:int=2, profile_steps:int=3,
-                 metric:str='throughput', memory_budget:int|None=None, timeout:float|None=None, dataset=None):
+                 metric:str='throughput', memory_budget:int|None=None, timeout:float|None=None, dataset=None, precision=None):
         from flexrt.autotuner.measure import TrialResult
         folder = os.path.join(self.folder, 'launches', f'{self.count:04d}'); self.count += 1
         os.makedirs(folder, exist_ok=True)
@@ -176,9 +176,12 @@ def result(self:LaunchMeasure, returncode, output, steps, peaks, warmup_steps, p
     if memory_budget is not None and peak is not None and peak > memory_budget:
         return TrialResult('over_budget', f'peak {peak:,} B on a rank exceeds the budget {memory_budget:,} B', peak_bytes=peak,
                            peak_bytes_per_rank=peaks, seconds=seconds)
-    tput, step_s = statistics.median(s['samples_per_s'] for s in window), statistics.median(s['step_time'] for s in window)
-    return TrialResult('ok', '', tput if metric == 'throughput' else step_s, tput, step_s, None, peak, peaks, seconds,
-                       sum(s['step_time'] for s in window))
+    from flexrt.autotuner.measure import median_interval, spread
+    times = [s['step_time'] for s in window]
+    tput, step_s, (low, high, _) = statistics.median(s['samples_per_s'] for s in window), statistics.median(times), median_interval(times)
+    bounds = (tput * step_s / high, tput * step_s / low) if metric == 'throughput' else (low, high)
+    return TrialResult('ok', '', tput if metric == 'throughput' else step_s, tput, step_s, None, peak, peaks, seconds, sum(times),
+                       steps_measured=len(times), metric_low=bounds[0], metric_high=bounds[1], noise=spread(times))
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c022
 def autotune_script(args):

@@ -15,8 +15,8 @@ from ..memory.tracker import TensorMemoryTracker, active_tracker
 from ..monitor.ds_sinks import without_monitors
 
 # %% auto #0
-__all__ = ['STATUSES', 'METRICS', 'TrialResult', 'TrialTimeout', 'PeerFailed', 'classify', 'PeakMeter', 'agree_flags',
-           'GroupUnit', 'run_trial']
+__all__ = ['STATUSES', 'METRICS', 'TrialResult', 'median_interval', 'spread', 'Precision', 'TrialTimeout', 'PeerFailed',
+           'classify', 'PeakMeter', 'agree_flags', 'GroupUnit', 'run_trial']
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c005
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error')
@@ -37,11 +37,47 @@ class TrialResult:
     steps_seconds: float = 0.          # time inside the timed steps (overhead = seconds - steps_seconds)
     flops_per_micro_step: int|None = None   # FLOPs one rank runs in one micro-step
     micro_steps: int = 0               # micro-steps run (warm-up and timed)
+    steps_measured: int = 0            # optimizer steps timed (more when `precision` asked for them)
+    metric_low: float|None = None      # the metric's interval, from the median step time's (see `median_interval`)
+    metric_high: float|None = None
+    noise: float|None = None           # the step times' spread: median absolute deviation / median
 
     @property
     def overhead_seconds(self)->float: return self.seconds - self.steps_seconds
     @property
     def ok(self)->bool: return self.status == 'ok'
+
+# %% ../../nbs/70_autotuner_measure.ipynb #c006b
+def median_interval(xs:list, # samples (step times, ratios)
+                    confidence:float=0.95)->tuple: # (low, high, coverage)
+    "An interval for the median of `xs` from its order statistics: the narrowest symmetric one with at least `confidence` coverage, or (min, max) and its lower coverage when there are too few samples"
+    xs, n = sorted(xs), len(xs)
+    if n == 0: return math.nan, math.nan, 0.
+    k, tail = 1, 2 * 0.5 ** n                    # k: 1-based rank of the low end; tail: P(median outside) for k
+    while k < n - k and tail + 2 * math.comb(n, k) * 0.5 ** n <= 1 - confidence:
+        tail += 2 * math.comb(n, k) * 0.5 ** n; k += 1
+    return xs[k - 1], xs[n - k], 1 - tail
+
+def spread(xs:list)->float:
+    "The median absolute deviation of `xs` over their median (0 for fewer than two)"
+    if len(xs) < 2: return 0.
+    m = statistics.median(xs)
+    return statistics.median(abs(x - m) for x in xs) / m if m else math.inf
+
+@dataclass(frozen=True)
+class Precision:
+    "When a trial has timed enough steps: the median's interval within `tolerance` of it, or a cap"
+    tolerance:float=0.03   # the interval's half-width, relative to the median
+    max_steps:int=40       # timed steps at most
+    max_seconds:float=4.0  # seconds of timed steps at most
+    confidence:float=0.95
+
+    def enough(self, times:list)->bool:
+        "Whether `times` settle the median (or a cap is reached)"
+        if len(times) >= self.max_steps or sum(times) >= self.max_seconds: return True
+        low, high, coverage = median_interval(times, self.confidence)
+        m = statistics.median(times)
+        return coverage >= self.confidence and max(m - low, high - m) <= self.tolerance * m
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c008
 class TrialTimeout(Exception):
@@ -168,14 +204,16 @@ def optimizer_step(self:_Steps)->float: # seconds inside `train_step`
     return spent
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c023
-def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_steps, timeout, dataset, start, trace, flops_memo)->dict:
+def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_steps, timeout, dataset, start, trace, flops_memo,
+                precision=None)->dict:
     "Build, warm up, time and close one engine; this rank's measurements (`trace`: weak references to what it built, the steps)"
     unit = GroupUnit(group) if group is not None and dist.get_world_size(group) != dist.get_world_size() else None
     engine = None
     try:
         model = model_fn()
         trace['refs'] = [weakref.ref(t) for t in (model, *model.parameters())]
-        engine, *_ = initialize(model=model, config=without_monitors(dict(ds_config)), mpu=unit)   # a trial writes no run logs
+        quiet = {**without_monitors(dict(ds_config)), 'steps_per_print': 10**9}   # a trial writes no run logs and prints no steps
+        engine, *_ = initialize(model=model, config=quiet, mpu=unit)
         del model
         trace['refs'].append(weakref.ref(engine))
         loader = None if dataset is None else engine.deepspeed_io(dataset)
@@ -185,6 +223,7 @@ def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_st
         steps.count_next = warmup_steps > 0 and steps.flops is None
         for _ in range(warmup_steps): steps.optimizer_step()
         times = [steps.optimizer_step() for _ in range(profile_steps)]
+        while precision is not None and agree_flags([not precision.enough(times)], group)[0]: times.append(steps.optimizer_step())
         if flops_memo is not None and steps.flops is not None: flops_memo[mb] = steps.flops
         return {'times': times, 'flops': steps.flops, 'micro_steps': steps.micro_steps,
                 'samples': engine.train_batch_size(), 'gas': engine.gradient_accumulation_steps()}
@@ -194,16 +233,20 @@ def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_st
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c024
 def _summary(local:dict, metric:str)->dict:
-    "Metric, throughput and FLOP/s from one rank's measurements"
-    step = statistics.median(local['times'])
+    "Metric (with its interval), throughput, FLOP/s and noise from one rank's measurements"
+    times = local['times']
+    step, (low, high, _) = statistics.median(times), median_interval(times)
+    per_step = {'throughput': lambda s: local['samples'] / s if s > 0 else math.inf, 'latency': lambda s: s,
+                'flops': lambda s: local['flops'] * local['gas'] / s if local['flops'] is not None and s > 0 else None}[metric]
+    bounds = sorted(b for b in (per_step(low), per_step(high)) if b is not None) or [None, None]
     flops = local['flops'] * local['gas'] / step if local['flops'] is not None and step > 0 else None
     samples = local['samples'] / step if step > 0 else math.inf
-    value = {'throughput': samples, 'latency': step, 'flops': flops}[metric]
-    return dict(metric=value, samples_per_s=samples, step_seconds=step, flops_per_s=flops,
-                flops_per_micro_step=local['flops'], steps_seconds=sum(local['times']), micro_steps=local['micro_steps'])
+    return dict(metric=per_step(step), samples_per_s=samples, step_seconds=step, flops_per_s=flops,
+                flops_per_micro_step=local['flops'], steps_seconds=sum(times), micro_steps=local['micro_steps'],
+                steps_measured=len(times), metric_low=bounds[0], metric_high=bounds[-1], noise=spread(times))
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c026
-def _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout):
+def _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, precision=None):
     if not isinstance(ds_config, dict): raise TypeError(f'ds_config must be a dict (a DeepSpeed-style config), got {type(ds_config).__name__}')
     if metric not in METRICS: raise ValueError(f'metric must be one of {METRICS}, got {metric!r}')
     if not isinstance(profile_steps, int) or profile_steps < 1: raise ValueError(f'profile_steps must be an int >= 1, got {profile_steps!r}')
@@ -212,6 +255,8 @@ def _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budg
         raise ValueError("metric='flops' counts FLOPs on the first warm-up micro-step: give warmup_steps >= 1")
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
         raise ValueError(f'memory_budget must be a positive int (bytes per rank), got {memory_budget!r}')
+    if precision is not None and not isinstance(precision, Precision):
+        raise TypeError(f'precision must be a flexrt.autotuner.measure.Precision or None, got {precision!r}')
     if timeout is not None and not timeout > 0: raise ValueError(f'timeout must be seconds > 0, got {timeout!r}')
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c027
@@ -237,21 +282,23 @@ def run_trial(model_fn, # builds a fresh model (called once per trial, on every 
               ds_config:dict, # the candidate's DeepSpeed-style config
               *, group=None, # the ranks running this trial (None: all)
               warmup_steps:int=2, # optimizer steps before the timed window (the first micro-step counts FLOPs)
-              profile_steps:int=3, # optimizer steps timed
+              profile_steps:int=3, # optimizer steps timed (at least, with `precision`)
               metric:str='throughput', # 'throughput' (samples/s), 'latency' (s per step) or 'flops' (FLOP/s)
               memory_budget:int|None=None, # bytes per rank; a larger measured peak is `over_budget`
               timeout:float|None=None, # seconds; checked between micro-steps, a late trial stops early
               dataset=None, # a torch Dataset fed through `engine.deepspeed_io`, or None
               flops_memo:dict|None=None, # FLOPs per micro-step by micro-batch, kept by the caller across trials of the same model_fn and train_step: counted once per micro-batch
+              precision:Precision|None=None, # time more steps until the median is this precise (None: exactly `profile_steps`)
              )->TrialResult:
     "Run one experiment on the calling ranks; every rank of `group` gets the same result"
-    _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout)
+    _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, precision)
     start, freeze = time.perf_counter(), gc.get_freeze_count() == 0   # someone else's frozen objects stay as they are
     if freeze: gc.freeze()   # a collection after the trial then scans only what the trial made: fast
     meter, local, trace = PeakMeter(_device()).start(), {'status': 'ok', 'reason': '', 'peer': False, 'summary': {}}, {}
     try:
         try: local['summary'] = _summary(_experiment(model_fn, train_step, ds_config, group, warmup_steps,
-                                                     profile_steps, timeout, dataset, start, trace, flops_memo), metric)
+                                                     profile_steps, timeout, dataset, start, trace, flops_memo,
+                                                     precision), metric)
         except Exception as e:
             local.update(zip(('status', 'reason'), classify(e)), peer=isinstance(e, PeerFailed))
             if 'steps' in trace: local['summary'] = {'micro_steps': trace['steps'].micro_steps, 'steps_seconds': trace['steps'].spent}

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/72_autotuner_results.ipynb #c002
 from __future__ import annotations
-import datetime, json, os, shutil, sqlite3
+import datetime, hashlib, json, os, shutil, sqlite3, warnings
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 import pandas as pd
@@ -12,11 +12,12 @@ from fastcore.basics import patch
 from .space import Candidate, KNOBS, format_bytes
 
 # %% auto #0
-__all__ = ['COLUMNS', 'STATUSES', 'record_candidate', 'trials_frame', 'TrialStore', 'AutotuneResult', 'summary_text']
+__all__ = ['COLUMNS', 'STATUSES', 'record_candidate', 'trials_frame', 'TrialStore', 'study_fingerprint', 'open_store',
+           'AutotuneResult', 'AutotuneError', 'no_winner', 'summary_text']
 
 # %% ../../nbs/72_autotuner_results.ipynb #c005
 COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', *KNOBS, 'status', 'reason', 'metric_name',
-           'metric', 'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted', 'seconds', 'config']
+           'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'round', 'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted', 'seconds', 'config']
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error', 'pruned')
 
 def record_candidate(record:dict)->Candidate:
@@ -76,17 +77,56 @@ def meta(self:TrialStore, name:str, default=None):
     return default if row is None else json.loads(row[0])
 
 # %% ../../nbs/72_autotuner_results.ipynb #c010
-_RESULT_KEYS = ('status', 'reason', 'metric', 'samples_per_s', 'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds')
+_RESULT_KEYS = ('status', 'reason', 'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'samples_per_s', 'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds')
 
 @patch
 def measured(self:TrialStore)->dict: # candidate key -> result (status, metric, peak_bytes, ...)
     "The results of the stored runs (re-measurements and pruned rows left out), for a resumed search"
     out = {}
     for r in self.records():
-        if r['status'] == 'pruned' or r['phase'] == 'remeasure': continue
+        if r['status'] == 'pruned' or r['phase'] in ('remeasure', 'playoff'): continue
         out[record_candidate(r).key] = SimpleNamespace(**{k: r.get(k) for k in _RESULT_KEYS},
             peak_bytes=r['peak_bytes_measured'], peak_bytes_per_rank=r['peak_bytes_per_rank'])
     return out
+
+# %% ../../nbs/72_autotuner_results.ipynb #c011b
+_DIGEST = lambda x: hashlib.sha256(json.dumps(x, sort_keys=True, default=str).encode()).hexdigest()[:12]
+_PARTS = {'parameter_shapes': 'model (its parameter shapes)', 'world_size': 'world size', 'config': 'config', 'flexrt': 'flexrt version'}
+
+def study_fingerprint(shapes:list, # the parameter shapes, in order
+                      world_size:int, # ranks of one experiment
+                      config:dict, # the user's config; its `autotuning` block is left out
+                      version:str)->dict: # flexrt's
+    "What makes two searches the same search: a digest per part and `key` over all"
+    parts = dict(parameter_shapes=_DIGEST([list(s) for s in shapes]), world_size=int(world_size),
+                 config=_DIGEST({k: v for k, v in config.items() if k != 'autotuning'}), flexrt=str(version))
+    return {**parts, 'key': _DIGEST(parts)}
+
+def _aside(results_dir:str, key:str)->str:
+    "A free sibling name for an old results folder"
+    base, i = f"{os.path.normpath(results_dir)}.previous-{key[:8]}", 1
+    dest = base
+    while os.path.exists(dest): dest, i = f'{base}-{i}', i + 1
+    return dest
+
+def open_store(results_dir:str, fingerprint:dict, fresh:bool=False)->tuple: # (TrialStore, note)
+    "The store for a search: the stored one when it is the same search, else a new one (the old moved aside, and why)"
+    note = 'new search' + (' (resume=False or autotuning.overwrite=true)' if fresh else '')
+    if not fresh and os.path.exists(os.path.join(results_dir, 'study.db')):
+        old = TrialStore(results_dir)
+        stored, n = old.meta('fingerprint') or {}, len(old.records())
+        if n and stored.get('key') != fingerprint['key']:
+            differs = [f"{_PARTS[k]}{f' ({stored[k]} then, {fingerprint[k]} now)' if k in ('world_size', 'flexrt') and k in stored else ''}"
+                       for k in _PARTS if stored.get(k) != fingerprint[k]]
+            dest = _aside(results_dir, stored.get('key', 'unknown'))
+            os.rename(results_dir, dest)
+            note = (f"new search: {results_dir} held {n} trials of a different search (" + ('; '.join(differs) if stored else
+                    'stored without a fingerprint') + f" differs), so it was not resumed; moved to {dest}")
+            warnings.warn(note)
+        elif n: note = f'resumed {n} stored trials of the same search (fingerprint {fingerprint["key"]})'
+    store = TrialStore(results_dir, fresh=fresh)
+    store.set_meta('fingerprint', fingerprint)
+    return store, note
 
 # %% ../../nbs/72_autotuner_results.ipynb #c013
 @dataclass
@@ -95,6 +135,11 @@ class AutotuneResult:
     trials:pd.DataFrame; best_config:dict|None; best:dict|None; baseline:dict|None=None; profile:object=None
     memory_budget:int|None=None; mode:str='in-process'; results_dir:str='autotuning_results'
     stopped:str=''; mode_reason:str=''; seconds:float=0.0
+    margin:dict|None=None; study:str=''   # the playoff's margin; whether the search resumed a stored one, or why not
+
+    @property
+    def verdict(self)->str: # the margin in one sentence
+        return (self.margin or {}).get('verdict') or ''
 
     @property
     def improvement(self)->float|None: # the winner's metric over the baseline's (latency: baseline over winner)
@@ -107,27 +152,66 @@ class AutotuneResult:
         head = (f"z{b['stage']} micro_batch={b['micro_batch']} {b['metric_name']}={b['metric']:.4g}" if b else 'no configuration ran')
         return f"AutotuneResult({head}; {len(self.trials)} trials, {self.mode}, {self.results_dir})"
 
+class AutotuneError(RuntimeError):
+    "No configuration ran: the message names the most common failure and its fix; `trials` holds every record"
+    def __init__(self, message:str, trials:pd.DataFrame|None=None): super().__init__(message); self.trials = trials
+    def __reduce__(self): return (AutotuneError, (str(self), self.trials))   # crosses ranks whole
+
+_FIXES = {'oom': 'lower autotuning.min_train_micro_batch_size_per_gpu, raise memory_budget, or use more ranks',
+          'over_budget': 'raise memory_budget (bytes per rank), lower the micro-batch bounds, or use more ranks',
+          'timeout': 'raise trial_timeout (seconds per experiment)',
+          'error': 'run flexrt.autotuner.measure.run_trial(model_fn, train_step, config) in one process to see the whole traceback, '
+                   'and fix model_fn, train_step or the config',
+          'pruned': 'the memory model predicts nothing fits: raise memory_budget or use more ranks'}
+
+def no_winner(trials:pd.DataFrame, stopped:str='')->AutotuneError:
+    "The error for a search where no configuration ran: the most common failure, its fix, the trials attached"
+    ran = trials[trials.status != 'pruned'] if len(trials) else trials
+    if not len(trials) or not len(ran):
+        why = f'it stopped before any ran ({stopped})' if stopped else (f'all {len(trials)} candidates were pruned' if len(trials) else 'nothing ran')
+        status, reason, count = ('pruned', trials.reason.iloc[0], len(trials)) if len(trials) and not stopped else (None, '', 0)
+        head = f'flexrt.autotune found no configuration to use: {why}'
+        return AutotuneError(head + (f'; first reason: {reason}. Fix: {_FIXES[status]}' if status else ''), trials)
+    counts = ran.groupby(['status', 'reason']).size().sort_values(ascending=False)
+    (status, reason), count = counts.index[0], int(counts.iloc[0])
+    return AutotuneError(f'flexrt.autotune found no configuration that runs: {len(ran)} of {len(ran)} trials failed'
+                         f"{f' ({stopped})' if stopped else ''}; the most common ({count}): {status}: {reason}. "
+                         f"Fix: {_FIXES.get(status, _FIXES['error'])}. The trials are on this error's .trials", trials)
+
 # %% ../../nbs/72_autotuner_results.ipynb #c015
 def _row(name:str, df:pd.DataFrame, lower:bool)->list:
     ran, ok = df[df.status != 'pruned'], df[df.status == 'ok']
-    if ok.empty: return [name, len(ran), '-', '-', '-', '-']
+    if ok.empty: return [name, len(ran), '-', '-', '-', '-', '-', '-']
     b = ok.loc[ok.metric.idxmin() if lower else ok.metric.idxmax()]
-    return [name, len(ran), f'{b.metric:.6g}', record_candidate(b).name, format_bytes(b.peak_bytes_predicted), format_bytes(b.peak_bytes_measured)]
+    known = lambda k: k in b and b[k] is not None and not pd.isna(b[k])
+    interval = f"{b.metric_low:.5g}-{b.metric_high:.5g}" if known('metric_low') and known('metric_high') else '-'
+    steps = f"{int(b.steps_measured)}, {b.noise:.1%}" if known('steps_measured') and known('noise') else '-'
+    return [name, len(ran), f'{b.metric:.6g}', interval, steps, record_candidate(b).name, format_bytes(b.peak_bytes_predicted),
+            format_bytes(b.peak_bytes_measured)]
+
+def _reading(rec:dict)->str:
+    "A metric with its interval, the timed steps and the noise when the record has them"
+    out = f"{rec['metric']:.6g}"
+    if rec.get('metric_low') is not None and rec.get('metric_high') is not None and not pd.isna(rec['metric_low']):
+        out += f" [{rec['metric_low']:.5g}-{rec['metric_high']:.5g}]"
+    if rec.get('steps_measured') and not pd.isna(rec['steps_measured']):
+        out += f" ({int(rec['steps_measured'])} steps, noise {rec.get('noise') or 0:.1%})"
+    return out
 
 def summary_text(r:AutotuneResult)->str:
     "The text of `summary.txt`"
-    df, lower = r.trials[r.trials.phase != 'remeasure'], bool(r.best and r.best['metric_name'] == 'latency')
+    df, lower = r.trials[~r.trials.phase.isin(['remeasure', 'playoff'])], bool(r.best and r.best['metric_name'] == 'latency')
     rows = [_row(f'z{s}', df[df.stage == s], lower) for s in sorted(df.stage.unique())] + [_row('global', df, lower)]
-    head = ['tuning_space', 'num_experiments', 'best_metric_val', 'best_exp_name', 'peak_predicted', 'peak_measured']
+    head = ['tuning_space', 'num_experiments', 'best_metric_val', 'interval_95', 'steps, noise', 'best_exp_name', 'peak_predicted', 'peak_measured']
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda xs: '| ' + ' | '.join(str(x).ljust(w) for x, w in zip(xs, widths)) + ' |'
     out = [line(head), '|' + '|'.join(':' + '-' * (w + 1) for w in widths) + '|', *map(line, rows), '']
     out.append(f"mode: {r.mode} ({r.mode_reason})" if r.mode_reason else f"mode: {r.mode}")
     out.append(f"memory budget per rank: {format_bytes(r.memory_budget)}")
-    kept = r.best is not None and r.baseline is not None and r.best['trial'] == r.baseline['trial']
-    won = 'winner (the baseline: nothing re-measured above it)' if kept else f"winner ({'re-measured' if r.best and r.best['phase'] == 'remeasure' else 'best run'})"
-    for name, rec in (('baseline', r.baseline), (won, r.best)):
-        if rec: out.append(f"{name}: {record_candidate(rec).name} {rec['metric_name']}={rec['metric']:.6g} peak={format_bytes(rec['peak_bytes_measured'])}")
+    if r.study: out.append(f"study: {r.study}")
+    for name, rec in (('baseline', r.baseline), ('winner', r.best)):
+        if rec: out.append(f"{name}: {record_candidate(rec).name} {rec['metric_name']}={_reading(rec)} peak={format_bytes(rec['peak_bytes_measured'])}")
+    if r.margin: out.append(f"decided by a playoff of {r.margin['rounds']} interleaved rounds: {r.verdict}")
     if r.stopped: out.append(f"stopped early: {r.stopped}")
     n = int((r.trials.status != 'pruned').sum()) if len(r.trials) else 0
     out.append(f"Tuning completed in {datetime.timedelta(seconds=round(r.seconds))}. Total number of experiments: {n}.")

@@ -10,12 +10,17 @@ from types import SimpleNamespace
 import torch
 from fastcore.basics import patch
 from .. import comm as dist, monitor, launch
-from .space import Candidate, tune_settings, parse_bytes, format_bytes, plain_config, check_bucket_sizes
+from .space import (Candidate, tune_settings, parse_bytes, format_bytes, plain_config, check_bucket_sizes,
+                                    global_batch_micro_batches)
 from .search import Search
-from .results import AutotuneResult, TrialStore, trials_frame, record_candidate
+from .results import (AutotuneResult, AutotuneError, TrialStore, trials_frame, record_candidate, no_winner,
+                                      study_fingerprint, open_store)
+from .measure import Precision
+from .playoff import short
 
 # %% auto #0
-__all__ = ['decide', 'experiment_groups', 'Predictor', 'check_space', 'profile', 'Tuner', 'autotune', 'autotune_main']
+__all__ = ['decide', 'experiment_groups', 'Predictor', 'check_space', 'profile', 'parameter_shapes', 'Tuner', 'autotune',
+           'autotune_main']
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c005
 def _world()->int: return dist.get_world_size() if dist.is_initialized() else 1
@@ -26,9 +31,10 @@ def decide(fn, *args): # a callable run on rank 0 only
     out, error = [None, None], None
     if _rank() == 0:
         try: out[0] = fn(*args)
-        except Exception as e: error, out[1] = e, (type(e), str(e), traceback.format_exc())
+        except Exception as e: error, out[1] = e, e if isinstance(e, AutotuneError) else (type(e), str(e), traceback.format_exc())
     if _world() > 1: dist.broadcast_object_list(out, src=0)
     if error is not None: raise error
+    if isinstance(out[1], AutotuneError): raise out[1]
     if out[1] is not None:
         kind, message, tb = out[1]
         raise kind(message) if issubclass(kind, (ValueError, TypeError)) else RuntimeError(f'rank 0 failed: {message}\n{tb}')
@@ -65,7 +71,7 @@ class Predictor:
 # %% ../../nbs/72_autotuner_runner.ipynb #c012
 def check_space(search:Search):
     "Raise a ValueError saying what to change when the search cannot run anything"
-    s, low = search.s, search.s.min_micro_batch
+    s, low = search.s, min(search.micro_batches or [search.s.min_micro_batch])
     if search.micro_batches is not None and not [m for m in search.micro_batches if low <= m <= s.max_micro_batch]:
         raise ValueError(f'the search space is empty: micro_batches={search.micro_batches} has no size within '
                          f'[{low}, {s.max_micro_batch}] (autotuning.min/max_train_micro_batch_size_per_gpu); widen one of them')
@@ -96,6 +102,19 @@ def profile(model_fn, config:dict, train_step=None):
                           'predicts without them until measured peaks calibrate it')
     return profile_model(model_fn, config)
 
+def _version()->str:
+    from importlib.metadata import version, PackageNotFoundError
+    try: return version('flexrt')
+    except PackageNotFoundError: return 'unknown'
+
+def parameter_shapes(model_fn, profile=None)->list:
+    "The parameter shapes of `model_fn()` (built on the meta device when it allows; the profile's counts without a model_fn)"
+    if model_fn is None: return [[n] for n in (_tensor_sizes(profile) or [getattr(profile, 'num_params', 0)])]
+    try:
+        with torch.device('meta'): model = model_fn()
+    except Exception: model = model_fn()
+    return [list(p.shape) for p in dict.fromkeys(model.parameters())]
+
 def _tensor_sizes(profile)->list|None:
     for name in ('tensor_numels', 'param_numels', 'numels', 'tensor_sizes'):
         if getattr(profile, name, None): return list(getattr(profile, name))
@@ -117,7 +136,7 @@ class Tuner:
         self.group, self.group_index, self.num_groups = experiment_groups(ranks_per_experiment)
         self.world = experiment_world_size or _world() // self.num_groups   # ranks of one experiment
         self.search = self.store = self.gen = None
-        self.start_time, self.emitted, self.flops_memo = time.perf_counter(), 0, {}
+        self.start_time, self.emitted, self.flops_memo, self.rounds_emitted, self.study = time.perf_counter(), 0, {}, 0, ''
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c018
 @patch
@@ -128,8 +147,15 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     s = tune_settings(cfg)
     if self.bucket_sizes is not None: s = dataclasses.replace(s, bucket_sizes=self.bucket_sizes)
     raw = cfg.get('autotuning') or {}
+    if s.train_batch is not None:   # a fixed global batch: only the micro-batches that make it exactly
+        sizes = global_batch_micro_batches(s.train_batch, self.world, s.min_micro_batch, s.max_micro_batch)
+        if self.micro_batches is not None and not (sizes := [m for m in sizes if m in set(self.micro_batches)]):
+            raise ValueError(f'micro_batches={self.micro_batches} holds no divisor of train_batch_size={s.train_batch} / {self.world} ranks: '
+                             'give some of ' + str(global_batch_micro_batches(s.train_batch, self.world, s.min_micro_batch, s.max_micro_batch)))
+        self.micro_batches = sizes
     self.results_dir = self.results_dir or s.results_dir
-    self.store = TrialStore(self.results_dir, fresh=not self.resume or raw.get('overwrite') is True)
+    fingerprint = study_fingerprint(parameter_shapes(self.model_fn, self.profile), self.world, self.config, _version())
+    self.store, self.study = open_store(self.results_dir, fingerprint, fresh=not self.resume or raw.get('overwrite') is True)
     plain = plain_config(cfg)
     if self.profile is None and self.model_fn is not None:
         self.profile = profile(self.model_fn, plain, self.train_step if self.dataset is None else None)
@@ -142,16 +168,17 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     self.search = Search(s, plain, predictor, budget, self.world, getattr(self.profile, 'num_params', 1) or 1,
                          _tensor_sizes(self.profile), self.micro_batches, max_trials=self.max_trials, storage=self.store.url,
                          seed=self.seed, parallel=self.num_groups, measured=self.store.measured(), first_trial=len(stored))
-    self.search.record_of = {record_candidate(r).key: r for r in stored if r['status'] != 'pruned' and r['phase'] != 'remeasure'}
+    self.search.record_of = {record_candidate(r).key: r for r in stored if r['status'] != 'pruned' and r['phase'] not in ('remeasure', 'playoff')}
     self.pruned_seen = {(record_candidate(r).key, r['phase']) for r in stored if r['status'] == 'pruned'}
     check_space(self.search)
     self.store.set_meta('start', dict(metric=s.metric, memory_budget=self.budget, mode=self.mode, world_size=_world()))
     monitor.emit('experiment', event='start', space=dict(stages=list(s.stages), micro_batch=[s.min_micro_batch, s.max_micro_batch],
                  fast=s.fast, tuner_type=s.tuner_type), memory_budget=self.budget, world_size=_world(),
                  ranks_per_experiment=self.world, metric=s.metric, results_dir=self.results_dir,
-                 profile=dict(num_params=getattr(self.profile, 'num_params', None)))
+                 profile=dict(num_params=getattr(self.profile, 'num_params', None)), study=self.study, train_batch=s.train_batch)
     self.gen = self.search.plan()
-    return dict(warmup_steps=s.warmup_steps, profile_steps=s.profile_steps, metric=s.metric)
+    return dict(warmup_steps=s.warmup_steps, profile_steps=s.profile_steps, metric=s.metric,
+                precision=Precision(s.tolerance, s.max_profile_steps, s.max_profile_seconds))
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c020
 _NO_STEP = 'without calling engine.step'
@@ -171,6 +198,11 @@ def record_new(self:Tuner):
         if _NO_STEP in (rec['reason'] or ''):
             raise ValueError(f"train_step never calls engine.step(): {rec['reason']}. Fix train_step so each call runs "
                              "forward, engine.backward(loss) and engine.step()")
+    po = self.search.playoff_state
+    if po is not None and len(po.rounds) > self.rounds_emitted:
+        self.rounds_emitted = len(po.rounds)
+        monitor.emit('experiment', event='playoff', round=len(po.rounds), max_rounds=po.max_rounds,
+                     reference='baseline' if po.reference == po.baseline else po.reference and short(po.reference), standings=po.standings())
 
 @patch
 def advance(self:Tuner, results:list|None)->list|None:
@@ -185,15 +217,17 @@ def advance(self:Tuner, results:list|None)->list|None:
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c022
 @patch
-def measure(self:Tuner, config:dict, settings:dict):
+def measure(self:Tuner, config:dict, settings:dict, phase:str='throughput'):
     "Run one experiment on this rank's group"
     if self.measure_fn is not None: fn = self.measure_fn
     else:
         from flexrt.autotuner.measure import run_trial
         fn = partial(run_trial, flops_memo=self.flops_memo)   # FLOPs counted once per micro-batch
+    p = settings['precision']
+    if phase == 'playoff': p = dataclasses.replace(p, max_seconds=p.max_seconds / 4)   # a quarter of a search trial's time per round
     return fn(self.model_fn, self.train_step, config, group=self.group, warmup_steps=settings['warmup_steps'],
-              profile_steps=settings['profile_steps'], metric=settings['metric'], memory_budget=self.budget,
-              timeout=self.trial_timeout, dataset=self.dataset)
+              profile_steps=max(5, settings['profile_steps']) if phase == 'playoff' else settings['profile_steps'],
+              metric=settings['metric'], memory_budget=self.budget, timeout=self.trial_timeout, dataset=self.dataset, precision=p)
 
 @patch
 def warm(self:Tuner):
@@ -210,7 +244,7 @@ def run_batch(self:Tuner, batch:list, settings:dict)->list:
     results = []
     for i in range(0, len(batch), self.num_groups):
         chunk = batch[i:i + self.num_groups]
-        mine = self.measure(chunk[self.group_index][1], settings) if self.group_index < len(chunk) else None
+        mine = self.measure(chunk[self.group_index][1], settings, chunk[self.group_index][2]) if self.group_index < len(chunk) else None
         if self.num_groups == 1: results.append(mine); continue
         everyone = [None] * _world()
         dist.all_gather_object(everyone, mine)
@@ -222,15 +256,18 @@ def run_batch(self:Tuner, batch:list, settings:dict)->list:
 def finish(self:Tuner)->AutotuneResult:
     "Rank 0: the result, its files and the end record"
     srch = self.search
-    if srch.best is None and srch.best_measured():
-        c = srch.best_measured()[0][1]; srch.best = (srch.record_of.get(c.key), c)
+    if srch.best is None: srch.decide()
     best = srch.best[0] if srch.best else None
     baseline = srch.record_of.get(srch.baseline[1].key) if srch.baseline else None
     trials = trials_frame(self.store.records())
     result = AutotuneResult(trials, best and best['config'], best, baseline, self.profile, self.budget, self.mode,
-                            self.results_dir, srch.stopped, self.mode_reason, time.perf_counter() - self.start_time)
+                            self.results_dir, srch.stopped, self.mode_reason, time.perf_counter() - self.start_time,
+                            srch.margin if best else None, self.study)
     result.write(self.store)
-    monitor.emit('experiment', event='end', best=best, best_config=result.best_config, baseline=baseline, stopped=srch.stopped)
+    error = no_winner(trials, srch.stopped) if best is None else None
+    monitor.emit('experiment', event='end', best=best, best_config=result.best_config, baseline=baseline, stopped=srch.stopped,
+                 margin=result.margin, error=error and str(error))
+    if error is not None: raise error
     return result
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c026
@@ -241,7 +278,7 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
              memory_budget=None, # per-rank bytes or a string like '2GiB'; a trial over it is `over_budget`
              ranks_per_experiment:int|None=None, # ranks per experiment; W/k experiments run at once (None: all ranks)
              results_dir:str|None=None, # where files go (default: autotuning.results_dir, 'autotuning_results')
-             max_trials:int|None=None, # most experiment runs (re-measure excluded)
+             max_trials:int|None=None, # most search runs (the playoff's rounds come on top: up to (playoff_size + 1) x playoff_rounds)
              time_budget:float|None=None, # seconds; the search stops between trials once spent
              stages=None, # stage scope (overrides zero_optimization.stage)
              micro_batches=None, # micro-batch sizes the sweep considers (default: powers of two within the bounds)
@@ -258,6 +295,7 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
             )->AutotuneResult:
     "Find the fastest ZeRO stage × micro-batch × knob configuration that fits, inside the launched ranks"
     if measure is None and not callable(train_step): raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
+    dist.init_distributed(dist_init_required=None)   # as flexrt.initialize: the launcher's world, when none is running yet
     t = Tuner(model_fn, train_step, config, dataset=dataset, memory_budget=memory_budget, ranks_per_experiment=ranks_per_experiment,
               results_dir=results_dir, max_trials=max_trials, time_budget=time_budget, stages=stages, micro_batches=micro_batches,
               on_trial=on_trial, seed=seed, resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile,

@@ -10,6 +10,7 @@ from fastcore.basics import patch
 from .space import (Candidate, TuneSettings, DEEPSPEED_DEFAULT_KNOBS, micro_batch_ladder,
                                     gradient_accumulation, knob_choices, default_knobs, format_bytes)
 from .search_runs import FITS, Experiment, SearchDone, SearchRuns
+from .playoff import Playoff, short
 _all_ = ['FITS', 'Experiment', 'SearchDone']
 
 # %% auto #0
@@ -22,38 +23,46 @@ class Search(SearchRuns):
 # %% ../../nbs/72_autotuner_search.ipynb #c018
 @patch
 def predicted_max_micro_batch(self:Search, stage:int, low:int, high:int)->int|None:
-    "The largest micro-batch in [low, high] predicted to fit (bisection over the model, no runs); None if none does"
-    if not self.feasible(self.candidate(stage, low)): return None
+    "The largest micro-batch in [low, high] (of `micro_batches` when given) predicted to fit (bisection over the model, no runs); None if none does"
+    sizes = sorted(m for m in self.micro_batches if low <= m <= high) if self.micro_batches else None
+    at = (lambda i: sizes[i]) if sizes else (lambda i: i)
+    if sizes is not None: low, high = 0, len(sizes) - 1
+    if high < low or not self.feasible(self.candidate(stage, at(low))): return None
     while low < high:
         mid = (low + high + 1) // 2
-        if self.feasible(self.candidate(stage, mid)): low = mid
+        if self.feasible(self.candidate(stage, at(mid))): low = mid
         else: high = mid - 1
-    return low
+    return at(low)
 
 # %% ../../nbs/72_autotuner_search.ipynb #c020
 @patch
 def find_max_micro_batch(self:Search, stage:int, low:int, high:int, start:int, sizes:list|None=None):
-    "The largest micro-batch in [low, high] (or of `sizes`) that runs (`yield from` it): gallop from `start`, then bisect; None if none"
-    at = (lambda i: sizes[i]) if sizes else (lambda i: i)
-    if sizes: low, high, start = 0, len(sizes) - 1, max([0] + [i for i, m in enumerate(sizes) if m <= start])
+    "The largest micro-batch in [low, high] (or of `sizes`) that runs, to 5% or one step of `sizes` (`yield from` it); None if none"
+    vals = [m for m in sizes if low <= m <= high] if sizes else None
+    if vals == []: return None
+    at = (lambda i: vals[i]) if vals else (lambda i: i)
+    lo, hi = (0, len(vals) - 1) if vals else (low, high)
+    i = max([0] + [j for j, m in enumerate(vals) if m <= start]) if vals else min(max(start, low), high)
+    up = (lambda i: i + 1) if vals else (lambda i: max(i + 1, math.ceil(i * 1.05)))   # one step: 5% or the next size
+    close = lambda good, bad: bad <= up(good)
     fits = lambda i: (yield from self.run_one(self.candidate(stage, at(i)), 'max_micro_batch')).status == FITS
     if self.parallel > 1:  # sub-groups: the start and the size above it (the usual answer) at once
-        yield from self.run([Experiment(self.candidate(stage, at(i)), 'max_micro_batch') for i in sorted({start, min(start + 1, high)})])
-    if (yield from fits(start)):
-        good, bad, step = start, None, 1
-        while bad is None and good < high:
-            i = min(good + step, high)
-            if (yield from fits(i)): good, step = i, step * 2
-            else: bad = i
+        yield from self.run([Experiment(self.candidate(stage, at(j)), 'max_micro_batch') for j in sorted({i, min(up(i), hi)})])
+    if (yield from fits(i)):
+        good, bad, step = i, None, up(i) - i
+        while bad is None and good < hi:
+            j = min(good + step, hi)
+            if (yield from fits(j)): good, step = j, step * 2
+            else: bad = j
         if bad is None: return at(good)
     else:
-        good, bad, step = None, start, 1
-        while good is None and bad > low:
-            i = max(bad - step, low)
-            if (yield from fits(i)): good = i
-            else: bad, step = i, step * 2
+        good, bad, step = None, i, max(1, i - math.floor(i / 1.05)) if not vals else 1
+        while good is None and bad > lo:
+            j = max(bad - step, lo)
+            if (yield from fits(j)): good = j
+            else: bad, step = j, step * 2
         if good is None: return None
-    while bad - good > 1:
+    while not close(good, bad):
         mid = (good + bad) // 2
         if (yield from fits(mid)): good = mid
         else: bad = mid
@@ -70,12 +79,11 @@ def sweep_micro_batches(self:Search, stage:int, top:int):
         c = self.candidate(stage, m)
         res = yield from self.run_one(c, 'throughput')
         if res.status != FITS: continue
-        score = self.score(res)
-        if best is None: best = (score, c); continue
-        gain = (score - best[0]) / abs(best[0]) if best[0] else math.inf
-        if score > best[0]: best = (score, c)
-        if gain < self.plateau: break
-    return best
+        if best is None: best = (self.score(res), c, res); continue
+        better = self.clearly_worse(best[2], res)
+        if self.score(res) > best[0]: best = (self.score(res), c, res)
+        if not better: break
+    return best and best[:2]
 
 # %% ../../nbs/72_autotuner_search.ipynb #c026
 @patch
@@ -90,7 +98,7 @@ def explore_stage(self:Search, stage:int):
     ladder = self.micro_batches or micro_batch_ladder(low, high)
     pmax = self.predicted_max_micro_batch(stage, low, high)
     if pmax is None:
-        self.prune(stage, ladder, f'stage {stage} predicted over the budget {format_bytes(self.budget)} even at micro-batch {low}')
+        self.prune(stage, ladder[:1], f'stage {stage} predicted over the budget {format_bytes(self.budget)} even at micro-batch {ladder[0]}')
         return None
     self.prune(stage, [m for m in ladder if m > pmax], f'predicted over the budget {format_bytes(self.budget)} (largest that fits: {pmax})')
     before = self.runs
@@ -103,19 +111,40 @@ def explore_stage(self:Search, stage:int):
     if best is not None: self.stage_best[stage] = best
     return best
 
+@patch
+def probe_stage(self:Search, stage:int, top:int):
+    "Whether `stage` is pruned (`yield from` it): it fits no micro-batch above `top` and one run at the best size is slower beyond noise"
+    pmax = self.predicted_max_micro_batch(stage, self.s.min_micro_batch, self.s.max_micro_batch)
+    if pmax is None or pmax > top or not self.stage_best: return False
+    _, best = max(self.stage_best.values(), key=lambda x: x[0])
+    sizes = [m for m in (self.micro_batches or [best.micro_batch]) if m <= min(best.micro_batch, pmax)]
+    if not sizes: return False
+    probe = self.candidate(stage, max(sizes))
+    res = yield from self.run_one(probe, 'probe')
+    if res.status == FITS: self.stage_best[stage] = (self.score(res), probe)
+    ref = self.measured[best.key]
+    if res.status == FITS and not self.clearly_worse(res, ref): return False
+    found = (f'failed there ({res.reason})' if res.status != FITS else
+             f'read {res.metric:.4g} there against {ref.metric:.4g} ({short(best)}), slower beyond the noise')
+    knobs = '; its knobs are still searched (fast=false): they may make it faster' if res.status == FITS and not self.s.fast else ''
+    self.prune(stage, [probe.micro_batch], f'rule: the memory model fits no micro-batch above {top} at stage {stage} '
+               f'(predicted largest {pmax}) and one run at micro-batch {probe.micro_batch} {found}{knobs}')
+    return True
+
 # %% ../../nbs/72_autotuner_search.ipynb #c029
 @patch
 def measure_baseline(self:Search):
     "Measure the baseline (`yield from` it); (score, candidate) or None when stage 0 fits nothing"
     top = self.max_micro_batch.get(0, self.predicted_max_micro_batch(0, 1, self.s.max_micro_batch))
-    m = 2 ** int(math.log2(top)) if top else 0
-    while m >= 1:
-        c = Candidate(0, m, gradient_accumulation(self.s, m, self.world_size))
+    if not top: return None
+    if self.micro_batches: sizes = sorted((m for m in self.micro_batches if m <= top), reverse=True)
+    else: sizes = [2 ** i for i in range(int(math.log2(top)), -1, -1)]
+    for m in sizes:
+        c = self.candidate(0, m)
         res = yield from self.run_one(c, 'baseline')
         if res.status == FITS:
             self.baseline = (self.score(res), c)
             return self.baseline
-        m //= 2
     return None
 
 # %% ../../nbs/72_autotuner_search.ipynb #c032
@@ -177,15 +206,9 @@ def tune_knobs(self:Search, stage:int, micro_batch:int):
 
 # %% ../../nbs/72_autotuner_search.ipynb #c038
 @patch
-def tune_stages(self:Search, knob_margin:float=0.05):
+def tune_stages(self:Search, knob_margin:float=0.5):
     "The knob studies of the stages close to the best (`yield from` it)"
     if not self.stage_best: return
-    for stage in self.skipped:   # one probe at the best micro-batch so far that the stage is predicted to fit
-        m = max(c.micro_batch for _, c in self.stage_best.values() if self.feasible(self.candidate(stage, c.micro_batch))) if any(
-            self.feasible(self.candidate(stage, c.micro_batch)) for _, c in self.stage_best.values()) else None
-        if m is None: continue
-        res = yield from self.run_one(self.candidate(stage, m), 'throughput')
-        if res.status == FITS: self.stage_best[stage] = (self.score(res), self.candidate(stage, m))
     top = max(score for score, _ in self.stage_best.values())
     close = [(score, c) for stage, (score, c) in self.stage_best.items() if stage > 0 and score >= top - abs(top) * knob_margin]
     for score, c in sorted(close, key=lambda x: -x[0]): yield from self.tune_knobs(c.stage, c.micro_batch)
@@ -198,17 +221,27 @@ def best_measured(self:Search, n:int=1)->list: # [(score, Candidate)], best firs
     return sorted(ok, key=lambda x: -x[0])[:n]
 
 @patch
-def remeasure(self:Search):
-    "Run the best candidates again until one succeeds (`yield from` it); sets `best` to (record, candidate)"
-    for score, c in self.best_measured(3):
-        res = (yield [Experiment(c, 'remeasure')])[0]
-        rec = self.record(Experiment(c, 'remeasure'), res)
-        if res.status != FITS: continue
-        if self.baseline is not None and self.baseline[1] != c and self.score(res) < self.baseline[0]:
-            self.best = (self.record_of.get(self.baseline[1].key) or rec, self.baseline[1])
-        else: self.best = (rec, c)
-        return self.best
-    if self.best_measured(): self.best = (self.record_of[self.best_measured()[0][1].key], self.best_measured()[0][1])
+def playoff(self:Search):
+    "Re-measure the best candidates and the baseline in interleaved rounds (`yield from` it); sets `best` and `margin`"
+    base = self.baseline[1] if self.baseline else None
+    entrants = [c for _, c in self.best_measured(self.s.playoff_size + 1) if c != base][:self.s.playoff_size]
+    if not entrants and base is None: return self.decide()
+    po = self.playoff_state = Playoff(entrants, base, self.s.lower_is_better, self.s.tolerance, max_rounds=self.s.playoff_rounds)
+    while not po.decided():
+        order, rnd = po.order(len(po.rounds)), len(po.rounds) + 1
+        results = yield [Experiment(c, 'playoff') for c in order]
+        for c, res in zip(order, results): self.record(Experiment(c, 'playoff'), res, round=rnd)
+        po.add_round({c.key: r.metric if r.status == FITS else None for c, r in zip(order, results)},
+                     {c.key: r.reason for c, r in zip(order, results)})
+    return self.decide()
+
+@patch
+def decide(self:Search):
+    "`best` from the playoff so far (the best search reading without one); (record, candidate) or None"
+    w = self.playoff_state.winner() if self.playoff_state is not None else None
+    if w is None and self.best_measured(): w = self.best_measured()[0][1]
+    if w is None: return None
+    self.best, self.margin = (self.record_of.get(w.key), w), self.playoff_state and self.playoff_state.margin()
     return self.best
 
 # %% ../../nbs/72_autotuner_search.ipynb #c041
@@ -218,14 +251,10 @@ def plan(self:Search):
     try:
         top = None  # the largest micro-batch a lower stage reached
         for stage in self.s.stages:
-            pmax = self.predicted_max_micro_batch(stage, self.s.min_micro_batch, self.s.max_micro_batch)
-            if top is not None and (pmax is None or pmax <= top):
-                self.prune(stage, [self.s.min_micro_batch], f'stage {stage} fits no larger micro-batch than {top} (stage below)')
-                if pmax is not None: self.skipped.append(stage)
-                continue
+            if top is not None and (yield from self.probe_stage(stage, top)): continue
             yield from self.explore_stage(stage)
             if self.max_micro_batch.get(stage) is not None: top = max(top or 0, self.max_micro_batch[stage])
         yield from self.measure_baseline()
         if not self.s.fast: yield from self.tune_stages()
     except SearchDone as e: self.stopped = str(e)
-    return (yield from self.remeasure())
+    return (yield from self.playoff())

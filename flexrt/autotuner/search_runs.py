@@ -6,7 +6,7 @@
 from __future__ import annotations
 from dataclasses import dataclass
 from fastcore.basics import patch
-from .space import Candidate, TuneSettings, gradient_accumulation, default_knobs
+from .space import Candidate, TuneSettings, gradient_accumulation, default_knobs, knob_choices
 
 # %% auto #0
 __all__ = ['FITS', 'Experiment', 'SearchRuns', 'SearchDone']
@@ -30,7 +30,7 @@ class SearchRuns:
                  tensor_sizes:list|None=None, # element counts of the parameter tensors
                  micro_batches:list|None=None, # the micro-batch sizes to consider; None: the ladder within the bounds
                  plateau:float=0.01, # the throughput sweep stops when a step gains less than this
-                 max_trials:int|None=None, # most runs (re-measure excluded); None: no limit
+                 max_trials:int|None=None, # most search runs (the playoff's excluded); None: no limit
                  storage:str|None=None, # Optuna storage URL (e.g. 'sqlite:///results/study.db'); None in memory
                  seed:int=0, # the samplers' seed
                  parallel:int=1, # experiments that run at once (sub-groups); the knob search asks this many
@@ -43,10 +43,20 @@ class SearchRuns:
         self.measured, self.records, self.runs, self.stopped = dict(measured or {}), [], 0, ''
         self.candidates, self.record_of = {}, {}  # key -> Candidate, key -> its record (runs of this plan)
         self.max_micro_batch, self.max_micro_batch_runs, self.stage_best, self.baseline, self.best = {}, {}, {}, None, None
-        self.skipped = []   # stages the progressive rule skipped (the knob search probes them once)
+        self.playoff_state, self.margin = None, None   # the decision (`flexrt.autotuner.playoff`), once it runs
 
     def score(self, result)->float: # higher is better
         return -result.metric if self.s.lower_is_better else result.metric
+
+    def score_bounds(self, result)->tuple: # (low, high) of `score`
+        "The score's interval: the metric's (`metric_low`, `metric_high`), or the reading itself when the run gave none"
+        lo, hi = getattr(result, 'metric_low', None), getattr(result, 'metric_high', None)
+        if lo is None or hi is None: lo = hi = result.metric
+        return tuple(sorted((-lo, -hi) if self.s.lower_is_better else (lo, hi)))
+
+    def clearly_worse(self, a, b)->bool:
+        "Whether result `a` is worse than `b` beyond the noise: their intervals apart, and by more than `tolerance`"
+        return self.score_bounds(a)[1] < self.score_bounds(b)[0] and self.score(a) < self.score(b) - abs(self.score(b)) * self.s.tolerance
 
 # %% ../../nbs/72_autotuner_search_runs.ipynb #c009
 @patch
@@ -64,20 +74,27 @@ def feasible(self:SearchRuns, c:Candidate)->bool:
 def candidate(self:SearchRuns, stage:int, micro_batch:int, **knobs)->Candidate:
     "The point (stage, micro_batch) with the pre-knob-search knobs, overridden by `knobs`"
     gas = gradient_accumulation(self.s, micro_batch, self.world_size)
-    base = {} if stage == 0 else default_knobs(self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes)   # within the knob search's choices
-    return Candidate(stage, micro_batch, gas, **{**base, **knobs})
+    if stage == 0: return Candidate(0, micro_batch, gas, **knobs)
+    base = default_knobs(self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes)   # within the knob search's choices
+    c = Candidate(stage, micro_batch, gas, **{**base, **knobs})
+    if knobs or self.feasible(c): return c
+    buckets = [k for k in base if k.endswith('bucket_size')]   # one bucket does not fit: the largest smaller one that does
+    for size in reversed(knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)['reduce_bucket_size'][:-1]):
+        smaller = Candidate(stage, micro_batch, gas, **{**base, **{k: size for k in buckets}})
+        if self.feasible(smaller): return smaller
+    return c
 
 # %% ../../nbs/72_autotuner_search_runs.ipynb #c012
-_RESULT_FIELDS = ('samples_per_s', 'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds')
+_RESULT_FIELDS = ('metric_low', 'metric_high', 'steps_measured', 'noise', 'samples_per_s', 'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds')
 
 @patch
-def record(self:SearchRuns, e:Experiment, result=None, status:str|None=None, reason:str='')->dict:
+def record(self:SearchRuns, e:Experiment, result=None, status:str|None=None, reason:str='', round:int|None=None)->dict:
     "The trial record of `e` (run: `result`; pruned: `status='pruned'` and `reason`)"
     c = e.candidate
     rec = dict(trial=self.first_trial + len(self.records), phase=e.phase, stage=c.stage, micro_batch=c.micro_batch,
                gradient_accumulation=c.gradient_accumulation, **c.knobs(),
                status=status or result.status, reason=reason if result is None else result.reason,
-               metric_name=self.s.metric, metric=None if result is None else result.metric)
+               metric_name=self.s.metric, metric=None if result is None else result.metric, round=round)
     rec.update({k: getattr(result, k, None) for k in _RESULT_FIELDS})
     rec.update(peak_bytes_measured=getattr(result, 'peak_bytes', None),
                peak_bytes_per_rank=list(getattr(result, 'peak_bytes_per_rank', None) or []),

@@ -11,8 +11,8 @@ from ..config.services import AutotuningConfig
 
 # %% auto #0
 __all__ = ['TUNER_TYPES', 'KNOBS', 'DEEPSPEED_DEFAULT_KNOBS', 'parse_bytes', 'format_bytes', 'TuneSettings', 'tune_settings',
-           'Candidate', 'plain_config', 'micro_batch_ladder', 'gradient_accumulation', 'knob_choices', 'default_knobs',
-           'check_bucket_sizes']
+           'Candidate', 'plain_config', 'micro_batch_ladder', 'gradient_accumulation', 'global_batch_micro_batches',
+           'knob_choices', 'default_knobs', 'check_bucket_sizes']
 
 # %% ../../nbs/72_autotuner_space.ipynb #c005
 _UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
@@ -47,6 +47,9 @@ class TuneSettings:
     warmup_steps:int=3; profile_steps:int=3; results_dir:str='autotuning_results'; overwrite:bool=True
     stages:tuple=(0, 1, 2, 3); gradient_accumulation:int=1
     bucket_sizes:tuple|None=None   # the bucket sizes (elements) the knob search tries; None: scaled to the model
+    tolerance:float=0.03; max_profile_steps:int=40; max_profile_seconds:float=4.0   # how precisely a trial measures
+    playoff_size:int=3; playoff_rounds:int=15   # the decision: top candidates (and the baseline), most rounds
+    train_batch:int|None=None   # the config's train_batch_size: a fixed global batch (None: accumulation as the bounds say)
 
     @property
     def lower_is_better(self)->bool: return self.metric == 'latency'
@@ -72,7 +75,16 @@ def tune_settings(config:dict)->TuneSettings:
         max_micro_batch=a.max_train_micro_batch_size_per_gpu, min_train_batch=a.min_train_batch_size,
         max_train_batch=a.max_train_batch_size, warmup_steps=a.start_profile_step,
         profile_steps=a.end_profile_step - a.start_profile_step + 1, results_dir=a.results_dir, overwrite=a.overwrite,
-        stages=_stage_scope(config), gradient_accumulation=int(config.get('gradient_accumulation_steps', 1)))
+        stages=_stage_scope(config), gradient_accumulation=int(config.get('gradient_accumulation_steps', 1)),
+        tolerance=a.tolerance, max_profile_steps=a.max_profile_steps, max_profile_seconds=a.max_profile_seconds,
+        playoff_size=a.playoff_size, playoff_rounds=a.playoff_rounds, train_batch=_train_batch(config))
+
+def _train_batch(config:dict)->int|None:
+    t = config.get('train_batch_size')
+    if t is None or t == 'auto': return None
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+        raise ValueError(f'train_batch_size={t!r} must be a positive int (samples per optimizer step), or left out to search accumulation 1')
+    return t
 
 # %% ../../nbs/72_autotuner_space.ipynb #c012
 KNOBS = ('reduce_bucket_size', 'allgather_bucket_size', 'stage3_prefetch_bucket_size',
@@ -129,10 +141,27 @@ def micro_batch_ladder(low:int, high:int)->list:
     return sorted(ladder)
 
 def gradient_accumulation(s:TuneSettings, micro_batch:int, world_size:int)->int:
-    "Accumulation steps that put the train batch within the settings' bounds (the config's own value when it does)"
+    "Accumulation steps that make the fixed global batch, or put the train batch within the settings' bounds (the config's own value when it does)"
+    if s.train_batch is not None:
+        if s.train_batch % (micro_batch * world_size):
+            raise ValueError(f'micro-batch {micro_batch} x {world_size} ranks does not divide train_batch_size={s.train_batch}: '
+                             'with a fixed global batch only its divisors can run (see global_batch_micro_batches)')
+        return s.train_batch // (micro_batch * world_size)
     gas = max(s.gradient_accumulation, math.ceil(s.min_train_batch / (micro_batch * world_size)))
     if s.max_train_batch is not None: gas = max(1, min(gas, s.max_train_batch // (micro_batch * world_size)))
     return gas
+
+def global_batch_micro_batches(train_batch:int, world_size:int, low:int=1, high:int=1024)->list:
+    "The micro-batches in [low, high] that make `train_batch` exactly on `world_size` ranks (accumulation makes up the rest)"
+    if train_batch % world_size:
+        raise ValueError(f'train_batch_size={train_batch} is not a multiple of the {world_size} data-parallel ranks: '
+                         f'give a multiple of {world_size} (e.g. {train_batch // world_size * world_size or world_size}), or leave it out')
+    per_rank = train_batch // world_size
+    sizes = [m for m in range(max(1, low), min(high, per_rank) + 1) if per_rank % m == 0]
+    if not sizes:
+        raise ValueError(f'train_batch_size={train_batch} on {world_size} ranks leaves no micro-batch within [{low}, {high}] '
+                         '(autotuning.min/max_train_micro_batch_size_per_gpu): widen the bounds or change train_batch_size')
+    return sizes
 
 # %% ../../nbs/72_autotuner_space.ipynb #c023
 def knob_choices(num_params:int, # parameters in the model
@@ -151,8 +180,9 @@ def knob_choices(num_params:int, # parameters in the model
     return choices
 
 def default_knobs(num_params:int, stage:int, tensor_sizes:list|None=None, bucket_sizes=None)->dict:
-    "The knobs used before the knob search: the middle choice of each (of the same choices the knob search draws from)"
-    return {k: v[len(v) // 2] if k != 'overlap_comm' else False for k, v in knob_choices(num_params, tensor_sizes, stage, bucket_sizes).items()}
+    "The knobs used before the knob search: the largest bucket of each (one bucket for the model), the middle persistence threshold, no overlap"
+    pick = lambda k, v: False if k == 'overlap_comm' else v[len(v) // 2] if k == 'stage3_param_persistence_threshold' else v[-1]
+    return {k: pick(k, v) for k, v in knob_choices(num_params, tensor_sizes, stage, bucket_sizes).items()}
 
 def check_bucket_sizes(bucket_sizes)->list: # sorted, without repeats
     "Bucket sizes you chose for the knob search: positive ints (elements), or a `ValueError` saying which is not"

@@ -112,6 +112,11 @@ class AutotuningConfig(Block):
     min_train_micro_batch_size_per_gpu: int = setting(1, ge=1) # lower bound on the micro-batch size
     num_tuning_micro_batch_sizes: int = setting(3, ge=1) # micro-batch sizes tried per stage
     mp_size: int = setting(1, ge=1) # model-parallel size
+    tolerance: float = setting(0.03, gt=0, le=1) # flexrt: a trial times steps until its median step time's 95% interval is within this of it
+    max_profile_steps: int = setting(40, ge=1) # flexrt: timed steps per trial at most
+    max_profile_seconds: float = setting(4.0, gt=0) # flexrt: seconds of timed steps per trial at most
+    playoff_size: int = setting(3, ge=1) # flexrt: top candidates re-measured against the baseline, in interleaved rounds, to decide
+    playoff_rounds: int = setting(15, ge=6) # flexrt: most playoff rounds (6 at least: the fewest whose interval covers 95%)
     model_info: ModelInfoConfig = field(default_factory=ModelInfoConfig) # model facts
 
 # %% ../../nbs/00_config_services.ipynb #c018
