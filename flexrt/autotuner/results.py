@@ -12,13 +12,14 @@ from fastcore.basics import patch
 from .space import Candidate, KNOBS, format_bytes
 
 # %% auto #0
-__all__ = ['COLUMNS', 'STATUSES', 'record_candidate', 'trials_frame', 'TrialStore', 'study_fingerprint', 'open_store',
+__all__ = ['COLUMNS', 'STATUSES', 'REPEATS', 'record_candidate', 'trials_frame', 'TrialStore', 'study_fingerprint', 'open_store',
            'AutotuneResult', 'AutotuneError', 'no_winner', 'summary_text']
 
 # %% ../../nbs/72_autotuner_results.ipynb #c005
 COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', *KNOBS, 'status', 'reason', 'metric_name',
            'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'round', 'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted', 'seconds', 'config']
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error', 'pruned')
+REPEATS = ('playoff', 'remeasure')   # phases that run searched candidates again ('remeasure': results written before the playoff)
 
 def record_candidate(record:dict)->Candidate:
     "The `Candidate` a trial record describes"
@@ -84,7 +85,7 @@ def measured(self:TrialStore)->dict: # candidate key -> result (status, metric, 
     "The results of the stored runs (re-measurements and pruned rows left out), for a resumed search"
     out = {}
     for r in self.records():
-        if r['status'] == 'pruned' or r['phase'] in ('remeasure', 'playoff'): continue
+        if r['status'] == 'pruned' or r['phase'] in REPEATS: continue
         out[record_candidate(r).key] = SimpleNamespace(**{k: r.get(k) for k in _RESULT_KEYS},
             peak_bytes=r['peak_bytes_measured'], peak_bytes_per_rank=r['peak_bytes_per_rank'])
     return out
@@ -200,7 +201,7 @@ def _reading(rec:dict)->str:
 
 def summary_text(r:AutotuneResult)->str:
     "The text of `summary.txt`"
-    df, lower = r.trials[~r.trials.phase.isin(['remeasure', 'playoff'])], bool(r.best and r.best['metric_name'] == 'latency')
+    df, lower = r.trials[~r.trials.phase.isin(REPEATS)], bool(r.best and r.best['metric_name'] == 'latency')
     rows = [_row(f'z{s}', df[df.stage == s], lower) for s in sorted(df.stage.unique())] + [_row('global', df, lower)]
     head = ['tuning_space', 'num_experiments', 'best_metric_val', 'interval_95', 'steps, noise', 'best_exp_name', 'peak_predicted', 'peak_measured']
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]

@@ -13,7 +13,7 @@ from .. import comm as dist, monitor, launch
 from .space import (Candidate, tune_settings, parse_bytes, format_bytes, plain_config, check_bucket_sizes,
                                     global_batch_micro_batches)
 from .search import Search
-from .results import (AutotuneResult, AutotuneError, TrialStore, trials_frame, record_candidate, no_winner,
+from .results import (AutotuneResult, AutotuneError, TrialStore, trials_frame, record_candidate, no_winner, REPEATS,
                                       study_fingerprint, open_store)
 from .measure import Precision
 from .playoff import short
@@ -168,7 +168,7 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     self.search = Search(s, plain, predictor, budget, self.world, getattr(self.profile, 'num_params', 1) or 1,
                          _tensor_sizes(self.profile), self.micro_batches, max_trials=self.max_trials, storage=self.store.url,
                          seed=self.seed, parallel=self.num_groups, measured=self.store.measured(), first_trial=len(stored))
-    self.search.record_of = {record_candidate(r).key: r for r in stored if r['status'] != 'pruned' and r['phase'] not in ('remeasure', 'playoff')}
+    self.search.record_of = {record_candidate(r).key: r for r in stored if r['status'] != 'pruned' and r['phase'] not in REPEATS}
     self.pruned_seen = {(record_candidate(r).key, r['phase']) for r in stored if r['status'] == 'pruned'}
     check_space(self.search)
     self.store.set_meta('start', dict(metric=s.metric, memory_budget=self.budget, mode=self.mode, world_size=_world()))

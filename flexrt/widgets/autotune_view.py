@@ -10,11 +10,12 @@ import pandas as pd
 from .plots import Plot
 from .memory_monitor import MiB
 from ..autotuner.space import parse_bytes, format_bytes, check_bucket_sizes
+from ..autotuner.results import REPEATS   # phases that run searched candidates again: not search points
 
 # %% auto #0
-__all__ = ['METRICS', 'COLUMNS', 'REPEATS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'search_rows',
-           'search_points', 'best_trial', 'table_html', 'search_plot', 'stage_color', 'interval_bars', 'fill_metric',
-           'memory_axis', 'mark_budget', 'pareto_front', 'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result',
+__all__ = ['METRICS', 'COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'search_rows', 'search_points',
+           'best_trial', 'table_html', 'search_plot', 'stage_color', 'interval_bars', 'fill_metric', 'memory_axis',
+           'mark_budget', 'pareto_front', 'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result',
            'breakdown_html']
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c006
@@ -69,7 +70,6 @@ COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', 'r
            'stage3_prefetch_bucket_size', 'stage3_param_persistence_threshold', 'overlap_comm', 'status', 'reason',
            'metric_name', 'metric', 'metric_low', 'metric_high', 'noise', 'steps_measured', 'round', 'samples_per_s',
            'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted', 'seconds', 'config']
-REPEATS = ('playoff', 'remeasure')   # phases that measure searched configurations again ('remeasure': results before the playoff)
 
 def trials_frame(records:list)->pd.DataFrame: # trial records (dicts)
     "One row per record, the agreed columns first (those an older record lacks: empty)"
