@@ -62,11 +62,13 @@ bench: install
 	$(PY) -m pip install -q -e ".[bench]"
 	for b in bench/*.py; do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) $$b; done
 
-# DeepSpeed's own unit tests with flexrt in DeepSpeed's place (CPU, gloo): make ds-tests DS=/path/to/DeepSpeed.
-# Nothing is fetched; prints pass/fail/skip per test file.
+# DeepSpeed's own unit tests (the 17 files of tools/ds_tests.py) on CPU, gloo: make ds-tests DS=/path/to/DeepSpeed.
+# Nothing is fetched. By default each file runs under the installed DeepSpeed and under flexrt in its place and a
+# markdown table compares them (DS_ARGS="--ranks 2 --compare --markdown"); DS_ARGS=--real: DeepSpeed only; DS_ARGS=: flexrt only.
+DS_ARGS ?= --ranks 2 --compare --markdown
 ds-tests: install
-	@test -n "$(DS)" || { echo "usage: make ds-tests DS=/path/to/a/DeepSpeed/checkout"; exit 2; }
-	PYTHONPATH=$(CURDIR) $(PY) tools/ds_tests.py $(DS)
+	@test -n "$(DS)" || { echo "usage: make ds-tests DS=/path/to/a/DeepSpeed/checkout [DS_ARGS='--ranks 2 --compare --markdown']"; exit 2; }
+	PYTHONPATH=$(CURDIR) $(PY) tools/ds_tests.py $(DS) $(DS_ARGS)
 
 clean:
 	rm -rf $(VENV) _proc _docs .pytest_cache $(DEMO_OUT) $(PYTEST_LOG)

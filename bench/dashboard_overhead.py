@@ -16,6 +16,11 @@ in every other block (a record is then built and sent, and the kernel receives a
 the ratio of each pair of neighbouring blocks cancels the launch-to-launch noise. The kernel may still be drawing
 the last records in the first steps of a quiet block, which the toggled ratio then misses.
 
+A watched launch has every panel on, at the dashboard's defaults: each step record carries the rank's time blocked in
+collectives (the ranks panel), the first non-finite value is looked for (one `isfinite` on the norm the engine already
+computes, plus a sum per gradient bucket so the rank can be named), and per-layer gradient norms come every 10 steps
+(the heatmap); `--layer-norms-every N` samples them every N steps instead (`diagnostics.layer_norms_every`).
+
 Each watched launch also times the first look: from the first step record reaching the kernel to the gradient-norm
 plot's first drawing (the goal: under 1 s; the browser test only checks that the plot comes).
 
@@ -28,7 +33,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
 
-def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False):
+def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer_norms_every: int | None = None):
     import flexrt
     from flexrt import comm as dist, monitor
     from quickstart_train import tiny_transformer, CONFIG
@@ -36,7 +41,8 @@ def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False):
     env = dist.init_distributed()
     torch.manual_seed(0)
     model = tiny_transformer()
-    engine, *_ = flexrt.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+    config = CONFIG if layer_norms_every is None else {**CONFIG, 'diagnostics': {'layer_norms_every': layer_norms_every}}
+    engine, *_ = flexrt.initialize(model=model, model_parameters=model.parameters(), config=config)
     tokens = torch.randint(0, 256, (engine.train_micro_batch_size_per_gpu(), 32))
     def step():
         logits = engine(tokens[:, :-1])
@@ -78,7 +84,7 @@ def launch_once(a, watched: bool, times_file: Path):
     dash = (TrainingDashboard() if a.interval is None else TrainingDashboard(interval=a.interval)) if watched else None
     seen = first_look(dash) if dash is not None else None
     times_file.write_text('')
-    notebook_launcher(rank_main, (a.blocks, a.steps, a.threads, a.toggle), num_processes=2, use_port=str(free_port()))
+    notebook_launcher(rank_main, (a.blocks, a.steps, a.threads, a.toggle, a.layer_norms_every), num_processes=2, use_port=str(free_port()))
     if dash is not None:
         dash.close(); seen['stop']()
         dash.first_look_s = seen['plot'] - seen['record'] if {'plot', 'record'} <= seen.keys() else float('nan')
@@ -108,6 +114,7 @@ if __name__ == '__main__':
     parser.add_argument('--threads', type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="torch threads per rank; 0: inherit the kernel's (oversubscribed)")
     parser.add_argument('--interval', type=float, default=None, help="the dashboard's interval (default: its own)")
+    parser.add_argument('--layer-norms-every', type=int, default=None, help="per-layer norms every N steps (default: the dashboard's, 10)")
     parser.add_argument('--toggle', action='store_true',
                         help="one watched launch per round whose blocks alternate forwarding on and off (pairs within a launch)")
     a = parser.parse_args()

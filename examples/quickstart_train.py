@@ -21,8 +21,8 @@ def tiny_transformer(vocab=256, dim=64, layers=2, heads=4):
     block = lambda: nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, batch_first=True, norm_first=True)
     return nn.Sequential(nn.Embedding(vocab, dim), *[block() for _ in range(layers)], nn.LayerNorm(dim), nn.Linear(dim, vocab))
 
-def train(steps: int = 40, step_delay: float = 0.0, track_memory: bool = True):
-    "Train the tiny transformer with flexrt's engine; stops early (all ranks together) when asked"
+def train(steps: int = 40, step_delay: float = 0.0, track_memory: bool = True, config: dict | None = None):
+    "Train the tiny transformer with flexrt's engine (`config`: keys put over `CONFIG`); stops early (all ranks together) when asked"
     import flexrt
     from flexrt import comm as dist, monitor
     from flexrt.launch import should_stop
@@ -31,7 +31,7 @@ def train(steps: int = 40, step_delay: float = 0.0, track_memory: bool = True):
     tracker = TensorMemoryTracker().enable() if track_memory else None   # exact live CPU tensor bytes (CUDA has its own)
     torch.manual_seed(1234)
     model = tiny_transformer()
-    engine, _, _, _ = flexrt.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
+    engine, _, _, _ = flexrt.initialize(model=model, model_parameters=model.parameters(), config={**CONFIG, **(config or {})})
     torch.manual_seed(1234 + env.rank)
     with monitor.sample_memory(interval_ms=100):    # 'memory' records between the steps' own snapshots
         for step in range(steps):

@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/ds_checkpoint_train.py OUT [STAGE,DTYPE ...]
 
-For each ZeRO stage and dtype (fp32, bf16, or 'groups': fp32 with two param groups), real DeepSpeed trains `Net` (two linears and a buffer) for `STEPS` steps with AdamW,
+For each ZeRO stage and dtype (fp32, bf16, 'groups': fp32 with two param groups, or 'tied': fp32 `TiedNet`, whose
+`lm_head.weight` is `embed.weight` as GPT-2's head is its embedding), real DeepSpeed trains `Net` (two linears and a buffer) for `STEPS` steps with AdamW,
 gradient clipping and a WarmupLR schedule, saves a checkpoint `OUT/z<stage>_<dtype>/ckpt` with a client state, then
 trains `MORE` further steps. Rank 0 writes `OUT/z<stage>_<dtype>/reference.pt`: the global loss of every further
 micro-step (the mean of the ranks' losses), the gradient norm of every further step (None where DeepSpeed keeps none:
@@ -14,7 +15,8 @@ os.environ.setdefault('DS_ACCELERATOR', 'cpu')
 import torch, torch.nn as nn, torch.nn.functional as F
 
 STEPS, MORE, MICRO, GAS, CLIP, LR = 3, 2, 4, 2, 0.05, 2e-2
-RUNS = [(0, 'fp32'), (1, 'fp32'), (2, 'fp32'), (3, 'fp32'), (0, 'bf16'), (2, 'bf16'), (0, 'groups'), (2, 'groups'), (3, 'groups')]
+RUNS = [(0, 'fp32'), (1, 'fp32'), (2, 'fp32'), (3, 'fp32'), (0, 'bf16'), (2, 'bf16'), (0, 'groups'), (2, 'groups'), (3, 'groups'),
+        (0, 'tied'), (1, 'tied'), (2, 'tied'), (3, 'tied')]
 
 class Net(nn.Module):
     "A tiny model with a buffer (a checkpoint must carry buffers as well as parameters)"
@@ -24,9 +26,18 @@ class Net(nn.Module):
         self.register_buffer('shift', torch.linspace(-0.5, 0.5, 6))
     def forward(self, x): return self.out(torch.tanh(self.inp(x + self.shift.to(x.dtype))))
 
-def make_model():
+class TiedNet(nn.Module):
+    "Tied weights: `lm_head.weight` is `embed.weight` (DeepSpeed records it in `shared_params`); both modules run, so ZeRO-3 gathers it through either"
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mid, self.lm_head, self.out = nn.Linear(6, 16, bias=False), nn.Linear(16, 6), nn.Linear(6, 16, bias=False), nn.Linear(16, 3)
+        self.lm_head.weight = self.embed.weight
+        self.register_buffer('shift', torch.linspace(-0.5, 0.5, 6))
+    def forward(self, x): return self.out(torch.tanh(self.lm_head(torch.tanh(self.mid(torch.tanh(self.embed(x + self.shift.to(x.dtype))))))))
+
+def make_model(dtype='fp32'):
     torch.manual_seed(0)
-    model = Net()
+    model = TiedNet() if dtype == 'tied' else Net()
     with torch.no_grad():   # weights bf16 holds exactly, so bf16 runs start from the same fp32 masters
         for p in model.parameters(): p.copy_(p.bfloat16().float())
     return model
@@ -85,7 +96,7 @@ def fp32_state_dict(save_dir, stage):
 
 def run(deepspeed, stage, dtype, out):
     torch.distributed.barrier()
-    model = make_model()
+    model = make_model(dtype)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters(model, dtype), config=config(stage, dtype))
     rank = torch.distributed.get_rank()
     train_steps(engine, STEPS, 0, rank, 2, dtype)

@@ -165,13 +165,13 @@ def test_readme_snippet_under_torchrun_without_init_distributed(tmp_path):
     snippet = readme_autotune_snippet()
     assert 'init_distributed' not in snippet
     script = tmp_path / 'readme_autotune.py'
-    script.write_text(snippet + '\nimport json, torch.distributed as td\n'
-                      'print("RESULT", json.dumps(dict(rank=td.get_rank(), world=td.get_world_size(), best=result.best_config["train_micro_batch_size_per_gpu"], '
+    script.write_text(snippet + '\nimport json, pathlib, torch.distributed as td\n'   # a file per rank: the ranks' stdout lines can interleave
+                      'pathlib.Path(f"result_{td.get_rank()}.json").write_text(json.dumps(dict(rank=td.get_rank(), world=td.get_world_size(), best=result.best_config["train_micro_batch_size_per_gpu"], '
                       'stage=result.best_config["zero_optimization"]["stage"], ok=int((result.trials.status == "ok").sum()), verdict=result.verdict)))\n')
     done = run_torchrun([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2', str(script)],
                         capture_output=True, text=True, timeout=400, cwd=str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = [json.loads(l.split('RESULT ', 1)[1]) for l in done.stdout.splitlines() if 'RESULT ' in l]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob('result_*.json'))]
     assert sorted(r['rank'] for r in results) == [0, 1] and all(r['world'] == 2 for r in results)
     assert results[0]['best'] == results[1]['best'] and results[0]['ok'] > 0 and results[0]['verdict'], results
 

@@ -6,7 +6,11 @@ docs/images/, where the README shows them).
 
 The first minute is checked as a user sees it: once the first step record is on the page the gradient-norm plot comes
 (how soon is measured by bench/dashboard_overhead.py, not timed here), no plot of nothing and no empty section is
-shown, and the launching cell says what it started and prints no warning.
+shown, and the launching cell says what it started and prints no warning. While the ranks train, the run-health panels
+show in the page: the Ranks panel names a rank (the straggler line) with one table row per rank, the layer-norm heatmap
+is an image that decoded to a nonzero size, and the ranks' `[flexrt] step=` lines reach the dashboard's Log area; in
+JupyterLab, where a line a rank prints lands in the launching cell, no cell's own output gets one (checked again once
+the ranks stopped, when every line was written; Voila shows a cell's outputs only while it runs, so there it cannot).
 
 Chromium comes from `apt-get install chromium` on first use; the test skips (with the reason) only where that cannot
 be done."""
@@ -47,7 +51,8 @@ def _live_notebook(path: Path):
     cells = [f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
              "from flexrt.widgets import TrainingDashboard\nfrom flexrt.launch import launch\nfrom quickstart_train import train",
              "dash = TrainingDashboard(total_steps=300, clip=1.0, interval=0.3)\ndash",
-             "run = launch(train, (300, 0.05, False), num_processes=2, background=True)"]
+             "config = {'steps_per_print': 5, 'diagnostics': {'layer_norms_every': 5}}\n"
+             "run = launch(train, (300, 0.05, False, config), num_processes=2, background=True)"]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     nb.metadata['kernelspec'] = {'name': 'python3', 'display_name': 'python3', 'language': 'python'}
     nbformat.write(nb, path)
@@ -61,9 +66,12 @@ def _wait_listening(server: subprocess.Popen, port, timeout=60):
                        + ''.join(server.lines[-30:]))
 
 COUNTER = '.jp-OutputArea input[type=number], .widget-inline-hbox input[type=number]'
-# a function of a section's bold title: whether the section (its widget box) shows a PNG plot
-SECTION_IMAGE = """(title) => { const b = [...document.querySelectorAll('b')].find(e => e.textContent === title);
-    const box = b && b.closest('.widget-vbox'); return !!(box && box.querySelector('img[src^="data:image/png"]')); }"""
+# a function of a section's bold title: its widget box, or null
+SECTION = """(title) => { const b = [...document.querySelectorAll('b')].find(e => e.textContent === title);
+    return b ? b.closest('.widget-vbox') : null; }"""
+# a function of a section's bold title: whether the section shows a PNG plot that decoded to a nonzero size
+SECTION_IMAGE = f"""(title) => {{ const box = ({SECTION})(title);
+    return !!box && [...box.querySelectorAll('img[src^="data:image/png"]')].some(i => i.complete && i.naturalWidth > 0 && i.naturalHeight > 0); }}"""
 NOISE = ('Warning', 'warning', 'Failed to register', 'orphaned', 'CUDAs', 'Traceback')
 
 def _check_first_look(page):
@@ -79,6 +87,50 @@ def _check_first_look(page):
     assert 'flexrt: launching 2 CPU processes (gloo)' in outputs, outputs
     assert not [w for w in NOISE if w in outputs], f'the launching cell printed noise: {outputs!r}'
     assert not page.query_selector('[data-mime-type="application/vnd.jupyter.stderr"]'), 'something was written to stderr'
+
+STEP_LINE = '[flexrt] step='
+LOG_TEXT = "(document.querySelector('pre.flexrt-log') || {}).textContent || ''"
+# what the notebook's cells printed themselves: their text outputs (widgets, the dashboard's Log area among them, are not)
+CELLS_PRINTED = """() => [...document.querySelectorAll('.jp-OutputArea-output.jp-RenderedText')].map(e => e.innerText).join('\\n')"""
+
+def _wait_for(page, condition: str, what: str, shots: Path, name: str, timeout=60_000):
+    "Wait until the JavaScript `condition` holds; else save a screenshot and fail saying `what` did not show"
+    try: page.wait_for_function(condition, timeout=timeout)
+    except Exception:
+        page.screenshot(path=str(shots / f'{name}_failed.png'), full_page=True)
+        raise AssertionError(f'{what} did not show (screenshot: {name}_failed.png)')
+
+LATE_OUTPUT_SHOWN = {'jupyterlab'}   # the UIs that show what a background rank prints after its cell ended (not Voila)
+
+def _check_health_panels(page, shots: Path, name: str):
+    "The Ranks panel names a rank and has a row per rank; the layer-norm heatmap is a decoded image; step lines reach the Log"
+    ranks = f"(({SECTION})('Ranks') || {{}})"
+    _wait_for(page, f"/\\brank \\d+: /.test({ranks}.innerText || '') && {ranks}.querySelectorAll('tr.flexrt-rank').length === 2",
+              'the Ranks panel naming a rank, with one row per rank', shots, name)
+    _wait_for(page, f"({SECTION_IMAGE})('Gradient norm by layer') && /step \\d+: largest /.test((({SECTION})('Gradient norm by layer') || {{}}).innerText)",
+              'the layer-norm heatmap with its text', shots, name)
+    _wait_for(page, f"({LOG_TEXT}).includes({json.dumps(STEP_LINE + '5 ')})", "the ranks' step lines in the dashboard's Log area", shots, name)
+    _check_quiet_cells(page, name)
+
+def _check_quiet_cells(page, name: str):
+    "The step lines are in the dashboard's Log area; where the UI would show them in a cell, none is in a cell's own output"
+    assert STEP_LINE in page.evaluate(LOG_TEXT)
+    if name not in LATE_OUTPUT_SHOWN: return
+    printed = page.evaluate(CELLS_PRINTED)
+    assert 'flexrt: launching 2 CPU processes (gloo)' in printed, f'the launching cell\'s output is not where it is looked for: {printed!r}'
+    assert STEP_LINE not in printed, f'step lines went to a cell instead of the dashboard: {printed!r}'
+
+def _fit(page):
+    "Resize the viewport so the notebook shows whole in a screenshot: JupyterLab and Voila scroll it inside an element, not the page"
+    extra = page.evaluate("""() => { const cells = document.querySelectorAll('.jp-Cell'), last = cells[cells.length - 1];
+        if (!last) return 0;
+        let box = last.parentElement;
+        while (box && box !== document.body && !/(auto|scroll)/.test(getComputedStyle(box).overflowY)) box = box.parentElement;
+        if (!box || box === document.body) return 0;       // the page itself scrolls: a full-page screenshot has it all
+        box.scrollTop = 0;
+        return Math.ceil(last.getBoundingClientRect().bottom - box.getBoundingClientRect().bottom + 16); }""")
+    size = page.viewport_size
+    if extra: page.set_viewport_size({'width': size['width'], 'height': max(size['height'] + extra, 800)})
 
 def _watch_and_stop(page, shots: Path, name: str, log: Path):
     "The counter rises while the ranks train; Stop stops them, the button ends as Stopped; returns the counter values"
@@ -98,13 +150,15 @@ def _watch_and_stop(page, shots: Path, name: str, log: Path):
     page.wait_for_function(f"{value} > {first}", timeout=60_000)
     rising = read()
     page.wait_for_function(f"{value} >= 40", timeout=120_000)                  # a picture of a run under way
-    page.screenshot(path=str(shots / f'{name}_live.png'), full_page=True)
+    _check_health_panels(page, shots, name)
+    _fit(page); page.screenshot(path=str(shots / f'{name}_live.png'), full_page=True)
     page.click('button:has-text("Stop")')
     page.wait_for_selector('button:text-matches("Stopp(ing|ed)")', timeout=30_000)   # "Stopping" can pass between two polls
     stable = read()
     page.wait_for_selector('button:has-text("Stopped")', timeout=60_000)  # the ranks ended: the final state shows
     last = _settled(page, f"Number({value} || 0)")                    # stopped: the counter stays
-    page.screenshot(path=str(shots / f'{name}_dashboard.png'), full_page=True)
+    _check_quiet_cells(page, name)                                    # every line is written now
+    _fit(page); page.screenshot(path=str(shots / f'{name}_dashboard.png'), full_page=True)
     return first, rising, stable, last
 
 def _settled(page, expression: str, quiet_ms: int = 2_000, most: int = 30):
@@ -147,6 +201,8 @@ def _lab_server(tmp_path: Path):
     "A JupyterLab server over `tmp_path` on a free port, with its own runtime, config and workspace folders: (server, port)"
     lab, port = _server('jupyter-lab'), _free_port()
     env = os.environ | {'JUPYTER_RUNTIME_DIR': str(tmp_path / 'runtime'), 'JUPYTER_CONFIG_DIR': str(tmp_path / 'config')}
+    labconfig = tmp_path / 'config' / 'labconfig'; labconfig.mkdir(parents=True, exist_ok=True)   # no "Jupyter news?" toast on the screenshots
+    (labconfig / 'page_config.json').write_text(json.dumps({'disabledExtensions': {'@jupyterlab/apputils-extension:announcements': True}}))
     server = _start([lab, '--no-browser', f'--port={port}', '--ServerApp.ip=127.0.0.1', f'--ServerApp.root_dir={tmp_path}',
                      "--IdentityProvider.token=", '--ServerApp.password=', '--ServerApp.disable_check_xsrf=True', '--ServerApp.allow_root=True',
                      f'--LabApp.workspaces_dir={tmp_path / "workspaces"}', '--LabApp.news_url=', '--ServerApp.open_browser=False'],

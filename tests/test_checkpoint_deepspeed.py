@@ -1,5 +1,6 @@
 """Checkpoints written by real DeepSpeed (0.19.8, CPU, gloo, 2 ranks; tests/ds_checkpoint_train.py) at ZeRO stages
-0-3 in fp32 and bf16 and with two param groups, loaded into flexrt at 1 and 2 ranks and another stage: the fp32 masters equal DeepSpeed's
+0-3 in fp32 and bf16, with two param groups, and of a model with tied weights (`lm_head.weight` is `embed.weight`,
+recorded in DeepSpeed's `shared_params`; at stage 3 the alias is an empty placeholder), loaded into flexrt at 1 and 2 ranks and another stage: the fp32 masters equal DeepSpeed's
 (exactly), the global step, schedule and client state are restored, and training continues with DeepSpeed's own
 continued losses and gradient norms. `python -m flexrt.checkpoint.consolidate` writes exactly what DeepSpeed's `zero_to_fp32` returns.
 A checkpoint file holding any global besides DeepSpeed's data types is refused by name, and nothing in it runs.
@@ -22,8 +23,9 @@ SCRIPT = ROOT / 'tests' / 'ds_checkpoint_train.py'
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec('deepspeed') is None,
                                      reason="DeepSpeed is not installed, so no DeepSpeed checkpoint can be produced: "
                                             "`pip install -e .[dev]` installs the pinned version")
-RUNS = ['z0_fp32', 'z1_fp32', 'z2_fp32', 'z3_fp32', 'z0_bf16', 'z2_bf16', 'z0_groups', 'z2_groups', 'z3_groups']
-TOL = {'fp32': 1e-6, 'groups': 1e-6, 'bf16': 1e-4}
+RUNS = ['z0_fp32', 'z1_fp32', 'z2_fp32', 'z3_fp32', 'z0_bf16', 'z2_bf16', 'z0_groups', 'z2_groups', 'z3_groups',
+        'z0_tied', 'z1_tied', 'z2_tied', 'z3_tied']   # tied: lm_head.weight is embed.weight (DeepSpeed's shared_params)
+TOL = {'fp32': 1e-6, 'groups': 1e-6, 'tied': 1e-6, 'bf16': 1e-4}
 NORM_TOL = {**TOL, 'bf16': 2 ** -8}
 
 def _env():
@@ -46,7 +48,7 @@ def resume_rank(rank, world, ds_dir, cases, out_dir):
     results = {}
     for name, stage, load_optimizer in cases:
         dtype = name.split('_')[1]
-        model = make_model()
+        model = make_model(dtype)
         engine = flexrt.initialize(model=model, model_parameters=parameters(model, dtype),
                                    config=config(stage, dtype, micro=MICRO * 2 // world))[0]
         with warnings.catch_warnings(record=True) as caught:
@@ -56,7 +58,9 @@ def resume_rank(rank, world, ds_dir, cases, out_dir):
         save = Path(out_dir, f'{name}_{stage}_{world}_{load_optimizer}')
         engine.save_checkpoint(save, tag='again')
         losses, norms = train_steps(engine, MORE, STEPS, rank, world, dtype)
-        results[(name, stage, load_optimizer)] = {'path': path, 'client': client, 'lr': lr, 'global_steps': steps, 'losses': losses,
+        tied = getattr(engine.module, 'lm_head', None)
+        tied = None if tied is None else tied.weight is engine.module.embed.weight
+        results[(name, stage, load_optimizer)] = {'tied': tied, 'path': path, 'client': client, 'lr': lr, 'global_steps': steps, 'losses': losses,
                                                   'norms': norms, 'saved': str(save), 'warnings': [str(w.message) for w in caught]}
     return results
 
@@ -80,13 +84,14 @@ def test_deepspeed_checkpoint_resumes_in_flexrt(ds_dir, tmp_path, world):
         assert got['global_steps'] == ref['global_steps'] == 3, where
         assert got['lr'] == pytest.approx(ref['lr'], rel=1e-12), where
         assert got['warnings'] == [], (where, got['warnings'])
+        assert got['tied'] is (True if dtype == 'tied' else None), (where, 'the tie survives the load')
         masters = consolidate(got['saved'], tag='again')   # flexrt's own checkpoint of the loaded engine
         assert sorted(masters) == sorted(ref['fp32']), where   # zero_to_fp32 orders by param group, flexrt as the module
         for k, t in ref['fp32'].items():   # flexrt's bf16 engines hold buffers in bf16, DeepSpeed's in fp32
             assert torch.equal(masters[k], t.to(masters[k].dtype)), (where, k, (masters[k] - t).abs().max())
         if load_optimizer: assert _rel(got['losses'], ref['losses']) <= TOL[dtype], (where, got['losses'], ref['losses'])
         else: assert _rel(got['losses'], ref['losses']) > 1e-3, (where, 'the optimizer state must matter')
-        assert len(ref['norms']) == len(got['norms']) and (None in ref['norms']) == (name in ('z0_fp32', 'z0_groups')), (where, ref['norms'])
+        assert len(ref['norms']) == len(got['norms']) and (None in ref['norms']) == (name in ('z0_fp32', 'z0_groups', 'z0_tied')), (where, ref['norms'])
         if load_optimizer and None not in ref['norms']:
             assert _rel(got['norms'], ref['norms']) <= NORM_TOL[dtype], (where, 'gradient norms', got['norms'], ref['norms'])
 

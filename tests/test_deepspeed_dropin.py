@@ -149,5 +149,9 @@ def test_ds_tests_counts_a_junit_report(tmp_path):
     import ds_tests
     (tmp_path / 'j.xml').write_text('<testsuites><testsuite><testcase name="a"/><testcase name="b"><failure/></testcase>'
                                     '<testcase name="c"><skipped/></testcase><testcase name="d"><error/></testcase></testsuite></testsuites>')
-    assert ds_tests.counts(tmp_path / 'j.xml') == {'passed': 1, 'failed': 2, 'skipped': 1, 'failing': ['b', 'd']}
+    got = ds_tests.outcomes(tmp_path / 'j.xml')
+    assert got == {'a': 'passed', 'b': 'failed', 'c': 'skipped', 'd': 'failed'}
+    assert ds_tests.counts(got) == {'passed': 1, 'failed': 2, 'skipped': 1}
+    real = {'f.py': {'tests': {'a': 'passed', 'b': 'passed', 'c': 'skipped', 'd': 'failed'}}}   # --compare's table: b passes on DeepSpeed only
+    assert ds_tests.markdown(['f.py'], real, {'f.py': {'tests': got}}, 2).splitlines()[2] == '| `f.py` | 2 / 1 / 1 | 1 / 2 / 1 | 1 |'
     with pytest.raises(SystemExit): ds_tests.main([str(tmp_path)])   # not a DeepSpeed checkout

@@ -95,15 +95,23 @@ def _settled(r:dict, tolerance:float, confidence:float)->bool:
     if r['ratio'] is None: return True
     return r['coverage'] >= confidence and (r['high'] < 1 or r['low'] >= 1 / (1 + tolerance))
 
+def _futile(r:dict, tolerance:float, max_rounds:int)->bool:
+    "For the leader over another (`r`): even narrowed to `max_rounds`' width, the interval would contain 1 and reach below 1 / (1 + tolerance)"
+    if r['ratio'] is None or r['low'] is None or r['rounds'] >= max_rounds: return False
+    centre, shrink = math.log(r['ratio']), math.sqrt(r['rounds'] / max_rounds)
+    low, high = centre - (centre - math.log(r['low'])) * shrink, centre + (math.log(r['high']) - centre) * shrink
+    return high >= 0 and low < -math.log1p(tolerance)
+
 @patch
 def decided(self:Playoff)->bool:
-    "Whether more rounds can stop: `max_rounds` run, or after `min_rounds` every pair with the leader is settled; entrants the leader clearly beats stop running"
+    "Whether more rounds can stop: `max_rounds` run, or after `min_rounds` every pair with the leader is settled or futile; entrants the leader clearly beats stop running"
     if len(self.rounds) >= self.max_rounds or len(self.running) <= 1: return True
     if len(self.rounds) < self.min_rounds: return False
     w = self.winner()
     for c in self.running:   # clearly beaten: it cannot win, and the rounds go to the pairs still open
         if c not in (w, self.baseline) and (self.compare(w, c)['low'] or 0) > 1: self.beaten.add(c.key)
-    return all(_settled(self.compare(w, c), self.tolerance, self.confidence) for c in self.running if c != w)
+    futile = lambda c, r: self.baseline not in (w, c) and _futile(r, self.tolerance, self.max_rounds)   # never for the baseline's pair
+    return all(_settled(r, self.tolerance, self.confidence) or futile(c, r) for c, r in ((c, self.compare(w, c)) for c in self.running if c != w))
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p012
 def _interval(r:dict)->str: return '' if r['low'] is None else f" [{r['low']:.2f}–{r['high']:.2f}]"

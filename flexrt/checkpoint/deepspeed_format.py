@@ -113,9 +113,11 @@ def _stage0_groups(ms:dict, names:list)->list:
     return out
 
 def _entries(ms:dict, groups:list)->list:
+    "An entry per tensor of the module; a tied name (`shared_params`) takes its source's key and shape (at stage 3 its own tensor is an empty placeholder)"
     shapes = {n: s for g in groups for n, s in g.items()} | {n: list(s) for n, s in (ms.get('frozen_param_shapes') or {}).items()}
     shared, buffers = ms.get('shared_params') or {}, set(ms.get('buffer_names') or [])
-    return [[n, shared.get(n, n), 'buffer' if n in buffers else 'param', shapes.get(n, list(t.shape)),
+    def shape(n, t): return shapes.get(shared.get(n, n), list(ms['module'][shared[n]].shape) if n in shared else list(t.shape))
+    return [[n, shared.get(n, n), 'buffer' if n in buffers else 'param', shape(n, t),
              str(t.dtype).removeprefix('torch.')] for n, t in ms['module'].items()]
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c019
@@ -163,7 +165,7 @@ def _check_mapping(pieces:list, names:dict, mapping:dict, where:str):
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c026
 def zero12_records(osd:dict, rank:int, groups:list, keys:dict, where:str)->list: # the records of rank file `rank`
     "One record per param group from rank `rank`'s stage 1/2 optimizer states `osd`"
-    out, names = [], {k: n for n, k in keys.items()}
+    out, names = [], {keys[n]: n for g in groups for n in g}   # a key's name in param_shapes (not a tied alias of it)
     for g, shapes in enumerate(groups):
         part = osd['single_partition_of_fp32_groups'][g]
         size = part.numel() + int(osd['group_paddings'][g])

@@ -13,7 +13,8 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['LEGACY_OP_NAMES', 'TIMELINE_LENGTH', 'comms_logger', 'SUMMARY_COLUMNS', 'comms_config', 'message_size', 'bus_factor',
-           'calc_bw', 'trim_mean', 'CommInterval', 'CommsLogger', 'TimedWork', 'timed_op', 'straggler_ms']
+           'calc_bw', 'trim_mean', 'CommInterval', 'CommsLogger', 'TimedWork', 'timed_op', 'BlockedWork',
+           'straggler_ms']
 
 # %% ../../nbs/10_comm_logger.ipynb #c006
 LEGACY_OP_NAMES = {'all_gather_base': 'all_gather_into_tensor', 'reduce_scatter_base': 'reduce_scatter_tensor'}
@@ -114,18 +115,20 @@ class CommInterval:
 
 # %% ../../nbs/10_comm_logger.ipynb #c020
 class CommsLogger:
-    "Collects the latency of each profiled collective; `enabled` is the one flag the unprofiled path checks"
+    "Collects the latency of each profiled collective; `active` (logging, or someone counting blocked time) is the one flag the unprofiled path checks"
     def __init__(self, config:CommsLoggerConfig|None=None,
                  clock=time.perf_counter): # seconds now, for CPU latencies (tests drive a fake one)
         self.clock = clock
         self.world_size_of = lambda group: 1  # set by flexrt.comm to its get_world_size
         self.rank = lambda: 0                 # set by flexrt.comm to its get_rank
+        self.blocked, self.blocked_watchers, self._blocked_lock = {}, 0, threading.Lock()   # see `watch_blocked`
         self.apply(config or CommsLoggerConfig())
         self.reset()
     def apply(self, config:CommsLoggerConfig):
         "Use `config` from now on"
         prof_ops = _prof_ops(config)  # validate before changing anything
         self.config, self.enabled, self._prof_ops = config, config.enabled, prof_ops
+        self.active = self.enabled or self.blocked_watchers > 0
     def reset(self):
         "Forget every record"
         self.timeline = collections.deque(maxlen=TIMELINE_LENGTH)   # the latest calls' `CommInterval`s, in issue order
@@ -162,6 +165,13 @@ def flush(self:CommsLogger, wait:bool=True):
         end.synchronize()
         self.record(key, start.elapsed_time(end) / 1e3)
 
+# %% ../../nbs/10_comm_logger.ipynb #w2809ba8
+@patch
+def add_blocked(self:CommsLogger, op:str, seconds:float):
+    "Add `seconds` of blocked time to `op` (nothing while nobody watches: see `watch_blocked` below)"
+    if not self.blocked_watchers: return
+    with self._blocked_lock: self.blocked[op] = self.blocked.get(op, 0.) + seconds
+
 # %% ../../nbs/10_comm_logger.ipynb #c026
 class TimedWork:
     "A work handle that logs its op's latency when the op completes; everything else goes to the wrapped handle"
@@ -179,10 +189,13 @@ class TimedWork:
         except Exception: return None  # failed: the error surfaces at wait(), nothing is logged
         self._finish('future')
     def wait(self, *args, **kwargs):
-        iv = self._interval
-        if iv is not None: iv.waited(self._logger.clock())
+        iv, clock = self._interval, self._logger.clock
+        start = clock()
+        if iv is not None: iv.waited(start)
         out = self._work.wait(*args, **kwargs); self._finish('wait')
-        if iv is not None: iv.wait_returned(self._logger.clock())
+        end = clock()
+        if iv is not None: iv.wait_returned(end)
+        self._logger.add_blocked(self._key[1], end - start)
         return out
     def is_completed(self):
         done = self._work.is_completed()
@@ -210,10 +223,11 @@ def _finish(self:TimedWork, by:str): # 'future', 'wait' or 'poll': what saw the 
 # %% ../../nbs/10_comm_logger.ipynb #c029
 @patch
 def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dict):
-    "Run `fn(*args, **kwargs)`, the public op `name`, and log its latency if it is profiled"
+    "Run `fn(*args, **kwargs)`, the public op `name`, and log its latency if it is profiled (count blocked time if watched)"
+    if not self.enabled: return self.time_blocked(name, fn, args, kwargs)
     a = dict(zip(params, args)); a.update(kwargs)
     log_name = a.get('log_name') or name
-    if not self.wants(log_name, a.get('prof', False)): return fn(*args, **kwargs)
+    if not self.wants(log_name, a.get('prof', False)): return self.time_blocked(name, fn, args, kwargs)
     group = a.get('group') if name != 'batch_isend_irecv' else getattr(_first(a['p2p_op_list']), 'group', None)
     n = self.world_size_of(group)
     size, tensor = _SIZE[name](a, n)
@@ -229,6 +243,7 @@ def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dic
     if out is not None and (a.get('async_op') or name in ('isend', 'irecv')): return TimedWork(out, self, key, start, cuda, interval=interval)
     interval.waited(interval.issued); interval.end, interval.finished_by = self.clock(), 'call'
     interval.wait_returned(interval.end)   # synchronous: the caller was inside it throughout
+    self.add_blocked(name, interval.end - interval.issued)
     if not cuda: self.record(key, interval.end - start)
     else: end = torch.cuda.Event(enable_timing=True); end.record(); self.record_events(key, start, end)
     return out
@@ -237,13 +252,49 @@ def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dic
 comms_logger = CommsLogger()  # the process-wide logger flexrt.comm's ops report to
 
 def timed_op(fn):
-    "Log every call of the op `fn` with `comms_logger`; with logging off, one flag check"
+    "Log every call of the op `fn` with `comms_logger`; with logging off and nobody counting blocked time, one flag check"
     name, params, log = fn.__name__, tuple(inspect.signature(fn).parameters), comms_logger
     @functools.wraps(fn)
     def op(*args, **kwargs):
-        if not log.enabled: return fn(*args, **kwargs)
+        if not log.active: return fn(*args, **kwargs)
         return log.profile(name, params, fn, args, kwargs)
     return op
+
+# %% ../../nbs/10_comm_logger.ipynb #w28e6b3e
+class BlockedWork:
+    "An async op's handle that adds the time its caller waits on it to the logger's blocked time"
+    def __init__(self, work, logger:CommsLogger, op:str): self._work, self._logger, self._op = work, logger, op
+    def wait(self, *args, **kwargs):
+        start = self._logger.clock()
+        out = self._work.wait(*args, **kwargs)
+        self._logger.add_blocked(self._op, self._logger.clock() - start)
+        return out
+    def __getattr__(self, name): return getattr(self._work, name)
+
+@patch
+def time_blocked(self:CommsLogger, name:str, fn, args:tuple, kwargs:dict):
+    "Run the op `name`; the time its caller is blocked (the call, or the wait on the handle it returns) goes to `blocked`"
+    if not self.blocked_watchers: return fn(*args, **kwargs)
+    start = self.clock()
+    out = fn(*args, **kwargs)
+    if out is None or not (hasattr(out, 'wait') or isinstance(out, list)): self.add_blocked(name, self.clock() - start); return out
+    return [BlockedWork(w, self, name) for w in out] if isinstance(out, list) else BlockedWork(out, self, name)
+
+# %% ../../nbs/10_comm_logger.ipynb #w28fb337
+@patch
+def take_blocked(self:CommsLogger)->dict: # {op: seconds blocked since the last call}
+    "The blocked time per op since the last call, then start again from zero"
+    with self._blocked_lock: out, self.blocked = self.blocked, {}
+    return out
+
+@patch
+def watch_blocked(self:CommsLogger, on:bool=True): # False: give a watch back
+    "Count blocked time while at least one watcher holds a watch"
+    with self._blocked_lock:
+        if not on and self.blocked_watchers == 0: raise ValueError("watch_blocked(False) without a watch to give back")
+        self.blocked_watchers += 1 if on else -1
+        if not self.blocked_watchers: self.blocked = {}
+    self.active = self.enabled or self.blocked_watchers > 0
 
 # %% ../../nbs/10_comm_logger.ipynb #c034
 SUMMARY_COLUMNS = ['op', 'size_bytes', 'ranks', 'count', 'total_latency_ms', 'avg_latency_ms', 'algbw_gbps', 'busbw_gbps']

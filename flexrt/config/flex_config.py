@@ -7,6 +7,7 @@ __all__ = ['BATCH_KEYS', 'BatchConfig', 'FlexConfig', 'load_config']
 
 # %% ../../nbs/00_config_flex_config.ipynb #c003
 import dataclasses, json, os, sys, warnings
+from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Literal
@@ -15,7 +16,7 @@ from .schema import Block, block, setting, coerce
 from .blocks import (FP16Config, BF16Config, OptimizerConfig, SchedulerConfig, OffloadOptimizerConfig, OffloadParamConfig,
                                   ZeroConfig, ProgressiveLayerDropConfig, DataTypesConfig)
 from .services import (CommsLoggerConfig, FlopsProfilerConfig, TensorBoardConfig, CSVMonitorConfig, WandbConfig,
-                                    ParallelWriteConfig, CheckpointConfig, ModelInfoConfig, AutotuningConfig)
+                                    ParallelWriteConfig, CheckpointConfig, ModelInfoConfig, AutotuningConfig, DiagnosticsConfig)
 from .compat import ActivationCheckpointingConfig, NO_EFFECT, NoEffectWarning, split_no_effect, merge_paths
 
 # %% ../../nbs/00_config_flex_config.ipynb #c006
@@ -74,6 +75,7 @@ class FlexConfig(Block):
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig) # accumulation dtype
     progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig) # layer-drop schedule
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig) # collective timing
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig) # flexrt's step watch: non-finite values, layer norms, blocked time
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig) # FLOPs profile
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig) # TensorBoard sink
     csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig) # CSV sink
@@ -95,6 +97,7 @@ def upgrade(cls:FlexConfig, data:dict)->dict:
     if str(data.get('gradient_allreduce_op', '')).lower() == 'sum':
         warnings.warn("config key gradient_allreduce_op='sum' has no effect in flexrt: gradients are averaged over the data-parallel "
                       "ranks; multiply the loss by the world size for sums", NoEffectWarning, stacklevel=3)
+    if data.get('steps_per_print') == float('inf'): data['steps_per_print'] = None   # Accelerate's "never": DeepSpeed's null
     data['batch'] = {k: data.pop(k) for k in BATCH_KEYS if k in data}
     return data
 
@@ -115,6 +118,23 @@ def validate(self:FlexConfig):
 def resolve_batch(self:FlexConfig, dp_world_size:int)->FlexConfig: # data-parallel ranks (world size / model-parallel size)
     "A copy with all three batch sizes set for `dp_world_size` ranks (see `BatchConfig.resolve`)"
     return dataclasses.replace(self, batch=self.batch.resolve(dp_world_size))
+
+# %% ../../nbs/00_config_flex_config.ipynb #c015c
+@patch
+def _json(self:FlexConfig)->dict:
+    "The DeepSpeed JSON of this config (`to_dict()`), computed on first use and kept"
+    if '_json_view' not in self.__dict__: self.__dict__['_json_view'] = self.to_dict()   # frozen: the view never goes stale
+    return self.__dict__['_json_view']
+
+@patch
+def __getitem__(self:FlexConfig, key:str): return self._json()[key]
+@patch
+def __iter__(self:FlexConfig): return iter(self._json())
+@patch
+def __len__(self:FlexConfig)->int: return len(self._json())
+
+for _name in ('get', 'keys', 'items', 'values', '__contains__'): setattr(FlexConfig, _name, getattr(Mapping, _name))   # Mapping's own, over the three above
+Mapping.register(FlexConfig)
 
 # %% ../../nbs/00_config_flex_config.ipynb #c017
 class _Pairs(dict):

@@ -11,6 +11,10 @@ import psutil, torch
 __all__ = ['SUPPORTED_ACCELERATOR_LIST', 'Accelerator', 'get_accelerator', 'set_accelerator', 'is_current_accelerator_supported']
 
 # %% ../../nbs/90_deepspeed_accelerator.ipynb #c006
+def _mkldnn_fp16()->bool:
+    try: return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError): return False
+
 class Accelerator:
     "DeepSpeed's accelerator interface over one torch device kind"
     def __init__(self, name:str): self._name = name
@@ -23,8 +27,10 @@ class Accelerator:
     def resolves_data_dependency(self)->bool: return self.is_synchronized_device()
     def handles_memory_backpressure(self)->bool: return self.is_synchronized_device()
     def is_bf16_supported(self)->bool: return self._name != 'cuda' or torch.cuda.is_bf16_supported()
-    def is_fp16_supported(self)->bool: return True
-    def supported_dtypes(self)->list: return [torch.float32, torch.bfloat16, torch.float16]
+    def is_fp16_supported(self)->bool:
+        "DeepSpeed's answer: on CPU, whether oneDNN has fast fp16 kernels here (flexrt itself trains fp16 on any CPU)"
+        return self._name != 'cpu' or _mkldnn_fp16()
+    def supported_dtypes(self)->list: return [torch.float32, torch.bfloat16] + ([torch.float16] if self.is_fp16_supported() else [])
     def on_accelerator(self, tensor:torch.Tensor)->bool: return tensor.device.type == self._name
     def __repr__(self): return f"Accelerator({self._name!r})"
 

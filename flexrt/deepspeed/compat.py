@@ -10,8 +10,10 @@ from ..engine import initialize as _engine_initialize   # `initialize` below is 
 
 # %% auto #0
 __all__ = ['logger', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam', 'RepeatingLoader', 'log_dist',
-           'get_fp32_state_dict_from_zero_checkpoint', 'convert_zero_checkpoint_to_fp32_state_dict', 'initialize',
-           'clip_grad_norm_', 'OpBuilder', 'FusedAdamBuilder', 'CPUAdamBuilder', 'count_used_parameters_in_backward',
+           'get_fp32_state_dict_from_zero_checkpoint', 'load_state_dict_from_zero_checkpoint',
+           'convert_zero_checkpoint_to_fp32_state_dict', 'initialize', 'clip_grad_norm_', 'OpBuilder',
+           'FusedAdamBuilder', 'CPUAdamBuilder', 'MissingOpBuilder', 'FusedLambBuilder', 'FusedLionBuilder',
+           'CPULionBuilder', 'count_used_parameters_in_backward',
            'split_params_into_different_moe_groups_for_optimizer', 'CheckOverflow', 'inference_all_reduce']
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c006
@@ -20,15 +22,21 @@ def _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw:
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     return cls(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
 
-def FusedAdam(params, lr:float=1e-3, bias_correction:bool=True, betas=(0.9, 0.999), eps:float=1e-8, adam_w_mode:bool=True,
-              weight_decay:float=0., amsgrad:bool=False, set_grad_none:bool=True)->torch.optim.Optimizer:
-    "DeepSpeed's `FusedAdam`: torch's AdamW (`adam_w_mode=True`) or Adam, same arguments"
-    return _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, 'FusedAdam')
+class _TorchAdam(type):
+    "A DeepSpeed Adam class that builds torch's Adam/AdamW: `isinstance(opt, FusedAdam)` holds for torch's Adam and AdamW (an engine's config-built Adam too)"
+    def __instancecheck__(cls, obj)->bool: return isinstance(obj, (torch.optim.Adam, torch.optim.AdamW))
 
-def DeepSpeedCPUAdam(model_params, lr:float=1e-3, bias_correction:bool=True, betas=(0.9, 0.999), eps:float=1e-8,
-                     weight_decay:float=0., amsgrad:bool=False, adamw_mode:bool=True, fp32_optimizer_states:bool=True):
-    "DeepSpeed's `DeepSpeedCPUAdam`: torch's AdamW (`adamw_mode=True`) or Adam on the parameters' device"
-    return _adam(model_params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode, 'DeepSpeedCPUAdam')
+class FusedAdam(metaclass=_TorchAdam):
+    "DeepSpeed's `FusedAdam`: builds torch's AdamW (`adam_w_mode=True`) or Adam, same arguments"
+    def __new__(cls, params, lr:float=1e-3, bias_correction:bool=True, betas=(0.9, 0.999), eps:float=1e-8, adam_w_mode:bool=True,
+                weight_decay:float=0., amsgrad:bool=False, set_grad_none:bool=True)->torch.optim.Optimizer:
+        return _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, 'FusedAdam')
+
+class DeepSpeedCPUAdam(metaclass=_TorchAdam):
+    "DeepSpeed's `DeepSpeedCPUAdam`: builds torch's AdamW (`adamw_mode=True`) or Adam on the parameters' device"
+    def __new__(cls, model_params, lr:float=1e-3, bias_correction:bool=True, betas=(0.9, 0.999), eps:float=1e-8,
+                weight_decay:float=0., amsgrad:bool=False, adamw_mode:bool=True, fp32_optimizer_states:bool=True):
+        return _adam(model_params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode, 'DeepSpeedCPUAdam')
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c009
 class RepeatingLoader:
@@ -57,6 +65,12 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
     if exclude_frozen_parameters: warnings.warn('exclude_frozen_parameters=True: flexrt consolidates every saved tensor')
     return state
 
+def load_state_dict_from_zero_checkpoint(model:torch.nn.Module, checkpoint_dir, tag=None)->torch.nn.Module:
+    "Load the consolidated fp32 weights of a checkpoint into `model`, moved to the CPU (DeepSpeed's `zero_to_fp32` helper); returns it"
+    model = model.cpu()
+    model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=False)
+    return model
+
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=None, exclude_frozen_parameters:bool=False):
     "Write the consolidated fp32 `state_dict` of a checkpoint to `output_file` (a torch file)"
     torch.save(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters), output_file)
@@ -65,9 +79,23 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=
 from ..checkpointing import configure, is_configured, reset, unconfigure, checkpoint, non_reentrant_checkpoint, SETTINGS
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015b
-def initialize(*args, **kwargs)->tuple:
-    "`deepspeed.initialize`: `flexrt.initialize` (which also sets `deepspeed.checkpointing` up from the config's `activation_checkpointing` block)"
-    return _engine_initialize(*args, **kwargs)
+def _config_file(path):
+    "A config file as DeepSpeed reads it: JSON, or hjson (JSON with comments, unquoted keys) where the hjson package is installed"
+    import json
+    from pathlib import Path
+    text = Path(path).read_text()
+    try: return json.loads(text)
+    except json.JSONDecodeError:
+        try: import hjson
+        except ImportError: return path   # flexrt's loader names the JSON error
+        return json.loads(json.dumps(hjson.loads(text)))   # hjson's ordered dicts as plain ones
+
+def initialize(args=None, model=None, *more, **kwargs)->tuple:
+    "`deepspeed.initialize`: `flexrt.initialize` (which also sets `deepspeed.checkpointing` up from the config's `activation_checkpointing` block); no model is DeepSpeed's AssertionError"
+    assert model is not None, "deepspeed.initialize requires a model (model=<the torch.nn.Module to train>)"
+    for key in ('config', 'config_params'):
+        if isinstance(kwargs.get(key), str): kwargs[key] = _config_file(kwargs[key])
+    return _engine_initialize(args, model, *more, **kwargs)
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015c
 def clip_grad_norm_(parameters, max_norm:float, norm_type:float=2, mpu=None)->torch.Tensor:
@@ -94,6 +122,15 @@ class OpBuilder:
 
 class FusedAdamBuilder(OpBuilder): NAME = 'fused_adam'
 class CPUAdamBuilder(OpBuilder): NAME = 'cpu_adam'
+
+class MissingOpBuilder(OpBuilder):
+    "DeepSpeed's builder for a kernel flexrt does not have: never compatible; `load()` raises naming it"
+    def is_compatible(self, verbose:bool=False)->bool: return False
+    def load(self, verbose:bool=True): raise NotImplementedError(f"{type(self).__name__} ({self.NAME}): flexrt builds no DeepSpeed kernels and torch has no equivalent")
+
+class FusedLambBuilder(MissingOpBuilder): NAME = 'fused_lamb'
+class FusedLionBuilder(MissingOpBuilder): NAME = 'fused_lion'
+class CPULionBuilder(MissingOpBuilder): NAME = 'cpu_lion'
 
 class _Ops(dict):
     "DeepSpeed's `ops.__compatible_ops__`: the ops flexrt maps to torch are True; any other kernel name is False (flexrt builds none)"

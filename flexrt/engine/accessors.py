@@ -158,6 +158,21 @@ def memory_breakdown(self:DeepSpeedAccessors)->dict: # bytes: params, grads, opt
     "Bytes this rank holds for parameters, gradients and optimizer state, as the ZeRO stage in use partitions them"
     return self.optimizer.memory_breakdown()
 
+# %% ../../nbs/65_engine_accessors.ipynb #c013b
+@patch
+def _zero3_consolidated_16bit_state_dict(self:DeepSpeedAccessors, exclude_frozen_parameters:bool=False)->dict|None:
+    "The whole model's weights on rank 0 (CPU copies; tied names share one tensor), None on other ranks; ZeRO stage 3, every rank calls it"
+    if self.zero_optimization_stage() != 3: raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage=3); use module_state_dict()")
+    frozen = {id(p) for p in self.module.parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
+    with self.optimizer.gathered(list(self.module.parameters())):
+        if dist.get_rank() != 0: return None
+        state, copies = {}, {}   # copies: one per tensor, whatever its names
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            if id(value) in frozen: continue
+            if id(value) not in copies: copies[id(value)] = value.detach().to('cpu', copy=True)
+            state[name] = copies[id(value)]
+        return state
+
 # %% ../../nbs/65_engine_accessors.ipynb #c015
 @patch
 def save_checkpoint(self:DeepSpeedAccessors, save_dir, # the directory holding the checkpoints (shared by all ranks)

@@ -8,11 +8,13 @@ import contextlib, importlib.util, math, warnings
 from collections.abc import Mapping
 import torch
 from .. import comm as dist
+from .. import monitor, __version__
 from ..config import FlexConfig
 from ..config.services import CommsLoggerConfig
 from ..precision.policy import Precision
 from ..utils.groups import ExpertGroups
 from ..memory.reports import tune_cpu_malloc
+from .watch import StepWatch
 from .parts import (StepCounter, Timers, StepClock, StepReporter, layer_drop,
                                  build_dataloader)
 from .optim import client_optimizer, client_lr_scheduler
@@ -95,15 +97,12 @@ def _place(self:Engine, mpu):
 @torch.no_grad()
 def broadcast_tensors(tensors:list, # tensors to make equal on every rank of `group`, in place
                       group=None): # the process group (None: all ranks)
-    "Copy the tensors of the group's first rank to the others, one flat broadcast per dtype"
+    "Copy the tensors of the group's first rank to the others, each in place: no flat copy, whose memory would outlive the call for as long as the backend's worker holds it"
     if dist.get_world_size(group) == 1: return
     src = dist.get_global_rank(group, 0)
-    by_dtype = {}
-    for t in tensors: by_dtype.setdefault((t.device, t.dtype), []).append(t)
-    for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.broadcast(flat, src=src, group=group)
-        torch._foreach_copy_(ts, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in ts]), ts)])
+    for t in tensors:
+        if t.is_contiguous(): dist.broadcast(t, src=src, group=group)
+        else: c = t.contiguous(); dist.broadcast(c, src=src, group=group); t.copy_(c)
 
 @patch
 def _setup_model(self:Engine, dont_change_device:bool, expert_groups:Mapping|None):
@@ -132,19 +131,29 @@ def _setup_optimizer(self:Engine, optimizer, model_parameters, lr_scheduler, opt
 
 @patch
 def _setup_parts(self:Engine):
-    "Counters, timers, the step clock, layer drop, the config's monitors and the reporter; the comms logger when the config sets it"
+    "Counters, timers, the step clock, layer drop, the config's monitors, the reporter and the step watch; the comms logger when the config sets it"
     cfg = self.config
     self.counter = StepCounter(cfg.batch.gradient_accumulation_steps)
     self.timers, self.clock = Timers(cfg.wall_clock_breakdown, self.device), StepClock()
     self.layer_drop = layer_drop(cfg.progressive_layer_drop)
     self.monitor = DeepSpeedMonitors.from_config(cfg, self.global_rank)   # tensorboard / csv_monitor / wandb, on rank 0 (DeepSpeed's name)
     self.reporter = StepReporter(cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank, sinks=[self.monitor])
+    self.watch = StepWatch(cfg.diagnostics, self.module, self.optimizer, self.reporter.peek_loss, self.dp_group, self.device)
+    self._announce_run()
     self._comm_bytes_seen, self._comms_before = 0, None
     if cfg.comms_logger != CommsLoggerConfig():   # a default block changes nothing the script set itself
         self._comms_before = dist.comms_logger.config
         dist.configure(cfg)
     unused = unused_settings(cfg)
     if unused and self.global_rank == 0: warnings.warn(f"these config settings have no effect in this engine yet: {', '.join(unused)}")
+
+@patch
+def _announce_run(self:Engine):
+    "A `'run'` record from rank 0 when anyone listens: the config, world size and versions (what a saved report shows)"
+    if self.global_rank != 0 or not monitor.listening(): return
+    monitor.emit('run', rank=0, config=self.config.to_dict(), world_size=self.world_size, zero_stage=self.optimizer.stage,
+                 precision=self.precision.name, flexrt=__version__, torch=torch.__version__)
+
 
 # %% ../../nbs/65_engine_core.ipynb #c015
 @patch
@@ -183,8 +192,10 @@ def step(self:Engine, lr_kwargs:dict|None=None): # keyword arguments for the sch
     if not self.counter.count_micro_step(): return
     with self.timers('allreduce'): grads = self.optimizer.reduced_gradients()
     with self.timers('step'):
-        overflow = self.precision.unscale_and_check(grads)
+        overflow, step = self.precision.unscale_and_check(grads), self.counter.global_steps + 1
+        self.watch.before_clip(step, overflow)                      # layer norms, on sampled steps
         self._grad_norm, post_clip = self.optimizer.clip_grad_norm(self.config.gradient_clipping)
+        self.watch.after_norm(step, self._grad_norm, overflow)      # the first non-finite value named (raises if asked)
         if not overflow: self._apply_step(lr_kwargs)
         self.optimizer.zero_grad()
     self.layer_drop.update_state(self.counter.global_steps)
@@ -213,7 +224,7 @@ def _report(self:Engine, post_clip:float, overflow:bool):
     self.reporter.report(self.counter.global_steps, comm_bytes=self._comm_bytes(), samples=self.counter.global_samples,
                          grad_norm=self._grad_norm, grad_norm_post_clip=post_clip, lr=lrs[0] if lrs else math.nan,
                          loss_scale=self.precision.loss_scale, skipped=overflow, step_time=step_time,
-                         samples_per_s=batch / step_time if step_time > 0 else math.nan)
+                         samples_per_s=batch / step_time if step_time > 0 else math.nan, **self.watch.step_fields())
 
 # %% ../../nbs/65_engine_core.ipynb #c020
 @patch
@@ -289,3 +300,4 @@ def close(self:Engine):
         parts.callback(dist.join_p2p_threads)   # no direct-message thread outlives the engine
         parts.callback(self.expert_groups.close)
         parts.callback(self.optimizer.close)
+        parts.callback(self.watch.close)

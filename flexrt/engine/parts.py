@@ -161,7 +161,7 @@ class StepReporter:
                  timers:Timers|None=None, # printed with the progress line when enabled
                  memory_breakdown:bool=False, # print a memory line with the progress line
                  rank:int=0, # this process's global rank
-                 print_fn=print, # where lines go
+                 print_fn=monitor.console, # where lines go (a watching notebook view's log area, else stdout)
                  sinks=()): # callables given each step record on this rank, with `timings_ms` (the config's monitors)
         self.steps_per_print, self.timers, self.memory_breakdown = steps_per_print, timers or Timers(), memory_breakdown
         self.rank, self.print_fn, self.sinks = rank, print_fn, [s for s in sinks if s]
@@ -172,6 +172,10 @@ class StepReporter:
         loss = loss.detach()
         self._loss = loss if self._loss is None else self._loss + loss
         self._losses += 1
+
+    def peek_loss(self)->float: # mean loss of the window's micro-steps on this rank so far (nan if none was given)
+        "The mean loss since the last `take_loss`, kept (it syncs the device: for rare looks, like a non-finite step)"
+        return math.nan if self._loss is None else float(self._loss) / self._losses
 
     def take_loss(self)->float: # mean loss of the window's micro-steps on this rank (nan if none was given)
         "The mean loss since the last call, as a float"

@@ -4,11 +4,11 @@
 
 # %% ../../nbs/30_monitor_events.ipynb #c003
 from __future__ import annotations
-import contextlib, threading, time, traceback, warnings
+import contextlib, os, threading, time, traceback, warnings
 
 # %% auto #0
-__all__ = ['listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'deliver', 'log', 'emit_snapshot', 'sample_memory',
-           'route_to']
+__all__ = ['WATCHED_VARIABLE', 'listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'deliver', 'log', 'hold_watch',
+           'release_watch', 'watched', 'console', 'emit_snapshot', 'sample_memory', 'route_to']
 
 # %% ../../nbs/30_monitor_events.ipynb #c006
 _listeners: tuple = ()        # the registered listeners, in registration order
@@ -75,6 +75,28 @@ def deliver(record:dict): # a record built elsewhere: a dict with 'kind' and 'ti
 def log(**values): # the values to record, e.g. `accuracy=0.91`
     "Emit a `'log'` record with `values`"
     emit('log', **values)
+
+# %% ../../nbs/30_monitor_events.ipynb #w28c6e1b
+WATCHED_VARIABLE = 'FLEXRT_MONITOR_WATCHED'   # set while a view in the kernel draws the runs it launches
+_watches = [0]
+
+def hold_watch():
+    "A view watches the runs this kernel launches from now on (until `release_watch`)"
+    _watches[0] += 1; os.environ[WATCHED_VARIABLE] = '1'
+
+def release_watch():
+    "A view stopped watching; the variable goes when the last one does"
+    _watches[0] = max(_watches[0] - 1, 0)
+    if not _watches[0]: os.environ.pop(WATCHED_VARIABLE, None)
+
+def watched()->bool:
+    "Whether a view watches this process: the variable is set (here or inherited) and records go somewhere"
+    return bool(_listeners) and bool(os.environ.get(WATCHED_VARIABLE))
+
+def console(*parts, **kwargs): # what `print` takes
+    "Print, or while `watched()`, send the line as a `'console'` record (`text`) to the watching view's log area"
+    if not watched(): print(*parts, **kwargs); return
+    emit('console', text=kwargs.get('sep', ' ').join(map(str, parts)))
 
 # %% ../../nbs/30_monitor_events.ipynb #c022
 def emit_snapshot(snapshot): # a `flexrt.memory.MemorySnapshot`

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['RecordStore', 'rank0_steps', 'Plot', 'figure_html', 'thin', 'LiveView', 'History', 'FIRST_POLL', 'MemoryMonitor',
-           'MiB', 'UNTRACKED_HINT', 'GradNormTrace', 'TrainingDashboard', 'SearchView', 'SearchSettings',
-           'view_of_result', 'SearchPanel', 'AutotuneWidget', 'MemoryPlanner']
+           'MiB', 'UNTRACKED_HINT', 'GradNormTrace', 'RankPanel', 'LayerNormHeatmap', 'TrainingDashboard', 'SearchView',
+           'SearchSettings', 'view_of_result', 'SearchPanel', 'AutotuneWidget', 'MemoryPlanner']
 
 # %% ../../nbs/80_widgets.ipynb #c003
 import importlib
@@ -15,13 +15,15 @@ _MODULES = {   # module -> the names the face hands on from it
     'live': ('LiveView', 'History', 'FIRST_POLL'),
     'memory_monitor': ('MemoryMonitor', 'MiB', 'UNTRACKED_HINT'),
     'grad_norm': ('GradNormTrace',),
+    'ranks': ('RankPanel',),
+    'layers': ('LayerNormHeatmap',),
     'dashboard': ('TrainingDashboard',),
     'autotune_view': ('SearchView', 'SearchSettings', 'view_of_result'),
     'autotune_panel': ('SearchPanel',),
     'autotune_widget': ('AutotuneWidget', 'MemoryPlanner')}
 _HOMES = {name: module for module, names in _MODULES.items() for name in names}
 _all_ = ['RecordStore', 'rank0_steps', 'Plot', 'figure_html', 'thin', 'LiveView', 'History', 'FIRST_POLL',
-         'MemoryMonitor', 'MiB', 'UNTRACKED_HINT', 'GradNormTrace', 'TrainingDashboard', 'SearchView',
+         'MemoryMonitor', 'MiB', 'UNTRACKED_HINT', 'GradNormTrace', 'RankPanel', 'LayerNormHeatmap', 'TrainingDashboard', 'SearchView',
          'SearchSettings', 'view_of_result', 'SearchPanel', 'AutotuneWidget', 'MemoryPlanner']
 
 def __getattr__(name:str):

@@ -172,3 +172,15 @@ class SearchPanel(LiveView):
         return cls.from_result(AutotuneResult.load(results_dir), **kwargs)
 
 def _json_cell(value): return json.dumps(value) if isinstance(value, (dict, list)) else value
+
+# %% ../../nbs/80_widgets_autotune_panel.ipynb #w2889623
+from fastcore.basics import patch
+
+@patch
+def save_html(self:SearchPanel, path)->str: # the file written
+    "Write the search (summary, standings, trials, plots, best configuration, versions) as one self-contained HTML file"
+    from flexrt.widgets.report import save_html, figure_png
+    with self._draw_lock: self.draw_text()
+    sections = [('Search', self.status.value), ('Playoff', self.standings.value), ('Trials', self.table.value),
+                ('Plots', figure_png(self.figure()) if len(self.trials) else ''), ('Best configuration', self.best_json.value)]
+    return save_html(path, 'flexrt autotune search', sections)

@@ -101,7 +101,9 @@ class AutotuneWidget(SearchPanel):
                  dataset=None, # for `autotune(dataset=...)`
                  view:SearchView|None=None, # the records shown; default: a new one that the ranks' records fill
                  interval:float=0.25, # seconds between table updates while records arrive (a trial shows within about this)
-                 cpu_share:float=0.1): # share of one core the plots may use on average
+                 cpu_share:float=0.1, # share of one core the plots may use on average
+                 train=None): # `train(config)`: a training function (importable) that "Train with this" launches with the best config
+        self.train, self.training_run, self.dashboard = train, None, None
         self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, copy.deepcopy(config or {}), dataset
         self.results_dir, self.launched, self._stop_asked, self._shown, self._profile = results_dir, None, False, None, None
         self._initial = dict(num_processes=num_processes, memory_budget=memory_budget)
@@ -113,12 +115,17 @@ class AutotuneWidget(SearchPanel):
         self.run_button = W.Button(description='Run', button_style='success', icon='play', disabled=self.model_fn is None)
         self.stop_button = W.Button(description='Stop', button_style='danger', icon='stop', disabled=True)
         self.run_button.on_click(lambda _: self._act(self.run)); self.stop_button.on_click(lambda _: self._act(self.stop))
+        self.train_button = W.Button(description='Train with this', icon='rocket', disabled=True,
+                                     tooltip='launch the training function with the best configuration, watched by a dashboard below',
+                                     layout=W.Layout(display='' if self.train is not None else 'none'))
+        self.train_button.on_click(lambda _: self._act(self.train_with_best))
+        self.training_area = W.VBox()   # the training run's dashboard, in this same output area
         self.planner = MemoryPlanner(self.plan, lambda: parse_bytes(self.controls['memory_budget'].value or None),
                                      micro_batch=int(self.config.get('train_micro_batch_size_per_gpu', 8)))
         names, panel = list(self.controls), super().build()
         return W.VBox([W.HTML('<b>Autotune: ZeRO stage &times; micro-batch &times; buckets</b>'),
                        W.HBox([W.VBox([self.controls[n] for n in names[:4]]), W.VBox([self.controls[n] for n in names[4:]])]),
-                       W.HBox([self.run_button, self.stop_button]), panel, self.planner.widget])
+                       W.HBox([self.run_button, self.stop_button, self.train_button]), panel, self.planner.widget, self.training_area])
 
     def settings(self)->SearchSettings: return settings_from_controls(self.controls)   # what the controls ask now
     @property
@@ -173,9 +180,15 @@ class AutotuneWidget(SearchPanel):
 
     def pending(self)->bool: return self.state != self._shown   # the buttons must change although no record arrived
 
+    def can_train(self)->bool:
+        "Whether 'Train with this' can start: a training function, a best configuration, no search or training running"
+        training = self.training_run is not None and not self.training_run.done
+        return self.train is not None and self.best_config is not None and not self.running and not training
+
     def draw_text(self):
         state = self.state
         if state != self._shown: self._show_state(state)
+        self.train_button.disabled = not self.can_train()
         super().draw_text()
 
     def status_html(self)->str:
@@ -214,3 +227,22 @@ class AutotuneWidget(SearchPanel):
         config['train_micro_batch_size_per_gpu'] = micro_batch
         config['zero_optimization'] = {**config.get('zero_optimization', {}), 'stage': stage}
         return estimate_memory(self.profile, config, world_size=world_size, micro_batch=micro_batch)
+
+# %% ../../nbs/80_widgets_autotune_widget.ipynb #w282bb25
+from fastcore.basics import patch
+
+@patch
+def train_with_best(self:AutotuneWidget, num_processes:int|None=None): # ranks; default: the search's
+    "Launch `train(best_config)` in the background under a new `TrainingDashboard` shown in `training_area`; returns the dashboard"
+    if self.train is None: raise ValueError('no training function: give AutotuneWidget(..., train=train_fn), train_fn(config) training with it')
+    if self.best_config is None: raise ValueError('no configuration fits yet: run the search (or wait for a trial to succeed) first')
+    if not self.can_train(): raise RuntimeError('a search or a training run is still running: wait for it (or stop it) first')
+    from flexrt.launch.launcher import launch
+    from flexrt.widgets.dashboard import TrainingDashboard
+    config = copy.deepcopy(self.best_config)
+    if self.dashboard is not None: self.dashboard.close()
+    self.dashboard = TrainingDashboard(clip=config.get('gradient_clipping'))
+    self.training_area.children = [W.HTML('<b>Training with the best configuration</b>'), self.dashboard.widget]
+    self.training_run = launch(self.train, (config,), num_processes=num_processes or self.settings().num_processes, background=True)
+    self.train_button.disabled = True
+    return self.dashboard

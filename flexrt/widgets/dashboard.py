@@ -4,6 +4,7 @@
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c002
 from __future__ import annotations
+import html
 import pandas as pd
 import ipywidgets as W
 from fastcore.basics import patch
@@ -13,24 +14,32 @@ from .live import LiveView
 from .memory_monitor import MemoryMonitor
 from .grad_norm import GradNormTrace
 from .records import rank0_steps
+from .ranks import RankPanel
+from .layers import LayerNormHeatmap
+from .report import save_html, figure_png
 
 # %% auto #0
-__all__ = ['TrainingDashboard']
+__all__ = ['LOG_LINES', 'TrainingDashboard']
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c005
 class TrainingDashboard(LiveView):
-    "Progress, memory, gradient norms, comm table and a Stop button for the run the kernel is watching"
+    "Progress, gradient norms (and the first non-finite one named), ranks (the straggler named), layer norms, memory, comm table, log and Stop"
     def __init__(self, total_steps:int|None=None, # steps the run will take, for the bar and ETA (a 'comm' record may tell)
                  clip:float|None=None, # clip threshold to draw
                  interval:float=0.5, # seconds between text updates; the plots' shortest gap
                  cpu_share:float=0.05, # share of one core the plots may use on average
                  redraw:bool=True): # redraw from a thread of its own (False: you call `refresh()`)
-        self.total_steps, self.clip, self._comm_drawn = total_steps, clip, 0
+        self.total_steps, self.clip, self._comm_drawn, self._log_drawn, self._watching = total_steps, clip, 0, 0, False
         super().__init__(interval=interval, cpu_share=cpu_share, redraw=redraw)
+        if self.attached: monitor.hold_watch(); self._watching = True   # ranks launched from now on: layer norms, blocked time, a quiet cell
 
     def build(self):
         self.memory = MemoryMonitor(records=self.records, redraw=False)     # drawn by the dashboard's own thread
         self.grad_norm = GradNormTrace(clip=self.clip, records=self.records, redraw=False)
+        self.ranks = RankPanel(records=self.records, redraw=False)            # shown once two ranks report blocked times
+        self.layers = LayerNormHeatmap(records=self.records, redraw=False)    # shown once 'layer_norms' records arrive
+        self.log = W.HTML()
+        self.log_section = W.VBox([W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none'))
         self.progress, self.status = W.IntProgress(0, 0, self.total_steps or 1), W.HTML('waiting for the ranks...')
         self.steps_seen = W.IntText(0, description='step events', disabled=True)
         self.comm = W.HTML()
@@ -38,16 +47,20 @@ class TrainingDashboard(LiveView):
         self.stop_button = W.Button(description='Stop', button_style='danger', icon='stop')
         self.stop_button.on_click(lambda _: self.stop())
         return W.VBox([W.HBox([self.progress, self.status]), W.HBox([self.steps_seen, self.stop_button]),
-                       self.grad_norm.widget, self.memory.widget, self.comm_section])
+                       self.grad_norm.widget, self.ranks.widget, self.layers.widget, self.memory.widget, self.comm_section,
+                       self.log_section])
 
     def stop(self):
         "Ask every rank to stop at the next `should_stop()`"
         request_stop(); self.stop_button.disabled, self.stop_button.description = True, 'Stopping'
 
     def close(self):
-        "Stop redrawing and listening, the two views too"
-        for view in (self.grad_norm, self.memory): view.close()
+        "Stop redrawing and listening, the views too; runs launched later are no longer watched"
+        for view in self.views(): view.close()
+        if self._watching: monitor.release_watch(); self._watching = False
         LiveView.close(self)
+
+    def views(self)->list: return [self.grad_norm, self.ranks, self.layers, self.memory]   # drawn in this order
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c006
 @patch
@@ -79,10 +92,21 @@ def _comm_text(self:TrainingDashboard):
         self.comm.value = pd.DataFrame(comm['rows']).to_html(index=False, float_format='%.3g')
         self.comm_section.layout.display = ''
 
+LOG_LINES = 200   # progress lines the log area keeps
+
+@patch
+def _log_text(self:TrainingDashboard):
+    "The ranks' progress lines ('console' records), newest last, shown with their section once one arrived"
+    if self.records.counts['console'] == self._log_drawn: return
+    self._log_drawn = self.records.counts['console']
+    lines = self.records._frame('console')['text'].tail(LOG_LINES)
+    self.log.value = '<pre class="flexrt-log" style="max-height:200px;overflow:auto;font-size:11px">' + html.escape('\n'.join(lines)) + '</pre>'
+    self.log_section.layout.display = ''
+
 @patch
 def draw_text(self:TrainingDashboard):
     "Progress, counter, comm table, Stop button, then the two views' texts"
-    self._stop_state(); self._comm_text()
+    self._stop_state(); self._comm_text(); self._log_text()
     self.steps_seen.value = self.records.counts['step']
     steps = rank0_steps(self.records._frame('step'))
     if len(steps):
@@ -91,22 +115,42 @@ def draw_text(self:TrainingDashboard):
         per_step = (steps['time'].iloc[-1] - steps['time'].iloc[0]) / max(len(steps) - 1, 1)
         eta = max(self.progress.max - done, 0) * per_step
         self.status.value = f"step {done}/{self.progress.max} &middot; {last['samples_per_s']:.1f} samples/s &middot; ETA {eta:.0f} s"
-    self.grad_norm.draw_text(); self.memory.draw_text()
+    for view in self.views(): view.draw_text()
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c008
 @patch
-def plot_stale(self:TrainingDashboard)->bool: return self.grad_norm.plot_stale() or self.memory.plot_stale()
+def plot_stale(self:TrainingDashboard)->bool: return any(view.plot_stale() for view in self.views())
 @patch
 def first_drawn(self:TrainingDashboard)->bool: return self.grad_norm.first_drawn() and self.memory.first_drawn()
 @patch
 def prepare_plot(self:TrainingDashboard):
-    for view in (self.grad_norm, self.memory): view.prepare_plot()
+    for view in (self.grad_norm, self.memory): view.prepare_plot()   # the other views are hidden until their records come
 
 @patch
 def _plot_if_stale(self:TrainingDashboard)->bool:
     "Redraw the views whose records changed, the gradient norm first"
-    drew = [view._plot_if_stale() for view in (self.grad_norm, self.memory)]
+    drew = [view._plot_if_stale() for view in self.views()]
     return any(drew)
 
 @patch
-def plotted_views(self:TrainingDashboard)->list: return [self.grad_norm, self.memory]
+def plotted_views(self:TrainingDashboard)->list: return self.views()
+
+# %% ../../nbs/80_widgets_dashboard.ipynb #w2864a30
+def _run_config(records)->dict|None:
+    "The config of the engine's 'run' record (flattened by the store: its 'config.' keys), or None"
+    run = records.last('run')
+    if run is None: return None
+    return {k[len('config.'):]: v for k, v in run.items() if k.startswith('config.')} | {
+        k: run[k] for k in ('world_size', 'zero_stage', 'precision') if k in run}
+
+@patch
+def save_html(self:TrainingDashboard, path)->str: # the file written
+    "Write the dashboard (texts, tables, every plot with data, config, versions) as one self-contained HTML file"
+    with self._draw_lock: self.draw_text()
+    sections = [('Progress', self.status.value), ('Gradient norm', self.grad_norm.text.value),
+                ('Ranks', self.ranks.straggler.value + self.ranks.silent.value + self.ranks.table.value if self.ranks.widget.layout.display == '' else ''),
+                ('Gradient norm by layer', self.layers.text.value if self.layers.has_data() else ''),
+                ('Memory', self.memory.text.value)]
+    sections += [(f'Plot: {view.png_name[:-4]}', figure_png(view.figure())) for view in self.views() if view.has_data()]
+    sections += [('Communication', self.comm.value), ('Log', self.log.value)]
+    return save_html(path, 'flexrt training run', sections, _run_config(self.records))

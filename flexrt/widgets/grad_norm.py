@@ -4,6 +4,7 @@
 
 # %% ../../nbs/80_widgets_grad_norm.ipynb #c003
 from __future__ import annotations
+import html
 import pandas as pd
 import ipywidgets as W
 from fastcore.basics import patch
@@ -11,6 +12,7 @@ from .. import monitor
 from .records import RecordStore, rank0_steps
 from .plots import Plot, thin
 from .live import LiveView
+from ..engine.watch import nonfinite_message
 
 # %% auto #0
 __all__ = ['GradNormTrace']
@@ -20,7 +22,7 @@ def _first_lr(lr)->float: return float(lr[0] if isinstance(lr, (list, tuple)) el
 
 class GradNormTrace(LiveView):
     "Per-step gradient norm before/after clipping, clip threshold, loss, learning rate, loss scale; skipped steps marked"
-    kinds, png_name = ('step',), 'grad_norm.png'
+    kinds, png_name = ('step', 'nonfinite'), 'grad_norm.png'
     def __init__(self, clip:float|None=None, # the clip threshold to draw (the config's gradient_clipping)
                  **kwargs):
         self.clip = clip
@@ -30,7 +32,12 @@ class GradNormTrace(LiveView):
         self.text, self.plot = W.HTML('waiting for step records...'), W.HTML()
         return W.VBox([W.HTML('<b>Gradient norm</b>'), self.text, self.plot])
 
-    def new_plot(self, layout=None)->Plot:
+    def layout(self)->bool: # whether a loss scale is in use: its panel is drawn
+        steps = self.records._frame('step')
+        return 'loss_scale' in steps and bool((steps['loss_scale'].dropna() != 1.0).any())
+
+    def new_plot(self, scaled:bool|None=None)->Plot: # False: no loss-scale panel (fp32, bf16: it would say nothing)
+        if not scaled: return Plot([('gradient norm', 'step', ''), ('loss', 'step', ''), ('learning rate', 'step', '')], (1, 3), (9, 2.8))
         return Plot([('gradient norm', 'step', ''), ('loss', 'step', ''), ('learning rate', 'step', ''),
                      ('loss scale', 'step', '')], (2, 2), (8, 5))
 
@@ -44,6 +51,9 @@ def draw_text(self:GradNormTrace):
     self.text.value = (f"step {int(last['step'])}: grad norm {last['grad_norm']:.4g} &rarr; {last['grad_norm_post_clip']:.4g}"
                        f", loss {last['loss']:.4g}, lr {_first_lr(last['lr']):.3g}, loss scale {last['loss_scale']:g}"
                        f", skipped {int(steps['skipped'].astype(bool).sum())}")
+    found = self.records.last('nonfinite')
+    if found is not None:
+        self.text.value += f'<br><span class="flexrt-nonfinite" style="color:#b00020"><b>{html.escape(nonfinite_message(found))}</b></span>'
 
 @patch
 def fill(self:GradNormTrace, plot:Plot)->Plot:
@@ -55,6 +65,9 @@ def fill(self:GradNormTrace, plot:Plot)->Plot:
     if self.clip: plot.line(0, f'clip {self.clip:g}', [x.iloc[0], x.iloc[-1]], [self.clip] * 2, ':')
     skipped = steps[steps['skipped'].astype(bool)]
     if len(skipped): plot.line(0, 'skipped (overflow)', skipped['step'], skipped['grad_norm'].fillna(0), 'rx')
-    plot.line(1, '_loss', x, shown['loss']); plot.line(3, '_loss scale', x, shown['loss_scale'])
+    plot.line(1, '_loss', x, shown['loss'])
+    if len(plot.axes) > 3: plot.line(3, '_loss scale', x, shown['loss_scale'])
+    found = self.records.last('nonfinite')   # the steps before it stay drawn; the step itself marked
+    if found is not None: plot.line(0, f"non-finite (step {found['step']})", [found['step']] * 2, [0, shown['grad_norm'].replace([float('inf')], float('nan')).max()], 'r:')
     plot.line(2, '_lr', x, [_first_lr(v) for v in shown['lr']])
     return plot

@@ -94,6 +94,7 @@ class BucketReducer:
     grads_in_buckets = True   # the buckets keep their buffers and each p.grad lives in its slot (stage 2 copies at launch instead)
     def __init__(self, buckets:list): # from `plan_buckets`; every rank of a group must build the same list
         self.buckets, self._boundary = buckets, True
+        self.before_reduction = []   # callables given each bucket whose buffer holds this rank's own gradients, before its collective
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, bk, i))
                        for bk in buckets for i, p in enumerate(bk.params)]
         self._reset()
@@ -142,6 +143,7 @@ def _start(self:BucketReducer, bucket:Bucket):
         moved.append((p, view))
     if targets: torch._foreach_copy_(targets, sources)
     for p, view in moved: p.grad = view
+    for look in self.before_reduction: look(bucket)   # e.g. the engine's watch: this rank's gradients, before any other's
     bucket.work = self._launch(bucket)
     self._launched.append(bucket)
 

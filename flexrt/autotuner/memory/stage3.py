@@ -112,7 +112,7 @@ def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     step = Tally(sum(bd.values())).see(hold, pr.step_temporaries * St * 4)
     if W > 1: step.see(hold, whole + whole // W)   # the persistent parameters gathered again
     P = (sum(n) + pr.buffer_numel) * 4
-    init = Tally(0.).see(0., max(P * (2 if W > 1 else 1), P + St * 8 + (St * w if w != 4 else 0)))
+    init = Tally(0.).see(0., max(P, P + St * 8 + (St * w if w != 4 else 0)))
     return bd, dict(init=init, backward=t, step=step)
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c033

@@ -130,7 +130,7 @@ def stage0(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     step = Tally(static).add(bwd.extra + (Pt * 4 if s.masters else 0))
     stepped = sum(n[i] for i in T) if pr.optimizer in FOREACH_STEP or s.cuda else max((n[i] for i in T), default=0)
     step.see(hold, pr.step_temporaries * stepped * sd)
-    init = Tally(0.).see(0., max(P * 4 * (2 if s.world_size > 1 else 1), P * w + bd['fp32_masters'] + bd['gradients'],
+    init = Tally(0.).see(0., max(P * 4, P * w + bd['fp32_masters'] + bd['gradients'],
                                  P * 4 + bd['fp32_masters'] + max(n, default=0) * w if s.masters else 0))   # casting
     return bd, dict(init=init, backward=bwd, step=step)
 
@@ -145,11 +145,11 @@ def _launch(t:Tally, s:Setting, members:list, padded:int, received:int, n:list, 
     else: t.add(-received)   # waited at once: output and receives go
 
 def _step12(pr:ModelProfile, s:Setting, static:float, hold:float, shards:list, sd:int)->Tally:
-    "The optimizer steps each bucket's chunk; its updated copy is held for the all-gather until all finish"
+    "The optimizer steps each bucket's chunk; the backend's own all-gather holds a copy of it until all finish (direct messages send the chunk itself)"
     t = Tally(static).add(sum(shards) * 4 if s.masters else 0)
     for sh in shards:
         t.see(hold, pr.step_temporaries * sh * sd)
-        if s.world_size > 1: t.add(sh * s.itemsize)
+        if s.world_size > 1 and not s.p2p: t.add(sh * s.itemsize)   # `gather_bucket`: 'native' copies the master, 'p2p' sends the buffer's own chunk
     return t.see(hold)
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c024
@@ -158,7 +158,7 @@ def _init12(pr:ModelProfile, s:Setting, buckets:list, padded:list, shards:list)-
     n, w = pr.numels, s.itemsize
     model, built = (sum(n) + pr.buffer_numel) * w, 0
     values = sum(n[i] for b in buckets for i in b) * 4 if s.masters else 0
-    t = Tally(0.).see(0., (sum(n) + pr.buffer_numel) * 4 * (2 if s.world_size > 1 else 1))
+    t = Tally(0.).see(0., (sum(n) + pr.buffer_numel) * 4)   # the fp32 model (broadcast in place)
     for b, members in enumerate(buckets):
         flat = padded[b] * (4 if s.masters else w) + ((shards[b] * 4 + padded[b] * w) if s.masters else 0)
         t.see(0., model + values + sum(padded) * w + built + flat)

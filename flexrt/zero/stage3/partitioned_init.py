@@ -4,15 +4,17 @@
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c003
 from __future__ import annotations
-import contextlib, copy, functools, inspect, warnings
+import contextlib, copy, functools, inspect, json, os, warnings
+from collections.abc import Mapping
+from pathlib import Path
 import torch
 from ... import comm as dist
-from ...config import load_config
+from ...config.schema import coerce
 from .records import ParamRecord, gather_records, release_records, set_ds_attributes
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Init', 'module_classes', 'outside_init']
+__all__ = ['zero_wrapper_for_fp_tensor_constructor', 'Init', 'module_classes', 'outside_init']
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c006
 _NO_EFFECT = {   # DeepSpeed's Init argument: (its default, why it changes nothing here)
@@ -38,20 +40,54 @@ def _warn_no_effect(given:dict): # {argument name: the value passed}
         warnings.warn(f"zero.Init({name}={value!r}) has no effect in flexrt: {why}")
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c009
-def _check_config(config_dict_or_path, config):
-    "Refuse two configs, or a config whose `zero_optimization.stage` is not 3"
+def _given(block, key:str, default, tp, path:str):
+    "`block[key]` checked as `tp`; absent, null or Hugging Face's 'auto' (not filled in yet): `default`"
+    value = block.get(key) if isinstance(block, Mapping) else None
+    return default if value is None or value == 'auto' else coerce(value, tp, path)
+
+def _init_settings(config_dict_or_path, config)->tuple: # (ZeRO stage, dtype); (None, None) without a config
+    "What `zero.Init` reads from its config: the ZeRO stage and the training dtype, nothing else"
     if config_dict_or_path is not None and config is not None:
         raise ValueError("zero.Init got both config_dict_or_path and config (its older name): pass one")
     source = config if config_dict_or_path is None else config_dict_or_path
-    if source is None: return
-    stage = load_config(source).zero_optimization.stage
-    if stage != 3: raise ValueError(f"zero.Init builds the model partitioned for ZeRO stage 3, but the config has "
-                                    f"zero_optimization.stage={stage}: set it to 3, or build the model outside zero.Init (or enabled=False)")
+    if source is None: return None, None
+    if isinstance(source, (str, os.PathLike)):
+        if not Path(source).is_file(): raise FileNotFoundError(f"zero.Init: config file {source} not found")
+        source = json.loads(Path(source).read_text())
+    if not isinstance(source, Mapping): raise TypeError(f"zero.Init: config must be a dict or a JSON file path, got {type(source).__name__}")
+    stage = _given(source.get('zero_optimization'), 'stage', 0, int, 'zero_optimization.stage')
+    fp16 = _given(source.get('fp16'), 'enabled', False, bool, 'fp16.enabled')
+    bf16 = _given(source.get('bf16', source.get('bfloat16')), 'enabled', False, bool, 'bf16.enabled')
+    if fp16 and bf16: raise ValueError("zero.Init: fp16.enabled and bf16.enabled are both true; enable one of them")
+    return stage, torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+def _check_config(config_dict_or_path, config)->torch.dtype|None: # the config's dtype (None without a config)
+    "Refuse two configs, or a config whose `zero_optimization.stage` is not 3"
+    stage, dtype = _init_settings(config_dict_or_path, config)
+    if stage is not None and stage != 3:
+        raise ValueError(f"zero.Init builds the model partitioned for ZeRO stage 3, but the config has "
+                         f"zero_optimization.stage={stage}: set it to 3, or build the model outside zero.Init (or enabled=False)")
+    return dtype
 
 def _device()->torch.device:
     "This rank's device as the engine picks it: its GPU when CUDA is present, else the CPU"
     if not torch.cuda.is_available(): return torch.device('cpu')
     return torch.device('cuda', dist.get_local_rank() % torch.cuda.device_count())
+
+# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c010b
+_orig_torch_arange = torch.arange   # DeepSpeed's name for torch's own arange (Transformers compares against it)
+
+def zero_wrapper_for_fp_tensor_constructor(fn, # a tensor constructor: torch.empty, torch.zeros, torch.arange ...
+                                           target_fp_dtype:torch.dtype|None, # floating-point results in this dtype (None: as made)
+                                           target_device:torch.device|None=None, # the device when the call names none
+                                          ):
+    "`fn` making its tensors on `target_device` (unless the call names one), floating-point ones cast to `target_fp_dtype`"
+    def wrapped(*args, **kwargs):
+        if kwargs.get('device') is None and target_device is not None: kwargs['device'] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point(): tensor.data = tensor.data.to(target_fp_dtype)   # a leaf stays a leaf
+        return tensor
+    return wrapped
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c012
 _active = None   # the Init whose block is running (of nested blocks, the outermost does the work)
@@ -65,7 +101,7 @@ class Init:
                  config_dict_or_path=None, # a DeepSpeed/flexrt config (dict or JSON path); its ZeRO stage must be 3
                  config=None, # DeepSpeed's older name for `config_dict_or_path`
                  enabled:bool=True, # False: the block builds the model as usual
-                 dtype:torch.dtype|None=None, # floating-point shards in this dtype (None: the dtype they are built in)
+                 dtype:torch.dtype|None=None, # floating-point shards in this dtype (None: the config's; without one, as built)
                  mpu=None, # Megatron-style model-parallel unit: its data-parallel group is used
                  zero_param_parallel_group=None, zero_quantized_weights:bool=False, zero_quantized_nontrainable_weights:bool=False,
                  sequence_data_parallel_group=None, param_swapper=None, tensor_overrides=None): # DeepSpeed's; no effect here
@@ -73,8 +109,8 @@ class Init:
             zero_param_parallel_group=zero_param_parallel_group, zero_quantized_weights=zero_quantized_weights,
             zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights, param_swapper=param_swapper,
             sequence_data_parallel_group=sequence_data_parallel_group, tensor_overrides=tensor_overrides))
-        _check_config(config_dict_or_path, config)
-        self.enabled, self.dtype, self._nested, self._patched = bool(enabled), dtype, False, {}
+        config_dtype = _check_config(config_dict_or_path, config)
+        self.enabled, self.dtype, self._nested, self._patched = bool(enabled), dtype or config_dtype, False, {}
         self._depth, self._building, self._touched, self._tracked, self.comm_bytes = {}, [], {}, [], 0
         if not self.enabled: return
         if not dist.is_initialized(): dist.init_distributed()

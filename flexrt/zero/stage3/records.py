@@ -4,15 +4,20 @@
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c003
 from __future__ import annotations
-import itertools
+import enum, itertools
 import torch
 from ... import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records', 'GradientReduceScatter']
+__all__ = ['ZeroParamStatus', 'ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records',
+           'GradientReduceScatter']
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c006
+class ZeroParamStatus(enum.Enum):
+    "DeepSpeed's `ds_status` of a ZeRO-3 parameter: whole, partitioned (only the shard is here), or being gathered"
+    AVAILABLE, NOT_AVAILABLE, INFLIGHT = 1, 2, 3
+
 class ParamRecord:
     "One parameter under ZeRO-3: its full shape, this rank's shard of `ceil(numel / N)` elements, and whether it is gathered"
     def __init__(self, param:torch.nn.Parameter, # the model's parameter
@@ -26,6 +31,20 @@ class ParamRecord:
         self.shard, self.grad_shard = None, None   # flat tensors of shard_numel; the optimizer may give views of its buffers
         self.grad_stale = False   # grad_shard holds an old step's value: the next reduction overwrites it instead of adding
         self.full, self.pending, self.active = True, None, 0   # full data present; gather in flight; forwards using it
+
+    @property
+    def full(self)->bool: return self._full
+    @full.setter
+    def full(self, value:bool): self._full = value; self._show_status()
+    @property
+    def pending(self): return self._pending
+    @pending.setter
+    def pending(self, gather): self._pending = gather; self._show_status()
+    def _show_status(self):
+        "Keep DeepSpeed's `ds_status` on the parameter up to date while it carries DeepSpeed's attributes"
+        if 'ds_id' in self.param.__dict__:
+            pending, full = getattr(self, '_pending', None), getattr(self, '_full', True)
+            self.param.ds_status = ZeroParamStatus.INFLIGHT if pending is not None else ZeroParamStatus.AVAILABLE if full else ZeroParamStatus.NOT_AVAILABLE
 
     def __repr__(self): return f"ParamRecord({self.name}, {tuple(self.shape)}, shard={self.shard_numel}{', persistent' if self.persistent else ''})"
 
@@ -60,14 +79,15 @@ def write_back(self:ParamRecord, src:int): # the rank, in the record's group, wh
 _ds_ids = itertools.count()
 
 def set_ds_attributes(r:ParamRecord):
-    "Give the record's parameter DeepSpeed's `ds_id` (kept if it has one), `ds_shape` and `ds_numel`"
+    "Give the record's parameter DeepSpeed's `ds_id` (kept if it has one), `ds_shape`, `ds_numel` and `ds_status`"
     p = r.param
     if not hasattr(p, 'ds_id'): p.ds_id = next(_ds_ids)
     p.ds_shape, p.ds_numel = r.shape, r.numel
+    r._show_status()
 
 def drop_ds_attributes(p:torch.nn.Parameter):
-    "The parameter is whole again: remove `ds_id`, `ds_shape` and `ds_numel`"
-    for name in ('ds_id', 'ds_shape', 'ds_numel'): p.__dict__.pop(name, None)
+    "The parameter is whole again: remove `ds_id`, `ds_shape`, `ds_numel` and `ds_status`"
+    for name in ('ds_id', 'ds_shape', 'ds_numel', 'ds_status'): p.__dict__.pop(name, None)
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c011
 def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
