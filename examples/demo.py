@@ -42,7 +42,7 @@ def train(steps: int, out_dir: str):
     tracker = TensorMemoryTracker().enable()               # exact bytes of live CPU tensors on this rank
     sampler = MemorySampler(interval_ms=20, device='cpu').start()
     events = []
-    monitor.add_listener(events.append)                    # the engine emits one 'step' record per optimizer step
+    monitor.add_listener(events.append)                    # one 'step' record per optimizer step (rank 0 also emits a 'run' record first)
     torch.manual_seed(1234)                                # the engine also broadcasts rank 0's weights
     model = tiny_transformer()
     engine, _, _, _ = flexrt.initialize(model=model, model_parameters=model.parameters(), config=CONFIG)
@@ -58,7 +58,7 @@ def train(steps: int, out_dir: str):
     comm = dist.log_summary()                              # collective: every rank calls it, rank 0 prints
     gathered = [None] * env.world_size
     steps_frame = [{k: v for k, v in e.items() if k != 'memory'} | {'tensor_bytes': e['memory']['allocated_bytes']}
-                   for e in events]
+                   for e in events if e['kind'] == 'step']
     dist.all_gather_object(gathered, (steps_frame, sampler.to_dataframe().assign(rank=env.rank)))
     monitor.remove_listener(events.append)
     engine.close(); tracker.disable()
