@@ -88,7 +88,8 @@ def close(self:Hub):
     if self.closed: return
     self.closed = True
     if self._thread is None: return self._shutdown()           # never served from a thread
-    self._wake_w.send(b'x')
+    with self._lock:                                            # the loop may have seen `closed` and shut down already
+        if self._wake_w.fileno() >= 0: self._wake_w.send(b'x')
     if threading.current_thread() is not self._thread: self._thread.join(10)
 
 @patch
@@ -96,7 +97,8 @@ def _shutdown(self:Hub):
     "The loop's last act: close everything it owns"
     for key in list(self._selector.get_map().values()):
         if isinstance(key.data, _Peer): self._close_peer(key.data)
-    self._selector.close(); self._server.close(); self._wake_r.close(); self._wake_w.close()
+    self._selector.close(); self._server.close()
+    with self._lock: self._wake_r.close(); self._wake_w.close()   # never while `close` writes to it
 
 # %% ../../nbs/30_monitor_channel.ipynb #c016
 @patch
