@@ -146,7 +146,7 @@ _extend_tree({   # the paths DeepSpeed's unit tests (tools/ds_tests.py) import, 
     **{p: ((), {'ZeroParamStatus': _Lazy('flexrt.zero.stage3.records:ZeroParamStatus')}, {}) for p in
        ('deepspeed.runtime.zero', 'deepspeed.runtime.zero.partition_parameters', 'deepspeed.zero')},
     'deepspeed.runtime.zero.utils': ((_S,), {}, {}),
-    'deepspeed.utils.comms_logging': ((_S,), {}, {}),
+    'deepspeed.utils.comms_logging': ((_S,), {'CommsLogger': _Lazy(f'{_S}:DeepSpeedCommsLogger')}, {}),   # DeepSpeed's record book (flexrt.comm has its own CommsLogger)
     'deepspeed.utils.timer': ((_S,), {}, {'SynchronizedWallClockTimer': "flexrt's engine keeps its own timers (wall_clock_breakdown)",
                                           'ThroughputTimer': "flexrt's engine reports samples/s in its step events"}),
     'deepspeed.utils.torch': ((_S,), {}, {}),

@@ -20,7 +20,7 @@ __all__ = ['TRAIN_BATCH_SIZE', 'TRAIN_MICRO_BATCH_SIZE_PER_GPU', 'GRADIENT_ACCUM
            'MUADAM_OPTIMIZER', 'MUADAMW_OPTIMIZER', 'MUSGD_OPTIMIZER', 'LION_OPTIMIZER', 'MUON_OPTIMIZER',
            'DEEPSPEED_OPTIMIZERS', 'TORCH_ADAM_PARAM', 'ADAM_W_MODE', 'ADAM_W_MODE_DEFAULT', 'DeepSpeedConfigError',
            'get_gradient_clipping', 'get_bfloat16_config', 'get_float16_config', 'required_torch_version',
-           'convert_size', 'CommsLogger', 'get_model_ckpt_name_for_rank', 'ZeRORuntimeException']
+           'convert_size', 'DeepSpeedCommsLogger', 'get_model_ckpt_name_for_rank', 'ZeRORuntimeException']
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c006
 def _only(param_dict:dict, *keys)->FlexConfig:
@@ -73,7 +73,7 @@ def _world_size()->int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c017
-class CommsLogger:
+class DeepSpeedCommsLogger:
     "DeepSpeed's comms logger: per op name and message size, the count and every latency (ms) and bandwidth (Gbps)"
     def __init__(self):
         self.comms_dict, self.verbose, self.debug, self.prof_ops, self.prof_all, self.enabled = {}, False, False, [], True, False
@@ -89,7 +89,7 @@ class CommsLogger:
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c018
 @patch
-def append(self:CommsLogger, raw_name:str, # the collective (`all_reduce`, ...): decides the bus factor
+def append(self:DeepSpeedCommsLogger, raw_name:str, # the collective (`all_reduce`, ...): decides the bus factor
             record_name:str, # what the record is filed under (the op, or the caller's log name)
             latency:float, # milliseconds
             msg_size:int): # bytes
@@ -103,19 +103,19 @@ def append(self:CommsLogger, raw_name:str, # the collective (`all_reduce`, ...):
         log_dist(f"comm op: {record_name} | time (ms): {latency:.2f} | msg size: {convert_size(msg_size)} | algbw (Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}", [0])
 
 @patch
-def get_raw_data(self:CommsLogger)->dict: return dict(self.comms_dict)
+def get_raw_data(self:DeepSpeedCommsLogger)->dict: return dict(self.comms_dict)
 @patch
-def has_data(self:CommsLogger)->bool: return len(self.comms_dict) > 0
+def has_data(self:DeepSpeedCommsLogger)->bool: return len(self.comms_dict) > 0
 @patch
-def reset_data(self:CommsLogger): self.comms_dict.clear()
+def reset_data(self:DeepSpeedCommsLogger): self.comms_dict.clear()
 @patch
-def get_operation_names(self:CommsLogger)->list: return list(self.comms_dict)
+def get_operation_names(self:DeepSpeedCommsLogger)->list: return list(self.comms_dict)
 @patch
-def get_total_operations(self:CommsLogger)->int: return sum(v[0] for sizes in self.comms_dict.values() for v in sizes.values())
+def get_total_operations(self:DeepSpeedCommsLogger)->int: return sum(v[0] for sizes in self.comms_dict.values() for v in sizes.values())
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c020
 @patch
-def get_operation_summary(self:CommsLogger, operation_name:str)->dict|None:
+def get_operation_summary(self:DeepSpeedCommsLogger, operation_name:str)->dict|None:
     "Per message size of `operation_name`: count, total and trimmed-mean latency (ms), trimmed-mean bandwidths; None if never logged"
     if operation_name not in self.comms_dict: return None
     return {size: {'count': count, 'total_latency_ms': sum(lats), 'avg_latency_ms': trim_mean(lats, 0.1),
@@ -124,7 +124,7 @@ def get_operation_summary(self:CommsLogger, operation_name:str)->dict|None:
             for size, (count, lats, algbws, busbws) in self.comms_dict[operation_name].items()}
 
 @patch
-def log_all(self:CommsLogger, print_log:bool=True, show_straggler:bool=False, return_dict:bool=False)->dict|None:
+def log_all(self:DeepSpeedCommsLogger, print_log:bool=True, show_straggler:bool=False, return_dict:bool=False)->dict|None:
     "Print (on rank 0) and/or return every operation's summary; `show_straggler` is not measured here (None)"
     summary = {op: self.get_operation_summary(op) for op in self.comms_dict}
     from flexrt import comm as dist
