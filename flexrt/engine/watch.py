@@ -10,6 +10,7 @@ from fastcore.basics import patch
 from .. import comm as dist
 from .. import monitor
 from ..config.services import DiagnosticsConfig
+from ..zero.base import gradient_pieces
 
 # %% auto #0
 __all__ = ['WATCHED_LAYER_NORMS_EVERY', 'layer_of', 'LayerNorms', 'top_layers', 'nonfinite_record', 'nonfinite_message',
@@ -42,15 +43,10 @@ class LayerNorms:
 def measure(self:LayerNorms, fragments:list)->dict: # {layer: gradient norm}, every layer of the model
     "The norm of each layer's gradient over every rank, from this rank's `fragments` (collective when one is sharded)"
     views, rows = [], []
-    for fragment in fragments:
-        grad = fragment.master.grad
-        if grad is None: continue
-        flat = grad.reshape(-1)
-        for piece in fragment.pieces:
-            layer = self._layer.get(id(piece.param))
-            if layer is not None:
-                views.append(flat[piece.offset:piece.offset + piece.numel])
-                rows.append(layer + (0 if fragment.replicated else len(self.layers)))
+    for fragment, piece, view in gradient_pieces(fragments):
+        layer = self._layer.get(id(piece.param))
+        if layer is not None:
+            views.append(view); rows.append(layer + (0 if fragment.replicated else len(self.layers)))
     squares = torch.zeros(2 * len(self.layers), dtype=torch.float32, device=self.device)
     if views:
         norms = torch.stack([n.to(self.device, torch.float32) for n in torch._foreach_norm(views)])
@@ -120,15 +116,10 @@ class NonFiniteWatch:
 def _first_nonfinite(self:NonFiniteWatch)->tuple|None: # (index in model order, name, 'nan' or 'inf')
     "The first parameter, in model order, whose gradient on this rank holds a non-finite value"
     first = None
-    for fragment in self.slot.fragments():
-        grad = fragment.master.grad
-        if grad is None: continue
-        flat = grad.reshape(-1)
-        for piece in fragment.pieces:
-            index, name = self._index.get(id(piece.param), (None, None))
-            if index is None or (first is not None and index >= first[0]): continue
-            view = flat[piece.offset:piece.offset + piece.numel]
-            if not bool(torch.isfinite(view).all()): first = (index, name, 'nan' if bool(view.isnan().any()) else 'inf')
+    for _, piece, view in gradient_pieces(self.slot.fragments()):
+        index, name = self._index.get(id(piece.param), (None, None))
+        if index is None or (first is not None and index >= first[0]): continue
+        if not bool(torch.isfinite(view).all()): first = (index, name, 'nan' if bool(view.isnan().any()) else 'inf')
     return first
 
 @patch

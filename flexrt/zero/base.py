@@ -10,7 +10,7 @@ import torch
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['REQUIRED', 'Piece', 'Fragment', 'consecutive', 'zero_stale', 'OptimizerSlot', 'check_slot']
+__all__ = ['REQUIRED', 'Piece', 'Fragment', 'consecutive', 'gradient_pieces', 'zero_stale', 'OptimizerSlot', 'check_slot']
 
 # %% ../../nbs/50_zero_base.ipynb #c006
 class Piece(NamedTuple):
@@ -33,6 +33,13 @@ def consecutive(master:torch.Tensor, # a master holding `params` whole, end to e
     pieces, offset = [], 0
     for p in params: pieces.append(Piece(p, 0, p.numel(), offset)); offset += p.numel()
     return Fragment(master, pieces, replicated)
+
+def gradient_pieces(fragments:list): # `Fragment`s (an optimizer slot's `fragments()`)
+    "(fragment, piece, the piece's elements of the master's gradient) for every piece whose master has a gradient"
+    for fragment in fragments:
+        if fragment.master.grad is None: continue
+        flat = fragment.master.grad.reshape(-1)
+        for piece in fragment.pieces: yield fragment, piece, flat[piece.offset:piece.offset + piece.numel]
 
 # %% ../../nbs/50_zero_base.ipynb #3ed9fe1e
 def zero_stale(holders):
