@@ -45,11 +45,12 @@ sync-check: install
 nbtest: install
 	$(BIN)/nbdev_test --flags multiproc --n_workers 2 --timing
 
-# pytest exits 5 when it collects nothing; make treats that as a failure, as it should.
+# pytest exits 5 when it collects nothing; make treats that as a failure, as it should. The 20 slowest tests are listed
+# (the suite must stay under 15 minutes on a quiet 2-core machine).
 # tests/test_browser.py installs Debian's Chromium with apt-get on first use (root), or skips saying why it cannot.
 # tests/test_deepspeed_parity.py runs the pinned DeepSpeed (dev extra) on CPU next to flexrt.
 pytest: install
-	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rsx -p no:cacheprovider | tee $(PYTEST_LOG)
+	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rsx -p no:cacheprovider --durations=20 | tee $(PYTEST_LOG)
 
 # The README's pictures are the browser tests' screenshots of real pages (JupyterLab and Voila in Chromium), taken
 # while two ranks train (`*_live.png`), after Stop (`*_dashboard.png`) and after an autotune search (`*_autotune.png`);

@@ -24,7 +24,8 @@ computes, plus a sum per gradient bucket so the rank can be named), and per-laye
 Each watched launch also times the first look: from the first step record reaching the kernel to the gradient-norm
 plot's first drawing (the goal: under 1 s; the browser test only checks that the plot comes).
 
-`--threads` sets torch's threads per rank; the default, cores // ranks, is what torchrun and `accelerate launch`
+`--interval` and `--cpu-share` set the dashboard's text interval and its plots' CPU budget (an ablation: what the
+kernel's drawing costs the ranks). `--threads` sets torch's threads per rank; the default, cores // ranks, is what torchrun and `accelerate launch`
 give CPU ranks. Forked `notebook_launcher` ranks inherit the kernel's thread count instead (every core each), which
 oversubscribes the cores: `--threads 0` keeps that, and then step times swing by tens of percent on their own.
 """
@@ -81,7 +82,8 @@ def launch_once(a, watched: bool, times_file: Path):
     from flexrt.launch import free_port
     from flexrt import monitor
     monitor.stop_serving()                                     # no hub: the ranks forward nothing
-    dash = (TrainingDashboard() if a.interval is None else TrainingDashboard(interval=a.interval)) if watched else None
+    options = {k: v for k, v in (('interval', a.interval), ('cpu_share', a.cpu_share)) if v is not None}
+    dash = TrainingDashboard(**options) if watched else None
     seen = first_look(dash) if dash is not None else None
     times_file.write_text('')
     notebook_launcher(rank_main, (a.blocks, a.steps, a.threads, a.toggle, a.layer_norms_every), num_processes=2, use_port=str(free_port()))
@@ -114,6 +116,7 @@ if __name__ == '__main__':
     parser.add_argument('--threads', type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="torch threads per rank; 0: inherit the kernel's (oversubscribed)")
     parser.add_argument('--interval', type=float, default=None, help="the dashboard's interval (default: its own)")
+    parser.add_argument('--cpu-share', type=float, default=None, help="the share of a core the dashboard's plots may use (default: its own, 0.05)")
     parser.add_argument('--layer-norms-every', type=int, default=None, help="per-layer norms every N steps (default: the dashboard's, 10)")
     parser.add_argument('--toggle', action='store_true',
                         help="one watched launch per round whose blocks alternate forwarding on and off (pairs within a launch)")

@@ -2,7 +2,7 @@
 
 Memory per rank follows the ZeRO formulas for fp32 Adam on 2 ranks (16P, 12P, 10P, 8P bytes of model states for
 stages 0-3) plus activations per sample and the bucket buffers; throughput falls with the communication the stage and
-knobs imply. `measure` answers like `flexrt.autotuner.measure.run_trial` (same keyword arguments); `grid` lists the
+knobs imply (not `allgather_bucket_size`, which flexrt's stages 1-2 do not read). `measure` answers like `flexrt.autotuner.measure.run_trial` (same keyword arguments); `grid` lists the
 surface's points as a table (the "recorded" surface the search is replayed against); `faulty` makes a share of
 trials fail in the four ways a real trial fails; `noisy` reads each run with seeded noise, as a busy machine does.
 """
@@ -19,7 +19,6 @@ def peak(stage, mb, reduce_bucket_size, allgather_bucket_size, prefetch, overlap
 def throughput(stage, mb, reduce_bucket_size, allgather_bucket_size, prefetch, overlap):
     comm = {0: 0.010, 1: 0.008, 2: 0.009, 3: 0.016}[stage]
     buckets = 0 if stage == 0 else 0.002 * abs(reduce_bucket_size / P - 0.25)
-    if stage in (1, 2): buckets += 0.001 * abs(allgather_bucket_size / P - 0.25)
     if stage == 3: buckets += 0.002 * abs(prefetch / P - 0.0625)
     step = 0.004 + 0.0021 * mb + (comm + buckets) * (0.7 if overlap and stage else 1)
     return WORLD * mb / step

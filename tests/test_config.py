@@ -164,8 +164,6 @@ BAD = [
      "zero_optimization.offload_optimizer.device is 'nvme' but zero_optimization.offload_optimizer.nvme_path is not set"),
     ({'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu', 'pin_memroy': True}}}, ValueError,
      "unknown key 'pin_memroy' in zero_optimization.offload_optimizer (did you mean 'pin_memory'?)"),
-    ({'zero_optimization': {'stage': 1, 'offload_param': {'device': 'cpu'}}}, ValueError, "zero_optimization.offload_param needs stage 3, got stage 1"),
-    ({'zero_optimization': {'offload_optimizer': {'device': 'cpu'}}}, ValueError, "zero_optimization.offload_optimizer needs stage 1, 2 or 3, got stage 0"),
     ({'zero_optimization': {'stage': 3, 'offload_optimizer': {'device': 'cpu', 'ratio': 1.5}}}, ValueError,
      "zero_optimization.offload_optimizer.ratio must be a number from 0 to 1, got 1.5"),
     ({'comms_logger': {'enable': True}}, ValueError, "unknown key 'enable' in comms_logger (did you mean 'enabled'?)"),
@@ -190,6 +188,13 @@ BAD = [
 def test_bad_config_names_the_key(config, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
         load_config(config)
+
+@pytest.mark.parametrize('zero', [{'stage': 1, 'offload_param': {'device': 'cpu'}}, {'offload_optimizer': {'device': 'cpu'}}])
+def test_offload_below_its_stage_has_no_effect(zero):
+    "As in DeepSpeed, which ignores them there: parameter offload below stage 3, optimizer offload at stage 0 (warned, kept)"
+    from flexrt.config import NoEffectWarning
+    with pytest.warns(NoEffectWarning, match='has no effect at stage'): c = load_config({'zero_optimization': zero})
+    assert c.zero_optimization.stage == zero.get('stage', 0)
 
 # Batch triangle: (dp world size, given keys, expected (train, micro, accumulation)).
 TRIANGLE = [

@@ -33,10 +33,7 @@ BAD = [  # (id, keyword arguments of initialize, exception, message fragment)
     ('inconsistent batch', dict(model=model(), config={'train_batch_size': 7, 'train_micro_batch_size_per_gpu': 2,
                                 'gradient_accumulation_steps': 2}), ValueError, 'train_batch_size=7 is not micro (2) x accumulation (2) x world (1) = 4'),
     ('no batch size', dict(model=model(), config={'gradient_accumulation_steps': 2}), ValueError, 'give train_batch_size or train_micro_batch_size_per_gpu'),
-    ('two optimizers', dict(model=model(), optimizer=torch.optim.SGD(model().parameters(), lr=0.1), config=OK), ValueError, 'remove one of them'),
     ('optimizer a string', dict(model=model(), optimizer='adam', config={'train_batch_size': 4}), TypeError, 'must be a torch.optim.Optimizer or a callable'),
-    ('two schedules', dict(model=model(), lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1),
-                           config={**OK, 'scheduler': {'type': 'StepLR', 'params': {'step_size': 1}}}), ValueError, 'remove one of them'),
     ('schedule without optimizer', dict(model=model(), config={'train_batch_size': 4, 'scheduler': {'type': 'WarmupLR'}}), ValueError, 'needs an optimizer'),
     ('schedule without step', dict(model=model(), lr_scheduler=3, config=OK), TypeError, 'must have a step() method'),
     ('data not a dataset', dict(model=model(), training_data=[1, 2, 3], config=OK), TypeError, 'must be a torch.utils.data.Dataset'),
@@ -52,6 +49,20 @@ BAD = [  # (id, keyword arguments of initialize, exception, message fragment)
 @pytest.mark.parametrize('name,kwargs,error,message', BAD, ids=[b[0] for b in BAD])
 def test_bad_arguments_raise_clear_errors(name, kwargs, error, message):
     with pytest.raises(error, match=re.escape(message)): flexrt.initialize(**kwargs)
+
+def test_a_passed_optimizer_and_schedule_win_over_the_config_blocks():
+    "As in DeepSpeed: the script's optimizer and schedule train, the config's blocks are ignored, and a warning says so"
+    m = model(); adam = torch.optim.Adam(m.parameters(), lr=0.5)
+    step_lr = torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)
+    config = {**OK, 'scheduler': {'type': 'WarmupLR', 'params': {'warmup_num_steps': 10}}}
+    with pytest.warns(UserWarning) as caught:
+        engine, optimizer, _, scheduler = flexrt.initialize(model=m, optimizer=adam, lr_scheduler=step_lr, config=config)
+    said = ' '.join(str(w.message) for w in caught)
+    assert "'optimizer' block (SGD): the passed one trains" in said and "'scheduler' block (WarmupLR): the passed one is used" in said
+    assert isinstance(engine.basic_optimizer, torch.optim.Adam) and scheduler is step_lr
+    engine.backward(engine(torch.randn(4, 3)).sum()); engine.step()
+    assert engine.get_lr() == [0.25]   # the passed StepLR halved Adam's 0.5 (the config's SGD would say 0.1)
+    engine.close()
 
 def test_bad_calls_on_the_engine():
     engine, optimizer, loader, scheduler = flexrt.initialize(model=model(), config={'train_batch_size': 4})

@@ -220,8 +220,10 @@ def test_torch_layers_that_copy_and_reset():
         assert len(list(built.parameters())) == len(list(plain.parameters()))
 
 def test_arguments():
-    with pytest.raises(ValueError, match='zero_optimization.stage=1: set it to 3'):
-        zero.Init(config_dict_or_path={'zero_optimization': {'stage': 1}})
+    zero.stage3.partitioned_init._warned.discard('stage')
+    with pytest.warns(UserWarning, match='no effect with zero_optimization.stage=1'):
+        off = zero.Init(config_dict_or_path={'zero_optimization': {'stage': 1}})   # stages 0-2 train whole parameters
+    assert not off.enabled
     with pytest.raises(ValueError, match='pass one'): zero.Init(config_dict_or_path={}, config={})
     zero.stage3.partitioned_init._warned.discard('remote_device')
     with warnings.catch_warnings(record=True) as w:

@@ -42,7 +42,8 @@ def counts(results:dict)->dict:
 def run_file(ds:Path, test:str, timeout:int, ranks:int=4, real:bool=False, test_timeout:int=300)->dict:
     "Run one DeepSpeed test file under pytest, with flexrt as deepspeed (or the installed DeepSpeed if `real`): {'tests': {id: outcome}, 'log', 'error'}"
     shim = [] if real else [str(ROOT / 'tools' / 'ds_shim'), str(ROOT), str(ROOT / 'tools')]
-    env = {**os.environ, 'DS_ACCELERATOR': 'cpu', 'PYTHONPATH': os.pathsep.join(shim + [os.environ.get('PYTHONPATH', '')]),
+    harness = [str(ROOT / 'tools' / 'ds_harness')]   # a rank failing through pytest is reported, not a hung pool (both ways)
+    env = {**os.environ, 'DS_ACCELERATOR': 'cpu', 'PYTHONPATH': os.pathsep.join(harness + shim + [os.environ.get('PYTHONPATH', '')]),
            'DS_UNITTEST_TIMEOUT': str(test_timeout), 'CUDA_VISIBLE_DEVICES': '',   # a distributed test whose ranks die or hang fails after this
            'LOCAL_SIZE': str(ranks)}   # DeepSpeed's CPU accelerator counts LOCAL_SIZE devices: tests for up to `ranks` ranks run
     with tempfile.TemporaryDirectory() as tmp:

@@ -171,8 +171,7 @@ def knob_choices(num_params:int, # parameters in the model
     "The ZeRO knobs' candidate values for `stage`, scaled to the model's size (or the bucket sizes you choose)"
     P = max(int(num_params), 16)
     buckets = check_bucket_sizes(bucket_sizes) if bucket_sizes else sorted({max(P // 16, 1024), max(P // 4, 1024), max(P, 1024)})
-    choices = {'reduce_bucket_size': buckets, 'overlap_comm': [False, True]}
-    if stage in (1, 2): choices['allgather_bucket_size'] = buckets
+    choices = {'reduce_bucket_size': buckets, 'overlap_comm': [False, True]}   # no allgather_bucket_size: flexrt's stages 1-2 gather each bucket whole
     if stage == 3:
         sizes = sorted(tensor_sizes or [P])
         choices['stage3_prefetch_bucket_size'] = buckets

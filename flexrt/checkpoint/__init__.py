@@ -11,9 +11,11 @@ __all__ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MA
            'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex', 'check_records', 'CheckpointEngine',
            'REQUIRED', 'check_engine', 'engine_entries', 'rank_writes', 'LoadPlan', 'DEEPSPEED_GLOBALS',
            'DeepSpeedData', 'ZeroStage', 'load_deepspeed_file', 'deepspeed_files', 'find_deepspeed_checkpoint',
-           'stage0_records', 'zero12_records', 'zero3_records', 'read_deepspeed', 'agree', 'agree_on_tag',
-           'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'load_checkpoint',
-           'save_16bit_model', 'consolidate']
+           'stage0_records', 'zero12_records', 'zero3_records', 'read_deepspeed', 'deepspeed_model_file',
+           'holds_whole_module', 'writes_deepspeed_model', 'deepspeed_model_states', 'write_deepspeed_model',
+           'RECOVERY_SCRIPT', 'RECOVERY_TEXT', 'make_executable', 'write_recovery_script', 'optimizer_state_file',
+           'agree', 'TagMismatchError', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve',
+           'verify', 'load_checkpoint', 'save_16bit_model', 'consolidate']
 
 # %% ../../nbs/60_checkpoint.ipynb #c003
 from .storage import (FORMAT, FORMAT_VERSION, MANIFEST, LATEST, MODEL_STATES, MAX_MANIFEST_BYTES,
@@ -30,6 +32,9 @@ from .plan import engine_entries, rank_writes, LoadPlan
 from .deepspeed_format import (DEEPSPEED_GLOBALS, DeepSpeedData, ZeroStage, load_deepspeed_file,
                                                 deepspeed_files, find_deepspeed_checkpoint, stage0_records,
                                                 zero12_records, zero3_records, read_deepspeed)
-from .save_load import (agree, agree_on_tag, rank_payload, model_states, save_checkpoint, resolve,
+from .deepspeed_view import (deepspeed_model_file, holds_whole_module, writes_deepspeed_model,
+                                              deepspeed_model_states, write_deepspeed_model, RECOVERY_SCRIPT,
+                                              RECOVERY_TEXT, make_executable, write_recovery_script, optimizer_state_file)
+from .save_load import (agree, TagMismatchError, agree_on_tag, rank_payload, model_states, save_checkpoint, resolve,
                                          verify, load_checkpoint, save_16bit_model, consolidate)
-_all_ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MAX_MANIFEST_BYTES', 'MAX_TAG_BYTES', 'CheckpointError', 'rank_file', 'loaded_files', 'check_safe', 'checksum_file', 'fsync', 'no_space_error', 'atomic_write', 'serialized_size', 'save_torch', 'save_text', 'safe_load', 'write_manifest', 'contained', 'check_manifest', 'read_manifest', 'verify_file', 'tag_problem', 'check_tag', 'staging_dir', 'discard_staging', 'publish', 'available_tags', 'read_latest', 'tag_dir', 'tensor_entries', 'master_records', 'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex', 'check_records', 'CheckpointEngine', 'REQUIRED', 'check_engine', 'engine_entries', 'rank_writes', 'LoadPlan', 'DEEPSPEED_GLOBALS', 'DeepSpeedData', 'ZeroStage', 'load_deepspeed_file', 'deepspeed_files', 'find_deepspeed_checkpoint', 'stage0_records', 'zero12_records', 'zero3_records', 'read_deepspeed', 'agree', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'load_checkpoint', 'save_16bit_model', 'consolidate']
+_all_ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MAX_MANIFEST_BYTES', 'MAX_TAG_BYTES', 'CheckpointError', 'rank_file', 'loaded_files', 'check_safe', 'checksum_file', 'fsync', 'no_space_error', 'atomic_write', 'serialized_size', 'save_torch', 'save_text', 'safe_load', 'write_manifest', 'contained', 'check_manifest', 'read_manifest', 'verify_file', 'tag_problem', 'check_tag', 'staging_dir', 'discard_staging', 'publish', 'available_tags', 'read_latest', 'tag_dir', 'tensor_entries', 'master_records', 'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex', 'check_records', 'CheckpointEngine', 'REQUIRED', 'check_engine', 'engine_entries', 'rank_writes', 'LoadPlan', 'DEEPSPEED_GLOBALS', 'DeepSpeedData', 'ZeroStage', 'load_deepspeed_file', 'deepspeed_files', 'find_deepspeed_checkpoint', 'stage0_records', 'zero12_records', 'zero3_records', 'read_deepspeed', 'deepspeed_model_file', 'holds_whole_module', 'writes_deepspeed_model', 'deepspeed_model_states', 'write_deepspeed_model', 'RECOVERY_SCRIPT', 'RECOVERY_TEXT', 'make_executable', 'write_recovery_script', 'optimizer_state_file', 'agree', 'TagMismatchError', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'load_checkpoint', 'save_16bit_model', 'consolidate']

@@ -4,14 +4,14 @@
 
 # %% ../../nbs/60_checkpoint_consolidate.ipynb #c003
 from __future__ import annotations
-import argparse, sys, types
+import argparse, os, sys, types
 from pathlib import Path
 import torch
 from .save_load import consolidate as consolidate_checkpoint
 from .storage import CheckpointError, atomic_write
 
 # %% auto #0
-__all__ = ['output_format', 'save_state_dict', 'main']
+__all__ = ['output_path', 'output_format', 'save_state_dict', 'main']
 
 # %% ../../nbs/60_checkpoint_consolidate.ipynb #c005
 def _distinct(state_dict:dict)->dict:
@@ -22,6 +22,11 @@ def _distinct(state_dict:dict)->dict:
         out[name] = t.clone().contiguous() if ptr in seen or not t.is_contiguous() else t
         seen.add(ptr)
     return out
+
+def output_path(out, safe_serialization:bool=False)->Path:
+    "The file to write: `out`, or in an output directory (existing, or `out` ending in '/') DeepSpeed's `model.safetensors` / `pytorch_model.bin`"
+    if not (str(out).endswith(('/', os.sep)) or Path(out).is_dir()): return Path(out)
+    return Path(out, 'model.safetensors' if safe_serialization else 'pytorch_model.bin')
 
 def output_format(path, format:str|None=None)->str: # 'safetensors' or 'torch'
     "The format to write `path` in: `format` if given, else by the file's extension (safetensors unless .pt/.pth/.bin)"
@@ -43,23 +48,26 @@ def save_state_dict(state_dict:dict, # name -> tensor
     return atomic_write(path, lambda tmp: save_file(_distinct(tensors), str(tmp), metadata={'format': 'pt'}))
 
 # %% ../../nbs/60_checkpoint_consolidate.ipynb #c009
-def main(argv:list|None=None)->int: # the exit status
+def main(argv:list|None=None, # the arguments (default: the command line's)
+         prog:str='python -m flexrt.checkpoint.consolidate')->int: # the exit status
     "The command line: consolidate checkpoint DIR into OUT"
-    p = argparse.ArgumentParser(prog='python -m flexrt.checkpoint.consolidate',
-                                description='Write the full fp32 weights of a flexrt or DeepSpeed checkpoint to one file (zero_to_fp32).')
+    p = argparse.ArgumentParser(prog=prog, description='Write the full fp32 weights of a flexrt or DeepSpeed checkpoint to one file (zero_to_fp32).')
     p.add_argument('checkpoint_dir', help='a save directory (with `latest`) or one checkpoint directory')
-    p.add_argument('output_file', help='the file to write (.safetensors, or .pt/.pth/.bin for torch)')
+    p.add_argument('output_file', help="the file to write (.safetensors, or .pt/.pth/.bin for torch), or a directory (ending in '/' or existing)")
     p.add_argument('--format', choices=['safetensors', 'torch'], default=None, help="default: from OUT's extension")
-    p.add_argument('--tag', default=None, help="which checkpoint of a save directory (default: the one `latest` names)")
+    p.add_argument('--safe_serialization', action='store_true', help="write safetensors (into a directory: model.safetensors)")
+    p.add_argument('-t', '--tag', default=None, help="which checkpoint of a save directory (default: the one `latest` names)")
     args = p.parse_args(argv)
     try: state_dict = consolidate_checkpoint(args.checkpoint_dir, tag=args.tag)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    fmt = output_format(args.output_file, args.format)
-    info = save_state_dict(state_dict, args.output_file, fmt)
+    out = output_path(args.output_file, args.safe_serialization)
+    fmt = output_format(out, args.format or ('safetensors' if args.safe_serialization else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = save_state_dict(state_dict, out, fmt)
     print(f"wrote {len(state_dict)} tensors ({sum(t.numel() for t in state_dict.values())} elements, {info['size']} bytes) "
-          f"to {args.output_file} as {fmt}")
+          f"to {out} as {fmt}")
     return 0
 
 # %% ../../nbs/60_checkpoint_consolidate.ipynb #c012

@@ -77,12 +77,12 @@ def find_deepspeed_checkpoint(load_dir, # a save directory (with `latest`) or on
                               tag=None)->Path|None: # the tag's directory if it is DeepSpeed's, else None
     "Where the DeepSpeed checkpoint `tag` (default: `latest`, or `load_dir` itself) lies; None for a flexrt checkpoint or nothing"
     d = Path(load_dir)
+    if (d / MANIFEST).is_file(): return None   # flexrt's (it holds DeepSpeed's model-states file too, see deepspeed_view)
     if tag is None and deepspeed_files(d) is not None: return d
-    if (d / MANIFEST).is_file(): return None
     if tag is None: tag = read_latest(d) if (d / 'latest').is_file() else None
     if tag is None: return None
     t = d / check_tag(tag)
-    return t if deepspeed_files(t) is not None else None
+    return t if not (t / MANIFEST).is_file() and deepspeed_files(t) is not None else None
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c016
 def _param_groups(ms:dict)->list: # [{name: shape}] per param group, in the flat buffers' order

@@ -15,11 +15,12 @@ from .layout import (check_tag, staging_dir, write_manifest, read_manifest, veri
 from .plan import LoadPlan, engine_entries, rank_writes
 from .engine_surface import check_engine
 from .deepspeed_format import find_deepspeed_checkpoint, read_deepspeed
+from .deepspeed_view import write_deepspeed_model, write_recovery_script
 from .shards import tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex
 
 # %% auto #0
-__all__ = ['agree', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify', 'load_checkpoint',
-           'save_16bit_model', 'consolidate']
+__all__ = ['agree', 'TagMismatchError', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify',
+           'load_checkpoint', 'save_16bit_model', 'consolidate']
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c006
 def agree(error:BaseException|None, # what this rank met in the phase (None: success)
@@ -45,6 +46,9 @@ def _rank0_tag(tag:str)->str:
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
 
+class TagMismatchError(CheckpointError, AssertionError):
+    "The ranks passed different tags to `save_checkpoint` under `checkpoint.tag_validation: Fail` (an AssertionError too, as in DeepSpeed)"
+
 def agree_on_tag(tag:str, mode:str='Warn', device=None)->str: # the tag every rank saves under
     "Check every rank saves under the same tag (collective): `Fail` raises, `Warn` warns; the tag all ranks use"
     if dist.get_world_size() == 1: return tag
@@ -54,7 +58,7 @@ def agree_on_tag(tag:str, mode:str='Warn', device=None)->str: # the tag every ra
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if t[0].item() == -t[1].item(): return tag
     msg = f"the checkpoint tag {tag!r} (rank {dist.get_rank()}) is not the same on every rank: pass one tag to save_checkpoint on all ranks"
-    if mode == 'Fail': raise CheckpointError(msg)
+    if mode == 'Fail': raise TagMismatchError(msg)
     first = _rank0_tag(tag)
     warnings.warn(f"{msg}; saving under rank 0's tag {first!r}")
     return first
@@ -104,7 +108,7 @@ def _write_files(engine, staging:Path, client_state:dict, exclude_frozen:bool)->
     payload = rank_payload(engine, entries, {id(t) for _, t in frozen})
     files = {rank_file(dist.get_rank()): save_torch(payload, staging / rank_file(dist.get_rank()))}
     if dist.get_rank() == 0: files[MODEL_STATES] = save_torch(model_states(engine, entries, client_state, [n for n, _ in frozen]), staging / MODEL_STATES)
-    return files
+    return files | write_deepspeed_model(engine, staging, client_state, exclude_frozen)   # DeepSpeed's view of the module
 
 def _finish(engine, save_dir:Path, tag:str, files:dict, save_latest:bool):
     staging = staging_dir(save_dir, tag)
@@ -113,6 +117,7 @@ def _finish(engine, save_dir:Path, tag:str, files:dict, save_latest:bool):
         if size != info['size']: raise CheckpointError(f"{staging / name} has {size} bytes on disk, its writer reported {info['size']}: is {save_dir} shared by all ranks?")
     write_manifest(staging, files, tag=tag, world_size=dist.get_world_size(), stage=engine.optimizer.stage,
                    precision=engine.precision.name, global_steps=engine.global_steps)
+    write_recovery_script(save_dir)   # before publishing: a save that cannot write it fails whole
     publish(save_dir, tag, save_latest)
 
 def _warn_window(engine, what:str, consequence:str):

@@ -17,6 +17,7 @@ import torch
 from fastcore.basics import patch
 from .schema import Block, block, setting, closest, coerce
 from .params import param_kinds, check_params_types
+from .compat import NoEffectWarning
 
 # %% ../../nbs/00_config_blocks.ipynb #c006
 @block
@@ -246,10 +247,10 @@ def upgrade(cls:ZeroConfig, data:dict)->dict:
 @patch
 def validate(self:ZeroConfig):
     if self.overlap_comm is None: self._set('overlap_comm', self.stage == 3)
-    if self.offload_param.enabled and self.stage != 3:
-        raise ValueError(f"zero_optimization.offload_param needs stage 3, got stage {self.stage}; offload_optimizer works from stage 1")
-    if self.offload_optimizer.enabled and self.stage == 0:
-        raise ValueError("zero_optimization.offload_optimizer needs stage 1, 2 or 3, got stage 0")
+    for name, lowest in (('offload_param', 3), ('offload_optimizer', 1)):
+        if getattr(self, name).enabled and self.stage < lowest:
+            warnings.warn(f"zero_optimization.{name} has no effect at stage {self.stage}: it acts from stage {lowest} "
+                          "(DeepSpeed ignores it there too); remove the block or raise the stage", NoEffectWarning, stacklevel=3)
 
 # %% ../../nbs/00_config_blocks.ipynb #c033
 @block

@@ -67,7 +67,7 @@ class FlexConfig(Block):
     dump_state: bool = False # print the engine's configuration at start
     prescale_gradients: bool = False # divide gradients before the all-reduce instead of after
     gradient_predivide_factor: float = setting(1.0, gt=0) # with prescale_gradients: divide by this before, the rest after
-    gradient_allreduce_op: Literal['mean', 'sum'] = 'mean' # gradients are averaged over ranks; 'sum' is warned (no effect)
+    gradient_allreduce_op: Literal['mean', 'sum'] = 'mean' # 'mean': gradients averaged over the data-parallel ranks; 'sum': summed
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig) # deepspeed.checkpointing settings
     communication_data_type: Literal['fp32', 'fp16', 'bf16'] | None = None # dtype of gradient all-reduce; null: the training dtype
     dataloader_drop_last: bool = False # drop the last incomplete batch in `deepspeed_io`
@@ -94,9 +94,6 @@ def upgrade(cls:FlexConfig, data:dict)->dict:
     "Gather the top-level batch keys into `batch`, after the legacy renames; DeepSpeed keys without effect warned and set aside"
     data = Block.upgrade.__func__(cls, data)
     data, data['not_applied'] = split_no_effect(data, cls)
-    if str(data.get('gradient_allreduce_op', '')).lower() == 'sum':
-        warnings.warn("config key gradient_allreduce_op='sum' has no effect in flexrt: gradients are averaged over the data-parallel "
-                      "ranks; multiply the loss by the world size for sums", NoEffectWarning, stacklevel=3)
     if data.get('steps_per_print') == float('inf'): data['steps_per_print'] = None   # Accelerate's "never": DeepSpeed's null
     data['batch'] = {k: data.pop(k) for k in BATCH_KEYS if k in data}
     return data

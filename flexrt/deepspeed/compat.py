@@ -90,12 +90,25 @@ def _config_file(path):
         except ImportError: return path   # flexrt's loader names the JSON error
         return json.loads(json.dumps(hjson.loads(text)))   # hjson's ordered dicts as plain ones
 
+def _with_wrapper_attributes(engine)->torch.optim.Optimizer|None: # the engine's torch optimizer (None without one)
+    "The torch optimizer, given the attributes of DeepSpeed's optimizer wrappers that it lacks: `optimizer` (what steps the masters: itself), `bit16_groups`/`fp16_groups` (per param group, the model parameters it trains), and `fp32_partitioned_groups_flat` where each param group steps one flat master"
+    opt = engine.basic_optimizer
+    if opt is None: return None
+    groups = [list(g) for g in engine.trained_param_groups]
+    attributes = dict(optimizer=opt, bit16_groups=groups, fp16_groups=groups)
+    if opt.param_groups and all(len(g['params']) == 1 for g in opt.param_groups):
+        attributes['fp32_partitioned_groups_flat'] = [g['params'][0] for g in opt.param_groups]
+    for name, value in attributes.items():
+        if not hasattr(opt, name): setattr(opt, name, value)   # a wrapper's own `.optimizer` stays
+    return opt
+
 def initialize(args=None, model=None, *more, **kwargs)->tuple:
-    "`deepspeed.initialize`: `flexrt.initialize` (which also sets `deepspeed.checkpointing` up from the config's `activation_checkpointing` block); no model is DeepSpeed's AssertionError"
+    "`deepspeed.initialize`: `flexrt.initialize` (which also sets `deepspeed.checkpointing` up from the config's `activation_checkpointing` block); no model is DeepSpeed's AssertionError; the optimizer returned also answers to DeepSpeed's wrapper attributes"
     assert model is not None, "deepspeed.initialize requires a model (model=<the torch.nn.Module to train>)"
     for key in ('config', 'config_params'):
         if isinstance(kwargs.get(key), str): kwargs[key] = _config_file(kwargs[key])
-    return _engine_initialize(args, model, *more, **kwargs)
+    engine, _, loader, lr_scheduler = _engine_initialize(args, model, *more, **kwargs)
+    return engine, _with_wrapper_attributes(engine), loader, lr_scheduler
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015c
 def clip_grad_norm_(parameters, max_norm:float, norm_type:float=2, mpu=None)->torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from .. import comm as dist
 from ..config import BatchConfig
 from ..checkpoint import save_load
+from ..checkpoint.deepspeed_view import optimizer_state_file, make_executable
 
 # %% auto #0
 __all__ = ['ACCESSORS', 'DeepSpeedAccessors']
@@ -67,7 +68,9 @@ ACCESSORS = {   # DeepSpeed engine method: a dotted path in engine.config, or a 
 
 def _accessor(name:str, how):
     read = how if callable(how) else operator.attrgetter(how)
-    def method(self:DeepSpeedAccessors): return read(self.config)
+    def method(self:DeepSpeedAccessors):
+        if how == name and not hasattr(self, 'config') and hasattr(self, '_config'): return getattr(self._config, name)   # DeepSpeed's own reading
+        return read(self.config)
     method.__name__, method.__qualname__ = name, f'DeepSpeedAccessors.{name}'
     method.__doc__ = f"DeepSpeed's `engine.{name}()`: " + (f"`config.{how}`" if isinstance(how, str) else 'from the config')
     return method
@@ -181,7 +184,9 @@ def save_checkpoint(self:DeepSpeedAccessors, save_dir, # the directory holding t
                      save_latest:bool=True, # point `<save_dir>/latest` at this tag
                      exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
     "Save the complete training state (all ranks call it)"
-    return save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    saved = save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+    self.optimizer.refresh()   # stage 3: persistent parameters released by `empty_partition_cache()` are whole again, as in DeepSpeed
+    return saved
 
 @patch
 def load_checkpoint(self:DeepSpeedAccessors, load_dir, tag=None, load_module_strict:bool=True, load_optimizer_states:bool=True,
@@ -194,3 +199,21 @@ def load_checkpoint(self:DeepSpeedAccessors, load_dir, tag=None, load_module_str
 def save_16bit_model(self:DeepSpeedAccessors, save_dir, save_filename:str='pytorch_model.bin', exclude_frozen_parameters:bool=False)->bool:
     "The model's weights in their working dtype, in one file written by rank 0 (all ranks call it)"
     return save_load.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+# %% ../../nbs/65_engine_accessors.ipynb #wa040ad
+@patch
+def _get_optimizer_ckpt_name(self:DeepSpeedAccessors, checkpoints_path, tag, expp_rank=None)->str:
+    "The file holding this rank's optimizer state in checkpoint `tag` (flexrt: its rank file, with its fp32 masters)"
+    return str(optimizer_state_file(checkpoints_path, tag, dist.get_rank()))
+
+@patch
+def _change_recovery_script_permissions(self:DeepSpeedAccessors, dst)->bool: # whether it is executable now
+    "Make the recovery script at `dst` executable (the file system refusing is logged, not raised)"
+    return make_executable(dst)
+
+# %% ../../nbs/65_engine_accessors.ipynb #wb0607b
+@patch
+def allreduce_gradients(self:DeepSpeedAccessors, bucket_size=None):
+    "Wait until the boundary's gradient reduction (started by backward) is done; nothing inside an accumulation window"
+    reducer = getattr(self.optimizer, 'reducer', None)
+    if reducer is not None and hasattr(reducer, 'wait'): reducer.wait()

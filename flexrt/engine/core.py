@@ -123,9 +123,11 @@ def _setup_optimizer(self:Engine, optimizer, model_parameters, lr_scheduler, opt
     self.precision = Precision.from_config(cfg.fp16, cfg.bf16)
     params = model_parameters if model_parameters is not None else self.module.parameters()
     self.basic_optimizer = client_optimizer(optimizer, cfg.optimizer, params)
+    groups = self.basic_optimizer.param_groups if self.basic_optimizer is not None else []
+    self.trained_param_groups = [[p for p in g['params'] if p.requires_grad] for g in groups]   # before the slot swaps in its masters
     predivide = self.dp_world_size if cfg.prescale_gradients else cfg.gradient_predivide_factor
     args = SlotArgs(cfg.zero_optimization, self.module, self.basic_optimizer, self.precision, self.dp_group,
-                    self.expert_groups, self.mpu, predivide)
+                    self.expert_groups, self.mpu, predivide, gradient_average=cfg.gradient_allreduce_op == 'mean')
     self.optimizer = build_optimizer_slot(args, optimizer_slot)
     self.lr_scheduler = client_lr_scheduler(lr_scheduler, cfg.scheduler, self.basic_optimizer)
 

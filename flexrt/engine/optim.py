@@ -96,8 +96,9 @@ def client_optimizer(optimizer, # what the script passed to initialize(): None, 
                      parameters)->torch.optim.Optimizer|None: # what the optimizer optimizes
     "The torch optimizer to train with, from the script or from the config"
     if optimizer is not None and config is not None:
-        raise ValueError(f"an optimizer was passed to initialize() and the config has an 'optimizer' block ({config.type}): "
-                         "remove one of them")
+        warnings.warn(f"an optimizer was passed to initialize() and the config has an 'optimizer' block ({config.type}): "
+                      "the passed one trains (as in DeepSpeed); remove the block to silence this", stacklevel=3)
+        config = None
     if config is not None: return build_optimizer(config, parameters)
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer): return optimizer
     if not callable(optimizer):
@@ -120,8 +121,9 @@ def client_lr_scheduler(lr_scheduler, # None, a schedule object, or a callable(o
                         optimizer:torch.optim.Optimizer|None): # the torch optimizer
     "The learning-rate schedule to train with, from the script or from the config (None for none)"
     if lr_scheduler is not None and config is not None:
-        raise ValueError(f"an lr_scheduler was passed to initialize() and the config has a 'scheduler' block ({config.type}): "
-                         "remove one of them")
+        warnings.warn(f"an lr_scheduler was passed to initialize() and the config has a 'scheduler' block ({config.type}): "
+                      "the passed one is used (as in DeepSpeed); remove the block to silence this", stacklevel=3)
+        config = None
     if (lr_scheduler is not None or config is not None) and optimizer is None:
         raise ValueError("a learning-rate schedule needs an optimizer: pass optimizer= or add an 'optimizer' block")
     if config is not None: return build_lr_scheduler(config, optimizer)

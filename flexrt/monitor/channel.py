@@ -14,7 +14,7 @@ __all__ = ['ADDRESS_VARIABLE', 'KEY_VARIABLE', 'OWNER_VARIABLE', 'lower_thread_p
            'ranks_connected', 'forget_hub']
 
 # %% ../../nbs/30_monitor_channel.ipynb #c006
-def lower_thread_priority(niceness:int=10)->bool: # False where threads have no priority of their own
+def lower_thread_priority(niceness:int=19)->bool: # False where threads have no priority of their own
     "Make the calling thread (only it) yield the CPU to the process's other threads; Linux only"
     if not sys.platform.startswith('linux'): return False
     try: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)

@@ -108,11 +108,11 @@ def draw_text(self:TrainingDashboard):
     "Progress, counter, comm table, Stop button, then the two views' texts"
     self._stop_state(); self._comm_text(); self._log_text()
     self.steps_seen.value = self.records.counts['step']
-    steps = rank0_steps(self.records._frame('step'))
-    if len(steps):
-        last, done = steps.iloc[-1], int(steps['step'].iloc[-1])
+    steps = self.records.lowest_rank('step')   # rank 0's newest records: the text's cost does not grow with the run
+    if steps:
+        last, done = steps[-1], int(steps[-1]['step'])
         self.progress.value = min(done, self.progress.max)
-        per_step = (steps['time'].iloc[-1] - steps['time'].iloc[0]) / max(len(steps) - 1, 1)
+        per_step = (last['time'] - steps[0]['time']) / max(len(steps) - 1, 1)   # the recent pace
         eta = max(self.progress.max - done, 0) * per_step
         self.status.value = f"step {done}/{self.progress.max} &middot; {last['samples_per_s']:.1f} samples/s &middot; ETA {eta:.0f} s"
     for view in self.views(): view.draw_text()

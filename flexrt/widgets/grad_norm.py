@@ -5,6 +5,7 @@
 # %% ../../nbs/80_widgets_grad_norm.ipynb #c003
 from __future__ import annotations
 import html
+from math import nan
 import pandas as pd
 import ipywidgets as W
 from fastcore.basics import patch
@@ -25,7 +26,7 @@ class GradNormTrace(LiveView):
     kinds, png_name = ('step', 'nonfinite'), 'grad_norm.png'
     def __init__(self, clip:float|None=None, # the clip threshold to draw (the config's gradient_clipping)
                  **kwargs):
-        self.clip = clip
+        self.clip, self._seen, self._skipped = clip, 0, {}   # step records counted so far; skipped steps per rank
         super().__init__(**kwargs)
 
     def build(self):
@@ -45,12 +46,15 @@ class GradNormTrace(LiveView):
 @patch
 def draw_text(self:GradNormTrace):
     "The latest step's numbers"
-    steps = rank0_steps(self.records._frame('step'))
-    if steps.empty: return
-    last = steps.iloc[-1]
+    new, self._seen = self.records.since('step', self._seen)     # only what arrived: the cost does not grow with the run
+    for row in new:
+        if row.get('skipped') is True or row.get('skipped') == 1: self._skipped[row.get('rank')] = self._skipped.get(row.get('rank'), 0) + 1
+    steps = self.records.lowest_rank('step', 1)
+    if not steps: return
+    last = {'grad_norm_post_clip': nan, 'loss': nan, 'lr': nan, 'loss_scale': nan} | steps[-1]
     self.text.value = (f"step {int(last['step'])}: grad norm {last['grad_norm']:.4g} &rarr; {last['grad_norm_post_clip']:.4g}"
                        f", loss {last['loss']:.4g}, lr {_first_lr(last['lr']):.3g}, loss scale {last['loss_scale']:g}"
-                       f", skipped {int(steps['skipped'].astype(bool).sum())}")
+                       f", skipped {self._skipped.get(last.get('rank'), 0)}")
     found = self.records.last('nonfinite')
     if found is not None:
         self.text.value += f'<br><span class="flexrt-nonfinite" style="color:#b00020"><b>{html.escape(nonfinite_message(found))}</b></span>'

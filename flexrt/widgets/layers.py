@@ -51,14 +51,18 @@ class LayerNormHeatmap(LiveView):
 @patch
 def draw_text(self:LayerNormHeatmap):
     "The latest record's largest and smallest layers"
-    m = self.matrix()
-    if m.empty: return
-    latest = m.iloc[:, -1].dropna()
-    bad = [l for l, v in latest.items() if not math.isfinite(v)]   # inf: the record said non-finite
+    last = self.records.last('layer_norms')   # that record alone, in plain Python: the text is redrawn twice a second
+    if last is None: return
+    norms = {k[len(PREFIX):]: v for k, v in last.items() if k.startswith(PREFIX) and v is not None and v == v}
+    bad_layers = last.get('nonfinite_layers')
+    for layer in bad_layers if isinstance(bad_layers, (list, tuple)) else (): norms[layer] = math.inf   # NaN in a record, not absent
+    if not norms: return
+    latest = sorted(norms.items(), key=lambda kv: (math.isfinite(kv[1]), -kv[1] if math.isfinite(kv[1]) else 0.))[:self.max_layers]
+    bad = [l for l, v in latest if not math.isfinite(v)]   # inf: the record said non-finite
     shown = lambda items: ', '.join(f'{html.escape(l)} {v:.3g}' for l, v in items)
-    finite = latest[[l not in bad for l in latest.index]]
-    self.text.value = (f'step {m.columns[-1]}: largest {shown(finite.head(3).items())}'
-                       + (f'; smallest {shown(finite.tail(2).items())}' if len(finite) > 3 else '')
+    finite = [(l, v) for l, v in latest if math.isfinite(v)]
+    self.text.value = (f"step {last['step']}: largest {shown(finite[:3])}"
+                       + (f'; smallest {shown(finite[-2:])}' if len(finite) > 3 else '')
                        + (f' &middot; <span style="color:#b00020">non-finite: {", ".join(map(html.escape, bad))}</span>' if bad else ''))
     self.widget.layout.display = ''
 

@@ -51,13 +51,22 @@ def _rank_text(rank, row)->str:
     tensors = f"{row['memory.allocated_bytes'] / MiB:.1f} MiB (peak {row['memory.max_allocated_bytes'] / MiB:.1f}), " if row['memory.tracked'] else ''
     return f"rank {rank}: {tensors}RSS {row['memory.process_rss_bytes'] / MiB:.0f} MiB"
 
+def _latest(records:RecordStore)->dict:
+    "{rank: its newest record with memory numbers (step or memory record), 'memory.tracked' made a bool}, from the recent records only"
+    latest = {}
+    for kind in ('step', 'memory'):
+        for rank, rows in records.recent(kind).items():
+            row = next((r for r in reversed(rows) if r.get('memory.allocated_bytes') is not None), None)
+            if row is not None and (rank not in latest or row['time'] >= latest[rank]['time']): latest[rank] = row
+    tracked = lambda v: v is not None and v is not False and v == v and v != 0
+    return {r: row | {'memory.tracked': tracked(row.get('memory.tracked', True))} for r, row in sorted(latest.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))}
+
 @patch
 def draw_text(self:MemoryMonitor):
-    frame = _memory_frame(self.records)
-    if frame.empty: return
-    last = frame.groupby('rank').last()
-    self.text.value = ' &nbsp; '.join(_rank_text(r, row) for r, row in last.iterrows())
-    self.hint.value = '' if last['memory.tracked'].all() else f'<small>{UNTRACKED_HINT}</small>'
+    latest = _latest(self.records)   # not a frame of every record: the texts' cost does not grow with the run
+    if not latest: return
+    self.text.value = ' &nbsp; '.join(_rank_text(r, row) for r, row in latest.items())
+    self.hint.value = '' if all(row['memory.tracked'] for row in latest.values()) else f'<small>{UNTRACKED_HINT}</small>'
 
 @patch
 def fill(self:MemoryMonitor, plot:Plot)->Plot:

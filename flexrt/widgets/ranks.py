@@ -4,7 +4,7 @@
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w28c6624
 from __future__ import annotations
-import html, math, time
+import html, math, statistics, time
 import pandas as pd
 import ipywidgets as W
 from fastcore.basics import patch
@@ -21,18 +21,25 @@ def informative(steps:pd.DataFrame)->bool:
     "Whether the step records say anything per rank: two ranks or more, with blocked times"
     return 'comm_wait' in steps and 'rank' in steps and steps['rank'].nunique() > 1
 
-def rank_table(steps:pd.DataFrame, # step records (one row per rank and step)
+def _median(values)->float:
+    "The median of the numbers that are there (None and NaN left out); NaN when none is"
+    values = [v for v in values if v is not None and v == v]
+    return statistics.median(values) if values else math.nan
+
+def rank_table(steps:pd.DataFrame|dict, # step records: a DataFrame (a row per rank and step) or {rank: [record, ...]} (`RecordStore.recent`)
                window:int=20)->pd.DataFrame: # latest steps each rank is judged by
     "Per rank, medians over its latest `window` steps: period, blocked and busy seconds, the share blocked, the op most waited in"
+    if isinstance(steps, pd.DataFrame): steps = {r: mine.to_dict('records') for r, mine in steps.groupby('rank')}
     rows = []
-    for rank, mine in steps.groupby('rank'):
-        tail = mine.tail(window)
-        period = tail['step_period'].median() if tail['step_period'].notna().any() else tail['step_time'].median()
-        wait = tail['comm_wait'].median()
-        ops = tail['comm_wait_op'].dropna()
-        rows.append(dict(rank=int(rank), step=int(tail['step'].iloc[-1]), period=period, wait=wait, busy=period - wait,
-                         wait_share=wait / period if period > 0 else math.nan, wait_op=ops.mode().iloc[0] if len(ops) else None,
-                         last_time=float(mine['time'].iloc[-1])))
+    for rank, mine in steps.items():   # plain Python over a few rows: the panel's text is redrawn twice a second
+        if rank is None or rank != rank or not mine: continue
+        tail = mine[-window:]
+        period = _median(r.get('step_period') for r in tail)
+        if period != period: period = _median(r.get('step_time') for r in tail)
+        wait, ops = _median(r.get('comm_wait') for r in tail), [r['comm_wait_op'] for r in tail if isinstance(r.get('comm_wait_op'), str)]
+        rows.append(dict(rank=int(rank), step=int(tail[-1]['step']), period=period, wait=wait, busy=period - wait,
+                         wait_share=wait / period if period > 0 else math.nan,
+                         wait_op=max(sorted(set(ops)), key=ops.count) if ops else None, last_time=float(mine[-1]['time'])))
     return pd.DataFrame(rows).set_index('rank')
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w289fd01
@@ -90,8 +97,12 @@ class RankPanel(LiveView):
         self.straggler, self.silent, self.table, self.plot = W.HTML(), W.HTML(), W.HTML(), W.HTML()
         return W.VBox([W.HTML('<b>Ranks</b>'), self.straggler, self.silent, self.table, self.plot], layout=W.Layout(display='none'))
 
-    def steps(self)->pd.DataFrame: return self.records._frame('step')
-    def _plot_key(self)->tuple: return (self.records.counts['step'],) if informative(self.steps()) else (0,)
+    def steps(self)->pd.DataFrame: return self.records._frame('step')   # every step record: for the plots
+    def recent_steps(self)->dict: return self.records.recent('step')   # {rank: its newest step records}: for the texts
+    def informative(self)->bool: # two ranks or more, with blocked times (`informative`, from the newest records only)
+        newest = [rows[-1] for rank, rows in self.records.recent('step', 1).items() if rank is not None]
+        return len(newest) > 1 and any('comm_wait' in row for row in newest)
+    def _plot_key(self)->tuple: return (self.records.counts['step'],) if self.informative() else (0,)
     def new_plot(self, layout=None)->Plot:
         return Plot([('work per step', 'step', 'ms'), ('blocked in collectives', 'step', 'ms'), ('skew (busiest / median)', 'step', '')],
                     (1, 3), (9, 2.6))
@@ -108,9 +119,8 @@ def table_html(table:pd.DataFrame, silent:dict)->str:
 @patch
 def draw_text(self:RankPanel, now:float|None=None): # the time now (default: the clock's)
     "The straggler line, silent ranks and the per-rank table (shown once the records say something per rank)"
-    steps = self.steps()
-    if not informative(steps): return
-    table = rank_table(steps)
+    if not self.informative(): return
+    table = rank_table(self.recent_steps())   # each rank's newest steps: the text's cost does not grow with the run
     silent = silent_ranks(table, time.time() if now is None else now, self.silent_after)
     self.straggler.value = html.escape(straggler_text(straggler(table)))
     self.silent.value = ('<span style="color:#b00020">' + ', '.join(f'rank {r} silent for {s:.0f} s' for r, s in silent.items())

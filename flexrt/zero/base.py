@@ -107,6 +107,10 @@ def quiesce(self:OptimizerSlot):
     "Finish work in flight on the model's parameters before a load overwrites the slot's tensors"
 
 @patch
+def refresh(self:OptimizerSlot):
+    "After a save: whole again what `quiesce` released and the forward keeps whole (stage 3's persistent parameters); nothing elsewhere"
+
+@patch
 def wait_for_params(self:OptimizerSlot):
     "Finish updates of the model's parameters left in flight (stages 1-2 defer their all-gathers): reads see the new values"
 

@@ -198,20 +198,22 @@ class _Finished:
 _LOCAL = _Finished()
 
 class GradientReducer(BucketReducer):
-    "Gradients summed over their process group and divided by the data-parallel world size, in async buckets overlapping backward"
+    "Gradients summed over their process group and divided by the data-parallel world size (or not: `gradient_average=False`), in async buckets overlapping backward"
     def __init__(self, params, # parameters to reduce (those that require a gradient), or param groups
                  bucket_bytes:int=25 * 2**20, # most bytes per bucket
                  group=None, # process group of the data-parallel ranks (None: all)
                  expert_groups=None, # {group_name: group} or one group, for params with `allreduce == False`
                  gradient_predivide_factor:float=1.0, # divide by this before the all-reduce, the rest after
-                 first_bucket_bytes:int=2**20): # most bytes of the first bucket (DDP's 1 MiB): its reduction starts early
+                 first_bucket_bytes:int=2**20, # most bytes of the first bucket (DDP's 1 MiB): its reduction starts early
+                 gradient_average:bool=True): # False: gradients summed over the ranks, not averaged
         for name, value in (('bucket_bytes', bucket_bytes), ('first_bucket_bytes', first_bucket_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer (bytes per bucket), got {value!r}")
         if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}")
         self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.world_size = dist.get_world_size(group)   # the data-parallel world size: every bucket's divisor
+        self.world_size = dist.get_world_size(group)   # the data-parallel world size
+        self.divisor = self.world_size if gradient_average else 1   # every bucket's sum is divided by this in all
         params = _trainable(params)
         groups = {id(p): reduction_group(p, group, expert_groups) for p in params}
         shared = list(reversed(params)) if self.world_size > 1 else []
@@ -224,9 +226,9 @@ class GradientReducer(BucketReducer):
         return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
 
     def _finish(self, bucket:Bucket):
-        "Wait for the sum and divide it by the data-parallel world size"
+        "Wait for the sum and divide it by what the predivision left of `divisor`"
         bucket.work.wait()
-        rest = self.world_size / self.gradient_predivide_factor
+        rest = self.divisor / self.gradient_predivide_factor
         if rest != 1: bucket.buffer.div_(rest)
 
     @property

@@ -28,11 +28,12 @@ class SlotArgs:
     expert_groups:object=None # an `ExpertGroups` (MoE), or None
     mpu:object=None # Megatron-style model-parallel unit, or None
     gradient_predivide_factor:float=1. # stages 0-2: divide before the reduction, the rest after
+    gradient_average:bool=True # every stage: average gradients over the data-parallel ranks (False: sum them)
 
 # %% ../../nbs/53_zero_slots.ipynb #c005b
 def _check_zero12(config:ZeroConfig):
     "Refuse what stages 1/2 here cannot do; warn once about settings they ignore"
-    for name in ('offload_optimizer', 'offload_param'):
+    for name in ('offload_optimizer',):   # offload_param has no effect below stage 3: the config warned
         if getattr(config, name).device != 'none':
             raise NotImplementedError(f"zero_optimization.{name}.device={getattr(config, name).device!r} is not supported: "
                                       "remove the offload block (optimizer state stays on the device)")
@@ -49,18 +50,21 @@ def _refuse_partitioned(a:SlotArgs):
 def _stage0(a:SlotArgs)->ReplicatedOptimizer:
     _refuse_partitioned(a)
     return ReplicatedOptimizer(a.module, a.optimizer, a.precision, a.group, a.expert_groups, a.mpu,
-                               gradient_predivide_factor=a.gradient_predivide_factor)
+                               gradient_predivide_factor=a.gradient_predivide_factor, gradient_average=a.gradient_average)
 
 def _stage12(a:SlotArgs)->ZeroStage1:
     _check_zero12(a.config); _refuse_partitioned(a)
     cls = ZeroStage1 if a.config.stage == 1 else ZeroStage2
     return cls(a.module, a.optimizer, a.precision, a.group, a.expert_groups, a.mpu,
                bucket_bytes=a.config.reduce_bucket_size * a.precision.dtype.itemsize,
-               gradient_predivide_factor=a.gradient_predivide_factor, overlap_comm=bool(a.config.overlap_comm),
+               gradient_predivide_factor=a.gradient_predivide_factor, gradient_average=a.gradient_average,
+               overlap_comm=bool(a.config.overlap_comm),
                reduce_scatter=a.config.reduce_scatter, defer_gather=True)   # forward follows: it waits bucket by bucket
 
 def _stage3(a:SlotArgs)->OptimizerSlot:
-    return Stage3Optimizer(a.module, a.optimizer, a.precision, a.config, group=a.group, expert_groups=a.expert_groups, mpu=a.mpu)
+    slot = Stage3Optimizer(a.module, a.optimizer, a.precision, a.config, group=a.group, expert_groups=a.expert_groups, mpu=a.mpu)
+    slot.partitioner.grads.divisor = slot.world_size if a.gradient_average else 1   # the gradient reduce-scatters' divisor
+    return slot
 
 # %% ../../nbs/53_zero_slots.ipynb #c005c
 STAGE_SLOTS = {0: _stage0, 1: _stage12, 2: _stage12, 3: _stage3}   # zero_optimization.stage -> builder(SlotArgs)

@@ -26,12 +26,14 @@ class ReplicatedOptimizer(OptimizerSlot):
                  expert_groups=None, # an `ExpertGroups` (MoE), or None
                  mpu=None, # Megatron-style model-parallel unit for the global norm, or None
                  bucket_bytes:int=25 * 2**20, # gradient bucket size of the all-reduce
-                 gradient_predivide_factor:float=1.): # divide gradients by this before the all-reduce, the rest after
+                 gradient_predivide_factor:float=1., # divide gradients by this before the all-reduce, the rest after
+                 gradient_average:bool=True): # False: gradients summed over the data-parallel ranks, not averaged
         self.module, self.optimizer, self.precision, self.group, self.mpu = module, optimizer, precision, group, mpu
         self.expert_groups = expert_groups
         self.weights = precision.setup(module, optimizer)   # fp32 masters (with the expert marks) when needed; model cast
         self.reducer = GradientReducer(module.parameters(), bucket_bytes, group,
-                                       expert_groups.data_parallel if expert_groups else None, gradient_predivide_factor)
+                                       expert_groups.data_parallel if expert_groups else None, gradient_predivide_factor,
+                                       gradient_average=gradient_average)
         self._norm_groups = expert_groups.parallel if expert_groups else None
         self.comm_bytes = 0   # bytes of gradients this rank has all-reduced so far
 

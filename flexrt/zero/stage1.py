@@ -73,6 +73,7 @@ class ZeroStage1(OptimizerSlot):
                  mpu=None, # Megatron-style model-parallel unit for the global norm, or None
                  bucket_bytes:int=25 * 2**20, # most bytes per gradient bucket (`reduce_bucket_size` x element size)
                  gradient_predivide_factor:float=1., # divide gradients by this before the reduction, the rest after
+                 gradient_average:bool=True, # False: gradients summed over the data-parallel ranks, not averaged
                  overlap_comm:bool=True, # stage 2: reduce buckets while backward runs (stage 1 always does)
                  reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk (3Ψ, not 2Ψ)
                  collectives:str='auto', # 'native', 'p2p', 'all_reduce' (see `ShardReducer`), 'auto': p2p on gloo
@@ -85,6 +86,7 @@ class ZeroStage1(OptimizerSlot):
             raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         self.module, self.optimizer, self.precision, self.group, self.mpu = module, optimizer, precision, group, mpu
         self.master_weights, self.overlap_comm, self.reduce_scatter = precision.master_weights, overlap_comm, reduce_scatter
+        self.gradient_average = bool(gradient_average)
         self.comm_bytes = 0
         self.world_size = dist.get_world_size(group)
         if collectives == 'auto': collectives = 'p2p' if dist.prefers_p2p(group) else 'native'
@@ -113,7 +115,8 @@ def _setup_gradients(self:ZeroStage1):
 @patch
 def _make_reducer(self:ZeroStage1, gradient_predivide_factor:float)->ShardReducer:
     "The reducer that fills `grad_shard` (stage 2 overrides it)"
-    return ShardReducer(self.buckets, self.world_size, gradient_predivide_factor, self.reduce_scatter, self.collectives)
+    return ShardReducer(self.buckets, self.world_size, gradient_predivide_factor, self.reduce_scatter, self.collectives,
+                        self.gradient_average)
 
 # %% ../../nbs/50_zero_stage1.ipynb #c017
 @patch

@@ -24,7 +24,8 @@ class Stage2Reducer(ShardReducer):
                  overlap_comm:bool=True, # reduce while backward runs
                  reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk
                  max_in_flight:int=2, # buckets being reduced at once (each holds its buffer)
-                 algorithm:str='native'): # how each reduce-scatter runs (see `ShardReducer`)
+                 algorithm:str='native', # how each reduce-scatter runs (see `ShardReducer`)
+                 gradient_average:bool=True): # False: the shards hold the sum over the ranks
         for bk in buckets: bk.buffer = bk.views = bk.whole = None
         self.overlap_comm, self.max_in_flight, self._in_flight = bool(overlap_comm), max(1, max_in_flight), deque()
         self._spare, self._head, self._tail = {}, {}, {}   # per (dtype, device): the buffers not in use; the largest bucket, and chunk
@@ -32,7 +33,7 @@ class Stage2Reducer(ShardReducer):
             key = bk.dtype, bk.device
             self._head[key] = max(self._head.get(key, 0), bk.partition.padded_numel)
             self._tail[key] = max(self._tail.get(key, 0), bk.partition.shard_numel)
-        super().__init__(buckets, world_size, gradient_predivide_factor, reduce_scatter, algorithm)
+        super().__init__(buckets, world_size, gradient_predivide_factor, reduce_scatter, algorithm, gradient_average)
 
     def _start(self, bucket):
         "Copy the bucket's gradients into a buffer (a spare one, else a new one), drop `p.grad`, launch the reduce-scatter"
@@ -96,4 +97,4 @@ class ZeroStage2(ZeroStage1):
 
     def _make_reducer(self, gradient_predivide_factor:float)->Stage2Reducer:
         return Stage2Reducer(self.buckets, self.world_size, gradient_predivide_factor, self.overlap_comm, self.reduce_scatter,
-                             algorithm=self.collectives)
+                             algorithm=self.collectives, gradient_average=self.gradient_average)

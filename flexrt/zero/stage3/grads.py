@@ -37,8 +37,10 @@ class GradBuckets:
     def __init__(self, records:list, # trainable ParamRecords in their expected gradient order (`plan` changes it)
                  bucket_numel:int, # `reduce_bucket_size`: elements per bucket (at most `COALESCE_NUMEL` are used)
                  world_size:int, # the data-parallel size: gradients are averaged over it
-                 owner=None): # counts the bytes sent in its `comm_bytes`
+                 owner=None, # counts the bytes sent in its `comm_bytes`
+                 gradient_average:bool=True): # False: the shards get the sum over the ranks
         self.bucket_numel, self.world_size, self.owner = min(bucket_numel, COALESCE_NUMEL), world_size, owner
+        self.divisor = world_size if gradient_average else 1   # every reduced gradient is divided by this (the optimizer may set it)
         self.plan(records)
 
     def plan(self, records:list):
@@ -51,7 +53,7 @@ class GradBuckets:
 # %% ../../../nbs/52_zero_stage3_grads.ipynb #c009
 @patch
 def _new_reduce(self:GradBuckets, b:Bucket, like:torch.Tensor)->GradientReduceScatter:
-    return GradientReduceScatter(b.records, like.dtype, like.device, self.world_size)
+    return GradientReduceScatter(b.records, like.dtype, like.device, self.divisor)
 
 @patch
 def add(self:GradBuckets, r:ParamRecord, # a record whose gradient is complete

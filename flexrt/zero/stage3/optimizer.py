@@ -61,7 +61,7 @@ class Stage3Optimizer(OptimizerSlot):
 def _build_shards(self:Stage3Optimizer):
     "Per param group: fp32 master (stepped), working shard (model dtype), fp32 gradient shard; then cast and partition"
     recs, dtype = self.partitioner.records, self.precision.dtype
-    self.groups, shards, grads, self._master_of = [], {}, {}, {}
+    self.groups, shards, grads, self._master_of, self._working_of = [], {}, {}, {}, {}
     for g in (self.optimizer.param_groups if self.optimizer else []):
         original = list(g['params'])
         params = [p for p in dict.fromkeys(original) if p.requires_grad]   # frozen ones are never stepped
@@ -76,7 +76,7 @@ def _build_shards(self:Stage3Optimizer):
         working = master if dtype == torch.float32 else master.to(dtype)
         grad = torch.zeros_like(master)
         for p, w, gr, m in zip(params, working.split(sizes), grad.split(sizes), master.split(sizes)):
-            shards[p], self._master_of[p] = w, m
+            shards[p], self._master_of[p], self._working_of[p] = w, m, w.view(-1)   # the last: where the shard belongs
             grads[p] = gr
         flat = torch.nn.Parameter(master, requires_grad=True); flat.grad = grad
         num_dense = sum(sizes[:len(params) - len(experts)])
@@ -100,10 +100,15 @@ def reduced_gradients(self:Stage3Optimizer)->list: # this rank's fp32 gradient s
     return [g['grad'] for g in self.groups]
 
 @patch
-def clip_grad_norm(self:Stage3Optimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
-    "Global gradient norm from the shards (experts follow the dense part of each group's buffer); shards clipped to `max_norm` (0: never)"
-    norm = shard_grad_norm([g['grad'][:g['num_dense']] for g in self.groups],
+def _grad_norm(self:Stage3Optimizer)->float:
+    "The global gradient norm from the shards (experts follow the dense part of each group's buffer)"
+    return shard_grad_norm([g['grad'][:g['num_dense']] for g in self.groups],
                            [g['grad'][g['num_dense']:] for g in self.groups if g['grad'].numel() > g['num_dense']], self.group, self.mpu)
+
+@patch
+def clip_grad_norm(self:Stage3Optimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
+    "Global gradient norm from the shards; shards clipped to `max_norm` (0: never)"
+    self._step_norm = norm = self._grad_norm()   # the coming step's `_global_grad_norm`
     return clip_shards([g['grad'] for g in self.groups], max_norm, norm)
 
 # %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c012
@@ -113,6 +118,9 @@ def _write_working(self:Stage3Optimizer):
     "Copy the fp32 masters into the working shards (model dtype), then re-gather the persistent parameters"
     for g in self.groups:
         if not g['shared']: g['working'].copy_(g['master'])
+    recs = self.partitioner.records
+    for p, view in self._working_of.items():   # a shard given new storage (`param.ds_tensor.data = t`) returns to the buffer
+        if recs[p].shard.data_ptr() != view.data_ptr(): recs[p].shard.data = view
     self.partitioner.refresh_persistent()
 
 @patch
@@ -120,6 +128,8 @@ def _write_working(self:Stage3Optimizer):
 def step(self:Stage3Optimizer):
     "Step the fp32 master shards, write them into the working shards, re-gather the persistent parameters"
     if self.optimizer is None: raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
+    norm = self.__dict__.pop('_step_norm', None)   # called without `clip_grad_norm` (DeepSpeed's `optimizer.step()`): the norm here
+    self._global_grad_norm = self._grad_norm() if norm is None else norm
     self.partitioner.release_all()   # gathered copies are about to be stale
     self.optimizer.step()
     self._write_working()
@@ -128,7 +138,21 @@ def step(self:Stage3Optimizer):
 def zero_grad(self:Stage3Optimizer, set_to_none:bool=True): # False: zero the shards in place now
     "Mark the gradient shards stale (they stay allocated: the memory model counts them); the next reduction overwrites them"
     if not set_to_none and self.groups: torch._foreach_zero_([g['grad'] for g in self.groups])
+    self.__dict__.pop('_step_norm', None)
     for p, r in self.partitioner.records.items(): p.grad, r.grad_stale = None, set_to_none and r.grad_shard is not None
+
+# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c013b
+@patch(as_prop=True)
+def averaged_gradients(self:Stage3Optimizer)->dict: # {param group index: [fp32 gradient shard of each trainable parameter]}
+    "DeepSpeed's `optimizer.averaged_gradients`: this rank's gradient shards so far (stale ones, after `zero_grad`, read as zeros)"
+    zero_stale(self.partitioner.records.values())
+    recs = self.partitioner.records
+    return {i: [recs[p].grad_shard for p in dict.fromkeys(g['original']) if p.requires_grad] for i, g in enumerate(self.groups)}
+
+@patch
+def get_fp32_grad_partitions(self:Stage3Optimizer)->dict: # {param group index: {parameter index: fp32 gradient shard}}
+    "DeepSpeed's `optimizer.get_fp32_grad_partitions()`: `averaged_gradients` as nested dicts"
+    return {i: dict(enumerate(shards)) for i, shards in self.averaged_gradients.items()}
 
 # %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c017
 def _nbytes(t): return t.numel() * t.element_size()
@@ -207,8 +231,13 @@ def gathered(self:Stage3Optimizer, tensors:list, modifier_rank:int|None=None):
 # %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c026c
 @patch
 def quiesce(self:Stage3Optimizer):
-    "Finish the gathers in flight and release every parameter no forward holds"
-    self.partitioner.release_all()
+    "Finish the gathers in flight and release every parameter no forward holds, persistent ones too (DeepSpeed's `empty_partition_cache`)"
+    self.partitioner.release_all(persistent=True)
+
+@patch
+def refresh(self:Stage3Optimizer):
+    "The persistent parameters whole again (collective), as DeepSpeed leaves them after `save_checkpoint`"
+    self.partitioner.refresh_persistent()
 
 @patch
 def sync_model(self:Stage3Optimizer):
@@ -225,7 +254,7 @@ def close(self:Stage3Optimizer):
         for g, mine in zip(self.optimizer.param_groups, self.groups):
             self.optimizer.state.pop(mine['master'], None); g['params'] = mine['original']
     for p in self.partitioner.records: p.grad = None
-    self.groups, self._master_of = [], {}
+    self.groups, self._master_of, self._working_of = [], {}, {}
 
 @patch
 def __repr__(self:Stage3Optimizer): return f'Stage3Optimizer(stage=3, {type(self.optimizer).__name__}, {self.precision.name}, world={self.world_size})'

@@ -101,9 +101,9 @@ def _track(self:ParameterPartitioner, module:torch.nn.Module):
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c027
 @patch
 def _on_access(self:ParameterPartitioner, r:ParamRecord):
-    "A read of a parameter no forward holds: in a forward the innermost module claims it; either way it is gathered"
-    if r.persistent: return
-    if self._stack: self._claim(self._stack[-1], r)
+    "A read of a parameter no forward holds: in a forward the innermost module claims it (unless persistent); either way it is gathered"
+    if r.persistent and r.full: return   # whole between uses (unless `release_all(persistent=True)` released it)
+    if self._stack and not r.persistent: self._claim(self._stack[-1], r)
     gather_records([r], owner=self)
 
 @patch
@@ -262,9 +262,9 @@ def _end_backward(self:ParameterPartitioner):
 
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c033
 @patch
-def release_all(self:ParameterPartitioner):
-    "Finish gathers in flight and release every parameter not in use (persistent ones stay whole)"
-    release_records(list(self.records.values()))
+def release_all(self:ParameterPartitioner, persistent:bool=False): # True: the persistent ones too (the next use gathers them)
+    "Finish gathers in flight and release every parameter not in use (persistent ones stay whole unless `persistent`)"
+    release_records(list(self.records.values()), keep_persistent=not persistent)
 
 @patch
 @torch.no_grad()

@@ -61,13 +61,14 @@ def _init_settings(config_dict_or_path, config)->tuple: # (ZeRO stage, dtype); (
     if fp16 and bf16: raise ValueError("zero.Init: fp16.enabled and bf16.enabled are both true; enable one of them")
     return stage, torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
 
-def _check_config(config_dict_or_path, config)->torch.dtype|None: # the config's dtype (None without a config)
-    "Refuse two configs, or a config whose `zero_optimization.stage` is not 3"
-    stage, dtype = _init_settings(config_dict_or_path, config)
-    if stage is not None and stage != 3:
-        raise ValueError(f"zero.Init builds the model partitioned for ZeRO stage 3, but the config has "
-                         f"zero_optimization.stage={stage}: set it to 3, or build the model outside zero.Init (or enabled=False)")
-    return dtype
+def _partitions(stage:int|None)->bool: # the config's ZeRO stage (None: no config)
+    "Whether `Init` partitions under this stage: without a config or at stage 3; at another stage it warns once and builds whole"
+    if stage is None or stage == 3: return True
+    if 'stage' not in _warned:
+        _warned.add('stage')
+        warnings.warn(f"zero.Init has no effect with zero_optimization.stage={stage}: only stage 3 trains partitioned parameters, "
+                      "so the model is built whole (set the stage to 3 to build it partitioned)")
+    return False
 
 def _device()->torch.device:
     "This rank's device as the engine picks it: its GPU when CUDA is present, else the CPU"
@@ -98,7 +99,7 @@ class Init:
     def __init__(self, module:torch.nn.Module|None=None, # a model built already: partition it now
                  data_parallel_group=None, # the ranks parameters are split over (None: the mpu's, else all)
                  mem_efficient_linear:bool=True, remote_device=None, pin_memory:bool=False, # DeepSpeed's; no effect here
-                 config_dict_or_path=None, # a DeepSpeed/flexrt config (dict or JSON path); its ZeRO stage must be 3
+                 config_dict_or_path=None, # a DeepSpeed/flexrt config (dict or JSON path); a stage other than 3: no effect
                  config=None, # DeepSpeed's older name for `config_dict_or_path`
                  enabled:bool=True, # False: the block builds the model as usual
                  dtype:torch.dtype|None=None, # floating-point shards in this dtype (None: the config's; without one, as built)
@@ -109,8 +110,9 @@ class Init:
             zero_param_parallel_group=zero_param_parallel_group, zero_quantized_weights=zero_quantized_weights,
             zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights, param_swapper=param_swapper,
             sequence_data_parallel_group=sequence_data_parallel_group, tensor_overrides=tensor_overrides))
-        config_dtype = _check_config(config_dict_or_path, config)
-        self.enabled, self.dtype, self._nested, self._patched = bool(enabled), dtype or config_dtype, False, {}
+        stage, config_dtype = _init_settings(config_dict_or_path, config)
+        self.enabled = bool(enabled) and _partitions(stage)
+        self.dtype, self._nested, self._patched = dtype or config_dtype, False, {}
         self._depth, self._building, self._touched, self._tracked, self.comm_bytes = {}, [], {}, [], 0
         if not self.enabled: return
         if not dist.is_initialized(): dist.init_distributed()
@@ -136,11 +138,15 @@ def _partition(self:Init, p:torch.nn.Parameter, name:str):
     release_records([r])
 
 @patch
+def _partition_module(self:Init, m:torch.nn.Module):
+    "Partition `m`'s own parameters not partitioned yet (empty ones, and ones on the meta device, stay as they are)"
+    for name, p in dict.items(m._parameters):   # a plain dict's items: iterating a watched one gathers
+        if p is not None and getattr(p, '_zero3', None) is None and p.numel() and not p.is_meta: self._partition(p, f'{type(m).__name__}.{name}')
+
+@patch
 def _partition_tree(self:Init, module:torch.nn.Module):
-    "Partition every parameter in `module`'s tree not partitioned yet (empty ones stay as they are)"
-    for m in module.modules():
-        for name, p in dict.items(m._parameters):   # a plain dict's items: iterating a watched one gathers
-            if p is not None and getattr(p, '_zero3', None) is None and p.numel(): self._partition(p, f'{type(m).__name__}.{name}')
+    "Partition every parameter in `module`'s tree not partitioned yet"
+    for m in module.modules(): self._partition_module(m)
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c017
 @patch
@@ -288,6 +294,7 @@ def __exit__(self:Init, kind, exc, tb):
     try:
         if kind is None:
             for key in list(self._touched): self._finish(key)
+            for m in self._tracked: self._partition_module(m)   # built on the meta device, given storage later (`skip_init`)
         else: release_records([r for rs in self._touched.values() for r in rs])
     finally:
         self._touched, self._depth, self._building = {}, {}, []

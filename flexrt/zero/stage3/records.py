@@ -10,7 +10,7 @@ from ... import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['ZeroParamStatus', 'ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records',
+__all__ = ['ZeroParamStatus', 'ParamRecord', 'gather_records', 'release_records', 'set_ds_attributes', 'drop_ds_attributes',
            'GradientReduceScatter']
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c006
@@ -40,11 +40,22 @@ class ParamRecord:
     def pending(self): return self._pending
     @pending.setter
     def pending(self, gather): self._pending = gather; self._show_status()
+    @property
+    def shard(self)->torch.Tensor|None: return self._shard
+    @shard.setter
+    def shard(self, t): self._shard = t; self._show('ds_tensor', t)
+    @property
+    def persistent(self)->bool: return self._persistent
+    @persistent.setter
+    def persistent(self, value:bool): self._persistent = value; self._show('ds_persist', value)
+
+    def _show(self, name:str, value):
+        "Mirror a fact onto the parameter while it carries DeepSpeed's attributes (`set_ds_attributes`)"
+        if 'ds_id' in self.param.__dict__: setattr(self.param, name, value)
     def _show_status(self):
-        "Keep DeepSpeed's `ds_status` on the parameter up to date while it carries DeepSpeed's attributes"
-        if 'ds_id' in self.param.__dict__:
-            pending, full = getattr(self, '_pending', None), getattr(self, '_full', True)
-            self.param.ds_status = ZeroParamStatus.INFLIGHT if pending is not None else ZeroParamStatus.AVAILABLE if full else ZeroParamStatus.NOT_AVAILABLE
+        "DeepSpeed's `ds_status`: being gathered, whole, or only the shard here"
+        pending, full = getattr(self, '_pending', None), getattr(self, '_full', True)
+        self._show('ds_status', ZeroParamStatus.INFLIGHT if pending is not None else ZeroParamStatus.AVAILABLE if full else ZeroParamStatus.NOT_AVAILABLE)
 
     def __repr__(self): return f"ParamRecord({self.name}, {tuple(self.shape)}, shard={self.shard_numel}{', persistent' if self.persistent else ''})"
 
@@ -74,20 +85,6 @@ def write_back(self:ParamRecord, src:int): # the rank, in the record's group, wh
     "Broadcast the whole parameter from rank `src` of its group and keep this rank's piece of it in the shard"
     if self.world_size > 1: dist.broadcast(self.param.data, src=dist.get_global_rank(self.group, src), group=self.group)
     self.fill_shard(self.param.data)
-
-# %% ../../../nbs/52_zero_stage3_records.ipynb #c008d
-_ds_ids = itertools.count()
-
-def set_ds_attributes(r:ParamRecord):
-    "Give the record's parameter DeepSpeed's `ds_id` (kept if it has one), `ds_shape`, `ds_numel` and `ds_status`"
-    p = r.param
-    if not hasattr(p, 'ds_id'): p.ds_id = next(_ds_ids)
-    p.ds_shape, p.ds_numel = r.shape, r.numel
-    r._show_status()
-
-def drop_ds_attributes(p:torch.nn.Parameter):
-    "The parameter is whole again: remove `ds_id`, `ds_shape`, `ds_numel` and `ds_status`"
-    for name in ('ds_id', 'ds_shape', 'ds_numel', 'ds_status'): p.__dict__.pop(name, None)
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c011
 def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
@@ -151,12 +148,91 @@ def _placeholder(t:torch.Tensor)->torch.Tensor:
     if key not in _EMPTY: _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
     return _EMPTY[key]
 
-def release_records(records:list):
-    "Drop the full data of the records that are whole, not persistent and not used by a running forward"
+def release_records(records:list,
+                    keep_persistent:bool=True): # False: release the persistent ones too
+    "Drop the full data of the records that are whole, not used by a running forward and (unless told otherwise) not persistent"
     for r in records:
         if r.pending is not None: r.pending.finish()
-        if r.full and not r.persistent and r.active == 0:
+        if r.full and r.active == 0 and not (keep_persistent and r.persistent):
             r.param.data, r.full = _placeholder(r.shard), False
+
+# %% ../../../nbs/52_zero_stage3_records.ipynb #c008g
+class _Gathering:
+    "What `param.all_gather(async_op=True)` returns: `wait()` finishes the gathers"
+    def __init__(self, records:list): self.records = records
+    def wait(self): gather_records(self.records)
+
+def _owner(r:ParamRecord): return getattr(r.param, '_zero3', (None, None))[0]   # Init or ParameterPartitioner
+
+def _records_of(r:ParamRecord, params)->list:
+    "The records of `params` (None: `r`'s alone); each must be a ZeRO-3 parameter"
+    if params is None: return [r]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    out = [getattr(p, '_zero3', (None, None))[1] for p in params]
+    bad = next((p for p, x in zip(params, out) if x is None), None)
+    if bad is not None: raise ValueError(f"a parameter of shape {tuple(bad.shape)} is not partitioned by ZeRO-3: all_gather() and partition() take ZeRO-3 parameters only")
+    return out
+
+# %% ../../../nbs/52_zero_stage3_records.ipynb #c008h
+@patch
+def ds_all_gather(self:ParamRecord, param_list=None, # ZeRO-3 parameters to make whole (default: this one)
+                  async_op:bool=False, # only start the gathers: `wait()` on the result finishes them
+                  hierarchy:int=0): # DeepSpeed's log indentation; unused
+    "DeepSpeed's `param.all_gather()`: the parameters whole until released (by `partition()`, or after the forward that uses them)"
+    records = _records_of(self, param_list)
+    gather_records(records, async_op=async_op, owner=_owner(self))
+    return _Gathering(records)
+
+@patch
+@torch.no_grad()
+def ds_partition(self:ParamRecord, param_list=None, # ZeRO-3 parameters to release (default: this one)
+                 hierarchy:int=0, # DeepSpeed's log indentation; unused
+                 has_been_updated:bool=False, # the whole value changed here: keep this rank's piece of it first
+                 free_data:bool=True): # DeepSpeed's; the data is always freed (as there)
+    "DeepSpeed's `param.partition()`: release the parameters, persistent ones too"
+    records = _records_of(self, param_list)
+    for r in records:
+        if r.pending is not None: r.pending.finish()
+        if not (has_been_updated and r.full): continue
+        r.fill_shard(r.param.data)
+        hook = getattr(_owner(r), 'on_modified', None)
+        if hook is not None: hook(r)
+    release_records(records, keep_persistent=False)
+
+# %% ../../../nbs/52_zero_stage3_records.ipynb #c008i
+@patch
+def ds_partition_numel(self:ParamRecord)->int: return self.shard_numel   # elements in each rank's shard
+@patch
+def ds_aligned_size(self:ParamRecord)->int: return self.shard_numel * self.world_size   # the parameter padded to N shards
+@patch
+def ds_padding_size(self:ParamRecord)->int: return self.ds_aligned_size() - self.numel   # the padding in the last shards
+
+@patch
+def ds_summary(self:ParamRecord, use_debug_name:bool=False)->dict: # use_debug_name: the name instead of `ds_id`
+    "DeepSpeed's `param.ds_summary()` (`active_sub_modules`: the number of running forwards using it)"
+    p = self.param
+    return {'id': self.name if use_debug_name else p.ds_id, 'status': p.ds_status.name, 'numel': p.numel(), 'ds_numel': self.numel,
+            'shape': tuple(p.shape), 'ds_shape': tuple(self.shape), 'requires_grad': p.requires_grad,
+            'grad_shape': None if p.grad is None else tuple(p.grad.shape), 'persist': self.persistent,
+            'active_sub_modules': self.active, 'ds_tensor.shape': None if self.shard is None else tuple(self.shard.shape)}
+
+# %% ../../../nbs/52_zero_stage3_records.ipynb #c008d
+_ds_ids = itertools.count()
+_DS_METHODS = {'all_gather': 'ds_all_gather', 'partition': 'ds_partition', 'partition_numel': 'ds_partition_numel',   # on the
+               'padding_size': 'ds_padding_size', 'aligned_size': 'ds_aligned_size', 'ds_summary': 'ds_summary'}    # parameter: the record's
+_DS_NAMES = ('ds_id', 'ds_shape', 'ds_numel', 'ds_status', 'ds_tensor', 'ds_persist', *_DS_METHODS)
+
+def set_ds_attributes(r:ParamRecord):
+    "Give the record's parameter DeepSpeed's attributes (`ds_id` kept if it has one) and methods, read from and acting on the record"
+    p = r.param
+    if not hasattr(p, 'ds_id'): p.ds_id = next(_ds_ids)
+    p.ds_shape, p.ds_numel, p.ds_tensor, p.ds_persist = r.shape, r.numel, r.shard, r.persistent
+    for name, method in _DS_METHODS.items(): setattr(p, name, getattr(r, method))
+    r._show_status()
+
+def drop_ds_attributes(p:torch.nn.Parameter):
+    "The parameter is whole again: remove DeepSpeed's attributes and methods"
+    for name in _DS_NAMES: p.__dict__.pop(name, None)
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c016
 @torch.no_grad()
