@@ -6,6 +6,7 @@ from helpers import run_distributed
 import flexrt
 from flexrt import zero, comm as dist
 from flexrt.zero.stage3.records import ZeroParamStatus
+from flexrt.zero.stage3 import params as params_module
 
 WS = 2
 
@@ -119,7 +120,7 @@ def test_all_gather_and_partition():
 
 # --- persistence and DeepSpeed's empty_partition_cache ---------------------------------------------------------------
 
-def cache_rank(rank, ws):
+def cache_rank(rank, ws, save_dir):
     model = two_layers()
     engine = engine_for(model, threshold=100)   # every parameter is persistent
     x = torch.arange(5.).view(1, 5)
@@ -129,15 +130,24 @@ def cache_rank(rank, ws):
     emptied = [(p.numel(), p.ds_status) for p in model.parameters()]
     again = engine(x).detach().clone()
     whole = [p.numel() == p.ds_numel for p in model.parameters()]
+    gathered, original = [], params_module.gather_records
+    params_module.gather_records = lambda records, **kw: (gathered.append(len(records)), original(records, **kw))[1]
+    try:
+        engine.optimizer.refresh()                  # all whole: nothing to gather
+        engine.empty_partition_cache(); engine.save_checkpoint(save_dir)
+    finally: params_module.gather_records = original
+    saved = [(p.numel() == p.ds_numel, p.ds_status) for p in model.parameters()]
     engine.close()
-    return before, kept, emptied, again, whole
+    return before, kept, emptied, again, whole, gathered, saved
 
-def test_persistent_parameters_and_empty_partition_cache():
-    for before, kept, emptied, again, whole in run_distributed(cache_rank, WS):
+def test_persistent_parameters_and_empty_partition_cache(tmp_path):
+    for before, kept, emptied, again, whole, gathered, saved in run_distributed(cache_rank, WS, args=(str(tmp_path),)):
         assert kept == [(True, True)] * 4
         assert emptied == [(0, ZeroParamStatus.NOT_AVAILABLE)] * 4
         torch.testing.assert_close(again, before)   # the next forward gathers them again...
         assert whole == [True] * 4                  # ...and they stay whole
+        assert gathered == [4]                      # a save gathers the 4 released ones once; a refresh of whole ones, none
+        assert saved == [(True, ZeroParamStatus.AVAILABLE)] * 4   # whole after the save, as DeepSpeed leaves them
 
 # --- zero.Init -------------------------------------------------------------------------------------------------------
 

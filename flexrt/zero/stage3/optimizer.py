@@ -236,8 +236,8 @@ def quiesce(self:Stage3Optimizer):
 
 @patch
 def refresh(self:Stage3Optimizer):
-    "The persistent parameters whole again (collective), as DeepSpeed leaves them after `save_checkpoint`"
-    self.partitioner.refresh_persistent()
+    "The persistent parameters `quiesce` released whole again (collective), as DeepSpeed leaves them after `save_checkpoint`"
+    self.partitioner.refresh_persistent(released_only=True)   # those still whole are current: no second gather
 
 @patch
 def sync_model(self:Stage3Optimizer):

@@ -268,9 +268,9 @@ def release_all(self:ParameterPartitioner, persistent:bool=False): # True: the p
 
 @patch
 @torch.no_grad()
-def refresh_persistent(self:ParameterPartitioner):
+def refresh_persistent(self:ParameterPartitioner, released_only:bool=False): # True: only those released (`quiesce`), none that are whole
     "After the shards changed (an optimizer step): all-gather the persistent parameters again"
-    persistent = [r for r in self.records.values() if r.persistent and r.numel]
+    persistent = [r for r in self.records.values() if r.persistent and r.numel and not (released_only and r.full)]
     for r in persistent: r.full = False
     if persistent: gather_records(persistent, owner=self)
 
