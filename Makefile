@@ -9,7 +9,7 @@ STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
 PYTEST_LOG := .pytest-last.txt
 
-.PHONY: install demo test test-all sync-check nbtest pytest bench screenshots ds-tests clean
+.PHONY: install demo test test-all sync-check nbtest pytest bench screenshots ds-tests gpu-check clean
 
 install: $(STAMP)
 
@@ -51,6 +51,12 @@ nbtest: install
 # tests/test_deepspeed_parity.py runs the pinned DeepSpeed (dev extra) on CPU next to flexrt.
 pytest: install
 	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rsx -p no:cacheprovider --durations=20 | tee $(PYTEST_LOG)
+
+# On a machine with a GPU (CI has none): flexrt's CUDA paths on one GPU, one rank over NCCL (tools/gpu_check.py): the
+# engine at every stage and precision against plain torch, fp16 overflow, the non-finite watch, checkpoints across
+# devices, the memory model against the measured CUDA peak, the comms logger's CUDA timing. Prints a table.
+gpu-check: install
+	$(PY) tools/gpu_check.py
 
 # The README's pictures are the browser tests' screenshots of real pages (JupyterLab and Voila in Chromium), taken
 # while two ranks train (`*_live.png`), after Stop (`*_dashboard.png`) and after an autotune search (`*_autotune.png`);

@@ -1,6 +1,6 @@
 """Cost of watching a run live: engine step time on 2 ranks with and without a dashboard, interleaved in one run.
 
-    python bench/dashboard_overhead.py [--rounds 3] [--blocks 6] [--steps 30] [--threads N] [--interval S]
+    python bench/dashboard_overhead.py [--rounds 3] [--blocks 6] [--steps 30] [--threads N] [--interval S] [--cpu-share F] [--toggle | --toggle-all]
 
 This process plays the notebook kernel. Each round launches the ranks twice with plain `notebook_launcher`: once with
 no dashboard anywhere (no hub, so the ranks forward nothing and the engine builds no record), and once with a
@@ -14,7 +14,9 @@ watched / unwatched median block), and what the kernel did (plots drawn, the ker
 `--toggle` measures inside launches instead: one launch per round with a dashboard, whose ranks forward their records
 in every other block (a record is then built and sent, and the kernel receives and draws) and not in the others;
 the ratio of each pair of neighbouring blocks cancels the launch-to-launch noise. The kernel may still be drawing
-the last records in the first steps of a quiet block, which the toggled ratio then misses.
+the last records in the first steps of a quiet block, which the toggled ratio then misses. `--toggle-all` also
+switches off, in the quiet blocks, the rest of what watching adds on a rank: the per-layer norms, the per-bucket
+probe and the blocked-time accounting (what stays: the kernel's idle threads and the ranks' idle sender thread).
 
 A watched launch has every panel on, at the dashboard's defaults: each step record carries the rank's time blocked in
 collectives (the ranks panel), the first non-finite value is looked for (one `isfinite` on the norm the engine already
@@ -34,7 +36,18 @@ from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
 
-def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer_norms_every: int | None = None):
+def set_watch(engine, on: bool):
+    "Switch everything watching adds on a rank (per-layer norms, the per-bucket probe, the blocked-time accounting)"
+    from flexrt import comm as dist
+    w = engine.watch
+    w.layer_norms.every = w._every if on else 0
+    probes, probe = w.nonfinite._reducer.before_reduction if w.nonfinite._reducer is not None else [], w.nonfinite._probe
+    if on and probe not in probes and w.nonfinite._reducer is not None: probes.append(probe)
+    if not on and probe in probes: probes.remove(probe)
+    if on != w.comm_wait.on: dist.comms_logger.watch_blocked(on); w.comm_wait.on = on
+
+def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer_norms_every: int | None = None,
+              toggle_all: bool = False):
     import flexrt
     from flexrt import comm as dist, monitor
     from quickstart_train import tiny_transformer, CONFIG
@@ -50,12 +63,14 @@ def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer
         engine.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)))
         engine.step()
     for _ in range(5): step()                                  # warm up
+    engine.watch._every = engine.watch.layer_norms.every
     times = []
     forwarders = [fn for fn in monitor.events._listeners if isinstance(fn, monitor.Forwarder)]
     for block in range(blocks):
         if toggle:   # blocks in pairs, one forwarding and one not, the order alternating between pairs
             on = (block % 2 == 0) == (block // 2 % 2 == 0)
             for fn in forwarders: monitor.add_listener(fn) if on else monitor.remove_listener(fn)
+            if toggle_all: set_watch(engine, on)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(steps): step()
@@ -86,7 +101,8 @@ def launch_once(a, watched: bool, times_file: Path):
     dash = TrainingDashboard(**options) if watched else None
     seen = first_look(dash) if dash is not None else None
     times_file.write_text('')
-    notebook_launcher(rank_main, (a.blocks, a.steps, a.threads, a.toggle, a.layer_norms_every), num_processes=2, use_port=str(free_port()))
+    notebook_launcher(rank_main, (a.blocks, a.steps, a.threads, a.toggle or a.toggle_all, a.layer_norms_every, a.toggle_all),
+                      num_processes=2, use_port=str(free_port()))
     if dash is not None:
         dash.close(); seen['stop']()
         dash.first_look_s = seen['plot'] - seen['record'] if {'plot', 'record'} <= seen.keys() else float('nan')
@@ -103,8 +119,9 @@ def toggled(a):
         offs = [t for b, t in enumerate(block_times) if (b % 2 == 0) != (b // 2 % 2 == 0)]
         ratios += [x / y for x, y in zip(ons, offs)]; fast[True] += ons; fast[False] += offs
     times_file.unlink()
+    what = 'forward their records and do all watching work' if a.toggle_all else 'forward their records'
     print(f"engine step on 2 CPU ranks, {a.rounds} launches x {a.blocks} blocks x {a.steps} steps, a dashboard in the kernel; "
-          f"the ranks forward their records in every other block (pairs inside one launch):")
+          f"the ranks {what} in every other block (pairs inside one launch):")
     print(f"  forwarding / not, paired blocks: median {statistics.median(ratios):.3f} over {len(ratios)} pairs "
           f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f}); "
           f"fastest blocks {min(fast[True]) * 1e3:.2f} vs {min(fast[False]) * 1e3:.2f} ms/step")
@@ -120,8 +137,10 @@ if __name__ == '__main__':
     parser.add_argument('--layer-norms-every', type=int, default=None, help="per-layer norms every N steps (default: the dashboard's, 10)")
     parser.add_argument('--toggle', action='store_true',
                         help="one watched launch per round whose blocks alternate forwarding on and off (pairs within a launch)")
+    parser.add_argument('--toggle-all', action='store_true',
+                        help="as --toggle, and the off blocks also skip the layer norms, the per-bucket probe and the blocked-time accounting")
     a = parser.parse_args()
-    if a.toggle: sys.exit(toggled(a))
+    if a.toggle or a.toggle_all: sys.exit(toggled(a))
     times_file = Path(os.environ.setdefault('BENCH_TIMES', f'/tmp/flexrt-dashboard-bench-{os.getpid()}.txt'))
     times, kernel, dashboards = {'no dashboard': [], 'dashboard': []}, {'cpu': 0.0, 'wall': 0.0}, []
     paired = []   # per round: median block watched / median block unwatched (cancels drift between rounds)
@@ -142,7 +161,7 @@ if __name__ == '__main__':
     dash = dashboards[-1]
     print(f"engine step on 2 CPU ranks ({a.threads or torch.get_num_threads()} torch threads each), {a.rounds} rounds "
           f"x {a.blocks} blocks x {a.steps} steps per configuration, launches interleaved; dashboard interval "
-          f"{dash.interval} s, plots within {getattr(dash, 'cpu_share', 1):.0%} of a core:")
+          f"{dash.interval} s, plots within {getattr(dash, 'cpu_share', 1):.0%} of a core while one is idle:")
     print(f"                               fastest block   median block")
     for k in times: print(f"  {k + ':':28s} {fast[k] * 1e3:8.2f} ms/step {mid[k] * 1e3:9.2f} ms/step")
     print(f"  ratio dashboard / none:      {fast['dashboard'] / fast['no dashboard']:8.3f}         "

@@ -1,5 +1,5 @@
 "The memory model against run_trial's measured peaks on real 2-rank gloo groups: every stage, two micro-batches, two bucket settings"
-import torch
+import pytest, torch
 from tests.helpers import run_distributed
 
 class Block(torch.nn.Module):
@@ -107,3 +107,30 @@ def test_search_path_predictions_meet_its_measured_peaks(tmp_path):
     assert any(r[0] == 3 and r[2][1] > 1 for r in rows)   # stage 3 with persistent parameters (the 1-element bias among them)
     assert len({r[2] for r in rows if r[0] == 3}) >= 2       # and more than one knob setting
     _check(rows)
+
+def test_cuda_step_holds_torch_foreach_temporaries():
+    "On CUDA torch steps every tensor at once (foreach): Adam(W) holds one parameter-sized temporary for all of them, Adagrad two, SGD none (measured on an H200); on the CPU two per tensor, one tensor at a time"
+    from flexrt.autotuner.memory import profile_model, estimate_memory
+    for name, cuda_temps in (('AdamW', 1), ('Adagrad', 2), ('SGD', 0)):
+        c = {**config(0, 4), 'optimizer': {'type': name, 'params': {'lr': 1e-3}}}
+        profile = profile_model(mlp_fn, c)
+        P, largest = profile.num_params * 4, max(profile.numels) * 4
+        step = {d: estimate_memory(profile, c, 1, 4, device=d).phases['step'] for d in ('cpu', 'cuda')}
+        cpu_temps = {'AdamW': 2, 'Adagrad': 1, 'SGD': 0}[name] * largest
+        assert step['cuda'] - step['cpu'] == cuda_temps * P - cpu_temps, (name, step, P, largest)
+    for stage in (1, 2, 3):   # the sharded stages step flat buffers: the foreach count applies to them too
+        profile = profile_model(mlp_fn, config(stage, 4))
+        cpu, cuda = (estimate_memory(profile, config(stage, 4), 1, 4, device=d).phases['step'] for d in ('cpu', 'cuda'))
+        assert cuda < cpu, (stage, cpu, cuda)
+NEEDS_CUDA = 'no CUDA device on this machine: profiling on a GPU reads the caching allocator (tools/gpu_check.py checks the model there)'
+
+def _cuda_profile(rank, world_size):
+    from flexrt.autotuner.memory import profile_model
+    small, large = (profile_model(mlp_fn, config(0, 1), train_step=mlp_step, micro_batches=(2, m)) for m in (8, 64))
+    return small.activation_slope, large.activation_slope
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+def test_profile_on_cuda_measures_activations():
+    "On a GPU the activations are the CUDA allocator's bytes (a CPU tensor tracker would see none): they grow with the batch"
+    small, large = run_distributed(_cuda_profile, 1, init=False, start_method='spawn', timeout=120)[0]
+    assert small > 0 and large > 0, (small, large)

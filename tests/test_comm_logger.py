@@ -154,6 +154,6 @@ def _cuda_async(rank, ws):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='no CUDA device on this machine: CUDA-event timing of an async op runs only where a GPU exists')
 def test_cuda_async_latency_excludes_later_compute():
-    ar_ms, pending = run_distributed(_cuda_async, 1, init=False)[0]
+    ar_ms, pending = run_distributed(_cuda_async, 1, init=False, start_method='spawn')[0]
     assert ar_ms < 200, ar_ms   # the comm itself, not the ~1 s of kernels queued after it
     assert pending <= 2, pending

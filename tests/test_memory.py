@@ -344,7 +344,7 @@ def test_sampler_survives_fork():
 # ---- CUDA (skipped on CPU-only machines)
 
 def _cuda_reports(rank, world_size):
-    "In a forked child, so that the pytest process never initialises CUDA (its CPU tests rely on that)"
+    "In a spawned child, so that the pytest process never initialises CUDA (its CPU tests rely on that); spawned, not forked: the skip marks asked CUDA whether a device exists, after which torch refuses CUDA in a forked child"
     assert memory_snapshot().device == 'cpu'                         # CUDA present but not used yet: the CPU
     device = torch.device('cuda', torch.cuda.current_device())
     t = torch.empty(MiB // 4, device=device)
@@ -366,4 +366,4 @@ def _cuda_reports(rank, world_size):
 
 @needs_cuda
 def test_cuda_snapshot_matches_torch_and_see_memory_usage_resets_peaks():
-    assert run_distributed(_cuda_reports, 1, init=False, timeout=60) == [True]
+    assert run_distributed(_cuda_reports, 1, init=False, timeout=60, start_method='spawn') == [True]

@@ -178,22 +178,47 @@ class SteppingClock:
     def __init__(self, step): self.now, self.step = 0., step
     def __call__(self): self.now += self.step; return self.now
 
-def test_plots_keep_to_their_cpu_budget_while_texts_follow_every_record():
-    """A flood of records, one every 1/64 s for 2 s of a fake clock, each followed by what the redraw loop does: the
-    first plot at once, then plots costing 1/32 CPU-second with cpu_share 1/16 are due every 0.5 s (records 1, 33, 65,
-    97), texts after every record"""
+def _flood(records:int, idle_cores:float)->tuple: # (the dashboard, the records after which a plot was drawn)
+    """A flood of records, one every 1/64 s of a fake clock, each followed by what the redraw loop does; plots cost
+    1/32 CPU-second, cpu_share is 1/16, and `idle_cores` of the machine's cores stay idle meanwhile"""
     dash = TrainingDashboard(total_steps=10_000, interval=1 / 128, cpu_share=1 / 16, redraw=False)   # the test drives
     dash.clock, dash.cpu_clock = FakeClock(), SteppingClock(1 / 32)
+    dash.idle_clock = lambda: idle_cores * dash.clock.now
     drawn_at = []
-    for n in range(1, 129):
+    for n in range(1, records + 1):
         dash.clock.now = n / 64
         for rank in (0, 1): dash.records(step(rank, n))
         before = dash.grad_norm.num_plots
         dash.refresh(plots=dash.plot_stale() and dash.plot_due())   # one pass of the redraw loop
         if dash.grad_norm.num_plots > before: drawn_at.append(n)
         assert dash.steps_seen.value == 2 * n and f'step {n}/10000' in dash.status.value   # the texts follow every record
+    return dash, drawn_at
+
+def test_plots_keep_to_their_cpu_budget_while_texts_follow_every_record():
+    """2 s of records with two cores idle: the first plot at once, then plots costing 1/32 CPU-second with cpu_share
+    1/16 are due every 0.5 s (records 1, 33, 65, 97), texts after every record"""
+    dash, drawn_at = _flood(128, idle_cores=2.)
     assert drawn_at == [1, 33, 65, 97] and dash.memory.num_plots == 4
     dash.close()
     plots = dash.grad_norm.num_plots
     dash.records(step(0, 129)); dash.refresh()                       # refresh() draws the latest records at once
     assert dash.grad_norm.num_plots == plots + 1 and 'step 129:' in dash.grad_norm.text.value
+
+def test_a_panel_gets_its_first_look_at_once():
+    "Layer norms first come at step 10, after the plots' budget was spent: the heatmap is drawn at the next pass, once"
+    dash, drawn_at = _flood(8, idle_cores=0.)   # plotted at record 1; the budget then waits 2.5 s
+    assert drawn_at == [1] and not dash.plot_due() and not dash.layers.first_drawn()
+    dash.records({'kind': 'layer_norms', 'time': 18.0, 'step': 8, 'rank': 0, 'norms': {'0': 1.0, '1': 0.5},
+                  'num_layers': 2, 'nonfinite_layers': []})
+    assert dash.plot_due()
+    dash.refresh(plots=dash.plot_stale() and dash.plot_due())
+    assert dash.layers.first_drawn() and not dash.plot_due()   # the other plots wait for their budget again
+    dash.close()
+
+def test_plots_yield_when_the_training_keeps_the_cores_busy():
+    """With a quarter of a core idle the plots get a quarter of their budget (one every 2 s instead of 0.5 s); with
+    none idle, the floor: a fifth (one every 2.5 s); the texts still follow every record"""
+    for idle, expected in ((0.25, [1, 129]), (0., [1, 161])):
+        dash, drawn_at = _flood(192, idle_cores=idle)
+        assert drawn_at == expected, (idle, drawn_at)
+        dash.close()

@@ -293,6 +293,7 @@ def run_trial(model_fn, # builds a fresh model (called once per trial, on every 
     "Run one experiment on the calling ranks; every rank of `group` gets the same result"
     _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, precision)
     start, freeze = time.perf_counter(), gc.get_freeze_count() == 0   # someone else's frozen objects stay as they are
+    if _device().type == 'cuda': gc.collect()   # the allocator counts every tensor: garbage freed mid-trial would fall below the base
     if freeze: gc.freeze()   # a collection after the trial then scans only what the trial made: fast
     meter, local, trace = PeakMeter(_device()).start(), {'status': 'ok', 'reason': '', 'peer': False, 'summary': {}}, {}
     try:

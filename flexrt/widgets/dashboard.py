@@ -27,7 +27,7 @@ class TrainingDashboard(LiveView):
     def __init__(self, total_steps:int|None=None, # steps the run will take, for the bar and ETA (a 'comm' record may tell)
                  clip:float|None=None, # clip threshold to draw
                  interval:float=0.5, # seconds between text updates; the plots' shortest gap
-                 cpu_share:float=0.05, # share of one core the plots may use on average
+                 cpu_share:float=0.05, # share of one core the plots may use on average (less while the ranks leave no core idle)
                  redraw:bool=True): # redraw from a thread of its own (False: you call `refresh()`)
         self.total_steps, self.clip, self._comm_drawn, self._log_drawn, self._watching = total_steps, clip, 0, 0, False
         super().__init__(interval=interval, cpu_share=cpu_share, redraw=redraw)
@@ -122,6 +122,10 @@ def draw_text(self:TrainingDashboard):
 def plot_stale(self:TrainingDashboard)->bool: return any(view.plot_stale() for view in self.views())
 @patch
 def first_drawn(self:TrainingDashboard)->bool: return self.grad_norm.first_drawn() and self.memory.first_drawn()
+@patch
+def plot_due(self:TrainingDashboard)->bool:
+    "As a view's plots are due, and at once for a panel's first data (its first look: the heatmap's at step 10)"
+    return any(view.has_data() and not view.first_drawn() for view in self.views()) or LiveView.plot_due(self)
 @patch
 def prepare_plot(self:TrainingDashboard):
     for view in (self.grad_norm, self.memory): view.prepare_plot()   # the other views are hidden until their records come

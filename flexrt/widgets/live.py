@@ -6,6 +6,7 @@
 from __future__ import annotations
 import atexit, os, threading, time, weakref
 import pandas as pd
+import psutil
 import ipywidgets as W
 from fastcore.basics import patch
 from matplotlib.figure import Figure
@@ -17,22 +18,29 @@ from .plots import Plot, figure_html, thin
 History = RecordStore   # the name this store had before 0.2
 
 # %% auto #0
-__all__ = ['History', 'FIRST_POLL', 'LiveView']
+__all__ = ['History', 'FIRST_POLL', 'BUSY_SHARE', 'idle_seconds', 'LiveView']
 
 # %% ../../nbs/80_widgets_live.ipynb #c006
 _views = weakref.WeakSet()   # live views, stopped at interpreter exit
 FIRST_POLL = 0.05            # seconds between looks for the first records
+BUSY_SHARE = 0.2             # the least fraction of `cpu_share` the plots keep when no core is idle
+
+def idle_seconds()->float:
+    "CPU-seconds the machine's cores have spent idle (or waiting for I/O) so far, all cores together"
+    times = psutil.cpu_times()
+    return times.idle + getattr(times, 'iowait', 0.)
 
 class LiveView:
     "Base of the views: a RecordStore, a redraw thread, `refresh()`, `save()`, `close()`"
     kinds, png_name = (), 'plot.png'   # the record kinds the plot is drawn from; its file name in `save()`
-    clock, cpu_clock = staticmethod(time.monotonic), staticmethod(time.thread_time)   # tests set fake ones per view
+    clock, cpu_clock, idle_clock = staticmethod(time.monotonic), staticmethod(time.thread_time), staticmethod(idle_seconds)   # tests set fake ones per view
     def __init__(self, records:RecordStore|None=None, # share one with other views; default: a new one, attached here
                  interval:float=0.5, # seconds between text updates while records arrive; the plots' shortest gap
-                 cpu_share:float=0.05, # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds
+                 cpu_share:float=0.05, # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds (less while no core is idle)
                  redraw:bool=True): # redraw from a thread of its own (False: its owner calls `refresh()`)
         self.attached, self.records, self.interval, self.cpu_share = records is None, records or RecordStore(), interval, cpu_share
         self._drawn, self._plotted, self._plotted_at, self.plot_cost, self.error = -1, None, -float('inf'), 0.0, None
+        self._idle_at = None   # `idle_clock()` when the last plot was drawn
         self.num_plots, self._live, self._layout = 0, None, None   # plots drawn so far; the live figure and its layout
         self._draw_lock, self._closed = threading.Lock(), threading.Event()
         self.widget = self.build()
@@ -72,7 +80,16 @@ def _plot_if_stale(self:LiveView)->bool: # whether it drew
 def plot_due(self:LiveView)->bool:
     "Whether the plots' CPU budget allows a redraw now (the first plot is always due)"
     if not self.first_drawn(): return True
-    return self.clock() - self._plotted_at >= max(self.interval, self.plot_cost / self.cpu_share)
+    waited = self.clock() - self._plotted_at
+    return waited >= max(self.interval, self.plot_cost / self.budget(waited))
+
+@patch
+def budget(self:LiveView, waited:float)->float: # the share of one core the plots may use now
+    "`cpu_share` while a core or more was idle since the last plot; with less, that fraction of it (the ranks keep the machine busy), `BUSY_SHARE` of it at least"
+    if self._idle_at is None or waited <= 0: return self.cpu_share
+    try: idle = (self.idle_clock() - self._idle_at) / waited   # cores idle on average
+    except Exception: return self.cpu_share
+    return self.cpu_share * min(1., max(BUSY_SHARE, idle))
 
 # %% ../../nbs/80_widgets_live.ipynb #c008
 @patch
@@ -83,7 +100,10 @@ def refresh(self:LiveView, plots:bool=True): # False: the texts only
         if not first: self.draw_text()           # the first plot comes with the first texts, not after them
         if plots:
             start = self.cpu_clock()
-            if self._plot_if_stale(): self.plot_cost, self._plotted_at = self.cpu_clock() - start, self.clock()
+            if self._plot_if_stale():
+                self.plot_cost, self._plotted_at = self.cpu_clock() - start, self.clock()
+                try: self._idle_at = self.idle_clock()
+                except Exception: self._idle_at = None
         if first: self.draw_text()
 
 @patch

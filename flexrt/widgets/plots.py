@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64, io
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.layout_engine import TightLayoutEngine
 
 # %% auto #0
 __all__ = ['figure_html', 'Plot', 'thin']
@@ -52,13 +53,13 @@ def render(self:Plot)->Figure:
             if any(not l.get_label().startswith('_') for l in ax.get_lines()): ax.legend(fontsize=7, loc=self.legend_loc)
         self._new_lines, self._layout_due = False, True
     if self._layout_due and self._prepared: self._prepared = False     # shown at once, laid out anew next time
-    elif self._layout_due: self.figure.tight_layout(); self._layout_due = False
+    elif self._layout_due: TightLayoutEngine().execute(self.figure); self._layout_due = False
     return self.figure
 
 @patch
 def prepare(self:Plot):
     "Lay the figure out now, before its data: the first render with data then skips the layout, a third of its cost"
-    self.figure.tight_layout(); self._prepared, self._layout_due = True, False
+    TightLayoutEngine().execute(self.figure); self._prepared, self._layout_due = True, False
 
 # %% ../../nbs/80_widgets_plots.ipynb #c015
 def thin(frame:pd.DataFrame, max_points:int=300)->pd.DataFrame:

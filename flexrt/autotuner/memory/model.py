@@ -8,7 +8,7 @@ import dataclasses, math
 from dataclasses import dataclass, field
 import torch
 from ...config import FlexConfig, load_config
-from .stages import (Line, ModelProfile, STATE_TENSORS, STEP_TEMPORARIES, STATE_SCALAR_BYTES, setting,
+from .stages import (Line, ModelProfile, STATE_TENSORS, STEP_TEMPORARIES, FOREACH_TEMPORARIES, STATE_SCALAR_BYTES, setting,
                                             levels)
 from .stage3 import replay
 from .record import ActivationRecorder, record_activations
@@ -27,6 +27,7 @@ def _optimizer_state(name:str, params:dict)->dict: # ModelProfile's optimizer fi
     if name == 'SGD': state = int(params.get('momentum', 0) != 0)
     if name == 'RMSprop': state += int(params.get('momentum', 0) != 0) + int(bool(params.get('centered', False)))
     return dict(optimizer=name, state_tensors=state, step_temporaries=STEP_TEMPORARIES.get(name, 2),
+                foreach_temporaries=FOREACH_TEMPORARIES.get(name, STEP_TEMPORARIES.get(name, 2)),
                 state_scalar_bytes=STATE_SCALAR_BYTES.get(name, 4))
 
 def _optimizer_name(cfg)->str:

@@ -4,13 +4,14 @@
 
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c002
 from __future__ import annotations
+import torch
 from ... import comm as dist
 from ...engine import initialize
 from ...memory.tracker import TensorMemoryTracker, active_tracker
 from ...monitor.ds_sinks import without_monitors
 
 # %% auto #0
-__all__ = ['ActivationRecorder', 'record_activations']
+__all__ = ['ActivationRecorder', 'CudaBytes', 'record_activations']
 
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c009
 class ActivationRecorder:
@@ -28,6 +29,16 @@ class ActivationRecorder:
         if not self.on: return
         self.tail = self.t.peak_bytes - self.start_bytes - self.grads
         self.hold, self.on = self.t.allocated_bytes - self.start_bytes - self.grads, False
+
+# %% ../../../nbs/71_autotuner_memory_record.ipynb #w68a2c6
+class CudaBytes:
+    "The CUDA caching allocator's counts in `TensorMemoryTracker`'s terms: what an `ActivationRecorder` reads on a GPU"
+    def __init__(self, device=None): self.device = torch.device('cuda', torch.cuda.current_device()) if device is None else torch.device(device)
+    @property
+    def allocated_bytes(self)->int: return torch.cuda.memory_allocated(self.device)
+    @property
+    def peak_bytes(self)->int: return torch.cuda.max_memory_allocated(self.device)
+    def reset_peak(self): torch.cuda.reset_peak_memory_stats(self.device)
 
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c010
 def _solo_unit():
@@ -47,14 +58,16 @@ def _stage0_config(config:dict, micro:int)->dict:
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c011
 def record_activations(model_fn, train_step, config:dict, micro:int, steps:int=3)->ActivationRecorder:
     "Run `steps` micro-steps of a stage-0 engine on this rank alone; the last one recorded"
-    unit, own = _solo_unit(), active_tracker() is None
-    tracker = TensorMemoryTracker(count_existing=False).enable() if own else active_tracker()
+    cuda = torch.cuda.is_available()   # the engine runs on the GPU when there is one: the allocator counts its bytes
+    unit, own = _solo_unit(), not cuda and active_tracker() is None
+    tracker = CudaBytes() if cuda else TensorMemoryTracker(count_existing=False).enable() if own else active_tracker()
     engine, hooks = None, []
     try:
         model = model_fn()
         params = list(dict.fromkeys(model.parameters()))
         rec = ActivationRecorder(tracker, {id(p): i for i, p in enumerate(params)})
         engine, *_ = initialize(model=model, config=_stage0_config(config, micro), mpu=unit)
+        if cuda: tracker.device = engine.device
         hooks = [p.register_post_accumulate_grad_hook(rec.grad) for p in params if p.requires_grad]
         step = engine.step
         engine.step = lambda *a, **k: (rec.step(), step(*a, **k))[1]
@@ -66,6 +79,6 @@ def record_activations(model_fn, train_step, config:dict, micro:int, steps:int=3
         return rec
     finally:
         for h in hooks: h.remove()
-        if engine is not None: engine.close()
+        if engine is not None: engine.__dict__.pop('step', None); engine.close()   # no cycle (engine -> wrapper -> engine) keeps its tensors
         if own: tracker.disable()
         if unit is not None: unit.close()

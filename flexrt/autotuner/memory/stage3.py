@@ -4,7 +4,7 @@
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c002
 from __future__ import annotations
-from .stages import ModelProfile, Setting, Tally, optimizer_state_bytes, stage0, stage12
+from .stages import ModelProfile, Setting, Tally, optimizer_state_bytes, step_temporaries, stage0, stage12
 from itertools import accumulate
 from ...zero.stage3.plan import COALESCE_NUMEL, plan_keep, plan_chunks, chunk_ends, plan_ahead, split_buckets
 
@@ -109,7 +109,7 @@ def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
         peak = max(peak, g[2] - mine + before, g[1] - mine + flying[j + 1] - flying[c + 1])
     t.see(fwd, peak)   # a chunk being finished (buffer and copies), or held, with the chunks ahead in flight
     _backward3(pr, s, t, events, chunks, gathered, kept, shard, persistent, ends).see(tail)
-    step = Tally(sum(bd.values())).see(hold, pr.step_temporaries * St * 4)
+    step = Tally(sum(bd.values())).see(hold, step_temporaries(pr, s) * St * 4)
     if W > 1: step.see(hold, whole + whole // W)   # the persistent parameters gathered again
     P = (sum(n) + pr.buffer_numel) * 4
     init = Tally(0.).see(0., max(P, P + St * 8 + (St * w if w != 4 else 0)))

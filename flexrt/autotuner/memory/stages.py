@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from ...config import FlexConfig, load_config
 
 # %% auto #0
-__all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'Line', 'ModelProfile', 'Setting',
-           'setting', 'pad', 'plan_buckets', 'Tally', 'levels', 'optimizer_state_bytes', 'stage0', 'stage12']
+__all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'FOREACH_TEMPORARIES', 'Line',
+           'ModelProfile', 'Setting', 'setting', 'pad', 'plan_buckets', 'Tally', 'levels', 'step_temporaries',
+           'optimizer_state_bytes', 'stage0', 'stage12']
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c005
 @dataclass
@@ -34,6 +35,8 @@ STEP_TEMPORARIES = {'Adam': 2, 'AdamW': 2, 'Lamb': 2, 'Adamax': 1, 'NAdam': 2, '
                     'RMSprop': 1, 'SGD': 0}   # parameter-sized temporaries of torch's per-tensor step (measured on CPU)
 STATE_SCALAR_BYTES = {'Lamb': 0, 'SGD': 0, 'NAdam': 8}   # others: torch's 4-byte step counter per tensor
 FOREACH_STEP = {'Lamb'}   # steps all its tensors at once: temporaries for all of them (torch's own do so on CUDA)
+FOREACH_TEMPORARIES = {'Adam': 1, 'AdamW': 1, 'Adamax': 1, 'NAdam': 1, 'RAdam': 1, 'RMSprop': 1, 'Adagrad': 2,
+                       'Adadelta': 2, 'SGD': 0}   # parameter-sized temporaries of torch's foreach step, CUDA's default (measured on an H200, torch 2.11), for all tensors stepped together
 
 @dataclass
 class ModelProfile:
@@ -52,6 +55,7 @@ class ModelProfile:
     activation_intercept: float|None = None  # bytes independent of the micro-batch
     timeline: dict|None = None       # the measured activation timeline (see `profile_model(..., train_step=)`)
     profile_itemsize: int = 4        # bytes per element of the dtype the timeline was measured in
+    foreach_temporaries: int = 1     # parameter-sized temporaries of its foreach step (on CUDA), for all tensors at once
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c009
 @dataclass
@@ -109,6 +113,10 @@ def levels(profile:ModelProfile, m:float, offset:float=0., scale:float=1.)->tupl
     f = lambda line: max(0., Line(*line)(m) * scale) + offset
     return f(tl['fwd']), [(i, f(a), f(b)) for i, a, b in tl['events']], f(tl['tail']), f(tl['hold'])
 
+def step_temporaries(profile:ModelProfile, s:Setting)->int:
+    "Parameter-sized temporaries of one optimizer step: torch's foreach step on CUDA, its per-tensor step on the CPU"
+    return profile.foreach_temporaries if s.cuda and profile.optimizer not in FOREACH_STEP else profile.step_temporaries
+
 def optimizer_state_bytes(profile:ModelProfile, numels:list, itemsize:int)->int:
     "Optimizer state of tensors of `numels` elements (plus torch's 4-byte step counter per tensor)"
     return profile.state_tensors * sum(numels) * itemsize + profile.state_scalar_bytes * len(numels)
@@ -129,7 +137,7 @@ def stage0(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     bwd.see(tail)
     step = Tally(static).add(bwd.extra + (Pt * 4 if s.masters else 0))
     stepped = sum(n[i] for i in T) if pr.optimizer in FOREACH_STEP or s.cuda else max((n[i] for i in T), default=0)
-    step.see(hold, pr.step_temporaries * stepped * sd)
+    step.see(hold, step_temporaries(pr, s) * stepped * sd)
     init = Tally(0.).see(0., max(P * 4, P * w + bd['fp32_masters'] + bd['gradients'],
                                  P * 4 + bd['fp32_masters'] + max(n, default=0) * w if s.masters else 0))   # casting
     return bd, dict(init=init, backward=bwd, step=step)
@@ -148,7 +156,7 @@ def _step12(pr:ModelProfile, s:Setting, static:float, hold:float, shards:list, s
     "The optimizer steps each bucket's chunk; the backend's own all-gather holds a copy of it until all finish (direct messages send the chunk itself)"
     t = Tally(static).add(sum(shards) * 4 if s.masters else 0)
     for sh in shards:
-        t.see(hold, pr.step_temporaries * sh * sd)
+        t.see(hold, step_temporaries(pr, s) * sh * sd)
         if s.world_size > 1 and not s.p2p: t.add(sh * s.itemsize)   # `gather_bucket`: 'native' copies the master, 'p2p' sends the buffer's own chunk
     return t.see(hold)
 
