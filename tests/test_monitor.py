@@ -55,8 +55,8 @@ def test_listeners_change_while_another_thread_emits():
 def test_engine_builds_no_record_when_nobody_listens(monkeypatch):
     import flexrt
     from flexrt.engine import parts
-    def forbidden(*a, **k): raise AssertionError('memory_snapshot called with nobody listening')
-    monkeypatch.setattr(parts, 'memory_snapshot', forbidden)
+    def forbidden(*a, **k): raise AssertionError('memory_record called with nobody listening')
+    monkeypatch.setattr(parts, 'memory_record', forbidden)
     engine, *_ = flexrt.initialize(model=torch.nn.Linear(3, 1), config={'train_batch_size': 2, 'steps_per_print': 1000,
                                    'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})
     for _ in range(3): engine.backward(engine(torch.randn(2, 3)).mean()); engine.step()

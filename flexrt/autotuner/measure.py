@@ -11,7 +11,7 @@ from fastcore.basics import patch
 from torch.utils.flop_counter import FlopCounterMode
 from .. import comm as dist
 from ..engine import initialize
-from ..memory.tracker import TensorMemoryTracker, active_tracker
+from ..memory.tracker import CudaBytes, TensorMemoryTracker, active_tracker
 from ..monitor.ds_sinks import without_monitors
 
 # %% auto #0
@@ -102,14 +102,11 @@ class PeakMeter:
     def __init__(self, device:torch.device): self.device, self.tracker, self.owned, self.base = device, None, False, 0
 
     def start(self)->'PeakMeter':
-        if self.device.type == 'cuda':
-            torch.cuda.synchronize(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        self.tracker = active_tracker()
-        self.owned = self.tracker is None
-        if self.owned: self.tracker = TensorMemoryTracker(count_existing=False).enable()
+        if self.device.type == 'cuda': torch.cuda.synchronize(self.device); self.tracker = CudaBytes(self.device)   # the allocator's own counts
+        else:
+            self.tracker = active_tracker()
+            self.owned = self.tracker is None
+            if self.owned: self.tracker = TensorMemoryTracker(count_existing=False).enable()
         self.tracker.reset_peak()
         self.base = self.tracker.allocated_bytes
         return self
@@ -118,7 +115,6 @@ class PeakMeter:
 @patch
 def peak(self:PeakMeter)->int: # bytes above the start
     "The highest bytes since `start`, above what lived then"
-    if self.device.type == 'cuda': return torch.cuda.max_memory_allocated(self.device) - self.base
     return self.tracker.peak_bytes - self.base
 
 @patch

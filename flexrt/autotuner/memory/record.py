@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from ... import comm as dist
 from ...engine import initialize
-from ...memory.tracker import TensorMemoryTracker, active_tracker
+from ...memory.tracker import CudaBytes, TensorMemoryTracker, active_tracker
 from ...monitor.ds_sinks import without_monitors
 
 # %% auto #0
-__all__ = ['ActivationRecorder', 'CudaBytes', 'record_activations']
+__all__ = ['ActivationRecorder', 'record_activations']
 
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c009
 class ActivationRecorder:
@@ -29,16 +29,6 @@ class ActivationRecorder:
         if not self.on: return
         self.tail = self.t.peak_bytes - self.start_bytes - self.grads
         self.hold, self.on = self.t.allocated_bytes - self.start_bytes - self.grads, False
-
-# %% ../../../nbs/71_autotuner_memory_record.ipynb #w68a2c6
-class CudaBytes:
-    "The CUDA caching allocator's counts in `TensorMemoryTracker`'s terms: what an `ActivationRecorder` reads on a GPU"
-    def __init__(self, device=None): self.device = torch.device('cuda', torch.cuda.current_device()) if device is None else torch.device(device)
-    @property
-    def allocated_bytes(self)->int: return torch.cuda.memory_allocated(self.device)
-    @property
-    def peak_bytes(self)->int: return torch.cuda.max_memory_allocated(self.device)
-    def reset_peak(self): torch.cuda.reset_peak_memory_stats(self.device)
 
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c010
 def _solo_unit():
