@@ -7,7 +7,7 @@ __all__ = ['memory_device', 'tensor_memory_stats', 'MemorySnapshot', 'memory_rec
            'reset_peak_memory_stats']
 
 # %% ../../nbs/25_memory_stats.ipynb #h002
-import collections, functools, os, platform, threading, time
+import collections, functools, os, platform, time
 from dataclasses import dataclass
 import psutil, torch
 from .. import comm as dist
@@ -74,19 +74,18 @@ class MemorySnapshot:
     system_used_percent: float # `system_used_bytes` as a percentage of the total
 
 # %% ../../nbs/25_memory_stats.ipynb #c015
-_PROCESS, _SYSTEM, _PROCESS_LOCK = {}, [0., None], threading.Lock()   # {pid: its /proc statm descriptor, or psutil's process}
+_PROCESS, _SYSTEM = {}, [0., None]   # {pid: its /proc statm descriptor, or psutil's process}
 _LAST_PROCESS = [0., None, None]   # (monotonic time, pid, _ProcessMemory) of the last read
 _PAGE = os.sysconf('SC_PAGE_SIZE') if hasattr(os, 'sysconf') else 4096
 _ProcessMemory = collections.namedtuple('_ProcessMemory', 'rss vms')
 
 def _forget_process_handle():
     "In a forked child: the inherited descriptor reads the parent's numbers; close it (the child opens its own)"
-    global _PROCESS_LOCK
     for handle in _PROCESS.values():
         if isinstance(handle, int):
             try: os.close(handle)
             except OSError: pass
-    _PROCESS.clear(); _PROCESS_LOCK = threading.Lock()
+    _PROCESS.clear()
 
 if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_forget_process_handle)
 
@@ -101,12 +100,10 @@ def _process_memory(max_age:float=0.)->_ProcessMemory:
 def _read_process_memory(pid:int)->_ProcessMemory:
     handle = _PROCESS.get(pid)
     if handle is None:
-        with _PROCESS_LOCK:
-            handle = _PROCESS.get(pid)
-            if handle is None:
-                try: handle = os.open(f'/proc/{pid}/statm', os.O_RDONLY | getattr(os, 'O_CLOEXEC', 0))
-                except OSError: handle = psutil.Process(pid)
-                _PROCESS[pid] = handle
+        try: opened = os.open(f'/proc/{pid}/statm', os.O_RDONLY | getattr(os, 'O_CLOEXEC', 0))
+        except OSError: opened = psutil.Process(pid)
+        handle = _PROCESS.setdefault(pid, opened)
+        if handle is not opened and isinstance(opened, int): os.close(opened)   # another thread opened it first
     if not isinstance(handle, int): m = handle.memory_info(); return _ProcessMemory(m.rss, m.vms)
     size, resident = os.pread(handle, 128, 0).split()[:2]
     return _ProcessMemory(int(resident) * _PAGE, int(size) * _PAGE)

@@ -87,8 +87,7 @@ def plot_due(self:LiveView)->bool:
 def budget(self:LiveView, waited:float)->float: # the share of one core the plots may use now
     "`cpu_share` while a core or more was idle since the last plot; with less, that fraction of it (the ranks keep the machine busy), `BUSY_SHARE` of it at least"
     if self._idle_at is None or waited <= 0: return self.cpu_share
-    try: idle = (self.idle_clock() - self._idle_at) / waited   # cores idle on average
-    except Exception: return self.cpu_share
+    idle = (self.idle_clock() - self._idle_at) / waited   # cores idle on average
     return self.cpu_share * min(1., max(BUSY_SHARE, idle))
 
 # %% ../../nbs/80_widgets_live.ipynb #c008
@@ -101,9 +100,7 @@ def refresh(self:LiveView, plots:bool=True): # False: the texts only
         if plots:
             start = self.cpu_clock()
             if self._plot_if_stale():
-                self.plot_cost, self._plotted_at = self.cpu_clock() - start, self.clock()
-                try: self._idle_at = self.idle_clock()
-                except Exception: self._idle_at = None
+                self.plot_cost, self._plotted_at, self._idle_at = self.cpu_clock() - start, self.clock(), self.idle_clock()
         if first: self.draw_text()
 
 @patch
