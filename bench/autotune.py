@@ -2,6 +2,7 @@
 
     python bench/autotune.py [--quick] [--workloads gpt,mlp] [--reps 3] [--seeds 20] [--out bench_out/autotune]
     python bench/autotune.py --phases trust,gpt_time --workloads mlp     # the #24 goals only
+    python bench/autotune.py --phases trust --workloads mlp --launcher kernel   # ranks launched from a kernel
 
 Phases (each prints a table; all files go to --out):
 1. surface: every rank runs `run_trial` over the grid stage x micro-batches x reduce x allgather/prefetch buckets, `--reps`
@@ -15,17 +16,24 @@ Phases (each prints a table; all files go to --out):
    re-implementation of DeepSpeed's fast mode and of its grid search with early stopping 5.
 4. launch: the same experiments as one torchrun + initialize per experiment (the CLI's launch-per-experiment mode)
    against in-process, end to end.
-5. trust (#24): the default search repeated --searches times (10) on a budget-bound workload (--trust-budget, 10 MiB: the MLP's stages fit 550-700 samples)
-   while a load generator this script starts and stops keeps one core busy; then an interleaved brute-force sweep in the
-   same run (every stage x the micro-batches from an eighth of each stage's largest up, plus every configuration a search
-   ran or chose; --sweep-rounds (7) rounds, each in a rotated order, each reading timed to 3% or 1 s (as the playoff
-   times its readings); each candidate's score is the median over rounds of its
-   throughput over the stage-0 reference's in the same round). Prints how often the winner is within 5% of the sweep's
-   best (goal >= 9 of 10) and the runs per stage spent on the largest micro-batch (goal <= 3 on average).
+5. trust (#24, #35): the default search repeated --searches times (10) on a budget-bound workload (--trust-budget,
+   10 MiB: the MLP's stages fit 550-700 samples) while a load generator this script starts and stops keeps one core
+   busy; then, in the same ranks, a brute-force sweep: every stage x every micro-batch of the search's ladder (its
+   min/max_train_micro_batch_size_per_gpu: 1 .. 1024) x every thread count per rank the autotuner considers on CPU
+   (`flexrt.autotuner.space.thread_counts`: up to cores // ranks), each with the knobs the search starts from, plus
+   every search's winner; --sweep-rounds (7) interleaved rounds, each in a rotated order, each reading timed to 3% or
+   1 s (as the playoff times its readings) under the budget (a point over it is measured once and out); after two
+   rounds the points below --sweep-cull (0.8) of the best leave the later rounds (the winners stay; a point that left
+   is not eligible as the best). A point's score is the median over rounds of its throughput over the stage-0
+   reference's in the same round. Prints in how many searches the winner is within 5% of the sweep's best (goal >= 9
+   of 10), the sweep's top points, and the runs per stage spent on the largest micro-batch (goal <= 3 on average).
 6. gpt_time (#24): the default search on examples/autotune.py's GPT at its default budget, quiet machine (goal <= 60 s).
-The ranks are 2 spawned processes (gloo); phase 3 runs in this process. Phases 1-2 need flexrt.autotuner.memory.
+The ranks (2, gloo) start as --launcher says: `launch` (default: flexrt.launch from this process, the ranks sized as a
+user's are), `kernel` (flexrt.launch in a cell of a Jupyter kernel, through nbclient), `torchrun`, or `spawn`
+(multiprocessing, torch.set_num_threads(1) in each rank: how this bench ran before #35). Each phase says once how many
+torch threads its ranks had. Phase 3 runs in this process. Phases 1-2 need flexrt.autotuner.memory.
 """
-import argparse, json, math, os, random, statistics, sys, tempfile, time
+import argparse, dataclasses, json, math, os, random, statistics, sys, tempfile, time
 from pathlib import Path
 import pandas as pd
 import torch
@@ -206,43 +214,100 @@ def load_generator():
     import subprocess
     return subprocess.Popen([sys.executable, '-c', 'while True: pass'])
 
-def rank_trust(workload, budget, searches, rounds, out):
+def thread_choices(world:int)->list:
+    "Threads per rank the sweep tries on CPU: the autotuner's own candidates, else 1 .. cores // ranks on the node"
+    from flexrt.utils.threads import available_cores
+    from flexrt.autotuner import space
+    if torch.cuda.is_available(): return [None]
+    if hasattr(space, 'thread_counts'): return space.thread_counts(available_cores(), world)
+    return list(range(1, max(1, available_cores() // world) + 1))
+
+def sweep_grid(model_fn, cfg:dict, world:int)->dict: # key -> {'config', 'name'}
+    "Every stage x every micro-batch of the search's ladder (x threads per rank on CPU), with the search's first knobs"
+    from flexrt.autotuner.space import (Candidate, tune_settings, micro_batch_ladder, gradient_accumulation,
+                                        default_knobs)
+    s = tune_settings(cfg)
+    sizes = [p.numel() for p in model_fn().parameters()]
+    carries_threads = 'threads_per_rank' in {f.name for f in dataclasses.fields(Candidate)}
+    grid = {}
+    for stage in s.stages:
+        knobs = default_knobs(sum(sizes), stage, sizes, s.bucket_sizes) if stage else {}
+        for m in micro_batch_ladder(s.min_micro_batch, s.max_micro_batch):
+            c = Candidate(stage, m, gradient_accumulation(s, m, world), **knobs)
+            for t in thread_choices(world):
+                if carries_threads:   # the autotuner's own candidate: its key and config say the threads
+                    point = dataclasses.replace(c, threads_per_rank=t)
+                    key, config = point.key, point.to_config(cfg, world)
+                else:                 # the config key flexrt.initialize honours
+                    key, config = f'{c.key}_t{t}', {**c.to_config(cfg, world), 'threads_per_rank': t}
+                grid[key] = dict(config=config, name=f"z{stage} mb{m}" + (f" t{t}" if t else ''))
+    return grid
+
+def _stage(point:dict)->int: return point['config']['zero_optimization']['stage']
+def _micro_batch(point:dict)->int: return point['config']['train_micro_batch_size_per_gpu']
+
+def sweep(model_fn, step, grid:dict, keep:set, budget:int, rounds:int, cull:float)->dict:
+    "Every point of `grid` in `rounds` interleaved rounds (rotated orders); each one's median ratio to stage 0's"
+    from flexrt.autotuner.measure import run_trial, Precision
+    keys = sorted(grid)
+    alive, ratios, status, threads, culled, reference = list(keys), {k: [] for k in keys}, {}, {}, set(), None
+    for r in range(rounds):
+        order = alive[r % len(alive):] + alive[:r % len(alive)]
+        got = {}
+        for k in order:   # timed as the playoff times its readings: to 3 % or 1 s
+            got[k] = run_trial(model_fn, step, grid[k]['config'], warmup_steps=2, profile_steps=5,
+                               precision=Precision(max_seconds=1.0), memory_budget=budget)
+            threads[k] = torch.get_num_threads()   # what the trial ran with (flexrt.initialize sizes it)
+            if got[k].status != 'ok': status[k] = got[k].status   # over the budget (or failed): measured once
+        alive = [k for k in alive if k not in status]
+        if reference is None:   # a point of the grid: stage 0 at its largest micro-batch that fits, the most threads
+            zero = [k for k in alive if _stage(grid[k]) == 0 and not grid[k].get('winner')]
+            reference = max(zero, key=lambda k: (_micro_batch(grid[k]), threads[k]), default=None)
+        if reference is None or got.get(reference) is None or got[reference].status != 'ok': continue
+        for k, g in got.items():
+            if g.status == 'ok': ratios[k].append(g.metric / got[reference].metric)
+        if cull and r == 1:   # after two readings, points far below the best leave the later rounds (winners stay)
+            best = max(statistics.median(v) for v in ratios.values() if v)
+            low = lambda k: statistics.median(ratios[k] or [0]) < cull * best
+            culled = {k for k in alive if k not in keep and k != reference and low(k)}
+            alive = [k for k in alive if k not in culled]
+    score = {k: statistics.median(v) for k, v in ratios.items() if v}
+    return dict(score=score, status=status, threads=threads, culled=culled,
+                readings={k: len(v) for k, v in ratios.items()})
+
+def rank_trust(workload, budget, searches, rounds, out, cull=0.8, max_micro_batch=1024):
     from flexrt import comm
     from flexrt.autotuner import autotune
-    from flexrt.autotuner.measure import run_trial, Precision
     from flexrt.autotuner.results import record_candidate
     model_fn, step = WORKLOADS[workload]
     comm.init_distributed()
-    cfg = {**CONFIG, 'autotuning': {**CONFIG['autotuning'], 'max_train_micro_batch_size_per_gpu': 1024}}
-    rows, seen = [], {}
+    cfg = {**CONFIG, 'autotuning': {**CONFIG['autotuning'], 'max_train_micro_batch_size_per_gpu': max_micro_batch}}
+    rows, grid = [], sweep_grid(model_fn, cfg, comm.get_world_size())
+    ladder, sized = len(grid), f'_t{max(thread_choices(comm.get_world_size()))}'
     for i in range(searches):
         t = time.perf_counter()
-        res = autotune(model_fn, step, cfg, memory_budget=int(budget), results_dir=f'{out}/trust_{workload}_{i}', resume=False)
-        df = res.trials
-        for r in df[(df.status == 'ok') & (df.phase != 'playoff')].to_dict('records'): seen.setdefault(record_candidate(r).key, r['config'])
-        seen.setdefault(record_candidate(res.best).key, res.best_config)
+        res = autotune(model_fn, step, cfg, memory_budget=int(budget), results_dir=f'{out}/trust_{workload}_{i}',
+                       resume=False)
+        df, winner = res.trials, record_candidate(res.best).key
+        if winner + sized in grid: winner += sized   # a winner without a count ran with the sized threads
+        grid.setdefault(winner, dict(config=res.best_config, winner=True,
+                                     name=f"z{res.best['stage']} mb{res.best['micro_batch']} (a winner)"))
         mx = df[(df.phase == 'max_micro_batch') & (df.status != 'pruned')].groupby('stage').size()
-        rows.append(dict(search=i, seconds=time.perf_counter() - t, winner=record_candidate(res.best).key, name=res.best and
-                         f"z{res.best['stage']} mb{res.best['micro_batch']}", runs=int(((df.status != 'pruned') & (df.phase != 'playoff')).sum()),
-                         playoff_runs=int((df.phase == 'playoff').sum()), max_mb_runs=mx.to_dict(), verdict=res.verdict))
-    largest = {}
-    for c in seen.values(): largest[c['zero_optimization']['stage']] = max(largest.get(c['zero_optimization']['stage'], 0), c['train_micro_batch_size_per_gpu'])
-    grid = {}
-    for key, c in seen.items():   # every configuration the searches ran or chose ...
-        if c['train_micro_batch_size_per_gpu'] >= largest[c['zero_optimization']['stage']] / 8: grid[key] = c
-    reference = min((k for k, c in grid.items() if c['zero_optimization']['stage'] == 0), key=lambda k: -grid[k]['train_micro_batch_size_per_gpu'], default=None)
-    keys, ratios = sorted(grid), {k: [] for k in grid}
-    for r in range(rounds):   # ... measured in interleaved rounds, each in a rotated order
-        order = keys[r % len(keys):] + keys[:r % len(keys)]
-        got = {k: run_trial(model_fn, step, grid[k], warmup_steps=2, profile_steps=5, precision=Precision(max_seconds=1.0)) for k in order}
-        ref = got[reference].metric if reference and got[reference].status == 'ok' else None
-        for k, g in got.items():
-            if g.status == 'ok' and ref: ratios[k].append(g.metric / ref)
-    score = {k: statistics.median(v) for k, v in ratios.items() if v}
-    best = max(score.values())
-    for row in rows: row['vs_sweep_best'] = score.get(row['winner'], float('nan')) / best
-    top = max(score, key=score.get)
-    return dict(rows=rows, sweep=len(grid), rounds=rounds, best=f"z{grid[top]['zero_optimization']['stage']} mb{grid[top]['train_micro_batch_size_per_gpu']}")
+        rows.append(dict(search=i, seconds=time.perf_counter() - t, winner=winner, name=grid[winner]['name'],
+                         threads=res.best.get('threads_per_rank') or torch.get_num_threads(), verdict=res.verdict,
+                         runs=int(((df.status != 'pruned') & (df.phase != 'playoff')).sum()),
+                         playoff_runs=int((df.phase == 'playoff').sum()),
+                         max_mb_runs={int(k): int(v) for k, v in mx.items()}))
+    t = time.perf_counter()
+    got = sweep(model_fn, step, grid, {row['winner'] for row in rows}, int(budget), rounds, cull)
+    score, culled = got['score'], got['culled']
+    best = max((k for k in score if k not in culled), key=score.get)   # among the points read in every round
+    for row in rows: row['vs_sweep_best'] = score.get(row['winner'], float('nan')) / score[best]
+    table = [dict(name=grid[k]['name'], score=score[k] / score[best], readings=got['readings'][k],
+                  threads=got['threads'][k], culled=k in culled) for k in sorted(score, key=score.get, reverse=True)]
+    return dict(rows=rows, grid=ladder, points=len(grid), rounds=rounds, best=grid[best]['name'], table=table,
+                over=sorted(grid[k]['name'] + f" ({v})" for k, v in got['status'].items()),
+                sweep_seconds=time.perf_counter() - t, cull=cull, culled=len(culled))
 
 def rank_gpt_time(out):
     from flexrt import comm
@@ -278,10 +343,13 @@ def launch_compare(out, workload, candidates):
 def rank_inprocess(workload, candidates):
     from flexrt import comm
     from flexrt.autotuner.measure import run_trial
+    from flexrt.autotuner.space import Candidate
     model_fn, step = WORKLOADS[workload]
     comm.init_distributed()
     t = time.perf_counter()
-    for c in candidates: run_trial(model_fn, step, c.to_config(CONFIG, 2), warmup_steps=2, profile_steps=3)
+    for c in candidates:   # Candidates, or their fields (from a launcher's JSON)
+        c = Candidate(**c) if isinstance(c, dict) else c
+        run_trial(model_fn, step, c.to_config(CONFIG, 2), warmup_steps=2, profile_steps=3)
     return time.perf_counter() - t
 
 def main():
@@ -293,16 +361,37 @@ def main():
     p.add_argument('--phases', default='surface,search,replay,launch,trust,gpt_time')
     p.add_argument('--searches', type=int, default=10); p.add_argument('--sweep-rounds', type=int, default=7)
     p.add_argument('--trust-budget', default='10MiB', help="the budget-bound search's per-rank budget")
+    p.add_argument('--trust-max-micro-batch', type=int, default=1024,
+                   help="the trust searches' (and sweep's) largest micro-batch")
+    p.add_argument('--sweep-cull', type=float, default=0.8,
+                   help='after two sweep rounds, points below this share of the best leave the later rounds (0: none)')
+    p.add_argument('--launcher', default='launch', choices=['launch', 'kernel', 'torchrun', 'spawn'],
+                   help="how the ranks start: flexrt.launch from this process (a user's ranks), flexrt.launch in a "
+                        "Jupyter kernel, torchrun, or spawn (multiprocessing, torch.set_num_threads(1) in each rank)")
     a = p.parse_args()
+    a.out = os.path.abspath(a.out)   # ranks under torchrun or in a kernel write there too
     os.makedirs(a.out, exist_ok=True)
     workloads, phases = a.workloads.split(','), a.phases.split(',')
     mbs = [int(m) for m in a.micro_batches.split(',')] if a.micro_batches else [1, 4, 16, 32] if a.quick else [1, 2, 4, 8, 16, 32, 48, 64]
     reps, seeds = (2, 5) if a.quick else (a.reps, a.seeds)
-    print(f'# bench/autotune.py {"--quick " if a.quick else ""}workloads={workloads} micro_batches={mbs} reps={reps} seeds={seeds}')
+    print(f'# bench/autotune.py {"--quick " if a.quick else ""}workloads={workloads} micro_batches={mbs} reps={reps} '
+          f'seeds={seeds} launcher={a.launcher}')
     import multiprocessing as mp
     ctx = mp.get_context('spawn')
+    from launchers import open_launcher
+    launcher = open_launcher(a.launcher, f'{a.out}/ranks') if a.launcher != 'spawn' else None
+    said = set()
     def ranks(fn, *args):
-        from torch.multiprocessing import start_processes
+        "Rank 0's `fn(*args)`, run on 2 ranks started by --launcher; says once how many threads the ranks had"
+        if launcher is not None:
+            got = launcher.run(__file__, fn.__name__, args, tag=fn.__name__)
+            notes = [r['notes'] for r in got]
+            given = ','.join(str(n['threads_given']) for n in notes)
+            line = (f"(ranks started by {a.launcher}: torch threads per rank {given} on entry, "
+                    f"{','.join(str(n['threads_at_end']) for n in notes)} at the end; OMP_NUM_THREADS "
+                    f"{notes[0]['omp_num_threads'] or 'unset'}; it said: {launcher.launch_line})")
+            if line not in said: said.add(line); print(line, flush=True)
+            return got[0]['result']
         import socket
         with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), WORLD_SIZE='2')
@@ -312,7 +401,16 @@ def main():
         out = dict(q.get() for _ in procs)
         for pr in procs: pr.join()
         if any(isinstance(v, str) and v.startswith('ERROR') for v in out.values()): raise RuntimeError(out)
+        if not said:
+            said.add('spawn')
+            print('(ranks started by multiprocessing spawn, torch.set_num_threads(1) in each)', flush=True)
         return out[0]
+    try: run_phases(a, workloads, phases, mbs, seeds, reps, ranks)
+    finally:
+        if launcher is not None: launcher.close()
+
+def run_phases(a, workloads, phases, mbs, seeds, reps, ranks):
+    "The phases asked for, in order; `ranks(fn, *args)` runs a rank function on 2 ranks and returns rank 0's result"
     for w in workloads:
         if 'surface' in phases:
             t = time.perf_counter(); ranks(rank_surface, w, mbs, reps, f'{a.out}/surface_{w}.csv')
@@ -328,7 +426,7 @@ def main():
         if 'launch' in phases:
             from flexrt.autotuner.space import Candidate
             cands = [Candidate(st, mb) for st in (0, 1) for mb in (4, 8)]
-            t_in = ranks(rank_inprocess, w, cands)
+            t_in = ranks(rank_inprocess, w, [dataclasses.asdict(c) for c in cands])
             t_launch, st = launch_compare(a.out, w, cands)
             print(f'\n## {len(cands)} experiments, {w}: in-process {t_in:.1f} s, one torchrun each {t_launch:.1f} s '
                   f'({t_launch / t_in:.1f}x slower; statuses {st})')
@@ -336,16 +434,30 @@ def main():
         from flexrt.autotuner.space import parse_bytes
         for w in workloads:
             busy = load_generator()
-            try: got = ranks(rank_trust, w, parse_bytes(a.trust_budget), a.searches, a.sweep_rounds, a.out)
+            try: got = ranks(rank_trust, w, parse_bytes(a.trust_budget), a.searches, a.sweep_rounds, a.out,
+                             a.sweep_cull, a.trust_max_micro_batch)
             finally: busy.kill(); busy.wait()
             df = pd.DataFrame(got['rows'])
             df.to_csv(f'{a.out}/trust_{w}.csv', index=False)
+            pd.DataFrame(got['table']).to_csv(f'{a.out}/trust_sweep_{w}.csv', index=False)
             runs = [n for d in df.max_mb_runs for n in d.values()]
             within = int((df.vs_sweep_best >= 0.95).sum())
-            print(f"\n## trust, {w}, budget {a.trust_budget}, one core kept busy: winner within 5% of the interleaved sweep's best "
-                  f"({got['best']}, {got['sweep']} configurations x {got['rounds']} rounds) in {within} of {len(df)} searches (goal >= 9 of 10); "
-                  f"largest micro-batch: {statistics.mean(runs):.2f} runs per stage on average, at most {max(runs)} (goal <= 3)")
-            print(df[['search', 'name', 'vs_sweep_best', 'runs', 'playoff_runs', 'seconds', 'verdict']].to_string(index=False))
+            cull = (f"; after 2 rounds {got['culled']} points below {got['cull']:.0%} of the best left the rest "
+                    f"(not eligible as the best)" if got['cull'] else '')
+            threads = sorted({r['threads'] for r in got['table']})
+            print(f"\n## trust, {w}, budget {a.trust_budget}, one core kept busy: winner within 5 % of the brute-force "
+                  f"best in {within} of {len(df)} searches (goal >= 9 of 10)")
+            print(f"   brute force: {got['grid']} points (every stage x every micro-batch of the ladder x threads per "
+                  f"rank {threads}) + the winners = {got['points']}, {got['rounds']} interleaved rounds in rotated "
+                  f"orders, {got['sweep_seconds']:.0f} s{cull}; best {got['best']}; measured once and out: "
+                  f"{', '.join(got['over']) or 'none'}")
+            print(f"   largest micro-batch: {statistics.mean(runs):.2f} runs per stage on average, at most {max(runs)} "
+                  f"(goal <= 3)")
+            columns = ['search', 'name', 'threads', 'vs_sweep_best', 'runs', 'playoff_runs', 'seconds', 'verdict']
+            print(df[columns].to_string(index=False))
+            print("   the sweep's top 8 (score: median over rounds of throughput / the stage-0 reference's, over the "
+                  "best's):")
+            print(pd.DataFrame(got['table'][:8]).to_string(index=False))
     if 'gpt_time' in phases:
         got = ranks(rank_gpt_time, a.out)
         print(f"\n## default search on examples/autotune.py's GPT (16 MiB, 2 ranks, quiet): {got['seconds']:.1f} s, {got['trials']} runs "

@@ -1,15 +1,24 @@
 """Cost of watching a run live: engine step time on 2 ranks with and without a dashboard, interleaved in one run.
 
-    python bench/dashboard_overhead.py [--rounds 3] [--blocks 6] [--steps 30] [--threads N] [--interval S] [--cpu-share F] [--toggle | --toggle-all]
+    python bench/dashboard_overhead.py [--launcher launch|kernel|torchrun|notebook_launcher] [--rounds 3] [--blocks 6]
+                                       [--steps 30] [--threads N] [--interval S] [--cpu-share F]
+                                       [--toggle | --toggle-all]
 
-This process plays the notebook kernel. Each round launches the ranks twice with plain `notebook_launcher`: once with
-no dashboard anywhere (no hub, so the ranks forward nothing and the engine builds no record), and once with a
-`TrainingDashboard` at its default settings in the kernel (every step's record, with its memory snapshot, goes to
-the dashboard, which updates its texts and redraws its plots while the ranks train). Each launch trains the
+A "kernel" launches the ranks and holds the dashboard: by default this process (`--launcher launch`: it calls
+`flexrt.launch(rank_main, num_processes=2)` as a notebook cell would), or a real Jupyter kernel driven through nbclient
+(`--launcher kernel`: each launch is a cell that builds the dashboard and calls `flexrt.launch`, the notebook user's
+exact path), or this process watching ranks that `torchrun` starts (`--launcher torchrun`), or this process with
+accelerate's plain `notebook_launcher` (`--launcher notebook_launcher`, how this bench ran before #35). Each round
+launches the ranks twice: once with no dashboard anywhere, and once with a `TrainingDashboard` at its default settings
+in the kernel (every step's record, with its memory snapshot, goes to the dashboard, which updates its texts and
+redraws its plots while the ranks train). Without a dashboard, plain `notebook_launcher`'s and torchrun's ranks forward
+nothing (no hub); `flexrt.launch` serves a hub either way, so its unwatched ranks still build and forward their
+records: the ratio is then what a dashboard adds to what a user's launch already does. Each launch trains the
 quickstart's tiny transformer with flexrt's engine and times `--blocks` blocks of `--steps` optimizer steps. Rounds
-alternate the two (and which goes first), so drift in machine speed hits both alike. Printed per configuration: the
-fastest and the median block in ms per step, their ratios, the ratio paired by round (the median over rounds of
-watched / unwatched median block), and what the kernel did (plots drawn, the kernel's CPU use).
+alternate the two (and which goes first), so drift in machine speed hits both alike. Printed: how the ranks ran (their
+torch threads on entry and while timing, read in the ranks), per configuration the fastest and the median block in ms
+per step, their ratios, the ratio paired by round (the median over rounds of watched / unwatched median block), and
+what the kernel did (plots drawn, the kernel's CPU use).
 
 `--toggle` measures inside launches instead: one launch per round with a dashboard, whose ranks forward their records
 in every other block (a record is then built and sent, and the kernel receives and draws) and not in the others;
@@ -27,11 +36,12 @@ Each watched launch also times the first look: from the first step record reachi
 plot's first drawing (the goal: under 1 s; the browser test only checks that the plot comes).
 
 `--interval` and `--cpu-share` set the dashboard's text interval and its plots' CPU budget (an ablation: what the
-kernel's drawing costs the ranks). `--threads` sets torch's threads per rank; the default, cores // ranks, is what torchrun and `accelerate launch`
-give CPU ranks. Forked `notebook_launcher` ranks inherit the kernel's thread count instead (every core each), which
-oversubscribes the cores: `--threads 0` keeps that, and then step times swing by tens of percent on their own.
+kernel's drawing costs the ranks). No launcher but `notebook_launcher` sets a thread count in the ranks: they run with
+what flexrt gives a user's (cores // ranks, or the user's own choice). With `--launcher notebook_launcher`, `--threads`
+sets torch's threads per rank (default cores // ranks); `--threads 0` keeps what the forked ranks inherit from this
+process (every core each, oversubscribed, until flexrt's engine sizes them).
 """
-import argparse, os, statistics, sys, time
+import argparse, json, os, statistics, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
@@ -51,6 +61,7 @@ def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer
     import flexrt
     from flexrt import comm as dist, monitor
     from quickstart_train import tiny_transformer, CONFIG
+    threads_given = torch.get_num_threads()   # what the launcher gave this rank
     if threads: torch.set_num_threads(threads)
     env = dist.init_distributed()
     torch.manual_seed(0)
@@ -76,9 +87,10 @@ def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer
         for _ in range(steps): step()
         dist.barrier()
         times.append((time.perf_counter() - start) / steps)
+    during = torch.get_num_threads()   # what the steps ran with (the engine sizes it when built)
     engine.close(); dist.destroy_process_group()
-    if env.rank == 0:
-        with open(os.environ['BENCH_TIMES'], 'a') as f: f.write(' '.join(map(str, times)) + '\n')
+    with open(os.environ['BENCH_TIMES'], 'a') as f:   # one short line per rank: appended whole
+        f.write(json.dumps(dict(rank=env.rank, times=times, threads_given=threads_given, threads=during)) + '\n')
 
 def first_look(dash)->dict:
     "Note (monotonic) when the first step record reaches the kernel and when the gradient-norm plot is first drawn"
@@ -90,48 +102,153 @@ def first_look(dash)->dict:
     seen['stop'] = lambda: monitor.remove_listener(on_record)
     return seen
 
-def launch_once(a, watched: bool, times_file: Path):
-    "One launch; returns its block times and, when watched, the dashboard (closed) with `first_look_s` set"
-    from accelerate import notebook_launcher
+def start_ranks(options: dict, rank_args: tuple)->str | None: # what the launcher said about the ranks
+    "Start the 2 ranks of one launch from this process as `options['launcher']` says; wait for them"
+    from launchers import Torchrun, launch_here
+    if options['launcher'] == 'notebook_launcher':
+        from accelerate import notebook_launcher
+        from flexrt.launch import free_port
+        notebook_launcher(rank_main, rank_args, num_processes=2, use_port=str(free_port()))
+        return None
+    if options['launcher'] == 'torchrun':   # with this process's hub when it serves one: a dashboard here watches them
+        ran = Torchrun(options['out'], keep_monitor=True)
+        ran.run(__file__, 'rank_main', rank_args)
+        return ran.launch_line
+    return launch_here(rank_main, rank_args)   # 'launch', and 'kernel' (this process is then the kernel)
+
+def watch_once(options: dict, watched: bool, result_file: str | None = None)->dict:
+    "One launch from this process, which plays the kernel, with a dashboard here or none; what it measured"
     from flexrt.widgets import TrainingDashboard
-    from flexrt.launch import free_port
     from flexrt import monitor
-    monitor.stop_serving()                                     # no hub: the ranks forward nothing
-    options = {k: v for k, v in (('interval', a.interval), ('cpu_share', a.cpu_share)) if v is not None}
-    dash = TrainingDashboard(**options) if watched else None
+    monitor.stop_serving()   # no hub: notebook_launcher's and torchrun's ranks forward nothing (flexrt.launch serves)
+    chosen = {k: options[k] for k in ('interval', 'cpu_share') if options[k] is not None}
+    dash = TrainingDashboard(**chosen) if watched else None
     seen = first_look(dash) if dash is not None else None
+    times_file = Path(options['times_file'])
     times_file.write_text('')
-    notebook_launcher(rank_main, (a.blocks, a.steps, a.threads, a.toggle or a.toggle_all, a.layer_norms_every, a.toggle_all),
-                      num_processes=2, use_port=str(free_port()))
+    os.environ['BENCH_TIMES'] = str(times_file)
+    rank_args = tuple(options[k] for k in ('blocks', 'steps', 'threads', 'toggle', 'layer_norms_every', 'toggle_all'))
+    wall, cpu = time.perf_counter(), time.process_time()
+    said = start_ranks(options, rank_args)
+    got = dict(kernel_cpu=time.process_time() - cpu, kernel_wall=time.perf_counter() - wall, launch_line=said)
+    ranks = sorted((json.loads(line) for line in times_file.read_text().splitlines()), key=lambda r: r['rank'])
+    got.update(times=ranks[0]['times'], threads_given=[r['threads_given'] for r in ranks],
+               threads=[r['threads'] for r in ranks])
     if dash is not None:
         dash.close(); seen['stop']()
-        dash.first_look_s = seen['plot'] - seen['record'] if {'plot', 'record'} <= seen.keys() else float('nan')
-    return [float(t) for t in times_file.read_text().split()], dash
+        got.update(first_look_s=seen['plot'] - seen['record'] if {'plot', 'record'} <= seen.keys() else float('nan'),
+                   step_records=len(dash.records.frame('step')), interval=dash.interval,
+                   cpu_share=getattr(dash, 'cpu_share', 1),
+                   plots=sum(getattr(v, 'num_plots', 0) for v in (dash.grad_norm, dash.memory)))
+    if result_file: Path(result_file).write_text(json.dumps(got))
+    return got
+
+class InKernel:
+    "Each launch from a cell of one real Jupyter kernel (nbclient): the dashboard and the launch call live there"
+    def __init__(self, out: str):
+        from launchers import Kernel
+        self.kernel, self.out, self.count = Kernel(out), Path(out), 0
+        self.kernel.execute('import dashboard_overhead as bench')
+
+    def __call__(self, options: dict, watched: bool)->dict:
+        self.count += 1
+        path = self.out / f'watch{self.count}.json'
+        self.kernel.execute(f'got = bench.watch_once(json.loads({json.dumps(options)!r}), {watched}, {str(path)!r})')
+        return json.loads(path.read_text())
+
+    def close(self): self.kernel.close()
+
+def launching(a):
+    "The launches' options, and the callable that runs one (`watch(options, watched) -> dict`) where --launcher says"
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    options = dict(blocks=a.blocks, steps=a.steps, threads=a.threads, toggle=a.toggle or a.toggle_all,
+                   layer_norms_every=a.layer_norms_every, toggle_all=a.toggle_all, interval=a.interval,
+                   cpu_share=a.cpu_share, launcher=a.launcher, out=str(out), times_file=str(out / 'times.jsonl'))
+    return options, (InKernel(str(out)) if a.launcher == 'kernel' else watch_once)
+
+def ranks_words(a, got: dict)->str:
+    "How the ranks ran: launcher, torch threads on entry and while timing (read in the ranks)"
+    chosen = f' (--threads {a.threads}, set in the rank)' if a.threads else ''
+    said = f"; it said: {got['launch_line']}" if got['launch_line'] else ''
+    return (f"ranks started by {a.launcher}{chosen}: torch threads per rank {','.join(map(str, got['threads_given']))} "
+            f"on entry, {','.join(map(str, got['threads']))} while timing{said}")
 
 def toggled(a):
     "Launches with a dashboard whose ranks forward every other block: paired blocks inside one launch"
-    times_file = Path(os.environ.setdefault('BENCH_TIMES', f'/tmp/flexrt-dashboard-bench-{os.getpid()}.txt'))
     a.blocks += a.blocks % 4   # whole (on, off) + (off, on) quartets
+    options, watch = launching(a)
     ratios, fast = [], {True: [], False: []}
-    for round in range(a.rounds):
-        block_times, dash = launch_once(a, True, times_file)
-        ons = [t for b, t in enumerate(block_times) if (b % 2 == 0) == (b // 2 % 2 == 0)]
-        offs = [t for b, t in enumerate(block_times) if (b % 2 == 0) != (b // 2 % 2 == 0)]
-        ratios += [x / y for x, y in zip(ons, offs)]; fast[True] += ons; fast[False] += offs
-    times_file.unlink()
+    try:
+        for round in range(a.rounds):
+            got = watch(options, True)
+            block_times = got['times']
+            ons = [t for b, t in enumerate(block_times) if (b % 2 == 0) == (b // 2 % 2 == 0)]
+            offs = [t for b, t in enumerate(block_times) if (b % 2 == 0) != (b // 2 % 2 == 0)]
+            ratios += [x / y for x, y in zip(ons, offs)]; fast[True] += ons; fast[False] += offs
+    finally:
+        if watch is not watch_once: watch.close()
     what = 'forward their records and do all watching work' if a.toggle_all else 'forward their records'
     print(f"engine step on 2 CPU ranks, {a.rounds} launches x {a.blocks} blocks x {a.steps} steps, a dashboard in the kernel; "
-          f"the ranks {what} in every other block (pairs inside one launch):")
+          f"the ranks {what} in every other block (pairs inside one launch); {ranks_words(a, got)}:")
     print(f"  forwarding / not, paired blocks: median {statistics.median(ratios):.3f} over {len(ratios)} pairs "
           f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f}); "
           f"fastest blocks {min(fast[True]) * 1e3:.2f} vs {min(fast[False]) * 1e3:.2f} ms/step")
 
+def interleaved(a):
+    "Rounds of two launches, one watched and one not, the order alternating; the table"
+    options, watch = launching(a)
+    times, kernel, watches = {'no dashboard': [], 'dashboard': []}, {'cpu': 0.0, 'wall': 0.0}, []
+    paired = []   # per round: median block watched / median block unwatched (cancels drift between rounds)
+    try:
+        for round in range(a.rounds):
+            medians = {}
+            for watched in ((False, True) if round % 2 == 0 else (True, False)):
+                got = watch(options, watched)
+                times['dashboard' if watched else 'no dashboard'] += got['times']
+                medians[watched] = statistics.median(got['times'])
+                if watched:
+                    watches.append(got)
+                    kernel['cpu'] += got['kernel_cpu']; kernel['wall'] += got['kernel_wall']
+            paired.append(medians[True] / medians[False])
+    finally:
+        if watch is not watch_once: watch.close()
+    fast = {k: min(v) for k, v in times.items()}
+    mid = {k: statistics.median(v) for k, v in times.items()}
+    last = watches[-1]
+    unwatched = ('flexrt.launch serves a hub either way: unwatched ranks still forward their records'
+                 if a.launcher in ('launch', 'kernel') else 'unwatched ranks forward nothing (no hub)')
+    print(f"engine step on 2 CPU ranks, {a.rounds} rounds x {a.blocks} blocks x {a.steps} steps per configuration, "
+          f"launches interleaved; {ranks_words(a, last)}; {unwatched}; dashboard interval {last['interval']} s, plots "
+          f"within {last['cpu_share']:.0%} of a core while one is idle:")
+    print(f"                               fastest block   median block")
+    for k in times: print(f"  {k + ':':28s} {fast[k] * 1e3:8.2f} ms/step {mid[k] * 1e3:9.2f} ms/step")
+    print(f"  ratio dashboard / none:      {fast['dashboard'] / fast['no dashboard']:8.3f}         "
+          f"{mid['dashboard'] / mid['no dashboard']:9.3f}")
+    print(f"  paired by round (median over rounds of watched / unwatched median block): "
+          f"{statistics.median(paired):.3f} (rounds: {', '.join(f'{r:.3f}' for r in paired)})")
+    looks = [w['first_look_s'] * 1e3 for w in watches]
+    print(f"  first look: the gradient-norm plot drawn {statistics.median(looks):.0f} ms (median; launches: "
+          f"{', '.join(f'{x:.0f}' for x in looks)}) after the first step record reached the kernel "
+          f"(goal: under 1000 ms)")
+    print(f"  each dashboard received {[w['step_records'] for w in watches]} step records (expected "
+          f"{a.blocks * a.steps * 2 + 10}: blocks and warm-up x 2 ranks) and drew {[w['plots'] for w in watches]} "
+          f"plots; while watching, the kernel used {kernel['cpu'] / kernel['wall']:.1%} of one core (launches too)")
+
 if __name__ == '__main__':
+    sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/launchers.py
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--rounds', type=int, default=3); parser.add_argument('--blocks', type=int, default=6)
     parser.add_argument('--steps', type=int, default=30)
-    parser.add_argument('--threads', type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="torch threads per rank; 0: inherit the kernel's (oversubscribed)")
+    parser.add_argument('--launcher', default='launch', choices=['launch', 'kernel', 'torchrun', 'notebook_launcher'],
+                        help="how the ranks start: flexrt.launch from this process (default), flexrt.launch from a "
+                             "cell of a Jupyter kernel (the dashboard lives there too), torchrun (the dashboard here "
+                             "watches it), or accelerate's notebook_launcher from this process (--threads in ranks)")
+    parser.add_argument('--threads', type=int, default=None,
+                        help="--launcher notebook_launcher only: torch threads per rank (default cores // ranks; "
+                             "0: inherit this process's, oversubscribed)")
+    parser.add_argument('--out', default='bench_out/dashboard_overhead',
+                        help="the ranks' timing files (and the kernel's notebook)")
     parser.add_argument('--interval', type=float, default=None, help="the dashboard's interval (default: its own)")
     parser.add_argument('--cpu-share', type=float, default=None, help="the share of a core the dashboard's plots may use (default: its own, 0.05)")
     parser.add_argument('--layer-norms-every', type=int, default=None, help="per-layer norms every N steps (default: the dashboard's, 10)")
@@ -140,39 +257,8 @@ if __name__ == '__main__':
     parser.add_argument('--toggle-all', action='store_true',
                         help="as --toggle, and the off blocks also skip the layer norms, the per-bucket probe and the blocked-time accounting")
     a = parser.parse_args()
-    if a.toggle or a.toggle_all: sys.exit(toggled(a))
-    times_file = Path(os.environ.setdefault('BENCH_TIMES', f'/tmp/flexrt-dashboard-bench-{os.getpid()}.txt'))
-    times, kernel, dashboards = {'no dashboard': [], 'dashboard': []}, {'cpu': 0.0, 'wall': 0.0}, []
-    paired = []   # per round: median block watched / median block unwatched (cancels drift between rounds)
-    for round in range(a.rounds):
-        medians = {}
-        for watched in ((False, True) if round % 2 == 0 else (True, False)):
-            wall, cpu = time.perf_counter(), time.process_time()
-            block_times, dash = launch_once(a, watched, times_file)
-            times['dashboard' if watched else 'no dashboard'] += block_times
-            medians[watched] = statistics.median(block_times)
-            if watched:
-                dashboards.append(dash)
-                kernel['cpu'] += time.process_time() - cpu; kernel['wall'] += time.perf_counter() - wall
-        paired.append(medians[True] / medians[False])
-    times_file.unlink()
-    fast = {k: min(v) for k, v in times.items()}
-    mid = {k: statistics.median(v) for k, v in times.items()}
-    dash = dashboards[-1]
-    print(f"engine step on 2 CPU ranks ({a.threads or torch.get_num_threads()} torch threads each), {a.rounds} rounds "
-          f"x {a.blocks} blocks x {a.steps} steps per configuration, launches interleaved; dashboard interval "
-          f"{dash.interval} s, plots within {getattr(dash, 'cpu_share', 1):.0%} of a core while one is idle:")
-    print(f"                               fastest block   median block")
-    for k in times: print(f"  {k + ':':28s} {fast[k] * 1e3:8.2f} ms/step {mid[k] * 1e3:9.2f} ms/step")
-    print(f"  ratio dashboard / none:      {fast['dashboard'] / fast['no dashboard']:8.3f}         "
-          f"{mid['dashboard'] / mid['no dashboard']:9.3f}")
-    print(f"  paired by round (median over rounds of watched / unwatched median block): {statistics.median(paired):.3f} "
-          f"(rounds: {', '.join(f'{r:.3f}' for r in paired)})")
-    steps = [len(d.records.frame('step')) for d in dashboards]
-    plots = [sum(getattr(v, 'num_plots', 0) for v in (d.grad_norm, d.memory)) for d in dashboards]
-    looks = [d.first_look_s * 1e3 for d in dashboards]
-    print(f"  first look: the gradient-norm plot drawn {statistics.median(looks):.0f} ms (median; launches: "
-          f"{', '.join(f'{x:.0f}' for x in looks)}) after the first step record reached the kernel (goal: under 1000 ms)")
-    print(f"  each dashboard received {steps} step records (expected {a.blocks * a.steps * 2 + 10}: blocks and warm-up "
-          f"x 2 ranks) and drew {plots} plots; while watching, the kernel used {kernel['cpu'] / kernel['wall']:.1%} "
-          f"of one core (launching included)")
+    if a.launcher != 'notebook_launcher' and a.threads is not None:
+        parser.error('--threads sets the count in the ranks, which only --launcher notebook_launcher does: the other '
+                     'launchers measure the threads users get')
+    if a.threads is None: a.threads = max(1, (os.cpu_count() or 2) // 2) if a.launcher == 'notebook_launcher' else 0
+    sys.exit(toggled(a) if a.toggle or a.toggle_all else interleaved(a))

@@ -3,6 +3,8 @@
     python bench/engine_step.py [--workload gpt,mlp] [--stages 0,1,2,3] [--quick] [--rounds 12] [--steps 2]
                                 [--impls NAME,...] [--baseline REV] [--layers 4] [--dim 192] [--vocab 2048] [--seq 64] [--batch 8]
                                 [--mlp-layers 8] [--mlp-width 1024] [--mlp-batch 4]
+                                [--launcher spawn|torchrun|launch|kernel]
+    python bench/engine_step.py --launchers kernel,launch,torchrun [--rounds 8] [--passes 3] [--steps 3]
 
 Two workloads, each measured in its own run of interleaved rounds, fp32, torch's AdamW, no clipping, one
 micro-batch per step, every implementation training its own copy of the same initial model on the same batches:
@@ -49,6 +51,26 @@ threads, gloo's included) and its paired ratio to DDP's, the paired ratio agains
 against FSDP2 of the same kind (below 1: faster), and the largest difference of its losses from DDP's over the run
 (same batches, same initial weights: they must agree).
 Each implementation is one `build_*` function returning `step(inputs, targets) -> loss`; adding one is a function.
+
+How the ranks start (`--launcher`; bench/launchers.py):
+- spawn (default): torch.multiprocessing.spawn from this process, `--threads` (1) set in each rank with
+  torch.set_num_threads; each workload is one launch.
+- torchrun: `torchrun --nproc_per_node 2` running the rank code as a script (torchrun sets OMP_NUM_THREADS=1 when the
+  environment has none); launch: `flexrt.launch(fn, num_processes=2)` from this plain Python process; kernel: a real
+  Jupyter kernel (nbclient) whose cell calls `flexrt.launch(fn, num_processes=2)`, the notebook user's exact path.
+  These three set no thread count in the ranks (the point is what users get): the report's header says what the
+  ranks had, `torch.get_num_threads()` read in each rank on entry and while timing. One launch times every workload.
+
+`--launchers kernel,launch,torchrun` is the notebook path against torchrun in one interleaved run: `--rounds` (8)
+rounds of one launch per launcher, the order reversed every other round (kernel, launch, torchrun; then torchrun,
+launch, kernel); each launch builds DDP and flexrt's stages 0-3 (`--impls`) for both workloads, runs a warm-up pass,
+then `--passes` (3) passes of `--steps` (3) steps per implementation, the order alternating between passes. A launch's
+reading of an implementation is rank 0's median over its passes of the mean step time; printed per workload and
+implementation: the median reading per launcher, and the ratios kernel/torchrun and launch/torchrun paired by round
+(median over rounds of the ratio of the two launches' readings in the same round; quartiles beside it; goal: within
+3 %).
+Start-up (from the launch call to the ranks entering their function) and set-up (process group, builds, warm-up) are
+printed per launcher, and kept out of the step times. On 2 cores the default run takes about 6 minutes.
 """
 import argparse, copy, logging, math, os, socket, statistics, sys, time, warnings
 os.environ.setdefault('DS_ACCELERATOR', 'cpu')   # this bench runs on CPU with gloo
@@ -233,17 +255,13 @@ def available(names):
     return out, missing
 
 # ---------------------------------------------------------------- one rank
-def worker(rank, world, port, args, names):
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(args.threads)
-    if args.baseline_dir: sys.path.insert(0, args.baseline_dir)
-    warnings.filterwarnings('ignore')
-    logging.disable(logging.WARNING)
-    tdist.init_process_group('gloo', rank=rank, world_size=world)
+def time_rounds(args, names, rank)->dict:
+    "Every implementation built on this rank's process group and timed in rounds of `--steps` steps (round 0 warms up)"
+    started = time.perf_counter()
     base = make_model(args)
     steps = {name: BUILDERS[name](copy.deepcopy(base), args) for name in names}
     times, cpu, losses, counter = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}, {n: 0 for n in names}
+    threads, setup_s = set(), None
     for r in range(args.rounds + 1):
         for name in (names if r % 2 == 0 else names[::-1]):
             tdist.barrier()
@@ -253,26 +271,57 @@ def worker(rank, world, port, args, names):
                 losses[name].append(float(steps[name](x, y)))
             if r: times[name].append((time.perf_counter() - start) / args.steps)
             if r: cpu[name].append((time.process_time() - cpu_start) / args.steps)
+            threads.add(torch.get_num_threads())   # what the steps ran with (an engine sizes them when built)
+        if r == 0: setup_s = time.perf_counter() - started
     tdist.barrier()
-    if rank == 0: report(times, cpu, losses, base, args)
+    return dict(times=times, cpu=cpu, losses=losses, numel=sum(p.numel() for p in base.parameters()),
+                threads=sorted(threads), setup_s=setup_s)
+
+def quiet(baseline_dir):
+    "Warnings and library logging off in a rank; `flexrt_baseline` importable when asked for"
+    if baseline_dir: sys.path.insert(0, baseline_dir)
+    warnings.filterwarnings('ignore')
+    logging.disable(logging.WARNING)
+
+def worker(rank, world, port, args, names):
+    "A rank of the in-process mode (`--launcher spawn`): torch.multiprocessing.spawn, `--threads` set here"
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(args.threads)
+    quiet(args.baseline_dir)
+    tdist.init_process_group('gloo', rank=rank, world_size=world)
+    got = time_rounds(args, names, rank)
+    if rank == 0:
+        report(got, args, f"2 gloo ranks (torch.multiprocessing.spawn) x {args.threads} thread (--threads, set there)")
     tdist.destroy_process_group()
+
+def launched_rank(options:dict, names:list, workloads:list)->dict:
+    "A rank started by torchrun, flexrt.launch or a kernel: no thread count of its own; every workload, one group"
+    quiet(options['baseline_dir'])
+    tdist.init_process_group('gloo')
+    return {w: time_rounds(argparse.Namespace(**{**options, 'workload': w}), names, tdist.get_rank())
+            for w in workloads}
 
 def paired(xs, ys):
     "Median over rounds of x / y in the same round: cancels drift between rounds"
     return statistics.median(x / y for x, y in zip(xs, ys))
 
-def describe(model, args):
-    numel = sum(p.numel() for p in model.parameters())
+def what(numel, args)->str:
+    "The workload and its size, in words"
     size = f"{numel / 1e6:.2f}M params ({numel * 4 / 2**20:.1f} MiB of fp32 gradients)"
     if args.workload == 'mlp':
-        what = f"MLP: {args.mlp_layers} x Linear({args.mlp_width}, {args.mlp_width}), micro-batch {args.mlp_batch}/rank"
-    else:
-        what = (f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
-                f"micro-batch {args.batch}/rank")
-    return f"{what}: {size}; 2 gloo ranks x {args.threads} thread; {args.rounds} rounds x {args.steps} steps, order alternating"
+        width = args.mlp_width
+        return f"MLP: {args.mlp_layers} x Linear({width}, {width}), micro-batch {args.mlp_batch}/rank: {size}"
+    return (f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
+            f"micro-batch {args.batch}/rank: {size}")
 
-def report(times, cpu, losses, model, args):
-    print(describe(model, args))
+def describe(numel, args, ranks:str)->str:
+    return f"{what(numel, args)}; {ranks}; {args.rounds} rounds x {args.steps} steps, order alternating"
+
+def report(got, args, ranks:str):
+    "The table of one run of interleaved rounds (`got`: rank 0's `time_rounds`), headed by how the ranks ran (`ranks`)"
+    times, cpu, losses = got['times'], got['cpu'], got['losses']
+    print(describe(got['numel'], args, ranks))
     med, base = statistics.median, 'ddp'
     baseline = any(n.startswith('baseline-') for n in times)
     print(f"  {'':16s} {'median':>9s}  vs DDP  {'cpu':>8s}  cpu vs DDP   vs DeepSpeed  vs FSDP2   max |loss - DDP's|"
@@ -294,6 +343,87 @@ def against_baseline(name, times, cpu)->str:
     if not name.startswith('flexrt-z') or other not in times: return ''
     return f"   {paired(times[name], times[other]):6.3f}x ({paired(cpu[name], cpu[other]):.3f}x)"
 
+# ---------------------------------------------------------------- the launchers users take (bench/launchers.py)
+def rank_options(args, **changes)->dict:
+    "What every launched rank needs of the command line (JSON: it travels in a file or a notebook cell)"
+    return {**vars(args), **changes}
+
+def threads_words(ranks:list, workloads:list)->str:
+    "'torch threads per rank 2,2 on entry -> 1,1 while timing (OMP_NUM_THREADS unset)', read in the ranks"
+    given = ','.join(str(r['notes']['threads_given']) for r in ranks)
+    timing = [sorted({t for w in workloads for t in r['result'][w]['threads']}) for r in ranks]
+    during = ','.join('/'.join(map(str, ts)) for ts in timing)
+    omp = sorted({r['notes']['omp_num_threads'] or 'unset' for r in ranks})
+    return f"torch threads per rank {given} on entry -> {during} while timing (OMP_NUM_THREADS {'/'.join(omp)})"
+
+def run_launched(args, names:list, workloads:list):
+    "`--launcher torchrun|launch|kernel`: one launch times every workload's rounds; the tables, headed by the threads"
+    from launchers import open_launcher
+    with open_launcher(args.launcher, args.out) as launcher:
+        ranks = launcher.run(__file__, 'launched_rank', (rank_options(args), names, workloads))
+    print(f"{args.launcher}: {threads_words(ranks, workloads)}; it said: {launcher.launch_line}")
+    for w in workloads:
+        args.workload = w
+        report(ranks[0]['result'][w], args, f"2 gloo ranks started by {args.launcher}")
+
+def compare_launchers(args, names:list, workloads:list):
+    "`--launchers kernel,launch,torchrun`: rounds of one launch per launcher, the order reversed every other round"
+    from launchers import open_launcher
+    kinds, started, opened = args.launchers.split(','), time.perf_counter(), {}
+    runs, options = {k: [] for k in kinds}, rank_options(args, rounds=args.passes)
+    try:
+        for k in kinds: opened[k] = open_launcher(k, args.out)
+        for r in range(args.rounds):
+            for k in (kinds if r % 2 == 0 else kinds[::-1]):
+                runs[k].append(opened[k].run(__file__, 'launched_rank', (options, names, workloads), f'{k}-round{r}'))
+            print(f"  round {r + 1}/{args.rounds} done after {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+    finally:
+        for launcher in opened.values(): launcher.close()
+    report_launchers(args, names, workloads, runs, opened, time.perf_counter() - started)
+
+def launch_time(ranks:list, workload:str, name:str)->float:
+    "One launch's reading of an implementation: rank 0's median over passes of the mean step time in a pass"
+    return statistics.median(ranks[0]['result'][workload]['times'][name])
+
+def report_launchers(args, names, workloads, runs:dict, opened:dict, seconds:float):
+    "Per launcher: the ranks' threads, start-up; per workload and implementation: median step time and paired ratios"
+    med, kinds = statistics.median, list(runs)
+    ref = 'torchrun' if 'torchrun' in kinds else kinds[-1]
+    print(f"notebook path vs {ref}: 2 gloo ranks; {args.rounds} rounds of one launch per launcher "
+          f"({', '.join(kinds)}, the order reversed every other round); each launch times every implementation after "
+          f"a warm-up pass, {args.passes} passes x {args.steps} steps, order alternating; the run took {seconds:.0f} s")
+    for k in kinds:
+        launches = runs[k]
+        start = med(max(r['notes']['start_s'] for r in ranks) for ranks in launches)
+        setup = med(sum(ranks[0]['result'][w]['setup_s'] for w in workloads) for ranks in launches)
+        kernel = f"; the kernel itself started in {opened[k].start_seconds:.1f} s (once)" if k == 'kernel' else ''
+        print(f"  {k}: {'; '.join(sorted({threads_words(ranks, workloads) for ranks in launches}))}")
+        print(f"    start-up (launch call -> last rank in) {start:.2f} s, then {setup:.1f} s of process group, "
+              f"{len(names) * len(workloads)} builds and warm-up (medians over launches, not in step times){kernel}")
+        print(f"    it said: {opened[k].launch_line}")
+    others = [k for k in kinds if k != ref]
+    for w in workloads:
+        args.workload = w
+        print(what(runs[kinds[0]][0][0]['result'][w]['numel'], args))
+        print(f"  {'':14s}" + ''.join(f"{k:>11s}" for k in kinds)
+              + ''.join(f"  {k + '/' + ref + ' [q1-q3]':<25s}" for k in others) + "max |loss - DDP's|")
+        for name in names:
+            vals = {k: [launch_time(ranks, w, name) for ranks in runs[k]] for k in kinds}
+            row = ''.join(f"{med(vals[k]) * 1e3:8.1f} ms" for k in kinds)
+            for k in others:
+                ratios = [a / b for a, b in zip(vals[k], vals[ref])]
+                q = statistics.quantiles(ratios, n=4, method='inclusive') if len(ratios) > 1 else ratios * 3
+                mark = ' ' if abs(med(ratios) - 1) <= 0.03 else '!'
+                row += f"  {f'{med(ratios):.3f}x [{q[0]:.3f}-{q[2]:.3f}]{mark}':<25s}"
+            losses = [ranks[0]['result'][w]['losses'] for k in kinds for ranks in runs[k]]
+            drift = max(abs(a - b) for got in losses for a, b in zip(got[name], got['ddp']))
+            print(f"  {name:14s}{row}{drift:.1e}")
+    print(f"  step times: median over launches; ratios paired by round: median over rounds of (this launcher's "
+          f"reading / {ref}'s in the same round), [q1-q3] their quartiles; goal: within 3 % of 1 at every stage "
+          f"('!' marks a miss)")
+
+LAUNCHER_IMPLS = ['ddp', 'flexrt-z0', 'flexrt-z1', 'flexrt-z2', 'flexrt-z3']
 DEFAULT_IMPLS = ['ddp', 'flexrt-reducer', 'flexrt-z0', 'deepspeed-z0', 'flexrt-z1', 'deepspeed-z1',
                  'flexrt-z2', 'deepspeed-z2', 'fsdp2-noreshard', 'flexrt-z3', 'deepspeed-z3', 'fsdp2', 'no-comm']
 
@@ -301,9 +431,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--workload', default='gpt,mlp', help='comma-separated: gpt (compute-bound), mlp (communication-bound)')
     ap.add_argument('--stages', default='0,1,2,3', help='ZeRO stages to run (DDP always runs)')
-    ap.add_argument('--quick', action='store_true', help='6 rounds instead of --rounds')
-    ap.add_argument('--rounds', type=int, default=12)
-    ap.add_argument('--steps', type=int, default=2, help='steps per implementation per round')
+    ap.add_argument('--quick', action='store_true', help='6 rounds instead of --rounds (3 with --launchers)')
+    ap.add_argument('--rounds', type=int, default=None,
+                    help='rounds (default 12; with --launchers: launches per launcher, 8)')
+    ap.add_argument('--steps', type=int, default=None,
+                    help='steps per implementation per round (default 2; with --launchers: per pass, 3)')
     ap.add_argument('--layers', type=int, default=4)
     ap.add_argument('--dim', type=int, default=192)
     ap.add_argument('--heads', type=int, default=4)
@@ -313,15 +445,32 @@ def main():
     ap.add_argument('--mlp-layers', type=int, default=8)
     ap.add_argument('--mlp-width', type=int, default=1024)
     ap.add_argument('--mlp-batch', type=int, default=4, help='MLP micro-batch per rank')
-    ap.add_argument('--threads', type=int, default=1, help='torch threads per rank')
+    ap.add_argument('--launcher', default='spawn', choices=['spawn', 'torchrun', 'launch', 'kernel'],
+                    help="how the ranks start: spawn (torch.multiprocessing, --threads set in the rank), torchrun, "
+                         "flexrt.launch from this process, or flexrt.launch in a Jupyter kernel (no count set)")
+    ap.add_argument('--launchers', default=None, metavar='A,B,...',
+                    help='compare launchers in one interleaved run, e.g. kernel,launch,torchrun (against torchrun)')
+    ap.add_argument('--passes', type=int, default=3,
+                    help='with --launchers: timed passes per launch, after a warm-up pass')
+    ap.add_argument('--out', default='bench_out/engine_step', help="with a launcher: the ranks' result files")
+    ap.add_argument('--threads', type=int, default=None,
+                    help='torch threads per rank (--launcher spawn only; default 1)')
     ap.add_argument('--bucket', type=int, default=2 ** 22, help="engines' reduce_bucket_size, in elements")
-    ap.add_argument('--impls', default=','.join(DEFAULT_IMPLS))
+    ap.add_argument('--impls', default=None,
+                    help=f"default: {','.join(DEFAULT_IMPLS)}; with --launchers {','.join(LAUNCHER_IMPLS)}")
     ap.add_argument('--baseline', default=None, metavar='REV',
                     help='also run flexrt as of git revision REV (baseline-zN next to each flexrt-zN), e.g. HEAD~1')
     args = ap.parse_args()
-    if args.quick: args.rounds = 6
+    launched = bool(args.launchers) or args.launcher != 'spawn'
+    if launched and args.threads is not None:
+        raise SystemExit('--threads sets the count in the ranks, which only --launcher spawn does: the other launchers '
+                         'measure the threads users get (set OMP_NUM_THREADS to choose one for them)')
+    args.threads = args.threads or 1
+    if args.rounds is None: args.rounds = (3 if args.quick else 8) if args.launchers else (6 if args.quick else 12)
+    if args.steps is None: args.steps = 3 if args.launchers else 2
+    impls = args.impls or ','.join(LAUNCHER_IMPLS if args.launchers else DEFAULT_IMPLS)
     stages = {int(s) for s in args.stages.split(',')}
-    wanted = [n for n in args.impls.split(',') if n == 'ddp' or stage_of(n) is None or stage_of(n) in stages]
+    wanted = [n for n in impls.split(',') if n == 'ddp' or stage_of(n) is None or stage_of(n) in stages]
     if 'ddp' not in wanted: wanted.insert(0, 'ddp')   # every ratio is against DDP
     args.baseline_dir = None
     if args.baseline:
@@ -329,11 +478,18 @@ def main():
         wanted = [m for n in wanted for m in ([n, f'baseline-z{stage_of(n)}'] if n.startswith('flexrt-z') and n[-1].isdigit() else [n])]
     names, missing = available(wanted)
     for name, why in missing.items(): print(f"{name}: skipped, {why}")
-    for workload in args.workload.split(','):
+    workloads = args.workload.split(',')
+    for workload in workloads:
         if workload not in ('gpt', 'mlp'): raise SystemExit(f"unknown workload {workload!r}: choose gpt or mlp")
+    unknown = [k for k in (args.launchers or '').split(',') if k and k not in ('torchrun', 'launch', 'kernel')]
+    if unknown: raise SystemExit(f"--launchers: unknown {', '.join(unknown)}: choose from torchrun, launch, kernel")
+    if args.launchers: return compare_launchers(args, names, workloads)
+    if launched: return run_launched(args, names, workloads)
+    for workload in workloads:
         args.workload = workload
         with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
         mp.spawn(worker, args=(2, port, args, names), nprocs=2)
 
 if __name__ == '__main__':
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/launchers.py
     sys.exit(main())

@@ -293,3 +293,78 @@ def test_an_old_result_without_the_new_columns_still_shows(tmp_path):
     assert decided.status.value.endswith('<br>stage 2: 1.20× the baseline')
     assert '<td>the baseline</td><td>1.20× [1.10–1.30]</td>' in decided.standings.value
     decided.close()
+
+# ---- issue #35: the widget's search runs at the threads the training will use, and "Train with this" keeps them ----
+import subprocess
+ROOT = Path(__file__).resolve().parent.parent
+
+WIDGET_SEARCH = """
+import json, sys
+sys.path[:0] = [{examples!r}]
+from flexrt.widgets import AutotuneWidget
+from autotune_widget_train import model_fn, train_step, CONFIG
+config = {{**CONFIG, 'autotuning': {{**CONFIG['autotuning'], 'playoff_rounds': 6, 'max_profile_seconds': 2.0}}}}   # shorter: the test's
+w = AutotuneWidget(model_fn, train_step, config, num_processes=2, memory_budget='512MiB', results_dir={results!r}, interval=1)
+w.controls['stages'].value, w.controls['micro_batch_range'].value = (0, 1), (32, 32)
+w.run(resume=False)
+assert w.wait(400), 'the search did not end'
+trials = w.trials[['phase', 'stage', 'micro_batch', 'status', 'metric', 'metric_low', 'metric_high', 'threads', 'threads_per_rank']]
+json.dump(dict(trials=trials.to_dict('records'), verdict=w.result.verdict, threads=w.result.threads, best_config=w.best_config),
+          open({out!r}, 'w'), default=float)
+w.close()
+"""
+
+def _median(xs): xs = sorted(xs); return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+def test_the_widgets_stage_0_and_stage_1_readings_agree_at_micro_batch_32(tmp_path):
+    """The example's GPT at micro-batch 32, stages 0 and 1, searched from the widget in a fresh process as a kernel starts
+    it (no OMP_NUM_THREADS, torch's default threads): each stage's reading, the medians of its trials' intervals (the
+    search's and the playoff's interleaved rounds), overlap the other's. With every rank at torch's default threads (as
+    many as the cores: before flexrt sized them) stage 0 read 3-20x slower than stage 1 and this fails."""
+    out = tmp_path / 'search.json'
+    script = WIDGET_SEARCH.format(examples=str(ROOT / 'examples'), results=str(tmp_path / 'autotuning_results'), out=str(out))
+    env = {k: v for k, v in os.environ.items() if k not in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS')}
+    done = subprocess.run([sys.executable, '-c', script], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=480)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads(out.read_text())
+    ok = [t for t in found['trials'] if t['status'] == 'ok' and t['micro_batch'] == 32]
+    threads = found['threads']
+    assert threads['source'] == 'sized' and all(t['threads'] == t['threads_per_rank'] for t in ok), (threads, ok)   # trials at their count
+    assert found['best_config']['threads_per_rank'] in threads['counts'] and ' thread' in found['verdict'], found
+    reading = {s: [(t['metric_low'], t['metric_high']) for t in ok if t['stage'] == s and t['threads_per_rank'] == threads['threads_per_rank']]
+               for s in (0, 1)}
+    assert all(len(r) >= 6 for r in reading.values()), reading                 # the search's reading and the playoff's rounds
+    (low0, high0), (low1, high1) = [(_median([l for l, _ in reading[s]]), _median([h for _, h in reading[s]])) for s in (0, 1)]
+    assert max(low0, low1) <= min(high0, high1), (f'stage 0 [{low0:.0f}-{high0:.0f}], stage 1 [{low1:.0f}-{high1:.0f}] '
+                                                  f'samples/s do not overlap; verdict: {found["verdict"]}')
+
+def train_with_threads(config):
+    "What 'Train with this' launches: the MLP with the search's best configuration, a few steps; each rank notes its threads"
+    import flexrt
+    from flexrt import comm as dist
+    dist.init_distributed()
+    try:
+        engine, *_ = flexrt.initialize(model=model_fn(), config={**config, 'optimizer': CONFIG['optimizer']})
+        for _ in range(2): train_step(engine)
+        Path(os.environ['THREADS_NOTE'] + str(dist.get_rank())).write_text(str(torch.get_num_threads()))
+        engine.close()
+    finally: dist.destroy_process_group()
+
+def test_train_with_this_runs_the_best_configurations_threads(tmp_path, monkeypatch):
+    "best_config's threads_per_rank (a count neither torch's nor flexrt's plan would give here) is what the ranks train with"
+    from flexrt.utils.threads import plan_threads
+    want = max(torch.get_num_threads(), plan_threads(local_ranks=2).threads) + 1
+    monkeypatch.setenv('THREADS_NOTE', str(tmp_path / 'threads'))
+    view = SearchView()
+    view(record(0, 0, 4, 100., 2**20, config={'train_micro_batch_size_per_gpu': 4, 'zero_optimization': {'stage': 0},
+                                             'steps_per_print': 10**9, 'threads_per_rank': want}))
+    w = AutotuneWidget(view=view, train=train_with_threads, interval=3600)
+    w.refresh()
+    assert w.best_config['threads_per_rank'] == want and not w.train_button.disabled
+    w.train_button.click()
+    assert w.error is None and w.training_run.wait(90) and w.training_run.error is None
+    assert [int((tmp_path / f'threads{r}').read_text()) for r in (0, 1)] == [want, want]
+    w.dashboard.refresh()
+    run = w.dashboard.records.last('run')
+    assert (run['threads.threads'], run['threads.source']) == (want, 'config'), run
+    w.dashboard.close(); w.close()

@@ -218,3 +218,43 @@ def test_fixed_global_batch(tmp_path):
 def _odd_global_batch(rank, world, results_dir):
     try: autotune(None, train_step, {**config(), 'train_batch_size': 47}, results_dir=results_dir, measure=surface_measure, profile=PROFILE)
     except ValueError as e: return str(e)
+
+# ---- issue #35: trials run at the threads the training uses; on CPU the count is part of the answer ----
+def _sized_search(rank, world, results_dir):
+    "A rank as a notebook launch starts it: torch's default threads, no choice of yours (helpers' ranks set 1)"
+    from flexrt.utils.threads import available_cores
+    torch.set_num_threads(available_cores())
+    result = autotune(model_fn, train_step, config(max_train_micro_batch_size_per_gpu=4), results_dir=results_dir, stages=[0])
+    after = torch.get_num_threads()
+    torch.set_num_threads(available_cores())   # whatever ran last: the config decides
+    engine, *_ = flexrt.initialize(model=model_fn(), config=result.best_config)
+    trained = torch.get_num_threads()
+    engine.close()
+    ran = result.trials[result.trials.status == 'ok']
+    return (result.threads, result.best_config.get('threads_per_rank'), trained, after,
+            sorted(zip(ran.threads_per_rank, ran.threads)), result.verdict, open(os.path.join(results_dir, 'summary.txt')).read())
+
+def test_best_config_carries_the_threads_and_initialize_applies_them(tmp_path):
+    out = run_distributed(_sized_search, world_size=2, args=(str(tmp_path),), timeout=240)
+    threads, best, trained, after, ran, verdict, summary = out[0]
+    assert threads['source'] == 'sized' and threads['device'] == 'cpu' and threads['local_ranks'] == 2, threads
+    assert best in threads['counts'] and trained == best and out[1][2] == best   # flexrt.initialize applied it on both ranks
+    assert after == threads['threads_per_rank']                                  # autotune leaves the plan's count, not the last trial's
+    assert ran and all(asked == computed for asked, computed in ran), ran        # every trial computed with the count it carries
+    assert f"with {best} thread{'' if best == 1 else 's'} per rank" in verdict, verdict
+    assert f'threads per rank: {best} (' in summary, summary
+
+def _fixed_threads(rank, world, results_dir):
+    "helpers' ranks run torch.set_num_threads(1): your choice, kept and not searched; then threads_per_rank in the config"
+    kw = dict(measure=surface_measure, predict=surface_predict, memory_budget=26_000_000, profile=PROFILE)
+    yours = autotune(None, train_step, config(), results_dir=results_dir + '/yours', **kw)
+    keyed = autotune(None, train_step, {**config(), 'threads_per_rank': 2}, results_dir=results_dir + '/keyed', **kw)
+    return [(r.threads['source'], r.threads['counts'], r.best_config.get('threads_per_rank'), set(r.trials.phase),
+             torch.get_num_threads()) for r in (yours, keyed)]
+
+def test_threads_you_fixed_are_kept_and_not_searched(tmp_path):
+    out = run_distributed(_fixed_threads, world_size=2, args=(str(tmp_path),), timeout=120)
+    assert out[0] == out[1], out
+    (source, counts, best, phases, _), (keyed_source, keyed_counts, keyed_best, keyed_phases, left) = out[0]
+    assert (source, counts, best) == ('torch.set_num_threads', [], None) and 'threads' not in phases   # no key: yours stays yours
+    assert (keyed_source, keyed_counts, keyed_best, left) == ('config', [], 2, 2) and 'threads' not in keyed_phases

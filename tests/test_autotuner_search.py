@@ -1,9 +1,11 @@
 """The autotuner's search against a deterministic surface (tests/autotune_surface.py): exact trial counts and winners,
 largest micro-batch exact in few runs, fault injection, every settings knob that changes the path; and against a noisy
-one (tests/autotune_surface.py `noisy`): a lucky reading loses the playoff, a tie keeps the baseline."""
+one (tests/autotune_surface.py `noisy`): a lucky reading loses the playoff, a tie keeps the baseline; threads per rank
+searched where they matter (`threaded`), and a winner far ahead of the baseline says which phase of the step got faster
+(`step_bound`)."""
 import math, sys
 import pytest
-from autotune_surface import measure, faulty, noisy, predict, grid, throughput, P, WORLD
+from autotune_surface import measure, faulty, noisy, predict, grid, throughput, threaded, step_bound, P, WORLD
 from flexrt.autotuner.space import TuneSettings, Candidate, global_batch_micro_batches
 from flexrt.autotuner.search import Search
 
@@ -16,10 +18,10 @@ def drive(search, measure_fn=measure, budget=None):
                                          metric=search.s.metric) for e in batch])
     except StopIteration as stop: return stop.value
 
-def new_search(budget, fast=True, max_trials=None, micro_batches=None, **kw):
+def new_search(budget, fast=True, max_trials=None, micro_batches=None, threads_per_rank=None, thread_counts=(), **kw):
     settings = TuneSettings(**{'fast': fast, 'max_micro_batch': 64, **kw})
     return Search(settings, predict=predict, memory_budget=budget, world_size=WORLD, num_params=P, max_trials=max_trials,
-                  micro_batches=micro_batches)
+                  micro_batches=micro_batches, threads_per_rank=threads_per_rank, thread_counts=thread_counts)
 
 @pytest.mark.parametrize('budget', [20_000_000, 26_000_000, 40_000_000])
 def test_max_micro_batch_exact_in_few_runs(budget):
@@ -156,3 +158,42 @@ def test_largest_micro_batch_in_at_most_three_runs_on_average(budget):
     drive(s, budget=budget)
     runs = [n for st, n in s.max_micro_batch_runs.items()]
     assert runs and sum(runs) / len(runs) <= 3, s.max_micro_batch_runs
+
+def test_thread_sweep_picks_the_faster_count():
+    "16 cores, 2 ranks: flexrt gives 8 threads a rank; on this surface 4 run faster: the sweep finds them in 2 extra runs"
+    budget = 26_000_000
+    plain = new_search(budget, threads_per_rank=8)
+    drive(plain, budget=budget)
+    s = new_search(budget, threads_per_rank=8, thread_counts=(1, 2, 4, 8))
+    rec, best = drive(s, threaded({8: 1.0, 4: 0.8, 2: 0.9, 1: 1.3}), budget=budget)
+    swept = [r['threads_per_rank'] for r in s.records if r['phase'] == 'threads']
+    assert swept == [4, 2] and s.runs == plain.runs + 2, (swept, s.runs, plain.runs)   # 2 is slower than 4: no need for 1
+    assert best.threads_per_rank == 4 and rec['config']['threads_per_rank'] == 4 and rec['phase'] == 'threads'
+    assert (best.stage, best.micro_batch) == (plain.best[1].stage, plain.best[1].micro_batch)   # at the best point found
+    assert 'with 4 threads per rank' in s.margin['verdict'], s.margin
+    assert all(r['config']['threads_per_rank'] == 8 for r in s.records if r['phase'] not in ('threads', 'playoff'))
+
+def test_a_close_thread_count_competes_in_the_playoff_and_a_fixed_one_is_not_searched():
+    budget = 26_000_000
+    s = new_search(budget, threads_per_rank=8, thread_counts=(1, 2, 4, 8), playoff_size=1)   # only the best search reading ...
+    rec, best = drive(s, threaded({8: 1.0, 4: 1.01}), budget=budget)   # ... and, 1% behind it (within the noise), 4 threads
+    four = [c for c in s.playoff_state.entrants if c.threads_per_rank == 4]
+    assert len(four) == 1 and (four[0].stage, four[0].micro_batch) == (best.stage, best.micro_batch)   # interleaved with the rest
+    assert sum(r['phase'] == 'playoff' and r['threads_per_rank'] == 4 for r in s.records) == len(s.playoff_state.rounds)
+    fixed = new_search(budget, threads_per_rank=2)   # yours (threads_per_rank in the config): no counts to search
+    rec, best = drive(fixed, threaded({1: 0.5}), budget=budget)
+    assert not [r for r in fixed.records if r['phase'] == 'threads'] and best.threads_per_rank == rec['config']['threads_per_rank'] == 2
+    assert 'with 2 threads per rank' in fixed.margin['verdict']
+
+def test_a_far_ahead_winner_names_the_phase_that_got_faster():
+    "The optimizer step dominates and runs 4x faster above stage 0: the verdict says so from the playoff's phase times"
+    budget = 26_000_000
+    s = new_search(budget)
+    rec, best = drive(s, step_bound(), budget=budget)
+    m = s.margin
+    assert best.stage > 0 and m['baseline']['ratio'] > 1.5, m
+    assert 'against the baseline, the optimizer step ' in m['verdict'] and ' faster (' in m['verdict'], m['verdict']
+    assert 'backward unchanged' in m['verdict'] and m['why'] in m['verdict'], m['verdict']
+    s = new_search(budget)
+    rec, best = drive(s, budget=budget)   # the plain surface: phases timed, the winner 1.2x the baseline: the ratio alone
+    assert 1 < s.margin['baseline']['ratio'] < 1.5 and s.margin['why'] == '' and 'against the baseline' not in s.margin['verdict'], s.margin

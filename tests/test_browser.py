@@ -84,7 +84,7 @@ def _check_first_look(page):
     comm = by_title['Communication']
     assert not comm['shown'] or comm['table'], f'an empty Communication section is shown: {comm}'
     outputs = page.evaluate("() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.innerText).join('\\n')")
-    assert 'flexrt: launching 2 CPU processes (gloo)' in outputs, outputs
+    assert 'flexrt: launching 2 CPU processes (gloo): 2 ranks × ' in outputs, outputs
     assert not [w for w in NOISE if w in outputs], f'the launching cell printed noise: {outputs!r}'
     assert not page.query_selector('[data-mime-type="application/vnd.jupyter.stderr"]'), 'something was written to stderr'
 
@@ -117,7 +117,7 @@ def _check_quiet_cells(page, name: str):
     assert STEP_LINE in page.evaluate(LOG_TEXT)
     if name not in LATE_OUTPUT_SHOWN: return
     printed = page.evaluate(CELLS_PRINTED)
-    assert 'flexrt: launching 2 CPU processes (gloo)' in printed, f'the launching cell\'s output is not where it is looked for: {printed!r}'
+    assert 'flexrt: launching 2 CPU processes (gloo): 2 ranks × ' in printed, f'the launching cell\'s output is not where it is looked for: {printed!r}'
     assert STEP_LINE not in printed, f'step lines went to a cell instead of the dashboard: {printed!r}'
 
 def _fit(page):

@@ -7,6 +7,8 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'examples'))
 from run_quickstart import run
+from flexrt.utils.threads import ThreadPlan, available_cores
+from flexrt.launch import describe_launch
 
 STEPS = 6
 
@@ -25,9 +27,12 @@ def _port_taken(port=29500):
 def test_quickstart_delivers_every_step_before_the_launch_cell_ends(tmp_path):
     with _port_taken():                                              # the quickstart must not need port 29500
         nb = run(tmp_path, STEPS)                                    # raises if any cell (the asserts) failed
+    cores = available_cores()
+    sized = ThreadPlan(max(1, cores // 2), 2, cores, 'sized')
     launch_cell = next(c for c in nb.cells if c.cell_type == 'code' and 'launch(train' in c.source)
     printed = [o for o in launch_cell.outputs if o.get('output_type') == 'stream']
-    assert [(o['name'], o['text'].strip()) for o in printed] == [('stdout', 'flexrt: launching 2 CPU processes (gloo)')]
+    assert [(o['name'], o['text'].strip()) for o in printed] == [('stdout', describe_launch(2, sized))]
+    # each rank sized to the machine: '...: 2 ranks × 1 thread on 2 cores' here
     after = nb.cells[nb.cells.index(launch_cell) + 2]                # the first cell after the launch, in the kernel
     assert f'{2 * STEPS} step records' in ''.join(o.get('text', '') for o in after.outputs)
     models = _models(nb)

@@ -6,21 +6,34 @@
 from __future__ import annotations
 import math, statistics
 from .space import Candidate
-from .measure import median_interval
+from .measure import median_interval, median_phases
 
 # %% auto #0
-__all__ = ['label', 'short', 'Playoff']
+__all__ = ['PHASE_WORDS', 'threads_words', 'label', 'short', 'Playoff', 'phase_change']
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p005
-def label(c:Candidate, others:list=())->str:
-    "A candidate in words ('stage 1, micro-batch 64'), with the knobs that tell it from `others` of the same point"
+def threads_words(n:int)->str: return f"{n} thread{'' if n == 1 else 's'} per rank"
+
+def label(c:Candidate, others:list=(), # the other entrants: what tells `c` from those of its point is named
+          threads:bool=False)->str: # name its threads per rank even when no other entrant of its point differs
+    "A candidate in words ('stage 1, micro-batch 64'), with the knobs and threads telling it from `others` of its point"
     out = f'stage {c.stage}, micro-batch {c.micro_batch}' + (f', accumulation {c.gradient_accumulation}' if c.gradient_accumulation > 1 else '')
-    same = [o for o in others if o != c and (o.stage, o.micro_batch, o.gradient_accumulation) == (c.stage, c.micro_batch, c.gradient_accumulation)]
+    same = _same_point(c, others)
     for k, v in c.knobs().items():
         if any(getattr(o, k) != v for o in same): out += f', {k}={v}'
+    if c.threads_per_rank is not None and (threads or any(o.threads_per_rank != c.threads_per_rank for o in same)):
+        out += f' with {threads_words(c.threads_per_rank)}'
     return out
 
-def short(c:Candidate)->str: return f'z{c.stage} mb{c.micro_batch}' + (f' gas{c.gradient_accumulation}' if c.gradient_accumulation > 1 else '')
+def _same_point(c:Candidate, others:list)->list:
+    point = lambda x: (x.stage, x.micro_batch, x.gradient_accumulation)
+    return [o for o in others if o != c and point(o) == point(c)]
+
+def short(c:Candidate, others:list=())->str: # 'z1 mb64', 'z1 mb64 t2' beside another thread count of its point
+    "A candidate in a few characters"
+    out = f'z{c.stage} mb{c.micro_batch}' + (f' gas{c.gradient_accumulation}' if c.gradient_accumulation > 1 else '')
+    differs = any(o.threads_per_rank != c.threads_per_rank for o in _same_point(c, others))
+    return out + (f' t{c.threads_per_rank}' if differs and c.threads_per_rank is not None else '')
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p008
 class Playoff:
@@ -34,6 +47,7 @@ class Playoff:
         self.entrants, self.baseline, self.lower = list(dict.fromkeys(entrants)), baseline, lower_is_better
         self.tolerance, self.min_rounds, self.max_rounds, self.confidence = tolerance, min_rounds, max(min_rounds, max_rounds), confidence
         self.rounds, self.failed, self.beaten = [], {}, set()   # [{key: metric}], key -> reason, keys no longer run
+        self.phases = []   # by round: {key: ms per optimizer step of each engine phase}, where the runs timed them
 
     @property
     def alive(self)->list: return [c for c in self.entrants if c.key not in self.failed]
@@ -50,11 +64,13 @@ class Playoff:
         return live[r % len(live):] + live[:r % len(live)] if live else []
 
     def add_round(self, metrics:dict, # key -> metric, or None when the run failed
-                  reasons:dict|None=None): # key -> why it failed
+                  reasons:dict|None=None, # key -> why it failed
+                  phases:dict|None=None): # key -> the run's `phases_ms` (None where it timed none)
         "Record one round; an entrant whose run failed leaves the playoff"
         for key, m in metrics.items():
             if m is None or not math.isfinite(m) or m <= 0: self.failed[key] = (reasons or {}).get(key) or 'failed in the playoff'
         self.rounds.append({k: m for k, m in metrics.items() if k not in self.failed})
+        self.phases.append({k: p for k, p in (phases or {}).items() if p and k in self.rounds[-1]})
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p009
 from fastcore.basics import patch
@@ -73,10 +89,35 @@ def compare(self:Playoff, a:Candidate, b:Candidate)->dict: # ratio (median), low
 def standings(self:Playoff)->list: # dicts, best first
     "Every live entrant against the reference: name, ratio and interval, rounds"
     ref = self.reference
-    rows = [dict(name=short(c), label=label(c, self.entrants), stage=c.stage, micro_batch=c.micro_batch,
+    rows = [dict(name=short(c, self.entrants), label=label(c, self.entrants), stage=c.stage, micro_batch=c.micro_batch,
                  gradient_accumulation=c.gradient_accumulation, is_baseline=c == self.baseline, key=c.key,
                  **self.compare(c, ref)) for c in self.alive]
     return sorted(rows, key=lambda s: -(s['ratio'] or 0))
+
+# %% ../../nbs/72_autotuner_playoff.ipynb #p010b
+PHASE_WORDS = {'forward': 'forward', 'backward': 'backward', 'allreduce': 'the wait for reduced gradients',
+               'step': 'the optimizer step'}   # the engine's timers (`flexrt.engine.parts.PHASES`), in words
+
+def _ms(x:float)->str: return f'{x:.0f}' if x >= 10 else f'{x:.2g}'
+def _and(words:list)->str: return ' and '.join(words) if len(words) < 3 else ', '.join(words[:-1]) + ' and ' + words[-1]
+
+def phase_change(winner:dict, baseline:dict, # phase -> ms per optimizer step (`median_phases`)
+                 winner_samples:int=1, baseline_samples:int=1, # samples per optimizer step; per sample when they differ
+                 change:float=1.25)->str: # a phase faster or slower by this factor or more is named
+    "Which timed phases of the step moved, in words: 'the optimizer step 3.1× faster (12 → 3.9 ms per step); ...'"
+    names = [n for n in PHASE_WORDS if winner.get(n, 0) > 0 and baseline.get(n, 0) > 0]
+    if not names: return ''
+    same_batch = winner_samples == baseline_samples
+    per, unit = ((1, 1), 'ms per step') if same_batch else ((winner_samples, baseline_samples), 'ms per sample')
+    w, b = {n: winner[n] / per[0] for n in names}, {n: baseline[n] / per[1] for n in names}
+    factor = lambda n: max(b[n] / w[n], w[n] / b[n])
+    moved = sorted((n for n in names if factor(n) >= change), key=lambda n: -abs(b[n] - w[n]))
+    if not moved: return (f'no timed phase moved by {change - 1:.0%} or more: the gain lies outside forward, backward, '
+                          'the reduction wait and the optimizer step')
+    way = lambda n: 'faster' if w[n] < b[n] else 'slower'
+    said = [f"{PHASE_WORDS[n]} {factor(n):.1f}× {way(n)} ({_ms(b[n])} → {_ms(w[n])} {unit})" for n in moved]
+    same = [PHASE_WORDS[n] for n in names if n not in moved]
+    return ', '.join(said) + (f'; {_and(same)} unchanged' if same else '')
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p011
 @patch
@@ -117,7 +158,7 @@ def decided(self:Playoff)->bool:
 def _interval(r:dict)->str: return '' if r['low'] is None else f" [{r['low']:.2f}–{r['high']:.2f}]"
 
 @patch
-def margin(self:Playoff)->dict|None: # baseline, runner_up, ties, verdict, rounds
+def margin(self:Playoff)->dict|None: # baseline, runner_up, ties, verdict, rounds, why
     "How far ahead the winner is, and how sure: the record `AutotuneResult.margin` keeps"
     w = self.winner()
     if w is None: return None
@@ -126,15 +167,28 @@ def margin(self:Playoff)->dict|None: # baseline, runner_up, ties, verdict, round
     rank = lambda c: self.compare(c, ref)['ratio'] or 0
     up = max(others, key=rank) if others else None
     base = self.compare(w, self.baseline) if self.baseline is not None and self.baseline in self.alive and w != self.baseline else None
-    runner = dict(name=short(up), label=label(up, self.entrants), **self.compare(w, up)) if up is not None else None
+    named = lambda c: dict(name=short(c, self.entrants), label=label(c, self.entrants))
+    runner = {**named(up), **self.compare(w, up)} if up is not None else None
     ties = [c for c in others if (r := self.compare(w, c))['low'] is not None and r['low'] <= 1 <= r['high']]
-    return dict(winner=short(w), label=label(w, self.entrants), is_baseline=w == self.baseline, baseline=base, runner_up=runner,
-                ties=[short(c) for c in ties], rounds=len(self.rounds), verdict=self.verdict(w, base, runner, ties, up))
+    far = base is not None and base['ratio'] is not None and base['ratio'] > 1.5
+    why = self.why(w) if far else ''   # where the time went
+    verdict = self.verdict(w, base, runner, ties, up) + (f'; against the baseline, {why}' if why else '')
+    return dict(winner=short(w, self.entrants), label=label(w, self.entrants, threads=True), is_baseline=w == self.baseline,
+                baseline=base, runner_up=runner, ties=[short(c, self.entrants) for c in ties], rounds=len(self.rounds),
+                why=why, verdict=verdict)
+
+@patch
+def why(self:Playoff, w:Candidate)->str:
+    "Which phases of the step made `w` faster than the baseline, from the rounds both ran and timed ('' without phases)"
+    b, both = self.baseline, [p for p in self.phases if w.key in p and self.baseline.key in p]
+    samples = lambda c: c.micro_batch * c.gradient_accumulation
+    timed = lambda c: median_phases([p[c.key] for p in both])
+    return phase_change(timed(w), timed(b), samples(w), samples(b))
 
 @patch
 def verdict(self:Playoff, w, base, runner, ties, up)->str:
     "The margin in one sentence"
-    words = label(w, self.entrants)
+    words = label(w, self.entrants, threads=True)
     if len(self.entrants) == 1: return f'{words}: the only configuration that ran'
     parts = []
     if w == self.baseline: words += ' (the baseline)'

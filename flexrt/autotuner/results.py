@@ -13,17 +13,22 @@ from .space import Candidate, KNOBS, format_bytes
 
 # %% auto #0
 __all__ = ['COLUMNS', 'STATUSES', 'REPEATS', 'record_candidate', 'trials_frame', 'TrialStore', 'study_fingerprint', 'open_store',
-           'AutotuneResult', 'AutotuneError', 'no_winner', 'summary_text']
+           'AutotuneResult', 'AutotuneError', 'no_winner', 'threads_line', 'summary_text']
 
 # %% ../../nbs/72_autotuner_results.ipynb #c005
-COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', *KNOBS, 'status', 'reason', 'metric_name',
-           'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'round', 'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted', 'seconds', 'config']
+COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', *KNOBS, 'threads_per_rank', 'status',
+           'reason', 'metric_name', 'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'round',
+           'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted', 'seconds', 'threads',
+           'phases_ms', 'config']
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error', 'pruned')
 REPEATS = ('playoff', 'remeasure')   # phases that run searched candidates again ('remeasure': results written before the playoff)
 
+def _count(value)->int|None: return None if value is None or pd.isna(value) else int(value)   # in a frame, missing: NaN
+
 def record_candidate(record:dict)->Candidate:
-    "The `Candidate` a trial record describes"
-    return Candidate(**{k: record[k] for k in ('stage', 'micro_batch', 'gradient_accumulation', *KNOBS)})
+    "The `Candidate` a trial record describes (a record from before thread counts: none)"
+    return Candidate(**{k: record[k] for k in ('stage', 'micro_batch', 'gradient_accumulation', *KNOBS)},
+                     threads_per_rank=_count(record.get('threads_per_rank')))
 
 def trials_frame(records:list)->pd.DataFrame:
     "The records as a DataFrame with `COLUMNS` first (extra fields after them)"
@@ -78,7 +83,8 @@ def meta(self:TrialStore, name:str, default=None):
     return default if row is None else json.loads(row[0])
 
 # %% ../../nbs/72_autotuner_results.ipynb #c010
-_RESULT_KEYS = ('status', 'reason', 'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'samples_per_s', 'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds')
+_RESULT_KEYS = ('status', 'reason', 'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'samples_per_s',
+                'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds', 'threads', 'phases_ms')
 
 @patch
 def measured(self:TrialStore)->dict: # candidate key -> result (status, metric, peak_bytes, ...)
@@ -137,6 +143,7 @@ class AutotuneResult:
     memory_budget:int|None=None; mode:str='in-process'; results_dir:str='autotuning_results'
     stopped:str=''; mode_reason:str=''; seconds:float=0.0
     margin:dict|None=None; study:str=''   # the playoff's margin; whether the search resumed a stored one, or why not
+    threads:dict|None=None   # threads_per_rank, counts searched, source, cores, local_ranks, device (`threads_line`)
 
     @property
     def verdict(self)->str: # the margin in one sentence
@@ -199,6 +206,22 @@ def _reading(rec:dict)->str:
         out += f" ({int(rec['steps_measured'])} steps, noise {rec.get('noise') or 0:.1%})"
     return out
 
+_CHOSEN = {'config': 'threads_per_rank in the config'}
+
+def threads_line(threads:dict|None, # `AutotuneResult.threads`
+                 best:dict|None)->str|None: # the winner's record
+    "The summary's line on threads per rank: the winner's count, and whether and how it was searched (None: not known)"
+    if not threads: return None
+    t, on = threads, f"{threads['cores']} cores ÷ {threads['local_ranks']} ranks"
+    if t.get('device') == 'cuda':
+        return (f"threads per rank: not searched on CUDA (the GPU computes); flexrt gives each rank "
+                f"{t['threads_per_rank']} CPU threads ({on})")
+    n = _count((best or {}).get('threads_per_rank')) or t['threads_per_rank']
+    who = _CHOSEN.get(t['source'], t['source'])
+    if t['source'] != 'sized': return f"threads per rank: {n} (yours: {who}; not searched)"
+    if len(t['counts']) < 2: return f"threads per rank: {n} (the one count not oversubscribing {on}: nothing to search)"
+    return f"threads per rank: {n} (searched {', '.join(map(str, t['counts']))} on {on})"
+
 def summary_text(r:AutotuneResult)->str:
     "The text of `summary.txt`"
     df, lower = r.trials[~r.trials.phase.isin(REPEATS)], bool(r.best and r.best['metric_name'] == 'latency')
@@ -209,6 +232,7 @@ def summary_text(r:AutotuneResult)->str:
     out = [line(head), '|' + '|'.join(':' + '-' * (w + 1) for w in widths) + '|', *map(line, rows), '']
     out.append(f"mode: {r.mode} ({r.mode_reason})" if r.mode_reason else f"mode: {r.mode}")
     out.append(f"memory budget per rank: {format_bytes(r.memory_budget)}")
+    if threads_line(r.threads, r.best): out.append(threads_line(r.threads, r.best))
     if r.study: out.append(f"study: {r.study}")
     for name, rec in (('baseline', r.baseline), ('winner', r.best)):
         if rec: out.append(f"{name}: {record_candidate(rec).name} {rec['metric_name']}={_reading(rec)} peak={format_bytes(rec['peak_bytes_measured'])}")

@@ -11,7 +11,8 @@ import torch
 from fastcore.basics import patch
 from .. import comm as dist, monitor, launch
 from .space import (Candidate, tune_settings, parse_bytes, format_bytes, plain_config, check_bucket_sizes,
-                                    global_batch_micro_batches)
+                                    global_batch_micro_batches, thread_counts)
+from ..utils.threads import plan_threads, size_threads
 from .search import Search
 from .results import (AutotuneResult, AutotuneError, TrialStore, trials_frame, record_candidate, no_winner, REPEATS,
                                       study_fingerprint, open_store)
@@ -19,8 +20,8 @@ from .measure import Precision
 from .playoff import short
 
 # %% auto #0
-__all__ = ['decide', 'experiment_groups', 'Predictor', 'check_space', 'profile', 'parameter_shapes', 'Tuner', 'autotune',
-           'autotune_main']
+__all__ = ['decide', 'experiment_groups', 'Predictor', 'check_space', 'profile', 'parameter_shapes', 'thread_choice',
+           'candidate_threads', 'Tuner', 'autotune', 'autotune_main']
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c005
 def _world()->int: return dist.get_world_size() if dist.is_initialized() else 1
@@ -120,6 +121,21 @@ def _tensor_sizes(profile)->list|None:
         if getattr(profile, name, None): return list(getattr(profile, name))
     return None
 
+# %% ../../nbs/72_autotuner_runner.ipynb #c015u
+def thread_choice(config:dict, # the user's config (its `threads_per_rank`, if any)
+                  local_ranks:int|None=None, # ranks on this node that run trials; None: from the launcher's variables
+                 )->dict: # `AutotuneResult.threads`: threads_per_rank, counts, source, cores, local_ranks, device
+    "How the search treats threads per rank here: the plan's count, the counts to search (none if you chose; on CUDA)"
+    plan, cuda = plan_threads(config.get('threads_per_rank'), local_ranks), torch.cuda.is_available()
+    counts = thread_counts(plan.cores, plan.local_ranks) if plan.source == 'sized' and not cuda else []
+    return dict(threads_per_rank=plan.threads, counts=counts, source=plan.source, cores=plan.cores,
+                local_ranks=plan.local_ranks, device='cuda' if cuda else 'cpu')
+
+def candidate_threads(threads:dict)->int|None:
+    "The count every candidate carries: flexrt's or your config's on CPU; None where the engine keeps yours, or on CUDA"
+    mine = threads['device'] == 'cpu' and threads['source'] in ('sized', 'config')
+    return threads['threads_per_rank'] if mine else None
+
 # %% ../../nbs/72_autotuner_runner.ipynb #c017
 class Tuner:
     "One autotuning run, as seen from this rank"
@@ -135,6 +151,7 @@ class Tuner:
         self.results_dir, self.measure_fn, self.predict = results_dir, measure, predict
         self.group, self.group_index, self.num_groups = experiment_groups(ranks_per_experiment)
         self.world = experiment_world_size or _world() // self.num_groups   # ranks of one experiment
+        self.experiment_world_size, self.threads = experiment_world_size, None   # threads: `thread_choice`, in `start`
         self.search = self.store = self.gen = None
         self.start_time, self.emitted, self.flops_memo, self.rounds_emitted, self.study = time.perf_counter(), 0, {}, 0, ''
 
@@ -164,10 +181,12 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     if self.predict is not None: predictor = self.predict
     elif self.profile is None or getattr(self.profile, 'estimates', True) is False: predictor = None
     else: predictor = Predictor(self.profile, plain, self.world)
-    stored = self.store.records()
+    stored, self.threads = self.store.records(), thread_choice(self.config, self.experiment_world_size)
     self.search = Search(s, plain, predictor, budget, self.world, getattr(self.profile, 'num_params', 1) or 1,
                          _tensor_sizes(self.profile), self.micro_batches, max_trials=self.max_trials, storage=self.store.url,
-                         seed=self.seed, parallel=self.num_groups, measured=self.store.measured(), first_trial=len(stored))
+                         seed=self.seed, parallel=self.num_groups, measured=self.store.measured(),
+                         first_trial=len(stored), threads_per_rank=candidate_threads(self.threads),
+                         thread_counts=self.threads['counts'])
     self.search.record_of = {record_candidate(r).key: r for r in stored if r['status'] != 'pruned' and r['phase'] not in REPEATS}
     self.pruned_seen = {(record_candidate(r).key, r['phase']) for r in stored if r['status'] == 'pruned'}
     check_space(self.search)
@@ -175,7 +194,8 @@ def start(self:Tuner)->dict: # what every rank needs: the trial settings
     monitor.emit('experiment', event='start', space=dict(stages=list(s.stages), micro_batch=[s.min_micro_batch, s.max_micro_batch],
                  fast=s.fast, tuner_type=s.tuner_type), memory_budget=self.budget, world_size=_world(),
                  ranks_per_experiment=self.world, metric=s.metric, results_dir=self.results_dir,
-                 profile=dict(num_params=getattr(self.profile, 'num_params', None)), study=self.study, train_batch=s.train_batch)
+                 profile=dict(num_params=getattr(self.profile, 'num_params', None)), study=self.study,
+                 train_batch=s.train_batch, threads=self.threads)
     self.gen = self.search.plan()
     return dict(warmup_steps=s.warmup_steps, profile_steps=s.profile_steps, metric=s.metric,
                 precision=Precision(s.tolerance, s.max_profile_steps, s.max_profile_seconds))
@@ -262,7 +282,7 @@ def finish(self:Tuner)->AutotuneResult:
     trials = trials_frame(self.store.records())
     result = AutotuneResult(trials, best and best['config'], best, baseline, self.profile, self.budget, self.mode,
                             self.results_dir, srch.stopped, self.mode_reason, time.perf_counter() - self.start_time,
-                            srch.margin if best else None, self.study)
+                            srch.margin if best else None, self.study, threads=self.threads)
     result.write(self.store)
     error = no_winner(trials, srch.stopped) if best is None else None
     monitor.emit('experiment', event='end', best=best, best_config=result.best_config, baseline=baseline, stopped=srch.stopped,
@@ -293,14 +313,22 @@ def autotune(model_fn, # builds a fresh model; called once per experiment on eve
              mode:str='in-process', mode_reason:str='', # how experiments run (the CLI's launch-per-experiment sets these)
              bucket_sizes=None, # bucket sizes (elements) the knob search tries; None: scaled to the model (P/16, P/4, P)
             )->AutotuneResult:
-    "Find the fastest ZeRO stage × micro-batch × knob configuration that fits, inside the launched ranks"
+    "Find the fastest ZeRO stage × micro-batch × knob (× threads per rank on CPU) configuration that fits, in the ranks"
     if measure is None and not callable(train_step): raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
     dist.init_distributed(dist_init_required=None)   # as flexrt.initialize: the launcher's world, when none is running yet
-    t = Tuner(model_fn, train_step, config, dataset=dataset, memory_budget=memory_budget, ranks_per_experiment=ranks_per_experiment,
-              results_dir=results_dir, max_trials=max_trials, time_budget=time_budget, stages=stages, micro_batches=micro_batches,
-              on_trial=on_trial, seed=seed, resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile,
-              predict=predict, experiment_world_size=experiment_world_size, mode=mode, mode_reason=mode_reason,
-              bucket_sizes=bucket_sizes)
+    size_threads(config.get('threads_per_rank'))   # the profile and the model builds run at the count the trials run
+    try:
+        return _tune(model_fn, train_step, config, dataset=dataset, memory_budget=memory_budget,
+                     ranks_per_experiment=ranks_per_experiment, results_dir=results_dir, max_trials=max_trials,
+                     time_budget=time_budget, stages=stages, micro_batches=micro_batches, on_trial=on_trial, seed=seed,
+                     resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile, predict=predict,
+                     experiment_world_size=experiment_world_size, mode=mode, mode_reason=mode_reason,
+                     bucket_sizes=bucket_sizes)
+    finally: size_threads(config.get('threads_per_rank'))   # the ranks go on at the plan's count, not the last trial's
+
+def _tune(model_fn, train_step, config:dict, **kwargs)->AutotuneResult:
+    "Every rank: the search's start, its batches, its end (rank 0 decides each)"
+    t = Tuner(model_fn, train_step, config, **kwargs)
     t.warm()   # ranks other than 0 (rank 0 is busy profiling meanwhile)
     settings = decide(t.start)
     batch = decide(t.advance, None)

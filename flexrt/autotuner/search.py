@@ -225,14 +225,16 @@ def playoff(self:Search):
     "Re-measure the best candidates and the baseline in interleaved rounds (`yield from` it); sets `best` and `margin`"
     base = self.baseline[1] if self.baseline else None
     entrants = [c for _, c in self.best_measured(self.s.playoff_size + 1) if c != base][:self.s.playoff_size]
+    if self.thread_rival is not None and self.thread_rival not in (*entrants, base): entrants.append(self.thread_rival)
     if not entrants and base is None: return self.decide()
     po = self.playoff_state = Playoff(entrants, base, self.s.lower_is_better, self.s.tolerance, max_rounds=self.s.playoff_rounds)
     while not po.decided():
         order, rnd = po.order(len(po.rounds)), len(po.rounds) + 1
         results = yield [Experiment(c, 'playoff') for c in order]
         for c, res in zip(order, results): self.record(Experiment(c, 'playoff'), res, round=rnd)
-        po.add_round({c.key: r.metric if r.status == FITS else None for c, r in zip(order, results)},
-                     {c.key: r.reason for c, r in zip(order, results)})
+        ran = list(zip(order, results))
+        po.add_round({c.key: r.metric if r.status == FITS else None for c, r in ran}, {c.key: r.reason for c, r in ran},
+                     {c.key: getattr(r, 'phases_ms', None) for c, r in ran})
     return self.decide()
 
 @patch
@@ -243,6 +245,26 @@ def decide(self:Search):
     if w is None: return None
     self.best, self.margin = (self.record_of.get(w.key), w), self.playoff_state and self.playoff_state.margin()
     return self.best
+
+# %% ../../nbs/72_autotuner_search.ipynb #c038u
+@patch
+def tune_threads(self:Search):
+    "Other thread counts at the best point so far (`yield from` it): from the search's count down, while each is better"
+    if not self.best_measured() or self.threads_per_rank is None: return None
+    distance = lambda t: abs(t - self.threads_per_rank)
+    others = sorted((t for t in self.thread_counts if t != self.threads_per_rank), key=distance)
+    _, at = self.best_measured()[0]
+    best, ran = at, {at: self.measured[at.key]}
+    for t in others:
+        c = replace(at, threads_per_rank=t)
+        res = yield from self.run_one(c, 'threads')
+        if res.status != FITS: break
+        ran[c] = res
+        if not self.clearly_worse(ran[best], res): break   # not better beyond the noise: fewer threads will not be
+        best = c
+    close = [c for c, res in ran.items() if c != best and not self.clearly_worse(res, ran[best])]
+    self.thread_rival = max(close, key=lambda c: self.score(ran[c])) if close else None   # the playoff tells them apart
+    return self.score(ran[best]), best
 
 # %% ../../nbs/72_autotuner_search.ipynb #c041
 @patch
@@ -256,5 +278,6 @@ def plan(self:Search):
             if self.max_micro_batch.get(stage) is not None: top = max(top or 0, self.max_micro_batch[stage])
         yield from self.measure_baseline()
         if not self.s.fast: yield from self.tune_stages()
+        yield from self.tune_threads()
     except SearchDone as e: self.stopped = str(e)
     return (yield from self.playoff())

@@ -35,15 +35,19 @@ class SearchRuns:
                  seed:int=0, # the samplers' seed
                  parallel:int=1, # experiments that run at once (sub-groups); the knob search asks this many
                  measured:dict|None=None, # candidate key -> result of a run (a resumed search replays these)
-                 first_trial:int=0): # the number of the first record (a resumed search continues the count)
+                 first_trial:int=0, # the number of the first record (a resumed search continues the count)
+                 threads_per_rank:int|None=None, # every candidate's threads per rank (CPU); None: the engine's choice
+                 thread_counts=()): # the counts the thread sweep tries beside it; none or one: not searched
         self.s, self.base, self.predict_fn, self.budget = settings, base_config or {}, predict, memory_budget
         self.world_size, self.num_params, self.tensor_sizes = world_size, num_params, tensor_sizes
         self.micro_batches, self.plateau, self.max_trials = micro_batches, plateau, max_trials
         self.storage, self.seed, self.parallel, self.first_trial = storage, seed, max(1, parallel), first_trial
+        self.threads_per_rank, self.thread_counts = threads_per_rank, tuple(thread_counts)
         self.measured, self.records, self.runs, self.stopped = dict(measured or {}), [], 0, ''
         self.candidates, self.record_of = {}, {}  # key -> Candidate, key -> its record (runs of this plan)
         self.max_micro_batch, self.max_micro_batch_runs, self.stage_best, self.baseline, self.best = {}, {}, {}, None, None
         self.playoff_state, self.margin = None, None   # the decision (`flexrt.autotuner.playoff`), once it runs
+        self.thread_rival = None   # the other thread count at the best point that the thread sweep could not tell apart
 
     def score(self, result)->float: # higher is better
         return -result.metric if self.s.lower_is_better else result.metric
@@ -72,27 +76,29 @@ def feasible(self:SearchRuns, c:Candidate)->bool:
 
 @patch
 def candidate(self:SearchRuns, stage:int, micro_batch:int, **knobs)->Candidate:
-    "The point (stage, micro_batch) with the pre-knob-search knobs, overridden by `knobs`"
+    "The point (stage, micro_batch) at the search's threads per rank, pre-knob-search knobs, overridden by `knobs`"
     gas = gradient_accumulation(self.s, micro_batch, self.world_size)
-    if stage == 0: return Candidate(0, micro_batch, gas, **knobs)
+    threads = dict(threads_per_rank=self.threads_per_rank)
+    if stage == 0: return Candidate(0, micro_batch, gas, **{**threads, **knobs})
     base = default_knobs(self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes)   # within the knob search's choices
-    c = Candidate(stage, micro_batch, gas, **{**base, **knobs})
+    c = Candidate(stage, micro_batch, gas, **{**base, **threads, **knobs})
     if knobs or self.feasible(c): return c
     buckets = [k for k in base if k.endswith('bucket_size')]   # one bucket does not fit: the largest smaller one that does
     for size in reversed(knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)['reduce_bucket_size'][:-1]):
-        smaller = Candidate(stage, micro_batch, gas, **{**base, **{k: size for k in buckets}})
+        smaller = Candidate(stage, micro_batch, gas, **{**base, **threads, **{k: size for k in buckets}})
         if self.feasible(smaller): return smaller
     return c
 
 # %% ../../nbs/72_autotuner_search_runs.ipynb #c012
-_RESULT_FIELDS = ('metric_low', 'metric_high', 'steps_measured', 'noise', 'samples_per_s', 'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds')
+_RESULT_FIELDS = ('metric_low', 'metric_high', 'steps_measured', 'noise', 'samples_per_s', 'step_seconds',
+                  'flops_per_s', 'seconds', 'steps_seconds', 'threads', 'phases_ms')
 
 @patch
 def record(self:SearchRuns, e:Experiment, result=None, status:str|None=None, reason:str='', round:int|None=None)->dict:
     "The trial record of `e` (run: `result`; pruned: `status='pruned'` and `reason`)"
     c = e.candidate
     rec = dict(trial=self.first_trial + len(self.records), phase=e.phase, stage=c.stage, micro_batch=c.micro_batch,
-               gradient_accumulation=c.gradient_accumulation, **c.knobs(),
+               gradient_accumulation=c.gradient_accumulation, **c.knobs(), threads_per_rank=c.threads_per_rank,
                status=status or result.status, reason=reason if result is None else result.reason,
                metric_name=self.s.metric, metric=None if result is None else result.metric, round=round)
     rec.update({k: getattr(result, k, None) for k in _RESULT_FIELDS})

@@ -13,6 +13,7 @@ from .env import DistEnv, discover_env
 from .state import comm_state
 from .wrappers import get_backend
 from .profiling import configure
+from .teardown import end_process_groups, teardown_at_exit
 
 # %% auto #0
 __all__ = ['init_distributed', 'init_process_group', 'destroy_process_group']
@@ -28,6 +29,7 @@ def _use_torch(timeout:timedelta|None)->TorchBackend:
     b = TorchBackend()
     b.timeout = timeout
     comm_state.backend = b
+    teardown_at_exit()   # at exit: flexrt's threads, then the groups, while Python is alive (flexrt.comm.teardown)
     return b
 
 # %% ../../nbs/10_comm_init.ipynb #c007
@@ -99,6 +101,4 @@ def destroy_process_group(group=None):
     if group is not None:
         comm_state.forget(group)   # its p2p thread finishes the ops queued on it first
         return (comm_state.backend or comm_state.active()).destroy_process_group(group)
-    b = comm_state.backend if isinstance(comm_state.backend, TorchBackend) else comm_state.torch
-    comm_state.forget()   # p2p threads finish while the groups live; a new process group starts its tags from zero
-    if tdist.is_available() and tdist.is_initialized(): b.destroy_process_group()
+    end_process_groups()   # p2p threads finish while the groups live; a new process group starts its tags from zero

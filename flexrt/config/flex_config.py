@@ -76,6 +76,7 @@ class FlexConfig(Block):
     progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig) # layer-drop schedule
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig) # collective timing
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig) # flexrt's step watch: non-finite values, layer norms, blocked time
+    threads_per_rank: int | None = setting(None, ge=1) # flexrt: torch intra-op threads per rank; null: yours (OMP_NUM_THREADS, torch.set_num_threads), else cores ÷ ranks on the node
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig) # FLOPs profile
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig) # TensorBoard sink
     csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig) # CSV sink

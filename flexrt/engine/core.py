@@ -14,6 +14,7 @@ from ..config.services import CommsLoggerConfig
 from ..precision.policy import Precision
 from ..utils.groups import ExpertGroups
 from ..memory.reports import tune_cpu_malloc
+from ..utils.threads import size_threads
 from .watch import StepWatch
 from .parts import (StepCounter, Timers, StepClock, StepReporter, layer_drop,
                                  build_dataloader)
@@ -59,7 +60,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         if not isinstance(config, FlexConfig): raise TypeError(f"config must be a FlexConfig (use flexrt.config.load_config), got {type(config).__name__}")
         check_stage(config); check_packages(config)   # before anything is built: a missing package stops every rank alike
         self._closed, self._in_no_sync, self._grad_norm, self.collate_fn = False, False, None, collate_fn
-        self._place(mpu)
+        self._place(mpu, config.threads_per_rank)
         self.config = config.resolve_batch(self.dp_world_size)
         self.module = model
         self._setup_model(dont_change_device, expert_groups)
@@ -82,8 +83,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
 
 # %% ../../nbs/65_engine_core.ipynb #c010
 @patch
-def _place(self:Engine, mpu):
-    "Ranks, process groups and device of this process (on CPU, glibc's malloc keeps freed buffers for reuse: `tune_cpu_malloc`)"
+def _place(self:Engine, mpu, threads_per_rank:int|None=None):
+    "Ranks, process groups, device and torch threads of this process (on CPU, glibc's malloc keeps freed buffers for reuse: `tune_cpu_malloc`)"
     self.mpu, self.world_size, self.global_rank = mpu, dist.get_world_size(), dist.get_rank()
     self.local_rank = dist.get_local_rank()
     self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
@@ -92,6 +93,7 @@ def _place(self:Engine, mpu):
     cuda = torch.cuda.is_available()
     self.device = torch.device('cuda', self.local_rank % torch.cuda.device_count()) if cuda else torch.device('cpu')
     if not cuda: tune_cpu_malloc()   # CPU buffers freed every step are reused, not faulted in anew (see flexrt.memory)
+    self.threads = size_threads(threads_per_rank)   # cores ÷ ranks on the node unless you chose (flexrt.utils.threads)
 
 # %% ../../nbs/65_engine_core.ipynb #c012
 @torch.no_grad()
@@ -154,7 +156,7 @@ def _announce_run(self:Engine):
     "A `'run'` record from rank 0 when anyone listens: the config, world size and versions (what a saved report shows)"
     if self.global_rank != 0 or not monitor.listening(): return
     monitor.emit('run', rank=0, config=self.config.to_dict(), world_size=self.world_size, zero_stage=self.optimizer.stage,
-                 precision=self.precision.name, flexrt=__version__, torch=torch.__version__)
+                 precision=self.precision.name, threads=self.threads.to_dict(), flexrt=__version__, torch=torch.__version__)
 
 
 # %% ../../nbs/65_engine_core.ipynb #c015

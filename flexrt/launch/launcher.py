@@ -4,10 +4,12 @@
 
 # %% ../../nbs/35_launch_launcher.ipynb #c003
 from __future__ import annotations
-import faulthandler, os, signal, socket, tempfile, threading, traceback
+import faulthandler, os, shutil, signal, socket, tempfile, threading, traceback
 import psutil, torch
 from .. import monitor, comm as dist
 from .output import quiet_launcher, describe_launch
+from .results import RESULTS, write_result, read_result
+from ..utils.threads import size_threads
 
 # %% auto #0
 __all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain',
@@ -54,16 +56,25 @@ def _failure(error:BaseException)->dict:
 
 # %% ../../nbs/35_launch_launcher.ipynb #c012
 class RankMain:
-    "Run `fn(*args)` on a rank, reporting its start and any exception (with rank and traceback) to the kernel"
-    def __init__(self, fn):
-        self.fn, self.__name__ = fn, getattr(fn, '__name__', type(fn).__name__)
+    "Run `fn(*args)` on a rank: size its threads, report its start and any exception to the kernel, leave its result"
+    def __init__(self, fn, # the training function
+                 results_dir:str|None=None, # where ranks leave their return values (`write_result`); None: nowhere
+                 result_ranks=(), # the ranks that leave theirs there
+                ):
+        self.fn, self.results_dir, self.result_ranks, self._stack = fn, results_dir, tuple(result_ranks), None
+        self.__name__ = getattr(fn, '__name__', type(fn).__name__)
         self.__qualname__ = getattr(fn, '__qualname__', self.__name__)   # torchelastic names the entry point
-    def __call__(self, *args):
+
+    def __call__(self, *args)->None: # nothing: the launcher would pickle a return value into the kernel
         rank = int(os.environ.get('RANK', 0))
         if threading.current_thread() is threading.main_thread():   # a rank blocked in a collective when another fails
             signal.signal(signal.SIGTERM, signal.SIG_DFL)           # must die on the launcher's SIGTERM, not after 30 s
         monitor.emit('rank_start', rank=rank, pid=os.getpid(), stack_file=self._stack_on_request(rank))
-        try: return self.fn(*args)
+        try:
+            # before `fn`, so what it builds before flexrt.initialize runs sized too (a warning shows the next line)
+            size_threads()
+            value = self.fn(*args)
+            if self.results_dir is not None and rank in self.result_ranks: write_result(value, self.results_dir, rank)
         except BaseException as e:
             monitor.emit('rank_error', rank=rank, pid=os.getpid(), error=f'{type(e).__name__}: {e}',
                          traceback=traceback.format_exc(), **_failure(e))
@@ -155,9 +166,14 @@ def _blame(reports:list, # the ranks' 'rank_error' records
 
 # %% ../../nbs/35_launch_launcher.ipynb #c026
 class Run:
-    "A launched training: `.done`, `.wait()`, `.stop()`; `.error` holds what the launch raised"
-    def __init__(self, stop_file:str):
+    "A launched training: `.done`, `.wait()`, `.stop()`; `.results`: the ranks' return values; `.error`: the launch's"
+    def __init__(self, stop_file:str,
+                 results_dir:str|None=None, # where the ranks leave their return values; None: they leave none
+                 result_ranks=(), # the ranks whose values `.results` holds, in order
+                ):
         self.stop_file, self.error, self.pids, self.errors, self.started = stop_file, None, set(), [], {}
+        self.results_dir, self.result_ranks = results_dir, list(result_ranks)
+        self.results = None   # after a successful end: the values of `result_ranks`, e.g. [rank 0's, rank 1's]
         self.exits, self._watchers, self._finishing = {}, [], False   # rank -> (exit code, whether others had failed)
         self._finished = threading.Event()
 
@@ -223,6 +239,19 @@ def _stacks(run:Run)->dict: # rank -> what its stack file holds (only non-empty 
         if text: out[rank] = text
     return out
 
+def _collect(run:Run)->list: # the values of `run.result_ranks`, in order
+    "Read the values the ranks left in the run's directory; `RankError` for a rank whose value is missing or unreadable"
+    values = []
+    for rank in run.result_ranks:
+        try: values.append(read_result(run.results_dir, rank))
+        except FileNotFoundError as e:
+            raise RankError(rank, 'left no return value', '', f'rank {rank} ended without handing back a return value: '
+                            'it left the training function without returning (sys.exit or os._exit?)') from e
+        except Exception as e:
+            error = f'{type(e).__name__}: {e}'
+            raise RankError(rank, error, '', f"rank {rank}'s return value could not be read: {error}") from e
+    return values
+
 def _finish(run:Run, error:BaseException|None):
     "Kill leftover ranks, turn a failure into the RankError naming the rank at fault, mark the run done"
     for t in run._watchers: t.join(2)                       # the ranks have ended: their exits are being noted
@@ -231,6 +260,10 @@ def _finish(run:Run, error:BaseException|None):
         try: psutil.Process(pid).kill()
         except psutil.Error: pass
     stacks = _stacks(run)
+    if error is None and run.results_dir is not None:
+        try: run.results = _collect(run)
+        except RankError as e: run.error = e
+    if run.results_dir is not None: shutil.rmtree(run.results_dir, ignore_errors=True)
     if error is not None:
         run.error = _blame(run.errors, run.started, error, stacks, run.exits)
         if run.error is not error: run.error.__cause__ = error
@@ -252,7 +285,8 @@ def _launch_blocking(run:Run, fn, args, num_processes, kwargs):
     error = None   # garbage is collected before each fork: `launch` serves, and a serving kernel does (flexrt.monitor)
     try:
         with monitor.listen(run._record), quiet_launcher():
-            notebook_launcher(RankMain(fn), args, num_processes=num_processes, **kwargs)
+            entry = RankMain(fn, run.results_dir, run.result_ranks)
+            notebook_launcher(entry, args, num_processes=num_processes, **kwargs)
     except BaseException as e: error = e
     finally:
         for s, handler in saved.items(): signal.signal(s, handler)
@@ -264,15 +298,22 @@ def launch(train, # the training function; importable (not defined in the notebo
            num_processes:int=2, # number of ranks
            background:bool=False, # return a `Run` at once instead of waiting
            use_port:int|str|None=None, # the rendezvous port; default: a free one
+           results:str|None='all', # `Run.results`: 'all' ranks' return values by rank, 'rank0' rank 0's only, None none
            **kwargs, # further `accelerate.notebook_launcher` arguments
           )->Run:
-    "Start `train(*args)` on `num_processes` ranks whose records reach this kernel's listeners"
+    "Start `train(*args)` on `num_processes` ranks whose records reach this kernel; the `Run` holds what they return"
     if not callable(train): raise TypeError(f'train must be a function, got {type(train).__name__}')
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f'num_processes must be a positive int, not {num_processes!r}')
+    if results not in RESULTS: raise ValueError(f"results must be 'all', 'rank0' or None, not {results!r}")
+    if results is not None and kwargs.get('num_nodes', 1) > 1:
+        raise ValueError(f"results={results!r} reads the ranks' return values on this machine, which runs only some of "
+                         f"num_nodes={kwargs['num_nodes']}: pass results=None")
     monitor.serve()
     print(describe_launch(num_processes), flush=True)   # from the cell itself: a background thread's print may never show
-    run = Run(tempfile.mktemp(prefix='flexrt-stop-'))
+    results_dir = None if results is None else tempfile.mkdtemp(prefix='flexrt-results-')   # removed when the run ends
+    ranks = {'all': range(num_processes), 'rank0': [0], None: []}[results]
+    run = Run(tempfile.mktemp(prefix='flexrt-stop-'), results_dir, ranks)
     os.environ[STOP_VARIABLE] = run.stop_file
     kwargs['use_port'] = str(use_port or free_port())
     job = (run, train, tuple(args), num_processes, kwargs)

@@ -6,15 +6,22 @@
 from __future__ import annotations
 import contextlib, logging, re, sys, threading
 import torch
+from ..utils.threads import ThreadPlan, plan_threads
 
 # %% auto #0
 __all__ = ['describe_launch', 'quiet_launcher']
 
 # %% ../../nbs/35_launch_output.ipynb #c005
-def describe_launch(num_processes:int)->str:
-    "One line saying what a launch of `num_processes` ranks starts: device kind and backend"
-    if torch.cuda.device_count() > 0: return f'flexrt: launching {num_processes} CUDA processes (nccl)'
-    return f'flexrt: launching {num_processes} CPU processes (gloo)'
+def describe_launch(num_processes:int, # ranks started on this machine
+                    threads:ThreadPlan|None=None, # their threads; None: what `plan_threads` gives them
+                   )->str:
+    "One line saying what a launch of `num_processes` ranks starts: device kind, backend, and threads per rank"
+    plan = threads or plan_threads(local_ranks=num_processes)
+    cuda = torch.cuda.device_count() > 0
+    started = f"{num_processes} CUDA processes (nccl)" if cuda else f"{num_processes} CPU processes (gloo)"
+    sizing = plan.describe().replace(' thread', ' CPU thread') if cuda else plan.describe()
+    chosen = '' if plan.source == 'sized' else f" ({plan.source}{', oversubscribed' if plan.oversubscribed else ''})"
+    return f'flexrt: launching {started}: {sizing}{chosen}'
 
 # %% ../../nbs/35_launch_output.ipynb #c008
 _ACCELERATE_LINE = re.compile(r'Launching (a )?training on (\d+|one|an?) ?[A-Za-z]*\.?$')

@@ -10,6 +10,7 @@ from fastcore.basics import patch
 from .events import route_to
 from .channel import ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE, forget_hub
 from .wire import MAX_MESSAGE_BYTES, frame, read_frame, connect, encode_record
+from ..comm.teardown import at_teardown
 
 # %% auto #0
 __all__ = ['Forwarder', 'flush']
@@ -145,6 +146,8 @@ def _attach_from_environment(inherited:bool=False):
 def flush():
     "In a worker rank: wait until every record emitted so far reached the kernel (no-op elsewhere)"
     if _forwarder is not None: _forwarder.flush()
+
+at_teardown(flush)   # at exit flexrt.comm delivers the last records first, then ends the process group (atexit is LIFO)
 
 os.register_at_fork(after_in_child=lambda: _attach_from_environment(inherited=True))
 _attach_from_environment()

@@ -8,12 +8,15 @@ __all__ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_dec
            'copy_to_device', 'move_to_device', 'prefix_sum_inc', 'partition_uniform', 'partition_balanced',
            'align_dense_tensors', 'PartitionedTensor', 'all_gather_dp_groups', 'clip_grad_norm_', 'get_grad_norm',
            'get_weight_norm', 'get_grad_zeros', 'get_global_norm_of_tensors', 'clip_tensors_by_global_norm',
-           'get_global_norm', 'has_inf_or_nan', 'CheckOverflow']
+           'get_global_norm', 'has_inf_or_nan', 'CheckOverflow', 'LOCAL_SIZE_VARIABLES', 'cgroup_cores',
+           'available_cores', 'local_world_size', 'ThreadPlan', 'users_threads', 'LAUNCHERS_SETTING_OMP',
+           'omp_set_by_launcher', 'plan_threads', 'size_threads']
 
 # %% ../../nbs/20_utils.ipynb #c003
 from .core import *
 from .partition import *
 from .grads import *
+from .threads import *
 
 # %% ../../nbs/20_utils.ipynb #c006
 _all_ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_decorator', 'call_to_str',
@@ -22,4 +25,6 @@ _all_ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_decor
          'prefix_sum_inc', 'partition_uniform', 'partition_balanced', 'align_dense_tensors', 'PartitionedTensor',
          'all_gather_dp_groups',
          'clip_grad_norm_', 'get_grad_norm', 'get_weight_norm', 'get_grad_zeros', 'get_global_norm_of_tensors',
-         'clip_tensors_by_global_norm', 'get_global_norm', 'has_inf_or_nan', 'CheckOverflow']
+         'clip_tensors_by_global_norm', 'get_global_norm', 'has_inf_or_nan', 'CheckOverflow',
+         'LOCAL_SIZE_VARIABLES', 'cgroup_cores', 'available_cores', 'local_world_size', 'ThreadPlan', 'users_threads',
+         'LAUNCHERS_SETTING_OMP', 'omp_set_by_launcher', 'plan_threads', 'size_threads']

@@ -66,10 +66,11 @@ def search_arguments(settings:SearchSettings, # what the controls ask
     return config, kwargs
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c010
-COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size', 'allgather_bucket_size',
-           'stage3_prefetch_bucket_size', 'stage3_param_persistence_threshold', 'overlap_comm', 'status', 'reason',
-           'metric_name', 'metric', 'metric_low', 'metric_high', 'noise', 'steps_measured', 'round', 'samples_per_s',
-           'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted', 'seconds', 'config']
+COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size',
+           'allgather_bucket_size', 'stage3_prefetch_bucket_size', 'stage3_param_persistence_threshold', 'overlap_comm',
+           'threads_per_rank', 'status', 'reason', 'metric_name', 'metric', 'metric_low', 'metric_high', 'noise',
+           'steps_measured', 'round', 'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank',
+           'peak_bytes_predicted', 'seconds', 'config']
 
 def trials_frame(records:list)->pd.DataFrame: # trial records (dicts)
     "One row per record, the agreed columns first (those an older record lacks: empty)"
@@ -94,10 +95,11 @@ def best_trial(trials:pd.DataFrame, metric_name:str='throughput')->dict|None:
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c013
 TABLE = ['trial', 'phase', 'round', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size', 'allgather_bucket_size',
-         'overlap_comm', 'status', 'reason', 'metric', 'noise', 'peak_bytes_measured', 'peak_bytes_predicted', 'seconds']
+         'overlap_comm', 'threads_per_rank', 'status', 'reason', 'metric', 'noise', 'peak_bytes_measured',
+         'peak_bytes_predicted', 'seconds']
 _HEADERS = {'micro_batch': 'micro-batch', 'gradient_accumulation': 'accum.', 'reduce_bucket_size': 'reduce bucket',
-            'allgather_bucket_size': 'allgather bucket', 'overlap_comm': 'overlap', 'peak_bytes_measured': 'peak MiB',
-            'peak_bytes_predicted': 'predicted MiB', 'seconds': 's'}
+            'allgather_bucket_size': 'allgather bucket', 'overlap_comm': 'overlap', 'threads_per_rank': 'threads',
+            'peak_bytes_measured': 'peak MiB', 'peak_bytes_predicted': 'predicted MiB', 'seconds': 's'}
 _METRIC_UNITS = {'throughput': 'samples/s', 'latency': 's/step', 'flops': 'FLOP/s'}
 
 def _known(value)->bool: return value is not None and not (isinstance(value, float) and math.isnan(value))

@@ -10,6 +10,7 @@ import ipywidgets as W
 from fastcore.basics import patch
 from .. import monitor
 from ..launch.launcher import request_stop, prepare_stop
+from ..utils.threads import ThreadPlan
 from .live import LiveView
 from .memory_monitor import MemoryMonitor
 from .grad_norm import GradNormTrace
@@ -19,7 +20,7 @@ from .layers import LayerNormHeatmap
 from .report import save_html, figure_png
 
 # %% auto #0
-__all__ = ['LOG_LINES', 'TrainingDashboard']
+__all__ = ['LOG_LINES', 'TrainingDashboard', 'run_threads', 'progress_text']
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c005
 class TrainingDashboard(LiveView):
@@ -41,6 +42,7 @@ class TrainingDashboard(LiveView):
         self.log = W.HTML()
         self.log_section = W.VBox([W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none'))
         self.progress, self.status = W.IntProgress(0, 0, self.total_steps or 1), W.HTML('waiting for the ranks...')
+        if not self.total_steps: self.progress.layout.display = 'none'   # shown once a total is known
         self.steps_seen = W.IntText(0, description='step events', disabled=True)
         self.comm = W.HTML()
         self.comm_section = W.VBox([W.HTML('<b>Communication</b>'), self.comm], layout=W.Layout(display='none'))
@@ -80,6 +82,25 @@ def _stop_state(self:TrainingDashboard):
     else:
         button.disabled, button.description, button.icon = False, 'Stop', 'stop'
 
+# %% ../../nbs/80_widgets_dashboard.ipynb #c006t
+def run_threads(records)->ThreadPlan|None:
+    "The ranks' threads from the engine's 'run' record (flattened by the store: its 'threads.' keys), or None"
+    run = records.last('run')
+    if run is None or 'threads.threads' not in run: return None
+    return ThreadPlan(*(int(run[f'threads.{k}']) for k in ('threads', 'local_ranks', 'cores')), run['threads.source'])
+
+def progress_text(done:int, # optimizer steps done
+                  total:int|None, # steps the run will take; None: not known
+                  samples_per_s:float, # the newest throughput
+                  per_step:float, # recent seconds per step, for the ETA
+                  threads:ThreadPlan|None=None, # the ranks' threads
+                 )->str:
+    "The progress line: a total and an ETA only when the total is known, then the ranks' threads"
+    parts = [f'step {done}/{total}' if total else f'step {done}', f'{samples_per_s:.1f} samples/s']
+    if total: parts.append(f'ETA {max(total - done, 0) * per_step:.0f} s')
+    if threads is not None: parts.append(threads.describe() + ('' if threads.source == 'sized' else f' ({threads.source})'))
+    return ' &middot; '.join(parts)
+
 # %% ../../nbs/80_widgets_dashboard.ipynb #c007
 @patch
 def _comm_text(self:TrainingDashboard):
@@ -87,7 +108,9 @@ def _comm_text(self:TrainingDashboard):
     comm = self.records.last('comm')
     if comm is None or self.records.counts['comm'] == self._comm_drawn: return
     self._comm_drawn = self.records.counts['comm']
-    if 'total_steps' in comm and not self.total_steps: self.progress.max = int(comm['total_steps'])
+    if 'total_steps' in comm and not self.total_steps:
+        self.total_steps = self.progress.max = int(comm['total_steps'])
+        self.progress.layout.display = ''
     if comm.get('rows'):
         self.comm.value = pd.DataFrame(comm['rows']).to_html(index=False, float_format='%.3g')
         self.comm_section.layout.display = ''
@@ -113,8 +136,7 @@ def draw_text(self:TrainingDashboard):
         last, done = steps[-1], int(steps[-1]['step'])
         self.progress.value = min(done, self.progress.max)
         per_step = (last['time'] - steps[0]['time']) / max(len(steps) - 1, 1)   # the recent pace
-        eta = max(self.progress.max - done, 0) * per_step
-        self.status.value = f"step {done}/{self.progress.max} &middot; {last['samples_per_s']:.1f} samples/s &middot; ETA {eta:.0f} s"
+        self.status.value = progress_text(done, self.total_steps, last['samples_per_s'], per_step, run_threads(self.records))
     for view in self.views(): view.draw_text()
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c008
