@@ -126,11 +126,12 @@ def _tensor(data:bytes, d, where:str)->torch.Tensor:
     "The tensor `d` (dtype, shape, byte range) describes, built from `data`; `ValueError` if it does not fit"
     dtype = getattr(torch, d.get('dtype', '') if isinstance(d, dict) and isinstance(d.get('dtype'), str) else '', None)
     shape, start, size = (d.get(k) for k in ('shape', 'offset', 'nbytes')) if isinstance(d, dict) else (None,) * 3
-    if not isinstance(dtype, torch.dtype) or not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)) \
-       or type(start) is not int or type(size) is not int or start < 0 or start + size > len(data) \
-       or size != math.prod(shape) * dtype.itemsize:
+    shape_ok = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+    range_ok = type(start) is int and type(size) is int and 0 <= start and start + size <= len(data)
+    if not isinstance(dtype, torch.dtype) or not shape_ok or not range_ok or size != math.prod(shape) * dtype.itemsize:
         raise ValueError(f'{where}: tensor description {str(d)[:80]} does not fit the tensor file')
-    raw = torch.frombuffer(bytearray(data[start:start + size]), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    if not size: return torch.empty(shape, dtype=dtype)   # frombuffer refuses an empty buffer
+    raw = torch.frombuffer(bytearray(data[start:start + size]), dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
 
 def read_result(directory, rank:int):

@@ -23,14 +23,19 @@ def cgroup_cores(root:str='/sys/fs/cgroup', # where the cgroup file system is mo
     "The CPU quota of this process's cgroup in cores: v2 `cpu.max`, else v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`"
     v2 = _words(f'{root}/cpu.max')
     if v2: quota, period = v2[0], (v2[1:] or ['100000'])[0]
-    else: quota, period = (_words(f'{root}/cpu/cpu.cfs_quota_us') or ['max'])[0], (_words(f'{root}/cpu/cpu.cfs_period_us') or ['100000'])[0]
+    else:
+        quota = (_words(f'{root}/cpu/cpu.cfs_quota_us') or ['max'])[0]
+        period = (_words(f'{root}/cpu/cpu.cfs_period_us') or ['100000'])[0]
     if quota in ('max', '-1') or not period.isdigit() or int(period) == 0: return None
     return int(quota) / int(period)
 
+def _logical_cores()->int:
+    "The cores this process may run on (its affinity), before any quota"
+    return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+
 def available_cores(root:str='/sys/fs/cgroup')->int: # at least 1
     "Cores this process may run on: its CPU affinity, capped by its cgroup's quota (rounded down)"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
-    quota = cgroup_cores(root)
+    cores, quota = _logical_cores(), cgroup_cores(root)
     return max(1, min(cores, math.floor(quota)) if quota is not None else cores)
 
 # %% ../../nbs/20_utils_threads.ipynb #c009
@@ -81,8 +86,6 @@ class ThreadPlan:
 # %% ../../nbs/20_utils_threads.ipynb #c015
 _flexrt_threads = None   # the count flexrt set last in this process: not the user's (forked ranks inherit it)
 
-def _logical_cores()->int: return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
-
 def _torch_defaults()->set:
     "The counts torch starts a process with: the cores it may run on, or the physical cores among them"
     logical = _logical_cores()
@@ -93,7 +96,7 @@ LAUNCHERS_SETTING_OMP = (b'torchrun', b'torch.distributed.run', b'torch/distribu
 def omp_set_by_launcher(omp:str, # the OMP_NUM_THREADS this process sees
                         parent:int|None=None, # the launcher's pid; None: this process's parent
                        )->bool:
-    "Whether `OMP_NUM_THREADS=1` came from torchrun or `accelerate launch` (set when unset and several ranks start), not you"
+    "Whether `OMP_NUM_THREADS=1` came from torchrun or `accelerate launch` (they set it when unset), not from you"
     if omp != '1': return False
     try:
         with open(f'/proc/{parent or os.getppid()}/cmdline', 'rb') as f: command = f.read()
@@ -121,7 +124,8 @@ def plan_threads(threads:int|None=None, # a count asked for (the config's thread
                  environ:dict|None=None)->ThreadPlan:
     "The threads each rank should run: `threads` if given, else your own choice, else cores ÷ ranks (at least 1)"
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f'threads_per_rank must be a whole number >= 1 (or null to size it to the machine), not {threads!r}')
+        raise ValueError(f'threads_per_rank must be a whole number >= 1 (or null to size it to the machine), '
+                         f'not {threads!r}')
     cores, ranks = available_cores(), local_ranks or local_world_size(environ)
     if threads is not None: return ThreadPlan(threads, ranks, cores, 'config')
     users = users_threads(environ)
@@ -139,7 +143,8 @@ def _warn_oversubscribed(plan:ThreadPlan, environ):
     _warned = True
     fix = {'OMP_NUM_THREADS': 'unset OMP_NUM_THREADS', 'torch.set_num_threads': 'drop the torch.set_num_threads call',
            'config': 'remove threads_per_rank from the config'}[plan.source]
-    warnings.warn(f'{plan.describe()} ({plan.source}={plan.threads}): {plan.threads * plan.local_ranks} compute threads '
+    threads = plan.threads * plan.local_ranks
+    warnings.warn(f'{plan.describe()} ({plan.source}={plan.threads}): {threads} compute threads '
                   f'take turns on {plan.cores} cores, which slows every step; {fix} and flexrt gives each rank '
                   f'{max(1, plan.cores // plan.local_ranks)}, or set {max(1, plan.cores // plan.local_ranks)} yourself',
                   stacklevel=3)
@@ -150,9 +155,7 @@ def size_threads(threads:int|None=None, # a count asked for (the config's thread
     "Give this process its plan's torch intra-op threads; warn once where a count you chose oversubscribes the node"
     global _flexrt_threads
     plan = plan_threads(threads, local_ranks, environ)
-    if plan.source in ('sized', 'config'):
-        if torch.get_num_threads() != plan.threads: torch.set_num_threads(plan.threads)
-        _flexrt_threads = plan.threads
-    elif torch.get_num_threads() != plan.threads: torch.set_num_threads(plan.threads)   # OMP_NUM_THREADS after flexrt changed it
+    if torch.get_num_threads() != plan.threads: torch.set_num_threads(plan.threads)   # also OMP_NUM_THREADS after flexrt
+    if plan.source in ('sized', 'config'): _flexrt_threads = plan.threads               # changed the count: yours again
     _warn_oversubscribed(plan, environ)
     return plan

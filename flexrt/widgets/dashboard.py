@@ -98,7 +98,8 @@ def progress_text(done:int, # optimizer steps done
     "The progress line: a total and an ETA only when the total is known, then the ranks' threads"
     parts = [f'step {done}/{total}' if total else f'step {done}', f'{samples_per_s:.1f} samples/s']
     if total: parts.append(f'ETA {max(total - done, 0) * per_step:.0f} s')
-    if threads is not None: parts.append(threads.describe() + ('' if threads.source == 'sized' else f' ({threads.source})'))
+    if threads is not None:
+        parts.append(threads.describe() + ('' if threads.source == 'sized' else f' ({threads.source})'))
     return ' &middot; '.join(parts)
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c007
@@ -136,7 +137,8 @@ def draw_text(self:TrainingDashboard):
         last, done = steps[-1], int(steps[-1]['step'])
         self.progress.value = min(done, self.progress.max)
         per_step = (last['time'] - steps[0]['time']) / max(len(steps) - 1, 1)   # the recent pace
-        self.status.value = progress_text(done, self.total_steps, last['samples_per_s'], per_step, run_threads(self.records))
+        threads = run_threads(self.records)
+        self.status.value = progress_text(done, self.total_steps, last['samples_per_s'], per_step, threads)
     for view in self.views(): view.draw_text()
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c008
