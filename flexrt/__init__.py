@@ -8,36 +8,89 @@ __all__ = ['init_distributed', 'initialize', 'add_config_arguments', 'Engine', '
 
 # %% ../nbs/69_flexrt.ipynb #c003
 import importlib
-_all_ = ['initialize', 'add_config_arguments', 'init_distributed', 'Engine', 'load_config', 'autotune', 'estimate_memory']
+
+_all_ = [
+    'initialize',
+    'add_config_arguments',
+    'init_distributed',
+    'Engine',
+    'load_config',
+    'autotune',
+    'estimate_memory',
+]
 
 # %% ../nbs/69_flexrt.ipynb #c006
-_ENTRY_POINTS = {'initialize': 'flexrt.engine', 'add_config_arguments': 'flexrt.engine', 'Engine': 'flexrt.engine',
-                 'load_config': 'flexrt.config'}
+_ENTRY_POINTS = {
+    'initialize': 'flexrt.engine',
+    'add_config_arguments': 'flexrt.engine',
+    'Engine': 'flexrt.engine',
+    'load_config': 'flexrt.config',
+}
 _ENTRY_POINTS.update(autotune='flexrt.autotuner', estimate_memory='flexrt.autotuner')
-_SUBMODULES = ('autotuner', 'checkpoint', 'checkpointing', 'comm', 'config', 'engine', 'launch', 'memory', 'monitor',
-               'precision', 'schedulers', 'utils', 'widgets', 'zero')   # the wings, and activation checkpointing
+_SUBMODULES = (
+    'autotuner',
+    'checkpoint',
+    'checkpointing',
+    'comm',
+    'config',
+    'engine',
+    'launch',
+    'memory',
+    'monitor',
+    'precision',
+    'schedulers',
+    'utils',
+    'widgets',
+    'zero',
+)  # the wings, and activation checkpointing
 
-def __getattr__(name:str):
+
+def __getattr__(name: str):
     "Load an entry point or a submodule on first use"
-    if name in _ENTRY_POINTS: value = getattr(importlib.import_module(_ENTRY_POINTS[name]), name)
-    elif name in _SUBMODULES: value = importlib.import_module(f'{__name__}.{name}')
-    else: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value   # later lookups are plain attribute reads
+    if name in _ENTRY_POINTS:
+        value = getattr(importlib.import_module(_ENTRY_POINTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f'{__name__}.{name}')
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later lookups are plain attribute reads
     return value
 
-def __dir__(): return sorted({*globals(), *_ENTRY_POINTS, *_SUBMODULES})
+
+def __dir__():
+    return sorted({*globals(), *_ENTRY_POINTS, *_SUBMODULES})
 
 # %% ../nbs/69_flexrt.ipynb #c008
-def init_distributed(dist_backend:str|None=None, # 'nccl', 'gloo', 'mpi'; None: nccl with CUDA, else gloo
-                     auto_mpi_discovery:bool=True, distributed_port:int=29500, verbose:bool=True, timeout=None,
-                     init_method:str|None=None, dist_init_required:bool|None=None, config=None, rank:int=-1,
-                     world_size:int=-1):
+def init_distributed(
+    dist_backend: str | None = None,  # 'nccl', 'gloo', 'mpi'; None: nccl with CUDA, else gloo
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout=None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config=None,
+    rank: int = -1,
+    world_size: int = -1,
+):
     "DeepSpeed's `init_distributed` signature over `flexrt.comm.init_distributed`"
     from flexrt import comm
-    return comm.init_distributed(backend=dist_backend, timeout=timeout, init_method=init_method, rank=rank,
-                                 world_size=world_size, distributed_port=distributed_port,
-                                 dist_init_required=dist_init_required, config=config)
+
+    return comm.init_distributed(
+        backend=dist_backend,
+        timeout=timeout,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        distributed_port=distributed_port,
+        dist_init_required=dist_init_required,
+        config=config,
+    )
 
 # %% ../nbs/69_flexrt.ipynb #c900
-_ENTRY_POINTS['AutotuneWidget'] = 'flexrt.widgets.autotune_widget'   # the interactive autotuner (also flexrt.widgets.AutotuneWidget)
-_ENTRY_POINTS['use_as_deepspeed'] = 'flexrt.deepspeed'   # flexrt under DeepSpeed's module paths (`python -m flexrt.deepspeed script.py`)
+_ENTRY_POINTS['AutotuneWidget'] = (
+    'flexrt.widgets.autotune_widget'  # the interactive autotuner (also flexrt.widgets.AutotuneWidget)
+)
+_ENTRY_POINTS['use_as_deepspeed'] = (
+    'flexrt.deepspeed'  # flexrt under DeepSpeed's module paths (`python -m flexrt.deepspeed script.py`)
+)

@@ -13,90 +13,145 @@ __all__ = ['SETTINGS', 'NO_EFFECT', 'non_reentrant_checkpoint', 'is_configured',
            'checkpoint', 'partition_activations_in_checkpoint', 'set_num_layers']
 
 # %% ../nbs/45_checkpointing.ipynb #c006
-SETTINGS = {'configured': False, 'cpu': False, 'synchronize': False}   # what `configure` set; read it, change it with `configure`/`unconfigure`
-_WARNED: set = set()   # the ignored keys already warned about in this process
+SETTINGS = {
+    'configured': False,
+    'cpu': False,
+    'synchronize': False,
+}  # what `configure` set; read it, change it with `configure`/`unconfigure`
+_WARNED: set = set()  # the ignored keys already warned about in this process
 
-NO_EFFECT = { # activation_checkpointing key -> why it has no effect in flexrt
-    'partition_activations': 'it splits saved activations across model-parallel ranks, and flexrt has no model parallelism',
-    'contiguous_memory_optimization': "it copies partitioned activations into one preallocated buffer; flexrt partitions none and leaves allocation to torch",
+NO_EFFECT = {  # activation_checkpointing key -> why it has no effect in flexrt
+    'partition_activations': 'it splits saved activations across model-parallel ranks, '
+    'and flexrt has no model parallelism',
+    'contiguous_memory_optimization': (
+        "it copies partitioned activations into one preallocated buffer; flexrt partitions none and leaves allocation "
+        "to torch"
+    ),
     'number_checkpoints': 'it sizes the buffer of contiguous_memory_optimization',
-    'profile': "it times DeepSpeed's checkpoint calls; use the engine's wall_clock_breakdown or the torch profiler"}
+    'profile': "it times DeepSpeed's checkpoint calls; use the engine's wall_clock_breakdown or the torch profiler",
+}
 
-def is_configured()->bool:
+
+def is_configured() -> bool:
     "Whether `configure` has been called since the last `unconfigure`"
     return SETTINGS['configured']
+
 
 def unconfigure():
     "Forget the settings made by `configure` (flexrt's; DeepSpeed has no such call)"
     SETTINGS.update(configured=False, cpu=False, synchronize=False)
 
+
 def reset():
-    "DeepSpeed's `reset()`, called between forwards that have no backward (evaluation): it frees the contiguous-memory buffers, which flexrt does not keep, so there is nothing to do; the settings stay"
+    """DeepSpeed's `reset()`, called between forwards that have no backward (evaluation): it frees the contiguous-memory
+    buffers, which flexrt does not keep, so there is nothing to do; the settings stay"""
 
 # %% ../nbs/45_checkpointing.ipynb #c007
-def _activation_block(deepspeed_config): # None, a dict, a JSON path or a FlexConfig
+def _activation_block(deepspeed_config):  # None, a dict, a JSON path or a FlexConfig
     "The config's `activation_checkpointing` block, checked (defaults when absent)"
-    from flexrt.config import FlexConfig, ActivationCheckpointingConfig
-    if deepspeed_config is None: return ActivationCheckpointingConfig()
-    if isinstance(deepspeed_config, FlexConfig): return deepspeed_config.activation_checkpointing
+    from flexrt.config.flex_config import FlexConfig
+    from flexrt.config.compat import ActivationCheckpointingConfig
+
+    if deepspeed_config is None:
+        return ActivationCheckpointingConfig()
+    if isinstance(deepspeed_config, FlexConfig):
+        return deepspeed_config.activation_checkpointing
     if not isinstance(deepspeed_config, dict):
         import json
-        with open(deepspeed_config) as f: deepspeed_config = json.load(f)
+
+        with open(deepspeed_config) as f:
+            deepspeed_config = json.load(f)
     return ActivationCheckpointingConfig.from_dict(deepspeed_config.get('activation_checkpointing', {}))
 
 # %% ../nbs/45_checkpointing.ipynb #c009
-def _warn_ignored(settings:dict): # {key: value given}
+def _warn_ignored(settings: dict):  # {key: value given}
     "One warning per key set that has no effect here, the first time it is seen in this process"
-    from flexrt.config import NoEffectWarning
+    from flexrt.config.compat import NoEffectWarning
+
     for key, value in settings.items():
         if value and key in NO_EFFECT and key not in _WARNED:
             _WARNED.add(key)
-            warnings.warn(f"activation_checkpointing.{key}={value!r} has no effect in flexrt: {NO_EFFECT[key]}", NoEffectWarning, stacklevel=3)
+            warnings.warn(
+                f"activation_checkpointing.{key}={value!r} has no effect in flexrt: {NO_EFFECT[key]}",
+                NoEffectWarning,
+                stacklevel=3,
+            )
 
 # %% ../nbs/45_checkpointing.ipynb #c010
-def configure(mpu_=None, # DeepSpeed's model-parallel unit (accepted; flexrt has no model parallelism)
-              deepspeed_config=None, # a dict, a JSON path or a FlexConfig: its `activation_checkpointing` block
-              partition_activations:bool|None=None, contiguous_checkpointing:bool|None=None, num_checkpoints:int|None=None,
-              checkpoint_in_cpu:bool|None=None, synchronize:bool|None=None, profile:bool|None=None): # each overrides its key
-    "DeepSpeed's `checkpointing.configure`: the arguments override the config block; keys without effect are warned once"
+def configure(
+    mpu_=None,  # DeepSpeed's model-parallel unit (accepted; flexrt has no model parallelism)
+    deepspeed_config=None,  # a dict, a JSON path or a FlexConfig: its `activation_checkpointing` block
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,  # each overrides its key
+):
+    """DeepSpeed's `checkpointing.configure`: the arguments override the config block; keys without effect are warned
+    once"""
     block = _activation_block(deepspeed_config)
     pick = lambda given, key: getattr(block, key) if given is None else given
-    _warn_ignored({'partition_activations': pick(partition_activations, 'partition_activations'),
-                   'contiguous_memory_optimization': pick(contiguous_checkpointing, 'contiguous_memory_optimization'),
-                   'number_checkpoints': pick(num_checkpoints, 'number_checkpoints'), 'profile': pick(profile, 'profile')})
-    SETTINGS.update(configured=True, cpu=bool(pick(checkpoint_in_cpu, 'cpu_checkpointing')),
-                     synchronize=bool(pick(synchronize, 'synchronize_checkpoint_boundary')))
+    _warn_ignored(
+        {
+            'partition_activations': pick(partition_activations, 'partition_activations'),
+            'contiguous_memory_optimization': pick(contiguous_checkpointing, 'contiguous_memory_optimization'),
+            'number_checkpoints': pick(num_checkpoints, 'number_checkpoints'),
+            'profile': pick(profile, 'profile'),
+        }
+    )
+    SETTINGS.update(
+        configured=True,
+        cpu=bool(pick(checkpoint_in_cpu, 'cpu_checkpointing')),
+        synchronize=bool(pick(synchronize, 'synchronize_checkpoint_boundary')),
+    )
 
 # %% ../nbs/45_checkpointing.ipynb #c013
-def _inputs_on_cpu(function, args:tuple)->tuple: # (function taking the CPU copies, the CPU copies)
+def _inputs_on_cpu(function, args: tuple) -> tuple:  # (function taking the CPU copies, the CPU copies)
     "Keep the tensors among `args` on the CPU; the returned function moves them back to their device first"
     devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
-    def on_device(*held): return function(*[a if d is None else a.to(d) for a, d in zip(held, devices)])
+
+    def on_device(*held):
+        return function(*[a if d is None else a.to(d) for a, d in zip(held, devices)])
+
     return on_device, tuple(a if d is None else a.to('cpu') for a, d in zip(args, devices))
 
 # %% ../nbs/45_checkpointing.ipynb #c015
 def _synchronize():
     "Wait for the accelerator's queued work (nothing to wait for on the CPU)"
-    accelerator = getattr(torch, 'accelerator', None)   # torch >= 2.6
-    if accelerator is not None and accelerator.is_available(): accelerator.synchronize()
-    elif torch.cuda.is_available(): torch.cuda.synchronize()
+    accelerator = getattr(torch, 'accelerator', None)  # torch >= 2.6
+    if accelerator is not None and accelerator.is_available():
+        accelerator.synchronize()
+    elif torch.cuda.is_available():
+        torch.cuda.synchronize()
 
-def checkpoint(function, # the block to run: a module or any function of `args`
-               *args, # its inputs (tensors and other values)
-               **kwargs): # its keyword arguments (tensors among them take part in autograd too)
-    "Run `function(*args, **kwargs)` keeping only its inputs; its activations are recomputed in backward, with the same RNG state"
-    if kwargs: function = functools.partial(function, **kwargs)
-    if SETTINGS['synchronize']: _synchronize()
-    if SETTINGS['cpu']: function, args = _inputs_on_cpu(function, args)
+
+def checkpoint(
+    function,  # the block to run: a module or any function of `args`
+    *args,  # its inputs (tensors and other values)
+    **kwargs,  # its keyword arguments (tensors among them take part in autograd too)
+):
+    """Run `function(*args, **kwargs)` keeping only its inputs; its activations are recomputed in backward, with the
+    same RNG state"""
+    if kwargs:
+        function = functools.partial(function, **kwargs)
+    if SETTINGS['synchronize']:
+        _synchronize()
+    if SETTINGS['cpu']:
+        function, args = _inputs_on_cpu(function, args)
     out = tc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
-    if SETTINGS['synchronize']: _synchronize()
+    if SETTINGS['synchronize']:
+        _synchronize()
     return out
 
-non_reentrant_checkpoint = checkpoint   # DeepSpeed's name for the non-reentrant variant
 
-def partition_activations_in_checkpoint(partition_activation:bool): # DeepSpeed's switch for `partition_activations`
+non_reentrant_checkpoint = checkpoint  # DeepSpeed's name for the non-reentrant variant
+
+
+def partition_activations_in_checkpoint(partition_activation: bool):  # DeepSpeed's switch for `partition_activations`
     "Accepted for DeepSpeed scripts; warned once when True (flexrt has no model parallelism to partition over)"
     _warn_ignored({'partition_activations': partition_activation})
 
-def set_num_layers(nlayers:int): # DeepSpeed sizes its contiguous checkpoint buffers with this
+
+def set_num_layers(nlayers: int):  # DeepSpeed sizes its contiguous checkpoint buffers with this
     "Accepted for DeepSpeed scripts (Megatron calls it); flexrt has no contiguous buffers to size"

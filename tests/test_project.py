@@ -152,3 +152,43 @@ def test_make_test_all_runs_every_generated_case(tmp_path, target, every_case):
     make = subprocess.run(['make', '-s', '-C', str(ROOT), '-o', 'install', '-o', 'sync-check', '-o', 'nbtest', target,
                            f'PY={python}', f'PYTEST_LOG={tmp_path / "log.txt"}'], capture_output=True, text=True)
     assert f'FLEXRT_FUZZ_ALL=[{every_case}] -m pytest tests' in make.stdout, make.stdout + make.stderr
+
+# Go-to-definition as editors do it (jedi): every public method of the classes a reader opens first
+GOTO_CLASSES = [('flexrt.engine.core', 'Engine'), ('flexrt.zero.base', 'OptimizerSlot'),
+                ('flexrt.zero.stage0', 'ReplicatedOptimizer'), ('flexrt.zero.stage1', 'ZeroStage1'),
+                ('flexrt.zero.stage2', 'ZeroStage2'), ('flexrt.zero.stage3.optimizer', 'Stage3Optimizer'),
+                ('flexrt.config.flex_config', 'FlexConfig'), ('flexrt.autotuner.search', 'Search'),
+                ('flexrt.comm.base', 'CommBackend'), ('flexrt.comm.backends', 'TorchBackend'),
+                ('flexrt.comm.single', 'SingleProcessBackend')]
+
+def _flexrt_methods(cls)->dict: # public name -> (file, line) of the flexrt class body that defines it
+    import inspect
+    out = {}
+    for name in dir(cls):
+        if name.startswith('_'): continue
+        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+        if owner is None or not owner.__module__.startswith('flexrt'): continue
+        member = inspect.unwrap(getattr(vars(owner)[name], 'fget', vars(owner)[name]))
+        member = getattr(member, '__func__', member)
+        if not inspect.isfunction(member) or not inspect.getsourcefile(member).startswith(str(ROOT / 'flexrt')): continue
+        out[name] = (inspect.getsourcefile(member), member.__code__.co_firstlineno)
+    return out
+
+def test_go_to_definition_finds_every_public_method():
+    "jedi, as an editor runs it, takes `Class.method` to the `def` in the class's own file: no method is attached elsewhere"
+    import importlib, inspect, jedi
+    project = jedi.Project(path=ROOT, added_sys_path=[str(ROOT)], smart_sys_path=False)
+    lines, expected = [], []
+    for module, name in GOTO_CLASSES:
+        cls = getattr(importlib.import_module(module), name)
+        methods = _flexrt_methods(cls)
+        assert len(methods) >= 3, (name, methods)
+        lines.append(f'from {module} import {name}')
+        for method, where in sorted(methods.items()):
+            lines.append(f'{name}.{method}'); expected.append((len(lines), len(name) + 1, f'{name}.{method}', where))
+    script, missed = jedi.Script('\n'.join(lines), path=ROOT / 'goto_probe.py', project=project), []
+    for line, column, label, (path, first) in expected:
+        found = script.goto(line, column, follow_imports=True)
+        if not found or str(found[0].module_path) != path or not (first <= found[0].line <= first + 3):
+            missed.append(f'{label}: {[(str(d.module_path), d.line) for d in found]} (defined at {path}:{first})')
+    assert not missed, f'{len(missed)} of {len(expected)} not found where defined:\n' + '\n'.join(missed)

@@ -1,16 +1,24 @@
 """The package's seams, read from its source with `ast`: import circles, imports that run back up into a package's
 face, imports that point up a layer (a notebook with a higher `NN_` imported by a lower one), private names imported
 across modules or read from them, methods patched onto a class from another module, in-package code that
-reaches a name through `flexrt/__init__`'s lazy loading, and the loose modules at the top level.
+reaches a name through `flexrt/__init__`'s lazy loading, and the loose modules at the top level. And how the code reads
+(STYLE.md 11 and 13): the share of methods attached with `@patch` (under 20 %, and at least two thirds of each of the 15
+largest classes' methods in its body), attributes first set outside `__init__`, lines over 120 characters and
+`;`-joined statements (lines nbdev writes, the module docstring and `__all__`, aside).
 
 `python tools/import_graph.py` prints what it finds and exits 1 if anything breaks the rules (tests/test_project.py
 runs it); `--graph` also prints every module's in-package imports.
 """
-import ast, collections, json, sys
+import ast, collections, io, json, sys, tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOP_LEVEL = 8   # loose modules beside the packages
+MAX_PATCH_SHARE = 0.2   # of all methods, those attached with @patch
+MIN_BODY_SHARE = 2 / 3   # of each large class's methods, those in its body
+LARGEST = 15   # the classes held to MIN_BODY_SHARE, by method count
+MAX_LINE = 120
+INIT_METHODS = ('__init__', '__post_init__', '__new__', '__setstate__')
 
 def module_name(path, root):
     parts = path.relative_to(root.parent).with_suffix('').parts
@@ -110,6 +118,79 @@ def private_attributes(mods):
                 out.append(f'{m}:{node.lineno} reads {node.value.id}.{node.attr}')
     return sorted(set(out))
 
+def _is_patch(decorator)->bool:
+    return ast.unparse(decorator).split('(')[0] in ('patch', 'patch_to', 'fastcore.basics.patch')
+
+def method_placement(mods)->dict: # class name -> [methods in its body, methods patched onto it]
+    "How many methods each class has in its body and how many are attached with `@patch` / `@patch_to`"
+    counts = collections.defaultdict(lambda: [0, 0])
+    for _, tree in mods.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                counts[node.name][0] += sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(map(_is_patch, node.decorator_list)):
+                target = next((d for d in node.decorator_list if _is_patch(d)), None)
+                if isinstance(target, ast.Call) and target.args: cls = ast.unparse(target.args[0])
+                elif node.args.args and node.args.args[0].annotation is not None:
+                    cls = ast.unparse(node.args.args[0].annotation)
+                else: continue
+                counts[cls.split('.')[-1]][1] += 1
+    return dict(counts)
+
+def patch_problems(mods)->list:
+    "The patch share over MAX_PATCH_SHARE, and large classes with less than MIN_BODY_SHARE of their methods in the body"
+    counts = method_placement(mods)
+    body, patched = sum(b for b, _ in counts.values()), sum(p for _, p in counts.values())
+    out = []
+    if patched > MAX_PATCH_SHARE * (body + patched):
+        out.append(f'{patched} of {body + patched} methods are patched ({patched / (body + patched):.0%}; at most '
+                   f'{MAX_PATCH_SHARE:.0%}): move them into their class body')
+    for name, (b, p) in sorted(counts.items(), key=lambda kv: -sum(kv[1]))[:LARGEST]:
+        if b < MIN_BODY_SHARE * (b + p): out.append(f'{name}: {b} of {b + p} methods in its body (at least 2/3)')
+    return out
+
+def late_attributes(mods)->list:
+    "Attributes a method sets on `self` that `__init__` (or the class body) does not: a reader of `__init__` misses them"
+    out = []
+    for m, (_, tree) in mods.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            declared = {t.id for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                        for target in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                        for t in ast.walk(target) if isinstance(t, ast.Name)}
+            declared |= {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            in_init, later = set(), collections.defaultdict(set)
+            for f in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+                for node in ast.walk(f):
+                    if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)): continue
+                    for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                        for t in ast.walk(target):
+                            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == 'self':
+                                (in_init.add(t.attr) if f.name in INIT_METHODS else later[t.attr].add(f.name))
+            out += [f'{m}: {cls.name}.{a} (first set in {", ".join(sorted(fs))})'
+                    for a, fs in sorted(later.items()) if a not in in_init and a not in declared]
+    return out
+
+def generated_lines(tree)->set:
+    "Line numbers nbdev writes itself: the module docstring (from the notebook's summary) and `__all__`"
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            out |= set(range(node.lineno, node.end_lineno + 1)); break
+    return out | {n.lineno for n in tree.body if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == '__all__' for t in n.targets)}
+
+def line_problems(mods)->tuple: # (lines over MAX_LINE, `;`-joined statements)
+    "Lines over MAX_LINE characters and statements joined by `;`, as `module:line`"
+    long, joined = [], []
+    for m, (p, tree) in mods.items():
+        text, skip = p.read_text(), generated_lines(tree)
+        long += [f'{m}:{i} ({len(line)} characters)' for i, line in enumerate(text.split('\n'), 1)
+                 if len(line) > MAX_LINE and i not in skip]
+        joined += [f'{m}:{t.start[0]}' for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                   if t.type == tokenize.OP and t.string == ';']
+    return long, joined
+
 def layers(root):
     "{module: NN} from each notebook's name `NN_...` and its `#| default_exp` (the layer the module sits in)"
     out = {}
@@ -144,6 +225,11 @@ def report(root=ROOT / 'flexrt', show_graph=False):
     problems['private names read from another module'] += private_attributes(mods)
     problems['methods patched from another module'] += patched_from_elsewhere(mods)
     problems['names reached through flexrt/__init__'] += through_the_face(mods)
+    problems['methods attached with @patch'] += patch_problems(mods)
+    problems['attributes first set outside __init__'] += late_attributes(mods)
+    long, joined = line_problems(mods)
+    problems[f'lines over {MAX_LINE} characters'] += long
+    problems['statements joined by ;'] += joined
     loose = sorted(m for m, (p, _) in mods.items() if m.count('.') == 1 and p.name != '__init__.py')
     if len(loose) > MAX_TOP_LEVEL:
         problems[f'more than {MAX_TOP_LEVEL} loose top-level modules'].append(', '.join(loose))

@@ -14,5 +14,6 @@ from .measure import Precision
 from .runner import autotune, autotune_main
 
 # %% ../../nbs/72_autotuner.ipynb #c003
-from .memory.model import estimate_memory   # also `flexrt.estimate_memory`
+from .memory.model import estimate_memory  # also `flexrt.estimate_memory`
+
 _all_ = ['estimate_memory']

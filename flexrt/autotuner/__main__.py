@@ -8,4 +8,6 @@ __all__ = []
 # %% ../../nbs/72_autotuner_main.ipynb #c002
 #| eval: false
 from .cli import main
-if __name__ == '__main__': main()
+
+if __name__ == '__main__':
+    main()

@@ -5,7 +5,6 @@
 # %% ../../nbs/72_autotuner_cli.ipynb #c002
 from __future__ import annotations
 import argparse, ast, json, os, re, runpy, signal, statistics, subprocess, sys, tempfile, time
-from fastcore.basics import patch
 from .space import parse_bytes
 
 # %% auto #0
@@ -14,19 +13,25 @@ __all__ = ['METRICS_VARIABLE', 'STEPS_VARIABLE', 'script_mode', 'parser', 'parse
            'autotune_script', 'main']
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c005
-def script_mode(path:str)->tuple: # (mode, why)
+def script_mode(path: str) -> tuple:  # (mode, why)
     "'in-process' when the script defines `model_fn` and `train_step`, else 'launch-per-experiment'; and why"
-    if not os.path.isfile(path): raise FileNotFoundError(f'flexrt autotune: no script at {path!r}')
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'flexrt autotune: no script at {path!r}')
     tree = ast.parse(open(path).read(), filename=path)
     names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     if {'model_fn', 'train_step'} <= names:
-        return 'in-process', f'{os.path.basename(path)} defines model_fn and train_step: every experiment runs inside one launch'
+        return (
+            'in-process',
+            f'{os.path.basename(path)} defines model_fn and train_step: every experiment runs inside one launch',
+        )
     missing = ' and '.join(sorted({'model_fn', 'train_step'} - names))
-    return 'launch-per-experiment', (f'{os.path.basename(path)} defines no {missing}: each experiment is one torchrun of the '
-                                     'unmodified script with --deepspeed_config')
+    return 'launch-per-experiment', (
+        f'{os.path.basename(path)} defines no {missing}: each experiment is one torchrun of the '
+        'unmodified script with --deepspeed_config'
+    )
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c008
-def parser()->argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     "`flexrt autotune SCRIPT --config JSON [--nproc N] ... [-- SCRIPT ARGS]`"
     p = argparse.ArgumentParser(prog='flexrt', description='flexrt command line')
     sub = p.add_subparsers(dest='command', required=True)
@@ -42,170 +47,302 @@ def parser()->argparse.ArgumentParser:
     a.add_argument('--no-resume', action='store_true', help='start afresh instead of resuming results_dir')
     return p
 
-def parse(argv:list)->argparse.Namespace:
+
+def parse(argv: list) -> argparse.Namespace:
     "The command line's arguments; what follows `--` goes to the script (`script_args`)"
     cut = argv.index('--') if '--' in argv else len(argv)
     args = parser().parse_args(argv[:cut])
-    args.script_args = argv[cut + 1:]
+    args.script_args = argv[cut + 1 :]
     return args
 
-def worker_args(args)->list:
+
+def worker_args(args) -> list:
     "The command line of `_worker` (every option but --nproc, which torchrun takes)"
     out = [args.script, '--config', args.config]
     for name in ('memory_budget', 'results_dir', 'max_trials', 'trial_timeout', 'ranks_per_experiment'):
-        if getattr(args, name) is not None: out += ['--' + name.replace('_', '-'), str(getattr(args, name))]
+        if getattr(args, name) is not None:
+            out += ['--' + name.replace('_', '-'), str(getattr(args, name))]
     return out + (['--no-resume'] if args.no_resume else []) + ['--', *args.script_args]
 
-def tune_kwargs(args)->dict:
+
+def tune_kwargs(args) -> dict:
     "The `autotune` keyword arguments the command line sets"
-    return dict(memory_budget=parse_bytes(args.memory_budget, 'memory-budget'), results_dir=args.results_dir,
-                max_trials=args.max_trials, trial_timeout=args.trial_timeout, resume=not args.no_resume)
+    return dict(
+        memory_budget=parse_bytes(args.memory_budget, 'memory-budget'),
+        results_dir=args.results_dir,
+        max_trials=args.max_trials,
+        trial_timeout=args.trial_timeout,
+        resume=not args.no_resume,
+    )
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c011
 def worker(args):
     "One rank of an in-process search: load the script's functions and tune"
     from flexrt import comm
     from flexrt.autotuner.runner import autotune
-    if int(os.environ.get('WORLD_SIZE', '1')) > 1 and not comm.is_initialized(): comm.init_distributed()
+
+    if int(os.environ.get('WORLD_SIZE', '1')) > 1 and not comm.is_initialized():
+        comm.init_distributed()
     sys.argv = [args.script, *args.script_args]
     ns = runpy.run_path(args.script, run_name='__flexrt_autotune__')
     mode, why = script_mode(args.script)
-    result = autotune(ns['model_fn'], ns['train_step'], json.load(open(args.config)), ranks_per_experiment=args.ranks_per_experiment,
-                      mode=mode, mode_reason=why, **tune_kwargs(args))
-    if comm.get_rank() == 0 if comm.is_initialized() else True: print(open(os.path.join(result.results_dir, 'summary.txt')).read(), flush=True)
+    result = autotune(
+        ns['model_fn'],
+        ns['train_step'],
+        json.load(open(args.config)),
+        ranks_per_experiment=args.ranks_per_experiment,
+        mode=mode,
+        mode_reason=why,
+        **tune_kwargs(args),
+    )
+    if comm.get_rank() == 0 if comm.is_initialized() else True:
+        print(open(os.path.join(result.results_dir, 'summary.txt')).read(), flush=True)
     return result
 
-def torchrun(nproc:int, module_args:list)->list:
+
+def torchrun(nproc: int, module_args: list) -> list:
     "The command that starts `nproc` local ranks of `python -m flexrt.autotuner ...`"
-    return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', '-m', 'flexrt.autotuner', *module_args]
+    return [
+        sys.executable,
+        '-m',
+        'torch.distributed.run',
+        '--standalone',
+        f'--nproc_per_node={nproc}',
+        '-m',
+        'flexrt.autotuner',
+        *module_args,
+    ]
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c014
 METRICS_VARIABLE, STEPS_VARIABLE = 'FLEXRT_AUTOTUNE_METRICS', 'FLEXRT_AUTOTUNE_STEPS'
 
-class ExperimentDone(BaseException): "The profile window is over: the script stops here (not an error)"
+
+class ExperimentDone(BaseException):
+    "The profile window is over: the script stops here (not an error)"
+
 
 class StepRecorder:
     "A monitor listener writing `step` records to a JSONL file and stopping the script after `steps` optimizer steps"
-    def __init__(self, path:str, steps:int, rank:int):
+
+    def __init__(self, path: str, steps: int, rank: int):
         self.path, self.steps, self.rank, self.file = path, steps, rank, open(f'{path}.rank{rank}', 'w')
-    def __call__(self, record:dict):
-        if record.get('kind') != 'step': return
-        self.file.write(json.dumps({k: record.get(k) for k in ('step', 'samples_per_s', 'step_time', 'samples')}) + '\n')
+
+    def __call__(self, record: dict):
+        if record.get('kind') != 'step':
+            return
+        self.file.write(
+            json.dumps({k: record.get(k) for k in ('step', 'samples_per_s', 'step_time', 'samples')}) + '\n'
+        )
         self.file.flush()
-        if record['step'] >= self.steps: raise ExperimentDone()
+        if record['step'] >= self.steps:
+            raise ExperimentDone()
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c015
 def _peak_meter():
     import torch
-    if torch.cuda.is_available(): torch.cuda.reset_peak_memory_stats(); return lambda: torch.cuda.max_memory_allocated()
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return lambda: torch.cuda.max_memory_allocated()
     from flexrt.memory.tracker import TensorMemoryTracker
+
     tracker = TensorMemoryTracker().enable()
     return lambda: tracker.peak_bytes
+
 
 def experiment(args):
     "One rank of one experiment: run the unmodified script with the candidate's config, record, stop after the window"
     from flexrt import monitor, comm
+
     rank = int(os.environ.get('RANK', '0'))
     recorder, peak = StepRecorder(os.environ[METRICS_VARIABLE], int(os.environ[STEPS_VARIABLE]), rank), _peak_meter()
     monitor.add_listener(recorder)
     sys.argv = [args.script, *args.script_args]
-    try: runpy.run_path(args.script, run_name='__main__')
-    except ExperimentDone: pass
+    try:
+        runpy.run_path(args.script, run_name='__main__')
+    except ExperimentDone:
+        pass
     finally:
-        with open(f'{recorder.path}.rank{rank}', 'a') as f: f.write(json.dumps({'peak_bytes': int(peak())}) + '\n')
-    if comm.is_initialized() and comm.get_world_size() > 1: comm.destroy_process_group()
-    os._exit(0)   # the script's own threads and atexit work are not the experiment's
+        with open(f'{recorder.path}.rank{rank}', 'a') as f:
+            f.write(json.dumps({'peak_bytes': int(peak())}) + '\n')
+    if comm.is_initialized() and comm.get_world_size() > 1:
+        comm.destroy_process_group()
+    os._exit(0)  # the script's own threads and atexit work are not the experiment's
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c017
 _ERROR_LINE = re.compile(r'^(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception|Exit)\b:?.*)$')
 
-def _last_error(output:str)->str:
+
+def _last_error(output: str) -> str:
     "The script's own last error line in torchrun's output (not torchrun's ChildFailedError report)"
-    found = [m.group(1) for l in output.splitlines() if (m := _ERROR_LINE.match(l.strip())) and 'ChildFailedError' not in l]
+    found = [
+        m.group(1) for l in output.splitlines() if (m := _ERROR_LINE.match(l.strip())) and 'ChildFailedError' not in l
+    ]
     return (found or ['the experiment exited with an error and printed no exception'])[-1][:300]
 
-def read_metrics(path:str, nproc:int)->tuple: # (rank 0's step records, every rank's peak bytes)
+
+def read_metrics(path: str, nproc: int) -> tuple:  # (rank 0's step records, every rank's peak bytes)
     "What the `_experiment` bootstrap wrote"
     steps, peaks = [], []
     for rank in range(nproc):
         lines = [json.loads(l) for l in open(f'{path}.rank{rank}')] if os.path.exists(f'{path}.rank{rank}') else []
-        if rank == 0: steps = [l for l in lines if 'step' in l]
+        if rank == 0:
+            steps = [l for l in lines if 'step' in l]
         peaks.append(next((l['peak_bytes'] for l in lines if 'peak_bytes' in l), None))
     return steps, peaks
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c018
 class LaunchMeasure:
     "Measure a candidate by one local torchrun of an unmodified script"
-    def __init__(self, script:str, script_args:list, nproc:int, folder:str):
+
+    def __init__(self, script: str, script_args: list, nproc: int, folder: str):
         self.script, self.script_args, self.nproc, self.folder, self.count = script, script_args, nproc, folder, 0
 
-    def __call__(self, model_fn, train_step, ds_config:dict, *, group=None, warmup_steps:int=2, profile_steps:int=3,
-                 metric:str='throughput', memory_budget:int|None=None, timeout:float|None=None, dataset=None, precision=None):
+    def __call__(
+        self,
+        model_fn,
+        train_step,
+        ds_config: dict,
+        *,
+        group=None,
+        warmup_steps: int = 2,
+        profile_steps: int = 3,
+        metric: str = 'throughput',
+        memory_budget: int | None = None,
+        timeout: float | None = None,
+        dataset=None,
+        precision=None,
+    ):
         from flexrt.autotuner.measure import TrialResult
-        folder = os.path.join(self.folder, 'launches', f'{self.count:04d}'); self.count += 1
+
+        folder = os.path.join(self.folder, 'launches', f'{self.count:04d}')
+        self.count += 1
         os.makedirs(folder, exist_ok=True)
         cfg, metrics = os.path.join(folder, 'ds_config.json'), os.path.join(folder, 'metrics.jsonl')
         json.dump(ds_config, open(cfg, 'w'), indent=2)
         env = {**os.environ, METRICS_VARIABLE: metrics, STEPS_VARIABLE: str(warmup_steps + profile_steps)}
         cmd = torchrun(self.nproc, ['_experiment', self.script, '--', *self.script_args, '--deepspeed_config', cfg])
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try: output = proc.communicate(timeout=timeout)[0]
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            output = proc.communicate(timeout=timeout)[0]
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL); proc.communicate()
-            return TrialResult('timeout', f'the experiment ran past its time limit of {timeout:g} s and was killed', seconds=time.perf_counter() - start)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return TrialResult(
+                'timeout',
+                f'the experiment ran past its time limit of {timeout:g} s and was killed',
+                seconds=time.perf_counter() - start,
+            )
         open(os.path.join(folder, 'output.log'), 'w').write(output)
-        return self.result(proc.returncode, output, *read_metrics(metrics, self.nproc), warmup_steps, profile_steps, metric,
-                           memory_budget, time.perf_counter() - start)
+        return self.result(
+            proc.returncode,
+            output,
+            *read_metrics(metrics, self.nproc),
+            warmup_steps,
+            profile_steps,
+            metric,
+            memory_budget,
+            time.perf_counter() - start,
+        )
 
-# %% ../../nbs/72_autotuner_cli.ipynb #c019
-@patch
-def result(self:LaunchMeasure, returncode, output, steps, peaks, warmup_steps, profile_steps, metric, memory_budget, seconds):
-    "The `TrialResult` of one launch"
-    from flexrt.autotuner.measure import TrialResult
-    peak = max((p for p in peaks if p is not None), default=None)
-    if returncode != 0:
-        status = 'oom' if 'out of memory' in output.lower() else 'error'
-        return TrialResult(status, _last_error(output), peak_bytes=peak, peak_bytes_per_rank=peaks, seconds=seconds)
-    window = steps[warmup_steps:warmup_steps + profile_steps]
-    if len(window) < profile_steps:
-        return TrialResult('error', f'the script ran {len(steps)} optimizer steps, fewer than the {warmup_steps} warm-up + {profile_steps} '
-                           'timed steps an experiment needs: give it more data or epochs', seconds=seconds)
-    if metric == 'flops':
-        return TrialResult('error', "metric 'flops' needs the in-process mode (define model_fn and train_step)", seconds=seconds)
-    if memory_budget is not None and peak is not None and peak > memory_budget:
-        return TrialResult('over_budget', f'peak {peak:,} B on a rank exceeds the budget {memory_budget:,} B', peak_bytes=peak,
-                           peak_bytes_per_rank=peaks, seconds=seconds)
-    from flexrt.autotuner.measure import median_interval, spread
-    times = [s['step_time'] for s in window]
-    tput, step_s, (low, high, _) = statistics.median(s['samples_per_s'] for s in window), statistics.median(times), median_interval(times)
-    bounds = (tput * step_s / high, tput * step_s / low) if metric == 'throughput' else (low, high)
-    return TrialResult('ok', '', tput if metric == 'throughput' else step_s, tput, step_s, None, peak, peaks, seconds, sum(times),
-                       steps_measured=len(times), metric_low=bounds[0], metric_high=bounds[1], noise=spread(times))
+    def result(self, returncode, output, steps, peaks, warmup_steps, profile_steps, metric, memory_budget, seconds):
+        "The `TrialResult` of one launch"
+        from flexrt.autotuner.measure import TrialResult
+
+        peak = max((p for p in peaks if p is not None), default=None)
+        if returncode != 0:
+            status = 'oom' if 'out of memory' in output.lower() else 'error'
+            return TrialResult(status, _last_error(output), peak_bytes=peak, peak_bytes_per_rank=peaks, seconds=seconds)
+        window = steps[warmup_steps : warmup_steps + profile_steps]
+        if len(window) < profile_steps:
+            return TrialResult(
+                'error',
+                f'the script ran {len(steps)} optimizer steps, fewer than the {warmup_steps} warm-up + {profile_steps} '
+                'timed steps an experiment needs: give it more data or epochs',
+                seconds=seconds,
+            )
+        if metric == 'flops':
+            return TrialResult(
+                'error', "metric 'flops' needs the in-process mode (define model_fn and train_step)", seconds=seconds
+            )
+        if memory_budget is not None and peak is not None and peak > memory_budget:
+            return TrialResult(
+                'over_budget',
+                f'peak {peak:,} B on a rank exceeds the budget {memory_budget:,} B',
+                peak_bytes=peak,
+                peak_bytes_per_rank=peaks,
+                seconds=seconds,
+            )
+        from flexrt.autotuner.measure import median_interval, spread
+
+        times = [s['step_time'] for s in window]
+        tput, step_s, (low, high, _) = (
+            statistics.median(s['samples_per_s'] for s in window),
+            statistics.median(times),
+            median_interval(times),
+        )
+        bounds = (tput * step_s / high, tput * step_s / low) if metric == 'throughput' else (low, high)
+        return TrialResult(
+            'ok',
+            '',
+            tput if metric == 'throughput' else step_s,
+            tput,
+            step_s,
+            None,
+            peak,
+            peaks,
+            seconds,
+            sum(times),
+            steps_measured=len(times),
+            metric_low=bounds[0],
+            metric_high=bounds[1],
+            noise=spread(times),
+        )
 
 # %% ../../nbs/72_autotuner_cli.ipynb #c022
 def autotune_script(args):
-    "Tune a script from the command line (this process: rank 0 of the in-process launch, or the launcher of experiments)"
+    """Tune a script from the command line (this process: rank 0 of the in-process launch, or the launcher of
+    experiments)"""
     mode, why = script_mode(args.script)
     if mode == 'in-process':
-        if args.nproc == 1: return worker(args)
+        if args.nproc == 1:
+            return worker(args)
         done = subprocess.run(torchrun(args.nproc, ['_worker', *worker_args(args)]))
-        if done.returncode: raise SystemExit(f'flexrt autotune: the ranks failed (exit {done.returncode}); their output is above')
+        if done.returncode:
+            raise SystemExit(f'flexrt autotune: the ranks failed (exit {done.returncode}); their output is above')
         from flexrt.autotuner.results import AutotuneResult
-        return AutotuneResult.load(args.results_dir or (json.load(open(args.config)).get('autotuning') or {}).get('results_dir', 'autotuning_results'))
+
+        return AutotuneResult.load(
+            args.results_dir
+            or (json.load(open(args.config)).get('autotuning') or {}).get('results_dir', 'autotuning_results')
+        )
     from flexrt.autotuner.runner import autotune
+
     config = json.load(open(args.config))
     results_dir = args.results_dir or (config.get('autotuning') or {}).get('results_dir', 'autotuning_results')
     kwargs = {**tune_kwargs(args), 'results_dir': results_dir}
-    result = autotune(None, None, config, measure=LaunchMeasure(args.script, args.script_args, args.nproc, results_dir),
-                      experiment_world_size=args.nproc, mode=mode, mode_reason=why, **kwargs)
+    result = autotune(
+        None,
+        None,
+        config,
+        measure=LaunchMeasure(args.script, args.script_args, args.nproc, results_dir),
+        experiment_world_size=args.nproc,
+        mode=mode,
+        mode_reason=why,
+        **kwargs,
+    )
     print(open(os.path.join(result.results_dir, 'summary.txt')).read(), flush=True)
     return result
 
-def main(argv:list|None=None):
+
+def main(argv: list | None = None):
     "The `flexrt` console script"
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (['_worker'], ['_experiment']):
-        if argv[0] == '_experiment': return experiment(argparse.Namespace(script=argv[1], script_args=argv[3:]))
+        if argv[0] == '_experiment':
+            return experiment(argparse.Namespace(script=argv[1], script_args=argv[3:]))
         return worker(parse(['autotune', *argv[1:]]))
     return autotune_script(parse(argv))

@@ -7,10 +7,9 @@ from __future__ import annotations
 import gc, math, statistics, time, weakref
 from dataclasses import dataclass, field
 import torch
-from fastcore.basics import patch
 from torch.utils.flop_counter import FlopCounterMode
 from .. import comm as dist
-from ..engine import initialize
+from ..engine.build import initialize
 from ..memory.tracker import CudaBytes, TensorMemoryTracker, active_tracker
 from ..monitor.ds_sinks import without_monitors
 from ..utils.threads import size_threads
@@ -23,61 +22,76 @@ __all__ = ['STATUSES', 'METRICS', 'TrialResult', 'median_interval', 'spread', 'P
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error')
 METRICS = ('throughput', 'latency', 'flops')
 
+
 @dataclass
 class TrialResult:
     "What one experiment measured (identical on every rank of its group)"
-    status: str                   # 'ok' | 'oom' | 'over_budget' | 'timeout' | 'error'
-    reason: str = ''              # '' when ok; otherwise a one-line human reason
-    metric: float|None = None     # by `metric`: samples/s, seconds per step, or FLOP/s
-    samples_per_s: float|None = None   # samples of the whole group per second
-    step_seconds: float|None = None    # median seconds per optimizer step in the profile window
-    flops_per_s: float|None = None     # FLOP/s of one rank (FLOPs of its micro-steps / step seconds)
-    peak_bytes: int|None = None        # the largest peak over the trial's ranks
-    peak_bytes_per_rank: list = field(default_factory=list)   # every rank's peak, by group rank
-    seconds: float = 0.                # wall time of the whole trial, engine build to close
-    steps_seconds: float = 0.          # time inside the timed steps (overhead = seconds - steps_seconds)
-    flops_per_micro_step: int|None = None   # FLOPs one rank runs in one micro-step
-    micro_steps: int = 0               # micro-steps run (warm-up and timed)
-    steps_measured: int = 0            # optimizer steps timed (more when `precision` asked for them)
-    metric_low: float|None = None      # the metric's interval, from the median step time's (see `median_interval`)
-    metric_high: float|None = None
-    noise: float|None = None           # the step times' spread: median absolute deviation / median
-    threads: int|None = None           # torch intra-op threads the ranks computed with (group rank 0's)
-    phases_ms: dict|None = None        # phase -> median ms per optimizer step in the timed window; None: not timed
+
+    status: str  # 'ok' | 'oom' | 'over_budget' | 'timeout' | 'error'
+    reason: str = ''  # '' when ok; otherwise a one-line human reason
+    metric: float | None = None  # by `metric`: samples/s, seconds per step, or FLOP/s
+    samples_per_s: float | None = None  # samples of the whole group per second
+    step_seconds: float | None = None  # median seconds per optimizer step in the profile window
+    flops_per_s: float | None = None  # FLOP/s of one rank (FLOPs of its micro-steps / step seconds)
+    peak_bytes: int | None = None  # the largest peak over the trial's ranks
+    peak_bytes_per_rank: list = field(default_factory=list)  # every rank's peak, by group rank
+    seconds: float = 0.0  # wall time of the whole trial, engine build to close
+    steps_seconds: float = 0.0  # time inside the timed steps (overhead = seconds - steps_seconds)
+    flops_per_micro_step: int | None = None  # FLOPs one rank runs in one micro-step
+    micro_steps: int = 0  # micro-steps run (warm-up and timed)
+    steps_measured: int = 0  # optimizer steps timed (more when `precision` asked for them)
+    metric_low: float | None = None  # the metric's interval, from the median step time's (see `median_interval`)
+    metric_high: float | None = None
+    noise: float | None = None  # the step times' spread: median absolute deviation / median
+    threads: int | None = None  # torch intra-op threads the ranks computed with (group rank 0's)
+    phases_ms: dict | None = None  # phase -> median ms per optimizer step in the timed window; None: not timed
 
     @property
-    def overhead_seconds(self)->float: return self.seconds - self.steps_seconds
+    def overhead_seconds(self) -> float:
+        return self.seconds - self.steps_seconds
+
     @property
-    def ok(self)->bool: return self.status == 'ok'
+    def ok(self) -> bool:
+        return self.status == 'ok'
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c006b
-def median_interval(xs:list, # samples (step times, ratios)
-                    confidence:float=0.95)->tuple: # (low, high, coverage)
-    "An interval for the median of `xs` from its order statistics: the narrowest symmetric one with at least `confidence` coverage, or (min, max) and its lower coverage when there are too few samples"
+def median_interval(
+    xs: list,  # samples (step times, ratios)
+    confidence: float = 0.95,
+) -> tuple:  # (low, high, coverage)
+    """An interval for the median of `xs` from its order statistics: the narrowest symmetric one with at least
+    `confidence` coverage, or (min, max) and its lower coverage when there are too few samples"""
     xs, n = sorted(xs), len(xs)
-    if n == 0: return math.nan, math.nan, 0.
-    k, tail = 1, 2 * 0.5 ** n                    # k: 1-based rank of the low end; tail: P(median outside) for k
-    while k < n - k and tail + 2 * math.comb(n, k) * 0.5 ** n <= 1 - confidence:
-        tail += 2 * math.comb(n, k) * 0.5 ** n; k += 1
+    if n == 0:
+        return math.nan, math.nan, 0.0
+    k, tail = 1, 2 * 0.5**n  # k: 1-based rank of the low end; tail: P(median outside) for k
+    while k < n - k and tail + 2 * math.comb(n, k) * 0.5**n <= 1 - confidence:
+        tail += 2 * math.comb(n, k) * 0.5**n
+        k += 1
     return xs[k - 1], xs[n - k], 1 - tail
 
-def spread(xs:list)->float:
+
+def spread(xs: list) -> float:
     "The median absolute deviation of `xs` over their median (0 for fewer than two)"
-    if len(xs) < 2: return 0.
+    if len(xs) < 2:
+        return 0.0
     m = statistics.median(xs)
     return statistics.median(abs(x - m) for x in xs) / m if m else math.inf
+
 
 @dataclass(frozen=True)
 class Precision:
     "When a trial has timed enough steps: the median's interval within `tolerance` of it, or a cap"
-    tolerance:float=0.03   # the interval's half-width, relative to the median
-    max_steps:int=40       # timed steps at most
-    max_seconds:float=4.0  # seconds of timed steps at most
-    confidence:float=0.95
 
-    def enough(self, times:list)->bool:
+    tolerance: float = 0.03  # the interval's half-width, relative to the median
+    max_steps: int = 40  # timed steps at most
+    max_seconds: float = 4.0  # seconds of timed steps at most
+    confidence: float = 0.95
+
+    def enough(self, times: list) -> bool:
         "Whether `times` settle the median (or a cap is reached)"
-        if len(times) >= self.max_steps or sum(times) >= self.max_seconds: return True
+        if len(times) >= self.max_steps or sum(times) >= self.max_seconds:
+            return True
         low, high, coverage = median_interval(times, self.confidence)
         m = statistics.median(times)
         return coverage >= self.confidence and max(m - low, high - m) <= self.tolerance * m
@@ -86,143 +100,201 @@ class Precision:
 class TrialTimeout(Exception):
     "The trial ran past its time limit (checked between micro-steps)"
 
+
 class PeerFailed(Exception):
     "Another rank of the trial's group failed"
 
-def _first_line(error:BaseException)->str: return (str(error).strip().splitlines() or [''])[0]
 
-def classify(error:BaseException)->tuple: # (status, one-line reason)
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [''])[0]
+
+
+def classify(error: BaseException) -> tuple:  # (status, one-line reason)
     "The status and reason of a trial that raised `error`"
     line = _first_line(error)
-    if isinstance(error, (TrialTimeout, PeerFailed)): return ('timeout' if isinstance(error, TrialTimeout) else 'error'), line
-    if isinstance(error, torch.OutOfMemoryError) or (isinstance(error, RuntimeError) and "can't allocate memory" in line):
+    if isinstance(error, (TrialTimeout, PeerFailed)):
+        return ('timeout' if isinstance(error, TrialTimeout) else 'error'), line
+    if isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in line
+    ):
         return 'oom', f'out of memory: {line}'
     return 'error', f'{type(error).__name__}: {line}'
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c011
 class PeakMeter:
     "The most bytes a trial's tensors held at once, above what lived before it"
-    def __init__(self, device:torch.device): self.device, self.tracker, self.owned, self.base = device, None, False, 0
 
-    def start(self)->'PeakMeter':
-        if self.device.type == 'cuda': torch.cuda.synchronize(self.device); self.tracker = CudaBytes(self.device)   # the allocator's own counts
+    def __init__(self, device: torch.device):
+        self.device, self.tracker, self.owned, self.base = device, None, False, 0
+
+    def start(self) -> 'PeakMeter':
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
+            self.tracker = CudaBytes(self.device)  # the allocator's own counts
         else:
             self.tracker = active_tracker()
             self.owned = self.tracker is None
-            if self.owned: self.tracker = TensorMemoryTracker(count_existing=False).enable()
+            if self.owned:
+                self.tracker = TensorMemoryTracker(count_existing=False).enable()
         self.tracker.reset_peak()
         self.base = self.tracker.allocated_bytes
         return self
 
-# %% ../../nbs/70_autotuner_measure.ipynb #c012
-@patch
-def peak(self:PeakMeter)->int: # bytes above the start
-    "The highest bytes since `start`, above what lived then"
-    return self.tracker.peak_bytes - self.base
+    def peak(self) -> int:  # bytes above the start
+        "The highest bytes since `start`, above what lived then"
+        return self.tracker.peak_bytes - self.base
 
-@patch
-def stop(self:PeakMeter):
-    "Disable the tracker this meter enabled (one enabled by someone else stays)"
-    if self.owned: self.tracker.disable()
-    self.tracker, self.owned = None, False
+    def stop(self):
+        "Disable the tracker this meter enabled (one enabled by someone else stays)"
+        if self.owned:
+            self.tracker.disable()
+        self.tracker, self.owned = None, False
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c015
-def agree_flags(flags:list, # small non-negative ints, this rank's
-                group=None)->list: # the maximum of each over the group
+def agree_flags(
+    flags: list,  # small non-negative ints, this rank's
+    group=None,
+) -> list:  # the maximum of each over the group
     "The elementwise maximum of `flags` over the ranks of `group`"
-    if dist.get_world_size(group) == 1: return list(flags)
+    if dist.get_world_size(group) == 1:
+        return list(flags)
     t = torch.tensor(flags, dtype=torch.int64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, log_name='autotuner_agree')
     return t.tolist()
 
-def _device()->torch.device:
-    if torch.cuda.is_available(): return torch.device('cuda', torch.cuda.current_device())
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device('cuda', torch.cuda.current_device())
     return torch.device('cpu')
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c018
 class GroupUnit:
     "A Megatron-style unit: `group` is the data-parallel group; this rank alone is its model-parallel group"
-    def __init__(self, group): # a process group (a subset of the ranks)
+
+    def __init__(self, group):  # a process group (a subset of the ranks)
         self.group = group
         self.alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    def get_data_parallel_group(self): return self.group
-    def get_data_parallel_world_size(self)->int: return dist.get_world_size(self.group)
-    def get_data_parallel_rank(self)->int: return dist.get_rank(self.group)
-    def get_model_parallel_group(self): return self.alone
-    def get_model_parallel_world_size(self)->int: return 1
-    def get_model_parallel_rank(self)->int: return 0
-    def close(self): dist.destroy_process_group(self.alone)
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def get_model_parallel_group(self):
+        return self.alone
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def close(self):
+        dist.destroy_process_group(self.alone)
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c020
 class _Steps:
     "Runs micro-steps through `train_step`, checks time and the group between them"
+
     def __init__(self, engine, train_step, loader, group, timeout, start):
         self.engine, self.train_step, self.group, self.timeout, self.start = engine, train_step, group, timeout, start
         self.batches, self.loader, self.micro_steps, self.count_next, self.flops = None, loader, 0, False, None
-        self.spent, self.phases = 0., []   # seconds inside `train_step` so far; each timed step's phases (ms)
+        self.spent, self.phases = 0.0, []  # seconds inside `train_step` so far; each timed step's phases (ms)
 
     def _call(self):
         self.train_step(self.engine) if self.loader is None else self.train_step(self.engine, self._batch())
 
     def _batch(self):
-        if self.batches is None: self.batches = iter(self.loader)
-        try: return next(self.batches)
-        except StopIteration: self.batches = iter(self.loader); return next(self.batches)
+        if self.batches is None:
+            self.batches = iter(self.loader)
+        try:
+            return next(self.batches)
+        except StopIteration:
+            self.batches = iter(self.loader)
+            return next(self.batches)
 
-    def micro_step(self)->float: # seconds `train_step` took (the group's check excluded)
+    def micro_step(self) -> float:  # seconds `train_step` took (the group's check excluded)
         "One call of `train_step` (under the FLOP counter if asked), then the group agrees nobody failed or ran late"
         before, error, t = self.engine.micro_steps, None, time.perf_counter()
         try:
             if self.count_next:
                 self.count_next = False
-                with FlopCounterMode(display=False) as counter: self._call()
+                with FlopCounterMode(display=False) as counter:
+                    self._call()
                 self.flops = int(counter.get_total_flops())
-            else: self._call()
+            else:
+                self._call()
             if self.engine.micro_steps == before:
-                raise ValueError('train_step(engine) returned without calling engine.step(): it must run one micro-step '
-                                 '(forward, engine.backward(loss), engine.step())')
-            if self.engine.device.type == 'cuda': torch.cuda.synchronize(self.engine.device)
-        except Exception as e: error = e
+                raise ValueError(
+                    'train_step(engine) returned without calling engine.step(): it must run one micro-step '
+                    '(forward, engine.backward(loss), engine.step())'
+                )
+            if self.engine.device.type == 'cuda':
+                torch.cuda.synchronize(self.engine.device)
+        except Exception as e:
+            error = e
         spent, self.micro_steps = time.perf_counter() - t, self.micro_steps + 1
         self.spent += spent
         late = self.timeout is not None and time.perf_counter() - self.start > self.timeout
         failed, timed_out = agree_flags([error is not None, late], self.group)
         if error is not None:
-            try: raise error
-            finally: error = None   # no cycle frame -> exception -> traceback -> frame keeps the engine alive
-        if failed: raise PeerFailed('another rank of the trial failed (see its reason)')
-        if timed_out: raise TrialTimeout(f'the trial ran past its time limit of {self.timeout:g} s and was stopped early')
+            try:
+                raise error
+            finally:
+                error = None  # no cycle frame -> exception -> traceback -> frame keeps the engine alive
+        if failed:
+            raise PeerFailed('another rank of the trial failed (see its reason)')
+        if timed_out:
+            raise TrialTimeout(f'the trial ran past its time limit of {self.timeout:g} s and was stopped early')
+        return spent
+
+    def optimizer_step(self) -> float:  # seconds inside `train_step`
+        "Micro-steps until the engine counts one more optimizer step"
+        steps, spent = self.engine.global_steps, 0.0
+        while self.engine.global_steps == steps:
+            spent += self.micro_step()
+        return spent
+
+    def timed_step(self) -> float:  # seconds inside `train_step`
+        "One optimizer step of the timed window; its engine phases (ms) kept where the engine times them"
+        spent = self.optimizer_step()
+        if self.engine.timers.enabled:
+            self.phases.append(self.engine.timers.read())
         return spent
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c021
-@patch
-def optimizer_step(self:_Steps)->float: # seconds inside `train_step`
-    "Micro-steps until the engine counts one more optimizer step"
-    steps, spent = self.engine.global_steps, 0.
-    while self.engine.global_steps == steps: spent += self.micro_step()
-    return spent
-
-@patch
-def timed_step(self:_Steps)->float: # seconds inside `train_step`
-    "One optimizer step of the timed window; its engine phases (ms) kept where the engine times them"
-    spent = self.optimizer_step()
-    if self.engine.timers.enabled: self.phases.append(self.engine.timers.read())
-    return spent
-
-def median_phases(readings:list)->dict: # phase -> median ms
+def median_phases(readings: list) -> dict:  # phase -> median ms
     "The median of each phase over `readings` (dicts of ms by phase; empty ones skipped) that all timed it"
     readings = [r for r in readings if r]
     names = [n for n in (readings[0] if readings else {}) if all(n in r for r in readings)]
     return {n: statistics.median(r[n] for r in readings) for n in names}
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c023
-def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_steps, timeout, dataset, start, trace, flops_memo,
-                precision=None)->dict:
-    "Build, warm up, time and close one engine; this rank's measurements (`trace`: weak references to what it built, the steps)"
+def _experiment(
+    model_fn,
+    train_step,
+    ds_config,
+    group,
+    warmup_steps,
+    profile_steps,
+    timeout,
+    dataset,
+    start,
+    trace,
+    flops_memo,
+    precision=None,
+) -> dict:
+    """Build, warm up, time and close one engine; this rank's measurements (`trace`: weak references to what it built,
+    the steps)"""
     unit = GroupUnit(group) if group is not None and dist.get_world_size(group) != dist.get_world_size() else None
     engine = None
     try:
-        size_threads(ds_config.get('threads_per_rank'))   # before the model is built: the whole trial runs at its count
+        size_threads(ds_config.get('threads_per_rank'))  # before the model is built: the whole trial runs at its count
         model = model_fn()
         trace['refs'] = [weakref.ref(t) for t in (model, *model.parameters())]
         # no run logs, no printed steps; on CPU the engine's phases timed (on CUDA a sync each would change the step)
@@ -234,101 +306,167 @@ def _experiment(model_fn, train_step, ds_config, group, warmup_steps, profile_st
         loader = None if dataset is None else engine.deepspeed_io(dataset)
         steps = trace['steps'] = _Steps(engine, train_step, loader, group, timeout, start)
         mb = engine.train_micro_batch_size_per_gpu()
-        steps.flops = None if flops_memo is None else flops_memo.get(mb)   # the same at any stage and bucket size
+        steps.flops = None if flops_memo is None else flops_memo.get(mb)  # the same at any stage and bucket size
         steps.count_next = warmup_steps > 0 and steps.flops is None
-        for _ in range(warmup_steps): steps.optimizer_step()
-        engine.timers.read()   # the warm-up's phase times are not the window's
+        for _ in range(warmup_steps):
+            steps.optimizer_step()
+        engine.timers.read()  # the warm-up's phase times are not the window's
         times = [steps.timed_step() for _ in range(profile_steps)]
         while precision is not None and agree_flags([not precision.enough(times)], group)[0]:
             times.append(steps.timed_step())
-        if flops_memo is not None and steps.flops is not None: flops_memo[mb] = steps.flops
-        return {'times': times, 'flops': steps.flops, 'micro_steps': steps.micro_steps, 'phases': steps.phases,
-                'threads': torch.get_num_threads(), 'samples': engine.train_batch_size(),
-                'gas': engine.gradient_accumulation_steps()}
+        if flops_memo is not None and steps.flops is not None:
+            flops_memo[mb] = steps.flops
+        return {
+            'times': times,
+            'flops': steps.flops,
+            'micro_steps': steps.micro_steps,
+            'phases': steps.phases,
+            'threads': torch.get_num_threads(),
+            'samples': engine.train_batch_size(),
+            'gas': engine.gradient_accumulation_steps(),
+        }
     finally:
-        if engine is not None: engine.close()
-        if unit is not None: unit.close()
+        if engine is not None:
+            engine.close()
+        if unit is not None:
+            unit.close()
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c024
-def _summary(local:dict, metric:str)->dict:
+def _summary(local: dict, metric: str) -> dict:
     "Metric (with its interval), throughput, FLOP/s and noise from one rank's measurements"
     times = local['times']
     step, (low, high, _) = statistics.median(times), median_interval(times)
-    per_step = {'throughput': lambda s: local['samples'] / s if s > 0 else math.inf, 'latency': lambda s: s,
-                'flops': lambda s: local['flops'] * local['gas'] / s if local['flops'] is not None and s > 0 else None}[metric]
+    per_step = {
+        'throughput': lambda s: local['samples'] / s if s > 0 else math.inf,
+        'latency': lambda s: s,
+        'flops': lambda s: local['flops'] * local['gas'] / s if local['flops'] is not None and s > 0 else None,
+    }[metric]
     bounds = sorted(b for b in (per_step(low), per_step(high)) if b is not None) or [None, None]
     flops = local['flops'] * local['gas'] / step if local['flops'] is not None and step > 0 else None
     samples = local['samples'] / step if step > 0 else math.inf
-    return dict(metric=per_step(step), samples_per_s=samples, step_seconds=step, flops_per_s=flops,
-                flops_per_micro_step=local['flops'], steps_seconds=sum(times), micro_steps=local['micro_steps'],
-                steps_measured=len(times), metric_low=bounds[0], metric_high=bounds[-1], noise=spread(times),
-                threads=local.get('threads'), phases_ms=median_phases(local.get('phases') or []) or None)
+    return dict(
+        metric=per_step(step),
+        samples_per_s=samples,
+        step_seconds=step,
+        flops_per_s=flops,
+        flops_per_micro_step=local['flops'],
+        steps_seconds=sum(times),
+        micro_steps=local['micro_steps'],
+        steps_measured=len(times),
+        metric_low=bounds[0],
+        metric_high=bounds[-1],
+        noise=spread(times),
+        threads=local.get('threads'),
+        phases_ms=median_phases(local.get('phases') or []) or None,
+    )
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c026
 def _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, precision=None):
-    if not isinstance(ds_config, dict): raise TypeError(f'ds_config must be a dict (a DeepSpeed-style config), got {type(ds_config).__name__}')
-    if metric not in METRICS: raise ValueError(f'metric must be one of {METRICS}, got {metric!r}')
-    if not isinstance(profile_steps, int) or profile_steps < 1: raise ValueError(f'profile_steps must be an int >= 1, got {profile_steps!r}')
-    if not isinstance(warmup_steps, int) or warmup_steps < 0: raise ValueError(f'warmup_steps must be an int >= 0, got {warmup_steps!r}')
+    if not isinstance(ds_config, dict):
+        raise TypeError(f'ds_config must be a dict (a DeepSpeed-style config), got {type(ds_config).__name__}')
+    if metric not in METRICS:
+        raise ValueError(f'metric must be one of {METRICS}, got {metric!r}')
+    if not isinstance(profile_steps, int) or profile_steps < 1:
+        raise ValueError(f'profile_steps must be an int >= 1, got {profile_steps!r}')
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f'warmup_steps must be an int >= 0, got {warmup_steps!r}')
     if metric == 'flops' and warmup_steps == 0:
         raise ValueError("metric='flops' counts FLOPs on the first warm-up micro-step: give warmup_steps >= 1")
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
         raise ValueError(f'memory_budget must be a positive int (bytes per rank), got {memory_budget!r}')
     if precision is not None and not isinstance(precision, Precision):
         raise TypeError(f'precision must be a flexrt.autotuner.measure.Precision or None, got {precision!r}')
-    if timeout is not None and not timeout > 0: raise ValueError(f'timeout must be seconds > 0, got {timeout!r}')
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f'timeout must be seconds > 0, got {timeout!r}')
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c027
-def _gather(local:dict, group)->list: # every rank's dict, by group rank
+def _gather(local: dict, group) -> list:  # every rank's dict, by group rank
     "Every rank's outcome"
-    if dist.get_world_size(group) == 1: return [local]
+    if dist.get_world_size(group) == 1:
+        return [local]
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, local, group=group)
     return out
 
-def _agreed(outcomes:list)->dict:
-    "The group's status: the first failing rank's (by group rank), else ok; the timings of group rank 0, the longest wall time"
+
+def _agreed(outcomes: list) -> dict:
+    """The group's status: the first failing rank's (by group rank), else ok; the timings of group rank 0, the longest
+    wall time"""
     failed = [o for o in outcomes if o['status'] != 'ok']
     real = [o for o in failed if not o['peer']] or failed
     first = real[0] if real else outcomes[0]
     peaks = [o['peak'] for o in outcomes]
-    return {**outcomes[0]['summary'], 'status': first['status'], 'reason': first['reason'],
-            'peak_bytes': max(peaks), 'peak_bytes_per_rank': peaks, 'seconds': max(o['seconds'] for o in outcomes)}
+    return {
+        **outcomes[0]['summary'],
+        'status': first['status'],
+        'reason': first['reason'],
+        'peak_bytes': max(peaks),
+        'peak_bytes_per_rank': peaks,
+        'seconds': max(o['seconds'] for o in outcomes),
+    }
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c028
-def run_trial(model_fn, # builds a fresh model (called once per trial, on every rank)
-              train_step, # train_step(engine) runs one micro-step (train_step(engine, batch) with a dataset)
-              ds_config:dict, # the candidate's DeepSpeed-style config
-              *, group=None, # the ranks running this trial (None: all)
-              warmup_steps:int=2, # optimizer steps before the timed window (the first micro-step counts FLOPs)
-              profile_steps:int=3, # optimizer steps timed (at least, with `precision`)
-              metric:str='throughput', # 'throughput' (samples/s), 'latency' (s per step) or 'flops' (FLOP/s)
-              memory_budget:int|None=None, # bytes per rank; a larger measured peak is `over_budget`
-              timeout:float|None=None, # seconds; checked between micro-steps, a late trial stops early
-              dataset=None, # a torch Dataset fed through `engine.deepspeed_io`, or None
-              flops_memo:dict|None=None, # FLOPs per micro-step by micro-batch, kept by the caller across trials of the same model_fn and train_step: counted once per micro-batch
-              precision:Precision|None=None, # time more steps until the median is this precise (None: exactly `profile_steps`)
-             )->TrialResult:
+def run_trial(
+    model_fn,  # builds a fresh model (called once per trial, on every rank)
+    train_step,  # train_step(engine) runs one micro-step (train_step(engine, batch) with a dataset)
+    ds_config: dict,  # the candidate's DeepSpeed-style config
+    *,
+    group=None,  # the ranks running this trial (None: all)
+    warmup_steps: int = 2,  # optimizer steps before the timed window (the first micro-step counts FLOPs)
+    profile_steps: int = 3,  # optimizer steps timed (at least, with `precision`)
+    metric: str = 'throughput',  # 'throughput' (samples/s), 'latency' (s per step) or 'flops' (FLOP/s)
+    memory_budget: int | None = None,  # bytes per rank; a larger measured peak is `over_budget`
+    timeout: float | None = None,  # seconds; checked between micro-steps, a late trial stops early
+    dataset=None,  # a torch Dataset fed through `engine.deepspeed_io`, or None
+    flops_memo: dict
+    # FLOPs per micro-step by micro-batch, kept by the caller across trials of the same model_fn and train_step: counted
+    # once per micro-batch
+    | None = None,
+    precision: Precision
+    | None = None,  # time more steps until the median is this precise (None: exactly `profile_steps`)
+) -> TrialResult:
     "Run one experiment on the calling ranks; every rank of `group` gets the same result"
     _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, precision)
-    start, freeze = time.perf_counter(), gc.get_freeze_count() == 0   # someone else's frozen objects stay as they are
-    if _device().type == 'cuda': gc.collect()   # the allocator counts every tensor: garbage freed mid-trial would fall below the base
-    if freeze: gc.freeze()   # a collection after the trial then scans only what the trial made: fast
+    start, freeze = time.perf_counter(), gc.get_freeze_count() == 0  # someone else's frozen objects stay as they are
+    if _device().type == 'cuda':
+        gc.collect()  # the allocator counts every tensor: garbage freed mid-trial would fall below the base
+    if freeze:
+        gc.freeze()  # a collection after the trial then scans only what the trial made: fast
     meter, local, trace = PeakMeter(_device()).start(), {'status': 'ok', 'reason': '', 'peer': False, 'summary': {}}, {}
     try:
-        try: local['summary'] = _summary(_experiment(model_fn, train_step, ds_config, group, warmup_steps,
-                                                     profile_steps, timeout, dataset, start, trace, flops_memo,
-                                                     precision), metric)
+        try:
+            local['summary'] = _summary(
+                _experiment(
+                    model_fn,
+                    train_step,
+                    ds_config,
+                    group,
+                    warmup_steps,
+                    profile_steps,
+                    timeout,
+                    dataset,
+                    start,
+                    trace,
+                    flops_memo,
+                    precision,
+                ),
+                metric,
+            )
         except Exception as e:
             local.update(zip(('status', 'reason'), classify(e)), peer=isinstance(e, PeerFailed))
-            if 'steps' in trace: local['summary'] = {'micro_steps': trace['steps'].micro_steps, 'steps_seconds': trace['steps'].spent}
+            if 'steps' in trace:
+                local['summary'] = {'micro_steps': trace['steps'].micro_steps, 'steps_seconds': trace['steps'].spent}
         trace.pop('steps', None)
-        if any(r() is not None for r in trace.get('refs', ())): gc.collect()   # only when a cycle still holds the model or engine
+        if any(r() is not None for r in trace.get('refs', ())):
+            gc.collect()  # only when a cycle still holds the model or engine
         local['peak'] = meter.peak()
     finally:
         meter.stop()
-        if freeze: gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
     if local['status'] == 'ok' and memory_budget is not None and local['peak'] > memory_budget:
-        local.update(status='over_budget', reason=f"peak {local['peak']:,} B is over the memory budget of {memory_budget:,} B")
+        local.update(
+            status='over_budget', reason=f"peak {local['peak']:,} B is over the memory budget of {memory_budget:,} B"
+        )
     local['seconds'] = time.perf_counter() - start
     return TrialResult(**_agreed(_gather(local, group)))

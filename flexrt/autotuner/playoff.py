@@ -12,24 +12,34 @@ from .measure import median_interval, median_phases
 __all__ = ['PHASE_WORDS', 'threads_words', 'label', 'short', 'Playoff', 'phase_change']
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p005
-def threads_words(n:int)->str: return f"{n} thread{'' if n == 1 else 's'} per rank"
+def threads_words(n: int) -> str:
+    return f"{n} thread{'' if n == 1 else 's'} per rank"
 
-def label(c:Candidate, others:list=(), # the other entrants: what tells `c` from those of its point is named
-          threads:bool=False)->str: # name its threads per rank even when no other entrant of its point differs
+
+def label(
+    c: Candidate,
+    others: list = (),  # the other entrants: what tells `c` from those of its point is named
+    threads: bool = False,
+) -> str:  # name its threads per rank even when no other entrant of its point differs
     "A candidate in words ('stage 1, micro-batch 64'), with the knobs and threads telling it from `others` of its point"
-    out = f'stage {c.stage}, micro-batch {c.micro_batch}' + (f', accumulation {c.gradient_accumulation}' if c.gradient_accumulation > 1 else '')
+    out = f'stage {c.stage}, micro-batch {c.micro_batch}' + (
+        f', accumulation {c.gradient_accumulation}' if c.gradient_accumulation > 1 else ''
+    )
     same = _same_point(c, others)
     for k, v in c.knobs().items():
-        if any(getattr(o, k) != v for o in same): out += f', {k}={v}'
+        if any(getattr(o, k) != v for o in same):
+            out += f', {k}={v}'
     if c.threads_per_rank is not None and (threads or any(o.threads_per_rank != c.threads_per_rank for o in same)):
         out += f' with {threads_words(c.threads_per_rank)}'
     return out
 
-def _same_point(c:Candidate, others:list)->list:
+
+def _same_point(c: Candidate, others: list) -> list:
     point = lambda x: (x.stage, x.micro_batch, x.gradient_accumulation)
     return [o for o in others if o != c and point(o) == point(c)]
 
-def short(c:Candidate, others:list=())->str: # 'z1 mb64', 'z1 mb64 t2' beside another thread count of its point
+
+def short(c: Candidate, others: list = ()) -> str:  # 'z1 mb64', 'z1 mb64 t2' beside another thread count of its point
     "A candidate in a few characters"
     out = f'z{c.stage} mb{c.micro_batch}' + (f' gas{c.gradient_accumulation}' if c.gradient_accumulation > 1 else '')
     differs = any(o.threads_per_rank != c.threads_per_rank for o in _same_point(c, others))
@@ -38,164 +48,249 @@ def short(c:Candidate, others:list=())->str: # 'z1 mb64', 'z1 mb64 t2' beside an
 # %% ../../nbs/72_autotuner_playoff.ipynb #p008
 class Playoff:
     "Entrants re-measured in interleaved rounds; paired ratios decide"
-    def __init__(self, entrants:list, # Candidates, best search reading first
-                 baseline:Candidate|None=None, # the configuration to beat (one of the entrants), or None
-                 lower_is_better:bool=False, # latency: smaller metrics win
-                 tolerance:float=0.03, # a difference within this is a tie that does not matter
-                 min_rounds:int=6, max_rounds:int=15, confidence:float=0.95):
-        if baseline is not None and baseline not in entrants: entrants = [*entrants, baseline]
+
+    def __init__(
+        self,
+        entrants: list,  # Candidates, best search reading first
+        baseline: Candidate | None = None,  # the configuration to beat (one of the entrants), or None
+        lower_is_better: bool = False,  # latency: smaller metrics win
+        tolerance: float = 0.03,  # a difference within this is a tie that does not matter
+        min_rounds: int = 6,
+        max_rounds: int = 15,
+        confidence: float = 0.95,
+    ):
+        if baseline is not None and baseline not in entrants:
+            entrants = [*entrants, baseline]
         self.entrants, self.baseline, self.lower = list(dict.fromkeys(entrants)), baseline, lower_is_better
-        self.tolerance, self.min_rounds, self.max_rounds, self.confidence = tolerance, min_rounds, max(min_rounds, max_rounds), confidence
-        self.rounds, self.failed, self.beaten = [], {}, set()   # [{key: metric}], key -> reason, keys no longer run
-        self.phases = []   # by round: {key: ms per optimizer step of each engine phase}, where the runs timed them
+        self.tolerance, self.min_rounds, self.max_rounds, self.confidence = (
+            tolerance,
+            min_rounds,
+            max(min_rounds, max_rounds),
+            confidence,
+        )
+        self.rounds, self.failed, self.beaten = [], {}, set()  # [{key: metric}], key -> reason, keys no longer run
+        self.phases = []  # by round: {key: ms per optimizer step of each engine phase}, where the runs timed them
 
     @property
-    def alive(self)->list: return [c for c in self.entrants if c.key not in self.failed]
+    def alive(self) -> list:
+        return [c for c in self.entrants if c.key not in self.failed]
+
     @property
-    def running(self)->list: return [c for c in self.alive if c.key not in self.beaten]
+    def running(self) -> list:
+        return [c for c in self.alive if c.key not in self.beaten]
+
     @property
-    def reference(self)->Candidate|None:
+    def reference(self) -> Candidate | None:
         "What ratios are taken against: the baseline while it runs, else the first entrant still in"
         return self.baseline if self.baseline is not None and self.baseline in self.alive else (self.alive or [None])[0]
 
-    def order(self, r:int)->list:
+    def order(self, r: int) -> list:
         "Round `r`'s running order: the entrants still running, rotated by `r`"
         live = self.running
-        return live[r % len(live):] + live[:r % len(live)] if live else []
+        return live[r % len(live) :] + live[: r % len(live)] if live else []
 
-    def add_round(self, metrics:dict, # key -> metric, or None when the run failed
-                  reasons:dict|None=None, # key -> why it failed
-                  phases:dict|None=None): # key -> the run's `phases_ms` (None where it timed none)
+    def add_round(
+        self,
+        metrics: dict,  # key -> metric, or None when the run failed
+        reasons: dict | None = None,  # key -> why it failed
+        phases: dict | None = None,
+    ):  # key -> the run's `phases_ms` (None where it timed none)
         "Record one round; an entrant whose run failed leaves the playoff"
         for key, m in metrics.items():
-            if m is None or not math.isfinite(m) or m <= 0: self.failed[key] = (reasons or {}).get(key) or 'failed in the playoff'
+            if m is None or not math.isfinite(m) or m <= 0:
+                self.failed[key] = (reasons or {}).get(key) or 'failed in the playoff'
         self.rounds.append({k: m for k, m in metrics.items() if k not in self.failed})
         self.phases.append({k: p for k, p in (phases or {}).items() if p and k in self.rounds[-1]})
+
+    def compare(self, a: Candidate, b: Candidate) -> dict:  # ratio (median), low, high, coverage, rounds
+        "`a` over `b`: the median of the rounds' paired ratios (above 1: `a` is better) and its interval"
+        if a == b:
+            return dict(ratio=1.0, low=1.0, high=1.0, coverage=1.0, rounds=len(self.rounds))
+        pairs = [(r[a.key], r[b.key]) for r in self.rounds if a.key in r and b.key in r]
+        ratios = [(y / x) if self.lower else (x / y) for x, y in pairs]
+        if not ratios:
+            return dict(ratio=None, low=None, high=None, coverage=0.0, rounds=0)
+        low, high, coverage = median_interval(ratios, self.confidence)
+        return dict(ratio=statistics.median(ratios), low=low, high=high, coverage=coverage, rounds=len(ratios))
+
+    def standings(self) -> list:  # dicts, best first
+        "Every live entrant against the reference: name, ratio and interval, rounds"
+        ref = self.reference
+        rows = [
+            dict(
+                name=short(c, self.entrants),
+                label=label(c, self.entrants),
+                stage=c.stage,
+                micro_batch=c.micro_batch,
+                gradient_accumulation=c.gradient_accumulation,
+                is_baseline=c == self.baseline,
+                key=c.key,
+                **self.compare(c, ref),
+            )
+            for c in self.alive
+        ]
+        return sorted(rows, key=lambda s: -(s['ratio'] or 0))
+
+    def winner(self) -> Candidate | None:
+        """The entrant to use: beyond the noise above the baseline (its interval above 1, at the playoff's confidence),
+        else the baseline; the best median without one"""
+        live, ref = self.alive, self.reference
+        if not live:
+            return None
+        if self.baseline is not None and self.baseline in live:
+            beyond = lambda r: (
+                r['coverage'] >= self.confidence and (r['low'] or 0) > 1
+            )  # the interval above 1, with the coverage asked
+            better = [
+                (self.compare(c, ref)['ratio'], i, c)
+                for i, c in enumerate(live)
+                if c != ref and beyond(self.compare(c, ref))
+            ]
+            return max(better, key=lambda x: (x[0], -x[1]))[2] if better else ref
+        return max(((self.compare(c, ref)['ratio'] or 0, -i, c) for i, c in enumerate(live)), key=lambda x: x[:2])[2]
+
+    def decided(self) -> bool:
+        """Whether more rounds can stop: `max_rounds` run, or after `min_rounds` every pair with the leader is settled
+        or futile; entrants the leader clearly beats stop running"""
+        if len(self.rounds) >= self.max_rounds or len(self.running) <= 1:
+            return True
+        if len(self.rounds) < self.min_rounds:
+            return False
+        w = self.winner()
+        for c in self.running:  # clearly beaten: it cannot win, and the rounds go to the pairs still open
+            if c not in (w, self.baseline) and (self.compare(w, c)['low'] or 0) > 1:
+                self.beaten.add(c.key)
+        futile = lambda c, r: (
+            self.baseline not in (w, c) and _futile(r, self.tolerance, self.max_rounds)
+        )  # never for the baseline's pair
+        return all(
+            _settled(r, self.tolerance, self.confidence) or futile(c, r)
+            for c, r in ((c, self.compare(w, c)) for c in self.running if c != w)
+        )
+
+    def margin(self) -> dict | None:  # baseline, runner_up, ties, verdict, rounds, why
+        "How far ahead the winner is, and how sure: the record `AutotuneResult.margin` keeps"
+        w = self.winner()
+        if w is None:
+            return None
+        others = [c for c in self.alive if c != w]
+        ref = self.reference
+        rank = lambda c: self.compare(c, ref)['ratio'] or 0
+        up = max(others, key=rank) if others else None
+        base = (
+            self.compare(w, self.baseline)
+            if self.baseline is not None and self.baseline in self.alive and w != self.baseline
+            else None
+        )
+        named = lambda c: dict(name=short(c, self.entrants), label=label(c, self.entrants))
+        runner = {**named(up), **self.compare(w, up)} if up is not None else None
+        ties = [c for c in others if (r := self.compare(w, c))['low'] is not None and r['low'] <= 1 <= r['high']]
+        far = base is not None and base['ratio'] is not None and base['ratio'] > 1.5
+        why = self.why(w) if far else ''  # where the time went
+        verdict = self.verdict(w, base, runner, ties, up) + (f'; against the baseline, {why}' if why else '')
+        return dict(
+            winner=short(w, self.entrants),
+            label=label(w, self.entrants, threads=True),
+            is_baseline=w == self.baseline,
+            baseline=base,
+            runner_up=runner,
+            ties=[short(c, self.entrants) for c in ties],
+            rounds=len(self.rounds),
+            why=why,
+            verdict=verdict,
+        )
+
+    def why(self, w: Candidate) -> str:
+        """Which phases of the step made `w` faster than the baseline, from the rounds both ran and timed ('' without
+        phases)"""
+        b, both = self.baseline, [p for p in self.phases if w.key in p and self.baseline.key in p]
+        samples = lambda c: c.micro_batch * c.gradient_accumulation
+        timed = lambda c: median_phases([p[c.key] for p in both])
+        return phase_change(timed(w), timed(b), samples(w), samples(b))
+
+    def verdict(self, w, base, runner, ties, up) -> str:
+        "The margin in one sentence"
+        words = label(w, self.entrants, threads=True)
+        if len(self.entrants) == 1:
+            return f'{words}: the only configuration that ran'
+        parts = []
+        if w == self.baseline:
+            words += ' (the baseline)'
+        elif base is not None:
+            parts.append(f"{base['ratio']:.2f}× the baseline{_interval(base)}")
+        if runner is not None and runner['ratio'] is not None and up != self.baseline:
+            parts.append(f"{runner['ratio']:.2f}× the runner-up ({label(up, self.entrants)}){_interval(runner)}")
+        head = words + (': ' + ', '.join(parts) if parts else '')
+        if w == self.baseline and up is not None:
+            return head + ': no other configuration beat it beyond the noise'
+        if ties:
+            return head + ': a tie with ' + ' and '.join(label(c, self.entrants) for c in ties) + ' within noise'
+        return head + (': ahead of every other beyond the noise' if up is not None else '')
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p009
 from fastcore.basics import patch
 
-@patch
-def compare(self:Playoff, a:Candidate, b:Candidate)->dict: # ratio (median), low, high, coverage, rounds
-    "`a` over `b`: the median of the rounds' paired ratios (above 1: `a` is better) and its interval"
-    if a == b: return dict(ratio=1., low=1., high=1., coverage=1., rounds=len(self.rounds))
-    pairs = [(r[a.key], r[b.key]) for r in self.rounds if a.key in r and b.key in r]
-    ratios = [(y / x) if self.lower else (x / y) for x, y in pairs]
-    if not ratios: return dict(ratio=None, low=None, high=None, coverage=0., rounds=0)
-    low, high, coverage = median_interval(ratios, self.confidence)
-    return dict(ratio=statistics.median(ratios), low=low, high=high, coverage=coverage, rounds=len(ratios))
-
-@patch
-def standings(self:Playoff)->list: # dicts, best first
-    "Every live entrant against the reference: name, ratio and interval, rounds"
-    ref = self.reference
-    rows = [dict(name=short(c, self.entrants), label=label(c, self.entrants), stage=c.stage, micro_batch=c.micro_batch,
-                 gradient_accumulation=c.gradient_accumulation, is_baseline=c == self.baseline, key=c.key,
-                 **self.compare(c, ref)) for c in self.alive]
-    return sorted(rows, key=lambda s: -(s['ratio'] or 0))
-
 # %% ../../nbs/72_autotuner_playoff.ipynb #p010b
-PHASE_WORDS = {'forward': 'forward', 'backward': 'backward', 'allreduce': 'the wait for reduced gradients',
-               'step': 'the optimizer step'}   # the engine's timers (`flexrt.engine.parts.PHASES`), in words
+PHASE_WORDS = {
+    'forward': 'forward',
+    'backward': 'backward',
+    'allreduce': 'the wait for reduced gradients',
+    'step': 'the optimizer step',
+}  # the engine's timers (`flexrt.engine.parts.PHASES`), in words
 
-def _ms(x:float)->str: return f'{x:.0f}' if x >= 10 else f'{x:.2g}'
-def _and(words:list)->str: return ' and '.join(words) if len(words) < 3 else ', '.join(words[:-1]) + ' and ' + words[-1]
 
-def phase_change(winner:dict, baseline:dict, # phase -> ms per optimizer step (`median_phases`)
-                 winner_samples:int=1, baseline_samples:int=1, # samples per optimizer step; per sample when they differ
-                 change:float=1.25)->str: # a phase faster or slower by this factor or more is named
+def _ms(x: float) -> str:
+    return f'{x:.0f}' if x >= 10 else f'{x:.2g}'
+
+
+def _and(words: list) -> str:
+    return ' and '.join(words) if len(words) < 3 else ', '.join(words[:-1]) + ' and ' + words[-1]
+
+
+def phase_change(
+    winner: dict,
+    baseline: dict,  # phase -> ms per optimizer step (`median_phases`)
+    winner_samples: int = 1,
+    baseline_samples: int = 1,  # samples per optimizer step; per sample when they differ
+    change: float = 1.25,
+) -> str:  # a phase faster or slower by this factor or more is named
     "Which timed phases of the step moved, in words: 'the optimizer step 3.1× faster (12 → 3.9 ms per step); ...'"
     names = [n for n in PHASE_WORDS if winner.get(n, 0) > 0 and baseline.get(n, 0) > 0]
-    if not names: return ''
+    if not names:
+        return ''
     same_batch = winner_samples == baseline_samples
     per, unit = ((1, 1), 'ms per step') if same_batch else ((winner_samples, baseline_samples), 'ms per sample')
     w, b = {n: winner[n] / per[0] for n in names}, {n: baseline[n] / per[1] for n in names}
     factor = lambda n: max(b[n] / w[n], w[n] / b[n])
     moved = sorted((n for n in names if factor(n) >= change), key=lambda n: -abs(b[n] - w[n]))
-    if not moved: return (f'no timed phase moved by {change - 1:.0%} or more: the gain lies outside forward, backward, '
-                          'the reduction wait and the optimizer step')
+    if not moved:
+        return (
+            f'no timed phase moved by {change - 1:.0%} or more: the gain lies outside forward, backward, '
+            'the reduction wait and the optimizer step'
+        )
     way = lambda n: 'faster' if w[n] < b[n] else 'slower'
     said = [f"{PHASE_WORDS[n]} {factor(n):.1f}× {way(n)} ({_ms(b[n])} → {_ms(w[n])} {unit})" for n in moved]
     same = [PHASE_WORDS[n] for n in names if n not in moved]
     return ', '.join(said) + (f'; {_and(same)} unchanged' if same else '')
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p011
-@patch
-def winner(self:Playoff)->Candidate|None:
-    "The entrant to use: beyond the noise above the baseline (its interval above 1, at the playoff's confidence), else the baseline; the best median without one"
-    live, ref = self.alive, self.reference
-    if not live: return None
-    if self.baseline is not None and self.baseline in live:
-        beyond = lambda r: r['coverage'] >= self.confidence and (r['low'] or 0) > 1   # the interval above 1, with the coverage asked
-        better = [(self.compare(c, ref)['ratio'], i, c) for i, c in enumerate(live) if c != ref and beyond(self.compare(c, ref))]
-        return max(better, key=lambda x: (x[0], -x[1]))[2] if better else ref
-    return max(((self.compare(c, ref)['ratio'] or 0, -i, c) for i, c in enumerate(live)), key=lambda x: x[:2])[2]
-
-def _settled(r:dict, tolerance:float, confidence:float)->bool:
-    "For the leader over another (`r`): the other is clearly ahead (the leader changes), or the leader is at worst `tolerance` behind it"
-    if r['ratio'] is None: return True
+def _settled(r: dict, tolerance: float, confidence: float) -> bool:
+    """For the leader over another (`r`): the other is clearly ahead (the leader changes), or the leader is at worst
+    `tolerance` behind it"""
+    if r['ratio'] is None:
+        return True
     return r['coverage'] >= confidence and (r['high'] < 1 or r['low'] >= 1 / (1 + tolerance))
 
-def _futile(r:dict, tolerance:float, max_rounds:int)->bool:
-    "For the leader over another (`r`): even narrowed to `max_rounds`' width, the interval would contain 1 and reach below 1 / (1 + tolerance)"
-    if r['ratio'] is None or r['low'] is None or r['rounds'] >= max_rounds: return False
+
+def _futile(r: dict, tolerance: float, max_rounds: int) -> bool:
+    """For the leader over another (`r`): even narrowed to `max_rounds`' width, the interval would contain 1 and reach
+    below 1 / (1 + tolerance)"""
+    if r['ratio'] is None or r['low'] is None or r['rounds'] >= max_rounds:
+        return False
     centre, shrink = math.log(r['ratio']), math.sqrt(r['rounds'] / max_rounds)
     low, high = centre - (centre - math.log(r['low'])) * shrink, centre + (math.log(r['high']) - centre) * shrink
     return high >= 0 and low < -math.log1p(tolerance)
 
-@patch
-def decided(self:Playoff)->bool:
-    "Whether more rounds can stop: `max_rounds` run, or after `min_rounds` every pair with the leader is settled or futile; entrants the leader clearly beats stop running"
-    if len(self.rounds) >= self.max_rounds or len(self.running) <= 1: return True
-    if len(self.rounds) < self.min_rounds: return False
-    w = self.winner()
-    for c in self.running:   # clearly beaten: it cannot win, and the rounds go to the pairs still open
-        if c not in (w, self.baseline) and (self.compare(w, c)['low'] or 0) > 1: self.beaten.add(c.key)
-    futile = lambda c, r: self.baseline not in (w, c) and _futile(r, self.tolerance, self.max_rounds)   # never for the baseline's pair
-    return all(_settled(r, self.tolerance, self.confidence) or futile(c, r) for c, r in ((c, self.compare(w, c)) for c in self.running if c != w))
-
 # %% ../../nbs/72_autotuner_playoff.ipynb #p012
-def _interval(r:dict)->str: return '' if r['low'] is None else f" [{r['low']:.2f}–{r['high']:.2f}]"
-
-@patch
-def margin(self:Playoff)->dict|None: # baseline, runner_up, ties, verdict, rounds, why
-    "How far ahead the winner is, and how sure: the record `AutotuneResult.margin` keeps"
-    w = self.winner()
-    if w is None: return None
-    others = [c for c in self.alive if c != w]
-    ref = self.reference
-    rank = lambda c: self.compare(c, ref)['ratio'] or 0
-    up = max(others, key=rank) if others else None
-    base = self.compare(w, self.baseline) if self.baseline is not None and self.baseline in self.alive and w != self.baseline else None
-    named = lambda c: dict(name=short(c, self.entrants), label=label(c, self.entrants))
-    runner = {**named(up), **self.compare(w, up)} if up is not None else None
-    ties = [c for c in others if (r := self.compare(w, c))['low'] is not None and r['low'] <= 1 <= r['high']]
-    far = base is not None and base['ratio'] is not None and base['ratio'] > 1.5
-    why = self.why(w) if far else ''   # where the time went
-    verdict = self.verdict(w, base, runner, ties, up) + (f'; against the baseline, {why}' if why else '')
-    return dict(winner=short(w, self.entrants), label=label(w, self.entrants, threads=True), is_baseline=w == self.baseline,
-                baseline=base, runner_up=runner, ties=[short(c, self.entrants) for c in ties], rounds=len(self.rounds),
-                why=why, verdict=verdict)
-
-@patch
-def why(self:Playoff, w:Candidate)->str:
-    "Which phases of the step made `w` faster than the baseline, from the rounds both ran and timed ('' without phases)"
-    b, both = self.baseline, [p for p in self.phases if w.key in p and self.baseline.key in p]
-    samples = lambda c: c.micro_batch * c.gradient_accumulation
-    timed = lambda c: median_phases([p[c.key] for p in both])
-    return phase_change(timed(w), timed(b), samples(w), samples(b))
-
-@patch
-def verdict(self:Playoff, w, base, runner, ties, up)->str:
-    "The margin in one sentence"
-    words = label(w, self.entrants, threads=True)
-    if len(self.entrants) == 1: return f'{words}: the only configuration that ran'
-    parts = []
-    if w == self.baseline: words += ' (the baseline)'
-    elif base is not None: parts.append(f"{base['ratio']:.2f}× the baseline{_interval(base)}")
-    if runner is not None and runner['ratio'] is not None and up != self.baseline:
-        parts.append(f"{runner['ratio']:.2f}× the runner-up ({label(up, self.entrants)}){_interval(runner)}")
-    head = words + (': ' + ', '.join(parts) if parts else '')
-    if w == self.baseline and up is not None: return head + ': no other configuration beat it beyond the noise'
-    if ties: return head + ': a tie with ' + ' and '.join(label(c, self.entrants) for c in ties) + ' within noise'
-    return head + (': ahead of every other beyond the noise' if up is not None else '')
+def _interval(r: dict) -> str:
+    return '' if r['low'] is None else f" [{r['low']:.2f}–{r['high']:.2f}]"

@@ -8,7 +8,6 @@ import datetime, hashlib, json, os, shutil, sqlite3, warnings
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 import pandas as pd
-from fastcore.basics import patch
 from .space import Candidate, KNOBS, format_bytes
 
 # %% auto #0
@@ -16,33 +15,70 @@ __all__ = ['COLUMNS', 'STATUSES', 'REPEATS', 'record_candidate', 'trials_frame',
            'AutotuneResult', 'AutotuneError', 'no_winner', 'threads_line', 'summary_text']
 
 # %% ../../nbs/72_autotuner_results.ipynb #c005
-COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', *KNOBS, 'threads_per_rank', 'status',
-           'reason', 'metric_name', 'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'round',
-           'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank', 'peak_bytes_predicted', 'seconds', 'threads',
-           'phases_ms', 'config']
+COLUMNS = [
+    'trial',
+    'phase',
+    'stage',
+    'micro_batch',
+    'gradient_accumulation',
+    *KNOBS,
+    'threads_per_rank',
+    'status',
+    'reason',
+    'metric_name',
+    'metric',
+    'metric_low',
+    'metric_high',
+    'steps_measured',
+    'noise',
+    'round',
+    'samples_per_s',
+    'peak_bytes_measured',
+    'peak_bytes_per_rank',
+    'peak_bytes_predicted',
+    'seconds',
+    'threads',
+    'phases_ms',
+    'config',
+]
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error', 'pruned')
-REPEATS = ('playoff', 'remeasure')   # phases that run searched candidates again ('remeasure': results written before the playoff)
+REPEATS = (
+    'playoff',
+    'remeasure',
+)  # phases that run searched candidates again ('remeasure': results written before the playoff)
 
-def _count(value)->int|None: return None if value is None or pd.isna(value) else int(value)   # in a frame, missing: NaN
 
-def record_candidate(record:dict)->Candidate:
+def _count(value) -> int | None:
+    return None if value is None or pd.isna(value) else int(value)  # in a frame, missing: NaN
+
+
+def record_candidate(record: dict) -> Candidate:
     "The `Candidate` a trial record describes (a record from before thread counts: none)"
-    return Candidate(**{k: record[k] for k in ('stage', 'micro_batch', 'gradient_accumulation', *KNOBS)},
-                     threads_per_rank=_count(record.get('threads_per_rank')))
+    return Candidate(
+        **{k: record[k] for k in ('stage', 'micro_batch', 'gradient_accumulation', *KNOBS)},
+        threads_per_rank=_count(record.get('threads_per_rank')),
+    )
 
-def trials_frame(records:list)->pd.DataFrame:
+
+def trials_frame(records: list) -> pd.DataFrame:
     "The records as a DataFrame with `COLUMNS` first (extra fields after them)"
     df = pd.DataFrame(records)
     for c in COLUMNS:
-        if c not in df: df[c] = None
+        if c not in df:
+            df[c] = None
     return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
 
 # %% ../../nbs/72_autotuner_results.ipynb #c008
 class TrialStore:
     "Trial records in `<results_dir>/study.db`, experiment folders and `trials.csv`"
-    def __init__(self, results_dir:str, # the results folder (created)
-                 fresh:bool=False): # remove what an earlier search left there
-        if fresh and os.path.isdir(results_dir): shutil.rmtree(results_dir)
+
+    def __init__(
+        self,
+        results_dir: str,  # the results folder (created)
+        fresh: bool = False,  # remove what an earlier search left there
+    ):
+        if fresh and os.path.isdir(results_dir):
+            shutil.rmtree(results_dir)
         os.makedirs(os.path.join(results_dir, 'exps'), exist_ok=True)
         self.results_dir, self.path = results_dir, os.path.join(results_dir, 'study.db')
         with sqlite3.connect(self.path) as db:
@@ -50,87 +86,128 @@ class TrialStore:
             db.execute('CREATE TABLE IF NOT EXISTS flexrt_meta (name TEXT PRIMARY KEY, value TEXT)')
         self.url = f'sqlite:///{os.path.abspath(self.path)}'
 
-    def records(self)->list:
+    def records(self) -> list:
         "Every stored record, by trial"
         with sqlite3.connect(self.path) as db:
             return [json.loads(r) for (r,) in db.execute('SELECT record FROM flexrt_trials ORDER BY trial')]
 
-# %% ../../nbs/72_autotuner_results.ipynb #c009
-@patch
-def add(self:TrialStore, record:dict):
-    "Store `record` (its experiment folder too) and rewrite `trials.csv`"
-    with sqlite3.connect(self.path) as db:
-        db.execute('INSERT OR REPLACE INTO flexrt_trials VALUES (?, ?)', (record['trial'], json.dumps(record, default=str)))
-    if record['status'] != 'pruned':
-        folder = os.path.join(self.results_dir, 'exps', f"{record['trial']:04d}_{record_candidate(record).name}")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, 'ds_config.json'), 'w') as f: json.dump(record['config'], f, indent=2)
-        with open(os.path.join(folder, 'metrics.json'), 'w') as f:
-            json.dump({k: v for k, v in record.items() if k != 'config'}, f, indent=2, default=str)
-    trials_frame(self.records()).drop(columns='config').to_csv(os.path.join(self.results_dir, 'trials.csv'), index=False)
+    def add(self, record: dict):
+        "Store `record` (its experiment folder too) and rewrite `trials.csv`"
+        with sqlite3.connect(self.path) as db:
+            db.execute(
+                'INSERT OR REPLACE INTO flexrt_trials VALUES (?, ?)', (record['trial'], json.dumps(record, default=str))
+            )
+        if record['status'] != 'pruned':
+            folder = os.path.join(self.results_dir, 'exps', f"{record['trial']:04d}_{record_candidate(record).name}")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, 'ds_config.json'), 'w') as f:
+                json.dump(record['config'], f, indent=2)
+            with open(os.path.join(folder, 'metrics.json'), 'w') as f:
+                json.dump({k: v for k, v in record.items() if k != 'config'}, f, indent=2, default=str)
+        trials_frame(self.records()).drop(columns='config').to_csv(
+            os.path.join(self.results_dir, 'trials.csv'), index=False
+        )
 
-@patch
-def set_meta(self:TrialStore, name:str, value):
-    "Store a JSON value under `name` (the search's start and end records)"
-    with sqlite3.connect(self.path) as db:
-        db.execute('INSERT OR REPLACE INTO flexrt_meta VALUES (?, ?)', (name, json.dumps(value, default=str)))
+    def set_meta(self, name: str, value):
+        "Store a JSON value under `name` (the search's start and end records)"
+        with sqlite3.connect(self.path) as db:
+            db.execute('INSERT OR REPLACE INTO flexrt_meta VALUES (?, ?)', (name, json.dumps(value, default=str)))
 
-@patch
-def meta(self:TrialStore, name:str, default=None):
-    "The JSON value stored under `name`"
-    with sqlite3.connect(self.path) as db:
-        row = db.execute('SELECT value FROM flexrt_meta WHERE name=?', (name,)).fetchone()
-    return default if row is None else json.loads(row[0])
+    def meta(self, name: str, default=None):
+        "The JSON value stored under `name`"
+        with sqlite3.connect(self.path) as db:
+            row = db.execute('SELECT value FROM flexrt_meta WHERE name=?', (name,)).fetchone()
+        return default if row is None else json.loads(row[0])
+
+    def measured(self) -> dict:  # candidate key -> result (status, metric, peak_bytes, ...)
+        "The results of the stored runs (re-measurements and pruned rows left out), for a resumed search"
+        out = {}
+        for r in self.records():
+            if r['status'] == 'pruned' or r['phase'] in REPEATS:
+                continue
+            out[record_candidate(r).key] = SimpleNamespace(
+                **{k: r.get(k) for k in _RESULT_KEYS},
+                peak_bytes=r['peak_bytes_measured'],
+                peak_bytes_per_rank=r['peak_bytes_per_rank'],
+            )
+        return out
 
 # %% ../../nbs/72_autotuner_results.ipynb #c010
-_RESULT_KEYS = ('status', 'reason', 'metric', 'metric_low', 'metric_high', 'steps_measured', 'noise', 'samples_per_s',
-                'step_seconds', 'flops_per_s', 'seconds', 'steps_seconds', 'threads', 'phases_ms')
-
-@patch
-def measured(self:TrialStore)->dict: # candidate key -> result (status, metric, peak_bytes, ...)
-    "The results of the stored runs (re-measurements and pruned rows left out), for a resumed search"
-    out = {}
-    for r in self.records():
-        if r['status'] == 'pruned' or r['phase'] in REPEATS: continue
-        out[record_candidate(r).key] = SimpleNamespace(**{k: r.get(k) for k in _RESULT_KEYS},
-            peak_bytes=r['peak_bytes_measured'], peak_bytes_per_rank=r['peak_bytes_per_rank'])
-    return out
+_RESULT_KEYS = (
+    'status',
+    'reason',
+    'metric',
+    'metric_low',
+    'metric_high',
+    'steps_measured',
+    'noise',
+    'samples_per_s',
+    'step_seconds',
+    'flops_per_s',
+    'seconds',
+    'steps_seconds',
+    'threads',
+    'phases_ms',
+)
 
 # %% ../../nbs/72_autotuner_results.ipynb #c011b
 _DIGEST = lambda x: hashlib.sha256(json.dumps(x, sort_keys=True, default=str).encode()).hexdigest()[:12]
-_PARTS = {'parameter_shapes': 'model (its parameter shapes)', 'world_size': 'world size', 'config': 'config', 'flexrt': 'flexrt version'}
+_PARTS = {
+    'parameter_shapes': 'model (its parameter shapes)',
+    'world_size': 'world size',
+    'config': 'config',
+    'flexrt': 'flexrt version',
+}
+_SHOWN = ('world_size', 'flexrt')  # parts whose values a message shows (then, now)
 
-def study_fingerprint(shapes:list, # the parameter shapes, in order
-                      world_size:int, # ranks of one experiment
-                      config:dict, # the user's config; its `autotuning` block is left out
-                      version:str)->dict: # flexrt's
+
+def study_fingerprint(
+    shapes: list,  # the parameter shapes, in order
+    world_size: int,  # ranks of one experiment
+    config: dict,  # the user's config; its `autotuning` block is left out
+    version: str,
+) -> dict:  # flexrt's
     "What makes two searches the same search: a digest per part and `key` over all"
-    parts = dict(parameter_shapes=_DIGEST([list(s) for s in shapes]), world_size=int(world_size),
-                 config=_DIGEST({k: v for k, v in config.items() if k != 'autotuning'}), flexrt=str(version))
+    parts = dict(
+        parameter_shapes=_DIGEST([list(s) for s in shapes]),
+        world_size=int(world_size),
+        config=_DIGEST({k: v for k, v in config.items() if k != 'autotuning'}),
+        flexrt=str(version),
+    )
     return {**parts, 'key': _DIGEST(parts)}
 
-def _aside(results_dir:str, key:str)->str:
+
+def _aside(results_dir: str, key: str) -> str:
     "A free sibling name for an old results folder"
     base, i = f"{os.path.normpath(results_dir)}.previous-{key[:8]}", 1
     dest = base
-    while os.path.exists(dest): dest, i = f'{base}-{i}', i + 1
+    while os.path.exists(dest):
+        dest, i = f'{base}-{i}', i + 1
     return dest
 
-def open_store(results_dir:str, fingerprint:dict, fresh:bool=False)->tuple: # (TrialStore, note)
+
+def open_store(results_dir: str, fingerprint: dict, fresh: bool = False) -> tuple:  # (TrialStore, note)
     "The store for a search: the stored one when it is the same search, else a new one (the old moved aside, and why)"
     note = 'new search' + (' (resume=False or autotuning.overwrite=true)' if fresh else '')
     if not fresh and os.path.exists(os.path.join(results_dir, 'study.db')):
         old = TrialStore(results_dir)
         stored, n = old.meta('fingerprint') or {}, len(old.records())
         if n and stored.get('key') != fingerprint['key']:
-            differs = [f"{_PARTS[k]}{f' ({stored[k]} then, {fingerprint[k]} now)' if k in ('world_size', 'flexrt') and k in stored else ''}"
-                       for k in _PARTS if stored.get(k) != fingerprint[k]]
+            differs = [
+                _PARTS[k] + (f' ({stored[k]} then, {fingerprint[k]} now)' if k in _SHOWN and k in stored else '')
+                for k in _PARTS
+                if stored.get(k) != fingerprint[k]
+            ]
             dest = _aside(results_dir, stored.get('key', 'unknown'))
             os.rename(results_dir, dest)
-            note = (f"new search: {results_dir} held {n} trials of a different search (" + ('; '.join(differs) if stored else
-                    'stored without a fingerprint') + f" differs), so it was not resumed; moved to {dest}")
+            note = (
+                f"new search: {results_dir} held {n} trials of a different search ("
+                + ('; '.join(differs) if stored else 'stored without a fingerprint')
+                + f" differs), so it was not resumed; moved to {dest}"
+            )
             warnings.warn(note)
-        elif n: note = f'resumed {n} stored trials of the same search (fingerprint {fingerprint["key"]})'
+        elif n:
+            note = f'resumed {n} stored trials of the same search (fingerprint {fingerprint["key"]})'
     store = TrialStore(results_dir, fresh=fresh)
     store.set_meta('fingerprint', fingerprint)
     return store, note
@@ -139,65 +216,150 @@ def open_store(results_dir:str, fingerprint:dict, fresh:bool=False)->tuple: # (T
 @dataclass
 class AutotuneResult:
     "What a search found"
-    trials:pd.DataFrame; best_config:dict|None; best:dict|None; baseline:dict|None=None; profile:object=None
-    memory_budget:int|None=None; mode:str='in-process'; results_dir:str='autotuning_results'
-    stopped:str=''; mode_reason:str=''; seconds:float=0.0
-    margin:dict|None=None; study:str=''   # the playoff's margin; whether the search resumed a stored one, or why not
-    threads:dict|None=None   # threads_per_rank, counts searched, source, cores, local_ranks, device (`threads_line`)
+
+    trials: pd.DataFrame
+    best_config: dict | None
+    best: dict | None
+    baseline: dict | None = None
+    profile: object = None
+    memory_budget: int | None = None
+    mode: str = 'in-process'
+    results_dir: str = 'autotuning_results'
+    stopped: str = ''
+    mode_reason: str = ''
+    seconds: float = 0.0
+    margin: dict | None = None
+    study: str = ''  # the playoff's margin; whether the search resumed a stored one, or why not
+    threads: dict | None = (
+        None  # threads_per_rank, counts searched, source, cores, local_ranks, device (`threads_line`)
+    )
 
     @property
-    def verdict(self)->str: # the margin in one sentence
+    def verdict(self) -> str:  # the margin in one sentence
         return (self.margin or {}).get('verdict') or ''
 
     @property
-    def improvement(self)->float|None: # the winner's metric over the baseline's (latency: baseline over winner)
-        if not (self.best and self.baseline and self.best['metric'] and self.baseline['metric']): return None
+    def improvement(self) -> float | None:  # the winner's metric over the baseline's (latency: baseline over winner)
+        if not (self.best and self.baseline and self.best['metric'] and self.baseline['metric']):
+            return None
         ratio = self.best['metric'] / self.baseline['metric']
         return 1 / ratio if self.best['metric_name'] == 'latency' else ratio
 
     def __repr__(self):
         b = self.best
-        head = (f"z{b['stage']} micro_batch={b['micro_batch']} {b['metric_name']}={b['metric']:.4g}" if b else 'no configuration ran')
+        head = (
+            f"z{b['stage']} micro_batch={b['micro_batch']} {b['metric_name']}={b['metric']:.4g}"
+            if b
+            else 'no configuration ran'
+        )
         return f"AutotuneResult({head}; {len(self.trials)} trials, {self.mode}, {self.results_dir})"
+
+    def write(self, store: TrialStore | None = None):
+        "Write the final files to `results_dir`"
+        store = store or TrialStore(self.results_dir)
+        self.trials.drop(columns='config').to_csv(os.path.join(self.results_dir, 'trials.csv'), index=False)
+        with open(os.path.join(self.results_dir, 'summary.txt'), 'w') as f:
+            f.write(summary_text(self))
+        if self.best_config is not None:
+            with open(os.path.join(self.results_dir, 'ds_config_optimal.json'), 'w') as f:
+                json.dump(self.best_config, f, indent=2)
+        store.set_meta(
+            'result', {k.name: getattr(self, k.name) for k in fields(self) if k.name not in ('trials', 'profile')}
+        )
+
+    @classmethod
+    def load(cls, results_dir: str = 'autotuning_results') -> AutotuneResult:
+        "Reopen a results folder (finished or interrupted)"
+        if not os.path.exists(os.path.join(results_dir, 'study.db')):
+            raise FileNotFoundError(
+                f"{results_dir} holds no autotuning results (no study.db): run flexrt.autotune(..., "
+                f"results_dir={results_dir!r}) first"
+            )
+        store = TrialStore(results_dir)
+        trials, meta = trials_frame(store.records()), store.meta('result')
+        if meta is not None:
+            return cls(trials=trials, **{**meta, 'results_dir': results_dir})
+        start, ok = store.meta('start', {}), trials[trials.status == 'ok']
+        lower = start.get('metric') == 'latency'
+        best = None if ok.empty else ok.loc[ok.metric.idxmin() if lower else ok.metric.idxmax()].to_dict()
+        return cls(
+            trials=trials,
+            best_config=best and best['config'],
+            best=best,
+            memory_budget=start.get('memory_budget'),
+            mode=start.get('mode', 'in-process'),
+            results_dir=results_dir,
+            stopped='interrupted: the search did not finish',
+        )
+
 
 class AutotuneError(RuntimeError):
     "No configuration ran: the message names the most common failure and its fix; `trials` holds every record"
-    def __init__(self, message:str, trials:pd.DataFrame|None=None): super().__init__(message); self.trials = trials
-    def __reduce__(self): return (AutotuneError, (str(self), self.trials))   # crosses ranks whole
 
-_FIXES = {'oom': 'lower autotuning.min_train_micro_batch_size_per_gpu, raise memory_budget, or use more ranks',
-          'over_budget': 'raise memory_budget (bytes per rank), lower the micro-batch bounds, or use more ranks',
-          'timeout': 'raise trial_timeout (seconds per experiment)',
-          'error': 'run flexrt.autotuner.measure.run_trial(model_fn, train_step, config) in one process to see the whole traceback, '
-                   'and fix model_fn, train_step or the config',
-          'pruned': 'the memory model predicts nothing fits: raise memory_budget or use more ranks'}
+    def __init__(self, message: str, trials: pd.DataFrame | None = None):
+        super().__init__(message)
+        self.trials = trials
 
-def no_winner(trials:pd.DataFrame, stopped:str='')->AutotuneError:
+    def __reduce__(self):
+        return (AutotuneError, (str(self), self.trials))  # crosses ranks whole
+
+
+_FIXES = {
+    'oom': 'lower autotuning.min_train_micro_batch_size_per_gpu, raise memory_budget, or use more ranks',
+    'over_budget': 'raise memory_budget (bytes per rank), lower the micro-batch bounds, or use more ranks',
+    'timeout': 'raise trial_timeout (seconds per experiment)',
+    'error': 'run flexrt.autotuner.measure.run_trial(model_fn, train_step, config) in one process to see the whole '
+    'traceback, '
+    'and fix model_fn, train_step or the config',
+    'pruned': 'the memory model predicts nothing fits: raise memory_budget or use more ranks',
+}
+
+
+def no_winner(trials: pd.DataFrame, stopped: str = '') -> AutotuneError:
     "The error for a search where no configuration ran: the most common failure, its fix, the trials attached"
     ran = trials[trials.status != 'pruned'] if len(trials) else trials
     if not len(trials) or not len(ran):
-        why = f'it stopped before any ran ({stopped})' if stopped else (f'all {len(trials)} candidates were pruned' if len(trials) else 'nothing ran')
-        status, reason, count = ('pruned', trials.reason.iloc[0], len(trials)) if len(trials) and not stopped else (None, '', 0)
+        why = (
+            f'it stopped before any ran ({stopped})'
+            if stopped
+            else (f'all {len(trials)} candidates were pruned' if len(trials) else 'nothing ran')
+        )
+        status, reason, count = (
+            ('pruned', trials.reason.iloc[0], len(trials)) if len(trials) and not stopped else (None, '', 0)
+        )
         head = f'flexrt.autotune found no configuration to use: {why}'
         return AutotuneError(head + (f'; first reason: {reason}. Fix: {_FIXES[status]}' if status else ''), trials)
     counts = ran.groupby(['status', 'reason']).size().sort_values(ascending=False)
     (status, reason), count = counts.index[0], int(counts.iloc[0])
-    return AutotuneError(f'flexrt.autotune found no configuration that runs: {len(ran)} of {len(ran)} trials failed'
-                         f"{f' ({stopped})' if stopped else ''}; the most common ({count}): {status}: {reason}. "
-                         f"Fix: {_FIXES.get(status, _FIXES['error'])}. The trials are on this error's .trials", trials)
+    return AutotuneError(
+        f'flexrt.autotune found no configuration that runs: {len(ran)} of {len(ran)} trials failed'
+        f"{f' ({stopped})' if stopped else ''}; the most common ({count}): {status}: {reason}. "
+        f"Fix: {_FIXES.get(status, _FIXES['error'])}. The trials are on this error's .trials",
+        trials,
+    )
 
 # %% ../../nbs/72_autotuner_results.ipynb #c015
-def _row(name:str, df:pd.DataFrame, lower:bool)->list:
+def _row(name: str, df: pd.DataFrame, lower: bool) -> list:
     ran, ok = df[df.status != 'pruned'], df[df.status == 'ok']
-    if ok.empty: return [name, len(ran), '-', '-', '-', '-', '-', '-']
+    if ok.empty:
+        return [name, len(ran), '-', '-', '-', '-', '-', '-']
     b = ok.loc[ok.metric.idxmin() if lower else ok.metric.idxmax()]
     known = lambda k: k in b and b[k] is not None and not pd.isna(b[k])
     interval = f"{b.metric_low:.5g}-{b.metric_high:.5g}" if known('metric_low') and known('metric_high') else '-'
     steps = f"{int(b.steps_measured)}, {b.noise:.1%}" if known('steps_measured') and known('noise') else '-'
-    return [name, len(ran), f'{b.metric:.6g}', interval, steps, record_candidate(b).name, format_bytes(b.peak_bytes_predicted),
-            format_bytes(b.peak_bytes_measured)]
+    return [
+        name,
+        len(ran),
+        f'{b.metric:.6g}',
+        interval,
+        steps,
+        record_candidate(b).name,
+        format_bytes(b.peak_bytes_predicted),
+        format_bytes(b.peak_bytes_measured),
+    ]
 
-def _reading(rec:dict)->str:
+
+def _reading(rec: dict) -> str:
     "A metric with its interval, the timed steps and the noise when the record has them"
     out = f"{rec['metric']:.6g}"
     if rec.get('metric_low') is not None and rec.get('metric_high') is not None and not pd.isna(rec['metric_low']):
@@ -206,63 +368,65 @@ def _reading(rec:dict)->str:
         out += f" ({int(rec['steps_measured'])} steps, noise {rec.get('noise') or 0:.1%})"
     return out
 
+
 _CHOSEN = {'config': 'threads_per_rank in the config'}
 
-def threads_line(threads:dict|None, # `AutotuneResult.threads`
-                 best:dict|None)->str|None: # the winner's record
+
+def threads_line(
+    threads: dict | None,  # `AutotuneResult.threads`
+    best: dict | None,
+) -> str | None:  # the winner's record
     "The summary's line on threads per rank: the winner's count, and whether and how it was searched (None: not known)"
-    if not threads: return None
+    if not threads:
+        return None
     t, on = threads, f"{threads['cores']} cores ÷ {threads['local_ranks']} ranks"
     if t.get('device') == 'cuda':
-        return (f"threads per rank: not searched on CUDA (the GPU computes); flexrt gives each rank "
-                f"{t['threads_per_rank']} CPU threads ({on})")
+        return (
+            f"threads per rank: not searched on CUDA (the GPU computes); flexrt gives each rank "
+            f"{t['threads_per_rank']} CPU threads ({on})"
+        )
     n = _count((best or {}).get('threads_per_rank')) or t['threads_per_rank']
     who = _CHOSEN.get(t['source'], t['source'])
-    if t['source'] != 'sized': return f"threads per rank: {n} (yours: {who}; not searched)"
-    if len(t['counts']) < 2: return f"threads per rank: {n} (the one count not oversubscribing {on}: nothing to search)"
+    if t['source'] != 'sized':
+        return f"threads per rank: {n} (yours: {who}; not searched)"
+    if len(t['counts']) < 2:
+        return f"threads per rank: {n} (the one count not oversubscribing {on}: nothing to search)"
     return f"threads per rank: {n} (searched {', '.join(map(str, t['counts']))} on {on})"
 
-def summary_text(r:AutotuneResult)->str:
+
+def summary_text(r: AutotuneResult) -> str:
     "The text of `summary.txt`"
     df, lower = r.trials[~r.trials.phase.isin(REPEATS)], bool(r.best and r.best['metric_name'] == 'latency')
     rows = [_row(f'z{s}', df[df.stage == s], lower) for s in sorted(df.stage.unique())] + [_row('global', df, lower)]
-    head = ['tuning_space', 'num_experiments', 'best_metric_val', 'interval_95', 'steps, noise', 'best_exp_name', 'peak_predicted', 'peak_measured']
+    head = [
+        'tuning_space',
+        'num_experiments',
+        'best_metric_val',
+        'interval_95',
+        'steps, noise',
+        'best_exp_name',
+        'peak_predicted',
+        'peak_measured',
+    ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda xs: '| ' + ' | '.join(str(x).ljust(w) for x, w in zip(xs, widths)) + ' |'
     out = [line(head), '|' + '|'.join(':' + '-' * (w + 1) for w in widths) + '|', *map(line, rows), '']
     out.append(f"mode: {r.mode} ({r.mode_reason})" if r.mode_reason else f"mode: {r.mode}")
     out.append(f"memory budget per rank: {format_bytes(r.memory_budget)}")
-    if threads_line(r.threads, r.best): out.append(threads_line(r.threads, r.best))
-    if r.study: out.append(f"study: {r.study}")
+    if threads_line(r.threads, r.best):
+        out.append(threads_line(r.threads, r.best))
+    if r.study:
+        out.append(f"study: {r.study}")
     for name, rec in (('baseline', r.baseline), ('winner', r.best)):
-        if rec: out.append(f"{name}: {record_candidate(rec).name} {rec['metric_name']}={_reading(rec)} peak={format_bytes(rec['peak_bytes_measured'])}")
-    if r.margin: out.append(f"decided by a playoff of {r.margin['rounds']} interleaved rounds: {r.verdict}")
-    if r.stopped: out.append(f"stopped early: {r.stopped}")
+        if rec:
+            out.append(
+                f"{name}: {record_candidate(rec).name} {rec['metric_name']}={_reading(rec)} "
+                f"peak={format_bytes(rec['peak_bytes_measured'])}"
+            )
+    if r.margin:
+        out.append(f"decided by a playoff of {r.margin['rounds']} interleaved rounds: {r.verdict}")
+    if r.stopped:
+        out.append(f"stopped early: {r.stopped}")
     n = int((r.trials.status != 'pruned').sum()) if len(r.trials) else 0
     out.append(f"Tuning completed in {datetime.timedelta(seconds=round(r.seconds))}. Total number of experiments: {n}.")
     return '\n'.join(out) + '\n'
-
-# %% ../../nbs/72_autotuner_results.ipynb #c018
-@patch
-def write(self:AutotuneResult, store:TrialStore|None=None):
-    "Write the final files to `results_dir`"
-    store = store or TrialStore(self.results_dir)
-    self.trials.drop(columns='config').to_csv(os.path.join(self.results_dir, 'trials.csv'), index=False)
-    with open(os.path.join(self.results_dir, 'summary.txt'), 'w') as f: f.write(summary_text(self))
-    if self.best_config is not None:
-        with open(os.path.join(self.results_dir, 'ds_config_optimal.json'), 'w') as f: json.dump(self.best_config, f, indent=2)
-    store.set_meta('result', {k.name: getattr(self, k.name) for k in fields(self) if k.name not in ('trials', 'profile')})
-
-@patch(cls_method=True)
-def load(cls:AutotuneResult, results_dir:str='autotuning_results')->AutotuneResult:
-    "Reopen a results folder (finished or interrupted)"
-    if not os.path.exists(os.path.join(results_dir, 'study.db')):
-        raise FileNotFoundError(f"{results_dir} holds no autotuning results (no study.db): run flexrt.autotune(..., results_dir={results_dir!r}) first")
-    store = TrialStore(results_dir)
-    trials, meta = trials_frame(store.records()), store.meta('result')
-    if meta is not None: return cls(trials=trials, **{**meta, 'results_dir': results_dir})
-    start, ok = store.meta('start', {}), trials[trials.status == 'ok']
-    lower = start.get('metric') == 'latency'
-    best = None if ok.empty else ok.loc[ok.metric.idxmin() if lower else ok.metric.idxmax()].to_dict()
-    return cls(trials=trials, best_config=best and best['config'], best=best, memory_budget=start.get('memory_budget'),
-               mode=start.get('mode', 'in-process'), results_dir=results_dir, stopped='interrupted: the search did not finish')

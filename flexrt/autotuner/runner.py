@@ -8,14 +8,30 @@ import dataclasses, os, time, traceback, warnings
 from functools import partial
 from types import SimpleNamespace
 import torch
-from fastcore.basics import patch
 from .. import comm as dist, monitor, launch
-from .space import (Candidate, tune_settings, parse_bytes, format_bytes, plain_config, check_bucket_sizes,
-                                    global_batch_micro_batches, thread_counts)
+from flexrt.autotuner.space import (
+    Candidate,
+    tune_settings,
+    parse_bytes,
+    format_bytes,
+    plain_config,
+    check_bucket_sizes,
+    global_batch_micro_batches,
+    thread_counts,
+)
 from ..utils.threads import plan_threads, size_threads
 from .search import Search
-from .results import (AutotuneResult, AutotuneError, TrialStore, trials_frame, record_candidate, no_winner, REPEATS,
-                                      study_fingerprint, open_store)
+from flexrt.autotuner.results import (
+    AutotuneResult,
+    AutotuneError,
+    TrialStore,
+    trials_frame,
+    record_candidate,
+    no_winner,
+    REPEATS,
+    study_fingerprint,
+    open_store,
+)
 from .measure import Precision
 from .playoff import short
 
@@ -24,114 +40,173 @@ __all__ = ['decide', 'experiment_groups', 'Predictor', 'check_space', 'profile',
            'candidate_threads', 'Tuner', 'autotune', 'autotune_main']
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c005
-def _world()->int: return dist.get_world_size() if dist.is_initialized() else 1
-def _rank()->int: return dist.get_rank() if dist.is_initialized() else 0
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
-def decide(fn, *args): # a callable run on rank 0 only
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def decide(fn, *args):  # a callable run on rank 0 only
     "`fn(*args)` on rank 0, broadcast to every rank; rank 0's exception raised on all"
     out, error = [None, None], None
     if _rank() == 0:
-        try: out[0] = fn(*args)
-        except Exception as e: error, out[1] = e, e if isinstance(e, AutotuneError) else (type(e), str(e), traceback.format_exc())
-    if _world() > 1: dist.broadcast_object_list(out, src=0)
-    if error is not None: raise error
-    if isinstance(out[1], AutotuneError): raise out[1]
+        try:
+            out[0] = fn(*args)
+        except Exception as e:
+            error, out[1] = e, e if isinstance(e, AutotuneError) else (type(e), str(e), traceback.format_exc())
+    if _world() > 1:
+        dist.broadcast_object_list(out, src=0)
+    if error is not None:
+        raise error
+    if isinstance(out[1], AutotuneError):
+        raise out[1]
     if out[1] is not None:
         kind, message, tb = out[1]
-        raise kind(message) if issubclass(kind, (ValueError, TypeError)) else RuntimeError(f'rank 0 failed: {message}\n{tb}')
+        raise (
+            kind(message)
+            if issubclass(kind, (ValueError, TypeError))
+            else RuntimeError(f'rank 0 failed: {message}\n{tb}')
+        )
     return out[0]
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c008
-def experiment_groups(ranks_per_experiment:int|None)->tuple: # (this rank's group or None for all, its index, number of groups)
+def experiment_groups(
+    ranks_per_experiment: int | None,
+) -> tuple:  # (this rank's group or None for all, its index, number of groups)
     "Split the launched ranks into groups of `ranks_per_experiment`"
     world = _world()
     k = world if ranks_per_experiment is None else int(ranks_per_experiment)
-    if k < 1 or world % k: raise ValueError(f'ranks_per_experiment={ranks_per_experiment} must divide the world size {world} (e.g. 1 or {world})')
-    if k == world: return None, 0, 1
+    if k < 1 or world % k:
+        raise ValueError(
+            f'ranks_per_experiment={ranks_per_experiment} must divide the world size {world} (e.g. 1 or {world})'
+        )
+    if k == world:
+        return None, 0, 1
     groups = [dist.new_group(list(range(g * k, (g + 1) * k))) for g in range(world // k)]
     return groups[_rank() // k], _rank() // k, world // k
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c011
 class Predictor:
     "Per-rank peak predictions from the memory model, refined by measured peaks"
-    def __init__(self, profile, base_config:dict, world_size:int):
+
+    def __init__(self, profile, base_config: dict, world_size: int):
         self.profile, self.base, self.world_size, self.measurements = profile, base_config, world_size, []
 
-    def __call__(self, c:Candidate)->int:
+    def __call__(self, c: Candidate) -> int:
         from flexrt.autotuner.memory.model import estimate_memory
-        return estimate_memory(self.profile, c.to_config(self.base, self.world_size), world_size=self.world_size,
-                               micro_batch=c.micro_batch).peak_bytes
 
-    def add(self, config:dict, peak_bytes:int):
+        return estimate_memory(
+            self.profile, c.to_config(self.base, self.world_size), world_size=self.world_size, micro_batch=c.micro_batch
+        ).peak_bytes
+
+    def add(self, config: dict, peak_bytes: int):
         "Refit the profile's activation terms with one more measured peak"
         from flexrt.autotuner.memory.model import calibrate
+
         self.measurements.append((config, self.world_size, peak_bytes))
         if len({m[0]['train_micro_batch_size_per_gpu'] for m in self.measurements}) >= 2:
             self.profile = calibrate(self.profile, self.measurements)
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c012
-def check_space(search:Search):
+def check_space(search: Search):
     "Raise a ValueError saying what to change when the search cannot run anything"
     s, low = search.s, min(search.micro_batches or [search.s.min_micro_batch])
     if search.micro_batches is not None and not [m for m in search.micro_batches if low <= m <= s.max_micro_batch]:
-        raise ValueError(f'the search space is empty: micro_batches={search.micro_batches} has no size within '
-                         f'[{low}, {s.max_micro_batch}] (autotuning.min/max_train_micro_batch_size_per_gpu); widen one of them')
-    if search.budget is None or search.predict_fn is None: return
+        raise ValueError(
+            f'the search space is empty: micro_batches={search.micro_batches} has no size within '
+            f'[{low}, {s.max_micro_batch}] (autotuning.min/max_train_micro_batch_size_per_gpu); widen one of them'
+        )
+    if search.budget is None or search.predict_fn is None:
+        return
     need = {st: search.predicted(search.candidate(st, low)) for st in range(4)}
     if not any(need[st] <= search.budget for st in s.stages):
         smallest = min(need, key=need.get)
         if need[smallest] > search.budget:
-            raise ValueError(f'memory_budget={format_bytes(search.budget)} per rank is below what the model needs at any ZeRO stage '
-                             f'(stage {smallest}, micro-batch {low}: {format_bytes(need[smallest])} predicted): raise memory_budget '
-                             f'to at least {format_bytes(need[smallest])} or use more ranks')
+            raise ValueError(
+                f'memory_budget={format_bytes(search.budget)} per rank is below what the model needs at any ZeRO stage '
+                f'(stage {smallest}, micro-batch {low}: {format_bytes(need[smallest])} predicted): raise memory_budget '
+                f'to at least {format_bytes(need[smallest])} or use more ranks'
+            )
         fits = [st for st in range(4) if need[st] <= search.budget]
-        raise ValueError(f'zero_optimization.stage={list(s.stages)} cannot fit micro-batch {low} in {format_bytes(search.budget)} per rank '
-                         f'(predicted {", ".join(format_bytes(need[st]) for st in s.stages)}); stage {fits} would: add it to the stage scope')
+        raise ValueError(
+            f'zero_optimization.stage={list(s.stages)} cannot fit micro-batch {low} in {format_bytes(search.budget)} '
+            'per rank '
+            f'(predicted {", ".join(format_bytes(need[st]) for st in s.stages)}); stage {fits} would: add it to the '
+            'stage scope'
+        )
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c015
-def profile(model_fn, config:dict, train_step=None):
+def profile(model_fn, config: dict, train_step=None):
     "The memory model's profile of `model_fn()` (rank 0 calls this; with `train_step` the activations are measured too)"
-    try: from flexrt.autotuner.memory.model import profile_model
+    try:
+        from flexrt.autotuner.memory.model import profile_model
     except ModuleNotFoundError as e:
-        if e.name != 'flexrt.autotuner.memory': raise
+        if e.name != 'flexrt.autotuner.memory':
+            raise
         params = list({id(p): p for p in model_fn().parameters()}.values())
-        return SimpleNamespace(num_params=sum(p.numel() for p in params), tensor_numels=[p.numel() for p in params], estimates=False)
+        return SimpleNamespace(
+            num_params=sum(p.numel() for p in params), tensor_numels=[p.numel() for p in params], estimates=False
+        )
     if train_step is not None:
-        try: return profile_model(model_fn, config, train_step=train_step)
-        except Exception as e:   # the experiments will meet the same failure and record it with its reason
-            warnings.warn(f'profiling the activations with train_step failed ({type(e).__name__}: {e}); the memory model '
-                          'predicts without them until measured peaks calibrate it')
+        try:
+            return profile_model(model_fn, config, train_step=train_step)
+        except Exception as e:  # the experiments will meet the same failure and record it with its reason
+            warnings.warn(
+                f'profiling the activations with train_step failed ({type(e).__name__}: {e}); the memory model '
+                'predicts without them until measured peaks calibrate it'
+            )
     return profile_model(model_fn, config)
 
-def _version()->str:
-    from importlib.metadata import version, PackageNotFoundError
-    try: return version('flexrt')
-    except PackageNotFoundError: return 'unknown'
 
-def parameter_shapes(model_fn, profile=None)->list:
-    "The parameter shapes of `model_fn()` (built on the meta device when it allows; the profile's counts without a model_fn)"
-    if model_fn is None: return [[n] for n in (_tensor_sizes(profile) or [getattr(profile, 'num_params', 0)])]
+def _version() -> str:
+    from importlib.metadata import version, PackageNotFoundError
+
     try:
-        with torch.device('meta'): model = model_fn()
-    except Exception: model = model_fn()
+        return version('flexrt')
+    except PackageNotFoundError:
+        return 'unknown'
+
+
+def parameter_shapes(model_fn, profile=None) -> list:
+    """The parameter shapes of `model_fn()` (built on the meta device when it allows; the profile's counts without a
+    model_fn)"""
+    if model_fn is None:
+        return [[n] for n in (_tensor_sizes(profile) or [getattr(profile, 'num_params', 0)])]
+    try:
+        with torch.device('meta'):
+            model = model_fn()
+    except Exception:
+        model = model_fn()
     return [list(p.shape) for p in dict.fromkeys(model.parameters())]
 
-def _tensor_sizes(profile)->list|None:
+
+def _tensor_sizes(profile) -> list | None:
     for name in ('tensor_numels', 'param_numels', 'numels', 'tensor_sizes'):
-        if getattr(profile, name, None): return list(getattr(profile, name))
+        if getattr(profile, name, None):
+            return list(getattr(profile, name))
     return None
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c015u
-def thread_choice(config:dict, # the user's config (its `threads_per_rank`, if any)
-                  local_ranks:int|None=None, # ranks on this node that run trials; None: from the launcher's variables
-                 )->dict: # `AutotuneResult.threads`: threads_per_rank, counts, source, cores, local_ranks, device
+def thread_choice(
+    config: dict,  # the user's config (its `threads_per_rank`, if any)
+    local_ranks: int | None = None,  # ranks on this node that run trials; None: from the launcher's variables
+) -> dict:  # `AutotuneResult.threads`: threads_per_rank, counts, source, cores, local_ranks, device
     "How the search treats threads per rank here: the plan's count, the counts to search (none if you chose; on CUDA)"
     plan, cuda = plan_threads(config.get('threads_per_rank'), local_ranks), torch.cuda.is_available()
     counts = thread_counts(plan.cores, plan.local_ranks) if plan.source == 'sized' and not cuda else []
-    return dict(threads_per_rank=plan.threads, counts=counts, source=plan.source, cores=plan.cores,
-                local_ranks=plan.local_ranks, device='cuda' if cuda else 'cpu')
+    return dict(
+        threads_per_rank=plan.threads,
+        counts=counts,
+        source=plan.source,
+        cores=plan.cores,
+        local_ranks=plan.local_ranks,
+        device='cuda' if cuda else 'cpu',
+    )
 
-def candidate_threads(threads:dict)->int|None:
+
+def candidate_threads(threads: dict) -> int | None:
     "The count every candidate carries: flexrt's or your config's on CPU; None where the engine keeps yours, or on CUDA"
     mine = threads['device'] == 'cpu' and threads['source'] in ('sized', 'config')
     return threads['threads_per_rank'] if mine else None
@@ -139,197 +214,368 @@ def candidate_threads(threads:dict)->int|None:
 # %% ../../nbs/72_autotuner_runner.ipynb #c017
 class Tuner:
     "One autotuning run, as seen from this rank"
-    def __init__(self, model_fn, train_step, config:dict, *, dataset=None, memory_budget=None, ranks_per_experiment=None,
-                 results_dir=None, max_trials=None, time_budget=None, stages=None, micro_batches=None, on_trial=None,
-                 seed=0, resume=True, measure=None, trial_timeout=None, profile=None, predict=None, experiment_world_size=None,
-                 mode='in-process', mode_reason='', bucket_sizes=None):
+
+    def __init__(
+        self,
+        model_fn,
+        train_step,
+        config: dict,
+        *,
+        dataset=None,
+        memory_budget=None,
+        ranks_per_experiment=None,
+        results_dir=None,
+        max_trials=None,
+        time_budget=None,
+        stages=None,
+        micro_batches=None,
+        on_trial=None,
+        seed=0,
+        resume=True,
+        measure=None,
+        trial_timeout=None,
+        profile=None,
+        predict=None,
+        experiment_world_size=None,
+        mode='in-process',
+        mode_reason='',
+        bucket_sizes=None,
+    ):
         self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, dict(config), dataset
         self.bucket_sizes = None if bucket_sizes is None else tuple(check_bucket_sizes(bucket_sizes))
         self.budget, self.max_trials, self.time_budget = parse_bytes(memory_budget), max_trials, time_budget
-        self.stages, self.micro_batches, self.on_trial, self.seed, self.resume = stages, micro_batches, on_trial, seed, resume
+        self.stages, self.micro_batches, self.on_trial, self.seed, self.resume = (
+            stages,
+            micro_batches,
+            on_trial,
+            seed,
+            resume,
+        )
         self.trial_timeout, self.profile, self.mode, self.mode_reason = trial_timeout, profile, mode, mode_reason
         self.results_dir, self.measure_fn, self.predict = results_dir, measure, predict
         self.group, self.group_index, self.num_groups = experiment_groups(ranks_per_experiment)
-        self.world = experiment_world_size or _world() // self.num_groups   # ranks of one experiment
-        self.experiment_world_size, self.threads = experiment_world_size, None   # threads: `thread_choice`, in `start`
+        self.world = experiment_world_size or _world() // self.num_groups  # ranks of one experiment
+        self.experiment_world_size, self.threads = experiment_world_size, None  # threads: `thread_choice`, in `start`
         self.search = self.store = self.gen = None
-        self.start_time, self.emitted, self.flops_memo, self.rounds_emitted, self.study = time.perf_counter(), 0, {}, 0, ''
+        self.start_time, self.emitted, self.flops_memo, self.rounds_emitted, self.study = (
+            time.perf_counter(),
+            0,
+            {},
+            0,
+            '',
+        )
 
-# %% ../../nbs/72_autotuner_runner.ipynb #c018
-@patch
-def start(self:Tuner)->dict: # what every rank needs: the trial settings
-    "Rank 0: settings, profile, store, search; the checks before any run"
-    cfg = self.config
-    if self.stages is not None: cfg = {**cfg, 'zero_optimization': {**cfg.get('zero_optimization', {}), 'stage': list(self.stages)}}
-    s = tune_settings(cfg)
-    if self.bucket_sizes is not None: s = dataclasses.replace(s, bucket_sizes=self.bucket_sizes)
-    raw = cfg.get('autotuning') or {}
-    if s.train_batch is not None:   # a fixed global batch: only the micro-batches that make it exactly
-        sizes = global_batch_micro_batches(s.train_batch, self.world, s.min_micro_batch, s.max_micro_batch)
-        if self.micro_batches is not None and not (sizes := [m for m in sizes if m in set(self.micro_batches)]):
-            raise ValueError(f'micro_batches={self.micro_batches} holds no divisor of train_batch_size={s.train_batch} / {self.world} ranks: '
-                             'give some of ' + str(global_batch_micro_batches(s.train_batch, self.world, s.min_micro_batch, s.max_micro_batch)))
-        self.micro_batches = sizes
-    self.results_dir = self.results_dir or s.results_dir
-    fingerprint = study_fingerprint(parameter_shapes(self.model_fn, self.profile), self.world, self.config, _version())
-    self.store, self.study = open_store(self.results_dir, fingerprint, fresh=not self.resume or raw.get('overwrite') is True)
-    plain = plain_config(cfg)
-    if self.profile is None and self.model_fn is not None:
-        self.profile = profile(self.model_fn, plain, self.train_step if self.dataset is None else None)
-    budget = self.budget
-    if budget is None and torch.cuda.is_available(): budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if self.predict is not None: predictor = self.predict
-    elif self.profile is None or getattr(self.profile, 'estimates', True) is False: predictor = None
-    else: predictor = Predictor(self.profile, plain, self.world)
-    stored, self.threads = self.store.records(), thread_choice(self.config, self.experiment_world_size)
-    self.search = Search(s, plain, predictor, budget, self.world, getattr(self.profile, 'num_params', 1) or 1,
-                         _tensor_sizes(self.profile), self.micro_batches, max_trials=self.max_trials, storage=self.store.url,
-                         seed=self.seed, parallel=self.num_groups, measured=self.store.measured(),
-                         first_trial=len(stored), threads_per_rank=candidate_threads(self.threads),
-                         thread_counts=self.threads['counts'])
-    self.search.record_of = {record_candidate(r).key: r for r in stored if r['status'] != 'pruned' and r['phase'] not in REPEATS}
-    self.pruned_seen = {(record_candidate(r).key, r['phase']) for r in stored if r['status'] == 'pruned'}
-    check_space(self.search)
-    self.store.set_meta('start', dict(metric=s.metric, memory_budget=self.budget, mode=self.mode, world_size=_world()))
-    monitor.emit('experiment', event='start', space=dict(stages=list(s.stages), micro_batch=[s.min_micro_batch, s.max_micro_batch],
-                 fast=s.fast, tuner_type=s.tuner_type), memory_budget=self.budget, world_size=_world(),
-                 ranks_per_experiment=self.world, metric=s.metric, results_dir=self.results_dir,
-                 profile=dict(num_params=getattr(self.profile, 'num_params', None)), study=self.study,
-                 train_batch=s.train_batch, threads=self.threads)
-    self.gen = self.search.plan()
-    return dict(warmup_steps=s.warmup_steps, profile_steps=s.profile_steps, metric=s.metric,
-                precision=Precision(s.tolerance, s.max_profile_steps, s.max_profile_seconds))
+    def start(self) -> dict:  # what every rank needs: the trial settings
+        "Rank 0: settings, profile, store, search; the checks before any run"
+        cfg = self.config
+        if self.stages is not None:
+            cfg = {**cfg, 'zero_optimization': {**cfg.get('zero_optimization', {}), 'stage': list(self.stages)}}
+        s = tune_settings(cfg)
+        if self.bucket_sizes is not None:
+            s = dataclasses.replace(s, bucket_sizes=self.bucket_sizes)
+        raw = cfg.get('autotuning') or {}
+        if s.train_batch is not None:  # a fixed global batch: only the micro-batches that make it exactly
+            sizes = global_batch_micro_batches(s.train_batch, self.world, s.min_micro_batch, s.max_micro_batch)
+            if self.micro_batches is not None and not (sizes := [m for m in sizes if m in set(self.micro_batches)]):
+                raise ValueError(
+                    f'micro_batches={self.micro_batches} holds no divisor of train_batch_size={s.train_batch} / '
+                    f'{self.world} ranks: '
+                    'give some of '
+                    + str(global_batch_micro_batches(s.train_batch, self.world, s.min_micro_batch, s.max_micro_batch))
+                )
+            self.micro_batches = sizes
+        self.results_dir = self.results_dir or s.results_dir
+        fingerprint = study_fingerprint(
+            parameter_shapes(self.model_fn, self.profile), self.world, self.config, _version()
+        )
+        self.store, self.study = open_store(
+            self.results_dir, fingerprint, fresh=not self.resume or raw.get('overwrite') is True
+        )
+        plain = plain_config(cfg)
+        if self.profile is None and self.model_fn is not None:
+            self.profile = profile(self.model_fn, plain, self.train_step if self.dataset is None else None)
+        budget = self.budget
+        if budget is None and torch.cuda.is_available():
+            budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if self.predict is not None:
+            predictor = self.predict
+        elif self.profile is None or getattr(self.profile, 'estimates', True) is False:
+            predictor = None
+        else:
+            predictor = Predictor(self.profile, plain, self.world)
+        stored, self.threads = self.store.records(), thread_choice(self.config, self.experiment_world_size)
+        self.search = Search(
+            s,
+            plain,
+            predictor,
+            budget,
+            self.world,
+            getattr(self.profile, 'num_params', 1) or 1,
+            _tensor_sizes(self.profile),
+            self.micro_batches,
+            max_trials=self.max_trials,
+            storage=self.store.url,
+            seed=self.seed,
+            parallel=self.num_groups,
+            measured=self.store.measured(),
+            first_trial=len(stored),
+            threads_per_rank=candidate_threads(self.threads),
+            thread_counts=self.threads['counts'],
+        )
+        self.search.record_of = {
+            record_candidate(r).key: r for r in stored if r['status'] != 'pruned' and r['phase'] not in REPEATS
+        }
+        self.pruned_seen = {(record_candidate(r).key, r['phase']) for r in stored if r['status'] == 'pruned'}
+        check_space(self.search)
+        self.store.set_meta(
+            'start', dict(metric=s.metric, memory_budget=self.budget, mode=self.mode, world_size=_world())
+        )
+        monitor.emit(
+            'experiment',
+            event='start',
+            space=dict(
+                stages=list(s.stages),
+                micro_batch=[s.min_micro_batch, s.max_micro_batch],
+                fast=s.fast,
+                tuner_type=s.tuner_type,
+            ),
+            memory_budget=self.budget,
+            world_size=_world(),
+            ranks_per_experiment=self.world,
+            metric=s.metric,
+            results_dir=self.results_dir,
+            profile=dict(num_params=getattr(self.profile, 'num_params', None)),
+            study=self.study,
+            train_batch=s.train_batch,
+            threads=self.threads,
+        )
+        self.gen = self.search.plan()
+        return dict(
+            warmup_steps=s.warmup_steps,
+            profile_steps=s.profile_steps,
+            metric=s.metric,
+            precision=Precision(s.tolerance, s.max_profile_steps, s.max_profile_seconds),
+        )
+
+    def record_new(self):
+        "Rank 0: store, emit and hand to `on_trial` the records made since the last call"
+        for rec in self.search.records[self.emitted :]:
+            self.emitted += 1
+            if rec['status'] == 'pruned':
+                if (record_candidate(rec).key, rec['phase']) in self.pruned_seen:
+                    continue
+            elif rec['status'] == 'ok' and rec['peak_bytes_measured'] and isinstance(self.search.predict_fn, Predictor):
+                self.search.predict_fn.add(rec['config'], rec['peak_bytes_measured'])
+            self.store.add(rec)
+            monitor.emit('experiment', event='trial', **rec)
+            if self.on_trial is not None:
+                self.on_trial(rec)
+            if _NO_STEP in (rec['reason'] or ''):
+                raise ValueError(
+                    f"train_step never calls engine.step(): {rec['reason']}. Fix train_step so each call runs "
+                    "forward, engine.backward(loss) and engine.step()"
+                )
+        po = self.search.playoff_state
+        if po is not None and len(po.rounds) > self.rounds_emitted:
+            self.rounds_emitted = len(po.rounds)
+            monitor.emit(
+                'experiment',
+                event='playoff',
+                round=len(po.rounds),
+                max_rounds=po.max_rounds,
+                reference='baseline' if po.reference == po.baseline else po.reference and short(po.reference),
+                standings=po.standings(),
+            )
+
+    def advance(self, results: list | None) -> list | None:
+        "Rank 0: the plan's next batch after `results` (None: finished or stopped)"
+        try:
+            batch = next(self.gen) if results is None else self.gen.send(results)
+        except StopIteration:
+            batch = None
+        self.record_new()
+        if batch is not None and launch.stop_requested():
+            self.search.stopped, batch = 'stop requested', None
+        if (
+            batch is not None
+            and self.time_budget is not None
+            and time.perf_counter() - self.start_time > self.time_budget
+        ):
+            self.search.stopped, batch = f'time_budget={self.time_budget}s spent', None
+        return (
+            None
+            if batch is None
+            else [(e.candidate, e.candidate.to_config(self.search.base, self.world), e.phase) for e in batch]
+        )
+
+    def measure(self, config: dict, settings: dict, phase: str = 'throughput'):
+        "Run one experiment on this rank's group"
+        if self.measure_fn is not None:
+            fn = self.measure_fn
+        else:
+            from flexrt.autotuner.measure import run_trial
+
+            fn = partial(run_trial, flops_memo=self.flops_memo)  # FLOPs counted once per micro-batch
+        p = settings['precision']
+        if phase == 'playoff':
+            p = dataclasses.replace(p, max_seconds=p.max_seconds / 4)  # a quarter of a search trial's time per round
+        return fn(
+            self.model_fn,
+            self.train_step,
+            config,
+            group=self.group,
+            warmup_steps=settings['warmup_steps'],
+            profile_steps=max(5, settings['profile_steps']) if phase == 'playoff' else settings['profile_steps'],
+            metric=settings['metric'],
+            memory_budget=self.budget,
+            timeout=self.trial_timeout,
+            dataset=self.dataset,
+            precision=p,
+        )
+
+    def warm(self):
+        """Ranks other than 0, while rank 0 profiles: build the model once under a memory tracker, as a trial does, so
+        the first trial does not pay this process's one-time costs (the tracker's first use imports torch._dynamo:
+        1-2 s)"""
+        if _rank() == 0 or self.measure_fn is not None or self.model_fn is None:
+            return
+        from flexrt.autotuner.measure import PeakMeter
+
+        meter = PeakMeter(torch.device('cpu')).start()
+        try:
+            self.model_fn()
+        finally:
+            meter.stop()
+
+    def run_batch(self, batch: list, settings: dict) -> list:
+        "Every rank: run `batch`, one experiment per group at a time; the results in batch order"
+        results = []
+        for i in range(0, len(batch), self.num_groups):
+            chunk = batch[i : i + self.num_groups]
+            mine = (
+                self.measure(chunk[self.group_index][1], settings, chunk[self.group_index][2])
+                if self.group_index < len(chunk)
+                else None
+            )
+            if self.num_groups == 1:
+                results.append(mine)
+                continue
+            everyone = [None] * _world()
+            dist.all_gather_object(everyone, mine)
+            results += [everyone[g * self.world] for g in range(len(chunk))]
+        return results
+
+    def finish(self) -> AutotuneResult:
+        "Rank 0: the result, its files and the end record"
+        srch = self.search
+        if srch.best is None:
+            srch.decide()
+        best = srch.best[0] if srch.best else None
+        baseline = srch.record_of.get(srch.baseline[1].key) if srch.baseline else None
+        trials = trials_frame(self.store.records())
+        result = AutotuneResult(
+            trials,
+            best and best['config'],
+            best,
+            baseline,
+            self.profile,
+            self.budget,
+            self.mode,
+            self.results_dir,
+            srch.stopped,
+            self.mode_reason,
+            time.perf_counter() - self.start_time,
+            srch.margin if best else None,
+            self.study,
+            threads=self.threads,
+        )
+        result.write(self.store)
+        error = no_winner(trials, srch.stopped) if best is None else None
+        monitor.emit(
+            'experiment',
+            event='end',
+            best=best,
+            best_config=result.best_config,
+            baseline=baseline,
+            stopped=srch.stopped,
+            margin=result.margin,
+            error=error and str(error),
+        )
+        if error is not None:
+            raise error
+        return result
 
 # %% ../../nbs/72_autotuner_runner.ipynb #c020
 _NO_STEP = 'without calling engine.step'
 
-@patch
-def record_new(self:Tuner):
-    "Rank 0: store, emit and hand to `on_trial` the records made since the last call"
-    for rec in self.search.records[self.emitted:]:
-        self.emitted += 1
-        if rec['status'] == 'pruned':
-            if (record_candidate(rec).key, rec['phase']) in self.pruned_seen: continue
-        elif rec['status'] == 'ok' and rec['peak_bytes_measured'] and isinstance(self.search.predict_fn, Predictor):
-            self.search.predict_fn.add(rec['config'], rec['peak_bytes_measured'])
-        self.store.add(rec)
-        monitor.emit('experiment', event='trial', **rec)
-        if self.on_trial is not None: self.on_trial(rec)
-        if _NO_STEP in (rec['reason'] or ''):
-            raise ValueError(f"train_step never calls engine.step(): {rec['reason']}. Fix train_step so each call runs "
-                             "forward, engine.backward(loss) and engine.step()")
-    po = self.search.playoff_state
-    if po is not None and len(po.rounds) > self.rounds_emitted:
-        self.rounds_emitted = len(po.rounds)
-        monitor.emit('experiment', event='playoff', round=len(po.rounds), max_rounds=po.max_rounds,
-                     reference='baseline' if po.reference == po.baseline else po.reference and short(po.reference), standings=po.standings())
-
-@patch
-def advance(self:Tuner, results:list|None)->list|None:
-    "Rank 0: the plan's next batch after `results` (None: finished or stopped)"
-    try: batch = next(self.gen) if results is None else self.gen.send(results)
-    except StopIteration: batch = None
-    self.record_new()
-    if batch is not None and launch.stop_requested(): self.search.stopped, batch = 'stop requested', None
-    if batch is not None and self.time_budget is not None and time.perf_counter() - self.start_time > self.time_budget:
-        self.search.stopped, batch = f'time_budget={self.time_budget}s spent', None
-    return None if batch is None else [(e.candidate, e.candidate.to_config(self.search.base, self.world), e.phase) for e in batch]
-
-# %% ../../nbs/72_autotuner_runner.ipynb #c022
-@patch
-def measure(self:Tuner, config:dict, settings:dict, phase:str='throughput'):
-    "Run one experiment on this rank's group"
-    if self.measure_fn is not None: fn = self.measure_fn
-    else:
-        from flexrt.autotuner.measure import run_trial
-        fn = partial(run_trial, flops_memo=self.flops_memo)   # FLOPs counted once per micro-batch
-    p = settings['precision']
-    if phase == 'playoff': p = dataclasses.replace(p, max_seconds=p.max_seconds / 4)   # a quarter of a search trial's time per round
-    return fn(self.model_fn, self.train_step, config, group=self.group, warmup_steps=settings['warmup_steps'],
-              profile_steps=max(5, settings['profile_steps']) if phase == 'playoff' else settings['profile_steps'],
-              metric=settings['metric'], memory_budget=self.budget, timeout=self.trial_timeout, dataset=self.dataset, precision=p)
-
-@patch
-def warm(self:Tuner):
-    "Ranks other than 0, while rank 0 profiles: build the model once under a memory tracker, as a trial does, so the first trial does not pay this process's one-time costs (the tracker's first use imports torch._dynamo: 1-2 s)"
-    if _rank() == 0 or self.measure_fn is not None or self.model_fn is None: return
-    from flexrt.autotuner.measure import PeakMeter
-    meter = PeakMeter(torch.device('cpu')).start()
-    try: self.model_fn()
-    finally: meter.stop()
-
-@patch
-def run_batch(self:Tuner, batch:list, settings:dict)->list:
-    "Every rank: run `batch`, one experiment per group at a time; the results in batch order"
-    results = []
-    for i in range(0, len(batch), self.num_groups):
-        chunk = batch[i:i + self.num_groups]
-        mine = self.measure(chunk[self.group_index][1], settings, chunk[self.group_index][2]) if self.group_index < len(chunk) else None
-        if self.num_groups == 1: results.append(mine); continue
-        everyone = [None] * _world()
-        dist.all_gather_object(everyone, mine)
-        results += [everyone[g * self.world] for g in range(len(chunk))]
-    return results
-
-# %% ../../nbs/72_autotuner_runner.ipynb #c024
-@patch
-def finish(self:Tuner)->AutotuneResult:
-    "Rank 0: the result, its files and the end record"
-    srch = self.search
-    if srch.best is None: srch.decide()
-    best = srch.best[0] if srch.best else None
-    baseline = srch.record_of.get(srch.baseline[1].key) if srch.baseline else None
-    trials = trials_frame(self.store.records())
-    result = AutotuneResult(trials, best and best['config'], best, baseline, self.profile, self.budget, self.mode,
-                            self.results_dir, srch.stopped, self.mode_reason, time.perf_counter() - self.start_time,
-                            srch.margin if best else None, self.study, threads=self.threads)
-    result.write(self.store)
-    error = no_winner(trials, srch.stopped) if best is None else None
-    monitor.emit('experiment', event='end', best=best, best_config=result.best_config, baseline=baseline, stopped=srch.stopped,
-                 margin=result.margin, error=error and str(error))
-    if error is not None: raise error
-    return result
-
 # %% ../../nbs/72_autotuner_runner.ipynb #c026
-def autotune(model_fn, # builds a fresh model; called once per experiment on every rank
-             train_step, # train_step(engine) runs one micro-step: forward, engine.backward(loss), engine.step()
-             config:dict, # DeepSpeed-style config; its `autotuning` block and `zero_optimization.stage` scope are honoured
-             *, dataset=None, # a torch Dataset fed through engine.deepspeed_io (train_step(engine, batch) then)
-             memory_budget=None, # per-rank bytes or a string like '2GiB'; a trial over it is `over_budget`
-             ranks_per_experiment:int|None=None, # ranks per experiment; W/k experiments run at once (None: all ranks)
-             results_dir:str|None=None, # where files go (default: autotuning.results_dir, 'autotuning_results')
-             max_trials:int|None=None, # most search runs (the playoff's rounds come on top: up to (playoff_size + 1) x playoff_rounds)
-             time_budget:float|None=None, # seconds; the search stops between trials once spent
-             stages=None, # stage scope (overrides zero_optimization.stage)
-             micro_batches=None, # micro-batch sizes the sweep considers (default: powers of two within the bounds)
-             on_trial=None, # callable(record) on rank 0 after each trial
-             seed:int=0, # samplers' seed
-             resume:bool=True, # continue the search stored in results_dir (False: start afresh)
-             measure=None, # run_trial-like callable (default flexrt.autotuner.measure.run_trial)
-             trial_timeout:float|None=None, # seconds per experiment; a later one is `timeout`
-             profile=None, # a memory-model profile to use instead of profiling model_fn
-             predict=None, # callable(Candidate) -> per-rank peak bytes, instead of the memory model
-             experiment_world_size:int|None=None, # ranks of one experiment when `measure` starts its own (the CLI's torchrun)
-             mode:str='in-process', mode_reason:str='', # how experiments run (the CLI's launch-per-experiment sets these)
-             bucket_sizes=None, # bucket sizes (elements) the knob search tries; None: scaled to the model (P/16, P/4, P)
-            )->AutotuneResult:
+def autotune(
+    model_fn,  # builds a fresh model; called once per experiment on every rank
+    train_step,  # train_step(engine) runs one micro-step: forward, engine.backward(loss), engine.step()
+    config: dict,  # DeepSpeed-style config; its `autotuning` block and `zero_optimization.stage` scope are honoured
+    *,
+    dataset=None,  # a torch Dataset fed through engine.deepspeed_io (train_step(engine, batch) then)
+    memory_budget=None,  # per-rank bytes or a string like '2GiB'; a trial over it is `over_budget`
+    ranks_per_experiment: int | None = None,  # ranks per experiment; W/k experiments run at once (None: all ranks)
+    results_dir: str | None = None,  # where files go (default: autotuning.results_dir, 'autotuning_results')
+    max_trials: int
+    | None = None,  # most search runs (the playoff's rounds come on top: up to (playoff_size + 1) x playoff_rounds)
+    time_budget: float | None = None,  # seconds; the search stops between trials once spent
+    stages=None,  # stage scope (overrides zero_optimization.stage)
+    micro_batches=None,  # micro-batch sizes the sweep considers (default: powers of two within the bounds)
+    on_trial=None,  # callable(record) on rank 0 after each trial
+    seed: int = 0,  # samplers' seed
+    resume: bool = True,  # continue the search stored in results_dir (False: start afresh)
+    measure=None,  # run_trial-like callable (default flexrt.autotuner.measure.run_trial)
+    trial_timeout: float | None = None,  # seconds per experiment; a later one is `timeout`
+    profile=None,  # a memory-model profile to use instead of profiling model_fn
+    predict=None,  # callable(Candidate) -> per-rank peak bytes, instead of the memory model
+    experiment_world_size: int
+    | None = None,  # ranks of one experiment when `measure` starts its own (the CLI's torchrun)
+    mode: str = 'in-process',
+    mode_reason: str = '',  # how experiments run (the CLI's launch-per-experiment sets these)
+    bucket_sizes=None,  # bucket sizes (elements) the knob search tries; None: scaled to the model (P/16, P/4, P)
+) -> AutotuneResult:
     "Find the fastest ZeRO stage × micro-batch × knob (× threads per rank on CPU) configuration that fits, in the ranks"
-    if measure is None and not callable(train_step): raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
-    dist.init_distributed(dist_init_required=None)   # as flexrt.initialize: the launcher's world, when none is running yet
-    size_threads(config.get('threads_per_rank'))   # the profile and the model builds run at the count the trials run
+    if measure is None and not callable(train_step):
+        raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
+    dist.init_distributed(
+        dist_init_required=None
+    )  # as flexrt.initialize: the launcher's world, when none is running yet
+    size_threads(config.get('threads_per_rank'))  # the profile and the model builds run at the count the trials run
     try:
-        return _tune(model_fn, train_step, config, dataset=dataset, memory_budget=memory_budget,
-                     ranks_per_experiment=ranks_per_experiment, results_dir=results_dir, max_trials=max_trials,
-                     time_budget=time_budget, stages=stages, micro_batches=micro_batches, on_trial=on_trial, seed=seed,
-                     resume=resume, measure=measure, trial_timeout=trial_timeout, profile=profile, predict=predict,
-                     experiment_world_size=experiment_world_size, mode=mode, mode_reason=mode_reason,
-                     bucket_sizes=bucket_sizes)
-    finally: size_threads(config.get('threads_per_rank'))   # the ranks go on at the plan's count, not the last trial's
+        return _tune(
+            model_fn,
+            train_step,
+            config,
+            dataset=dataset,
+            memory_budget=memory_budget,
+            ranks_per_experiment=ranks_per_experiment,
+            results_dir=results_dir,
+            max_trials=max_trials,
+            time_budget=time_budget,
+            stages=stages,
+            micro_batches=micro_batches,
+            on_trial=on_trial,
+            seed=seed,
+            resume=resume,
+            measure=measure,
+            trial_timeout=trial_timeout,
+            profile=profile,
+            predict=predict,
+            experiment_world_size=experiment_world_size,
+            mode=mode,
+            mode_reason=mode_reason,
+            bucket_sizes=bucket_sizes,
+        )
+    finally:
+        size_threads(config.get('threads_per_rank'))  # the ranks go on at the plan's count, not the last trial's
 
-def _tune(model_fn, train_step, config:dict, **kwargs)->AutotuneResult:
+
+def _tune(model_fn, train_step, config: dict, **kwargs) -> AutotuneResult:
     "Every rank: the search's start, its batches, its end (rank 0 decides each)"
     t = Tuner(model_fn, train_step, config, **kwargs)
-    t.warm()   # ranks other than 0 (rank 0 is busy profiling meanwhile)
+    t.warm()  # ranks other than 0 (rank 0 is busy profiling meanwhile)
     settings = decide(t.start)
     batch = decide(t.advance, None)
     while batch is not None:
@@ -337,6 +583,7 @@ def _tune(model_fn, train_step, config:dict, **kwargs)->AutotuneResult:
         batch = decide(t.advance, results)
     return decide(t.finish)
 
-def autotune_main(model_fn, train_step, config:dict, kwargs:dict):
+
+def autotune_main(model_fn, train_step, config: dict, kwargs: dict):
     "The worker a launcher starts on each rank: `autotune(model_fn, train_step, config, **kwargs)`"
     return autotune(model_fn, train_step, config, **kwargs)

@@ -6,11 +6,19 @@
 from __future__ import annotations
 import math
 from dataclasses import replace
-from fastcore.basics import patch
-from .space import (Candidate, TuneSettings, DEEPSPEED_DEFAULT_KNOBS, micro_batch_ladder,
-                                    gradient_accumulation, knob_choices, default_knobs, format_bytes)
+from flexrt.autotuner.space import (
+    Candidate,
+    TuneSettings,
+    DEEPSPEED_DEFAULT_KNOBS,
+    micro_batch_ladder,
+    gradient_accumulation,
+    knob_choices,
+    default_knobs,
+    format_bytes,
+)
 from .search_runs import FITS, Experiment, SearchDone, SearchRuns
 from .playoff import Playoff, short
+
 _all_ = ['FITS', 'Experiment', 'SearchDone']
 
 # %% auto #0
@@ -20,264 +28,358 @@ __all__ = ['Search', 'make_sampler', 'FITS', 'Experiment', 'SearchDone']
 class Search(SearchRuns):
     "The autotuner's strategy over one model; `plan()` yields lists of experiments and is sent their results"
 
-# %% ../../nbs/72_autotuner_search.ipynb #c018
-@patch
-def predicted_max_micro_batch(self:Search, stage:int, low:int, high:int)->int|None:
-    "The largest micro-batch in [low, high] (of `micro_batches` when given) predicted to fit (bisection over the model, no runs); None if none does"
-    sizes = sorted(m for m in self.micro_batches if low <= m <= high) if self.micro_batches else None
-    at = (lambda i: sizes[i]) if sizes else (lambda i: i)
-    if sizes is not None: low, high = 0, len(sizes) - 1
-    if high < low or not self.feasible(self.candidate(stage, at(low))): return None
-    while low < high:
-        mid = (low + high + 1) // 2
-        if self.feasible(self.candidate(stage, at(mid))): low = mid
-        else: high = mid - 1
-    return at(low)
+    def predicted_max_micro_batch(self, stage: int, low: int, high: int) -> int | None:
+        """The largest micro-batch in [low, high] (of `micro_batches` when given) predicted to fit (bisection over the
+        model, no runs); None if none does"""
+        sizes = sorted(m for m in self.micro_batches if low <= m <= high) if self.micro_batches else None
+        at = (lambda i: sizes[i]) if sizes else (lambda i: i)
+        if sizes is not None:
+            low, high = 0, len(sizes) - 1
+        if high < low or not self.feasible(self.candidate(stage, at(low))):
+            return None
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.feasible(self.candidate(stage, at(mid))):
+                low = mid
+            else:
+                high = mid - 1
+        return at(low)
 
-# %% ../../nbs/72_autotuner_search.ipynb #c020
-@patch
-def find_max_micro_batch(self:Search, stage:int, low:int, high:int, start:int, sizes:list|None=None):
-    "The largest micro-batch in [low, high] (or of `sizes`) that runs, to 5% or one step of `sizes` (`yield from` it); None if none"
-    vals = [m for m in sizes if low <= m <= high] if sizes else None
-    if vals == []: return None
-    at = (lambda i: vals[i]) if vals else (lambda i: i)
-    lo, hi = (0, len(vals) - 1) if vals else (low, high)
-    i = max([0] + [j for j, m in enumerate(vals) if m <= start]) if vals else min(max(start, low), high)
-    up = (lambda i: i + 1) if vals else (lambda i: max(i + 1, math.ceil(i * 1.05)))   # one step: 5% or the next size
-    close = lambda good, bad: bad <= up(good)
-    fits = lambda i: (yield from self.run_one(self.candidate(stage, at(i)), 'max_micro_batch')).status == FITS
-    if self.parallel > 1:  # sub-groups: the start and the size above it (the usual answer) at once
-        yield from self.run([Experiment(self.candidate(stage, at(j)), 'max_micro_batch') for j in sorted({i, min(up(i), hi)})])
-    if (yield from fits(i)):
-        good, bad, step = i, None, up(i) - i
-        while bad is None and good < hi:
-            j = min(good + step, hi)
-            if (yield from fits(j)): good, step = j, step * 2
-            else: bad = j
-        if bad is None: return at(good)
-    else:
-        good, bad, step = None, i, max(1, i - math.floor(i / 1.05)) if not vals else 1
-        while good is None and bad > lo:
-            j = max(bad - step, lo)
-            if (yield from fits(j)): good = j
-            else: bad, step = j, step * 2
-        if good is None: return None
-    while not close(good, bad):
-        mid = (good + bad) // 2
-        if (yield from fits(mid)): good = mid
-        else: bad = mid
-    return at(good)
+    def find_max_micro_batch(self, stage: int, low: int, high: int, start: int, sizes: list | None = None):
+        """The largest micro-batch in [low, high] (or of `sizes`) that runs, to 5% or one step of `sizes` (`yield from`
+        it); None if none"""
+        vals = [m for m in sizes if low <= m <= high] if sizes else None
+        if vals == []:
+            return None
+        at = (lambda i: vals[i]) if vals else (lambda i: i)
+        lo, hi = (0, len(vals) - 1) if vals else (low, high)
+        i = max([0] + [j for j, m in enumerate(vals) if m <= start]) if vals else min(max(start, low), high)
+        up = (lambda i: i + 1) if vals else (lambda i: max(i + 1, math.ceil(i * 1.05)))  # one step: 5% or the next size
+        close = lambda good, bad: bad <= up(good)
+        fits = lambda i: (yield from self.run_one(self.candidate(stage, at(i)), 'max_micro_batch')).status == FITS
+        if self.parallel > 1:  # sub-groups: the start and the size above it (the usual answer) at once
+            yield from self.run(
+                [Experiment(self.candidate(stage, at(j)), 'max_micro_batch') for j in sorted({i, min(up(i), hi)})]
+            )
+        if (yield from fits(i)):
+            good, bad, step = i, None, up(i) - i
+            while bad is None and good < hi:
+                j = min(good + step, hi)
+                if (yield from fits(j)):
+                    good, step = j, step * 2
+                else:
+                    bad = j
+            if bad is None:
+                return at(good)
+        else:
+            good, bad, step = None, i, max(1, i - math.floor(i / 1.05)) if not vals else 1
+            while good is None and bad > lo:
+                j = max(bad - step, lo)
+                if (yield from fits(j)):
+                    good = j
+                else:
+                    bad, step = j, step * 2
+            if good is None:
+                return None
+        while not close(good, bad):
+            mid = (good + bad) // 2
+            if (yield from fits(mid)):
+                good = mid
+            else:
+                bad = mid
+        return at(good)
 
-# %% ../../nbs/72_autotuner_search.ipynb #c023
-@patch
-def sweep_micro_batches(self:Search, stage:int, top:int):
-    "The best (score, candidate) of `stage` over micro-batches up to `top` (`yield from` it)"
-    ladder = [m for m in (self.micro_batches or micro_batch_ladder(self.s.min_micro_batch, top)) if m <= top]
-    ladder = sorted(set(ladder) | {top}, reverse=True)
-    best = None
-    for m in ladder:
-        c = self.candidate(stage, m)
-        res = yield from self.run_one(c, 'throughput')
-        if res.status != FITS: continue
-        if best is None: best = (self.score(res), c, res); continue
-        better = self.clearly_worse(best[2], res)
-        if self.score(res) > best[0]: best = (self.score(res), c, res)
-        if not better: break
-    return best and best[:2]
+    def sweep_micro_batches(self, stage: int, top: int):
+        "The best (score, candidate) of `stage` over micro-batches up to `top` (`yield from` it)"
+        ladder = [m for m in (self.micro_batches or micro_batch_ladder(self.s.min_micro_batch, top)) if m <= top]
+        ladder = sorted(set(ladder) | {top}, reverse=True)
+        best = None
+        for m in ladder:
+            c = self.candidate(stage, m)
+            res = yield from self.run_one(c, 'throughput')
+            if res.status != FITS:
+                continue
+            if best is None:
+                best = (self.score(res), c, res)
+                continue
+            better = self.clearly_worse(best[2], res)
+            if self.score(res) > best[0]:
+                best = (self.score(res), c, res)
+            if not better:
+                break
+        return best and best[:2]
 
-# %% ../../nbs/72_autotuner_search.ipynb #c026
-@patch
-def prune(self:Search, stage:int, micro_batches:list, reason:str):
-    "Record the candidates of `stage` at `micro_batches` as pruned (no runs)"
-    for m in micro_batches: self.record(Experiment(self.candidate(stage, m), 'max_micro_batch'), status='pruned', reason=reason)
+    def prune(self, stage: int, micro_batches: list, reason: str):
+        "Record the candidates of `stage` at `micro_batches` as pruned (no runs)"
+        for m in micro_batches:
+            self.record(Experiment(self.candidate(stage, m), 'max_micro_batch'), status='pruned', reason=reason)
 
-@patch
-def explore_stage(self:Search, stage:int):
-    "Largest micro-batch, then the throughput sweep, for `stage` (`yield from` it); the stage's best or None"
-    low, high = self.s.min_micro_batch, self.s.max_micro_batch
-    ladder = self.micro_batches or micro_batch_ladder(low, high)
-    pmax = self.predicted_max_micro_batch(stage, low, high)
-    if pmax is None:
-        self.prune(stage, ladder[:1], f'stage {stage} predicted over the budget {format_bytes(self.budget)} even at micro-batch {ladder[0]}')
-        return None
-    self.prune(stage, [m for m in ladder if m > pmax], f'predicted over the budget {format_bytes(self.budget)} (largest that fits: {pmax})')
-    before = self.runs
-    start = pmax if self.predict_fn is not None and self.budget is not None else max([low, *filter(None, self.max_micro_batch.values())])
-    sizes = sorted(m for m in self.micro_batches if low <= m <= high) if self.micro_batches else None
-    top = yield from self.find_max_micro_batch(stage, low, high, min(start, pmax), sizes)
-    self.max_micro_batch[stage], self.max_micro_batch_runs[stage] = top, self.runs - before
-    if top is None: return None
-    best = yield from self.sweep_micro_batches(stage, top)
-    if best is not None: self.stage_best[stage] = best
-    return best
+    def explore_stage(self, stage: int):
+        "Largest micro-batch, then the throughput sweep, for `stage` (`yield from` it); the stage's best or None"
+        low, high = self.s.min_micro_batch, self.s.max_micro_batch
+        ladder = self.micro_batches or micro_batch_ladder(low, high)
+        pmax = self.predicted_max_micro_batch(stage, low, high)
+        if pmax is None:
+            self.prune(
+                stage,
+                ladder[:1],
+                f'stage {stage} predicted over the budget {format_bytes(self.budget)} even at micro-batch {ladder[0]}',
+            )
+            return None
+        self.prune(
+            stage,
+            [m for m in ladder if m > pmax],
+            f'predicted over the budget {format_bytes(self.budget)} (largest that fits: {pmax})',
+        )
+        before = self.runs
+        start = (
+            pmax
+            if self.predict_fn is not None and self.budget is not None
+            else max([low, *filter(None, self.max_micro_batch.values())])
+        )
+        sizes = sorted(m for m in self.micro_batches if low <= m <= high) if self.micro_batches else None
+        top = yield from self.find_max_micro_batch(stage, low, high, min(start, pmax), sizes)
+        self.max_micro_batch[stage], self.max_micro_batch_runs[stage] = top, self.runs - before
+        if top is None:
+            return None
+        best = yield from self.sweep_micro_batches(stage, top)
+        if best is not None:
+            self.stage_best[stage] = best
+        return best
 
-@patch
-def probe_stage(self:Search, stage:int, top:int):
-    "Whether `stage` is pruned (`yield from` it): it fits no micro-batch above `top` and one run at the best size is slower beyond noise"
-    pmax = self.predicted_max_micro_batch(stage, self.s.min_micro_batch, self.s.max_micro_batch)
-    if pmax is None or pmax > top or not self.stage_best: return False
-    _, best = max(self.stage_best.values(), key=lambda x: x[0])
-    sizes = [m for m in (self.micro_batches or [best.micro_batch]) if m <= min(best.micro_batch, pmax)]
-    if not sizes: return False
-    probe = self.candidate(stage, max(sizes))
-    res = yield from self.run_one(probe, 'probe')
-    if res.status == FITS: self.stage_best[stage] = (self.score(res), probe)
-    ref = self.measured[best.key]
-    if res.status == FITS and not self.clearly_worse(res, ref): return False
-    found = (f'failed there ({res.reason})' if res.status != FITS else
-             f'read {res.metric:.4g} there against {ref.metric:.4g} ({short(best)}), slower beyond the noise')
-    knobs = '; its knobs are still searched (fast=false): they may make it faster' if res.status == FITS and not self.s.fast else ''
-    self.prune(stage, [probe.micro_batch], f'rule: the memory model fits no micro-batch above {top} at stage {stage} '
-               f'(predicted largest {pmax}) and one run at micro-batch {probe.micro_batch} {found}{knobs}')
-    return True
-
-# %% ../../nbs/72_autotuner_search.ipynb #c029
-@patch
-def measure_baseline(self:Search):
-    "Measure the baseline (`yield from` it); (score, candidate) or None when stage 0 fits nothing"
-    top = self.max_micro_batch.get(0, self.predicted_max_micro_batch(0, 1, self.s.max_micro_batch))
-    if not top: return None
-    if self.micro_batches: sizes = sorted((m for m in self.micro_batches if m <= top), reverse=True)
-    else: sizes = [2 ** i for i in range(int(math.log2(top)), -1, -1)]
-    for m in sizes:
-        c = self.candidate(0, m)
-        res = yield from self.run_one(c, 'baseline')
+    def probe_stage(self, stage: int, top: int):
+        """Whether `stage` is pruned (`yield from` it): it fits no micro-batch above `top` and one run at the best size
+        is slower beyond noise"""
+        pmax = self.predicted_max_micro_batch(stage, self.s.min_micro_batch, self.s.max_micro_batch)
+        if pmax is None or pmax > top or not self.stage_best:
+            return False
+        _, best = max(self.stage_best.values(), key=lambda x: x[0])
+        sizes = [m for m in (self.micro_batches or [best.micro_batch]) if m <= min(best.micro_batch, pmax)]
+        if not sizes:
+            return False
+        probe = self.candidate(stage, max(sizes))
+        res = yield from self.run_one(probe, 'probe')
         if res.status == FITS:
-            self.baseline = (self.score(res), c)
-            return self.baseline
-    return None
+            self.stage_best[stage] = (self.score(res), probe)
+        ref = self.measured[best.key]
+        if res.status == FITS and not self.clearly_worse(res, ref):
+            return False
+        found = (
+            f'failed there ({res.reason})'
+            if res.status != FITS
+            else f'read {res.metric:.4g} there against {ref.metric:.4g} ({short(best)}), slower beyond the noise'
+        )
+        knobs = (
+            '; its knobs are still searched (fast=false): they may make it faster'
+            if res.status == FITS and not self.s.fast
+            else ''
+        )
+        self.prune(
+            stage,
+            [probe.micro_batch],
+            f'rule: the memory model fits no micro-batch above {top} at stage {stage} '
+            f'(predicted largest {pmax}) and one run at micro-batch {probe.micro_batch} {found}{knobs}',
+        )
+        return True
+
+    def measure_baseline(self):
+        "Measure the baseline (`yield from` it); (score, candidate) or None when stage 0 fits nothing"
+        top = self.max_micro_batch.get(0, self.predicted_max_micro_batch(0, 1, self.s.max_micro_batch))
+        if not top:
+            return None
+        if self.micro_batches:
+            sizes = sorted((m for m in self.micro_batches if m <= top), reverse=True)
+        else:
+            sizes = [2**i for i in range(int(math.log2(top)), -1, -1)]
+        for m in sizes:
+            c = self.candidate(0, m)
+            res = yield from self.run_one(c, 'baseline')
+            if res.status == FITS:
+                self.baseline = (self.score(res), c)
+                return self.baseline
+        return None
+
+    def study(self, stage: int, micro_batch: int, space: dict):
+        "The Optuna study of `stage`'s knobs at `micro_batch` (reloaded from `storage` when it exists)"
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        return optuna.create_study(
+            study_name=f'z{stage}_mb{micro_batch}_knobs',
+            storage=self.storage,
+            load_if_exists=True,
+            direction='maximize',
+            sampler=make_sampler(self.s.tuner_type, self.seed + stage, space),
+        )
+
+    def tune_knobs(self, stage: int, micro_batch: int):
+        """Search `stage`'s knobs at `micro_batch` with Optuna (`yield from` it); the best (score, candidate) found or
+        None"""
+        import optuna
+
+        space = knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)
+        study, best = self.study(stage, micro_batch, space), None
+        budget = min(self.s.tuner_num_trials, math.prod(len(v) for v in space.values()))
+        done = lambda: [t for t in study.trials if t.state.is_finished()]
+        if not study.trials:
+            study.enqueue_trial({k: v for k, v in self.candidate(stage, micro_batch).knobs().items() if k in space})
+        while len(done()) < budget and _since_best(done()) < self.s.tuner_early_stopping:
+            asked = [study.ask() for _ in range(min(self.parallel, budget - len(done())))]
+            cands = [
+                self.candidate(stage, micro_batch, **{k: t.suggest_categorical(k, v) for k, v in space.items()})
+                for t in asked
+            ]
+            runnable = [(t, c) for t, c in zip(asked, cands) if self.feasible(c)]
+            for t, c in zip(asked, cands):
+                if not self.feasible(c):
+                    self.record(
+                        Experiment(c, 'knobs'),
+                        status='pruned',
+                        reason=f'predicted {format_bytes(self.predicted(c))} > budget {format_bytes(self.budget)}',
+                    )
+                    study.tell(t, state=optuna.trial.TrialState.PRUNED)
+            results = yield from self.run([Experiment(c, 'knobs') for _, c in runnable])
+            for (t, c), res in zip(runnable, results):
+                if res is None or res.status != FITS:
+                    study.tell(t, state=optuna.trial.TrialState.FAIL)
+                    continue
+                study.tell(t, self.score(res))
+                if best is None or self.score(res) > best[0]:
+                    best = (self.score(res), c)
+            if any(r is None for r in results):
+                raise SearchDone(f'max_trials={self.max_trials} runs reached')
+        return best
+
+    def tune_stages(self, knob_margin: float = 0.5):
+        "The knob studies of the stages close to the best (`yield from` it)"
+        if not self.stage_best:
+            return
+        top = max(score for score, _ in self.stage_best.values())
+        close = [
+            (score, c)
+            for stage, (score, c) in self.stage_best.items()
+            if stage > 0 and score >= top - abs(top) * knob_margin
+        ]
+        for score, c in sorted(close, key=lambda x: -x[0]):
+            yield from self.tune_knobs(c.stage, c.micro_batch)
+
+    def best_measured(self, n: int = 1) -> list:  # [(score, Candidate)], best first
+        "The `n` best candidates that ran successfully"
+        ok = [
+            (self.score(r), self.candidates.get(k))
+            for k, r in self.measured.items()
+            if r.status == FITS and k in self.candidates
+        ]
+        return sorted(ok, key=lambda x: -x[0])[:n]
+
+    def playoff(self):
+        """Re-measure the best candidates and the baseline in interleaved rounds (`yield from` it); sets `best` and
+        `margin`"""
+        base = self.baseline[1] if self.baseline else None
+        entrants = [c for _, c in self.best_measured(self.s.playoff_size + 1) if c != base][: self.s.playoff_size]
+        if self.thread_rival is not None and self.thread_rival not in (*entrants, base):
+            entrants.append(self.thread_rival)
+        if not entrants and base is None:
+            return self.decide()
+        po = self.playoff_state = Playoff(
+            entrants, base, self.s.lower_is_better, self.s.tolerance, max_rounds=self.s.playoff_rounds
+        )
+        while not po.decided():
+            order, rnd = po.order(len(po.rounds)), len(po.rounds) + 1
+            results = yield [Experiment(c, 'playoff') for c in order]
+            for c, res in zip(order, results):
+                self.record(Experiment(c, 'playoff'), res, round=rnd)
+            ran = list(zip(order, results))
+            po.add_round(
+                {c.key: r.metric if r.status == FITS else None for c, r in ran},
+                {c.key: r.reason for c, r in ran},
+                {c.key: getattr(r, 'phases_ms', None) for c, r in ran},
+            )
+        return self.decide()
+
+    def decide(self):
+        "`best` from the playoff so far (the best search reading without one); (record, candidate) or None"
+        w = self.playoff_state.winner() if self.playoff_state is not None else None
+        if w is None and self.best_measured():
+            w = self.best_measured()[0][1]
+        if w is None:
+            return None
+        self.best, self.margin = (self.record_of.get(w.key), w), self.playoff_state and self.playoff_state.margin()
+        return self.best
+
+    def tune_threads(self):
+        """Other thread counts at the best point so far (`yield from` it): from the search's count down, while each is
+        better"""
+        if not self.best_measured() or self.threads_per_rank is None:
+            return None
+        distance = lambda t: abs(t - self.threads_per_rank)
+        others = sorted((t for t in self.thread_counts if t != self.threads_per_rank), key=distance)
+        _, at = self.best_measured()[0]
+        best, ran = at, {at: self.measured[at.key]}
+        for t in others:
+            c = replace(at, threads_per_rank=t)
+            res = yield from self.run_one(c, 'threads')
+            if res.status != FITS:
+                break
+            ran[c] = res
+            if not self.clearly_worse(ran[best], res):
+                break  # not better beyond the noise: fewer threads will not be
+            best = c
+        close = [c for c, res in ran.items() if c != best and not self.clearly_worse(res, ran[best])]
+        self.thread_rival = (
+            max(close, key=lambda c: self.score(ran[c])) if close else None
+        )  # the playoff tells them apart
+        return self.score(ran[best]), best
+
+    def plan(self):
+        "The search (a generator): yields lists of `Experiment`s, is sent their results; returns `best`"
+        try:
+            top = None  # the largest micro-batch a lower stage reached
+            for stage in self.s.stages:
+                if top is not None and (yield from self.probe_stage(stage, top)):
+                    continue
+                yield from self.explore_stage(stage)
+                if self.max_micro_batch.get(stage) is not None:
+                    top = max(top or 0, self.max_micro_batch[stage])
+            yield from self.measure_baseline()
+            if not self.s.fast:
+                yield from self.tune_stages()
+            yield from self.tune_threads()
+        except SearchDone as e:
+            self.stopped = str(e)
+        return (yield from self.playoff())
 
 # %% ../../nbs/72_autotuner_search.ipynb #c032
-def make_sampler(tuner_type:str, # 'tpe', 'gp', 'random' or 'grid'
-                 seed:int, space:dict): # knob -> choices (the grid)
+def make_sampler(
+    tuner_type: str,  # 'tpe', 'gp', 'random' or 'grid'
+    seed: int,
+    space: dict,
+):  # knob -> choices (the grid)
     "The Optuna sampler `tuner_type` names"
     import optuna
-    if tuner_type == 'tpe': return optuna.samplers.TPESampler(seed=seed, n_startup_trials=4)
+
+    if tuner_type == 'tpe':
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=4)
     if tuner_type == 'gp':
-        try: import scipy
-        except ImportError: raise ImportError("autotuning.tuner_type='gp' needs scipy (Optuna's GPSampler uses it): "
-                                              "pip install scipy, or use 'tpe' (the default)") from None
+        try:
+            import scipy
+        except ImportError:
+            raise ImportError(
+                "autotuning.tuner_type='gp' needs scipy (Optuna's GPSampler uses it): "
+                "pip install scipy, or use 'tpe' (the default)"
+            ) from None
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=4)
-    if tuner_type == 'random': return optuna.samplers.RandomSampler(seed=seed)
-    if tuner_type == 'grid': return optuna.samplers.GridSampler(space, seed=seed)
+    if tuner_type == 'random':
+        return optuna.samplers.RandomSampler(seed=seed)
+    if tuner_type == 'grid':
+        return optuna.samplers.GridSampler(space, seed=seed)
     raise ValueError(f"tuner_type={tuner_type!r}: use 'tpe', 'gp', 'random' or 'grid'")
 
 # %% ../../nbs/72_autotuner_search.ipynb #c034
-@patch
-def study(self:Search, stage:int, micro_batch:int, space:dict):
-    "The Optuna study of `stage`'s knobs at `micro_batch` (reloaded from `storage` when it exists)"
-    import optuna
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    return optuna.create_study(study_name=f'z{stage}_mb{micro_batch}_knobs', storage=self.storage, load_if_exists=True,
-                               direction='maximize', sampler=make_sampler(self.s.tuner_type, self.seed + stage, space))
-
-def _since_best(trials)->int:
+def _since_best(trials) -> int:
     "Finished trials after the best one (the early-stopping count)"
     values = [t.value for t in trials if t.value is not None]
-    if not values: return len(trials)
+    if not values:
+        return len(trials)
     best = max(range(len(trials)), key=lambda i: -math.inf if trials[i].value is None else trials[i].value)
     return len(trials) - 1 - best
-
-# %% ../../nbs/72_autotuner_search.ipynb #c035
-@patch
-def tune_knobs(self:Search, stage:int, micro_batch:int):
-    "Search `stage`'s knobs at `micro_batch` with Optuna (`yield from` it); the best (score, candidate) found or None"
-    import optuna
-    space = knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)
-    study, best = self.study(stage, micro_batch, space), None
-    budget = min(self.s.tuner_num_trials, math.prod(len(v) for v in space.values()))
-    done = lambda: [t for t in study.trials if t.state.is_finished()]
-    if not study.trials: study.enqueue_trial({k: v for k, v in self.candidate(stage, micro_batch).knobs().items() if k in space})
-    while len(done()) < budget and _since_best(done()) < self.s.tuner_early_stopping:
-        asked = [study.ask() for _ in range(min(self.parallel, budget - len(done())))]
-        cands = [self.candidate(stage, micro_batch, **{k: t.suggest_categorical(k, v) for k, v in space.items()}) for t in asked]
-        runnable = [(t, c) for t, c in zip(asked, cands) if self.feasible(c)]
-        for t, c in zip(asked, cands):
-            if not self.feasible(c):
-                self.record(Experiment(c, 'knobs'), status='pruned', reason=f'predicted {format_bytes(self.predicted(c))} > budget {format_bytes(self.budget)}')
-                study.tell(t, state=optuna.trial.TrialState.PRUNED)
-        results = yield from self.run([Experiment(c, 'knobs') for _, c in runnable])
-        for (t, c), res in zip(runnable, results):
-            if res is None or res.status != FITS: study.tell(t, state=optuna.trial.TrialState.FAIL); continue
-            study.tell(t, self.score(res))
-            if best is None or self.score(res) > best[0]: best = (self.score(res), c)
-        if any(r is None for r in results): raise SearchDone(f'max_trials={self.max_trials} runs reached')
-    return best
-
-# %% ../../nbs/72_autotuner_search.ipynb #c038
-@patch
-def tune_stages(self:Search, knob_margin:float=0.5):
-    "The knob studies of the stages close to the best (`yield from` it)"
-    if not self.stage_best: return
-    top = max(score for score, _ in self.stage_best.values())
-    close = [(score, c) for stage, (score, c) in self.stage_best.items() if stage > 0 and score >= top - abs(top) * knob_margin]
-    for score, c in sorted(close, key=lambda x: -x[0]): yield from self.tune_knobs(c.stage, c.micro_batch)
-
-# %% ../../nbs/72_autotuner_search.ipynb #c040
-@patch
-def best_measured(self:Search, n:int=1)->list: # [(score, Candidate)], best first
-    "The `n` best candidates that ran successfully"
-    ok = [(self.score(r), self.candidates.get(k)) for k, r in self.measured.items() if r.status == FITS and k in self.candidates]
-    return sorted(ok, key=lambda x: -x[0])[:n]
-
-@patch
-def playoff(self:Search):
-    "Re-measure the best candidates and the baseline in interleaved rounds (`yield from` it); sets `best` and `margin`"
-    base = self.baseline[1] if self.baseline else None
-    entrants = [c for _, c in self.best_measured(self.s.playoff_size + 1) if c != base][:self.s.playoff_size]
-    if self.thread_rival is not None and self.thread_rival not in (*entrants, base): entrants.append(self.thread_rival)
-    if not entrants and base is None: return self.decide()
-    po = self.playoff_state = Playoff(entrants, base, self.s.lower_is_better, self.s.tolerance, max_rounds=self.s.playoff_rounds)
-    while not po.decided():
-        order, rnd = po.order(len(po.rounds)), len(po.rounds) + 1
-        results = yield [Experiment(c, 'playoff') for c in order]
-        for c, res in zip(order, results): self.record(Experiment(c, 'playoff'), res, round=rnd)
-        ran = list(zip(order, results))
-        po.add_round({c.key: r.metric if r.status == FITS else None for c, r in ran}, {c.key: r.reason for c, r in ran},
-                     {c.key: getattr(r, 'phases_ms', None) for c, r in ran})
-    return self.decide()
-
-@patch
-def decide(self:Search):
-    "`best` from the playoff so far (the best search reading without one); (record, candidate) or None"
-    w = self.playoff_state.winner() if self.playoff_state is not None else None
-    if w is None and self.best_measured(): w = self.best_measured()[0][1]
-    if w is None: return None
-    self.best, self.margin = (self.record_of.get(w.key), w), self.playoff_state and self.playoff_state.margin()
-    return self.best
-
-# %% ../../nbs/72_autotuner_search.ipynb #c038u
-@patch
-def tune_threads(self:Search):
-    "Other thread counts at the best point so far (`yield from` it): from the search's count down, while each is better"
-    if not self.best_measured() or self.threads_per_rank is None: return None
-    distance = lambda t: abs(t - self.threads_per_rank)
-    others = sorted((t for t in self.thread_counts if t != self.threads_per_rank), key=distance)
-    _, at = self.best_measured()[0]
-    best, ran = at, {at: self.measured[at.key]}
-    for t in others:
-        c = replace(at, threads_per_rank=t)
-        res = yield from self.run_one(c, 'threads')
-        if res.status != FITS: break
-        ran[c] = res
-        if not self.clearly_worse(ran[best], res): break   # not better beyond the noise: fewer threads will not be
-        best = c
-    close = [c for c, res in ran.items() if c != best and not self.clearly_worse(res, ran[best])]
-    self.thread_rival = max(close, key=lambda c: self.score(ran[c])) if close else None   # the playoff tells them apart
-    return self.score(ran[best]), best
-
-# %% ../../nbs/72_autotuner_search.ipynb #c041
-@patch
-def plan(self:Search):
-    "The search (a generator): yields lists of `Experiment`s, is sent their results; returns `best`"
-    try:
-        top = None  # the largest micro-batch a lower stage reached
-        for stage in self.s.stages:
-            if top is not None and (yield from self.probe_stage(stage, top)): continue
-            yield from self.explore_stage(stage)
-            if self.max_micro_batch.get(stage) is not None: top = max(top or 0, self.max_micro_batch[stage])
-        yield from self.measure_baseline()
-        if not self.s.fast: yield from self.tune_stages()
-        yield from self.tune_threads()
-    except SearchDone as e: self.stopped = str(e)
-    return (yield from self.playoff())

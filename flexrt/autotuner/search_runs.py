@@ -5,7 +5,6 @@
 # %% ../../nbs/72_autotuner_search_runs.ipynb #h002
 from __future__ import annotations
 from dataclasses import dataclass
-from fastcore.basics import patch
 from .space import Candidate, TuneSettings, gradient_accumulation, default_knobs, knob_choices
 
 # %% auto #0
@@ -15,29 +14,37 @@ __all__ = ['FITS', 'Experiment', 'SearchRuns', 'SearchDone']
 @dataclass(frozen=True)
 class Experiment:
     "One run the search asks for"
-    candidate:Candidate; phase:str
+
+    candidate: Candidate
+    phase: str
+
 
 FITS = 'ok'
 
+
 class SearchRuns:
     "What one autotuner search asked and measured; `Search` (in `flexrt.autotuner.search`) adds the strategy"
-    def __init__(self, settings:TuneSettings, # the `autotuning` block, read by `tune_settings`
-                 base_config:dict|None=None, # the user's DeepSpeed config (each record carries the candidate's)
-                 predict=None, # callable(Candidate) -> predicted per-rank peak bytes, or None
-                 memory_budget:int|None=None, # per-rank bytes; None: no prediction-based pruning
-                 world_size:int=1, # data-parallel ranks of one experiment
-                 num_params:int=1, # parameters, to scale the ZeRO knobs
-                 tensor_sizes:list|None=None, # element counts of the parameter tensors
-                 micro_batches:list|None=None, # the micro-batch sizes to consider; None: the ladder within the bounds
-                 plateau:float=0.01, # the throughput sweep stops when a step gains less than this
-                 max_trials:int|None=None, # most search runs (the playoff's excluded); None: no limit
-                 storage:str|None=None, # Optuna storage URL (e.g. 'sqlite:///results/study.db'); None in memory
-                 seed:int=0, # the samplers' seed
-                 parallel:int=1, # experiments that run at once (sub-groups); the knob search asks this many
-                 measured:dict|None=None, # candidate key -> result of a run (a resumed search replays these)
-                 first_trial:int=0, # the number of the first record (a resumed search continues the count)
-                 threads_per_rank:int|None=None, # every candidate's threads per rank (CPU); None: the engine's choice
-                 thread_counts=()): # the counts the thread sweep tries beside it; none or one: not searched
+
+    def __init__(
+        self,
+        settings: TuneSettings,  # the `autotuning` block, read by `tune_settings`
+        base_config: dict | None = None,  # the user's DeepSpeed config (each record carries the candidate's)
+        predict=None,  # callable(Candidate) -> predicted per-rank peak bytes, or None
+        memory_budget: int | None = None,  # per-rank bytes; None: no prediction-based pruning
+        world_size: int = 1,  # data-parallel ranks of one experiment
+        num_params: int = 1,  # parameters, to scale the ZeRO knobs
+        tensor_sizes: list | None = None,  # element counts of the parameter tensors
+        micro_batches: list | None = None,  # the micro-batch sizes to consider; None: the ladder within the bounds
+        plateau: float = 0.01,  # the throughput sweep stops when a step gains less than this
+        max_trials: int | None = None,  # most search runs (the playoff's excluded); None: no limit
+        storage: str | None = None,  # Optuna storage URL (e.g. 'sqlite:///results/study.db'); None in memory
+        seed: int = 0,  # the samplers' seed
+        parallel: int = 1,  # experiments that run at once (sub-groups); the knob search asks this many
+        measured: dict | None = None,  # candidate key -> result of a run (a resumed search replays these)
+        first_trial: int = 0,  # the number of the first record (a resumed search continues the count)
+        threads_per_rank: int | None = None,  # every candidate's threads per rank (CPU); None: the engine's choice
+        thread_counts=(),  # the counts the thread sweep tries beside it; none or one: not searched
+    ):
         self.s, self.base, self.predict_fn, self.budget = settings, base_config or {}, predict, memory_budget
         self.world_size, self.num_params, self.tensor_sizes = world_size, num_params, tensor_sizes
         self.micro_batches, self.plateau, self.max_trials = micro_batches, plateau, max_trials
@@ -45,93 +52,135 @@ class SearchRuns:
         self.threads_per_rank, self.thread_counts = threads_per_rank, tuple(thread_counts)
         self.measured, self.records, self.runs, self.stopped = dict(measured or {}), [], 0, ''
         self.candidates, self.record_of = {}, {}  # key -> Candidate, key -> its record (runs of this plan)
-        self.max_micro_batch, self.max_micro_batch_runs, self.stage_best, self.baseline, self.best = {}, {}, {}, None, None
-        self.playoff_state, self.margin = None, None   # the decision (`flexrt.autotuner.playoff`), once it runs
-        self.thread_rival = None   # the other thread count at the best point that the thread sweep could not tell apart
+        self.max_micro_batch, self.max_micro_batch_runs, self.stage_best, self.baseline, self.best = (
+            {},
+            {},
+            {},
+            None,
+            None,
+        )
+        self.playoff_state, self.margin = None, None  # the decision (`flexrt.autotuner.playoff`), once it runs
+        self.thread_rival = None  # the other thread count at the best point that the thread sweep could not tell apart
 
-    def score(self, result)->float: # higher is better
+    def score(self, result) -> float:  # higher is better
         return -result.metric if self.s.lower_is_better else result.metric
 
-    def score_bounds(self, result)->tuple: # (low, high) of `score`
+    def score_bounds(self, result) -> tuple:  # (low, high) of `score`
         "The score's interval: the metric's (`metric_low`, `metric_high`), or the reading itself when the run gave none"
         lo, hi = getattr(result, 'metric_low', None), getattr(result, 'metric_high', None)
-        if lo is None or hi is None: lo = hi = result.metric
+        if lo is None or hi is None:
+            lo = hi = result.metric
         return tuple(sorted((-lo, -hi) if self.s.lower_is_better else (lo, hi)))
 
-    def clearly_worse(self, a, b)->bool:
+    def clearly_worse(self, a, b) -> bool:
         "Whether result `a` is worse than `b` beyond the noise: their intervals apart, and by more than `tolerance`"
-        return self.score_bounds(a)[1] < self.score_bounds(b)[0] and self.score(a) < self.score(b) - abs(self.score(b)) * self.s.tolerance
+        return (
+            self.score_bounds(a)[1] < self.score_bounds(b)[0]
+            and self.score(a) < self.score(b) - abs(self.score(b)) * self.s.tolerance
+        )
 
-# %% ../../nbs/72_autotuner_search_runs.ipynb #c009
-@patch
-def predicted(self:SearchRuns, c:Candidate)->int|None:
-    "The predicted per-rank peak of `c`, or None without a memory model"
-    return None if self.predict_fn is None else int(self.predict_fn(c))
+    def predicted(self, c: Candidate) -> int | None:
+        "The predicted per-rank peak of `c`, or None without a memory model"
+        return None if self.predict_fn is None else int(self.predict_fn(c))
 
-@patch
-def feasible(self:SearchRuns, c:Candidate)->bool:
-    "Whether `c` is predicted to fit the budget (True without a budget or a model)"
-    p = self.predicted(c) if self.budget is not None else None
-    return p is None or p <= self.budget
+    def feasible(self, c: Candidate) -> bool:
+        "Whether `c` is predicted to fit the budget (True without a budget or a model)"
+        p = self.predicted(c) if self.budget is not None else None
+        return p is None or p <= self.budget
 
-@patch
-def candidate(self:SearchRuns, stage:int, micro_batch:int, **knobs)->Candidate:
-    "The point (stage, micro_batch) at the search's threads per rank, pre-knob-search knobs, overridden by `knobs`"
-    gas = gradient_accumulation(self.s, micro_batch, self.world_size)
-    threads = dict(threads_per_rank=self.threads_per_rank)
-    if stage == 0: return Candidate(0, micro_batch, gas, **{**threads, **knobs})
-    base = default_knobs(self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes)   # within the knob search's choices
-    c = Candidate(stage, micro_batch, gas, **{**base, **threads, **knobs})
-    if knobs or self.feasible(c): return c
-    buckets = [k for k in base if k.endswith('bucket_size')]   # one bucket does not fit: the largest smaller one that does
-    for size in reversed(knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)['reduce_bucket_size'][:-1]):
-        smaller = Candidate(stage, micro_batch, gas, **{**base, **threads, **{k: size for k in buckets}})
-        if self.feasible(smaller): return smaller
-    return c
+    def candidate(self, stage: int, micro_batch: int, **knobs) -> Candidate:
+        "The point (stage, micro_batch) at the search's threads per rank, pre-knob-search knobs, overridden by `knobs`"
+        gas = gradient_accumulation(self.s, micro_batch, self.world_size)
+        threads = dict(threads_per_rank=self.threads_per_rank)
+        if stage == 0:
+            return Candidate(0, micro_batch, gas, **{**threads, **knobs})
+        base = default_knobs(
+            self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes
+        )  # within the knob search's choices
+        c = Candidate(stage, micro_batch, gas, **{**base, **threads, **knobs})
+        if knobs or self.feasible(c):
+            return c
+        buckets = [
+            k for k in base if k.endswith('bucket_size')
+        ]  # one bucket does not fit: the largest smaller one that does
+        for size in reversed(
+            knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)['reduce_bucket_size'][:-1]
+        ):
+            smaller = Candidate(stage, micro_batch, gas, **{**base, **threads, **{k: size for k in buckets}})
+            if self.feasible(smaller):
+                return smaller
+        return c
+
+    def record(
+        self, e: Experiment, result=None, status: str | None = None, reason: str = '', round: int | None = None
+    ) -> dict:
+        "The trial record of `e` (run: `result`; pruned: `status='pruned'` and `reason`)"
+        c = e.candidate
+        rec = dict(
+            trial=self.first_trial + len(self.records),
+            phase=e.phase,
+            stage=c.stage,
+            micro_batch=c.micro_batch,
+            gradient_accumulation=c.gradient_accumulation,
+            **c.knobs(),
+            threads_per_rank=c.threads_per_rank,
+            status=status or result.status,
+            reason=reason if result is None else result.reason,
+            metric_name=self.s.metric,
+            metric=None if result is None else result.metric,
+            round=round,
+        )
+        rec.update({k: getattr(result, k, None) for k in _RESULT_FIELDS})
+        rec.update(
+            peak_bytes_measured=getattr(result, 'peak_bytes', None),
+            peak_bytes_per_rank=list(getattr(result, 'peak_bytes_per_rank', None) or []),
+            peak_bytes_predicted=self.predicted(c),
+            config=c.to_config(self.base, self.world_size),
+        )
+        self.records.append(rec)
+        return rec
+
+    def run(self, experiments: list) -> list:  # results, in order (`yield from` it)
+        "Yield the experiments not measured yet; record and return every result"
+        for e in experiments:
+            self.candidates.setdefault(e.candidate.key, e.candidate)
+        todo = [e for e in experiments if e.candidate.key not in self.measured]
+        todo = list({e.candidate.key: e for e in todo}.values())
+        if todo:
+            if self.max_trials is not None and self.runs + len(todo) > self.max_trials:
+                todo = todo[: max(0, self.max_trials - self.runs)]
+                if not todo:
+                    raise SearchDone(f'max_trials={self.max_trials} runs reached')
+            results = yield todo
+            assert len(results) == len(todo), f'{len(todo)} experiments were asked, {len(results)} results came back'
+            self.runs += len(todo)
+            for e, res in zip(todo, results):
+                self.measured[e.candidate.key], self.candidates[e.candidate.key] = res, e.candidate
+                self.record_of[e.candidate.key] = self.record(e, res)
+        return [self.measured.get(e.candidate.key) for e in experiments]
+
+    def run_one(self, c: Candidate, phase: str):
+        "Measure one candidate (`yield from` it); its result"
+        results = yield from self.run([Experiment(c, phase)])
+        if results[0] is None:
+            raise SearchDone(f'max_trials={self.max_trials} runs reached')
+        return results[0]
 
 # %% ../../nbs/72_autotuner_search_runs.ipynb #c012
-_RESULT_FIELDS = ('metric_low', 'metric_high', 'steps_measured', 'noise', 'samples_per_s', 'step_seconds',
-                  'flops_per_s', 'seconds', 'steps_seconds', 'threads', 'phases_ms')
-
-@patch
-def record(self:SearchRuns, e:Experiment, result=None, status:str|None=None, reason:str='', round:int|None=None)->dict:
-    "The trial record of `e` (run: `result`; pruned: `status='pruned'` and `reason`)"
-    c = e.candidate
-    rec = dict(trial=self.first_trial + len(self.records), phase=e.phase, stage=c.stage, micro_batch=c.micro_batch,
-               gradient_accumulation=c.gradient_accumulation, **c.knobs(), threads_per_rank=c.threads_per_rank,
-               status=status or result.status, reason=reason if result is None else result.reason,
-               metric_name=self.s.metric, metric=None if result is None else result.metric, round=round)
-    rec.update({k: getattr(result, k, None) for k in _RESULT_FIELDS})
-    rec.update(peak_bytes_measured=getattr(result, 'peak_bytes', None),
-               peak_bytes_per_rank=list(getattr(result, 'peak_bytes_per_rank', None) or []),
-               peak_bytes_predicted=self.predicted(c), config=c.to_config(self.base, self.world_size))
-    self.records.append(rec)
-    return rec
+_RESULT_FIELDS = (
+    'metric_low',
+    'metric_high',
+    'steps_measured',
+    'noise',
+    'samples_per_s',
+    'step_seconds',
+    'flops_per_s',
+    'seconds',
+    'steps_seconds',
+    'threads',
+    'phases_ms',
+)
 
 # %% ../../nbs/72_autotuner_search_runs.ipynb #c015
-class SearchDone(Exception): "The run limit is reached: the plan stops where it is"
-
-@patch
-def run(self:SearchRuns, experiments:list)->list: # results, in order (`yield from` it)
-    "Yield the experiments not measured yet; record and return every result"
-    for e in experiments: self.candidates.setdefault(e.candidate.key, e.candidate)
-    todo = [e for e in experiments if e.candidate.key not in self.measured]
-    todo = list({e.candidate.key: e for e in todo}.values())
-    if todo:
-        if self.max_trials is not None and self.runs + len(todo) > self.max_trials:
-            todo = todo[:max(0, self.max_trials - self.runs)]
-            if not todo: raise SearchDone(f'max_trials={self.max_trials} runs reached')
-        results = yield todo
-        assert len(results) == len(todo), f'{len(todo)} experiments were asked, {len(results)} results came back'
-        self.runs += len(todo)
-        for e, res in zip(todo, results):
-            self.measured[e.candidate.key], self.candidates[e.candidate.key] = res, e.candidate
-            self.record_of[e.candidate.key] = self.record(e, res)
-    return [self.measured.get(e.candidate.key) for e in experiments]
-
-@patch
-def run_one(self:SearchRuns, c:Candidate, phase:str):
-    "Measure one candidate (`yield from` it); its result"
-    results = yield from self.run([Experiment(c, phase)])
-    if results[0] is None: raise SearchDone(f'max_trials={self.max_trials} runs reached')
-    return results[0]
+class SearchDone(Exception):
+    "The run limit is reached: the plan stops where it is"

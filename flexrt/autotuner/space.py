@@ -6,7 +6,6 @@
 from __future__ import annotations
 import copy, math, re
 from dataclasses import dataclass, asdict, replace
-from fastcore.basics import patch
 from ..config.services import AutotuningConfig
 
 # %% auto #0
@@ -15,192 +14,306 @@ __all__ = ['TUNER_TYPES', 'KNOBS', 'DEEPSPEED_DEFAULT_KNOBS', 'parse_bytes', 'fo
            'knob_choices', 'default_knobs', 'check_bucket_sizes', 'thread_counts']
 
 # %% ../../nbs/72_autotuner_space.ipynb #c005
-_UNITS = {'': 1, 'b': 1, 'kb': 10**3, 'mb': 10**6, 'gb': 10**9, 'tb': 10**12,
-          'kib': 2**10, 'mib': 2**20, 'gib': 2**30, 'tib': 2**40}
+_UNITS = {
+    '': 1,
+    'b': 1,
+    'kb': 10**3,
+    'mb': 10**6,
+    'gb': 10**9,
+    'tb': 10**12,
+    'kib': 2**10,
+    'mib': 2**20,
+    'gib': 2**30,
+    'tib': 2**40,
+}
 
-def parse_bytes(value, # an int/float of bytes, or a string like '2GiB', '512 MB', '1e9'
-                name:str='memory_budget', # the parameter's name, for the error message
-               )->int|None: # bytes, or None for None
+
+def parse_bytes(
+    value,  # an int/float of bytes, or a string like '2GiB', '512 MB', '1e9'
+    name: str = 'memory_budget',  # the parameter's name, for the error message
+) -> int | None:  # bytes, or None for None
     "Bytes from a number or a string with a unit"
     if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
         return None if value is None else int(value)
     m = re.fullmatch(r'\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*', str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{name}={value!r} is not a size: write bytes or a number with a unit ({', '.join(u for u in _UNITS if u)}), e.g. '2GiB'")
+        raise ValueError(
+            f"{name}={value!r} is not a size: write bytes or a number with a unit "
+            f"({', '.join(u for u in _UNITS if u)}), e.g. '2GiB'"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
-def format_bytes(n:int|None)->str:
+
+def format_bytes(n: int | None) -> str:
     "A short human form of `n` bytes"
-    if n is None: return '-'
+    if n is None:
+        return '-'
     for unit, size in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
-        if abs(n) >= size: return f'{n/size:.2f}{unit}'
+        if abs(n) >= size:
+            return f'{n / size:.2f}{unit}'
     return f'{n}B'
 
 # %% ../../nbs/72_autotuner_space.ipynb #c008
 TUNER_TYPES = {'tpe': 'tpe', 'model_based': 'tpe', 'gp': 'gp', 'random': 'random', 'grid': 'grid', 'gridsearch': 'grid'}
 
+
 @dataclass
 class TuneSettings:
     "What the search honours from the config's `autotuning` block"
-    metric:str='throughput'; fast:bool=True; tuner_type:str='tpe'; tuner_num_trials:int=50; tuner_early_stopping:int=5
-    min_micro_batch:int=1; max_micro_batch:int=1024; min_train_batch:int=1; max_train_batch:int|None=None
-    warmup_steps:int=3; profile_steps:int=3; results_dir:str='autotuning_results'; overwrite:bool=True
-    stages:tuple=(0, 1, 2, 3); gradient_accumulation:int=1
-    bucket_sizes:tuple|None=None   # the bucket sizes (elements) the knob search tries; None: scaled to the model
-    tolerance:float=0.03; max_profile_steps:int=40; max_profile_seconds:float=4.0   # how precisely a trial measures
-    playoff_size:int=3; playoff_rounds:int=15   # the decision: top candidates (and the baseline), most rounds
-    train_batch:int|None=None   # the config's train_batch_size: a fixed global batch (None: accumulation as the bounds say)
+
+    metric: str = 'throughput'
+    fast: bool = True
+    tuner_type: str = 'tpe'
+    tuner_num_trials: int = 50
+    tuner_early_stopping: int = 5
+    min_micro_batch: int = 1
+    max_micro_batch: int = 1024
+    min_train_batch: int = 1
+    max_train_batch: int | None = None
+    warmup_steps: int = 3
+    profile_steps: int = 3
+    results_dir: str = 'autotuning_results'
+    overwrite: bool = True
+    stages: tuple = (0, 1, 2, 3)
+    gradient_accumulation: int = 1
+    bucket_sizes: tuple | None = None  # the bucket sizes (elements) the knob search tries; None: scaled to the model
+    tolerance: float = 0.03
+    max_profile_steps: int = 40
+    max_profile_seconds: float = 4.0  # how precisely a trial measures
+    playoff_size: int = 3
+    playoff_rounds: int = 15  # the decision: top candidates (and the baseline), most rounds
+    train_batch: int | None = (
+        None  # the config's train_batch_size: a fixed global batch (None: accumulation as the bounds say)
+    )
 
     @property
-    def lower_is_better(self)->bool: return self.metric == 'latency'
+    def lower_is_better(self) -> bool:
+        return self.metric == 'latency'
 
 # %% ../../nbs/72_autotuner_space.ipynb #c009
-def _stage_scope(config:dict)->tuple:
+def _stage_scope(config: dict) -> tuple:
     stage = config.get('zero_optimization', {}).get('stage', 'all')
-    if stage == 'all': return (0, 1, 2, 3)
+    if stage == 'all':
+        return (0, 1, 2, 3)
     stages = tuple(sorted(set(stage if isinstance(stage, (list, tuple)) else [stage])))
-    if not stages: raise ValueError("zero_optimization.stage=[] leaves no stage to search: give 0-3, a list of them, or 'all'")
+    if not stages:
+        raise ValueError("zero_optimization.stage=[] leaves no stage to search: give 0-3, a list of them, or 'all'")
     for s in stages:
-        if s not in (0, 1, 2, 3): raise ValueError(f"zero_optimization.stage={stage!r}: stages are 0, 1, 2, 3 (or 'all')")
+        if s not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage={stage!r}: stages are 0, 1, 2, 3 (or 'all')")
     return stages
 
-def tune_settings(config:dict)->TuneSettings:
+
+def tune_settings(config: dict) -> TuneSettings:
     "The search's settings from a DeepSpeed-style config dict (its `autotuning` block and stage scope)"
     block = dict(config.get('autotuning') or {})
     tuner = str(block.pop('tuner_type', 'tpe')).lower()
-    if tuner not in TUNER_TYPES: raise ValueError(f"autotuning.tuner_type={tuner!r}: use one of {sorted(TUNER_TYPES)}")
+    if tuner not in TUNER_TYPES:
+        raise ValueError(f"autotuning.tuner_type={tuner!r}: use one of {sorted(TUNER_TYPES)}")
     a = AutotuningConfig.from_dict(block)
-    return TuneSettings(metric=a.metric, fast=a.fast, tuner_type=TUNER_TYPES[tuner], tuner_num_trials=a.tuner_num_trials,
-        tuner_early_stopping=a.tuner_early_stopping, min_micro_batch=a.min_train_micro_batch_size_per_gpu,
-        max_micro_batch=a.max_train_micro_batch_size_per_gpu, min_train_batch=a.min_train_batch_size,
-        max_train_batch=a.max_train_batch_size, warmup_steps=a.start_profile_step,
-        profile_steps=a.end_profile_step - a.start_profile_step + 1, results_dir=a.results_dir, overwrite=a.overwrite,
-        stages=_stage_scope(config), gradient_accumulation=int(config.get('gradient_accumulation_steps', 1)),
-        tolerance=a.tolerance, max_profile_steps=a.max_profile_steps, max_profile_seconds=a.max_profile_seconds,
-        playoff_size=a.playoff_size, playoff_rounds=a.playoff_rounds, train_batch=_train_batch(config))
+    return TuneSettings(
+        metric=a.metric,
+        fast=a.fast,
+        tuner_type=TUNER_TYPES[tuner],
+        tuner_num_trials=a.tuner_num_trials,
+        tuner_early_stopping=a.tuner_early_stopping,
+        min_micro_batch=a.min_train_micro_batch_size_per_gpu,
+        max_micro_batch=a.max_train_micro_batch_size_per_gpu,
+        min_train_batch=a.min_train_batch_size,
+        max_train_batch=a.max_train_batch_size,
+        warmup_steps=a.start_profile_step,
+        profile_steps=a.end_profile_step - a.start_profile_step + 1,
+        results_dir=a.results_dir,
+        overwrite=a.overwrite,
+        stages=_stage_scope(config),
+        gradient_accumulation=int(config.get('gradient_accumulation_steps', 1)),
+        tolerance=a.tolerance,
+        max_profile_steps=a.max_profile_steps,
+        max_profile_seconds=a.max_profile_seconds,
+        playoff_size=a.playoff_size,
+        playoff_rounds=a.playoff_rounds,
+        train_batch=_train_batch(config),
+    )
 
-def _train_batch(config:dict)->int|None:
+
+def _train_batch(config: dict) -> int | None:
     t = config.get('train_batch_size')
-    if t is None or t == 'auto': return None
+    if t is None or t == 'auto':
+        return None
     if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-        raise ValueError(f'train_batch_size={t!r} must be a positive int (samples per optimizer step), or left out to search accumulation 1')
+        raise ValueError(
+            f'train_batch_size={t!r} must be a positive int (samples per optimizer step), or left out to search '
+            'accumulation 1'
+        )
     return t
 
 # %% ../../nbs/72_autotuner_space.ipynb #c012
-KNOBS = ('reduce_bucket_size', 'allgather_bucket_size', 'stage3_prefetch_bucket_size',
-         'stage3_param_persistence_threshold', 'overlap_comm')
-DEEPSPEED_DEFAULT_KNOBS = dict(reduce_bucket_size=int(5e8), allgather_bucket_size=int(5e8),
-    stage3_prefetch_bucket_size=int(5e7), stage3_param_persistence_threshold=int(1e5), overlap_comm=False)
+KNOBS = (
+    'reduce_bucket_size',
+    'allgather_bucket_size',
+    'stage3_prefetch_bucket_size',
+    'stage3_param_persistence_threshold',
+    'overlap_comm',
+)
+DEEPSPEED_DEFAULT_KNOBS = dict(
+    reduce_bucket_size=int(5e8),
+    allgather_bucket_size=int(5e8),
+    stage3_prefetch_bucket_size=int(5e7),
+    stage3_param_persistence_threshold=int(1e5),
+    overlap_comm=False,
+)
+
 
 @dataclass(frozen=True)
 class Candidate:
     "One configuration the autotuner may run"
-    stage:int; micro_batch:int; gradient_accumulation:int=1
-    reduce_bucket_size:int=DEEPSPEED_DEFAULT_KNOBS['reduce_bucket_size']
-    allgather_bucket_size:int=DEEPSPEED_DEFAULT_KNOBS['allgather_bucket_size']
-    stage3_prefetch_bucket_size:int=DEEPSPEED_DEFAULT_KNOBS['stage3_prefetch_bucket_size']
-    stage3_param_persistence_threshold:int=DEEPSPEED_DEFAULT_KNOBS['stage3_param_persistence_threshold']
-    overlap_comm:bool=False
-    threads_per_rank:int|None=None   # torch intra-op threads of each rank (the config key); None: the engine's own plan
+
+    stage: int
+    micro_batch: int
+    gradient_accumulation: int = 1
+    reduce_bucket_size: int = DEEPSPEED_DEFAULT_KNOBS['reduce_bucket_size']
+    allgather_bucket_size: int = DEEPSPEED_DEFAULT_KNOBS['allgather_bucket_size']
+    stage3_prefetch_bucket_size: int = DEEPSPEED_DEFAULT_KNOBS['stage3_prefetch_bucket_size']
+    stage3_param_persistence_threshold: int = DEEPSPEED_DEFAULT_KNOBS['stage3_param_persistence_threshold']
+    overlap_comm: bool = False
+    threads_per_rank: int | None = (
+        None  # torch intra-op threads of each rank (the config key); None: the engine's own plan
+    )
 
     @property
-    def key(self)->str:
+    def key(self) -> str:
         point = '_'.join(f'{v:d}' for k, v in asdict(self).items() if k != 'threads_per_rank')
         return point if self.threads_per_rank is None else f'{point}_t{self.threads_per_rank}'
+
     @property
-    def name(self)->str:
+    def name(self) -> str:
         return f'z{self.stage}_gas{self.gradient_accumulation}_tmbspg{self.micro_batch}' + (
-            '' if self.threads_per_rank is None else f'_t{self.threads_per_rank}')
-    def knobs(self)->dict: return {k: getattr(self, k) for k in KNOBS}
+            '' if self.threads_per_rank is None else f'_t{self.threads_per_rank}'
+        )
 
+    def knobs(self) -> dict:
+        return {k: getattr(self, k) for k in KNOBS}
 
-# %% ../../nbs/72_autotuner_space.ipynb #c014
-@patch
-def to_config(self:Candidate, base:dict, # the user's DeepSpeed config
-              world_size:int=1, # data-parallel ranks of the experiment
-             )->dict: # a DeepSpeed config `flexrt.initialize` accepts as is
-    "The user's config with this candidate's stage, batch sizes, ZeRO knobs and threads per rank"
-    cfg = copy.deepcopy(base)
-    cfg.pop('autotuning', None)
-    cfg['train_micro_batch_size_per_gpu'] = self.micro_batch
-    cfg['gradient_accumulation_steps'] = self.gradient_accumulation
-    cfg['train_batch_size'] = self.micro_batch * self.gradient_accumulation * world_size
-    zero = {k: v for k, v in cfg.get('zero_optimization', {}).items() if k not in KNOBS}
-    zero['stage'] = self.stage
-    if self.stage > 0: zero.update({k: v for k, v in self.knobs().items() if self.stage == 3 or not k.startswith('stage3')})
-    cfg['zero_optimization'] = zero
-    if self.threads_per_rank is not None: cfg['threads_per_rank'] = self.threads_per_rank
-    return cfg
+    def to_config(
+        self,
+        base: dict,  # the user's DeepSpeed config
+        world_size: int = 1,  # data-parallel ranks of the experiment
+    ) -> dict:  # a DeepSpeed config `flexrt.initialize` accepts as is
+        "The user's config with this candidate's stage, batch sizes, ZeRO knobs and threads per rank"
+        cfg = copy.deepcopy(base)
+        cfg.pop('autotuning', None)
+        cfg['train_micro_batch_size_per_gpu'] = self.micro_batch
+        cfg['gradient_accumulation_steps'] = self.gradient_accumulation
+        cfg['train_batch_size'] = self.micro_batch * self.gradient_accumulation * world_size
+        zero = {k: v for k, v in cfg.get('zero_optimization', {}).items() if k not in KNOBS}
+        zero['stage'] = self.stage
+        if self.stage > 0:
+            zero.update({k: v for k, v in self.knobs().items() if self.stage == 3 or not k.startswith('stage3')})
+        cfg['zero_optimization'] = zero
+        if self.threads_per_rank is not None:
+            cfg['threads_per_rank'] = self.threads_per_rank
+        return cfg
 
 # %% ../../nbs/72_autotuner_space.ipynb #c017
-def plain_config(config:dict)->dict:
+def plain_config(config: dict) -> dict:
     "`config` without the `autotuning` block and with a single ZeRO stage (0 where a scope was given)"
     cfg = copy.deepcopy(config)
     cfg.pop('autotuning', None)
     zero = cfg.get('zero_optimization')
-    if isinstance(zero, dict) and not isinstance(zero.get('stage', 0), int): cfg['zero_optimization'] = {**zero, 'stage': 0}
+    if isinstance(zero, dict) and not isinstance(zero.get('stage', 0), int):
+        cfg['zero_optimization'] = {**zero, 'stage': 0}
     return cfg
 
 # %% ../../nbs/72_autotuner_space.ipynb #c020
-def micro_batch_ladder(low:int, high:int)->list:
+def micro_batch_ladder(low: int, high: int) -> list:
     "Powers of two in [low, high], plus `low` and `high`, ascending"
     ladder = {low, high} | {2**i for i in range(0, max(high, 1).bit_length()) if low <= 2**i <= high}
     return sorted(ladder)
 
-def gradient_accumulation(s:TuneSettings, micro_batch:int, world_size:int)->int:
-    "Accumulation steps that make the fixed global batch, or put the train batch within the settings' bounds (the config's own value when it does)"
+
+def gradient_accumulation(s: TuneSettings, micro_batch: int, world_size: int) -> int:
+    """Accumulation steps that make the fixed global batch, or put the train batch within the settings' bounds (the
+    config's own value when it does)"""
     if s.train_batch is not None:
         if s.train_batch % (micro_batch * world_size):
-            raise ValueError(f'micro-batch {micro_batch} x {world_size} ranks does not divide train_batch_size={s.train_batch}: '
-                             'with a fixed global batch only its divisors can run (see global_batch_micro_batches)')
+            raise ValueError(
+                f'micro-batch {micro_batch} x {world_size} ranks does not divide train_batch_size={s.train_batch}: '
+                'with a fixed global batch only its divisors can run (see global_batch_micro_batches)'
+            )
         return s.train_batch // (micro_batch * world_size)
     gas = max(s.gradient_accumulation, math.ceil(s.min_train_batch / (micro_batch * world_size)))
-    if s.max_train_batch is not None: gas = max(1, min(gas, s.max_train_batch // (micro_batch * world_size)))
+    if s.max_train_batch is not None:
+        gas = max(1, min(gas, s.max_train_batch // (micro_batch * world_size)))
     return gas
 
-def global_batch_micro_batches(train_batch:int, world_size:int, low:int=1, high:int=1024)->list:
-    "The micro-batches in [low, high] that make `train_batch` exactly on `world_size` ranks (accumulation makes up the rest)"
+
+def global_batch_micro_batches(train_batch: int, world_size: int, low: int = 1, high: int = 1024) -> list:
+    """The micro-batches in [low, high] that make `train_batch` exactly on `world_size` ranks (accumulation makes up the
+    rest)"""
     if train_batch % world_size:
-        raise ValueError(f'train_batch_size={train_batch} is not a multiple of the {world_size} data-parallel ranks: '
-                         f'give a multiple of {world_size} (e.g. {train_batch // world_size * world_size or world_size}), or leave it out')
+        raise ValueError(
+            f'train_batch_size={train_batch} is not a multiple of the {world_size} data-parallel ranks: '
+            f'give a multiple of {world_size} (e.g. {train_batch // world_size * world_size or world_size}), or leave '
+            'it out'
+        )
     per_rank = train_batch // world_size
     sizes = [m for m in range(max(1, low), min(high, per_rank) + 1) if per_rank % m == 0]
     if not sizes:
-        raise ValueError(f'train_batch_size={train_batch} on {world_size} ranks leaves no micro-batch within [{low}, {high}] '
-                         '(autotuning.min/max_train_micro_batch_size_per_gpu): widen the bounds or change train_batch_size')
+        raise ValueError(
+            f'train_batch_size={train_batch} on {world_size} ranks leaves no micro-batch within [{low}, {high}] '
+            '(autotuning.min/max_train_micro_batch_size_per_gpu): widen the bounds or change train_batch_size'
+        )
     return sizes
 
 # %% ../../nbs/72_autotuner_space.ipynb #c023
-def knob_choices(num_params:int, # parameters in the model
-                 tensor_sizes:list|None=None, # element counts of the parameter tensors (for the persistence threshold)
-                 stage:int=2, # the ZeRO stage whose knobs these are
-                 bucket_sizes=None)->dict: # the bucket sizes to try (elements); None: P/16, P/4 and P
+def knob_choices(
+    num_params: int,  # parameters in the model
+    tensor_sizes: list | None = None,  # element counts of the parameter tensors (for the persistence threshold)
+    stage: int = 2,  # the ZeRO stage whose knobs these are
+    bucket_sizes=None,
+) -> dict:  # the bucket sizes to try (elements); None: P/16, P/4 and P
     "The ZeRO knobs' candidate values for `stage`, scaled to the model's size (or the bucket sizes you choose)"
     P = max(int(num_params), 16)
-    buckets = check_bucket_sizes(bucket_sizes) if bucket_sizes else sorted({max(P // 16, 1024), max(P // 4, 1024), max(P, 1024)})
-    choices = {'reduce_bucket_size': buckets, 'overlap_comm': [False, True]}   # no allgather_bucket_size: flexrt's stages 1-2 gather each bucket whole
+    buckets = (
+        check_bucket_sizes(bucket_sizes)
+        if bucket_sizes
+        else sorted({max(P // 16, 1024), max(P // 4, 1024), max(P, 1024)})
+    )
+    choices = {
+        'reduce_bucket_size': buckets,
+        'overlap_comm': [False, True],
+    }  # no allgather_bucket_size: flexrt's stages 1-2 gather each bucket whole
     if stage == 3:
         sizes = sorted(tensor_sizes or [P])
         choices['stage3_prefetch_bucket_size'] = buckets
         choices['stage3_param_persistence_threshold'] = sorted({0, int(sizes[len(sizes) // 2]), int(sizes[-1])})
     return choices
 
-def default_knobs(num_params:int, stage:int, tensor_sizes:list|None=None, bucket_sizes=None)->dict:
-    "The knobs used before the knob search: the largest bucket of each (one bucket for the model), the middle persistence threshold, no overlap"
-    pick = lambda k, v: False if k == 'overlap_comm' else v[len(v) // 2] if k == 'stage3_param_persistence_threshold' else v[-1]
+
+def default_knobs(num_params: int, stage: int, tensor_sizes: list | None = None, bucket_sizes=None) -> dict:
+    """The knobs used before the knob search: the largest bucket of each (one bucket for the model), the middle
+    persistence threshold, no overlap"""
+    pick = lambda k, v: (
+        False if k == 'overlap_comm' else v[len(v) // 2] if k == 'stage3_param_persistence_threshold' else v[-1]
+    )
     return {k: pick(k, v) for k, v in knob_choices(num_params, tensor_sizes, stage, bucket_sizes).items()}
 
-def check_bucket_sizes(bucket_sizes)->list: # sorted, without repeats
+
+def check_bucket_sizes(bucket_sizes) -> list:  # sorted, without repeats
     "Bucket sizes you chose for the knob search: positive ints (elements), or a `ValueError` saying which is not"
     sizes = list(bucket_sizes)
     bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, int) or b <= 0]
-    if bad or not sizes: raise ValueError(f'bucket_sizes={sizes!r}: give one or more positive ints (elements per bucket), e.g. [2**20, 2**22]')
+    if bad or not sizes:
+        raise ValueError(
+            f'bucket_sizes={sizes!r}: give one or more positive ints (elements per bucket), e.g. [2**20, 2**22]'
+        )
     return sorted(set(sizes))
 
 # %% ../../nbs/72_autotuner_space.ipynb #c026
-def thread_counts(cores:int, # cores available to the process (`flexrt.utils.threads.available_cores`)
-                  local_ranks:int, # ranks on this node
-                 )->list: # ascending
+def thread_counts(
+    cores: int,  # cores available to the process (`flexrt.utils.threads.available_cores`)
+    local_ranks: int,  # ranks on this node
+) -> list:  # ascending
     "Threads per rank worth trying: the powers of two up to cores ÷ ranks (at least 1), and that count"
     top = max(1, cores // max(1, local_ranks))
     return sorted({2**i for i in range(top.bit_length()) if 2**i <= top} | {top})

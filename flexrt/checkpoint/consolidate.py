@@ -14,8 +14,9 @@ from .storage import CheckpointError, atomic_write
 __all__ = ['output_path', 'output_format', 'save_state_dict', 'main']
 
 # %% ../../nbs/60_checkpoint_consolidate.ipynb #c005
-def _distinct(state_dict:dict)->dict:
-    "The tensors, contiguous, each with storage of its own (safetensors refuses tensors that share memory, e.g. tied weights)"
+def _distinct(state_dict: dict) -> dict:
+    """The tensors, contiguous, each with storage of its own (safetensors refuses tensors that share memory, e.g. tied
+    weights)"""
     out, seen = {}, set()
     for name, t in state_dict.items():
         ptr = t.untyped_storage().data_ptr()
@@ -23,42 +24,67 @@ def _distinct(state_dict:dict)->dict:
         seen.add(ptr)
     return out
 
-def output_path(out, safe_serialization:bool=False)->Path:
-    "The file to write: `out`, or in an output directory (existing, or `out` ending in '/') DeepSpeed's `model.safetensors` / `pytorch_model.bin`"
-    if not (str(out).endswith(('/', os.sep)) or Path(out).is_dir()): return Path(out)
+
+def output_path(out, safe_serialization: bool = False) -> Path:
+    """The file to write: `out`, or in an output directory (existing, or `out` ending in '/') DeepSpeed's
+    `model.safetensors` / `pytorch_model.bin`"""
+    if not (str(out).endswith(('/', os.sep)) or Path(out).is_dir()):
+        return Path(out)
     return Path(out, 'model.safetensors' if safe_serialization else 'pytorch_model.bin')
 
-def output_format(path, format:str|None=None)->str: # 'safetensors' or 'torch'
+
+def output_format(path, format: str | None = None) -> str:  # 'safetensors' or 'torch'
     "The format to write `path` in: `format` if given, else by the file's extension (safetensors unless .pt/.pth/.bin)"
-    if format is None: return 'torch' if Path(path).suffix in ('.pt', '.pth', '.bin') else 'safetensors'
-    if format not in ('safetensors', 'torch'): raise ValueError(f"format={format!r}: use 'safetensors' or 'torch'")
+    if format is None:
+        return 'torch' if Path(path).suffix in ('.pt', '.pth', '.bin') else 'safetensors'
+    if format not in ('safetensors', 'torch'):
+        raise ValueError(f"format={format!r}: use 'safetensors' or 'torch'")
     return format
 
 # %% ../../nbs/60_checkpoint_consolidate.ipynb #c007
-def save_state_dict(state_dict:dict, # name -> tensor
-                    path, # the file to write (atomically)
-                    format:str|None=None)->dict: # 'safetensors' or 'torch' (default: by extension); returns size and checksum
+def save_state_dict(
+    state_dict: dict,  # name -> tensor
+    path,  # the file to write (atomically)
+    format: str | None = None,
+) -> dict:  # 'safetensors' or 'torch' (default: by extension); returns size and checksum
     "Write a `state_dict` as safetensors or with `torch.save`"
     tensors = {k: v.detach().cpu() for k, v in state_dict.items()}
-    if output_format(path, format) == 'torch': return atomic_write(path, lambda tmp: torch.save(tensors, tmp))
-    try: from safetensors.torch import save_file
+    if output_format(path, format) == 'torch':
+        return atomic_write(path, lambda tmp: torch.save(tensors, tmp))
+    try:
+        from safetensors.torch import save_file
     except ImportError:
-        raise ImportError("writing safetensors needs the `safetensors` package: `pip install safetensors`, or write a torch "
-                          "file (--format torch / format='torch')") from None
+        raise ImportError(
+            "writing safetensors needs the `safetensors` package: `pip install safetensors`, or write a torch "
+            "file (--format torch / format='torch')"
+        ) from None
     return atomic_write(path, lambda tmp: save_file(_distinct(tensors), str(tmp), metadata={'format': 'pt'}))
 
 # %% ../../nbs/60_checkpoint_consolidate.ipynb #c009
-def main(argv:list|None=None, # the arguments (default: the command line's)
-         prog:str='python -m flexrt.checkpoint.consolidate')->int: # the exit status
+def main(
+    argv: list | None = None,  # the arguments (default: the command line's)
+    prog: str = 'python -m flexrt.checkpoint.consolidate',
+) -> int:  # the exit status
     "The command line: consolidate checkpoint DIR into OUT"
-    p = argparse.ArgumentParser(prog=prog, description='Write the full fp32 weights of a flexrt or DeepSpeed checkpoint to one file (zero_to_fp32).')
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description='Write the full fp32 weights of a flexrt or DeepSpeed checkpoint to one file (zero_to_fp32).',
+    )
     p.add_argument('checkpoint_dir', help='a save directory (with `latest`) or one checkpoint directory')
-    p.add_argument('output_file', help="the file to write (.safetensors, or .pt/.pth/.bin for torch), or a directory (ending in '/' or existing)")
+    p.add_argument(
+        'output_file',
+        help="the file to write (.safetensors, or .pt/.pth/.bin for torch), or a directory (ending in '/' or existing)",
+    )
     p.add_argument('--format', choices=['safetensors', 'torch'], default=None, help="default: from OUT's extension")
-    p.add_argument('--safe_serialization', action='store_true', help="write safetensors (into a directory: model.safetensors)")
-    p.add_argument('-t', '--tag', default=None, help="which checkpoint of a save directory (default: the one `latest` names)")
+    p.add_argument(
+        '--safe_serialization', action='store_true', help="write safetensors (into a directory: model.safetensors)"
+    )
+    p.add_argument(
+        '-t', '--tag', default=None, help="which checkpoint of a save directory (default: the one `latest` names)"
+    )
     args = p.parse_args(argv)
-    try: state_dict = consolidate_checkpoint(args.checkpoint_dir, tag=args.tag)
+    try:
+        state_dict = consolidate_checkpoint(args.checkpoint_dir, tag=args.tag)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -66,14 +92,22 @@ def main(argv:list|None=None, # the arguments (default: the command line's)
     fmt = output_format(out, args.format or ('safetensors' if args.safe_serialization else None))
     out.parent.mkdir(parents=True, exist_ok=True)
     info = save_state_dict(state_dict, out, fmt)
-    print(f"wrote {len(state_dict)} tensors ({sum(t.numel() for t in state_dict.values())} elements, {info['size']} bytes) "
-          f"to {out} as {fmt}")
+    print(
+        f"wrote {len(state_dict)} tensors ({sum(t.numel() for t in state_dict.values())} elements, {info['size']} "
+        "bytes) "
+        f"to {out} as {fmt}"
+    )
     return 0
 
 # %% ../../nbs/60_checkpoint_consolidate.ipynb #c012
 class _CallableModule(types.ModuleType):
     "This module, which calls `flexrt.checkpoint`'s `consolidate` function when called"
-    def __call__(self, *args, **kwargs): return consolidate_checkpoint(*args, **kwargs)
 
-if __name__ == 'flexrt.checkpoint.consolidate': sys.modules[__name__].__class__ = _CallableModule
-if __name__ == '__main__' and not hasattr(sys, 'ps1') and 'ipykernel' not in sys.modules: sys.exit(main())
+    def __call__(self, *args, **kwargs):
+        return consolidate_checkpoint(*args, **kwargs)
+
+
+if __name__ == 'flexrt.checkpoint.consolidate':
+    sys.modules[__name__].__class__ = _CallableModule
+if __name__ == '__main__' and not hasattr(sys, 'ps1') and 'ipykernel' not in sys.modules:
+    sys.exit(main())

@@ -18,88 +18,131 @@ __all__ = ['DEEPSPEED_GLOBALS', 'DeepSpeedData', 'ZeroStage', 'load_deepspeed_fi
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c006
 class DeepSpeedData:
     "The fields of one of DeepSpeed's plain data objects, read from a checkpoint (no DeepSpeed code runs)"
+
     ds_path = ''
-    def __setstate__(self, state:dict):
-        if not isinstance(state, dict): raise pickle.UnpicklingError(f"{self.ds_path}: expected a dict of fields, got {type(state).__name__}")
+
+    def __setstate__(self, state: dict):
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"{self.ds_path}: expected a dict of fields, got {type(state).__name__}")
         self.__dict__.update(state)
-    def __repr__(self): return f"{self.ds_path}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
+    def __repr__(self):
+        return f"{self.ds_path}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
 
 class ZeroStage(enum.IntEnum):
     "DeepSpeed's `ZeroStageEnum`, as read from a checkpoint"
+
     disabled, optimizer_states, gradients, weights = 0, 1, 2, 3
 
-def _holder(path:str)->type: return type(path.rsplit('.', 1)[1], (DeepSpeedData,), {'ds_path': path})
 
-_DATA = ('deepspeed.runtime.fp16.loss_scaler.LossScaler', 'deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler',
-         'deepspeed.utils.tensor_fragment.fragment_address')
+def _holder(path: str) -> type:
+    return type(path.rsplit('.', 1)[1], (DeepSpeedData,), {'ds_path': path})
+
+
+_DATA = (
+    'deepspeed.runtime.fp16.loss_scaler.LossScaler',
+    'deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler',
+    'deepspeed.utils.tensor_fragment.fragment_address',
+)
 DEEPSPEED_GLOBALS = {**{p: _holder(p) for p in _DATA}, 'deepspeed.runtime.zero.config.ZeroStageEnum': ZeroStage}
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c008
-def load_deepspeed_file(path)->object:
-    "`torch.load` of one of DeepSpeed's files with only tensors, containers and `DEEPSPEED_GLOBALS`; `CheckpointError` naming any other global"
+def load_deepspeed_file(path) -> object:
+    """`torch.load` of one of DeepSpeed's files with only tensors, containers and `DEEPSPEED_GLOBALS`; `CheckpointError`
+    naming any other global"""
     safe = [(holder, name) for name, holder in DEEPSPEED_GLOBALS.items()]
     try:
-        with allowed_globals(safe):   # torch 2.4 onwards
+        with allowed_globals(safe):  # torch 2.4 onwards
             return torch.load(path, map_location='cpu', weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         found = re.search(r'GLOBAL (\S+?)[,.]?\s', str(e) + ' ')
         what = f"the global {found.group(1)}" if found else "an object"
-        raise CheckpointError(f"{path} holds {what}, which is not one of the DeepSpeed data types flexrt reads "
-                              f"({', '.join(sorted(DEEPSPEED_GLOBALS))}): refused without running it (torch said: "
-                              f"{str(e).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"{path} holds {what}, which is not one of the DeepSpeed data types flexrt reads "
+            f"({', '.join(sorted(DEEPSPEED_GLOBALS))}): refused without running it (torch said: "
+            f"{str(e).splitlines()[0]})"
+        ) from None
     except (RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{path} cannot be read as a DeepSpeed checkpoint file ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{path} cannot be read as a DeepSpeed checkpoint file ({type(e).__name__}: {e})"
+        ) from None
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c012
-def _rank_of(path:Path)->int: return int(re.search(r'zero_pp_rank_(\d+)_mp_rank', path.name).group(1))
+def _rank_of(path: Path) -> int:
+    return int(re.search(r'zero_pp_rank_(\d+)_mp_rank', path.name).group(1))
 
-def _ranked(d:Path, pattern:str)->list:
+
+def _ranked(d: Path, pattern: str) -> list:
     "The files matching `pattern`, by rank; `CheckpointError` unless they are ranks 0..n-1"
     files = sorted(d.glob(pattern), key=_rank_of)
     if [_rank_of(f) for f in files] != list(range(len(files))):
-        raise CheckpointError(f"{d}: the files {pattern} are for ranks {[_rank_of(f) for f in files]}, not 0..{len(files) - 1}: the checkpoint is incomplete")
+        raise CheckpointError(
+            f"{d}: the files {pattern} are for ranks {[_rank_of(f) for f in files]}, not 0..{len(files) - 1}: the "
+            "checkpoint is incomplete"
+        )
     return files
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c013
-def deepspeed_files(directory)->tuple|None: # (model states file, [optimizer files by rank]), or None: not DeepSpeed's
+def deepspeed_files(
+    directory,
+) -> tuple | None:  # (model states file, [optimizer files by rank]), or None: not DeepSpeed's
     "The files of the DeepSpeed checkpoint in `directory` (one tag's directory)"
     d = Path(directory)
-    if not d.is_dir(): return None
+    if not d.is_dir():
+        return None
     model, zero3 = d / 'mp_rank_00_model_states.pt', _ranked(d, 'zero_pp_rank_*_mp_rank_00_model_states.pt')
-    if not model.is_file() and not zero3: return None
+    if not model.is_file() and not zero3:
+        return None
     if any(d.glob('*mp_rank_01_*')):
-        raise CheckpointError(f"{d} is a DeepSpeed checkpoint with model (tensor) parallelism (mp_rank_01 files): flexrt reads "
-                              "data-parallel DeepSpeed checkpoints only; consolidate it with DeepSpeed first")
+        raise CheckpointError(
+            f"{d} is a DeepSpeed checkpoint with model (tensor) parallelism (mp_rank_01 files): flexrt reads "
+            "data-parallel DeepSpeed checkpoints only; consolidate it with DeepSpeed first"
+        )
     return model if model.is_file() else zero3[0], _ranked(d, '*zero_pp_rank_*_mp_rank_00_optim_states.pt')
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c014
-def find_deepspeed_checkpoint(load_dir, # a save directory (with `latest`) or one tag's directory
-                              tag=None)->Path|None: # the tag's directory if it is DeepSpeed's, else None
-    "Where the DeepSpeed checkpoint `tag` (default: `latest`, or `load_dir` itself) lies; None for a flexrt checkpoint or nothing"
+def find_deepspeed_checkpoint(
+    load_dir,  # a save directory (with `latest`) or one tag's directory
+    tag=None,
+) -> Path | None:  # the tag's directory if it is DeepSpeed's, else None
+    """Where the DeepSpeed checkpoint `tag` (default: `latest`, or `load_dir` itself) lies; None for a flexrt checkpoint
+    or nothing"""
     d = Path(load_dir)
-    if (d / MANIFEST).is_file(): return None   # flexrt's (it holds DeepSpeed's model-states file too, see deepspeed_view)
-    if tag is None and deepspeed_files(d) is not None: return d
-    if tag is None: tag = read_latest(d) if (d / 'latest').is_file() else None
-    if tag is None: return None
+    if (d / MANIFEST).is_file():
+        return None  # flexrt's (it holds DeepSpeed's model-states file too, see deepspeed_view)
+    if tag is None and deepspeed_files(d) is not None:
+        return d
+    if tag is None:
+        tag = read_latest(d) if (d / 'latest').is_file() else None
+    if tag is None:
+        return None
     t = d / check_tag(tag)
     return t if not (t / MANIFEST).is_file() and deepspeed_files(t) is not None else None
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c016
-def _param_groups(ms:dict)->list: # [{name: shape}] per param group, in the flat buffers' order
+def _param_groups(ms: dict) -> list:  # [{name: shape}] per param group, in the flat buffers' order
     "The trainable parameters per param group (stage 0 has no `param_shapes`: see `_stage0_groups`)"
-    if ms.get('param_shapes'): return [{n: list(s) for n, s in g.items()} for g in ms['param_shapes']]
+    if ms.get('param_shapes'):
+        return [{n: list(s) for n, s in g.items()} for g in ms['param_shapes']]
     shared, buffers = ms.get('shared_params') or {}, set(ms.get('buffer_names') or [])
     names = [n for n in ms['module'] if n not in buffers and n not in shared]
-    if ms.get('optimizer') is None: return [{n: list(ms['module'][n].shape) for n in names}]
+    if ms.get('optimizer') is None:
+        return [{n: list(ms['module'][n].shape) for n in names}]
     return _stage0_groups(ms, names)
 
-def _stage0_shape(opt:dict, g:int, j:int, index:int)->list|None:
-    "The shape of the optimizer's parameter `index` (the j-th of group g), where the checkpoint shows it"
-    if 'fp32_groups' in opt: return list(opt['fp32_groups'][g][j].shape)
-    state = opt['state'].get(index, {})
-    return next((list(v.shape) for k, v in state.items() if k != 'step' and isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
-def _stage0_groups(ms:dict, names:list)->list:
+def _stage0_shape(opt: dict, g: int, j: int, index: int) -> list | None:
+    "The shape of the optimizer's parameter `index` (the j-th of group g), where the checkpoint shows it"
+    if 'fp32_groups' in opt:
+        return list(opt['fp32_groups'][g][j].shape)
+    state = opt['state'].get(index, {})
+    return next(
+        (list(v.shape) for k, v in state.items() if k != 'step' and isinstance(v, torch.Tensor) and v.dim() > 0), None
+    )
+
+
+def _stage0_groups(ms: dict, names: list) -> list:
     "The optimizer's parameters by index name none: each takes the first unused module parameter of its shape"
     opt = ms['optimizer']
     inner, free, out = opt.get('optimizer_state_dict', opt), list(names), []
@@ -108,34 +151,60 @@ def _stage0_groups(ms:dict, names:list)->list:
         for j, index in enumerate(group['params']):
             shape = _stage0_shape(opt if 'fp32_groups' in opt else inner, g, j, index)
             name = next((n for n in free if shape is None or list(ms['module'][n].shape) == shape), None)
-            if name is None: raise CheckpointError(f"the DeepSpeed optimizer's parameter {index} (shape {shape}) matches no remaining parameter of the module")
-            free.remove(name); out[-1][name] = list(ms['module'][name].shape)
+            if name is None:
+                raise CheckpointError(
+                    f"the DeepSpeed optimizer's parameter {index} (shape {shape}) matches no remaining parameter of "
+                    "the "
+                    "module"
+                )
+            free.remove(name)
+            out[-1][name] = list(ms['module'][name].shape)
     return out
 
-def _entries(ms:dict, groups:list)->list:
-    "An entry per tensor of the module; a tied name (`shared_params`) takes its source's key and shape (at stage 3 its own tensor is an empty placeholder)"
-    shapes = {n: s for g in groups for n, s in g.items()} | {n: list(s) for n, s in (ms.get('frozen_param_shapes') or {}).items()}
+
+def _entries(ms: dict, groups: list) -> list:
+    """An entry per tensor of the module; a tied name (`shared_params`) takes its source's key and shape (at stage 3 its
+    own tensor is an empty placeholder)"""
+    shapes = {n: s for g in groups for n, s in g.items()} | {
+        n: list(s) for n, s in (ms.get('frozen_param_shapes') or {}).items()
+    }
     shared, buffers = ms.get('shared_params') or {}, set(ms.get('buffer_names') or [])
-    def shape(n, t): return shapes.get(shared.get(n, n), list(ms['module'][shared[n]].shape) if n in shared else list(t.shape))
-    return [[n, shared.get(n, n), 'buffer' if n in buffers else 'param', shape(n, t),
-             str(t.dtype).removeprefix('torch.')] for n, t in ms['module'].items()]
+
+    def shape(n, t):
+        return shapes.get(shared.get(n, n), list(ms['module'][shared[n]].shape) if n in shared else list(t.shape))
+
+    return [
+        [n, shared.get(n, n), 'buffer' if n in buffers else 'param', shape(n, t), str(t.dtype).removeprefix('torch.')]
+        for n, t in ms['module'].items()
+    ]
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c019
-def _record(pieces:list, master:torch.Tensor, state:dict)->dict:
+def _record(pieces: list, master: torch.Tensor, state: dict) -> dict:
     "A saved record as flexrt's loader reads it"
     master = master.detach().reshape(-1).float()
     short = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() < master.numel()]
-    if short: raise CheckpointError(f"the optimizer state {short[0]!r} of {pieces[0][0]!r} is shorter than its {master.numel()} weights")
-    elem = {k: v.reshape(-1)[:master.numel()].float() for k, v in state.items()
-            if k != 'step' and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0 and v.numel() >= master.numel()}
+    if short:
+        raise CheckpointError(
+            f"the optimizer state {short[0]!r} of {pieces[0][0]!r} is shorter than its {master.numel()} weights"
+        )
+    elem = {
+        k: v.reshape(-1)[: master.numel()].float()
+        for k, v in state.items()
+        if k != 'step'
+        and isinstance(v, torch.Tensor)
+        and v.is_floating_point()
+        and v.dim() > 0
+        and v.numel() >= master.numel()
+    }
     scalars = {k: v for k, v in state.items() if k not in elem}
     return {'pieces': pieces, 'master': master, 'state': elem, 'scalars': scalars}
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c022
-def stage0_records(ms:dict, groups:list, keys:dict)->list: # the records of the one rank file
+def stage0_records(ms: dict, groups: list, keys: dict) -> list:  # the records of the one rank file
     "One record per parameter from a stage-0 checkpoint"
     opt = ms.get('optimizer')
-    if opt is None: return []
+    if opt is None:
+        return []
     inner, wrapped = opt.get('optimizer_state_dict', opt), 'fp32_groups' in opt
     out, index = [], 0
     for g, group in enumerate(groups):
@@ -146,37 +215,47 @@ def stage0_records(ms:dict, groups:list, keys:dict)->list: # the records of the 
     return out
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c024
-def _pieces12(shapes:dict, keys:dict, paddings:list, base:int, numel:int)->list:
+def _pieces12(shapes: dict, keys: dict, paddings: list, base: int, numel: int) -> list:
     "Pieces of the params (flat in `shapes` order) inside the slice [base, base + numel)"
     pieces, offset = [], 0
     for (name, shape), pad in zip(shapes.items(), paddings):
         n = math.prod(shape)
         a, b = max(offset, base), min(offset + n, base + numel)
-        if a < b: pieces.append([keys[name], a - offset, b - a, a - base])
+        if a < b:
+            pieces.append([keys[name], a - offset, b - a, a - base])
         offset += n + pad
     return pieces
 
-def _check_mapping(pieces:list, names:dict, mapping:dict, where:str):
+
+def _check_mapping(pieces: list, names: dict, mapping: dict, where: str):
     mine = {names[k]: [off, n] for k, _, n, off in pieces}
     theirs = {n: [int(a.start), int(a.numel)] for n, a in (mapping or {}).items()}
     if mapping is not None and mine != theirs:
-        raise CheckpointError(f"{where}: the partition layout computed from param_shapes {mine} differs from DeepSpeed's param_slice_mappings {theirs}")
+        raise CheckpointError(
+            f"{where}: the partition layout computed from param_shapes {mine} differs from DeepSpeed's "
+            f"param_slice_mappings {theirs}"
+        )
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c026
-def zero12_records(osd:dict, rank:int, groups:list, keys:dict, where:str)->list: # the records of rank file `rank`
+def zero12_records(
+    osd: dict, rank: int, groups: list, keys: dict, where: str
+) -> list:  # the records of rank file `rank`
     "One record per param group from rank `rank`'s stage 1/2 optimizer states `osd`"
-    out, names = [], {keys[n]: n for g in groups for n in g}   # a key's name in param_shapes (not a tied alias of it)
+    out, names = [], {keys[n]: n for g in groups for n in g}  # a key's name in param_shapes (not a tied alias of it)
     for g, shapes in enumerate(groups):
         part = osd['single_partition_of_fp32_groups'][g]
         size = part.numel() + int(osd['group_paddings'][g])
         paddings = (osd.get('param_alignment_paddings') or [[0] * len(shapes)] * len(groups))[g]
         pieces = _pieces12(shapes, keys, paddings, rank * size, part.numel())
-        _check_mapping(pieces, names, (osd.get('param_slice_mappings') or [None] * len(groups))[g], f"{where} group {g}")
-        if pieces: out.append(_record(pieces, part, osd['base_optimizer_state']['state'].get(g, {})))
+        _check_mapping(
+            pieces, names, (osd.get('param_slice_mappings') or [None] * len(groups))[g], f"{where} group {g}"
+        )
+        if pieces:
+            out.append(_record(pieces, part, osd['base_optimizer_state']['state'].get(g, {})))
     return out
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c028
-def zero3_records(osd:dict, rank:int, world:int, groups:list, keys:dict, where:str)->list:
+def zero3_records(osd: dict, rank: int, world: int, groups: list, keys: dict, where: str) -> list:
     "One record from rank `rank`'s stage 3 optimizer states `osd`"
     flat = torch.cat([t.reshape(-1) for t in osd['fp32_flat_groups']])
     sub = osd['optimizer_state_dict']['state']
@@ -184,74 +263,135 @@ def zero3_records(osd:dict, rank:int, world:int, groups:list, keys:dict, where:s
     state.update({k: v for k, v in sub.get(0, {}).items() if k == 'step'})
     pieces, offset = [], 0
     for name, shape in ((n, s) for g in groups for n, s in g.items()):
-        n = math.prod(shape); per = math.ceil(n / world)
-        if rank * per < n: pieces.append([keys[name], rank * per, min(per, n - rank * per), offset])
+        n = math.prod(shape)
+        per = math.ceil(n / world)
+        if rank * per < n:
+            pieces.append([keys[name], rank * per, min(per, n - rank * per), offset])
         offset += per
-    if offset != flat.numel(): raise CheckpointError(f"{where}: the parameters take {offset} elements per rank, its fp32 partition holds {flat.numel()}")
+    if offset != flat.numel():
+        raise CheckpointError(
+            f"{where}: the parameters take {offset} elements per rank, its fp32 partition holds {flat.numel()}"
+        )
     return [_record(pieces, flat, state)] if pieces else []
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c030
-_DS_KEYS = {'module', 'buffer_names', 'optimizer', 'param_shapes', 'frozen_param_shapes', 'shared_params',
-            'frozen_param_fragments', 'lr_scheduler', 'data_sampler', 'random_ltd', 'sparse_tensor_module_names',
-            'skipped_steps', 'global_steps', 'global_samples', 'dp_world_size', 'mp_world_size', 'ds_config', 'ds_version',
-            'checkpoint_parallel_dimensions', 'mp_rank', 'ep_world_size'}
+_DS_KEYS = {
+    'module',
+    'buffer_names',
+    'optimizer',
+    'param_shapes',
+    'frozen_param_shapes',
+    'shared_params',
+    'frozen_param_fragments',
+    'lr_scheduler',
+    'data_sampler',
+    'random_ltd',
+    'sparse_tensor_module_names',
+    'skipped_steps',
+    'global_steps',
+    'global_samples',
+    'dp_world_size',
+    'mp_world_size',
+    'ds_config',
+    'ds_version',
+    'checkpoint_parallel_dimensions',
+    'mp_rank',
+    'ep_world_size',
+}
 
-def _client_state(ms:dict)->dict: return {k: v for k, v in ms.items() if k not in _DS_KEYS}
 
-def _counters(ms:dict)->dict:
+def _client_state(ms: dict) -> dict:
+    return {k: v for k, v in ms.items() if k not in _DS_KEYS}
+
+
+def _counters(ms: dict) -> dict:
     accumulation = int((ms.get('ds_config') or {}).get('gradient_accumulation_steps', 1) or 1)
     steps = int(ms.get('global_steps', 0))
-    return {'micro_steps': steps * accumulation, 'global_steps': steps,
-            'global_samples': int(ms.get('global_samples', 0)), 'skipped_steps': int(ms.get('skipped_steps', 0))}
+    return {
+        'micro_steps': steps * accumulation,
+        'global_steps': steps,
+        'global_samples': int(ms.get('global_samples', 0)),
+        'skipped_steps': int(ms.get('skipped_steps', 0)),
+    }
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c031
-def _field(obj, name:str, default=None): return obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+def _field(obj, name: str, default=None):
+    return obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
 
-def _precision(ms:dict, optims:list)->dict:
+
+def _precision(ms: dict, optims: list) -> dict:
     "The loss scaler's state as flexrt's `Precision.state_dict` holds it"
     cfg = ms.get('ds_config') or {}
-    name = 'fp16' if (cfg.get('fp16') or {}).get('enabled') else 'bf16' if (cfg.get('bf16') or cfg.get('bfloat16') or {}).get('enabled') else 'fp32'
+    name = (
+        'fp16'
+        if (cfg.get('fp16') or {}).get('enabled')
+        else 'bf16'
+        if (cfg.get('bf16') or cfg.get('bfloat16') or {}).get('enabled')
+        else 'fp32'
+    )
     source = optims[0] if optims else ms.get('optimizer') or {}
     scaler = _field(source, 'loss_scaler', source)
     dynamic = bool(_field(source, 'dynamic_loss_scale', False))
     state = {'cur_scale': float(_field(scaler, 'cur_scale', 1.0))}
-    if dynamic: state.update({k: int(_field(scaler, k, 0)) for k in ('cur_iter', 'last_overflow_iter', 'cur_hysteresis')})
-    if dynamic and _field(scaler, 'cur_hysteresis') is None: state['cur_hysteresis'] = int(cfg.get('fp16', {}).get('hysteresis', 2))
+    if dynamic:
+        state.update({k: int(_field(scaler, k, 0)) for k in ('cur_iter', 'last_overflow_iter', 'cur_hysteresis')})
+    if dynamic and _field(scaler, 'cur_hysteresis') is None:
+        state['cur_hysteresis'] = int(cfg.get('fp16', {}).get('hysteresis', 2))
     return {'precision': name, 'dynamic': dynamic, 'loss_scaler': state}
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c034
-def _values(ms:dict, entries:list, covered:set)->list:
+def _values(ms: dict, entries: list, covered: set) -> list:
     "Records of the tensors no master holds: buffers and frozen parameters, whole, from the module"
     out, seen = [], set()
     for name, key, kind, shape, _ in entries:
-        if key in covered or key in seen: continue
+        if key in covered or key in seen:
+            continue
         seen.add(key)
         t = ms['module'][name]
-        if t.numel() != math.prod(shape): raise CheckpointError(f"the DeepSpeed checkpoint holds {name!r} only partitioned (a frozen stage-3 parameter): flexrt cannot read it")
-        if t.numel(): out.append({'pieces': [[key, 0, t.numel(), 0]], 'value': t.reshape(-1)})
+        if t.numel() != math.prod(shape):
+            raise CheckpointError(
+                f"the DeepSpeed checkpoint holds {name!r} only partitioned (a frozen stage-3 parameter): flexrt cannot "
+                "read it"
+            )
+        if t.numel():
+            out.append({'pieces': [[key, 0, t.numel(), 0]], 'value': t.reshape(-1)})
     return out
 
-def _optimizer_meta(ms:dict, optims:list)->dict|None:
-    if optims: inner = optims[0].get('base_optimizer_state') or optims[0].get('optimizer_state_dict')
-    else: inner = (ms.get('optimizer') or {}).get('optimizer_state_dict', ms.get('optimizer'))
-    if inner is None: return None
-    return {'type': None, 'param_groups': [{k: v for k, v in g.items() if k != 'params'} for g in inner['param_groups']]}
+
+def _optimizer_meta(ms: dict, optims: list) -> dict | None:
+    if optims:
+        inner = optims[0].get('base_optimizer_state') or optims[0].get('optimizer_state_dict')
+    else:
+        inner = (ms.get('optimizer') or {}).get('optimizer_state_dict', ms.get('optimizer'))
+    if inner is None:
+        return None
+    return {
+        'type': None,
+        'param_groups': [{k: v for k, v in g.items() if k != 'params'} for g in inner['param_groups']],
+    }
 
 # %% ../../nbs/60_checkpoint_deepspeed_format.ipynb #c035
-def _records(ms:dict, optims:list, files:list, groups:list, keys:dict)->list: # records per rank file
+def _records(ms: dict, optims: list, files: list, groups: list, keys: dict) -> list:  # records per rank file
     stage = int(optims[0].get('zero_stage', 0)) if optims else 0
-    if stage == 0: return [stage0_records(ms, groups, keys)]
-    if stage in (1, 2): return [zero12_records(o, r, groups, keys, files[r].name) for r, o in enumerate(optims)]
+    if stage == 0:
+        return [stage0_records(ms, groups, keys)]
+    if stage in (1, 2):
+        return [zero12_records(o, r, groups, keys, files[r].name) for r, o in enumerate(optims)]
     return [zero3_records(o, r, len(optims), groups, keys, files[r].name) for r, o in enumerate(optims)]
 
-def read_deepspeed(directory)->tuple: # (states, payloads) as flexrt's loader takes them
-    "Read the DeepSpeed checkpoint in `directory` (a tag's directory) into flexrt's in-memory checkpoint form"
-    try: return _read_deepspeed(directory)
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"{directory} does not hold a DeepSpeed checkpoint flexrt can read: a field is missing or "
-                              f"of another type ({type(e).__name__}: {e}); it is incomplete, or from an unsupported DeepSpeed version") from e
 
-def _read_deepspeed(directory)->tuple:
+def read_deepspeed(directory) -> tuple:  # (states, payloads) as flexrt's loader takes them
+    "Read the DeepSpeed checkpoint in `directory` (a tag's directory) into flexrt's in-memory checkpoint form"
+    try:
+        return _read_deepspeed(directory)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+        raise CheckpointError(
+            f"{directory} does not hold a DeepSpeed checkpoint flexrt can read: a field is missing or "
+            f"of another type ({type(e).__name__}: {e}); it is incomplete, or from an unsupported DeepSpeed version"
+        ) from e
+
+
+def _read_deepspeed(directory) -> tuple:
     model_file, optim_files = deepspeed_files(directory)
     ms = load_deepspeed_file(model_file)
     optims = [load_deepspeed_file(f)['optimizer_state_dict'] for f in optim_files]
@@ -263,9 +403,22 @@ def _read_deepspeed(directory)->tuple:
     payloads = [{'masters': m, 'values': []} for m in masters]
     payloads[0]['values'] = _values(ms, entries, covered)
     stage = int(optims[0].get('zero_stage', 0)) if optims else 0
-    states = {'format_version': 1, 'source': 'deepspeed', 'ds_version': ms.get('ds_version'), 'stage': stage,
-              'world_size': len(optims) or int(ms.get('dp_world_size', 1)), 'dp_world_size': int(ms.get('dp_world_size', 1)),
-              'mp_world_size': 1, 'entries': entries, 'excluded': [], 'optimizer': _optimizer_meta(ms, optims),
-              'lr_scheduler': ms.get('lr_scheduler'), 'precision': _precision(ms, optims), 'counters': _counters(ms),
-              'layer_drop': None, 'config': ms.get('ds_config'), 'client_state': _client_state(ms)}
+    states = {
+        'format_version': 1,
+        'source': 'deepspeed',
+        'ds_version': ms.get('ds_version'),
+        'stage': stage,
+        'world_size': len(optims) or int(ms.get('dp_world_size', 1)),
+        'dp_world_size': int(ms.get('dp_world_size', 1)),
+        'mp_world_size': 1,
+        'entries': entries,
+        'excluded': [],
+        'optimizer': _optimizer_meta(ms, optims),
+        'lr_scheduler': ms.get('lr_scheduler'),
+        'precision': _precision(ms, optims),
+        'counters': _counters(ms),
+        'layer_drop': None,
+        'config': ms.get('ds_config'),
+        'client_state': _client_state(ms),
+    }
     return states, payloads

@@ -10,7 +10,7 @@ import torch
 from .. import comm as dist
 from .storage import rank_file, save_torch, save_text
 
-_logger = logging.getLogger('flexrt')   # what `deepspeed.utils.logger` is under flexrt's alias
+_logger = logging.getLogger('flexrt')  # what `deepspeed.utils.logger` is under flexrt's alias
 
 # %% auto #0
 __all__ = ['RECOVERY_SCRIPT', 'RECOVERY_TEXT', 'deepspeed_model_file', 'holds_whole_module', 'writes_deepspeed_model',
@@ -18,53 +18,90 @@ __all__ = ['RECOVERY_SCRIPT', 'RECOVERY_TEXT', 'deepspeed_model_file', 'holds_wh
            'optimizer_state_file']
 
 # %% ../../nbs/60_checkpoint_deepspeed_view.ipynb #c006
-def deepspeed_model_file(mp_rank:int=0)->str: return f'mp_rank_{mp_rank:02d}_model_states.pt'   # DeepSpeed's name for it
+def deepspeed_model_file(mp_rank: int = 0) -> str:
+    return f'mp_rank_{mp_rank:02d}_model_states.pt'  # DeepSpeed's name for it
 
-def holds_whole_module(engine)->bool:
-    "Whether every tensor of the module is whole on this rank and the same on its data-parallel peers (no expert-parallel parameters)"
-    slot, tensors = engine.optimizer, [t for t in engine.module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
-    return all(list(t.shape) == list(slot.full_shape(t)) and slot.owned_value(t) is None and getattr(t, 'allreduce', True)
-               for t in tensors)
 
-def writes_deepspeed_model(engine)->str|None: # the file name, or None: this rank writes none
-    "The DeepSpeed model-states file this rank writes: the first rank of its data-parallel group, where the module is whole"
-    if dist.get_rank(engine.dp_group) != 0 or not holds_whole_module(engine): return None
+def holds_whole_module(engine) -> bool:
+    """Whether every tensor of the module is whole on this rank and the same on its data-parallel peers (no
+    expert-parallel parameters)"""
+    slot, tensors = (
+        engine.optimizer,
+        [t for t in engine.module.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)],
+    )
+    return all(
+        list(t.shape) == list(slot.full_shape(t)) and slot.owned_value(t) is None and getattr(t, 'allreduce', True)
+        for t in tensors
+    )
+
+
+def writes_deepspeed_model(engine) -> str | None:  # the file name, or None: this rank writes none
+    """The DeepSpeed model-states file this rank writes: the first rank of its data-parallel group, where the module is
+    whole"""
+    if dist.get_rank(engine.dp_group) != 0 or not holds_whole_module(engine):
+        return None
     return deepspeed_model_file(engine.mpu.get_model_parallel_rank() if engine.mpu is not None else 0)
 
 # %% ../../nbs/60_checkpoint_deepspeed_view.ipynb #c007
-def _cpu_copies(tensors:dict)->dict:
-    "The tensors detached, copied to the CPU once each (tied names share one copy; a view of a flat buffer saves only its own elements)"
+def _cpu_copies(tensors: dict) -> dict:
+    """The tensors detached, copied to the CPU once each (tied names share one copy; a view of a flat buffer saves only
+    its own elements)"""
     copies = {}
     for t in tensors.values():
-        if id(t) not in copies: copies[id(t)] = t.detach().to('cpu', copy=True)
+        if id(t) not in copies:
+            copies[id(t)] = t.detach().to('cpu', copy=True)
     return {name: copies[id(t)] for name, t in tensors.items()}
 
-def deepspeed_model_states(engine, # a flexrt Engine whose module is whole on this rank
-                           client_state:dict, # the caller's state, merged in at the top level as DeepSpeed does
-                           exclude_frozen:bool=False)->dict: # leave out parameters that do not require grad
-    "DeepSpeed's `mp_rank_XX_model_states.pt`: the module's `state_dict` in its working dtype, DeepSpeed's bookkeeping and the client state"
+
+def deepspeed_model_states(
+    engine,  # a flexrt Engine whose module is whole on this rank
+    client_state: dict,  # the caller's state, merged in at the top level as DeepSpeed does
+    exclude_frozen: bool = False,
+) -> dict:  # leave out parameters that do not require grad
+    """DeepSpeed's `mp_rank_XX_model_states.pt`: the module's `state_dict` in its working dtype, DeepSpeed's bookkeeping
+    and the client state"""
     state = {n: t for n, t in engine.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     counters, sched = engine.counter.state_dict(), engine.lr_scheduler
-    return {'module': _cpu_copies({n: t for n, t in state.items() if n not in frozen}),
-            'buffer_names': [n for n, t in state.items() if not isinstance(t, torch.nn.Parameter)],
-            'optimizer': None, 'param_shapes': None, 'frozen_param_shapes': None, 'shared_params': None,   # no DeepSpeed optimizer files
-            'frozen_param_fragments': None, 'lr_scheduler': None if sched is None else sched.state_dict(), 'data_sampler': None,
-            'random_ltd': None, 'sparse_tensor_module_names': [], 'skipped_steps': counters['skipped_steps'],
-            'global_steps': counters['global_steps'], 'global_samples': counters['global_samples'],
-            'dp_world_size': engine.dp_world_size, 'mp_world_size': engine.mp_world_size, 'ds_config': engine.config.to_dict(),
-            'ds_version': None, **client_state}
+    return {
+        'module': _cpu_copies({n: t for n, t in state.items() if n not in frozen}),
+        'buffer_names': [n for n, t in state.items() if not isinstance(t, torch.nn.Parameter)],
+        'optimizer': None,
+        'param_shapes': None,
+        'frozen_param_shapes': None,
+        'shared_params': None,  # no DeepSpeed optimizer files
+        'frozen_param_fragments': None,
+        'lr_scheduler': None if sched is None else sched.state_dict(),
+        'data_sampler': None,
+        'random_ltd': None,
+        'sparse_tensor_module_names': [],
+        'skipped_steps': counters['skipped_steps'],
+        'global_steps': counters['global_steps'],
+        'global_samples': counters['global_samples'],
+        'dp_world_size': engine.dp_world_size,
+        'mp_world_size': engine.mp_world_size,
+        'ds_config': engine.config.to_dict(),
+        'ds_version': None,
+        **client_state,
+    }
 
 # %% ../../nbs/60_checkpoint_deepspeed_view.ipynb #c008
-def write_deepspeed_model(engine, directory, # a flexrt Engine; the (staging) checkpoint directory
-                          client_state:dict, exclude_frozen:bool=False)->dict: # {file name: size and checksum}, empty where this rank writes none
+def write_deepspeed_model(
+    engine,
+    directory,  # a flexrt Engine; the (staging) checkpoint directory
+    client_state: dict,
+    exclude_frozen: bool = False,
+) -> dict:  # {file name: size and checksum}, empty where this rank writes none
     "Write DeepSpeed's model-states file into `directory` if this rank writes one"
     name = writes_deepspeed_model(engine)
-    if name is None: return {}
+    if name is None:
+        return {}
     return {name: save_torch(deepspeed_model_states(engine, client_state, exclude_frozen), Path(directory, name))}
 
 # %% ../../nbs/60_checkpoint_deepspeed_view.ipynb #c010
-RECOVERY_SCRIPT = 'zero_to_fp32.py'   # DeepSpeed's name: its users run `python zero_to_fp32.py . OUT` in a save directory
+RECOVERY_SCRIPT = (
+    'zero_to_fp32.py'  # DeepSpeed's name: its users run `python zero_to_fp32.py . OUT` in a save directory
+)
 RECOVERY_TEXT = '''#!/usr/bin/env python3
 """The full fp32 weights of the flexrt (or DeepSpeed) checkpoint in this directory, in one file. flexrt wrote this
 script where DeepSpeed writes its zero_to_fp32.py, and it takes the same arguments:
@@ -79,22 +116,31 @@ from flexrt.checkpoint.consolidate import main
 if __name__ == '__main__': sys.exit(main(prog='zero_to_fp32.py'))
 '''
 
-def make_executable(path)->bool: # whether the permission was set
-    "Add the owner's execute permission to `path`; where the file is missing or the file system refuses, log why (info) and go on"
-    try: os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+
+def make_executable(path) -> bool:  # whether the permission was set
+    """Add the owner's execute permission to `path`; where the file is missing or the file system refuses, log why
+    (info) and go on"""
+    try:
+        os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
     except (FileNotFoundError, PermissionError) as e:
-        _logger.info(f"could not make {path} executable ({type(e).__name__}: {e}); run it with `python {Path(path).name}`")
+        _logger.info(
+            f"could not make {path} executable ({type(e).__name__}: {e}); run it with `python {Path(path).name}`"
+        )
         return False
     return True
 
-def write_recovery_script(save_dir)->Path:
-    "Write `zero_to_fp32.py` into `save_dir` (atomically; an identical one is left alone), executable where the file system allows"
+
+def write_recovery_script(save_dir) -> Path:
+    """Write `zero_to_fp32.py` into `save_dir` (atomically; an identical one is left alone), executable where the file
+    system allows"""
     path = Path(save_dir, RECOVERY_SCRIPT)
-    if not (path.is_file() and path.read_bytes() == RECOVERY_TEXT.encode()): save_text(RECOVERY_TEXT, path)
+    if not (path.is_file() and path.read_bytes() == RECOVERY_TEXT.encode()):
+        save_text(RECOVERY_TEXT, path)
     make_executable(path)
     return path
 
 # %% ../../nbs/60_checkpoint_deepspeed_view.ipynb #c012
-def optimizer_state_file(save_dir, tag, rank:int)->Path:
-    "The file holding rank `rank`'s optimizer state in checkpoint `tag` of `save_dir`: its rank file (with its masters and values)"
+def optimizer_state_file(save_dir, tag, rank: int) -> Path:
+    """The file holding rank `rank`'s optimizer state in checkpoint `tag` of `save_dir`: its rank file (with its masters
+    and values)"""
     return Path(save_dir, str(tag), rank_file(rank))

@@ -6,8 +6,9 @@
 from __future__ import annotations
 from typing import Protocol, TYPE_CHECKING
 import torch
-if TYPE_CHECKING:   # the types below are named for readers and type checkers; the checkpoint imports none of them
-    from flexrt.config import FlexConfig
+
+if TYPE_CHECKING:  # the types below are named for readers and type checkers; the checkpoint imports none of them
+    from flexrt.config.flex_config import FlexConfig
     from flexrt.precision.policy import Precision
     from flexrt.utils.groups import ExpertGroups
     from flexrt.zero.base import OptimizerSlot
@@ -18,31 +19,53 @@ __all__ = ['REQUIRED', 'CheckpointEngine', 'check_engine']
 # %% ../../nbs/60_checkpoint_engine_surface.ipynb #c006
 class CheckpointEngine(Protocol):
     "What `flexrt.checkpoint` reads and restores on an engine (see the table above); a flexrt `Engine` has all of it"
-    module: torch.nn.Module # the model: its tensors are the checkpoint's entries
-    optimizer: OptimizerSlot # the optimizer slot: fragments, values, `stage`, `gathered`, `sync_model`
-    basic_optimizer: torch.optim.Optimizer|None # its class name, hyperparameters and state
-    lr_scheduler: object|None # `state_dict()` / `load_state_dict()`
-    precision: Precision # `name`; the loss scaler's `state_dict()`
-    counter: object # `flexrt.engine.parts.StepCounter`: step counters; the accumulation window
-    layer_drop: object # progressive layer drop (`flexrt.engine.parts`): its `state_dict()`
-    config: FlexConfig # `to_dict()`; `checkpoint.tag_validation`
-    device: torch.device # where the tag agreement's tensor lives
-    dp_group: object|None # the data-parallel group (None: all ranks)
-    expert_groups: ExpertGroups # expert tensors' data-parallel groups
-    mpu: object|None # model-parallel unit, or None
-    dp_world_size: int # recorded in the model states
-    mp_world_size: int # recorded; above 1, keys carry the model-parallel rank
-    global_steps: int # the default tag and the manifest's record
-    def gradient_accumulation_steps(self)->int: "Micro-batches per optimizer step"
 
-REQUIRED = ('module', 'optimizer', 'basic_optimizer', 'lr_scheduler', 'precision', 'counter', 'layer_drop', 'config', 'device',
-            'dp_group', 'expert_groups', 'mpu', 'dp_world_size', 'mp_world_size', 'global_steps',
-            'gradient_accumulation_steps')   # every attribute of `CheckpointEngine`
+    module: torch.nn.Module  # the model: its tensors are the checkpoint's entries
+    optimizer: OptimizerSlot  # the optimizer slot: fragments, values, `stage`, `gathered`, `sync_model`
+    basic_optimizer: torch.optim.Optimizer | None  # its class name, hyperparameters and state
+    lr_scheduler: object | None  # `state_dict()` / `load_state_dict()`
+    precision: Precision  # `name`; the loss scaler's `state_dict()`
+    counter: object  # `flexrt.engine.parts.StepCounter`: step counters; the accumulation window
+    layer_drop: object  # progressive layer drop (`flexrt.engine.parts`): its `state_dict()`
+    config: FlexConfig  # `to_dict()`; `checkpoint.tag_validation`
+    device: torch.device  # where the tag agreement's tensor lives
+    dp_group: object | None  # the data-parallel group (None: all ranks)
+    expert_groups: ExpertGroups  # expert tensors' data-parallel groups
+    mpu: object | None  # model-parallel unit, or None
+    dp_world_size: int  # recorded in the model states
+    mp_world_size: int  # recorded; above 1, keys carry the model-parallel rank
+    global_steps: int  # the default tag and the manifest's record
+
+    def gradient_accumulation_steps(self) -> int:
+        "Micro-batches per optimizer step"
+
+
+REQUIRED = (
+    'module',
+    'optimizer',
+    'basic_optimizer',
+    'lr_scheduler',
+    'precision',
+    'counter',
+    'layer_drop',
+    'config',
+    'device',
+    'dp_group',
+    'expert_groups',
+    'mpu',
+    'dp_world_size',
+    'mp_world_size',
+    'global_steps',
+    'gradient_accumulation_steps',
+)  # every attribute of `CheckpointEngine`
 
 # %% ../../nbs/60_checkpoint_engine_surface.ipynb #c009
-def check_engine(engine)->CheckpointEngine:
+def check_engine(engine) -> CheckpointEngine:
     "`engine`, after checking it has every attribute of `REQUIRED`; TypeError naming those it lacks"
     missing = [name for name in REQUIRED if not hasattr(engine, name)]
-    if missing: raise TypeError(f"{type(engine).__name__} lacks {', '.join(missing)} of flexrt.checkpoint.engine_surface.CheckpointEngine: "
-                                "checkpoint a flexrt Engine (flexrt.initialize), or give your engine these attributes")
+    if missing:
+        raise TypeError(
+            f"{type(engine).__name__} lacks {', '.join(missing)} of flexrt.checkpoint.engine_surface.CheckpointEngine: "
+            "checkpoint a flexrt Engine (flexrt.initialize), or give your engine these attributes"
+        )
     return engine

@@ -6,10 +6,50 @@
 from __future__ import annotations
 import json, os, re, shutil
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from .storage import (CheckpointError, FORMAT, FORMAT_VERSION, MANIFEST, LATEST, MODEL_STATES, MAX_MANIFEST_BYTES,
-    MAX_TAG_BYTES, rank_file, loaded_files, short_repr, checksum_file, fsync, atomic_write, serialized_size, save_torch, save_text,
-    no_space_error, check_safe, safe_load)
-_all_ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MAX_MANIFEST_BYTES', 'MAX_TAG_BYTES', 'CheckpointError', 'rank_file', 'loaded_files', 'checksum_file', 'fsync', 'atomic_write', 'serialized_size', 'save_torch', 'save_text', 'no_space_error', 'check_safe', 'safe_load']
+from flexrt.checkpoint.storage import (
+    CheckpointError,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    LATEST,
+    MODEL_STATES,
+    MAX_MANIFEST_BYTES,
+    MAX_TAG_BYTES,
+    rank_file,
+    loaded_files,
+    short_repr,
+    checksum_file,
+    fsync,
+    atomic_write,
+    serialized_size,
+    save_torch,
+    save_text,
+    no_space_error,
+    check_safe,
+    safe_load,
+)
+
+_all_ = [
+    'FORMAT',
+    'FORMAT_VERSION',
+    'MANIFEST',
+    'LATEST',
+    'MODEL_STATES',
+    'MAX_MANIFEST_BYTES',
+    'MAX_TAG_BYTES',
+    'CheckpointError',
+    'rank_file',
+    'loaded_files',
+    'checksum_file',
+    'fsync',
+    'atomic_write',
+    'serialized_size',
+    'save_torch',
+    'save_text',
+    'no_space_error',
+    'check_safe',
+    'safe_load',
+]
 
 # %% auto #0
 __all__ = ['write_manifest', 'contained', 'check_manifest', 'read_manifest', 'verify_file', 'tag_problem', 'check_tag',
@@ -19,166 +59,262 @@ __all__ = ['write_manifest', 'contained', 'check_manifest', 'read_manifest', 've
            'save_torch', 'save_text', 'no_space_error', 'check_safe', 'safe_load']
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c015
-def write_manifest(directory, files:dict, **info)->dict: # files: {name: {'size', 'xxh3_128'}}
+def write_manifest(directory, files: dict, **info) -> dict:  # files: {name: {'size', 'xxh3_128'}}
     "Write `manifest.json` into `directory` (atomically) and return it"
     manifest = {'format': FORMAT, 'format_version': FORMAT_VERSION, **info, 'files': files}
     save_text(json.dumps(manifest, indent=1, sort_keys=True), Path(directory, MANIFEST))
     return manifest
 
-def contained(directory, # the checkpoint (or save) directory
-              name, # a relative file name from the manifest (or `latest`)
-              what:str)->Path: # what `name` is, for the message
-    "`directory/name`, if `name` is a relative path that resolves inside `directory`; `CheckpointError` naming `what` otherwise"
+
+def contained(
+    directory,  # the checkpoint (or save) directory
+    name,  # a relative file name from the manifest (or `latest`)
+    what: str,
+) -> Path:  # what `name` is, for the message
+    """`directory/name`, if `name` is a relative path that resolves inside `directory`; `CheckpointError` naming `what`
+    otherwise"""
     if not isinstance(name, str) or not name or '\0' in name or '\\' in name:
         raise CheckpointError(f"{what}: {short_repr(name)} is not a file name")
     if PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive:
-        raise CheckpointError(f"{what}: {short_repr(name)} is an absolute path; a checkpoint only names files inside itself")
+        raise CheckpointError(
+            f"{what}: {short_repr(name)} is an absolute path; a checkpoint only names files inside itself"
+        )
     if any(part in ('', '.', '..') for part in name.split('/')):
-        raise CheckpointError(f"{what}: {short_repr(name)} is not a plain relative path ('..', '.' or empty parts); a checkpoint only names files inside itself")
+        raise CheckpointError(
+            f"{what}: {short_repr(name)} is not a plain relative path ('..', '.' or empty parts); a checkpoint only "
+            "names files inside itself"
+        )
     root = Path(directory).resolve()
     if not (root / name).resolve().is_relative_to(root):
-        raise CheckpointError(f"{what}: {short_repr(name)} is a symlink that leads out of the checkpoint directory {root}; refused")
+        raise CheckpointError(
+            f"{what}: {short_repr(name)} is a symlink that leads out of the checkpoint directory {root}; refused"
+        )
     return Path(directory, name)
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c015a
-def _int_field(m:dict, key:str, where, low:int, high:int|None=None, required:bool=False):
+def _int_field(m: dict, key: str, where, low: int, high: int | None = None, required: bool = False):
     if key not in m:
-        if required: raise CheckpointError(f"{where}: the manifest field '{key}' is missing")
+        if required:
+            raise CheckpointError(f"{where}: the manifest field '{key}' is missing")
         return
     v = m[key]
     if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
-        raise CheckpointError(f"{where}: the manifest field '{key}' is {short_repr(v)}; it must be an int " +
-                              (f"from {low} to {high}" if high is not None else f">= {low}"))
+        raise CheckpointError(
+            f"{where}: the manifest field '{key}' is {short_repr(v)}; it must be an int "
+            + (f"from {low} to {high}" if high is not None else f">= {low}")
+        )
 
-def _file_entry(name:str, info, where):
+
+def _file_entry(name: str, info, where):
     what = f"{where}: the manifest entry files[{short_repr(name)}]"
-    if not isinstance(info, dict): raise CheckpointError(f"{what} is {short_repr(info)}; it must be a dict with 'size' and 'xxh3_128'")
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{what} is {short_repr(info)}; it must be a dict with 'size' and 'xxh3_128'")
     _int_field(info, 'size', what, 0, 2**53, required=True)
     digest = info.get('xxh3_128')
     if not (isinstance(digest, str) and re.fullmatch('[0-9a-f]{32}', digest)):
         raise CheckpointError(f"{what} has 'xxh3_128' {short_repr(digest)}; it must be 32 lowercase hex digits")
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c015b
-def check_manifest(m, # the parsed manifest.json
-                   where)->dict: # its path, for messages
+def check_manifest(
+    m,  # the parsed manifest.json
+    where,
+) -> dict:  # its path, for messages
     "`m` if every field has its type and range; `CheckpointError` naming the first field that does not"
-    if not isinstance(m, dict): raise CheckpointError(f"{where} is not a flexrt checkpoint manifest (not a JSON object)")
-    if m.get('format') != FORMAT: raise CheckpointError(f"{where}: the manifest field 'format' is {short_repr(m.get('format'))}, not {FORMAT!r}: this is not a flexrt checkpoint manifest")
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{where} is not a flexrt checkpoint manifest (not a JSON object)")
+    if m.get('format') != FORMAT:
+        raise CheckpointError(
+            f"{where}: the manifest field 'format' is {short_repr(m.get('format'))}, not {FORMAT!r}: this is not a "
+            "flexrt checkpoint manifest"
+        )
     _int_field(m, 'format_version', where, 1, required=True)
     if m['format_version'] > FORMAT_VERSION:
-        raise CheckpointError(f"{where} was written in checkpoint format {m['format_version']} (the manifest field 'format_version'), newer than this flexrt reads ({FORMAT_VERSION}): upgrade flexrt")
+        raise CheckpointError(
+            f"{where} was written in checkpoint format {m['format_version']} (the manifest field 'format_version'), "
+            f"newer than this flexrt reads ({FORMAT_VERSION}): upgrade flexrt"
+        )
     files = m.get('files')
-    if not isinstance(files, dict) or not files: raise CheckpointError(f"{where}: the manifest field 'files' is {short_repr(files)}; it must be a non-empty dict")
-    for name, info in files.items(): _file_entry(name, info, where)
-    _int_field(m, 'world_size', where, 1, len(files), required=True)   # every rank writes a listed file
-    if isinstance(m.get('stage'), str): _text_field(m, 'stage', where)   # information only: a custom optimizer slot's name
-    else: _int_field(m, 'stage', where, 0, 3)                            # or the ZeRO stage that saved
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(
+            f"{where}: the manifest field 'files' is {short_repr(files)}; it must be a non-empty dict"
+        )
+    for name, info in files.items():
+        _file_entry(name, info, where)
+    _int_field(m, 'world_size', where, 1, len(files), required=True)  # every rank writes a listed file
+    if isinstance(m.get('stage'), str):
+        _text_field(m, 'stage', where)  # information only: a custom optimizer slot's name
+    else:
+        _int_field(m, 'stage', where, 0, 3)  # or the ZeRO stage that saved
     _int_field(m, 'global_steps', where, 0)
-    for key in ('tag', 'precision'): _text_field(m, key, where)
+    for key in ('tag', 'precision'):
+        _text_field(m, key, where)
     return m
 
-def _text_field(m:dict, key:str, where):
+
+def _text_field(m: dict, key: str, where):
     if key in m and not (isinstance(m[key], str) and 0 < len(m[key]) <= MAX_TAG_BYTES and m[key].isprintable()):
-        raise CheckpointError(f"{where}: the manifest field '{key}' is {short_repr(m[key])}; it must be a short string of printable characters")
+        raise CheckpointError(
+            f"{where}: the manifest field '{key}' is {short_repr(m[key])}; it must be a short string of printable "
+            "characters"
+        )
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c016
 def _unique_keys(where):
-    def pairs(items:list)->dict:
+    def pairs(items: list) -> dict:
         seen = {}
         for k, v in items:
-            if k in seen: raise CheckpointError(f"{where}: the key '{k}' appears twice ({short_repr(seen[k])} and {short_repr(v)})")
+            if k in seen:
+                raise CheckpointError(
+                    f"{where}: the key '{k}' appears twice ({short_repr(seen[k])} and {short_repr(v)})"
+                )
             seen[k] = v
         return seen
+
     return pairs
 
-def read_manifest(directory)->dict:
+
+def read_manifest(directory) -> dict:
     "The checked manifest of a checkpoint directory; `CheckpointError` if it is missing, not flexrt's, or unsafe"
     path = Path(directory, MANIFEST)
-    if not path.is_file(): raise CheckpointError(f"{directory} has no {MANIFEST}: it is not a complete flexrt checkpoint (an interrupted save leaves none)")
+    if not path.is_file():
+        raise CheckpointError(
+            f"{directory} has no {MANIFEST}: it is not a complete flexrt checkpoint (an interrupted save leaves none)"
+        )
     contained(directory, MANIFEST, MANIFEST)
-    with open(path, 'rb') as f: data = f.read(MAX_MANIFEST_BYTES + 1)
-    if len(data) > MAX_MANIFEST_BYTES: raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a flexrt manifest")
-    try: manifest = check_manifest(json.loads(data, object_pairs_hook=_unique_keys(path)), path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{path} is corrupted: {e}") from None
-    for name in manifest['files']: contained(directory, name, f"{path}: the manifest entry files[{short_repr(name)}]")
+    with open(path, 'rb') as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{path} is larger than {MAX_MANIFEST_BYTES} bytes: not a flexrt manifest")
+    try:
+        manifest = check_manifest(json.loads(data, object_pairs_hook=_unique_keys(path)), path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupted: {e}") from None
+    for name in manifest['files']:
+        contained(directory, name, f"{path}: the manifest entry files[{short_repr(name)}]")
     unlisted = [n for n in loaded_files(manifest['world_size']) if n not in manifest['files']]
-    if unlisted: raise CheckpointError(f"{path}: {unlisted[0]} is read by a load (the manifest field 'world_size' is {manifest['world_size']}) but the manifest does not list it, so it cannot be verified; refused")
+    if unlisted:
+        raise CheckpointError(
+            f"{path}: {unlisted[0]} is read by a load (the manifest field 'world_size' is {manifest['world_size']}) "
+            "but "
+            "the manifest does not list it, so it cannot be verified; refused"
+        )
     return manifest
 
-def verify_file(directory, name:str, expected:dict)->str|None: # None when the file is intact, else what is wrong
+
+def verify_file(directory, name: str, expected: dict) -> str | None:  # None when the file is intact, else what is wrong
     "Check one manifest entry against the file on disk (never opening a file outside `directory`)"
-    try: path = contained(directory, name, 'manifest entry')
-    except CheckpointError as e: return str(e)
-    if not path.is_file(): return f"{path} is missing"
+    try:
+        path = contained(directory, name, 'manifest entry')
+    except CheckpointError as e:
+        return str(e)
+    if not path.is_file():
+        return f"{path} is missing"
     size = path.stat().st_size
-    if size != expected['size']: return f"{path} has {size} bytes, the manifest says {expected['size']} (truncated or overwritten)"
-    if checksum_file(path) != expected['xxh3_128']: return f"{path} fails its checksum (XXH3-128): the file was altered or corrupted"
+    if size != expected['size']:
+        return f"{path} has {size} bytes, the manifest says {expected['size']} (truncated or overwritten)"
+    if checksum_file(path) != expected['xxh3_128']:
+        return f"{path} fails its checksum (XXH3-128): the file was altered or corrupted"
     return None
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c019
-def tag_problem(tag:str)->str|None: # None when `tag` can name a checkpoint directory, else why not
+def tag_problem(tag: str) -> str | None:  # None when `tag` can name a checkpoint directory, else why not
     "What makes `tag` unfit to name a checkpoint directory"
-    if not tag: return "is empty"
-    if len(tag.encode('utf-8', 'surrogatepass')) > MAX_TAG_BYTES: return f"is longer than {MAX_TAG_BYTES} bytes"
+    if not tag:
+        return "is empty"
+    if len(tag.encode('utf-8', 'surrogatepass')) > MAX_TAG_BYTES:
+        return f"is longer than {MAX_TAG_BYTES} bytes"
     bad = sorted({c for c in tag if c in '/\\' or not c.isprintable()})
-    if bad: return f"holds {', '.join(map(repr, bad[:4]))}: a tag is one directory name of printable characters, without '/' or '\\'"
-    if tag.startswith('.'): return "starts with '.', which staging directories do"
-    if tag != tag.strip(): return "has surrounding spaces"
+    if bad:
+        return (
+            f"holds {', '.join(map(repr, bad[:4]))}: a tag is one directory name of printable characters, without '/' "
+            "or '\\'"
+        )
+    if tag.startswith('.'):
+        return "starts with '.', which staging directories do"
+    if tag != tag.strip():
+        return "has surrounding spaces"
     return None
 
-def check_tag(tag)->str:
+
+def check_tag(tag) -> str:
     "The tag as a string; `ValueError` if it cannot name a checkpoint directory"
     tag = str(tag)
-    if (problem := tag_problem(tag)) is not None: raise ValueError(f"checkpoint tag {short_repr(tag)} {problem}")
+    if (problem := tag_problem(tag)) is not None:
+        raise ValueError(f"checkpoint tag {short_repr(tag)} {problem}")
     return tag
 
-def staging_dir(save_dir, tag:str)->Path: return Path(save_dir, f'.{tag}.partial')
-def _replaced_dir(save_dir, tag:str)->Path: return Path(save_dir, f'.{tag}.replaced')
 
-def discard_staging(save_dir, tag:str):
+def staging_dir(save_dir, tag: str) -> Path:
+    return Path(save_dir, f'.{tag}.partial')
+
+
+def _replaced_dir(save_dir, tag: str) -> Path:
+    return Path(save_dir, f'.{tag}.replaced')
+
+
+def discard_staging(save_dir, tag: str):
     "Remove the staging directory of a failed save of `tag` (each rank may call it; what is already gone is fine)"
     shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c020
-def publish(save_dir, tag:str, # the staging directory `.<tag>.partial` is complete, with its manifest
-            save_latest:bool=True): # point `latest` at `tag`
+def publish(
+    save_dir,
+    tag: str,  # the staging directory `.<tag>.partial` is complete, with its manifest
+    save_latest: bool = True,  # point `latest` at `tag`
+):
     "Move a complete staging directory to `<save_dir>/<tag>` (crash-safe), then update `latest`"
     save_dir, final, old = Path(save_dir), Path(save_dir, tag), _replaced_dir(save_dir, tag)
-    read_manifest(staging_dir(save_dir, tag))   # never publish an incomplete directory
+    read_manifest(staging_dir(save_dir, tag))  # never publish an incomplete directory
     fsync(staging_dir(save_dir, tag))
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(staging_dir(save_dir, tag), final)
     fsync(save_dir)
-    if save_latest: save_text(tag, save_dir / LATEST)
+    if save_latest:
+        save_text(tag, save_dir / LATEST)
     shutil.rmtree(old, ignore_errors=True)
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c021
-def available_tags(load_dir)->list: # tags of complete checkpoints, newest first
+def available_tags(load_dir) -> list:  # tags of complete checkpoints, newest first
     "The complete checkpoints (those with a manifest) under `load_dir`"
     d = Path(load_dir)
-    if not d.is_dir(): return []
+    if not d.is_dir():
+        return []
     found = [p for p in d.iterdir() if p.is_dir() and not p.name.startswith('.') and (p / MANIFEST).is_file()]
     return [p.name for p in sorted(found, key=lambda p: (p / MANIFEST).stat().st_mtime, reverse=True)]
 
-def read_latest(load_dir)->str|None:
+
+def read_latest(load_dir) -> str | None:
     "The tag `latest` names, or None when there is no `latest` file; `CheckpointError` if it cannot be a tag"
     path = Path(load_dir, LATEST)
-    if not path.is_file(): return None
+    if not path.is_file():
+        return None
     contained(load_dir, LATEST, LATEST)
-    with open(path, 'rb') as f: data = f.read(MAX_TAG_BYTES + 3)
-    if len(data) > MAX_TAG_BYTES + 2: raise CheckpointError(f"{path} is over {MAX_TAG_BYTES} bytes, too long to name a tag: it is corrupted; rewrite it or pass tag=")
-    try: tag = data.decode('utf-8').strip()
-    except UnicodeDecodeError: raise CheckpointError(f"{path} is not UTF-8 text: it is corrupted; rewrite it or pass tag=") from None
-    if (problem := tag_problem(tag)) is not None: raise CheckpointError(f"{path} names the tag {short_repr(tag)}, which {problem}; rewrite it or pass tag=")
+    with open(path, 'rb') as f:
+        data = f.read(MAX_TAG_BYTES + 3)
+    if len(data) > MAX_TAG_BYTES + 2:
+        raise CheckpointError(
+            f"{path} is over {MAX_TAG_BYTES} bytes, too long to name a tag: it is corrupted; rewrite it or pass tag="
+        )
+    try:
+        tag = data.decode('utf-8').strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not UTF-8 text: it is corrupted; rewrite it or pass tag=") from None
+    if (problem := tag_problem(tag)) is not None:
+        raise CheckpointError(f"{path} names the tag {short_repr(tag)}, which {problem}; rewrite it or pass tag=")
     return tag
 
-def tag_dir(load_dir, tag:str)->Path:
+
+def tag_dir(load_dir, tag: str) -> Path:
     "The directory of a complete checkpoint `tag`; `CheckpointError` listing the available tags if there is none"
     final, old = Path(load_dir, tag), _replaced_dir(load_dir, tag)
-    if (final / MANIFEST).is_file(): return final
-    if (old / MANIFEST).is_file(): return old   # a crash between publish's two renames
+    if (final / MANIFEST).is_file():
+        return final
+    if (old / MANIFEST).is_file():
+        return old  # a crash between publish's two renames
     tags = available_tags(load_dir)
-    raise CheckpointError(f"no complete checkpoint with tag {tag!r} in {load_dir}" +
-                          (f"; available tags: {', '.join(tags[:10])}" if tags else "; it holds no complete checkpoint"))
+    raise CheckpointError(
+        f"no complete checkpoint with tag {tag!r} in {load_dir}"
+        + (f"; available tags: {', '.join(tags[:10])}" if tags else "; it holds no complete checkpoint")
+    )

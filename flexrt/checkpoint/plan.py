@@ -14,23 +14,33 @@ from fastcore.basics import patch
 __all__ = ['engine_entries', 'rank_writes', 'LoadPlan']
 
 # %% ../../nbs/60_checkpoint_plan.ipynb #c010
-def _mp_rank(engine)->int|None: return engine.mpu.get_model_parallel_rank() if engine.mpu is not None and engine.mp_world_size > 1 else None
+def _mp_rank(engine) -> int | None:
+    return engine.mpu.get_model_parallel_rank() if engine.mpu is not None and engine.mp_world_size > 1 else None
 
-def engine_entries(engine)->list: # [(name, key, tensor, kind, shape)], as `tensor_entries` gives them
+
+def engine_entries(engine) -> list:  # [(name, key, tensor, kind, shape)], as `tensor_entries` gives them
     "The engine's tensors as the checkpoint names them"
     return tensor_entries(engine.module, engine.expert_groups, _mp_rank(engine), engine.optimizer.full_shape)
 
+
 def rank_writes(engine):
     "writes(t, i): whether this rank writes the i-th replicated tensor `t` (round-robin over the group replicating it)"
+
     def writes(t, i):
-        dp = engine.expert_groups.data_parallel.get(getattr(t, 'group_name', None)) if getattr(t, 'allreduce', True) is False else engine.dp_group
+        dp = (
+            engine.expert_groups.data_parallel.get(getattr(t, 'group_name', None))
+            if getattr(t, 'allreduce', True) is False
+            else engine.dp_group
+        )
         return dist.get_rank(dp) == i % dist.get_world_size(dp)
+
     return writes
 
 # %% ../../nbs/60_checkpoint_plan.ipynb #c018
 class LoadPlan:
     "Everything a load will copy, checked before anything is changed"
-    def __init__(self, engine, states:dict, index:FragmentIndex, strict:bool, optimizer_states:bool):
+
+    def __init__(self, engine, states: dict, index: FragmentIndex, strict: bool, optimizer_states: bool):
         self.engine, self.states, self.index = engine, states, index
         self.entries = engine_entries(engine)
         self.skip = self._check_names(strict)
@@ -38,95 +48,107 @@ class LoadPlan:
         self.values = self._check_values()
         self.optimizer = self._optimizer_state() if optimizer_states else None
 
-# %% ../../nbs/60_checkpoint_plan.ipynb #c019
-@patch
-def _check_names(self:LoadPlan, strict:bool)->set: # state_dict names not to load (absent in the checkpoint, not strict)
-    saved = {name: shape for name, _, _, shape, _ in self.states['entries']}
-    current = {name: shape for name, _, _, _, shape in self.entries}
-    excluded = set(self.states.get('excluded', []))
-    missing = [n for n in current if n not in saved and n not in excluded]
-    unexpected = [n for n in saved if n not in current]
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"the checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}" +
-                              " (pass load_module_strict=False to load what matches)")
-    wrong = [f"{n}: checkpoint {saved[n]}, model {current[n]}" for n in current if n in saved and saved[n] != current[n]]
-    if wrong: raise CheckpointError(f"shape mismatch between checkpoint and model: {'; '.join(wrong[:8])}")
-    return set(missing) | excluded
+    def _check_names(self, strict: bool) -> set:  # state_dict names not to load (absent in the checkpoint, not strict)
+        saved = {name: shape for name, _, _, shape, _ in self.states['entries']}
+        current = {name: shape for name, _, _, _, shape in self.entries}
+        excluded = set(self.states.get('excluded', []))
+        missing = [n for n in current if n not in saved and n not in excluded]
+        unexpected = [n for n in saved if n not in current]
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"the checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+                + " (pass load_module_strict=False to load what matches)"
+            )
+        wrong = [
+            f"{n}: checkpoint {saved[n]}, model {current[n]}" for n in current if n in saved and saved[n] != current[n]
+        ]
+        if wrong:
+            raise CheckpointError(f"shape mismatch between checkpoint and model: {'; '.join(wrong[:8])}")
+        return set(missing) | excluded
 
-@patch
-def _need(self:LoadPlan, key:str, field:str, start:int, numel:int):
-    if self.index.covered(key, field, start, numel) != numel:
-        raise CheckpointError(f"the checkpoint lacks elements [{start}, {start + numel}) of {key!r} ({field}): "
-                              "its rank files are incomplete, or it was saved with another model or expert layout")
+    def _need(self, key: str, field: str, start: int, numel: int):
+        if self.index.covered(key, field, start, numel) != numel:
+            raise CheckpointError(
+                f"the checkpoint lacks elements [{start}, {start + numel}) of {key!r} ({field}): "
+                "its rank files are incomplete, or it was saved with another model or expert layout"
+            )
 
-# %% ../../nbs/60_checkpoint_plan.ipynb #c020
-@patch
-def _check_masters(self:LoadPlan)->list: # [(master, [(key, start, numel, offset)])]
-    names = {id(t): name for name, _, t, *_ in self.entries}
-    keys = {id(t): key for _, key, t, *_ in self.entries}
-    out = []
-    for master, pieces, _ in self.engine.optimizer.fragments():
-        todo = [(keys[id(p)], s, n, off) for p, s, n, off in pieces if names[id(p)] not in self.skip]
-        for key, s, n, _ in todo: self._need(key, 'master', s, n)
-        out.append((master, todo))
-    return out
+    def _check_masters(self) -> list:  # [(master, [(key, start, numel, offset)])]
+        names = {id(t): name for name, _, t, *_ in self.entries}
+        keys = {id(t): key for _, key, t, *_ in self.entries}
+        out = []
+        for master, pieces, _ in self.engine.optimizer.fragments():
+            todo = [(keys[id(p)], s, n, off) for p, s, n, off in pieces if names[id(p)] not in self.skip]
+            for key, s, n, _ in todo:
+                self._need(key, 'master', s, n)
+            out.append((master, todo))
+        return out
 
-@patch
-def _check_values(self:LoadPlan)->list: # [(destination flat tensor, key, start)]
-    opt = self.engine.optimizer
-    covered, out, seen = {id(p) for p in opt.stepped_params()}, [], set()
-    for name, key, t, *_ in self.entries:
-        if id(t) in covered or id(t) in seen or name in self.skip: continue
-        seen.add(id(t))
-        dst, start = opt.owned_value(t) or (t.data.view(-1), 0)   # a partitioned tensor: this rank's piece
-        self._need(key, 'value', start, dst.numel())
-        out.append((dst, key, start))
-    return out
+    def _check_values(self) -> list:  # [(destination flat tensor, key, start)]
+        opt = self.engine.optimizer
+        covered, out, seen = {id(p) for p in opt.stepped_params()}, [], set()
+        for name, key, t, *_ in self.entries:
+            if id(t) in covered or id(t) in seen or name in self.skip:
+                continue
+            seen.add(id(t))
+            dst, start = opt.owned_value(t) or (t.data.view(-1), 0)  # a partitioned tensor: this rank's piece
+            self._need(key, 'value', start, dst.numel())
+            out.append((dst, key, start))
+        return out
+
+    def _master_state(self, master, todo: list) -> dict:
+        if not todo:
+            return {}
+        kinds = set().union(*(self.index.state_keys(key) for key, *_ in todo))
+        state = {}
+        for k in sorted(kinds):
+            dtype = next(_tensor_dtype(self.index, key, k) for key, *_ in todo if k in self.index.state_keys(key))
+            t = torch.zeros(master.shape, dtype=dtype, device=master.device)
+            for key, s, n, off in todo:
+                self.index.copy_into(t.view(-1)[off : off + n], key, k, s)
+            state[k] = t
+        scalars = next(
+            (sc for key, s, *_ in todo if (sc := self.index.scalars_at(key, s))), {}
+        )  # the first piece that has any
+        for k, v in scalars.items():
+            state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        return state
+
+    def _optimizer_state(self) -> dict | None:  # a torch optimizer state_dict, or None (nothing to load)
+        opt, saved = self.engine.basic_optimizer, self.states['optimizer']
+        if opt is None or saved is None:
+            return None
+        if saved['type'] is not None and saved['type'] != type(opt).__name__:  # None: DeepSpeed's, which names no class
+            raise CheckpointError(
+                f"the checkpoint's optimizer is {saved['type']}, this engine's {type(opt).__name__}: "
+                "use the same optimizer, or pass load_optimizer_states=False"
+            )
+        sd = opt.state_dict()
+        if len(saved['param_groups']) != len(sd['param_groups']):
+            raise CheckpointError(
+                f"the checkpoint has {len(saved['param_groups'])} optimizer param groups, this engine "
+                f"{len(sd['param_groups'])}"
+            )
+        index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g['params'])}
+        state = {index[id(m)]: s for m, todo in self.masters if (s := self._master_state(m, todo))}
+        groups = [{**saved_g, 'params': g['params']} for g, saved_g in zip(sd['param_groups'], saved['param_groups'])]
+        return {'state': state, 'param_groups': groups}
+
+    @torch.no_grad()
+    def apply(self):
+        "Copy every planned master and value into the engine, make the model consistent, load the optimizer state"
+        opt = self.engine.optimizer
+        opt.quiesce()
+        for master, todo in self.masters:
+            flat = master.detach().view(-1)
+            for key, s, n, off in todo:
+                self.index.copy_into(flat[off : off + n], key, 'master', s)
+        for dst, key, start in self.values:
+            self.index.copy_into(dst, key, 'value', start)
+        opt.sync_model()
+        if self.optimizer is not None:
+            self.engine.basic_optimizer.load_state_dict(self.optimizer)
 
 # %% ../../nbs/60_checkpoint_plan.ipynb #c022
-@patch
-def _master_state(self:LoadPlan, master, todo:list)->dict:
-    if not todo: return {}
-    kinds = set().union(*(self.index.state_keys(key) for key, *_ in todo))
-    state = {}
-    for k in sorted(kinds):
-        dtype = next(_tensor_dtype(self.index, key, k) for key, *_ in todo if k in self.index.state_keys(key))
-        t = torch.zeros(master.shape, dtype=dtype, device=master.device)
-        for key, s, n, off in todo: self.index.copy_into(t.view(-1)[off:off + n], key, k, s)
-        state[k] = t
-    scalars = next((sc for key, s, *_ in todo if (sc := self.index.scalars_at(key, s))), {})   # the first piece that has any
-    for k, v in scalars.items(): state[k] = v.clone() if isinstance(v, torch.Tensor) else v
-    return state
-
-def _tensor_dtype(index:FragmentIndex, key:str, k:str)->torch.dtype:
+def _tensor_dtype(index: FragmentIndex, key: str, k: str) -> torch.dtype:
     return next(rec['state'][k].dtype for rec, *_, kind in index.by_key[key] if kind == 'masters' and k in rec['state'])
-
-# %% ../../nbs/60_checkpoint_plan.ipynb #c023
-@patch
-def _optimizer_state(self:LoadPlan)->dict|None: # a torch optimizer state_dict, or None (nothing to load)
-    opt, saved = self.engine.basic_optimizer, self.states['optimizer']
-    if opt is None or saved is None: return None
-    if saved['type'] is not None and saved['type'] != type(opt).__name__:   # None: DeepSpeed's, which names no class
-        raise CheckpointError(f"the checkpoint's optimizer is {saved['type']}, this engine's {type(opt).__name__}: "
-                              "use the same optimizer, or pass load_optimizer_states=False")
-    sd = opt.state_dict()
-    if len(saved['param_groups']) != len(sd['param_groups']):
-        raise CheckpointError(f"the checkpoint has {len(saved['param_groups'])} optimizer param groups, this engine {len(sd['param_groups'])}")
-    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g['params'])}
-    state = {index[id(m)]: s for m, todo in self.masters if (s := self._master_state(m, todo))}
-    groups = [{**saved_g, 'params': g['params']} for g, saved_g in zip(sd['param_groups'], saved['param_groups'])]
-    return {'state': state, 'param_groups': groups}
-
-# %% ../../nbs/60_checkpoint_plan.ipynb #c025
-@patch
-@torch.no_grad()
-def apply(self:LoadPlan):
-    "Copy every planned master and value into the engine, make the model consistent, load the optimizer state"
-    opt = self.engine.optimizer
-    opt.quiesce()
-    for master, todo in self.masters:
-        flat = master.detach().view(-1)
-        for key, s, n, off in todo: self.index.copy_into(flat[off:off + n], key, 'master', s)
-    for dst, key, start in self.values: self.index.copy_into(dst, key, 'value', start)
-    opt.sync_model()
-    if self.optimizer is not None: self.engine.basic_optimizer.load_state_dict(self.optimizer)

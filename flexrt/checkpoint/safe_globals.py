@@ -11,33 +11,41 @@ import torch
 __all__ = ['takes_named_pairs', 'allowed_globals']
 
 # %% ../../nbs/60_checkpoint_safe_globals.ipynb #c006
-def takes_named_pairs()->bool:
+def takes_named_pairs() -> bool:
     "Whether this torch's allow-list takes `(object, 'module.Name')` pairs (torch 2.6 onwards)"
     return torch.__version__ >= (2, 6)
 
+
 @functools.cache
-def _alias(obj, path:str): # `obj`, or an object named `path` that stands for it
+def _alias(obj, path: str):  # `obj`, or an object named `path` that stands for it
     "`obj` under the global name `path` ('module.Name'), for a torch that reads the name off the allowed object"
     module, name = path.rsplit('.', 1)
-    if (getattr(obj, '__module__', None), getattr(obj, '__name__', None)) == (module, name): return obj
+    if (getattr(obj, '__module__', None), getattr(obj, '__name__', None)) == (module, name):
+        return obj
     if isinstance(obj, type) and not issubclass(obj, enum.Enum):
         return type(name, (obj,), {'__module__': module, '__qualname__': name})
-    def rebuild(*args): return obj(*args)
+
+    def rebuild(*args):
+        return obj(*args)
+
     rebuild.__module__, rebuild.__name__, rebuild.__qualname__ = module, name, name
     return rebuild
 
 # %% ../../nbs/60_checkpoint_safe_globals.ipynb #c009
 @contextlib.contextmanager
-def allowed_globals(safe:list): # objects, or `(object, 'module.Name')` pairs for objects allowed under another name
+def allowed_globals(safe: list):  # objects, or `(object, 'module.Name')` pairs for objects allowed under another name
     "Let `torch.load(weights_only=True)` rebuild `safe` inside the block only, on torch 2.4 onwards"
-    if not takes_named_pairs(): safe = [_alias(*g) if isinstance(g, tuple) else g for g in safe]
+    if not takes_named_pairs():
+        safe = [_alias(*g) if isinstance(g, tuple) else g for g in safe]
     ser = torch.serialization
     if hasattr(ser, 'safe_globals'):
-        with ser.safe_globals(safe): yield
+        with ser.safe_globals(safe):
+            yield
         return
-    before = list(ser.get_safe_globals())   # torch 2.4: one process-wide list, put back as it was afterwards
+    before = list(ser.get_safe_globals())  # torch 2.4: one process-wide list, put back as it was afterwards
     ser.add_safe_globals(safe)
-    try: yield
+    try:
+        yield
     finally:
         ser.clear_safe_globals()
         ser.add_safe_globals(before)

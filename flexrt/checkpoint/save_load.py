@@ -10,224 +10,354 @@ from pathlib import Path
 import torch
 from .. import comm as dist, __version__
 from .storage import CheckpointError, MODEL_STATES, rank_file, save_torch, safe_load, check_safe
-from .layout import (check_tag, staging_dir, write_manifest, read_manifest, verify_file, publish, read_latest,
-                                      tag_dir, discard_staging)
+from flexrt.checkpoint.layout import (
+    check_tag,
+    staging_dir,
+    write_manifest,
+    read_manifest,
+    verify_file,
+    publish,
+    read_latest,
+    tag_dir,
+    discard_staging,
+)
 from .plan import LoadPlan, engine_entries, rank_writes
 from .engine_surface import check_engine
 from .deepspeed_format import find_deepspeed_checkpoint, read_deepspeed
 from .deepspeed_view import write_deepspeed_model, write_recovery_script
-from .shards import tensor_entries, master_records, value_records, check_records, rng_state, set_rng_state, FragmentIndex
+from flexrt.checkpoint.shards import (
+    tensor_entries,
+    master_records,
+    value_records,
+    check_records,
+    rng_state,
+    set_rng_state,
+    FragmentIndex,
+)
 
 # %% auto #0
 __all__ = ['agree', 'TagMismatchError', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify',
            'load_checkpoint', 'save_16bit_model', 'consolidate']
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c006
-def agree(error:BaseException|None, # what this rank met in the phase (None: success)
-          what:str): # the phase, for the message
+def agree(
+    error: BaseException | None,  # what this rank met in the phase (None: success)
+    what: str,  # the phase, for the message
+):
     "Raise on every rank if `error` was set on any rank"
     if dist.get_world_size() == 1:
-        if error is not None: raise error
+        if error is not None:
+            raise error
         return
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None: raise error
+    if error is not None:
+        raise error
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed: raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+    if failed:
+        raise CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+
 
 def _attempt(fn, *args):
     "(result, None) or (None, the exception)"
-    try: return fn(*args), None
-    except Exception as e: return None, e
+    try:
+        return fn(*args), None
+    except Exception as e:
+        return None, e
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c008
-def _rank0_tag(tag:str)->str:
+def _rank0_tag(tag: str) -> str:
     obj = [tag]
     dist.broadcast_object_list(obj, src=0)
     return obj[0]
 
-class TagMismatchError(CheckpointError, AssertionError):
-    "The ranks passed different tags to `save_checkpoint` under `checkpoint.tag_validation: Fail` (an AssertionError too, as in DeepSpeed)"
 
-def agree_on_tag(tag:str, mode:str='Warn', device=None)->str: # the tag every rank saves under
+class TagMismatchError(CheckpointError, AssertionError):
+    """The ranks passed different tags to `save_checkpoint` under `checkpoint.tag_validation: Fail` (an AssertionError
+    too, as in DeepSpeed)"""
+
+
+def agree_on_tag(tag: str, mode: str = 'Warn', device=None) -> str:  # the tag every rank saves under
     "Check every rank saves under the same tag (collective): `Fail` raises, `Warn` warns; the tag all ranks use"
-    if dist.get_world_size() == 1: return tag
-    if mode == 'Ignore': return _rank0_tag(tag)
+    if dist.get_world_size() == 1:
+        return tag
+    if mode == 'Ignore':
+        return _rank0_tag(tag)
     h = int.from_bytes(hashlib.sha1(tag.encode()).digest()[:7], 'big')
     t = torch.tensor([h, -h], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if t[0].item() == -t[1].item(): return tag
-    msg = f"the checkpoint tag {tag!r} (rank {dist.get_rank()}) is not the same on every rank: pass one tag to save_checkpoint on all ranks"
-    if mode == 'Fail': raise TagMismatchError(msg)
+    if t[0].item() == -t[1].item():
+        return tag
+    msg = (
+        f"the checkpoint tag {tag!r} (rank {dist.get_rank()}) is not the same on every rank: pass one tag to "
+        "save_checkpoint on all ranks"
+    )
+    if mode == 'Fail':
+        raise TagMismatchError(msg)
     first = _rank0_tag(tag)
     warnings.warn(f"{msg}; saving under rank 0's tag {first!r}")
     return first
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c011
-def rank_payload(engine, entries:list, # `engine_entries(engine)`
-                 exclude:set=frozenset())->dict: # exclude: ids of tensors not to save
+def rank_payload(
+    engine,
+    entries: list,  # `engine_entries(engine)`
+    exclude: set = frozenset(),
+) -> dict:  # exclude: ids of tensors not to save
     "What this rank writes: its masters with their optimizer state, its values, its random generators"
     writes = rank_writes(engine)
     keys = {t: key for _, key, t, *_ in entries}
     covered = {id(p) for p in engine.optimizer.stepped_params()}
     masters = master_records(engine.optimizer, keys, writes, exclude)
-    values = value_records([e for e in entries if id(e[2]) not in exclude], covered, writes, engine.optimizer.owned_value)
-    return {'format_version': 1, 'rank': dist.get_rank(), 'world_size': dist.get_world_size(),
-            'masters': masters, 'values': values, 'rng': rng_state()}
+    values = value_records(
+        [e for e in entries if id(e[2]) not in exclude], covered, writes, engine.optimizer.owned_value
+    )
+    return {
+        'format_version': 1,
+        'rank': dist.get_rank(),
+        'world_size': dist.get_world_size(),
+        'masters': masters,
+        'values': values,
+        'rng': rng_state(),
+    }
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c012
-def _optimizer_meta(engine)->dict|None:
+def _optimizer_meta(engine) -> dict | None:
     opt = engine.basic_optimizer
-    if opt is None: return None
-    return {'type': type(opt).__name__, 'param_groups': [{k: v for k, v in g.items() if k != 'params'} for g in opt.param_groups]}
+    if opt is None:
+        return None
+    return {
+        'type': type(opt).__name__,
+        'param_groups': [{k: v for k, v in g.items() if k != 'params'} for g in opt.param_groups],
+    }
 
-def model_states(engine, entries:list, client_state:dict, excluded:list)->dict:
-    "What rank 0 writes: the model's tensor list, counters, scaler, schedule, optimizer hyperparameters, config, client state"
+
+def model_states(engine, entries: list, client_state: dict, excluded: list) -> dict:
+    """What rank 0 writes: the model's tensor list, counters, scaler, schedule, optimizer hyperparameters, config,
+    client state"""
     sched = engine.lr_scheduler
-    return {'format_version': 1, 'flexrt_version': __version__, 'stage': engine.optimizer.stage,
-            'world_size': dist.get_world_size(), 'dp_world_size': engine.dp_world_size, 'mp_world_size': engine.mp_world_size,
-            'entries': [[name, key, kind, shape, str(t.dtype).removeprefix('torch.')] for name, key, t, kind, shape in entries],
-            'excluded': excluded, 'optimizer': _optimizer_meta(engine),
-            'lr_scheduler': None if sched is None else sched.state_dict(), 'precision': engine.precision.state_dict(),
-            'counters': engine.counter.state_dict(), 'layer_drop': engine.layer_drop.state_dict(),
-            'config': engine.config.to_dict(), 'client_state': client_state}
+    return {
+        'format_version': 1,
+        'flexrt_version': __version__,
+        'stage': engine.optimizer.stage,
+        'world_size': dist.get_world_size(),
+        'dp_world_size': engine.dp_world_size,
+        'mp_world_size': engine.mp_world_size,
+        'entries': [
+            [name, key, kind, shape, str(t.dtype).removeprefix('torch.')] for name, key, t, kind, shape in entries
+        ],
+        'excluded': excluded,
+        'optimizer': _optimizer_meta(engine),
+        'lr_scheduler': None if sched is None else sched.state_dict(),
+        'precision': engine.precision.state_dict(),
+        'counters': engine.counter.state_dict(),
+        'layer_drop': engine.layer_drop.state_dict(),
+        'config': engine.config.to_dict(),
+        'client_state': client_state,
+    }
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c014
 def _check_client_state(client_state):
-    if not isinstance(client_state, dict): raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
+    if not isinstance(client_state, dict):
+        raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
     check_safe(client_state, 'client_state')
 
-def _prepare(save_dir:Path, tag:str):
+
+def _prepare(save_dir: Path, tag: str):
     save_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)   # left by a crashed save of this tag
+    shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)  # left by a crashed save of this tag
     staging_dir(save_dir, tag).mkdir()
 
-def _write_files(engine, staging:Path, client_state:dict, exclude_frozen:bool)->dict: # {file name: size and checksum}
+
+def _write_files(
+    engine, staging: Path, client_state: dict, exclude_frozen: bool
+) -> dict:  # {file name: size and checksum}
     entries = engine_entries(engine)
-    frozen = [(n, t) for n, _, t, kind, _ in entries if kind == 'param' and not t.requires_grad] if exclude_frozen else []
+    frozen = (
+        [(n, t) for n, _, t, kind, _ in entries if kind == 'param' and not t.requires_grad] if exclude_frozen else []
+    )
     payload = rank_payload(engine, entries, {id(t) for _, t in frozen})
     files = {rank_file(dist.get_rank()): save_torch(payload, staging / rank_file(dist.get_rank()))}
-    if dist.get_rank() == 0: files[MODEL_STATES] = save_torch(model_states(engine, entries, client_state, [n for n, _ in frozen]), staging / MODEL_STATES)
-    return files | write_deepspeed_model(engine, staging, client_state, exclude_frozen)   # DeepSpeed's view of the module
+    if dist.get_rank() == 0:
+        files[MODEL_STATES] = save_torch(
+            model_states(engine, entries, client_state, [n for n, _ in frozen]), staging / MODEL_STATES
+        )
+    return files | write_deepspeed_model(
+        engine, staging, client_state, exclude_frozen
+    )  # DeepSpeed's view of the module
 
-def _finish(engine, save_dir:Path, tag:str, files:dict, save_latest:bool):
+
+def _finish(engine, save_dir: Path, tag: str, files: dict, save_latest: bool):
     staging = staging_dir(save_dir, tag)
     for name, info in files.items():
         size = (staging / name).stat().st_size if (staging / name).is_file() else None
-        if size != info['size']: raise CheckpointError(f"{staging / name} has {size} bytes on disk, its writer reported {info['size']}: is {save_dir} shared by all ranks?")
-    write_manifest(staging, files, tag=tag, world_size=dist.get_world_size(), stage=engine.optimizer.stage,
-                   precision=engine.precision.name, global_steps=engine.global_steps)
-    write_recovery_script(save_dir)   # before publishing: a save that cannot write it fails whole
+        if size != info['size']:
+            raise CheckpointError(
+                f"{staging / name} has {size} bytes on disk, its writer reported {info['size']}: is {save_dir} shared "
+                "by all ranks?"
+            )
+    write_manifest(
+        staging,
+        files,
+        tag=tag,
+        world_size=dist.get_world_size(),
+        stage=engine.optimizer.stage,
+        precision=engine.precision.name,
+        global_steps=engine.global_steps,
+    )
+    write_recovery_script(save_dir)  # before publishing: a save that cannot write it fails whole
     publish(save_dir, tag, save_latest)
 
-def _warn_window(engine, what:str, consequence:str):
+
+def _warn_window(engine, what: str, consequence: str):
     "Warn (rank 0) when `what` happens inside an accumulation window, saying what becomes of the accumulated gradients"
     pending = engine.counter.window_micro_steps() if engine.counter.boundary_override is None else 0
     if pending and dist.get_rank() == 0:
-        warnings.warn(f"{what} in the middle of a gradient accumulation window ({pending} of "
-                      f"{engine.gradient_accumulation_steps()} micro-batches accumulated since the last optimizer step): {consequence}")
+        warnings.warn(
+            f"{what} in the middle of a gradient accumulation window ({pending} of "
+            f"{engine.gradient_accumulation_steps()} micro-batches accumulated since the last optimizer step): "
+            f"{consequence}"
+        )
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c015
-def save_checkpoint(engine, # a flexrt Engine (anything with `CheckpointEngine`'s attributes)
-                    save_dir, # the directory holding the checkpoints (created if needed; shared by all ranks)
-                    tag=None, # the checkpoint's name (default: global_step<N>)
-                    client_state:dict|None=None, # your own state (epoch, data position...): tensors, numbers, strings, containers
-                    save_latest:bool=True, # point `<save_dir>/latest` at this tag
-                    exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
+def save_checkpoint(
+    engine,  # a flexrt Engine (anything with `CheckpointEngine`'s attributes)
+    save_dir,  # the directory holding the checkpoints (created if needed; shared by all ranks)
+    tag=None,  # the checkpoint's name (default: global_step<N>)
+    client_state: dict | None = None,  # your own state (epoch, data position...): tensors, numbers, strings, containers
+    save_latest: bool = True,  # point `<save_dir>/latest` at this tag
+    exclude_frozen_parameters: bool = False,
+) -> bool:  # leave out parameters that do not require grad
     "Save the engine's complete training state under `<save_dir>/<tag>/` (all ranks call it); True when done"
     check_engine(engine)
-    if save_dir is None or str(save_dir) == '': raise ValueError("save_checkpoint needs a save_dir: the directory that holds the checkpoints")
+    if save_dir is None or str(save_dir) == '':
+        raise ValueError("save_checkpoint needs a save_dir: the directory that holds the checkpoints")
     save_dir, client_state = Path(save_dir), {} if client_state is None else client_state
     tag = check_tag(f'global_step{engine.global_steps}' if tag is None else tag)
     agree(_attempt(_check_client_state, client_state)[1], 'checking client_state')
-    _warn_window(engine, 'save_checkpoint', "they are not saved: a load of this checkpoint starts a fresh window; "
-                                            "save right after engine.step() at a boundary")
+    _warn_window(
+        engine,
+        'save_checkpoint',
+        "they are not saved: a load of this checkpoint starts a fresh window; "
+        "save right after engine.step() at a boundary",
+    )
     tag = agree_on_tag(tag, engine.config.checkpoint.tag_validation, engine.device)
     agree(_attempt(_prepare, save_dir, tag)[1] if dist.get_rank() == 0 else None, 'preparing the checkpoint directory')
     files, error = _attempt(_write_files, engine, staging_dir(save_dir, tag), client_state, exclude_frozen_parameters)
     reports = [None] * dist.get_world_size()
-    if dist.get_world_size() > 1: dist.all_gather_object(reports, files)
-    else: reports = [files]
+    if dist.get_world_size() > 1:
+        dist.all_gather_object(reports, files)
+    else:
+        reports = [files]
     try:
         agree(error, 'writing the checkpoint files')
         everything = {name: info for r in reports for name, info in r.items()}
-        agree(_attempt(_finish, engine, save_dir, tag, everything, save_latest)[1] if dist.get_rank() == 0 else None, 'publishing the checkpoint')
-    except BaseException: discard_staging(save_dir, tag); raise   # every rank: no partial files, `latest` untouched
+        agree(
+            _attempt(_finish, engine, save_dir, tag, everything, save_latest)[1] if dist.get_rank() == 0 else None,
+            'publishing the checkpoint',
+        )
+    except BaseException:
+        discard_staging(save_dir, tag)
+        raise  # every rank: no partial files, `latest` untouched
     return True
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c017
-def resolve(load_dir, tag=None)->Path|None:
+def resolve(load_dir, tag=None) -> Path | None:
     "The directory of checkpoint `tag` (default: the one `latest` names), or None when there is no `latest`"
     if tag is None:
         tag = read_latest(load_dir)
-        if tag is None: return None
+        if tag is None:
+            return None
     return tag_dir(load_dir, check_tag(tag))
 
-def verify(directory:Path, manifest:dict):
+
+def verify(directory: Path, manifest: dict):
     "Check every file of the manifest (collective: each rank hashes its share); CheckpointError naming bad files"
     names = sorted(manifest['files'])
-    mine = names[dist.get_rank()::dist.get_world_size()]
+    mine = names[dist.get_rank() :: dist.get_world_size()]
     problems = [p for p in (verify_file(directory, n, manifest['files'][n]) for n in mine) if p]
     if dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, problems)
         problems = [p for ps in everyone for p in ps]
-    if problems: raise CheckpointError("the checkpoint is corrupted: " + '; '.join(sorted(problems)))
+    if problems:
+        raise CheckpointError("the checkpoint is corrupted: " + '; '.join(sorted(problems)))
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c026
-def _restore_engine(engine, states:dict, payload:dict|None, scheduler:bool):
+def _restore_engine(engine, states: dict, payload: dict | None, scheduler: bool):
     "Counters, loss scaler, layer drop, schedule and this rank's random generators"
     engine.counter.load_state_dict(states['counters'])
     engine.precision.load_state_dict(states['precision'])
-    if states['layer_drop'] is not None: engine.layer_drop.load_state_dict(states['layer_drop'])   # None: DeepSpeed's
+    if states['layer_drop'] is not None:
+        engine.layer_drop.load_state_dict(states['layer_drop'])  # None: DeepSpeed's
     if scheduler and engine.lr_scheduler is not None and states['lr_scheduler'] is not None:
         engine.lr_scheduler.load_state_dict(states['lr_scheduler'])
-    if payload is not None and 'rng' in payload: set_rng_state(payload['rng'])   # DeepSpeed saves no generators
+    if payload is not None and 'rng' in payload:
+        set_rng_state(payload['rng'])  # DeepSpeed saves no generators
 
-def _warn_world(states:dict):
+
+def _warn_world(states: dict):
     if states.get('source') != 'deepspeed' and states['world_size'] != dist.get_world_size() and dist.get_rank() == 0:
-        warnings.warn(f"the checkpoint was saved by {states['world_size']} ranks and is loaded by {dist.get_world_size()}: "
-                      "weights and optimizer state are resharded exactly; random generator streams are restored only "
-                      "for ranks that existed before")
+        warnings.warn(
+            f"the checkpoint was saved by {states['world_size']} ranks and is loaded by {dist.get_world_size()}: "
+            "weights and optimizer state are resharded exactly; random generator streams are restored only "
+            "for ranks that existed before"
+        )
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c027
-def _sizes(states:dict)->dict: # {key without @ suffixes: (numel, dtype name)}
+def _sizes(states: dict) -> dict:  # {key without @ suffixes: (numel, dtype name)}
     return {key.split('@')[0]: (math.prod(shape), dtype) for _, key, _, shape, dtype in states['entries']}
 
-def _plan(engine, states:dict, payloads:list, strict:bool, optimizer_states:bool)->LoadPlan:
+
+def _plan(engine, states: dict, payloads: list, strict: bool, optimizer_states: bool) -> LoadPlan:
     "Check every rank file's records against the manifest, then plan the load (nothing is changed yet)"
     sizes = _sizes(states)
-    for r, payload in enumerate(payloads): check_records(payload, rank_file(r), sizes)
+    for r, payload in enumerate(payloads):
+        check_records(payload, rank_file(r), sizes)
     return LoadPlan(engine, states, FragmentIndex(payloads), strict, optimizer_states)
 
-def _read(load_dir, tag=None)->tuple|None: # (directory, states, payloads), or None: no `latest`
+
+def _read(load_dir, tag=None) -> tuple | None:  # (directory, states, payloads), or None: no `latest`
     "Read a flexrt checkpoint (verified against its manifest; collective) or one DeepSpeed wrote"
-    if (ds := find_deepspeed_checkpoint(load_dir, tag)) is not None: return (ds, *read_deepspeed(ds))
+    if (ds := find_deepspeed_checkpoint(load_dir, tag)) is not None:
+        return (ds, *read_deepspeed(ds))
     directory = resolve(load_dir, tag)
-    if directory is None: return None
+    if directory is None:
+        return None
     manifest = read_manifest(directory)
     verify(directory, manifest)
-    return directory, safe_load(directory / MODEL_STATES), [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])]
+    return (
+        directory,
+        safe_load(directory / MODEL_STATES),
+        [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])],
+    )
 
-def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
-                    load_dir, # the directory `save_checkpoint` (or DeepSpeed's `save_checkpoint`) wrote to
-                    tag=None, # which checkpoint (default: the one `latest` names)
-                    load_module_strict:bool=True, # every tensor of the model must be in the checkpoint and vice versa
-                    load_optimizer_states:bool=True, # restore the optimizer state (False: the optimizer starts afresh)
-                    load_lr_scheduler_states:bool=True, # restore the schedule
-                    load_module_only:bool=False)->tuple: # only the weights: no optimizer, schedule, counters or generators
-    "Restore a checkpoint into `engine` (all ranks call it); `(checkpoint path, client_state)`, or `(None, None)` without `latest`"
+
+def load_checkpoint(
+    engine,  # a flexrt Engine (any ZeRO stage, any world size)
+    load_dir,  # the directory `save_checkpoint` (or DeepSpeed's `save_checkpoint`) wrote to
+    tag=None,  # which checkpoint (default: the one `latest` names)
+    load_module_strict: bool = True,  # every tensor of the model must be in the checkpoint and vice versa
+    load_optimizer_states: bool = True,  # restore the optimizer state (False: the optimizer starts afresh)
+    load_lr_scheduler_states: bool = True,  # restore the schedule
+    load_module_only: bool = False,
+) -> tuple:  # only the weights: no optimizer, schedule, counters or generators
+    """Restore a checkpoint into `engine` (all ranks call it); `(checkpoint path, client_state)`, or `(None, None)`
+    without `latest`"""
     check_engine(engine)
     found = _read(load_dir, tag)
     if found is None:
-        if dist.get_rank() == 0: warnings.warn(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to name a checkpoint)")
+        if dist.get_rank() == 0:
+            warnings.warn(f"no 'latest' file in {load_dir}: nothing loaded (pass tag= to name a checkpoint)")
         return None, None
     directory, states, payloads = found
-    plan, error = _attempt(_plan, engine, states, payloads, load_module_strict, load_optimizer_states and not load_module_only)
+    plan, error = _attempt(
+        _plan, engine, states, payloads, load_module_strict, load_optimizer_states and not load_module_only
+    )
     agree(error, 'planning the checkpoint load')
     _warn_window(engine, 'load_checkpoint', "those gradients are dropped and training resumes with a fresh window")
     plan.apply()
-    engine.optimizer.zero_grad()   # gradients accumulated for the old weights must not enter the new window
+    engine.optimizer.zero_grad()  # gradients accumulated for the old weights must not enter the new window
     engine.counter.start_window()
     if not load_module_only:
         own = payloads[dist.get_rank()] if dist.get_rank() < len(payloads) else None
@@ -236,68 +366,91 @@ def load_checkpoint(engine, # a flexrt Engine (any ZeRO stage, any world size)
     return str(directory), states['client_state']
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c029
-def _full_state_dict(engine, exclude_frozen:bool)->OrderedDict:
+def _full_state_dict(engine, exclude_frozen: bool) -> OrderedDict:
     "The module's state_dict with whole tensors on rank 0 (partitioned parameters gathered one at a time; collective)"
     out, rank0 = OrderedDict(), dist.get_rank() == 0
     for name, t in engine.module.state_dict(keep_vars=True).items():
-        if exclude_frozen and isinstance(t, torch.nn.Parameter) and not t.requires_grad: continue
+        if exclude_frozen and isinstance(t, torch.nn.Parameter) and not t.requires_grad:
+            continue
         with engine.optimizer.gathered([t]) if isinstance(t, torch.nn.Parameter) else contextlib.nullcontext():
-            if rank0: out[name] = t.detach().cpu().clone()
+            if rank0:
+                out[name] = t.detach().cpu().clone()
     return out
 
-def save_16bit_model(engine, save_dir, # where to write
-                     save_filename:str='pytorch_model.bin', # the file name
-                     exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
+
+def save_16bit_model(
+    engine,
+    save_dir,  # where to write
+    save_filename: str = 'pytorch_model.bin',  # the file name
+    exclude_frozen_parameters: bool = False,
+) -> bool:  # leave out parameters that do not require grad
     "Write the model's weights in their working dtype to one file on rank 0 (all ranks call it)"
     check_engine(engine)
-    if save_dir is None or str(save_dir) == '': raise ValueError("save_16bit_model needs a save_dir")
+    if save_dir is None or str(save_dir) == '':
+        raise ValueError("save_16bit_model needs a save_dir")
     sd = _full_state_dict(engine, exclude_frozen_parameters)
-    if dist.get_rank() == 0: Path(save_dir).mkdir(parents=True, exist_ok=True)
-    agree(_attempt(save_torch, sd, Path(save_dir, save_filename))[1] if dist.get_rank() == 0 else None, 'writing the 16-bit model')
+    if dist.get_rank() == 0:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+    agree(
+        _attempt(save_torch, sd, Path(save_dir, save_filename))[1] if dist.get_rank() == 0 else None,
+        'writing the 16-bit model',
+    )
     return True
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c030
-def consolidate(ckpt_dir, # a save_dir (with `latest`) or one checkpoint's directory
-                tag=None, # which checkpoint of a save_dir (default: `latest`)
-                mp_rank:int=0, # the model-parallel slice to take
-                ep_rank:int=0, # the expert-parallel rank whose experts to take
-                verify_checksums:bool=True)->OrderedDict:
+def consolidate(
+    ckpt_dir,  # a save_dir (with `latest`) or one checkpoint's directory
+    tag=None,  # which checkpoint of a save_dir (default: `latest`)
+    mp_rank: int = 0,  # the model-parallel slice to take
+    ep_rank: int = 0,  # the expert-parallel rank whose experts to take
+    verify_checksums: bool = True,
+) -> OrderedDict:
     "A full fp32 `state_dict` (buffers in their own dtype) from any flexrt or DeepSpeed checkpoint, in one process"
     d = Path(ckpt_dir)
     if (ds := find_deepspeed_checkpoint(d, tag)) is not None:
         states, payloads = read_deepspeed(ds)
-        for r, payload in enumerate(payloads): check_records(payload, rank_file(r), _sizes(states))
+        for r, payload in enumerate(payloads):
+            check_records(payload, rank_file(r), _sizes(states))
         return _assemble(states, FragmentIndex(payloads), mp_rank, ep_rank)
     directory = d if (d / 'manifest.json').is_file() and tag is None else resolve(d, tag)
-    if directory is None: raise CheckpointError(f"{ckpt_dir} has no 'latest' file and no manifest.json: pass tag= or a checkpoint directory")
+    if directory is None:
+        raise CheckpointError(
+            f"{ckpt_dir} has no 'latest' file and no manifest.json: pass tag= or a checkpoint directory"
+        )
     manifest = read_manifest(directory)
     if verify_checksums:
         problems = [p for n, info in manifest['files'].items() if (p := verify_file(directory, n, info))]
-        if problems: raise CheckpointError("the checkpoint is corrupted: " + '; '.join(problems))
+        if problems:
+            raise CheckpointError("the checkpoint is corrupted: " + '; '.join(problems))
     states = safe_load(directory / MODEL_STATES)
     payloads = [safe_load(directory / rank_file(r)) for r in range(manifest['world_size'])]
-    for r, payload in enumerate(payloads): check_records(payload, rank_file(r), _sizes(states))
+    for r, payload in enumerate(payloads):
+        check_records(payload, rank_file(r), _sizes(states))
     index = FragmentIndex(payloads)
     return _assemble(states, index, mp_rank, ep_rank)
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c031
-def _assemble(states:dict, index:FragmentIndex, mp_rank:int, ep_rank:int)->OrderedDict:
+def _assemble(states: dict, index: FragmentIndex, mp_rank: int, ep_rank: int) -> OrderedDict:
     out, done = OrderedDict(), {}
     for name, key, kind, shape, dtype in states['entries']:
         key = _retarget(key, mp_rank, ep_rank)
         if key not in done:
             dt = getattr(torch, dtype)
-            full = torch.empty(torch.Size(shape).numel(), dtype=torch.float32 if kind == 'param' and dt.is_floating_point else dt)
+            full = torch.empty(
+                torch.Size(shape).numel(), dtype=torch.float32 if kind == 'param' and dt.is_floating_point else dt
+            )
             field = 'master' if kind == 'param' else 'value'
             if index.covered(key, field, 0, full.numel()) != full.numel():
-                if name in states.get('excluded', []): continue
+                if name in states.get('excluded', []):
+                    continue
                 raise CheckpointError(f"the checkpoint lacks parts of {key!r}")
             index.copy_into(full, key, field)
             done[key] = full.view(shape)
         out[name] = done[key]
     return out
 
-def _retarget(key:str, mp_rank:int, ep_rank:int)->str:
+
+def _retarget(key: str, mp_rank: int, ep_rank: int) -> str:
     "The key of the same tensor on model-parallel rank `mp_rank` and expert-parallel rank `ep_rank`"
     base, *tags = key.split('@')
     tags = [f'mp{mp_rank}' if t.startswith('mp') else f'ep{ep_rank}' if t.startswith('ep') else t for t in tags]

@@ -14,99 +14,139 @@ from fastcore.basics import patch
 __all__ = ['tensor_entries', 'master_records', 'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex', 'check_records']
 
 # %% ../../nbs/60_checkpoint_shards.ipynb #c006
-def _expert_rank(p, expert_groups)->int|None:
+def _expert_rank(p, expert_groups) -> int | None:
     "This rank's place in `p`'s expert-parallel group (None for a dense parameter)"
-    if getattr(p, 'allreduce', True) is not False: return None
+    if getattr(p, 'allreduce', True) is not False:
+        return None
     group = expert_groups.parallel.get(getattr(p, 'group_name', None)) if expert_groups else None
     return dist.get_rank(group)
 
-def _suffix(p, expert_groups, mp_rank:int|None)->str:
+
+def _suffix(p, expert_groups, mp_rank: int | None) -> str:
     ep = _expert_rank(p, expert_groups)
     return (f'@mp{mp_rank}' if mp_rank is not None else '') + (f'@ep{ep}' if ep is not None else '')
 
-def tensor_entries(module:torch.nn.Module, # the model
-                   expert_groups=None, # the engine's `ExpertGroups`
-                   mp_rank:int|None=None, # this rank's model-parallel rank when there is model parallelism
-                   full_shape=None)->list: # full_shape(tensor) -> its shape as the user sees it (the optimizer slot's)
-    "[(state_dict name, key, tensor, kind, full shape)] for every tensor of `module.state_dict()`; tied tensors share a key"
+
+def tensor_entries(
+    module: torch.nn.Module,  # the model
+    expert_groups=None,  # the engine's `ExpertGroups`
+    mp_rank: int | None = None,  # this rank's model-parallel rank when there is model parallelism
+    full_shape=None,
+) -> list:  # full_shape(tensor) -> its shape as the user sees it (the optimizer slot's)
+    """[(state_dict name, key, tensor, kind, full shape)] for every tensor of `module.state_dict()`; tied tensors share
+    a key"""
     first = {}
-    for n, p in module.named_parameters(): first.setdefault(p, n)
-    for n, b in module.named_buffers(): first.setdefault(b, n)
+    for n, p in module.named_parameters():
+        first.setdefault(p, n)
+    for n, b in module.named_buffers():
+        first.setdefault(b, n)
     out = []
     for name, t in module.state_dict(keep_vars=True).items():
-        if not isinstance(t, torch.Tensor): continue
+        if not isinstance(t, torch.Tensor):
+            continue
         base = first.get(t, name)
-        out.append((name, base + _suffix(t, expert_groups, mp_rank), t, 'param' if isinstance(t, torch.nn.Parameter) else 'buffer',
-                    list(full_shape(t) if full_shape is not None else t.shape)))
+        out.append(
+            (
+                name,
+                base + _suffix(t, expert_groups, mp_rank),
+                t,
+                'param' if isinstance(t, torch.nn.Parameter) else 'buffer',
+                list(full_shape(t) if full_shape is not None else t.shape),
+            )
+        )
     return out
 
 # %% ../../nbs/60_checkpoint_shards.ipynb #c011
-def _own(t:torch.Tensor)->torch.Tensor:
+def _own(t: torch.Tensor) -> torch.Tensor:
     "`t` on the CPU, detached, owning exactly its storage (so torch.save writes only its elements)"
     t = t.detach()
-    if t.device.type != 'cpu': return t.cpu()
-    exact = t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    if t.device.type != 'cpu':
+        return t.cpu()
+    exact = (
+        t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
     return t if exact else t.clone()
 
-def _split_state(master, state:dict)->tuple: # ({elementwise key: tensor}, {scalar key: value})
+
+def _split_state(master, state: dict) -> tuple:  # ({elementwise key: tensor}, {scalar key: value})
     "Optimizer state shaped like `master` (saved per fragment) and the rest (saved per master)"
     elem, scalar = {}, {}
     for k, v in state.items():
-        if k != 'step' and isinstance(v, torch.Tensor) and v.shape == master.shape: elem[k] = _own(v)
-        else: scalar[k] = _own(v) if isinstance(v, torch.Tensor) else v
+        if k != 'step' and isinstance(v, torch.Tensor) and v.shape == master.shape:
+            elem[k] = _own(v)
+        else:
+            scalar[k] = _own(v) if isinstance(v, torch.Tensor) else v
     return elem, scalar
 
 # %% ../../nbs/60_checkpoint_shards.ipynb #c012
-def master_records(opt, # the optimizer slot (`flexrt.zero.base.OptimizerSlot`)
-                   keys:dict, # {param: key}
-                   writes=None, # writes(param, i) -> bool: whether this rank saves replicated fragment i (None: all)
-                   exclude:set=frozenset())->list: # ids of parameters left out (a master holding only those is skipped)
+def master_records(
+    opt,  # the optimizer slot (`flexrt.zero.base.OptimizerSlot`)
+    keys: dict,  # {param: key}
+    writes=None,  # writes(param, i) -> bool: whether this rank saves replicated fragment i (None: all)
+    exclude: set = frozenset(),
+) -> list:  # ids of parameters left out (a master holding only those is skipped)
     "The slot's fragments as saved records: pieces by key, master values, elementwise and scalar state"
     out = []
     for i, (master, pieces, replicated) in enumerate(opt.fragments()):
-        if all(id(pc.param) in exclude for pc in pieces): continue
-        if replicated and writes is not None and not writes(pieces[0].param, i): continue
+        if all(id(pc.param) in exclude for pc in pieces):
+            continue
+        if replicated and writes is not None and not writes(pieces[0].param, i):
+            continue
         elem, scalar = _split_state(master, opt.master_state(master))
-        out.append({'pieces': [[keys[p], s, n, off] for p, s, n, off in pieces],
-                    'master': _own(master.float() if master.dtype != torch.float32 else master),
-                    'state': elem, 'scalars': scalar})
+        out.append(
+            {
+                'pieces': [[keys[p], s, n, off] for p, s, n, off in pieces],
+                'master': _own(master.float() if master.dtype != torch.float32 else master),
+                'state': elem,
+                'scalars': scalar,
+            }
+        )
     return out
 
 # %% ../../nbs/60_checkpoint_shards.ipynb #c014
-def value_records(entries:list, # `tensor_entries` of the module
-                  covered:set, # ids of the parameters the masters hold
-                  writes, # writes(tensor, i) -> bool: whether this rank writes replicated tensor i
-                  owned_value=None)->list: # owned_value(tensor) -> (this rank's flat piece, start) or None: the slot's
+def value_records(
+    entries: list,  # `tensor_entries` of the module
+    covered: set,  # ids of the parameters the masters hold
+    writes,  # writes(tensor, i) -> bool: whether this rank writes replicated tensor i
+    owned_value=None,
+) -> list:  # owned_value(tensor) -> (this rank's flat piece, start) or None: the slot's
     "Saved records of the model's tensors no master holds (buffers, frozen parameters), each written once"
     out, seen = [], set()
     for _, key, t, *_ in entries:
-        if id(t) in covered or key in seen: continue
-        i = len(seen); seen.add(key)
+        if id(t) in covered or key in seen:
+            continue
+        i = len(seen)
+        seen.add(key)
         owned = owned_value(t) if owned_value is not None else None
-        if owned is not None:   # partitioned: this rank's piece
+        if owned is not None:  # partitioned: this rank's piece
             value, start = owned
-            if value.numel(): out.append({'pieces': [[key, start, value.numel(), 0]], 'value': value.detach().cpu().clone()})
-        elif writes(t, i): out.append({'pieces': [[key, 0, t.numel(), 0]], 'value': _own(t.reshape(-1))})
+            if value.numel():
+                out.append({'pieces': [[key, start, value.numel(), 0]], 'value': value.detach().cpu().clone()})
+        elif writes(t, i):
+            out.append({'pieces': [[key, 0, t.numel(), 0]], 'value': _own(t.reshape(-1))})
     return out
 
 # %% ../../nbs/60_checkpoint_shards.ipynb #c016
-def rng_state()->dict:
+def rng_state() -> dict:
     "This process's random generator states, in a pickle-free form"
     v, keys, gauss = random.getstate()
     state = {'torch': torch.get_rng_state(), 'python': [v, torch.tensor(keys, dtype=torch.int64), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized(): state['cuda'] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state['cuda'] = torch.cuda.get_rng_state_all()
     np = sys.modules.get('numpy')
     if np is not None:
         name, k, pos, has_gauss, cached = np.random.get_state()
         state['numpy'] = [name, torch.from_numpy(k.astype('int64')), int(pos), int(has_gauss), float(cached)]
     return state
 
-def set_rng_state(state:dict):
+
+def set_rng_state(state: dict):
     "Restore what `rng_state` returned"
     torch.set_rng_state(state['torch'])
     v, keys, gauss = state['python']
     random.setstate((v, tuple(keys.tolist()), gauss))
-    if 'cuda' in state and torch.cuda.is_available(): torch.cuda.set_rng_state_all(state['cuda'])
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
     np = sys.modules.get('numpy')
     if np is not None and 'numpy' in state:
         name, k, pos, has_gauss, cached = state['numpy']
@@ -115,95 +155,136 @@ def set_rng_state(state:dict):
 # %% ../../nbs/60_checkpoint_shards.ipynb #c019
 class FragmentIndex:
     "Where each key's elements lie among the saved records of every rank file"
-    def __init__(self, payloads:list): # the loaded rank files
-        self.by_key = {}   # key -> [(record, start, numel, offset in record tensor, kind)]
+
+    def __init__(self, payloads: list):  # the loaded rank files
+        self.by_key = {}  # key -> [(record, start, numel, offset in record tensor, kind)]
         for payload in payloads:
             for kind in ('masters', 'values'):
                 for rec in payload[kind]:
-                    for key, s, n, off in rec['pieces']: self.by_key.setdefault(key, []).append((rec, s, n, off, kind))
+                    for key, s, n, off in rec['pieces']:
+                        self.by_key.setdefault(key, []).append((rec, s, n, off, kind))
 
-    def has(self, key:str)->bool: return key in self.by_key
+    def has(self, key: str) -> bool:
+        return key in self.by_key
 
-    def _source(self, key:str, field:str)->list:
+    def _source(self, key: str, field: str) -> list:
         frags = self.by_key.get(key, [])
         if field in ('master', 'value'):
             want = [f for f in frags if f[4] == ('masters' if field == 'master' else 'values')]
             return want or [f for f in frags if f[4] != ('masters' if field == 'master' else 'values')]
         return [f for f in frags if f[4] == 'masters' and field in f[0]['state']]
 
+    def covered(
+        self, key: str, field: str, start: int, numel: int
+    ) -> int:  # elements of the range the checkpoint holds
+        spans = sorted((max(s, start), min(s + n, start + numel)) for _, s, n, _, _ in self._source(key, field))
+        total, end = 0, start
+        for a, b in spans:
+            a = max(a, end)
+            if b > a:
+                total += b - a
+                end = b
+        return total
+
+    @torch.no_grad()
+    def copy_into(self, out: torch.Tensor, key: str, field: str, start: int = 0):
+        "Fill the flat tensor `out` with elements [start, start + numel) of the saved `key`"
+        end = start + out.numel()
+        for rec, s, n, off, _ in self._source(key, field):
+            a, b = max(s, start), min(s + n, end)
+            if a < b:
+                out[a - start : b - start].copy_(_tensor_of(rec, field).reshape(-1)[off + a - s : off + b - s])
+
+    def scalars_at(self, key: str, position: int) -> dict:  # the scalar state of the master that held `position`
+        for rec, s, n, _, kind in self.by_key.get(key, []):
+            if kind == 'masters' and s <= position < s + n:
+                return rec['scalars']
+        return {}
+
+    def state_keys(self, key: str) -> set:
+        return {k for rec, *_, kind in self.by_key.get(key, []) if kind == 'masters' for k in rec['state']}
+
 # %% ../../nbs/60_checkpoint_shards.ipynb #c020
-def _tensor_of(rec:dict, field:str)->torch.Tensor:
-    return rec['master'] if 'master' in rec and field in ('master', 'value') else rec['value'] if 'value' in rec else rec['state'][field]
-
-@patch
-def covered(self:FragmentIndex, key:str, field:str, start:int, numel:int)->int: # elements of the range the checkpoint holds
-    spans = sorted((max(s, start), min(s + n, start + numel)) for _, s, n, _, _ in self._source(key, field))
-    total, end = 0, start
-    for a, b in spans:
-        a = max(a, end)
-        if b > a: total += b - a; end = b
-    return total
-
-@patch
-@torch.no_grad()
-def copy_into(self:FragmentIndex, out:torch.Tensor, key:str, field:str, start:int=0):
-    "Fill the flat tensor `out` with elements [start, start + numel) of the saved `key`"
-    end = start + out.numel()
-    for rec, s, n, off, _ in self._source(key, field):
-        a, b = max(s, start), min(s + n, end)
-        if a < b: out[a - start:b - start].copy_(_tensor_of(rec, field).reshape(-1)[off + a - s:off + b - s])
-
-@patch
-def scalars_at(self:FragmentIndex, key:str, position:int)->dict: # the scalar state of the master that held `position`
-    for rec, s, n, _, kind in self.by_key.get(key, []):
-        if kind == 'masters' and s <= position < s + n: return rec['scalars']
-    return {}
-
-@patch
-def state_keys(self:FragmentIndex, key:str)->set:
-    return {k for rec, *_, kind in self.by_key.get(key, []) if kind == 'masters' for k in rec['state']}
+def _tensor_of(rec: dict, field: str) -> torch.Tensor:
+    return (
+        rec['master']
+        if 'master' in rec and field in ('master', 'value')
+        else rec['value']
+        if 'value' in rec
+        else rec['state'][field]
+    )
 
 # %% ../../nbs/60_checkpoint_shards.ipynb #c024
-def _fail(where:str, key, what:str): raise CheckpointError(f"{where}: {key!r} {what}: the file does not match its manifest (tampered or written by a broken save)")
+def _fail(where: str, key, what: str):
+    raise CheckpointError(
+        f"{where}: {key!r} {what}: the file does not match its manifest (tampered or written by a broken save)"
+    )
 
-def _check_pieces(rec:dict, t:torch.Tensor, where:str, sizes:dict):
+
+def _check_pieces(rec: dict, t: torch.Tensor, where: str, sizes: dict):
     "Every piece names a tensor of the model, lies inside it, and within the record's tensor"
     pieces = rec.get('pieces')
-    if not isinstance(pieces, list) or not pieces: _fail(where, None, "a record has no pieces")
+    if not isinstance(pieces, list) or not pieces:
+        _fail(where, None, "a record has no pieces")
     for piece in pieces:
-        if not (isinstance(piece, list) and len(piece) == 4 and isinstance(piece[0], str)
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in piece[1:])): _fail(where, piece, "is not a piece [key, start, numel, offset]")
+        if not (
+            isinstance(piece, list)
+            and len(piece) == 4
+            and isinstance(piece[0], str)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in piece[1:])
+        ):
+            _fail(where, piece, "is not a piece [key, start, numel, offset]")
         key, start, numel, offset = piece
         size = sizes.get(key.split('@')[0])
-        if size is None: _fail(where, key, "is not a tensor of the checkpoint's model")
+        if size is None:
+            _fail(where, key, "is not a tensor of the checkpoint's model")
         if start < 0 or numel <= 0 or offset < 0 or start + numel > size[0]:
             _fail(where, key, f"names elements [{start}, {start + numel}) of a tensor of {size[0]}")
-        if offset + numel > t.numel(): _fail(where, key, f"needs {offset + numel} elements of a record holding {t.numel()}")
+        if offset + numel > t.numel():
+            _fail(where, key, f"needs {offset + numel} elements of a record holding {t.numel()}")
 
 # %% ../../nbs/60_checkpoint_shards.ipynb #c025
-def _check_master(rec:dict, t:torch.Tensor, where:str, key:str):
-    if t.dtype != torch.float32: _fail(where, key, f"master is {t.dtype}, not torch.float32")
+def _check_master(rec: dict, t: torch.Tensor, where: str, key: str):
+    if t.dtype != torch.float32:
+        _fail(where, key, f"master is {t.dtype}, not torch.float32")
     for k, v in rec.get('state', {}).items():
         if not isinstance(v, torch.Tensor) or v.shape != t.shape or not v.is_floating_point():
-            _fail(where, key, f"optimizer state {k!r} is {_describe(v)}, not a floating tensor of the master's shape {tuple(t.shape)}")
+            _fail(
+                where,
+                key,
+                f"optimizer state {k!r} is {_describe(v)}, not a floating tensor of the master's shape "
+                f"{tuple(t.shape)}",
+            )
     for k, v in rec.get('scalars', {}).items():
-        if isinstance(v, torch.Tensor) and v.dim() != 0 or not isinstance(v, (torch.Tensor, int, float, bool, type(None))):
+        if (
+            isinstance(v, torch.Tensor)
+            and v.dim() != 0
+            or not isinstance(v, (torch.Tensor, int, float, bool, type(None)))
+        ):
             _fail(where, key, f"optimizer state {k!r} is {_describe(v)}, not a number")
 
-def _describe(v)->str: return f"a {v.dtype} tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
 
-def check_records(payload:dict, # one loaded rank file
-                  where:str, # its name, for the errors
-                  sizes:dict): # {key without @ suffixes: (numel, dtype name)} from the manifest's entries
+def _describe(v) -> str:
+    return f"a {v.dtype} tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+
+
+def check_records(
+    payload: dict,  # one loaded rank file
+    where: str,  # its name, for the errors
+    sizes: dict,  # {key without @ suffixes: (numel, dtype name)} from the manifest's entries
+):
     "CheckpointError naming the file and key unless every record of `payload` is consistent with the manifest"
     for kind, field in (('masters', 'master'), ('values', 'value')):
         records = payload.get(kind) if isinstance(payload, dict) else None
-        if not isinstance(records, list): _fail(where, kind, "is not a list of records")
+        if not isinstance(records, list):
+            _fail(where, kind, "is not a list of records")
         for rec in records:
             t = rec.get(field) if isinstance(rec, dict) else None
-            if not isinstance(t, torch.Tensor): _fail(where, field, "is missing from a record")
+            if not isinstance(t, torch.Tensor):
+                _fail(where, field, "is missing from a record")
             _check_pieces(rec, t, where, sizes)
             key = rec['pieces'][0][0]
-            if kind == 'masters': _check_master(rec, t, where, key)
+            if kind == 'masters':
+                _check_master(rec, t, where, key)
             elif t.dim() != 1 or str(t.dtype).removeprefix('torch.') != sizes[key.split('@')[0]][1]:
                 _fail(where, key, f"value is {_describe(t)}, not a flat {sizes[key.split('@')[0]][1]} tensor")

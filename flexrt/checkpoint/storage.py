@@ -19,61 +19,78 @@ __all__ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MA
 class CheckpointError(RuntimeError):
     "A checkpoint that is missing, incomplete, corrupted, unsafe, or does not fit the engine loading it"
 
+
 FORMAT = 'flexrt-checkpoint'
 FORMAT_VERSION = 1
 MANIFEST, LATEST, MODEL_STATES = 'manifest.json', 'latest', 'model_states.pt'
-MAX_MANIFEST_BYTES, MAX_TAG_BYTES = 64 * 2**20, 255   # a larger manifest or `latest` is refused unread
+MAX_MANIFEST_BYTES, MAX_TAG_BYTES = 64 * 2**20, 255  # a larger manifest or `latest` is refused unread
 
-def rank_file(rank:int)->str: return f'rank_{rank:05d}.pt'   # the file rank `rank` writes
 
-def loaded_files(world_size:int)->list: # the files a load reads: the manifest must list (and so verify) each
+def rank_file(rank: int) -> str:
+    return f'rank_{rank:05d}.pt'  # the file rank `rank` writes
+
+
+def loaded_files(world_size: int) -> list:  # the files a load reads: the manifest must list (and so verify) each
     "The files `load_checkpoint` and `consolidate` read from a checkpoint saved by `world_size` ranks"
     return [MODEL_STATES] + [rank_file(r) for r in range(world_size)]
 
-def short_repr(value, width:int=60)->str:
+
+def short_repr(value, width: int = 60) -> str:
     "`repr(value)`, shortened for an error message"
     text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + '...'
-
+    return text if len(text) <= width else text[: width - 3] + '...'
 
 # %% ../../nbs/60_checkpoint_storage.ipynb #c010
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
 
-def check_safe(obj, where:str='checkpoint'): # where: the path shown in the error
+
+def check_safe(obj, where: str = 'checkpoint'):  # where: the path shown in the error
     "Raise `TypeError` naming the first value `torch.load(weights_only=True)` could not rebuild"
     if isinstance(obj, (torch.Tensor, *_SCALARS)):
         if isinstance(obj, torch.Tensor) and type(obj) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"{where} is a {type(obj).__name__} (a tensor subclass): save a plain tensor (.detach()) instead")
+            raise TypeError(
+                f"{where} is a {type(obj).__name__} (a tensor subclass): save a plain tensor (.detach()) instead"
+            )
         return
     if isinstance(obj, (dict, OrderedDict)) and type(obj) in (dict, OrderedDict):
         for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None))): raise TypeError(f"{where} has a key of type {type(k).__name__}: use str or int keys")
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                raise TypeError(f"{where} has a key of type {type(k).__name__}: use str or int keys")
             check_safe(v, f"{where}[{k!r}]")
         return
     if type(obj) in (list, tuple):
-        for i, v in enumerate(obj): check_safe(v, f"{where}[{i}]")
+        for i, v in enumerate(obj):
+            check_safe(v, f"{where}[{i}]")
         return
-    raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint cannot hold: checkpoints "
-                    "are loaded without unpickling objects, so keep to tensors, numbers, strings, None, lists, tuples and dicts "
-                    "(e.g. save dataclasses.asdict(x) or x.state_dict())")
+    raise TypeError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint cannot hold: checkpoints "
+        "are loaded without unpickling objects, so keep to tensors, numbers, strings, None, lists, tuples and dicts "
+        "(e.g. save dataclasses.asdict(x) or x.state_dict())"
+    )
 
 # %% ../../nbs/60_checkpoint_storage.ipynb #c007
-def checksum_file(path, # the file to hash
-                  chunk:int=8 * 2**20)->str: # bytes read at a time
+def checksum_file(
+    path,  # the file to hash
+    chunk: int = 8 * 2**20,
+) -> str:  # bytes read at a time
     "The XXH3-128 checksum of a file's bytes, as hex"
     h, buf = xxhash.xxh3_128(), bytearray(chunk)
     with open(path, 'rb', buffering=0) as f:
-        while n := f.readinto(buf): h.update(memoryview(buf)[:n])
+        while n := f.readinto(buf):
+            h.update(memoryview(buf)[:n])
     return h.hexdigest()
+
 
 def fsync(path):
     "Flush a file's data, or a directory's entries (a rename or a new file in it), to the disk"
     fd = os.open(path, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 # %% ../../nbs/60_checkpoint_storage.ipynb #c008b
-def _causes(error:BaseException):
+def _causes(error: BaseException):
     "`error` and the exceptions it was raised from (each once)"
     seen = set()
     while error is not None and id(error) not in seen:
@@ -81,36 +98,47 @@ def _causes(error:BaseException):
         yield error
         error = error.__cause__ or error.__context__
 
-def no_space_error(error:Exception, # what the write raised
-                   path:Path, # the file being written
-                   needed=None)->CheckpointError|None: # needed(): the bytes the file takes
+
+def no_space_error(
+    error: Exception,  # what the write raised
+    path: Path,  # the file being written
+    needed=None,
+) -> CheckpointError | None:  # needed(): the bytes the file takes
     "A `CheckpointError` saying the file system is full, when that is why writing `path` failed; None otherwise"
-    try: free, size = shutil.disk_usage(path.parent).free, needed() if needed is not None else None
-    except Exception: return None   # the original error is the one to see
+    try:
+        free, size = shutil.disk_usage(path.parent).free, needed() if needed is not None else None
+    except Exception:
+        return None  # the original error is the one to see
     full = any(getattr(e, 'errno', None) in (errno.ENOSPC, errno.EDQUOT) for e in _causes(error))
     # torch's C++ writer reports a full disk as `RuntimeError: ... file write failed`, without the errno
     full = full or (isinstance(error, RuntimeError) and size is not None and size + 2**16 > free)
-    if not full: return None
-    return CheckpointError(f"no space left on device writing {path} ({'?' if size is None else size} bytes needed, {free} bytes "
-                           f"free on its file system): free space or save elsewhere")
+    if not full:
+        return None
+    return CheckpointError(
+        f"no space left on device writing {path} ({'?' if size is None else size} bytes needed, {free} bytes "
+        f"free on its file system): free space or save elsewhere"
+    )
 
 # %% ../../nbs/60_checkpoint_storage.ipynb #c008
-def atomic_write(path, # the final file name
-                 write, # write(temporary path): creates the file
-                 needed=None)->dict: # needed(): the bytes the file takes, asked only when a write fails
+def atomic_write(
+    path,  # the final file name
+    write,  # write(temporary path): creates the file
+    needed=None,
+) -> dict:  # needed(): the bytes the file takes, asked only when a write fails
     "Write `path` through a temporary file, fsync and rename it into place; return its size and checksum"
     path = Path(path)
     tmp = path.with_name(f'.{path.name}.{uuid.uuid4().hex[:8]}.tmp')
     try:
         write(tmp)
-        with ThreadPoolExecutor(1) as pool:   # flushing to disk and hashing the page cache overlap
+        with ThreadPoolExecutor(1) as pool:  # flushing to disk and hashing the page cache overlap
             synced = pool.submit(fsync, tmp)
             digest = checksum_file(tmp)
             synced.result()
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, Exception) and (full := no_space_error(e, path, needed)) is not None: raise full from e
+        if isinstance(e, Exception) and (full := no_space_error(e, path, needed)) is not None:
+            raise full from e
         raise
     fsync(path.parent)
     return {'size': path.stat().st_size, 'xxh3_128': digest}
@@ -118,34 +146,51 @@ def atomic_write(path, # the final file name
 # %% ../../nbs/60_checkpoint_storage.ipynb #c008a
 class _Counter(io.RawIOBase):
     "A file object that only counts the bytes written to it"
-    def __init__(self): self.size = 0
-    def writable(self)->bool: return True
-    def write(self, data)->int:
+
+    def __init__(self):
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
         n = memoryview(data).nbytes
         self.size += n
         return n
 
-def serialized_size(obj)->int:
+
+def serialized_size(obj) -> int:
     "The bytes `torch.save(obj)` writes (within the padding of its zip entries), without touching the disk"
     sink = _Counter()
     torch.save(obj, sink)
     return sink.size
 
-def save_torch(obj, path)->dict: # size and checksum of the written file
+
+def save_torch(obj, path) -> dict:  # size and checksum of the written file
     "`torch.save(obj)` to `path`, atomically, after checking `obj` can be loaded without unpickling objects"
     check_safe(obj, Path(path).name)
     return atomic_write(path, lambda tmp: torch.save(obj, tmp), lambda: serialized_size(obj))
 
-def save_text(text:str, path)->dict: return atomic_write(path, lambda tmp: Path(tmp).write_text(text), lambda: len(text.encode()))
+
+def save_text(text: str, path) -> dict:
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text), lambda: len(text.encode()))
 
 # %% ../../nbs/60_checkpoint_storage.ipynb #c012
-def safe_load(path, # a file written by `save_torch` (or any torch.save file)
-              mmap:bool=True): # map the file instead of reading it: only the slices used are read
-    "`torch.load` with `weights_only=True` on the CPU; a file that needs pickle to load is refused with `CheckpointError`"
-    try: return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
+def safe_load(
+    path,  # a file written by `save_torch` (or any torch.save file)
+    mmap: bool = True,  # map the file instead of reading it: only the slices used are read
+):
+    """`torch.load` with `weights_only=True` on the CPU; a file that needs pickle to load is refused with
+    `CheckpointError`"""
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path} holds objects that can only be loaded by unpickling arbitrary code, which flexrt refuses "
-                              f"(torch.load weights_only=True said: {str(e).splitlines()[0]}); only load it with "
-                              "torch.load(weights_only=False) if you trust where it came from") from None
+        raise CheckpointError(
+            f"{path} holds objects that can only be loaded by unpickling arbitrary code, which flexrt refuses "
+            f"(torch.load weights_only=True said: {str(e).splitlines()[0]}); only load it with "
+            "torch.load(weights_only=False) if you trust where it came from"
+        ) from None
     except (RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{path} cannot be read as a checkpoint file ({type(e).__name__}: {e}); it is truncated or not a torch file") from None
+        raise CheckpointError(
+            f"{path} cannot be read as a checkpoint file ({type(e).__name__}: {e}); it is truncated or not a torch file"
+        ) from None

@@ -5,27 +5,101 @@
 # %% ../../nbs/10_comm.ipynb #c003
 from __future__ import annotations
 import torch.distributed as tdist
-from .backends import (ReduceOp, P2POp, CommBackend, TorchBackend, SingleProcessBackend, SingleProcessGroup,
-                                  CommError, CommTimeoutError, CompletedWork, OPS, FALLBACKS)
+from flexrt.comm.backends import (
+    ReduceOp,
+    P2POp,
+    CommBackend,
+    TorchBackend,
+    SingleProcessBackend,
+    SingleProcessGroup,
+    CommError,
+    CommTimeoutError,
+    CompletedWork,
+    OPS,
+    FALLBACKS,
+)
 from .env import DistEnv, EnvError, discover_env, expand_nodelist
-from .logger import (CommsLogger, CommsLoggerConfig, comms_config, comms_logger, timed_op, calc_bw,
-                                straggler_ms)
-if tdist.is_available(): from torch.distributed import Backend, GroupMember, group, DistError, DistBackendError
+from flexrt.comm.logger import (
+    CommsLogger,
+    CommsLoggerConfig,
+    comms_config,
+    comms_logger,
+    timed_op,
+    calc_bw,
+    straggler_ms,
+)
+
+if tdist.is_available():
+    from torch.distributed import Backend, GroupMember, group, DistError, DistBackendError
 from .state import CommState, comm_state, get_comm_backend, set_comm_backend
 from .wrappers import *
 from .p2p import *
 from .profiling import *
 from .init import *
-_all_ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initialized', 'get_rank', 'get_world_size',
-         'get_local_rank', 'get_global_rank', 'new_group', 'get_backend', 'has_all_gather_into_tensor',
-         'has_reduce_scatter_tensor', 'get_all_ranks_from_group', 'barrier', 'monitored_barrier', 'broadcast',
-         'all_reduce', 'reduce', 'reduce_scatter', 'reduce_scatter_tensor', 'all_gather', 'all_gather_into_tensor',
-         'gather', 'scatter', 'all_to_all', 'all_to_all_single', 'all_gather_object', 'broadcast_object_list', 'send',
-         'recv', 'isend', 'irecv', 'batch_isend_irecv', 'P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_threads', 'prefers_p2p', 'timeout_seconds',
-         'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p', 'configure', 'reset_log', 'get_comm_stats', 'init_distributed',
-         'init_process_group', 'destroy_process_group', 'log_summary', 'ReduceOp', 'P2POp', 'CommBackend',
-         'TorchBackend', 'SingleProcessBackend', 'CommError', 'CommTimeoutError', 'DistEnv', 'EnvError',
-         'discover_env', 'CommsLoggerConfig', 'comms_logger', 'timed_op']
+
+_all_ = [
+    'get_comm_backend',
+    'set_comm_backend',
+    'is_available',
+    'is_initialized',
+    'get_rank',
+    'get_world_size',
+    'get_local_rank',
+    'get_global_rank',
+    'new_group',
+    'get_backend',
+    'has_all_gather_into_tensor',
+    'has_reduce_scatter_tensor',
+    'get_all_ranks_from_group',
+    'barrier',
+    'monitored_barrier',
+    'broadcast',
+    'all_reduce',
+    'reduce',
+    'reduce_scatter',
+    'reduce_scatter_tensor',
+    'all_gather',
+    'all_gather_into_tensor',
+    'gather',
+    'scatter',
+    'all_to_all',
+    'all_to_all_single',
+    'all_gather_object',
+    'broadcast_object_list',
+    'send',
+    'recv',
+    'isend',
+    'irecv',
+    'batch_isend_irecv',
+    'P2PWork',
+    'P2PThread',
+    'ThreadedOp',
+    'join_p2p_threads',
+    'prefers_p2p',
+    'timeout_seconds',
+    'reduce_scatter_tensor_p2p',
+    'all_gather_into_tensor_p2p',
+    'configure',
+    'reset_log',
+    'get_comm_stats',
+    'init_distributed',
+    'init_process_group',
+    'destroy_process_group',
+    'log_summary',
+    'ReduceOp',
+    'P2POp',
+    'CommBackend',
+    'TorchBackend',
+    'SingleProcessBackend',
+    'CommError',
+    'CommTimeoutError',
+    'DistEnv',
+    'EnvError',
+    'discover_env',
+    'CommsLoggerConfig',
+    'comms_logger',
+    'timed_op',
+]
 
 # %% auto #0
 __all__ = ['get_comm_backend', 'set_comm_backend', 'is_available', 'is_initialized', 'get_rank', 'get_world_size',

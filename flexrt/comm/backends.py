@@ -11,210 +11,355 @@ import torch.distributed as tdist
 from fastcore.basics import patch, patch_to
 from .base import ReduceOp, CompletedWork, P2POp, OPS, CommBackend, CommError, CommTimeoutError
 from .single import SingleProcessGroup, SingleProcessBackend
-from .fallbacks import (FALLBACKS, warn_fallback, all_gather_into_tensor_via_list, reduce_scatter_via_all_reduce,
-                                   reduce_scatter_tensor_via_list, all_to_all_via_p2p, all_to_all_single_via_list)
+from flexrt.comm.fallbacks import (
+    FALLBACKS,
+    warn_fallback,
+    all_gather_into_tensor_via_list,
+    reduce_scatter_via_all_reduce,
+    reduce_scatter_tensor_via_list,
+    all_to_all_via_p2p,
+    all_to_all_single_via_list,
+)
 from .failures import NATIVE_NAMES, is_transport_failure, is_unsupported
-_all_ = ['NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'OPS', 'CompletedWork', 'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError',
-         'CommTimeoutError']
+
+_all_ = [
+    'NATIVE_NAMES',
+    'is_transport_failure',
+    'is_unsupported',
+    'OPS',
+    'CompletedWork',
+    'P2POp',
+    'CommBackend',
+    'SingleProcessGroup',
+    'SingleProcessBackend',
+    'CommError',
+    'CommTimeoutError',
+]
 
 # %% auto #0
 __all__ = ['TorchBackend', 'ExplainedWork', 'NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'OPS', 'CompletedWork',
            'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError', 'CommTimeoutError']
 
 # %% ../../nbs/10_comm_backends.ipynb #c012t
-_NEWER_NEW_GROUP_ARGS = {'device_id': None, 'sort_ranks': True}   # torch.distributed.new_group keywords torch 2.4 lacks, and their defaults
+_NEWER_NEW_GROUP_ARGS = {
+    'device_id': None,
+    'sort_ranks': True,
+}  # torch.distributed.new_group keywords torch 2.4 lacks, and their defaults
 
-def _new_group_kwargs(kwargs:dict)->dict:
+
+def _new_group_kwargs(kwargs: dict) -> dict:
     "`kwargs` for torch's `new_group`, less the keywords torch 2.4 lacks where they hold their default"
     return {k: v for k, v in kwargs.items() if k not in _NEWER_NEW_GROUP_ARGS or v != _NEWER_NEW_GROUP_ARGS[k]}
 
 # %% ../../nbs/10_comm_backends.ipynb #c013
 class TorchBackend(CommBackend):
     "torch.distributed on its process groups, with fallbacks for the fused ops a backend lacks"
-    timeout: timedelta|None = None  # set by `init_distributed`; None when the group was created elsewhere
-    def __init__(self, unsupported=()): # ops to treat as missing on every group, forcing their fallback (tests)
+
+    timeout: timedelta | None = None  # set by `init_distributed`; None when the group was created elsewhere
+
+    def __init__(self, unsupported=()):  # ops to treat as missing on every group, forcing their fallback (tests)
         bad = sorted(set(unsupported) - FALLBACKS.keys())
-        if bad: raise ValueError(f"TorchBackend(unsupported=...): {bad} have no fallback; choose from {sorted(FALLBACKS)}")
+        if bad:
+            raise ValueError(f"TorchBackend(unsupported=...): {bad} have no fallback; choose from {sorted(FALLBACKS)}")
         self.unsupported, self._learned = frozenset(unsupported), weakref.WeakKeyDictionary()
+
     @property
-    def name(self): return tdist.get_backend() if tdist.is_initialized() else 'torch (not initialised)'
-    def is_initialized(self): return tdist.is_initialized()
-    def get_rank(self, group=None): return tdist.get_rank(group)
-    def get_world_size(self, group=None): return tdist.get_world_size(group)
-    def get_global_rank(self, group, group_rank): return group_rank if group is None else tdist.get_global_rank(group, group_rank)
-    def new_group(self, ranks=None, **kwargs): return tdist.new_group(ranks, **_new_group_kwargs(kwargs))
+    def name(self):
+        return tdist.get_backend() if tdist.is_initialized() else 'torch (not initialised)'
+
+    def is_initialized(self):
+        return tdist.is_initialized()
+
+    def get_rank(self, group=None):
+        return tdist.get_rank(group)
+
+    def get_world_size(self, group=None):
+        return tdist.get_world_size(group)
+
+    def get_global_rank(self, group, group_rank):
+        return group_rank if group is None else tdist.get_global_rank(group, group_rank)
+
+    def new_group(self, ranks=None, **kwargs):
+        return tdist.new_group(ranks, **_new_group_kwargs(kwargs))
+
     def destroy_process_group(self, group=None):
         tdist.destroy_process_group(group)
-        if group is None: self._learned.clear()
-        else: self._learned.pop(group, None)
+        if group is None:
+            self._learned.clear()
+        else:
+            self._learned.pop(group, None)
+
     def describe_group(self, group=None):
         ranks = tdist.get_process_group_ranks(group or tdist.group.WORLD)
         name = 'WORLD' if group is None or group is tdist.group.WORLD else f"'{group.group_name}'"
         return f"{name} (ranks {ranks}, backend {tdist.get_backend(group)})"
 
-# %% ../../nbs/10_comm_backends.ipynb #c017
-@patch
-def _state(self:TorchBackend, group)->dict:
-    "{'missing': ops the group's backend lacks, 'warned': fallbacks already warned about} for `group`"
-    key = tdist.group.WORLD if group is None else group
-    return self._learned.setdefault(key, {'missing': set(), 'warned': set()})
+    def _state(self, group) -> dict:
+        "{'missing': ops the group's backend lacks, 'warned': fallbacks already warned about} for `group`"
+        key = tdist.group.WORLD if group is None else group
+        return self._learned.setdefault(key, {'missing': set(), 'warned': set()})
 
-@patch
-def _lacks(self:TorchBackend, op:str, group)->bool:
-    "Whether `op` goes to its fallback on `group`: forced with `unsupported=`, or learned from the backend"
-    return op in self.unsupported or bool(self._learned) and op in self._state(group)['missing']
+    def _lacks(self, op: str, group) -> bool:
+        "Whether `op` goes to its fallback on `group`: forced with `unsupported=`, or learned from the backend"
+        return op in self.unsupported or bool(self._learned) and op in self._state(group)['missing']
 
-@patch
-def missing_ops(self:TorchBackend, group=None)->set:
-    "The ops that fall back on `group`"
-    return set(self.unsupported) | self._state(group)['missing']
+    def missing_ops(self, group=None) -> set:
+        "The ops that fall back on `group`"
+        return set(self.unsupported) | self._state(group)['missing']
 
-@patch(as_prop=True)
-def missing(self:TorchBackend)->set:
-    "The ops that fall back on the default group"
-    return self.missing_ops()
+    @property
+    def missing(self) -> set:
+        "The ops that fall back on the default group"
+        return self.missing_ops()
 
-# %% ../../nbs/10_comm_backends.ipynb #c020
-@patch
-def group_timeout(self:TorchBackend, group=None)->timedelta|None:
-    "How long `group`'s ops may wait before failing, where torch says (its backend options), else `self.timeout`"
-    g = group or tdist.group.WORLD
-    try: return g._get_backend(torch.device('cuda' if tdist.get_backend(g) == 'nccl' else 'cpu')).options._timeout
-    except Exception: return self.timeout
+    def group_timeout(self, group=None) -> timedelta | None:
+        "How long `group`'s ops may wait before failing, where torch says (its backend options), else `self.timeout`"
+        g = group or tdist.group.WORLD
+        try:
+            return g._get_backend(torch.device('cuda' if tdist.get_backend(g) == 'nccl' else 'cpu')).options._timeout
+        except Exception:
+            return self.timeout
 
-@patch
-def _fallback(self:TorchBackend, op:str, group, error:BaseException|None=None):
-    "Note that `op` falls back (the backend lacks it, or `error` says so); other errors are raised, explained"
-    state = self._state(group)
-    if error is not None:
-        if not is_unsupported(op, error): raise self._explain(op, group, error)
-        state['missing'].add(op)
-    warn_fallback(op, self.name, state['warned'])
+    def _fallback(self, op: str, group, error: BaseException | None = None):
+        "Note that `op` falls back (the backend lacks it, or `error` says so); other errors are raised, explained"
+        state = self._state(group)
+        if error is not None:
+            if not is_unsupported(op, error):
+                raise self._explain(op, group, error)
+            state['missing'].add(op)
+        warn_fallback(op, self.name, state['warned'])
 
-# %% ../../nbs/10_comm_backends.ipynb #c022
-@patch
-def _explain(self:TorchBackend, op:str, group, error:BaseException)->BaseException:
-    "The exception to raise for `error` from `op`: a `CommError` naming op, rank and group for transport failures"
-    if isinstance(error, CommError) or not is_transport_failure(error): return error
-    timed_out = 'time' in str(error).lower()
-    try: where, limit = f"rank {tdist.get_rank()} in group {self.describe_group(group)}", self.group_timeout(group)
-    except Exception: where, limit = 'a rank whose process group is gone', None
-    limit = f" within the timeout of {limit.total_seconds():g}s" if timed_out and limit else ''
-    why = ('another rank died or never called it: every rank of the group must call the same collectives in the '
-           'same order. Raise the timeout with init_distributed(timeout=...) if the ranks are only slow.')
-    detail = (str(error).strip().splitlines() or [''])[0][:300]
-    exc = (CommTimeoutError if timed_out else CommError)(f"{op} did not complete{limit} on {where}: {why} [{detail}]")
-    exc.__cause__ = error
-    return exc
+    def _explain(self, op: str, group, error: BaseException) -> BaseException:
+        "The exception to raise for `error` from `op`: a `CommError` naming op, rank and group for transport failures"
+        if isinstance(error, CommError) or not is_transport_failure(error):
+            return error
+        timed_out = 'time' in str(error).lower()
+        try:
+            where, limit = f"rank {tdist.get_rank()} in group {self.describe_group(group)}", self.group_timeout(group)
+        except Exception:
+            where, limit = 'a rank whose process group is gone', None
+        limit = f" within the timeout of {limit.total_seconds():g}s" if timed_out and limit else ''
+        why = (
+            'another rank died or never called it: every rank of the group must call the same collectives in the '
+            'same order. Raise the timeout with init_distributed(timeout=...) if the ranks are only slow.'
+        )
+        detail = (str(error).strip().splitlines() or [''])[0][:300]
+        exc = (CommTimeoutError if timed_out else CommError)(
+            f"{op} did not complete{limit} on {where}: {why} [{detail}]"
+        )
+        exc.__cause__ = error
+        return exc
+
+    def barrier(self, group=None, async_op=False, device_ids=None, timeout=None):
+        try:
+            out = tdist.barrier(group, async_op, device_ids, **_opt(timeout=timeout))
+        except RuntimeError as e:
+            raise self._explain('barrier', group, e)
+        return out if out is None else ExplainedWork(out, self, 'barrier', group)
+
+    def monitored_barrier(self, group=None, timeout=None, wait_all_ranks=False):
+        try:
+            return tdist.monitored_barrier(group, timeout, wait_all_ranks)
+        except RuntimeError as e:
+            raise self._explain('monitored_barrier', group, e)
+
+    def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
+        try:
+            out = tdist.broadcast(tensor, src, group, async_op, **_opt(group_src=group_src))
+        except RuntimeError as e:
+            raise self._explain('broadcast', group, e)
+        return out if out is None else ExplainedWork(out, self, 'broadcast', group)
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, group=None, async_op=False):
+        try:
+            out = tdist.all_reduce(tensor, op, group, async_op)
+        except RuntimeError as e:
+            raise self._explain('all_reduce', group, e)
+        return out if out is None else ExplainedWork(out, self, 'all_reduce', group)
+
+    def reduce(self, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+        try:
+            out = tdist.reduce(tensor, dst, op, group, async_op, **_opt(group_dst=group_dst))
+        except RuntimeError as e:
+            raise self._explain('reduce', group, e)
+        return out if out is None else ExplainedWork(out, self, 'reduce', group)
+
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        try:
+            out = tdist.all_gather(tensor_list, tensor, group, async_op)
+        except RuntimeError as e:
+            raise self._explain('all_gather', group, e)
+        return out if out is None else ExplainedWork(out, self, 'all_gather', group)
+
+    def gather(self, tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+        try:
+            out = tdist.gather(tensor, gather_list, dst, group, async_op, **_opt(group_dst=group_dst))
+        except RuntimeError as e:
+            raise self._explain('gather', group, e)
+        return out if out is None else ExplainedWork(out, self, 'gather', group)
+
+    def scatter(self, tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+        try:
+            out = tdist.scatter(tensor, scatter_list, src, group, async_op, **_opt(group_src=group_src))
+        except RuntimeError as e:
+            raise self._explain('scatter', group, e)
+        return out if out is None else ExplainedWork(out, self, 'scatter', group)
+
+    def all_gather_object(self, object_list, obj, group=None):
+        try:
+            return tdist.all_gather_object(object_list, obj, group)
+        except RuntimeError as e:
+            raise self._explain('all_gather_object', group, e)
+
+    def broadcast_object_list(self, object_list, src=None, group=None, device=None, group_src=None):
+        try:
+            return tdist.broadcast_object_list(object_list, src, group, device, **_opt(group_src=group_src))
+        except RuntimeError as e:
+            raise self._explain('broadcast_object_list', group, e)
+
+    def send(self, tensor, dst=None, group=None, tag=0, group_dst=None):
+        try:
+            return tdist.send(tensor, dst, group, tag, **_opt(group_dst=group_dst))
+        except RuntimeError as e:
+            raise self._explain('send', group, e)
+
+    def recv(self, tensor, src=None, group=None, tag=0, group_src=None):
+        try:
+            return tdist.recv(tensor, src, group, tag, **_opt(group_src=group_src))
+        except RuntimeError as e:
+            raise self._explain('recv', group, e)
+
+    def isend(self, tensor, dst=None, group=None, tag=0, group_dst=None):
+        try:
+            out = tdist.isend(tensor, dst, group, tag, **_opt(group_dst=group_dst))
+        except RuntimeError as e:
+            raise self._explain('isend', group, e)
+        return out if out is None else ExplainedWork(out, self, 'isend', group)
+
+    def irecv(self, tensor, src=None, group=None, tag=0, group_src=None):
+        try:
+            out = tdist.irecv(tensor, src, group, tag, **_opt(group_src=group_src))
+        except RuntimeError as e:
+            raise self._explain('irecv', group, e)
+        return out if out is None else ExplainedWork(out, self, 'irecv', group)
+
+    def batch_isend_irecv(self, p2p_op_list):
+        ops = [_torch_p2p(p) for p in p2p_op_list]
+        group = ops[0].group if ops else None
+        try:
+            works = tdist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise self._explain('batch_isend_irecv', group, e)
+        return [ExplainedWork(w, self, 'batch_isend_irecv', group) for w in works]
+
+    def _done(self, async_op):
+        return CompletedWork() if async_op else None
+
+    def _work(self, op, group, out):
+        return out if out is None else ExplainedWork(out, self, op, group)
+
+    def reduce_scatter(self, output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+        if self._lacks('reduce_scatter', group):
+            self._fallback('reduce_scatter', group)
+        else:
+            try:
+                return self._work(
+                    'reduce_scatter', group, self._native_reduce_scatter(output, input_list, op, group, async_op)
+                )
+            except RuntimeError as e:
+                self._fallback('reduce_scatter', group, e)
+        reduce_scatter_via_all_reduce(self, output, input_list, op, group)
+        return self._done(async_op)
+
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        if self._lacks('all_gather_into_tensor', group):
+            self._fallback('all_gather_into_tensor', group)
+        else:
+            try:
+                return self._work(
+                    'all_gather_into_tensor',
+                    group,
+                    self._native_all_gather_into_tensor(output_tensor, input_tensor, group, async_op),
+                )
+            except RuntimeError as e:
+                self._fallback('all_gather_into_tensor', group, e)
+        all_gather_into_tensor_via_list(self, output_tensor, input_tensor, group)
+        return self._done(async_op)
+
+    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, group=None, async_op=False):
+        if self._lacks('reduce_scatter_tensor', group):
+            self._fallback('reduce_scatter_tensor', group)
+        else:
+            try:
+                return self._work(
+                    'reduce_scatter_tensor',
+                    group,
+                    self._native_reduce_scatter_tensor(output, input, op, group, async_op),
+                )
+            except RuntimeError as e:
+                self._fallback('reduce_scatter_tensor', group, e)
+        reduce_scatter_tensor_via_list(self, output, input, op, group)
+        return self._done(async_op)
+
+    def all_to_all(self, output_tensor_list, input_tensor_list, group=None, async_op=False):
+        if self._lacks('all_to_all', group):
+            self._fallback('all_to_all', group)
+        else:
+            try:
+                return self._work(
+                    'all_to_all', group, self._native_all_to_all(output_tensor_list, input_tensor_list, group, async_op)
+                )
+            except RuntimeError as e:
+                self._fallback('all_to_all', group, e)
+        all_to_all_via_p2p(self, output_tensor_list, input_tensor_list, group)
+        return self._done(async_op)
+
+    def all_to_all_single(
+        self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+    ):
+        if self._lacks('all_to_all_single', group):
+            self._fallback('all_to_all_single', group)
+        else:
+            try:
+                return self._work(
+                    'all_to_all_single',
+                    group,
+                    self._native_all_to_all_single(
+                        output, input, output_split_sizes, input_split_sizes, group, async_op
+                    ),
+                )
+            except RuntimeError as e:
+                self._fallback('all_to_all_single', group, e)
+        all_to_all_single_via_list(self, output, input, output_split_sizes, input_split_sizes, group)
+        return self._done(async_op)
 
 # %% ../../nbs/10_comm_backends.ipynb #c025
 class ExplainedWork:
     "A torch work handle whose `wait()` raises `CommError` naming the op, rank and group when the transport fails"
-    def __init__(self, work, backend, op:str, group): self._work, self._backend, self._op, self._group = work, backend, op, group
+
+    def __init__(self, work, backend, op: str, group):
+        self._work, self._backend, self._op, self._group = work, backend, op, group
+
     def wait(self, *args, **kwargs):
-        try: return self._work.wait(*args, **kwargs)
-        except RuntimeError as e: raise self._backend._explain(self._op, self._group, e)
-    def __getattr__(self, name): return getattr(self._work, name)
+        try:
+            return self._work.wait(*args, **kwargs)
+        except RuntimeError as e:
+            raise self._backend._explain(self._op, self._group, e)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 # %% ../../nbs/10_comm_backends.ipynb #c028
-def _opt(**kw): return {k: v for k, v in kw.items() if v is not None}
-
-@patch
-def barrier(self:TorchBackend, group=None, async_op=False, device_ids=None, timeout=None):
-    try: out = tdist.barrier(group, async_op, device_ids, **_opt(timeout=timeout))
-    except RuntimeError as e: raise self._explain('barrier', group, e)
-    return out if out is None else ExplainedWork(out, self, 'barrier', group)
-
-@patch
-def monitored_barrier(self:TorchBackend, group=None, timeout=None, wait_all_ranks=False):
-    try: return tdist.monitored_barrier(group, timeout, wait_all_ranks)
-    except RuntimeError as e: raise self._explain('monitored_barrier', group, e)
-
-@patch
-def broadcast(self:TorchBackend, tensor, src=None, group=None, async_op=False, group_src=None):
-    try: out = tdist.broadcast(tensor, src, group, async_op, **_opt(group_src=group_src))
-    except RuntimeError as e: raise self._explain('broadcast', group, e)
-    return out if out is None else ExplainedWork(out, self, 'broadcast', group)
-
-# %% ../../nbs/10_comm_backends.ipynb #c030
-@patch
-def all_reduce(self:TorchBackend, tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    try: out = tdist.all_reduce(tensor, op, group, async_op)
-    except RuntimeError as e: raise self._explain('all_reduce', group, e)
-    return out if out is None else ExplainedWork(out, self, 'all_reduce', group)
-
-@patch
-def reduce(self:TorchBackend, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
-    try: out = tdist.reduce(tensor, dst, op, group, async_op, **_opt(group_dst=group_dst))
-    except RuntimeError as e: raise self._explain('reduce', group, e)
-    return out if out is None else ExplainedWork(out, self, 'reduce', group)
-
-# %% ../../nbs/10_comm_backends.ipynb #c032
-@patch
-def all_gather(self:TorchBackend, tensor_list, tensor, group=None, async_op=False):
-    try: out = tdist.all_gather(tensor_list, tensor, group, async_op)
-    except RuntimeError as e: raise self._explain('all_gather', group, e)
-    return out if out is None else ExplainedWork(out, self, 'all_gather', group)
-
-@patch
-def gather(self:TorchBackend, tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
-    try: out = tdist.gather(tensor, gather_list, dst, group, async_op, **_opt(group_dst=group_dst))
-    except RuntimeError as e: raise self._explain('gather', group, e)
-    return out if out is None else ExplainedWork(out, self, 'gather', group)
-
-@patch
-def scatter(self:TorchBackend, tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
-    try: out = tdist.scatter(tensor, scatter_list, src, group, async_op, **_opt(group_src=group_src))
-    except RuntimeError as e: raise self._explain('scatter', group, e)
-    return out if out is None else ExplainedWork(out, self, 'scatter', group)
-
-@patch
-def all_gather_object(self:TorchBackend, object_list, obj, group=None):
-    try: return tdist.all_gather_object(object_list, obj, group)
-    except RuntimeError as e: raise self._explain('all_gather_object', group, e)
-
-@patch
-def broadcast_object_list(self:TorchBackend, object_list, src=None, group=None, device=None, group_src=None):
-    try: return tdist.broadcast_object_list(object_list, src, group, device, **_opt(group_src=group_src))
-    except RuntimeError as e: raise self._explain('broadcast_object_list', group, e)
+def _opt(**kw):
+    return {k: v for k, v in kw.items() if v is not None}
 
 # %% ../../nbs/10_comm_backends.ipynb #c035
 def _torch_p2p(p):
     "torch's `P2POp` for flexrt's (or torch's) `p` (`group_peer` only when set: torch before 2.6 lacks it)"
-    if isinstance(p, tdist.P2POp): return p
+    if isinstance(p, tdist.P2POp):
+        return p
     op = tdist.isend if p.kind == 'isend' else tdist.irecv
     return tdist.P2POp(op, p.tensor, p.peer, p.group, p.tag, **_opt(group_peer=p.group_peer))
-
-# %% ../../nbs/10_comm_backends.ipynb #c037
-@patch
-def send(self:TorchBackend, tensor, dst=None, group=None, tag=0, group_dst=None):
-    try: return tdist.send(tensor, dst, group, tag, **_opt(group_dst=group_dst))
-    except RuntimeError as e: raise self._explain('send', group, e)
-
-@patch
-def recv(self:TorchBackend, tensor, src=None, group=None, tag=0, group_src=None):
-    try: return tdist.recv(tensor, src, group, tag, **_opt(group_src=group_src))
-    except RuntimeError as e: raise self._explain('recv', group, e)
-
-@patch
-def isend(self:TorchBackend, tensor, dst=None, group=None, tag=0, group_dst=None):
-    try: out = tdist.isend(tensor, dst, group, tag, **_opt(group_dst=group_dst))
-    except RuntimeError as e: raise self._explain('isend', group, e)
-    return out if out is None else ExplainedWork(out, self, 'isend', group)
-
-@patch
-def irecv(self:TorchBackend, tensor, src=None, group=None, tag=0, group_src=None):
-    try: out = tdist.irecv(tensor, src, group, tag, **_opt(group_src=group_src))
-    except RuntimeError as e: raise self._explain('irecv', group, e)
-    return out if out is None else ExplainedWork(out, self, 'irecv', group)
-
-@patch
-def batch_isend_irecv(self:TorchBackend, p2p_op_list):
-    ops = [_torch_p2p(p) for p in p2p_op_list]
-    group = ops[0].group if ops else None
-    try: works = tdist.batch_isend_irecv(ops)
-    except RuntimeError as e: raise self._explain('batch_isend_irecv', group, e)
-    return [ExplainedWork(w, self, 'batch_isend_irecv', group) for w in works]
 
 # %% ../../nbs/10_comm_backends.ipynb #c041
 @patch_to(TorchBackend, static_method=True)
@@ -222,48 +367,17 @@ def _native_all_gather_into_tensor(output_tensor, input_tensor, group=None, asyn
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
     return tdist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
 
+
 @patch_to(TorchBackend, static_method=True)
 def _native_reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
     return tdist.reduce_scatter_tensor(output, input, op, group, async_op)
 
+
 @patch_to(TorchBackend, static_method=True)
 def _native_reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
     return tdist.reduce_scatter(output, input_list, op, group, async_op)
-
-# %% ../../nbs/10_comm_backends.ipynb #c043
-@patch
-def _done(self:TorchBackend, async_op): return CompletedWork() if async_op else None
-
-@patch
-def _work(self:TorchBackend, op, group, out): return out if out is None else ExplainedWork(out, self, op, group)
-
-# %% ../../nbs/10_comm_backends.ipynb #c045
-@patch
-def reduce_scatter(self:TorchBackend, output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    if self._lacks('reduce_scatter', group): self._fallback('reduce_scatter', group)
-    else:
-        try: return self._work('reduce_scatter', group, self._native_reduce_scatter(output, input_list, op, group, async_op))
-        except RuntimeError as e: self._fallback('reduce_scatter', group, e)
-    reduce_scatter_via_all_reduce(self, output, input_list, op, group); return self._done(async_op)
-
-# %% ../../nbs/10_comm_backends.ipynb #c047
-@patch
-def all_gather_into_tensor(self:TorchBackend, output_tensor, input_tensor, group=None, async_op=False):
-    if self._lacks('all_gather_into_tensor', group): self._fallback('all_gather_into_tensor', group)
-    else:
-        try: return self._work('all_gather_into_tensor', group, self._native_all_gather_into_tensor(output_tensor, input_tensor, group, async_op))
-        except RuntimeError as e: self._fallback('all_gather_into_tensor', group, e)
-    all_gather_into_tensor_via_list(self, output_tensor, input_tensor, group); return self._done(async_op)
-
-@patch
-def reduce_scatter_tensor(self:TorchBackend, output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    if self._lacks('reduce_scatter_tensor', group): self._fallback('reduce_scatter_tensor', group)
-    else:
-        try: return self._work('reduce_scatter_tensor', group, self._native_reduce_scatter_tensor(output, input, op, group, async_op))
-        except RuntimeError as e: self._fallback('reduce_scatter_tensor', group, e)
-    reduce_scatter_tensor_via_list(self, output, input, op, group); return self._done(async_op)
 
 # %% ../../nbs/10_comm_backends.ipynb #c049
 @patch_to(TorchBackend, static_method=True)
@@ -271,24 +385,10 @@ def _native_all_to_all(output_tensor_list, input_tensor_list, group=None, async_
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
     return tdist.all_to_all(output_tensor_list, input_tensor_list, group, async_op)
 
+
 @patch_to(TorchBackend, static_method=True)
-def _native_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+def _native_all_to_all_single(
+    output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+):
     "torch's own op; a subclass replaces it to stand for a backend that lacks it"
     return tdist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
-
-# %% ../../nbs/10_comm_backends.ipynb #c051
-@patch
-def all_to_all(self:TorchBackend, output_tensor_list, input_tensor_list, group=None, async_op=False):
-    if self._lacks('all_to_all', group): self._fallback('all_to_all', group)
-    else:
-        try: return self._work('all_to_all', group, self._native_all_to_all(output_tensor_list, input_tensor_list, group, async_op))
-        except RuntimeError as e: self._fallback('all_to_all', group, e)
-    all_to_all_via_p2p(self, output_tensor_list, input_tensor_list, group); return self._done(async_op)
-
-@patch
-def all_to_all_single(self:TorchBackend, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    if self._lacks('all_to_all_single', group): self._fallback('all_to_all_single', group)
-    else:
-        try: return self._work('all_to_all_single', group, self._native_all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op))
-        except RuntimeError as e: self._fallback('all_to_all_single', group, e)
-    all_to_all_single_via_list(self, output, input, output_split_sizes, input_split_sizes, group); return self._done(async_op)

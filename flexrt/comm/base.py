@@ -12,62 +12,132 @@ import torch.distributed as tdist
 __all__ = ['OPS', 'CompletedWork', 'P2POp', 'CommBackend', 'CommError', 'CommTimeoutError']
 
 # %% ../../nbs/10_comm_base.ipynb #c006
-if tdist.is_available(): ReduceOp = tdist.ReduceOp
+if tdist.is_available():
+    ReduceOp = tdist.ReduceOp
 else:
+
     class ReduceOp(enum.Enum):
         "Reduction kinds, for torch builds without torch.distributed (only the single-process backend runs there)"
+
         SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = range(9)
 
 # %% ../../nbs/10_comm_base.ipynb #c008
 class CompletedWork:
     "Work handle of an op that already finished (single-process ops, blocking fallbacks under `async_op=True`)"
-    def __init__(self, result=None): self._result = [] if result is None else result
-    def wait(self, timeout=None): return True
-    def is_completed(self): return True
-    def is_success(self): return True
-    def exception(self): return None
-    def synchronize(self): pass
-    def result(self): return self._result
+
+    def __init__(self, result=None):
+        self._result = [] if result is None else result
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def synchronize(self):
+        pass
+
+    def result(self):
+        return self._result
+
     def get_future(self):
         "A completed `torch.futures.Future` holding the result, as torch's work handles give"
-        fut = torch.futures.Future(); fut.set_result(self._result); return fut
+        fut = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
 
 # %% ../../nbs/10_comm_base.ipynb #c010
 class P2POp:
     "A point-to-point op for `batch_isend_irecv`: torch's `P2POp`, accepting flexrt's or torch's `isend`/`irecv`"
-    def __init__(self, op, # `isend` or `irecv`, from flexrt.comm or torch.distributed
-                 tensor:torch.Tensor, # tensor to send, or to receive into
-                 peer:int|None=None, # global rank of the other side
-                 group=None, # process group; None for the default one
-                 tag:int=0, # matches a send with its receive
-                 group_peer:int|None=None): # the other side's rank within `group`, instead of `peer`
+
+    def __init__(
+        self,
+        op,  # `isend` or `irecv`, from flexrt.comm or torch.distributed
+        tensor: torch.Tensor,  # tensor to send, or to receive into
+        peer: int | None = None,  # global rank of the other side
+        group=None,  # process group; None for the default one
+        tag: int = 0,  # matches a send with its receive
+        group_peer: int | None = None,  # the other side's rank within `group`, instead of `peer`
+    ):
         kind = getattr(op, '__name__', '')
-        if kind not in ('isend', 'irecv'): raise ValueError(f"P2POp op must be isend or irecv, got {op!r}")
-        if not isinstance(tensor, torch.Tensor): raise TypeError(f"P2POp tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        if (peer is None) == (group_peer is None): raise ValueError("P2POp needs exactly one of peer and group_peer")
-        self.op, self.kind, self.tensor, self.peer, self.group, self.tag, self.group_peer = op, kind, tensor, peer, group, tag, group_peer
+        if kind not in ('isend', 'irecv'):
+            raise ValueError(f"P2POp op must be isend or irecv, got {op!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"P2POp tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if (peer is None) == (group_peer is None):
+            raise ValueError("P2POp needs exactly one of peer and group_peer")
+        self.op, self.kind, self.tensor, self.peer, self.group, self.tag, self.group_peer = (
+            op,
+            kind,
+            tensor,
+            peer,
+            group,
+            tag,
+            group_peer,
+        )
 
 # %% ../../nbs/10_comm_base.ipynb #c013
-OPS = ('barrier', 'monitored_barrier', 'broadcast', 'all_reduce', 'reduce', 'all_gather', 'all_gather_into_tensor',
-       'reduce_scatter', 'reduce_scatter_tensor', 'all_to_all', 'all_to_all_single', 'gather', 'scatter',
-       'send', 'recv', 'isend', 'irecv', 'batch_isend_irecv', 'all_gather_object', 'broadcast_object_list')
+OPS = (
+    'barrier',
+    'monitored_barrier',
+    'broadcast',
+    'all_reduce',
+    'reduce',
+    'all_gather',
+    'all_gather_into_tensor',
+    'reduce_scatter',
+    'reduce_scatter_tensor',
+    'all_to_all',
+    'all_to_all_single',
+    'gather',
+    'scatter',
+    'send',
+    'recv',
+    'isend',
+    'irecv',
+    'batch_isend_irecv',
+    'all_gather_object',
+    'broadcast_object_list',
+)
+
 
 class CommBackend:
     "What flexrt.comm needs from a transport: rank queries, groups, and the ops in `OPS` with torch's signatures"
+
     name = 'abstract'
-    def is_initialized(self)->bool: raise NotImplementedError(f"{type(self).__name__}.is_initialized")
-    def get_rank(self, group=None)->int: raise NotImplementedError(f"{type(self).__name__}.get_rank")
-    def get_world_size(self, group=None)->int: raise NotImplementedError(f"{type(self).__name__}.get_world_size")
-    def get_global_rank(self, group, group_rank:int)->int: raise NotImplementedError(f"{type(self).__name__}.get_global_rank")
-    def new_group(self, ranks=None, **kwargs): raise NotImplementedError(f"{type(self).__name__}.new_group")
-    def destroy_process_group(self, group=None): raise NotImplementedError(f"{type(self).__name__}.destroy_process_group")
-    def describe_group(self, group=None)->str:
+
+    def is_initialized(self) -> bool:
+        raise NotImplementedError(f"{type(self).__name__}.is_initialized")
+
+    def get_rank(self, group=None) -> int:
+        raise NotImplementedError(f"{type(self).__name__}.get_rank")
+
+    def get_world_size(self, group=None) -> int:
+        raise NotImplementedError(f"{type(self).__name__}.get_world_size")
+
+    def get_global_rank(self, group, group_rank: int) -> int:
+        raise NotImplementedError(f"{type(self).__name__}.get_global_rank")
+
+    def new_group(self, ranks=None, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__}.new_group")
+
+    def destroy_process_group(self, group=None):
+        raise NotImplementedError(f"{type(self).__name__}.destroy_process_group")
+
+    def describe_group(self, group=None) -> str:
         "A short name for `group` in error messages"
         return 'WORLD' if group is None else str(getattr(group, 'group_name', group))
 
 # %% ../../nbs/10_comm_base.ipynb #c016
 class CommError(RuntimeError):
     "A collective that could not complete: a rank died, never called it, or the transport failed"
+
 
 class CommTimeoutError(CommError, TimeoutError):
     "A collective that did not complete within the process group's timeout"

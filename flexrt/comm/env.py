@@ -16,155 +16,234 @@ __all__ = ['DISCOVERERS', 'MPI_DISCOVERERS', 'SOURCE_VARIABLES', 'DistEnv', 'Env
 @dataclass(frozen=True)
 class DistEnv:
     "Where this process sits in the job"
-    rank: int = 0 # global rank
-    world_size: int = 1 # number of ranks
-    local_rank: int = 0 # rank on this node
-    master_addr: str = '127.0.0.1' # host of rank 0, where the rendezvous store listens
-    master_port: int = 29500 # port of the rendezvous store
-    source: str = 'single' # which launcher the values came from
-    def as_environ(self)->dict:
+
+    rank: int = 0  # global rank
+    world_size: int = 1  # number of ranks
+    local_rank: int = 0  # rank on this node
+    master_addr: str = '127.0.0.1'  # host of rank 0, where the rendezvous store listens
+    master_port: int = 29500  # port of the rendezvous store
+    source: str = 'single'  # which launcher the values came from
+
+    def as_environ(self) -> dict:
         "The torchrun variables for this env (what `init_process_group(init_method='env://')` reads)"
-        return dict(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
-                    MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port))
+        return dict(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
 
 # %% ../../nbs/10_comm_env.ipynb #c008
 class EnvError(ValueError):
     "Launcher variables that are missing, malformed or contradict each other"
 
-def _int(env:dict, name:str, default=None, minimum:int=0)->int|None:
+
+def _int(env: dict, name: str, default=None, minimum: int = 0) -> int | None:
     "Integer variable `name` of `env`; `default` when unset (None: required)"
     v = env.get(name)
     if v is None or v == '':
-        if default is None: raise EnvError(f"{name} is not set")
+        if default is None:
+            raise EnvError(f"{name} is not set")
         return default
-    try: i = int(v)
-    except ValueError: raise EnvError(f"{name}={v!r} is not an integer") from None
-    if i < minimum: raise EnvError(f"{name}={v} must be at least {minimum}")
+    try:
+        i = int(v)
+    except ValueError:
+        raise EnvError(f"{name}={v!r} is not an integer") from None
+    if i < minimum:
+        raise EnvError(f"{name}={v} must be at least {minimum}")
     return i
 
 # %% ../../nbs/10_comm_env.ipynb #c011
-def _checked(source, rank, world_size, local_rank, master_addr, master_port, names)->DistEnv:
+def _checked(source, rank, world_size, local_rank, master_addr, master_port, names) -> DistEnv:
     "A `DistEnv` from `source`, after checking the values agree; `names` maps field -> variable for errors"
     r, w, l = names.get('rank', 'rank'), names.get('world_size', 'world size'), names.get('local_rank', 'local rank')
-    if rank >= world_size: raise EnvError(f"{r}={rank} must be below {w}={world_size} ({source})")
-    if local_rank > rank: raise EnvError(f"{l}={local_rank} cannot exceed {r}={rank} ({source})")
+    if rank >= world_size:
+        raise EnvError(f"{r}={rank} must be below {w}={world_size} ({source})")
+    if local_rank > rank:
+        raise EnvError(f"{l}={local_rank} cannot exceed {r}={rank} ({source})")
     if world_size > 1 and not master_addr:
-        raise EnvError(f"{names.get('master_addr', 'MASTER_ADDR')} is not set: {source} started {world_size} ranks, "
-                       "so they need the address of rank 0's host (export MASTER_ADDR=<host of rank 0>)")
-    if not 0 < master_port < 65536: raise EnvError(f"{names.get('master_port', 'MASTER_PORT')}={master_port} is not a port")
+        raise EnvError(
+            f"{names.get('master_addr', 'MASTER_ADDR')} is not set: {source} started {world_size} ranks, "
+            "so they need the address of rank 0's host (export MASTER_ADDR=<host of rank 0>)"
+        )
+    if not 0 < master_port < 65536:
+        raise EnvError(f"{names.get('master_port', 'MASTER_PORT')}={master_port} is not a port")
     return DistEnv(rank, world_size, local_rank, master_addr or '127.0.0.1', master_port, source)
 
 # %% ../../nbs/10_comm_env.ipynb #c014
-_TORCHRUN = dict(rank='RANK', world_size='WORLD_SIZE', local_rank='LOCAL_RANK', master_addr='MASTER_ADDR', master_port='MASTER_PORT')
+_TORCHRUN = dict(
+    rank='RANK', world_size='WORLD_SIZE', local_rank='LOCAL_RANK', master_addr='MASTER_ADDR', master_port='MASTER_PORT'
+)
 
-def from_torchrun(env:dict, port:int=29500)->DistEnv|None:
+
+def from_torchrun(env: dict, port: int = 29500) -> DistEnv | None:
     "The env torchrun or accelerate set, or None if they set nothing"
-    if 'RANK' not in env and 'WORLD_SIZE' not in env: return None
+    if 'RANK' not in env and 'WORLD_SIZE' not in env:
+        return None
     for have, need in (('RANK', 'WORLD_SIZE'), ('WORLD_SIZE', 'RANK')):
-        if have in env and need not in env: raise EnvError(f"{have} is set but {need} is not: set both (torchrun does)")
+        if have in env and need not in env:
+            raise EnvError(f"{have} is set but {need} is not: set both (torchrun does)")
     rank, ws = _int(env, 'RANK'), _int(env, 'WORLD_SIZE', minimum=1)
     local = _int(env, 'LOCAL_RANK', rank if ws == 1 or _int(env, 'LOCAL_WORLD_SIZE', 0) == ws else None)
     lws = _int(env, 'LOCAL_WORLD_SIZE', 0)
-    if lws and local >= lws: raise EnvError(f"LOCAL_RANK={local} must be below LOCAL_WORLD_SIZE={lws}")
-    if ws > 1 and 'MASTER_PORT' not in env: raise EnvError(f"MASTER_PORT is not set: WORLD_SIZE={ws} needs the rendezvous port")
-    return _checked('torchrun', rank, ws, local, env.get('MASTER_ADDR', '' if ws > 1 else None),
-                    _int(env, 'MASTER_PORT', port), _TORCHRUN)
+    if lws and local >= lws:
+        raise EnvError(f"LOCAL_RANK={local} must be below LOCAL_WORLD_SIZE={lws}")
+    if ws > 1 and 'MASTER_PORT' not in env:
+        raise EnvError(f"MASTER_PORT is not set: WORLD_SIZE={ws} needs the rendezvous port")
+    return _checked(
+        'torchrun',
+        rank,
+        ws,
+        local,
+        env.get('MASTER_ADDR', '' if ws > 1 else None),
+        _int(env, 'MASTER_PORT', port),
+        _TORCHRUN,
+    )
 
 # %% ../../nbs/10_comm_env.ipynb #c017
-def _mpi4py_master()->str|None:
+def _mpi4py_master() -> str | None:
     "Rank 0's host name, broadcast over MPI, or None without mpi4py"
-    try: from mpi4py import MPI
-    except ImportError: return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
     return MPI.COMM_WORLD.bcast(socket.gethostname() if MPI.COMM_WORLD.Get_rank() == 0 else None, root=0)
 
-def _mpi4py_local_rank()->int|None:
+
+def _mpi4py_local_rank() -> int | None:
     "Number of lower MPI ranks on this host (what DeepSpeed's mpi_discovery computes), or None without mpi4py"
-    try: from mpi4py import MPI
-    except ImportError: return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
     comm = MPI.COMM_WORLD
     hosts = comm.allgather(MPI.Get_processor_name())
-    return hosts[:comm.Get_rank()].count(hosts[comm.Get_rank()])
+    return hosts[: comm.Get_rank()].count(hosts[comm.Get_rank()])
 
-def _mpi_vars(env:dict):
+
+def _mpi_vars(env: dict):
     "(names, rank, size, local rank or None, local size or None) of the MPI launcher, or None"
     if 'OMPI_COMM_WORLD_RANK' in env or 'OMPI_COMM_WORLD_SIZE' in env:
-        n = dict(rank='OMPI_COMM_WORLD_RANK', world_size='OMPI_COMM_WORLD_SIZE', local_rank='OMPI_COMM_WORLD_LOCAL_RANK')
+        n = dict(
+            rank='OMPI_COMM_WORLD_RANK', world_size='OMPI_COMM_WORLD_SIZE', local_rank='OMPI_COMM_WORLD_LOCAL_RANK'
+        )
         local = _int(env, n['local_rank'], -1, -1)
-        if local < 0 and 'OMPI_COMM_WORLD_NODE_RANK' in env: local = _int(env, 'OMPI_COMM_WORLD_NODE_RANK')
-        return (n, _int(env, n['rank']), _int(env, n['world_size'], minimum=1), local,
-                _int(env, 'OMPI_COMM_WORLD_LOCAL_SIZE', 0) or None)
+        if local < 0 and 'OMPI_COMM_WORLD_NODE_RANK' in env:
+            local = _int(env, 'OMPI_COMM_WORLD_NODE_RANK')
+        return (
+            n,
+            _int(env, n['rank']),
+            _int(env, n['world_size'], minimum=1),
+            local,
+            _int(env, 'OMPI_COMM_WORLD_LOCAL_SIZE', 0) or None,
+        )
     if 'PMI_RANK' in env or 'PMI_SIZE' in env:  # MPICH, Intel MPI
         n = dict(rank='PMI_RANK', world_size='PMI_SIZE', local_rank='MPI_LOCALRANKID')
-        return n, _int(env, 'PMI_RANK'), _int(env, 'PMI_SIZE', minimum=1), _int(env, 'MPI_LOCALRANKID', -1, -1), _int(env, 'MPI_LOCALNRANKS', 0) or None
+        return (
+            n,
+            _int(env, 'PMI_RANK'),
+            _int(env, 'PMI_SIZE', minimum=1),
+            _int(env, 'MPI_LOCALRANKID', -1, -1),
+            _int(env, 'MPI_LOCALNRANKS', 0) or None,
+        )
     return None
 
 # %% ../../nbs/10_comm_env.ipynb #c018
-def from_mpi(env:dict, port:int=29500, source:str='openmpi', master:tuple=())->DistEnv|None:
+def from_mpi(env: dict, port: int = 29500, source: str = 'openmpi', master: tuple = ()) -> DistEnv | None:
     "The env of an MPI launch, or None; `master` = (address, port, variable) a platform supplies"
     found = _mpi_vars(env)
-    if found is None: return None
+    if found is None:
+        return None
     names, rank, ws, local, local_size = found
-    if source == 'openmpi' and names['rank'] == 'PMI_RANK': source = 'mpich'
+    if source == 'openmpi' and names['rank'] == 'PMI_RANK':
+        source = 'mpich'
     single_node = local_size == ws or ws == 1
     if local is None or local < 0:  # no local rank variable: one node, or ask MPI which ranks share this host
         local = rank if single_node else _mpi4py_local_rank()
-        if local is None: raise EnvError(f"{names['local_rank']} is not set and mpi4py is not installed: cannot tell this "
-                                         "rank's place on its node in a multi-node MPI run (mpirun -x LOCAL_RANK, or pip install mpi4py)")
+        if local is None:
+            raise EnvError(
+                f"{names['local_rank']} is not set and mpi4py is not installed: cannot tell this "
+                "rank's place on its node in a multi-node MPI run (mpirun -x LOCAL_RANK, or pip install mpi4py)"
+            )
     addr, mport, addr_var = master or (env.get('MASTER_ADDR'), _int(env, 'MASTER_PORT', port), 'MASTER_ADDR')
-    if not addr and ws > 1: addr = '127.0.0.1' if single_node else _mpi4py_master()
-    if addr_var != 'MASTER_ADDR' and not addr: raise EnvError(f"{addr_var} is not set ({source} MPI job with {ws} ranks)")
+    if not addr and ws > 1:
+        addr = '127.0.0.1' if single_node else _mpi4py_master()
+    if addr_var != 'MASTER_ADDR' and not addr:
+        raise EnvError(f"{addr_var} is not set ({source} MPI job with {ws} ranks)")
     return _checked(source, rank, ws, local, addr or '', mport, {**names, 'master_addr': addr_var})
 
 # %% ../../nbs/10_comm_env.ipynb #c025
-def from_azureml(env:dict, port:int=29500)->DistEnv|None:
+def from_azureml(env: dict, port: int = 29500) -> DistEnv | None:
     "The env of an AzureML MPI job, or None"
-    if 'AZUREML_EXPERIMENT_ID' not in env or 'DLTS_JOB_ID' in env or _mpi_vars(env) is None: return None
+    if 'AZUREML_EXPERIMENT_ID' not in env or 'DLTS_JOB_ID' in env or _mpi_vars(env) is None:
+        return None
     if _int(env, 'OMPI_COMM_WORLD_LOCAL_SIZE', 0) == _int(env, 'OMPI_COMM_WORLD_SIZE', 0):
         master = (env.get('AZ_BATCHAI_MPI_MASTER_NODE'), _int(env, 'MASTER_PORT', 54965), 'AZ_BATCHAI_MPI_MASTER_NODE')
     else:
-        master = ((env.get('AZ_BATCH_MASTER_NODE') or '').split(':')[0], _int(env, 'MASTER_PORT', 6105), 'AZ_BATCH_MASTER_NODE')
+        master = (
+            (env.get('AZ_BATCH_MASTER_NODE') or '').split(':')[0],
+            _int(env, 'MASTER_PORT', 6105),
+            'AZ_BATCH_MASTER_NODE',
+        )
     return from_mpi(env, port, 'azureml', master)
 
 # %% ../../nbs/10_comm_env.ipynb #c027
-def from_sagemaker(env:dict, port:int=29500)->DistEnv|None:
+def from_sagemaker(env: dict, port: int = 29500) -> DistEnv | None:
     "The env of a SageMaker MPI job, or None"
-    if 'SM_TRAINING_ENV' not in env or _mpi_vars(env) is None: return None
+    if 'SM_TRAINING_ENV' not in env or _mpi_vars(env) is None:
+        return None
     addr, var = env.get('MASTER_ADDR'), 'SM_HOSTS'
     if not addr:
-        try: hosts = json.loads(env['SM_HOSTS']) if 'SM_HOSTS' in env else json.loads(env['SM_TRAINING_ENV']).get('hosts', [])
-        except json.JSONDecodeError as e: raise EnvError(f"{'SM_HOSTS' if 'SM_HOSTS' in env else 'SM_TRAINING_ENV'} is not valid JSON: {e}") from None
+        try:
+            hosts = (
+                json.loads(env['SM_HOSTS'])
+                if 'SM_HOSTS' in env
+                else json.loads(env['SM_TRAINING_ENV']).get('hosts', [])
+            )
+        except json.JSONDecodeError as e:
+            raise EnvError(f"{'SM_HOSTS' if 'SM_HOSTS' in env else 'SM_TRAINING_ENV'} is not valid JSON: {e}") from None
         addr = sorted(hosts)[0] if hosts else None
     return from_mpi(env, port, 'sagemaker', (addr, _int(env, 'MASTER_PORT', port), var))
 
 # %% ../../nbs/10_comm_env.ipynb #c030
-def _split_top(s:str, var:str)->list:
+def _split_top(s: str, var: str) -> list:
     "Split `s` on commas outside brackets"
     parts, depth, cur = [], 0, ''
     for ch in s:
         depth += (ch == '[') - (ch == ']')
-        if depth not in (0, 1): raise EnvError(f"{var}={s!r}: unbalanced brackets")
-        if ch == ',' and depth == 0: parts.append(cur); cur = ''
-        else: cur += ch
-    if depth: raise EnvError(f"{var}={s!r}: unbalanced brackets")
+        if depth not in (0, 1):
+            raise EnvError(f"{var}={s!r}: unbalanced brackets")
+        if ch == ',' and depth == 0:
+            parts.append(cur)
+            cur = ''
+        else:
+            cur += ch
+    if depth:
+        raise EnvError(f"{var}={s!r}: unbalanced brackets")
     return parts + [cur]
 
 # %% ../../nbs/10_comm_env.ipynb #c031
-def _expand_range(spec:str, var:str, whole:str)->list:
+def _expand_range(spec: str, var: str, whole: str) -> list:
     "Numbers of one bracket body, e.g. '01-03,7' -> ['01', '02', '03', '7']"
     out = []
     for item in spec.split(','):
         m = re.fullmatch(r'(\d+)(?:-(\d+))?', item)
-        if not m: raise EnvError(f"{var}={whole!r}: cannot read range '{item}'")
+        if not m:
+            raise EnvError(f"{var}={whole!r}: cannot read range '{item}'")
         lo, hi = m.group(1), m.group(2) or m.group(1)
-        if int(hi) < int(lo): raise EnvError(f"{var}={whole!r}: range '{item}' runs backwards")
+        if int(hi) < int(lo):
+            raise EnvError(f"{var}={whole!r}: range '{item}' runs backwards")
         out += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
     return out
 
-def expand_nodelist(nodelist:str, var:str='SLURM_JOB_NODELIST')->list:
+
+def expand_nodelist(nodelist: str, var: str = 'SLURM_JOB_NODELIST') -> list:
     "Host names of a SLURM node list, in order: 'node[01-02],gpu7' -> ['node01', 'node02', 'gpu7']"
     hosts = []
     for part in _split_top(nodelist.strip(), var):
-        if not part: raise EnvError(f"{var}={nodelist!r}: empty host name")
+        if not part:
+            raise EnvError(f"{var}={nodelist!r}: empty host name")
         pieces = re.split(r'\[([^\]]*)\]', part)  # text, range, text, range, ..., text
         choices = [[p] if i % 2 == 0 else _expand_range(p, var, nodelist) for i, p in enumerate(pieces)]
         hosts += [''.join(c) for c in product(*choices)]
@@ -173,17 +252,27 @@ def expand_nodelist(nodelist:str, var:str='SLURM_JOB_NODELIST')->list:
 # %% ../../nbs/10_comm_env.ipynb #c033
 _SLURM = dict(rank='SLURM_PROCID', world_size='SLURM_NTASKS', local_rank='SLURM_LOCALID')
 
-def from_slurm(env:dict, port:int=29500)->DistEnv|None:
+
+def from_slurm(env: dict, port: int = 29500) -> DistEnv | None:
     "The env of a task started by `srun`, or None"
-    if 'SLURM_PROCID' not in env: return None
+    if 'SLURM_PROCID' not in env:
+        return None
     ws_var = 'SLURM_STEP_NUM_TASKS' if 'SLURM_STEP_NUM_TASKS' in env else 'SLURM_NTASKS'
-    if ws_var not in env and 'SLURM_NPROCS' in env: ws_var = 'SLURM_NPROCS'
+    if ws_var not in env and 'SLURM_NPROCS' in env:
+        ws_var = 'SLURM_NPROCS'
     ntasks, nprocs = env.get('SLURM_NTASKS'), env.get('SLURM_NPROCS')
-    if ntasks and nprocs and ntasks != nprocs: raise EnvError(f"SLURM_NTASKS={ntasks} contradicts SLURM_NPROCS={nprocs}")
+    if ntasks and nprocs and ntasks != nprocs:
+        raise EnvError(f"SLURM_NTASKS={ntasks} contradicts SLURM_NPROCS={nprocs}")
     rank, ws, local = _int(env, 'SLURM_PROCID'), _int(env, ws_var, minimum=1), _int(env, 'SLURM_LOCALID')
     lists = {v: env[v] for v in ('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST', 'SLURM_NODELIST') if env.get(v)}
-    if 'SLURM_JOB_NODELIST' in lists and 'SLURM_NODELIST' in lists and lists['SLURM_JOB_NODELIST'] != lists['SLURM_NODELIST']:
-        raise EnvError(f"SLURM_JOB_NODELIST={lists['SLURM_JOB_NODELIST']!r} contradicts SLURM_NODELIST={lists['SLURM_NODELIST']!r}")
+    if (
+        'SLURM_JOB_NODELIST' in lists
+        and 'SLURM_NODELIST' in lists
+        and lists['SLURM_JOB_NODELIST'] != lists['SLURM_NODELIST']
+    ):
+        raise EnvError(
+            f"SLURM_JOB_NODELIST={lists['SLURM_JOB_NODELIST']!r} contradicts SLURM_NODELIST={lists['SLURM_NODELIST']!r}"
+        )
     addr = env.get('MASTER_ADDR')
     if not addr and lists:
         var, value = next(iter(lists.items()))
@@ -195,28 +284,46 @@ def from_slurm(env:dict, port:int=29500)->DistEnv|None:
 DISCOVERERS = (from_torchrun, from_azureml, from_sagemaker, from_mpi, from_slurm)
 MPI_DISCOVERERS = (from_azureml, from_sagemaker, from_mpi)  # skipped with auto_mpi_discovery=False
 _OMPI = dict(rank='OMPI_COMM_WORLD_RANK', world_size='OMPI_COMM_WORLD_SIZE')
-SOURCE_VARIABLES = dict(torchrun=_TORCHRUN, slurm=_SLURM, openmpi=_OMPI, azureml=_OMPI, sagemaker=_OMPI,
-                        mpich=dict(rank='PMI_RANK', world_size='PMI_SIZE'))
+SOURCE_VARIABLES = dict(
+    torchrun=_TORCHRUN,
+    slurm=_SLURM,
+    openmpi=_OMPI,
+    azureml=_OMPI,
+    sagemaker=_OMPI,
+    mpich=dict(rank='PMI_RANK', world_size='PMI_SIZE'),
+)
 
-def _from_arguments(env:dict, rank:int, world_size:int, port:int)->DistEnv:
+
+def _from_arguments(env: dict, rank: int, world_size: int, port: int) -> DistEnv:
     "The env when no launcher set anything: world size 1, or what the caller passed"
     ws = 1 if world_size < 0 else world_size
-    if ws > 1 and rank < 0: raise EnvError(f"world_size={ws} was given but no rank, and no launcher set RANK: pass rank=")
+    if ws > 1 and rank < 0:
+        raise EnvError(f"world_size={ws} was given but no rank, and no launcher set RANK: pass rank=")
     rank = max(rank, 0)
-    return _checked('arguments' if ws > 1 else 'single', rank, ws, _int(env, 'LOCAL_RANK', rank if ws > 1 else 0),
-                    env.get('MASTER_ADDR', '' if ws > 1 else None), _int(env, 'MASTER_PORT', port), {})
+    return _checked(
+        'arguments' if ws > 1 else 'single',
+        rank,
+        ws,
+        _int(env, 'LOCAL_RANK', rank if ws > 1 else 0),
+        env.get('MASTER_ADDR', '' if ws > 1 else None),
+        _int(env, 'MASTER_PORT', port),
+        {},
+    )
 
-def discover_env(environ:dict|None=None, # variables to read; None: os.environ
-                 rank:int=-1, # this process's rank, if known; -1: from the environment
-                 world_size:int=-1, # number of ranks, if known; -1: from the environment
-                 distributed_port:int=29500, # rendezvous port when the launcher sets none
-                 auto_mpi_discovery:bool=True, # also read MPI, AzureML and SageMaker variables (DeepSpeed's switch)
-                )->DistEnv:
+
+def discover_env(
+    environ: dict | None = None,  # variables to read; None: os.environ
+    rank: int = -1,  # this process's rank, if known; -1: from the environment
+    world_size: int = -1,  # number of ranks, if known; -1: from the environment
+    distributed_port: int = 29500,  # rendezvous port when the launcher sets none
+    auto_mpi_discovery: bool = True,  # also read MPI, AzureML and SageMaker variables (DeepSpeed's switch)
+) -> DistEnv:
     "Rank, world size, local rank and master address of this process, from the launcher's variables"
     env = dict(os.environ if environ is None else environ)
     found_by = [f for f in DISCOVERERS if auto_mpi_discovery or f not in MPI_DISCOVERERS]
     found = next((d for d in (f(env, distributed_port) for f in found_by) if d is not None), None)
-    if found is None: return _from_arguments(env, rank, world_size, distributed_port)
+    if found is None:
+        return _from_arguments(env, rank, world_size, distributed_port)
     for field, value in (('rank', rank), ('world_size', world_size)):
         if value >= 0 and value != getattr(found, field):
             var = SOURCE_VARIABLES.get(found.source, {}).get(field, field)

@@ -11,9 +11,17 @@ import torch.distributed as tdist
 __all__ = ['NATIVE_NAMES', 'is_transport_failure', 'is_unsupported']
 
 # %% ../../nbs/10_comm_failures.ipynb #c006
-_TRANSPORT_SIGNS = ('timed out', 'timeout', 'connection closed', 'connection reset', 'broken pipe', 'connection refused')
+_TRANSPORT_SIGNS = (
+    'timed out',
+    'timeout',
+    'connection closed',
+    'connection reset',
+    'broken pipe',
+    'connection refused',
+)
 
-def is_transport_failure(error:BaseException)->bool:
+
+def is_transport_failure(error: BaseException) -> bool:
     "Whether `error` says the transport failed (a peer died or never answered), rather than the call being wrong"
     msg = str(error).lower()
     return isinstance(error, getattr(tdist, 'DistNetworkError', ())) or any(s in msg for s in _TRANSPORT_SIGNS)
@@ -22,10 +30,15 @@ def is_transport_failure(error:BaseException)->bool:
 NATIVE_NAMES = {  # our op -> c10d's names for it, as they appear in "Backend X does not support <name>"
     'all_gather_into_tensor': ('_allgather_base', 'allgather_into_tensor_coalesced'),
     'reduce_scatter_tensor': ('_reduce_scatter_base', 'reduce_scatter_tensor_coalesced'),
-    'reduce_scatter': ('reduce_scatter',), 'all_to_all': ('alltoall',), 'all_to_all_single': ('alltoall_base',)}
+    'reduce_scatter': ('reduce_scatter',),
+    'all_to_all': ('alltoall',),
+    'all_to_all_single': ('alltoall_base',),
+}
 
-def is_unsupported(op:str, error:BaseException)->bool:
+
+def is_unsupported(op: str, error: BaseException) -> bool:
     "Whether `error` is the backend saying it does not implement `op` (and not some other failure)"
-    if not isinstance(error, RuntimeError): return False
+    if not isinstance(error, RuntimeError):
+        return False
     said = re.search(r"does not support ([A-Za-z_]+)", str(error))
     return said is not None and said.group(1) in NATIVE_NAMES[op]

@@ -12,41 +12,57 @@ __all__ = ['FALLBACKS', 'warn_fallback', 'all_gather_into_tensor_via_list', 'red
            'reduce_scatter_tensor_via_list', 'all_to_all_via_p2p', 'all_to_all_single_via_list']
 
 # %% ../../nbs/10_comm_fallbacks.ipynb #c005
-FALLBACKS = {'all_gather_into_tensor': 'all_gather', 'reduce_scatter_tensor': 'reduce_scatter',
-             'reduce_scatter': 'all_reduce', 'all_to_all': 'isend/irecv',
-             'all_to_all_single': 'all_to_all (isend/irecv for uneven splits)'}
+FALLBACKS = {
+    'all_gather_into_tensor': 'all_gather',
+    'reduce_scatter_tensor': 'reduce_scatter',
+    'reduce_scatter': 'all_reduce',
+    'all_to_all': 'isend/irecv',
+    'all_to_all_single': 'all_to_all (isend/irecv for uneven splits)',
+}
 
-def warn_fallback(op:str, # the op that runs through its fallback
-                  backend_name:str, # the backend that lacks it, for the message
-                  warned:set|None=None): # ops already warned about (the caller's, per group); None: always warn
+
+def warn_fallback(
+    op: str,  # the op that runs through its fallback
+    backend_name: str,  # the backend that lacks it, for the message
+    warned: set | None = None,  # ops already warned about (the caller's, per group); None: always warn
+):
     "Warn that `op` runs through its fallback, unless it is in `warned` already (then add it)"
     if warned is not None:
-        if op in warned: return
+        if op in warned:
+            return
         warned.add(op)
-    warnings.warn(f"flexrt.comm: backend '{backend_name}' has no {op}; using {FALLBACKS[op]} instead, "
-                  f"which is slower. The call is still logged as {op}.", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"flexrt.comm: backend '{backend_name}' has no {op}; using {FALLBACKS[op]} instead, "
+        f"which is slower. The call is still logged as {op}.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 # %% ../../nbs/10_comm_fallbacks.ipynb #c007
 def _check_numel(op, out, inp, n, what):
     if out.numel() != n * inp.numel():
         raise ValueError(f"{op}: {what} has {out.numel()} elements, expected world size {n} x {inp.numel()}")
 
+
 def all_gather_into_tensor_via_list(b, output_tensor, input_tensor, group=None):
     "`all_gather_into_tensor` rebuilt from list `all_gather` into views of the output"
     n = b.get_world_size(group)
     _check_numel('all_gather_into_tensor', output_tensor, input_tensor, n, 'output_tensor')
-    if not output_tensor.is_contiguous(): raise ValueError("all_gather_into_tensor: output_tensor must be contiguous")
+    if not output_tensor.is_contiguous():
+        raise ValueError("all_gather_into_tensor: output_tensor must be contiguous")
     b.all_gather(list(output_tensor.view(n, -1).unbind(0)), input_tensor.reshape(-1), group)
 
 # %% ../../nbs/10_comm_fallbacks.ipynb #c010
 def reduce_scatter_via_all_reduce(b, output, input_list, op, group=None):
     "`reduce_scatter` rebuilt from `all_reduce` of the concatenated inputs, keeping this rank's slice"
     n, r = b.get_world_size(group), b.get_rank(group)
-    if len(input_list) != n: raise ValueError(f"reduce_scatter: input_list has {len(input_list)} tensors, expected world size {n}")
+    if len(input_list) != n:
+        raise ValueError(f"reduce_scatter: input_list has {len(input_list)} tensors, expected world size {n}")
     buf = torch.cat([t.reshape(-1) for t in input_list])
     b.all_reduce(buf, op, group)
     start = sum(t.numel() for t in input_list[:r])
-    output.copy_(buf[start:start + input_list[r].numel()].view(output.shape))
+    output.copy_(buf[start : start + input_list[r].numel()].view(output.shape))
+
 
 def reduce_scatter_tensor_via_list(b, output, input, op, group=None):
     "`reduce_scatter_tensor` rebuilt from list `reduce_scatter` over equal chunks of the input"
@@ -61,18 +77,26 @@ def all_to_all_via_p2p(b, output_tensor_list, input_tensor_list, group=None):
     "`all_to_all` rebuilt from one `isend` and one `irecv` per peer"
     n, r = b.get_world_size(group), b.get_rank(group)
     if len(input_tensor_list) != n or len(output_tensor_list) != n:
-        raise ValueError(f"all_to_all: needs {n} input and {n} output tensors, got {len(input_tensor_list)} and {len(output_tensor_list)}")
+        raise ValueError(
+            f"all_to_all: needs {n} input and {n} output tensors, got {len(input_tensor_list)} and "
+            f"{len(output_tensor_list)}"
+        )
     output_tensor_list[r].copy_(input_tensor_list[r])
     works, landing = [], []
     for peer in range(n):
-        if peer == r: continue
+        if peer == r:
+            continue
         dst = b.get_global_rank(group, peer)
         out = output_tensor_list[peer]
         buf = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         works += [b.isend(input_tensor_list[peer].contiguous(), dst, group), b.irecv(buf, dst, group)]
-        if buf is not out: landing.append((out, buf))
-    for w in works: w.wait()
-    for out, buf in landing: out.copy_(buf)
+        if buf is not out:
+            landing.append((out, buf))
+    for w in works:
+        w.wait()
+    for out, buf in landing:
+        out.copy_(buf)
+
 
 def all_to_all_single_via_list(b, output, input, output_split_sizes=None, input_split_sizes=None, group=None):
     "`all_to_all_single` rebuilt from list `all_to_all` over splits of input and output (isend/irecv if uneven)"
@@ -80,6 +104,8 @@ def all_to_all_single_via_list(b, output, input, output_split_sizes=None, input_
     outs = output.split(output_split_sizes or output.shape[0] // n)
     ins = input.split(input_split_sizes or input.shape[0] // n)
     if len(outs) != n or len(ins) != n:
-        raise ValueError(f"all_to_all_single: splits give {len(ins)} inputs and {len(outs)} outputs, expected world size {n}")
+        raise ValueError(
+            f"all_to_all_single: splits give {len(ins)} inputs and {len(outs)} outputs, expected world size {n}"
+        )
     even = len({t.shape for t in outs + ins}) == 1  # gloo's list all_to_all needs equal sizes
     (b.all_to_all if even else lambda o, i, g: all_to_all_via_p2p(b, o, i, g))(list(outs), list(ins), group)

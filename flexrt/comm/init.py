@@ -19,21 +19,24 @@ from .teardown import end_process_groups, teardown_at_exit
 __all__ = ['init_distributed', 'init_process_group', 'destroy_process_group']
 
 # %% ../../nbs/10_comm_init.ipynb #c005
-def _timeout(timeout)->timedelta|None:
-    if timeout is None or isinstance(timeout, timedelta): return timeout
-    if isinstance(timeout, (int, float)) and timeout > 0: return timedelta(seconds=timeout)
+def _timeout(timeout) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        return timedelta(seconds=timeout)
     raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds > 0, got {timeout!r}")
 
-def _use_torch(timeout:timedelta|None)->TorchBackend:
+
+def _use_torch(timeout: timedelta | None) -> TorchBackend:
     "Point flexrt.comm at torch's default process group"
     b = TorchBackend()
     b.timeout = timeout
     comm_state.backend = b
-    teardown_at_exit()   # at exit: flexrt's threads, then the groups, while Python is alive (flexrt.comm.teardown)
+    teardown_at_exit()  # at exit: flexrt's threads, then the groups, while Python is alive (flexrt.comm.teardown)
     return b
 
 # %% ../../nbs/10_comm_init.ipynb #c007
-def _adopt(rank:int, world_size:int, timeout)->DistEnv:
+def _adopt(rank: int, world_size: int, timeout) -> DistEnv:
     "Use the process group that already exists, after checking it matches what the caller asked for"
     for arg, asked, real in (('rank', rank, tdist.get_rank()), ('world_size', world_size, tdist.get_world_size())):
         if asked >= 0 and asked != real:
@@ -41,56 +44,86 @@ def _adopt(rank:int, world_size:int, timeout)->DistEnv:
     _use_torch(timeout)
     env = os.environ
     local = int(env['LOCAL_RANK']) if env.get('LOCAL_RANK', '').isdigit() else tdist.get_rank()
-    return DistEnv(tdist.get_rank(), tdist.get_world_size(), local, env.get('MASTER_ADDR', '127.0.0.1'),
-                   int(env.get('MASTER_PORT', '29500')), 'adopted')
+    return DistEnv(
+        tdist.get_rank(),
+        tdist.get_world_size(),
+        local,
+        env.get('MASTER_ADDR', '127.0.0.1'),
+        int(env.get('MASTER_PORT', '29500')),
+        'adopted',
+    )
 
 # %% ../../nbs/10_comm_init.ipynb #c010
-def _choose_backend(backend:str|None, dist_backend:str|None)->str:
+def _choose_backend(backend: str | None, dist_backend: str | None) -> str:
     "The torch backend to start: `backend` (or DeepSpeed's `dist_backend`), else nccl with CUDA, else gloo"
     if backend and dist_backend and backend != dist_backend:
-        raise ValueError(f"init_distributed(backend={backend!r}, dist_backend={dist_backend!r}): they name the same "
-                         "setting (dist_backend is DeepSpeed's name); pass one")
+        raise ValueError(
+            f"init_distributed(backend={backend!r}, dist_backend={dist_backend!r}): they name the same "
+            "setting (dist_backend is DeepSpeed's name); pass one"
+        )
     return backend or dist_backend or ('nccl' if torch.cuda.is_available() and tdist.is_nccl_available() else 'gloo')
 
 # %% ../../nbs/10_comm_init.ipynb #c012
-def _start(env:DistEnv, backend:str, init_method, timeout):
+def _start(env: DistEnv, backend: str, init_method, timeout):
     "Export `env`'s variables and start torch.distributed"
     os.environ.update(env.as_environ())
-    if backend == 'nccl': torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-    tdist.init_process_group(backend, init_method=init_method or 'env://', timeout=timeout, rank=env.rank,
-                             world_size=env.world_size)
+    if backend == 'nccl':
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    tdist.init_process_group(
+        backend, init_method=init_method or 'env://', timeout=timeout, rank=env.rank, world_size=env.world_size
+    )
     _use_torch(timeout)
 
 # %% ../../nbs/10_comm_init.ipynb #c014
-def init_distributed(backend:str|None=None, # 'nccl', 'gloo', 'mpi'; None: nccl with CUDA, else gloo
-                     timeout=None, # timedelta or seconds before a collective that cannot complete raises
-                     init_method:str|None=None, # torch's init_method; None: env:// from the discovered variables
-                     rank:int=-1, world_size:int=-1, # known values; must agree with the launcher's
-                     distributed_port:int=29500, # rendezvous port when the launcher sets none (SLURM, MPI)
-                     dist_init_required:bool|None=None, # True: start a process group even for one rank; False: never
-                     config=None, # flexrt/DeepSpeed config (dict, object or JSON path); its comms_logger block is applied
-                     dist_backend:str|None=None, # DeepSpeed's name for `backend`
-                     auto_mpi_discovery:bool=True, # read MPI, AzureML and SageMaker variables when torchrun's are absent
-                     verbose:bool=False, # print where this process sits
-                    )->DistEnv: # where this process sits
+def init_distributed(
+    backend: str | None = None,  # 'nccl', 'gloo', 'mpi'; None: nccl with CUDA, else gloo
+    timeout=None,  # timedelta or seconds before a collective that cannot complete raises
+    init_method: str | None = None,  # torch's init_method; None: env:// from the discovered variables
+    rank: int = -1,
+    world_size: int = -1,  # known values; must agree with the launcher's
+    distributed_port: int = 29500,  # rendezvous port when the launcher sets none (SLURM, MPI)
+    dist_init_required: bool | None = None,  # True: start a process group even for one rank; False: never
+    config=None,  # flexrt/DeepSpeed config (dict, object or JSON path); its comms_logger block is applied
+    dist_backend: str | None = None,  # DeepSpeed's name for `backend`
+    auto_mpi_discovery: bool = True,  # read MPI, AzureML and SageMaker variables when torchrun's are absent
+    verbose: bool = False,  # print where this process sits
+) -> DistEnv:  # where this process sits
     "Set up communication for this process: adopt, discover and start, or run single-process"
     configure(config)
     timeout, backend = _timeout(timeout), _choose_backend(backend, dist_backend)
-    if tdist.is_available() and tdist.is_initialized(): env = _adopt(rank, world_size, timeout)
+    if tdist.is_available() and tdist.is_initialized():
+        env = _adopt(rank, world_size, timeout)
     else:
-        env = discover_env(rank=rank, world_size=world_size, distributed_port=distributed_port, auto_mpi_discovery=auto_mpi_discovery)
+        env = discover_env(
+            rank=rank, world_size=world_size, distributed_port=distributed_port, auto_mpi_discovery=auto_mpi_discovery
+        )
         if env.world_size == 1 and not dist_init_required or dist_init_required is False:
-            if env.world_size > 1: raise ValueError(f"dist_init_required=False, but {env.source} started {env.world_size} ranks")
+            if env.world_size > 1:
+                raise ValueError(f"dist_init_required=False, but {env.source} started {env.world_size} ranks")
             comm_state.backend = None
-        else: _start(env, backend, init_method, timeout)
+        else:
+            _start(env, backend, init_method, timeout)
     comm_state.env = env
-    if verbose: print(f"flexrt.comm: rank {env.rank} of {env.world_size} (local rank {env.local_rank}, from {env.source}), "
-                      f"backend {get_backend()}, master {env.master_addr}:{env.master_port}", flush=True)
+    if verbose:
+        print(
+            f"flexrt.comm: rank {env.rank} of {env.world_size} (local rank {env.local_rank}, from {env.source}), "
+            f"backend {get_backend()}, master {env.master_addr}:{env.master_port}",
+            flush=True,
+        )
     return env
 
 # %% ../../nbs/10_comm_init.ipynb #c016
-def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None, group_name='',
-                       pg_options=None, device_id=None):
+def init_process_group(
+    backend=None,
+    init_method=None,
+    timeout=None,
+    world_size=-1,
+    rank=-1,
+    store=None,
+    group_name='',
+    pg_options=None,
+    device_id=None,
+):
     "torch.distributed.init_process_group, after which flexrt.comm runs on the new group"
     tdist.init_process_group(backend, init_method, timeout, world_size, rank, store, group_name, pg_options, device_id)
     _use_torch(timeout)
@@ -99,6 +132,6 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
 def destroy_process_group(group=None):
     "Destroy `group`, or with None the default group, flexrt.comm's choice of backend and all it learned about groups"
     if group is not None:
-        comm_state.forget(group)   # its p2p thread finishes the ops queued on it first
+        comm_state.forget(group)  # its p2p thread finishes the ops queued on it first
         return (comm_state.backend or comm_state.active()).destroy_process_group(group)
-    end_process_groups()   # p2p threads finish while the groups live; a new process group starts its tags from zero
+    end_process_groups()  # p2p threads finish while the groups live; a new process group starts its tags from zero

@@ -8,7 +8,7 @@ import collections, dataclasses, difflib, functools, inspect, json, os, sys, thr
 import pandas as pd
 import torch
 from .backends import OPS
-from ..config import CommsLoggerConfig
+from ..config.services import CommsLoggerConfig
 from fastcore.basics import patch
 
 # %% auto #0
@@ -19,31 +19,42 @@ __all__ = ['LEGACY_OP_NAMES', 'TIMELINE_LENGTH', 'comms_logger', 'SUMMARY_COLUMN
 # %% ../../nbs/10_comm_logger.ipynb #c006
 LEGACY_OP_NAMES = {'all_gather_base': 'all_gather_into_tensor', 'reduce_scatter_base': 'reduce_scatter_tensor'}
 
+
 def _closest(word, choices):
     near = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean '{near[0]}'?)" if near else f" (known: {', '.join(sorted(choices))})"
 
 # %% ../../nbs/10_comm_logger.ipynb #c007
-def _prof_ops(config:CommsLoggerConfig)->frozenset:
+def _prof_ops(config: CommsLoggerConfig) -> frozenset:
     "The op names in `config.prof_ops`, legacy DeepSpeed names mapped to today's; an unknown name is an error"
     ops = frozenset(LEGACY_OP_NAMES.get(o, o) for o in config.prof_ops)
-    for o in sorted(ops - set(OPS)): raise ValueError(f"comms_logger.prof_ops: unknown op '{o}'{_closest(o, OPS)}")
+    for o in sorted(ops - set(OPS)):
+        raise ValueError(f"comms_logger.prof_ops: unknown op '{o}'{_closest(o, OPS)}")
     return ops
 
 # %% ../../nbs/10_comm_logger.ipynb #c010
-def comms_config(config)->CommsLoggerConfig|None:
+def comms_config(config) -> CommsLoggerConfig | None:
     "The `comms_logger` block of `config` (object, dict, or JSON path) as a `CommsLoggerConfig`, or None if absent"
-    if config is None or isinstance(config, CommsLoggerConfig): return config
+    if config is None or isinstance(config, CommsLoggerConfig):
+        return config
     if isinstance(config, (str, os.PathLike)):
-        with open(config) as f: config = json.load(f)
+        with open(config) as f:
+            config = json.load(f)
     block = config.get('comms_logger') if isinstance(config, dict) else getattr(config, 'comms_logger', None)
-    if block is None or isinstance(block, CommsLoggerConfig): return block
-    if not isinstance(block, dict): raise TypeError(f"comms_logger must be a dict, got {type(block).__name__}")
+    if block is None or isinstance(block, CommsLoggerConfig):
+        return block
+    if not isinstance(block, dict):
+        raise TypeError(f"comms_logger must be a dict, got {type(block).__name__}")
     return CommsLoggerConfig.from_dict(block)
 
 # %% ../../nbs/10_comm_logger.ipynb #c013
-def _nbytes(t): return t.numel() * t.element_size()
-def _first(ts): return next(iter(ts), None)
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def _first(ts):
+    return next(iter(ts), None)
+
 
 _SIZE = {  # op -> f(bound args, world size) -> (S in bytes, a tensor of the call or None)
     'all_gather': lambda a, n: (sum(map(_nbytes, a['tensor_list'])), a['tensor']),
@@ -56,295 +67,429 @@ _SIZE = {  # op -> f(bound args, world size) -> (S in bytes, a tensor of the cal
     'all_to_all_single': lambda a, n: (_nbytes(a['input']), a['input']),
     'gather': lambda a, n: (n * _nbytes(a['tensor']), a['tensor']),
     'scatter': lambda a, n: (n * _nbytes(a['tensor']), a['tensor']),
-    'batch_isend_irecv': lambda a, n: (sum(_nbytes(p.tensor) for p in a['p2p_op_list']), _first(p.tensor for p in a['p2p_op_list'])),
-    **{op: (lambda a, n: (_nbytes(a['tensor']), a['tensor'])) for op in ('all_reduce', 'broadcast', 'reduce', 'send', 'recv', 'isend', 'irecv')},
-    **{op: (lambda a, n: (0, None)) for op in ('barrier', 'monitored_barrier', 'all_gather_object', 'broadcast_object_list')},
+    'batch_isend_irecv': lambda a, n: (
+        sum(_nbytes(p.tensor) for p in a['p2p_op_list']),
+        _first(p.tensor for p in a['p2p_op_list']),
+    ),
+    **{
+        op: (lambda a, n: (_nbytes(a['tensor']), a['tensor']))
+        for op in ('all_reduce', 'broadcast', 'reduce', 'send', 'recv', 'isend', 'irecv')
+    },
+    **{
+        op: (lambda a, n: (0, None))
+        for op in ('barrier', 'monitored_barrier', 'all_gather_object', 'broadcast_object_list')
+    },
 }
 
-def message_size(op:str, args:dict, world_size:int)->int:
+
+def message_size(op: str, args: dict, world_size: int) -> int:
     "Bytes `S` that op `op` called with `args` (a name -> value dict) moves, in nccl-tests' convention"
-    if op not in _SIZE: raise ValueError(f"message_size: unknown op '{op}'{_closest(op, _SIZE)}")
+    if op not in _SIZE:
+        raise ValueError(f"message_size: unknown op '{op}'{_closest(op, _SIZE)}")
     return _SIZE[op](args, world_size)[0]
 
 # %% ../../nbs/10_comm_logger.ipynb #c015
-_BUS = {'all_reduce': lambda n: 2 * (n - 1) / n,
-        **{op: (lambda n: (n - 1) / n) for op in ('all_gather', 'all_gather_into_tensor', 'reduce_scatter', 'reduce_scatter_tensor',
-                                                  'all_gather_into_tensor_p2p', 'reduce_scatter_tensor_p2p',
-                                                  'all_to_all', 'all_to_all_single', 'gather', 'scatter')}}
+_BUS = {
+    'all_reduce': lambda n: 2 * (n - 1) / n,
+    **{
+        op: (lambda n: (n - 1) / n)
+        for op in (
+            'all_gather',
+            'all_gather_into_tensor',
+            'reduce_scatter',
+            'reduce_scatter_tensor',
+            'all_gather_into_tensor_p2p',
+            'reduce_scatter_tensor_p2p',
+            'all_to_all',
+            'all_to_all_single',
+            'gather',
+            'scatter',
+        )
+    },
+}
 
-def bus_factor(op:str, world_size:int)->float:
+
+def bus_factor(op: str, world_size: int) -> float:
     "busbw / algbw for `op` on `world_size` ranks (nccl-tests' PERFORMANCE.md)"
-    if op not in _SIZE: raise ValueError(f"bus_factor: unknown op '{op}'{_closest(op, _SIZE)}")
+    if op not in _SIZE:
+        raise ValueError(f"bus_factor: unknown op '{op}'{_closest(op, _SIZE)}")
     return _BUS[op](world_size) if op in _BUS else 1.0
 
-def calc_bw(op:str, size_bytes:int, seconds:float, world_size:int)->tuple:
+
+def calc_bw(op: str, size_bytes: int, seconds: float, world_size: int) -> tuple:
     "(algbw, busbw) in Gbps of one `op` moving `size_bytes` (S) in `seconds` on `world_size` ranks"
     algbw = size_bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
     return algbw, algbw * bus_factor(op, world_size)
 
 # %% ../../nbs/10_comm_logger.ipynb #c018
-def trim_mean(values, proportion:float=0.1)->float:
+def trim_mean(values, proportion: float = 0.1) -> float:
     "Mean of `values` after dropping `proportion` of them from each end (scipy.stats.trim_mean)"
-    v = sorted(values); k = int(proportion * len(v))
-    v = v[k:len(v) - k] or v
+    v = sorted(values)
+    k = int(proportion * len(v))
+    v = v[k : len(v) - k] or v
     return sum(v) / len(v) if v else 0.0
 
 # %% ../../nbs/10_comm_logger.ipynb #c019b
-TIMELINE_LENGTH = 100_000   # calls `CommsLogger.timeline` keeps; the oldest go first
+TIMELINE_LENGTH = 100_000  # calls `CommsLogger.timeline` keeps; the oldest go first
+
 
 @dataclasses.dataclass(slots=True)
 class CommInterval:
     "One logged call on the logger's clock (seconds): issued, first waited for, finished"
-    name:str # the log name
-    op:str # the public op
-    size:int # bytes it moves (S)
-    ranks:int # world size of its group
-    issued:float # when the call began
-    thread:int = dataclasses.field(default_factory=threading.get_ident) # the thread that issued it
-    wait_start:float|None = None # when a caller first waited for it; None: nobody has
-    wait_thread:int|None = None # the thread that waited
-    wait_end:float|None = None # when that wait returned (after `end`: the waiter's wake-up)
-    end:float|None = None # when it finished; None: in flight
-    finished_by:str|None = None # what saw it finish: 'call' (synchronous), 'future' (its completion), 'wait' or 'poll' (no earlier sign)
-    def waited(self, now:float):
+
+    name: str  # the log name
+    op: str  # the public op
+    size: int  # bytes it moves (S)
+    ranks: int  # world size of its group
+    issued: float  # when the call began
+    thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that issued it
+    wait_start: float | None = None  # when a caller first waited for it; None: nobody has
+    wait_thread: int | None = None  # the thread that waited
+    wait_end: float | None = None  # when that wait returned (after `end`: the waiter's wake-up)
+    end: float | None = None  # when it finished; None: in flight
+    finished_by: str | None = (
+        None  # what saw it finish: 'call' (synchronous), 'future' (its completion), 'wait' or 'poll' (no earlier sign)
+    )
+
+    def waited(self, now: float):
         "Note a wait beginning at `now` on this thread (only the first one counts)"
-        if self.wait_start is None: self.wait_start, self.wait_thread = now, threading.get_ident()
-    def wait_returned(self, now:float):
+        if self.wait_start is None:
+            self.wait_start, self.wait_thread = now, threading.get_ident()
+
+    def wait_returned(self, now: float):
         "Note that the first wait returned at `now`"
-        if self.wait_end is None and self.wait_thread == threading.get_ident(): self.wait_end = now
+        if self.wait_end is None and self.wait_thread == threading.get_ident():
+            self.wait_end = now
 
 # %% ../../nbs/10_comm_logger.ipynb #c020
 class CommsLogger:
-    "Collects the latency of each profiled collective; `active` (logging, or someone counting blocked time) is the one flag the unprofiled path checks"
-    def __init__(self, config:CommsLoggerConfig|None=None,
-                 clock=time.perf_counter): # seconds now, for CPU latencies (tests drive a fake one)
+    """Collects the latency of each profiled collective; `active` (logging, or someone counting blocked time) is the one
+    flag the unprofiled path checks"""
+
+    def __init__(
+        self,
+        config: CommsLoggerConfig | None = None,
+        clock=time.perf_counter,  # seconds now, for CPU latencies (tests drive a fake one)
+    ):
         self.clock = clock
         self.world_size_of = lambda group: 1  # set by flexrt.comm to its get_world_size
-        self.rank = lambda: 0                 # set by flexrt.comm to its get_rank
-        self.blocked, self.blocked_watchers, self._blocked_lock = {}, 0, threading.Lock()   # see `watch_blocked`
+        self.rank = lambda: 0  # set by flexrt.comm to its get_rank
+        self.blocked, self.blocked_watchers, self._blocked_lock = {}, 0, threading.Lock()  # see `watch_blocked`
         self.apply(config or CommsLoggerConfig())
         self.reset()
-    def apply(self, config:CommsLoggerConfig):
+
+    def apply(self, config: CommsLoggerConfig):
         "Use `config` from now on"
         prof_ops = _prof_ops(config)  # validate before changing anything
         self.config, self.enabled, self._prof_ops = config, config.enabled, prof_ops
         self.active = self.enabled or self.blocked_watchers > 0
+
     def reset(self):
         "Forget every record"
-        self.timeline = collections.deque(maxlen=TIMELINE_LENGTH)   # the latest calls' `CommInterval`s, in issue order
+        self.timeline = collections.deque(maxlen=TIMELINE_LENGTH)  # the latest calls' `CommInterval`s, in issue order
         self.latencies, self._pending, self._lock = {}, [], threading.Lock()
-        self._unreported = weakref.WeakSet()   # TimedWorks of ops that complete only when waited on (direct-message collectives); weak: a dropped handle is not kept alive
-    def wants(self, log_name:str, prof:bool)->bool:
+        # TimedWorks of ops that complete only when waited on (direct-message collectives); weak: a dropped handle is
+        # not kept alive
+        self._unreported = weakref.WeakSet()
+
+    def wants(self, log_name: str, prof: bool) -> bool:
         "Whether a call logged as `log_name` is profiled"
         return prof or self.config.prof_all or log_name in self._prof_ops
 
-# %% ../../nbs/10_comm_logger.ipynb #c023
-@patch
-def record(self:CommsLogger, key:tuple, seconds:float):
-    "Store one latency (seconds) under `key` = (log name, op, size, world size, caller)"
-    with self._lock: self.latencies.setdefault(key, []).append(seconds)
-    if self.config.verbose:
-        algbw, busbw = calc_bw(key[1], key[2], seconds, key[3])
-        caller = f" | caller: {key[4]}" if key[4] else ''
-        print(f"[rank {self.rank()}] comm op: {key[0]} | time (ms): {seconds * 1e3:.3f} | msg size: {key[2]} B | "
-              f"algbw (Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}{caller}", flush=True)
+    def record(self, key: tuple, seconds: float):
+        "Store one latency (seconds) under `key` = (log name, op, size, world size, caller)"
+        with self._lock:
+            self.latencies.setdefault(key, []).append(seconds)
+        if self.config.verbose:
+            algbw, busbw = calc_bw(key[1], key[2], seconds, key[3])
+            caller = f" | caller: {key[4]}" if key[4] else ''
+            print(
+                f"[rank {self.rank()}] comm op: {key[0]} | time (ms): {seconds * 1e3:.3f} | msg size: {key[2]} B | "
+                f"algbw (Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}{caller}",
+                flush=True,
+            )
 
-@patch
-def record_events(self:CommsLogger, key:tuple, start, end):
-    "Store a CUDA event pair (turned into a latency once both events complete), resolving the completed ones"
-    with self._lock: self._pending.append((key, start, end))
-    self.flush(wait=False)
+    def record_events(self, key: tuple, start, end):
+        "Store a CUDA event pair (turned into a latency once both events complete), resolving the completed ones"
+        with self._lock:
+            self._pending.append((key, start, end))
+        self.flush(wait=False)
 
-@patch
-def flush(self:CommsLogger, wait:bool=True):
-    "Turn pending CUDA event pairs into latencies: all of them, waiting for the device, or only completed ones"
-    with self._lock:
-        pending, self._pending, done = self._pending, [], []
-        for p in pending: (done if wait or (p[1].query() and p[2].query()) else self._pending).append(p)
-    for key, start, end in done:
-        end.synchronize()
-        self.record(key, start.elapsed_time(end) / 1e3)
+    def flush(self, wait: bool = True):
+        "Turn pending CUDA event pairs into latencies: all of them, waiting for the device, or only completed ones"
+        with self._lock:
+            pending, self._pending, done = self._pending, [], []
+            for p in pending:
+                (done if wait or (p[1].query() and p[2].query()) else self._pending).append(p)
+        for key, start, end in done:
+            end.synchronize()
+            self.record(key, start.elapsed_time(end) / 1e3)
 
-# %% ../../nbs/10_comm_logger.ipynb #w2809ba8
-@patch
-def add_blocked(self:CommsLogger, op:str, seconds:float):
-    "Add `seconds` of blocked time to `op` (nothing while nobody watches: see `watch_blocked` below)"
-    if not self.blocked_watchers: return
-    with self._blocked_lock: self.blocked[op] = self.blocked.get(op, 0.) + seconds
+    def add_blocked(self, op: str, seconds: float):
+        "Add `seconds` of blocked time to `op` (nothing while nobody watches: see `watch_blocked` below)"
+        if not self.blocked_watchers:
+            return
+        with self._blocked_lock:
+            self.blocked[op] = self.blocked.get(op, 0.0) + seconds
+
+    def profile(self, name: str, params: tuple, fn, args: tuple, kwargs: dict):
+        """Run `fn(*args, **kwargs)`, the public op `name`, and log its latency if it is profiled (count blocked time if
+        watched)"""
+        if not self.enabled:
+            return self.time_blocked(name, fn, args, kwargs)
+        a = dict(zip(params, args))
+        a.update(kwargs)
+        log_name = a.get('log_name') or name
+        if not self.wants(log_name, a.get('prof', False)):
+            return self.time_blocked(name, fn, args, kwargs)
+        group = a.get('group') if name != 'batch_isend_irecv' else getattr(_first(a['p2p_op_list']), 'group', None)
+        n = self.world_size_of(group)
+        size, tensor = _SIZE[name](a, n)
+        caller = sys._getframe(2).f_code.co_name if self.config.debug else None
+        key, cuda = (log_name, name, size, n, caller), tensor is not None and tensor.is_cuda
+        interval = CommInterval(log_name, name, size, n, self.clock())
+        self.timeline.append(interval)
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = interval.issued
+        out = fn(*args, **kwargs)
+        if name == 'batch_isend_irecv':  # one logged call, complete when its last work is
+            batch = [len(out)]
+            return [TimedWork(w, self, key, start, cuda, batch, interval) for w in out]
+        if out is not None and (a.get('async_op') or name in ('isend', 'irecv')):
+            return TimedWork(out, self, key, start, cuda, interval=interval)
+        interval.waited(interval.issued)
+        interval.end, interval.finished_by = self.clock(), 'call'
+        interval.wait_returned(interval.end)  # synchronous: the caller was inside it throughout
+        self.add_blocked(name, interval.end - interval.issued)
+        if not cuda:
+            self.record(key, interval.end - start)
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.record_events(key, start, end)
+        return out
+
+    def time_blocked(self, name: str, fn, args: tuple, kwargs: dict):
+        """Run the op `name`; the time its caller is blocked (the call, or the wait on the handle it returns) goes to
+        `blocked`"""
+        if not self.blocked_watchers:
+            return fn(*args, **kwargs)
+        start = self.clock()
+        out = fn(*args, **kwargs)
+        if out is None or not (hasattr(out, 'wait') or isinstance(out, list)):
+            self.add_blocked(name, self.clock() - start)
+            return out
+        return [BlockedWork(w, self, name) for w in out] if isinstance(out, list) else BlockedWork(out, self, name)
+
+    def take_blocked(self) -> dict:  # {op: seconds blocked since the last call}
+        "The blocked time per op since the last call, then start again from zero"
+        with self._blocked_lock:
+            out, self.blocked = self.blocked, {}
+        return out
+
+    def watch_blocked(self, on: bool = True):  # False: give a watch back
+        "Count blocked time while at least one watcher holds a watch"
+        with self._blocked_lock:
+            if not on and self.blocked_watchers == 0:
+                raise ValueError("watch_blocked(False) without a watch to give back")
+            self.blocked_watchers += 1 if on else -1
+            if not self.blocked_watchers:
+                self.blocked = {}
+        self.active = self.enabled or self.blocked_watchers > 0
+
+    def summary(self, by_caller: bool | None = None, wait: bool = True) -> pd.DataFrame:
+        "One row per op, message size, world size (and caller when `debug` is on); `wait`: include unfinished CUDA ops"
+        with self._lock:
+            unreported = list(self._unreported)
+        for w in unreported:
+            w.wait()  # a direct-message collective in flight: finished, so the report has it
+        self.flush(wait)
+        by_caller = self.config.debug if by_caller is None else by_caller
+        merged = {}
+        for key, lats in list(self.latencies.items()):
+            merged.setdefault(key if by_caller else key[:4] + (None,), []).extend(lats)
+        rows = [_row(k, v) for k, v in merged.items()]
+        cols = SUMMARY_COLUMNS + (['caller'] if by_caller else [])
+        return pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ['caller'])[cols].sort_values(
+            ['op', 'size_bytes', 'ranks'], ignore_index=True
+        )
+
+    def stats(self, wait: bool = False) -> dict:
+        """The summary as `{op: {size_bytes: {count, ...}}}`; CUDA ops still running are left for a later call unless
+        `wait`"""
+        out = {}
+        for r in self.summary(by_caller=False, wait=wait).to_dict('records'):
+            op, size = r.pop('op'), r.pop('size_bytes')
+            prev = out.setdefault(op, {}).get(size)
+            out[op][size] = r if prev is None else _merge(prev, r)  # `ranks`: the largest group it ran on
+        return out
 
 # %% ../../nbs/10_comm_logger.ipynb #c026
 class TimedWork:
     "A work handle that logs its op's latency when the op completes; everything else goes to the wrapped handle"
-    def __init__(self, work, logger:CommsLogger, key:tuple, start, cuda:bool, batch:list|None=None,
-                 interval:CommInterval|None=None): # the call's entry in `logger.timeline` (shared by a batch's works)
+
+    def __init__(
+        self,
+        work,
+        logger: CommsLogger,
+        key: tuple,
+        start,
+        cuda: bool,
+        batch: list | None = None,
+        interval: CommInterval | None = None,  # the call's entry in `logger.timeline` (shared by a batch's works)
+    ):
         self._work, self._logger, self._key, self._start, self._cuda = work, logger, key, start, cuda
-        self._batch, self._interval = batch, interval  # batch: shared [number of works left] when several works make one logged call
+        self._batch, self._interval = (
+            batch,
+            interval,
+        )  # batch: shared [number of works left] when several works make one logged call
         self._done, self._lock = False, threading.Lock()
-        try: work.get_future().then(self._on_future)
+        try:
+            work.get_future().then(self._on_future)
         except RuntimeError:  # no future for this work (gloo p2p): timed at wait()/is_completed()
-            if getattr(work, 'finish_when_reported', False):   # summary() waits for it (its wait() must be thread-safe and idempotent)
-                with logger._lock: logger._unreported.add(self)
+            if getattr(
+                work, 'finish_when_reported', False
+            ):  # summary() waits for it (its wait() must be thread-safe and idempotent)
+                with logger._lock:
+                    logger._unreported.add(self)
+
     def _on_future(self, fut):
-        try: fut.value()
-        except Exception: return None  # failed: the error surfaces at wait(), nothing is logged
+        try:
+            fut.value()
+        except Exception:
+            return None  # failed: the error surfaces at wait(), nothing is logged
         self._finish('future')
+
     def wait(self, *args, **kwargs):
         iv, clock = self._interval, self._logger.clock
         start = clock()
-        if iv is not None: iv.waited(start)
-        out = self._work.wait(*args, **kwargs); self._finish('wait')
+        if iv is not None:
+            iv.waited(start)
+        out = self._work.wait(*args, **kwargs)
+        self._finish('wait')
         end = clock()
-        if iv is not None: iv.wait_returned(end)
+        if iv is not None:
+            iv.wait_returned(end)
         self._logger.add_blocked(self._key[1], end - start)
         return out
+
     def is_completed(self):
         done = self._work.is_completed()
-        if done: self._finish('poll')
+        if done:
+            self._finish('poll')
         return done
-    def __getattr__(self, name): return getattr(self._work, name)
 
-# %% ../../nbs/10_comm_logger.ipynb #c027
-@patch
-def _finish(self:TimedWork, by:str): # 'future', 'wait' or 'poll': what saw the op finish
-    "Log the op once, when it (or, for a batch, its last work) completes"
-    with self._lock:
-        if self._done: return
-        self._done = True
-        with self._logger._lock: self._logger._unreported.discard(self)
-        if self._batch is not None:
-            self._batch[0] -= 1
-            if self._batch[0]: return
-    now = self._logger.clock()
-    if self._interval is not None: self._interval.end, self._interval.finished_by = now, by
-    if not self._cuda: return self._logger.record(self._key, now - self._start)
-    end = torch.cuda.Event(enable_timing=True); end.record()  # in a future callback: a stream that waits for the op only
-    self._logger.record_events(self._key, self._start, end)
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
-# %% ../../nbs/10_comm_logger.ipynb #c029
-@patch
-def profile(self:CommsLogger, name:str, params:tuple, fn, args:tuple, kwargs:dict):
-    "Run `fn(*args, **kwargs)`, the public op `name`, and log its latency if it is profiled (count blocked time if watched)"
-    if not self.enabled: return self.time_blocked(name, fn, args, kwargs)
-    a = dict(zip(params, args)); a.update(kwargs)
-    log_name = a.get('log_name') or name
-    if not self.wants(log_name, a.get('prof', False)): return self.time_blocked(name, fn, args, kwargs)
-    group = a.get('group') if name != 'batch_isend_irecv' else getattr(_first(a['p2p_op_list']), 'group', None)
-    n = self.world_size_of(group)
-    size, tensor = _SIZE[name](a, n)
-    caller = sys._getframe(2).f_code.co_name if self.config.debug else None
-    key, cuda = (log_name, name, size, n, caller), tensor is not None and tensor.is_cuda
-    interval = CommInterval(log_name, name, size, n, self.clock())
-    self.timeline.append(interval)
-    if cuda: start = torch.cuda.Event(enable_timing=True); start.record()
-    else: start = interval.issued
-    out = fn(*args, **kwargs)
-    if name == 'batch_isend_irecv':  # one logged call, complete when its last work is
-        batch = [len(out)]; return [TimedWork(w, self, key, start, cuda, batch, interval) for w in out]
-    if out is not None and (a.get('async_op') or name in ('isend', 'irecv')): return TimedWork(out, self, key, start, cuda, interval=interval)
-    interval.waited(interval.issued); interval.end, interval.finished_by = self.clock(), 'call'
-    interval.wait_returned(interval.end)   # synchronous: the caller was inside it throughout
-    self.add_blocked(name, interval.end - interval.issued)
-    if not cuda: self.record(key, interval.end - start)
-    else: end = torch.cuda.Event(enable_timing=True); end.record(); self.record_events(key, start, end)
-    return out
+    def _finish(self, by: str):  # 'future', 'wait' or 'poll': what saw the op finish
+        "Log the op once, when it (or, for a batch, its last work) completes"
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            with self._logger._lock:
+                self._logger._unreported.discard(self)
+            if self._batch is not None:
+                self._batch[0] -= 1
+                if self._batch[0]:
+                    return
+        now = self._logger.clock()
+        if self._interval is not None:
+            self._interval.end, self._interval.finished_by = now, by
+        if not self._cuda:
+            return self._logger.record(self._key, now - self._start)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()  # in a future callback: a stream that waits for the op only
+        self._logger.record_events(self._key, self._start, end)
 
 # %% ../../nbs/10_comm_logger.ipynb #c031
 comms_logger = CommsLogger()  # the process-wide logger flexrt.comm's ops report to
 
+
 def timed_op(fn):
-    "Log every call of the op `fn` with `comms_logger`; with logging off and nobody counting blocked time, one flag check"
+    """Log every call of the op `fn` with `comms_logger`; with logging off and nobody counting blocked time, one flag
+    check"""
     name, params, log = fn.__name__, tuple(inspect.signature(fn).parameters), comms_logger
+
     @functools.wraps(fn)
     def op(*args, **kwargs):
-        if not log.active: return fn(*args, **kwargs)
+        if not log.active:
+            return fn(*args, **kwargs)
         return log.profile(name, params, fn, args, kwargs)
+
     return op
 
 # %% ../../nbs/10_comm_logger.ipynb #w28e6b3e
 class BlockedWork:
     "An async op's handle that adds the time its caller waits on it to the logger's blocked time"
-    def __init__(self, work, logger:CommsLogger, op:str): self._work, self._logger, self._op = work, logger, op
+
+    def __init__(self, work, logger: CommsLogger, op: str):
+        self._work, self._logger, self._op = work, logger, op
+
     def wait(self, *args, **kwargs):
         start = self._logger.clock()
         out = self._work.wait(*args, **kwargs)
         self._logger.add_blocked(self._op, self._logger.clock() - start)
         return out
-    def __getattr__(self, name): return getattr(self._work, name)
 
-@patch
-def time_blocked(self:CommsLogger, name:str, fn, args:tuple, kwargs:dict):
-    "Run the op `name`; the time its caller is blocked (the call, or the wait on the handle it returns) goes to `blocked`"
-    if not self.blocked_watchers: return fn(*args, **kwargs)
-    start = self.clock()
-    out = fn(*args, **kwargs)
-    if out is None or not (hasattr(out, 'wait') or isinstance(out, list)): self.add_blocked(name, self.clock() - start); return out
-    return [BlockedWork(w, self, name) for w in out] if isinstance(out, list) else BlockedWork(out, self, name)
-
-# %% ../../nbs/10_comm_logger.ipynb #w28fb337
-@patch
-def take_blocked(self:CommsLogger)->dict: # {op: seconds blocked since the last call}
-    "The blocked time per op since the last call, then start again from zero"
-    with self._blocked_lock: out, self.blocked = self.blocked, {}
-    return out
-
-@patch
-def watch_blocked(self:CommsLogger, on:bool=True): # False: give a watch back
-    "Count blocked time while at least one watcher holds a watch"
-    with self._blocked_lock:
-        if not on and self.blocked_watchers == 0: raise ValueError("watch_blocked(False) without a watch to give back")
-        self.blocked_watchers += 1 if on else -1
-        if not self.blocked_watchers: self.blocked = {}
-    self.active = self.enabled or self.blocked_watchers > 0
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 # %% ../../nbs/10_comm_logger.ipynb #c034
-SUMMARY_COLUMNS = ['op', 'size_bytes', 'ranks', 'count', 'total_latency_ms', 'avg_latency_ms', 'algbw_gbps', 'busbw_gbps']
+SUMMARY_COLUMNS = [
+    'op',
+    'size_bytes',
+    'ranks',
+    'count',
+    'total_latency_ms',
+    'avg_latency_ms',
+    'algbw_gbps',
+    'busbw_gbps',
+]
+
 
 def _row(key, lats):
     log_name, op, size, n, caller = key
     bws = [calc_bw(op, size, t, n) for t in lats]
-    return dict(op=log_name, size_bytes=size, ranks=n, count=len(lats), total_latency_ms=sum(lats) * 1e3,
-                avg_latency_ms=trim_mean(lats) * 1e3, algbw_gbps=trim_mean([b[0] for b in bws]),
-                busbw_gbps=trim_mean([b[1] for b in bws]), caller=caller)
-
-@patch
-def summary(self:CommsLogger, by_caller:bool|None=None, wait:bool=True)->pd.DataFrame:
-    "One row per op, message size, world size (and caller when `debug` is on); `wait`: include unfinished CUDA ops"
-    with self._lock: unreported = list(self._unreported)
-    for w in unreported: w.wait()   # a direct-message collective in flight: finished, so the report has it
-    self.flush(wait)
-    by_caller = self.config.debug if by_caller is None else by_caller
-    merged = {}
-    for key, lats in list(self.latencies.items()):
-        merged.setdefault(key if by_caller else key[:4] + (None,), []).extend(lats)
-    rows = [_row(k, v) for k, v in merged.items()]
-    cols = SUMMARY_COLUMNS + (['caller'] if by_caller else [])
-    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ['caller'])[cols].sort_values(['op', 'size_bytes', 'ranks'], ignore_index=True)
+    return dict(
+        op=log_name,
+        size_bytes=size,
+        ranks=n,
+        count=len(lats),
+        total_latency_ms=sum(lats) * 1e3,
+        avg_latency_ms=trim_mean(lats) * 1e3,
+        algbw_gbps=trim_mean([b[0] for b in bws]),
+        busbw_gbps=trim_mean([b[1] for b in bws]),
+        caller=caller,
+    )
 
 # %% ../../nbs/10_comm_logger.ipynb #c036
-def _merge(a:dict, b:dict)->dict:
+def _merge(a: dict, b: dict) -> dict:
     "Two stats entries of one op and size (run on groups of different sizes) as one, weighted by count"
     n = a['count'] + b['count']
     mean = lambda k: (a[k] * a['count'] + b[k] * b['count']) / n
-    return dict(ranks=max(a['ranks'], b['ranks']), count=n, total_latency_ms=a['total_latency_ms'] + b['total_latency_ms'],
-                avg_latency_ms=mean('avg_latency_ms'), algbw_gbps=mean('algbw_gbps'), busbw_gbps=mean('busbw_gbps'))
-
-@patch
-def stats(self:CommsLogger, wait:bool=False)->dict:
-    "The summary as `{op: {size_bytes: {count, ...}}}`; CUDA ops still running are left for a later call unless `wait`"
-    out = {}
-    for r in self.summary(by_caller=False, wait=wait).to_dict('records'):
-        op, size = r.pop('op'), r.pop('size_bytes')
-        prev = out.setdefault(op, {}).get(size)
-        out[op][size] = r if prev is None else _merge(prev, r)  # `ranks`: the largest group it ran on
-    return out
+    return dict(
+        ranks=max(a['ranks'], b['ranks']),
+        count=n,
+        total_latency_ms=a['total_latency_ms'] + b['total_latency_ms'],
+        avg_latency_ms=mean('avg_latency_ms'),
+        algbw_gbps=mean('algbw_gbps'),
+        busbw_gbps=mean('busbw_gbps'),
+    )
 
 # %% ../../nbs/10_comm_logger.ipynb #c039
-def straggler_ms(per_rank:list, rank:int)->dict:
+def straggler_ms(per_rank: list, rank: int) -> dict:
     "Per record key: this rank's total latency minus the per-call minimum over ranks, in ms"
     mine, out = per_rank[rank], {}
     for key, lats in mine.items():
         others = [r.get(key, []) for r in per_rank]
-        if all(len(o) == len(lats) for o in others): floor = sum(min(c) for c in zip(*others))
-        else: floor = min(sum(o) for o in others)  # call counts differ between ranks: compare totals
+        if all(len(o) == len(lats) for o in others):
+            floor = sum(min(c) for c in zip(*others))
+        else:
+            floor = min(sum(o) for o in others)  # call counts differ between ranks: compare totals
         out[key] = (sum(lats) - floor) * 1e3
     return out

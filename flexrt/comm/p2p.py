@@ -6,7 +6,6 @@
 from __future__ import annotations
 import collections, datetime, threading, time
 import torch
-from fastcore.basics import patch
 from .base import CommError, CommTimeoutError
 from .backends import ReduceOp
 from .logger import timed_op
@@ -18,172 +17,255 @@ __all__ = ['timeout_seconds', 'P2PWork', 'P2PThread', 'ThreadedOp', 'join_p2p_th
            'reduce_scatter_tensor_p2p', 'all_gather_into_tensor_p2p']
 
 # %% ../../nbs/10_comm_p2p.ipynb #c005b
-_TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)   # torch.distributed's default_pg_timeout
+_TORCH_DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch.distributed's default_pg_timeout
 
-def _seconds(timeout)->float|None: return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
 
-def _left(end:float)->datetime.timedelta:
+def _seconds(timeout) -> float | None:
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+
+
+def _left(end: float) -> datetime.timedelta:
     "The time until monotonic `end`; never 0, which torch reads as no timeout"
     return datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3))
 
-def timeout_seconds(group=None, # the group an op runs on
-                    timeout=None, # the op's own timeout (seconds or a `timedelta`); None: the group's
-                   )->float: # seconds, never None
+
+def timeout_seconds(
+    group=None,  # the group an op runs on
+    timeout=None,  # the op's own timeout (seconds or a `timedelta`); None: the group's
+) -> float:  # seconds, never None
     "How long an op on `group` waits before it fails: `timeout`, else the process group's, else torch's default"
-    if timeout is None: timeout = getattr(comm_state.backend or comm_state.active(), 'group_timeout', lambda g: None)(group)
+    if timeout is None:
+        timeout = getattr(comm_state.backend or comm_state.active(), 'group_timeout', lambda g: None)(group)
     return _seconds(_TORCH_DEFAULT_TIMEOUT if timeout is None else timeout)
 
 # %% ../../nbs/10_comm_p2p.ipynb #c005d
-def _unanswered(name:str, group, peers:list, error:BaseException, timeout=None)->CommError:
-    "The error of op `name` whose messages with `peers` (group ranks) failed with `error`: it names them, this rank and the wait"
+def _unanswered(name: str, group, peers: list, error: BaseException, timeout=None) -> CommError:
+    """The error of op `name` whose messages with `peers` (group ranks) failed with `error`: it names them, this rank
+    and the wait"""
     ranks, timed_out = sorted({get_global_rank(group, p) for p in peers}), isinstance(error, TimeoutError)
     within = f" within the timeout of {timeout_seconds(group, timeout):g}s" if timed_out else ''
-    try: where = f"rank {get_rank()} in group {(comm_state.backend or comm_state.active()).describe_group(group)}"
-    except Exception: where = 'a rank whose process group is gone'
+    try:
+        where = f"rank {get_rank()} in group {(comm_state.backend or comm_state.active()).describe_group(group)}"
+    except Exception:
+        where = 'a rank whose process group is gone'
     who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     exc = (CommTimeoutError if timed_out else CommError)(
         f"{name} did not complete{within} on {where}: {who} never sent or received {name}'s messages (died, or never "
         "called it); every rank of the group must call the same collectives in the same order. Raise the timeout with "
-        "init_distributed(timeout=...) if the ranks are only slow.")
-    exc.peers = ranks   # global ranks: flexrt.launch blames them
+        "init_distributed(timeout=...) if the ranks are only slow."
+    )
+    exc.peers = ranks  # global ranks: flexrt.launch blames them
     return exc
 
-def _answered(work)->bool:
-    "Whether the message `work` completed, asking for a moment only"
-    try: work.wait(datetime.timedelta(milliseconds=10)); return True
-    except Exception: return False
 
-def _wait_messages(works:list, peers:list|None, name:str, group, end:float|None=None, timeout=None):
-    "Wait for an op's `works` (by monotonic `end`); a failed message raises `_unanswered` naming its `peers` that never answered"
+def _answered(work) -> bool:
+    "Whether the message `work` completed, asking for a moment only"
+    try:
+        work.wait(datetime.timedelta(milliseconds=10))
+        return True
+    except Exception:
+        return False
+
+
+def _wait_messages(works: list, peers: list | None, name: str, group, end: float | None = None, timeout=None):
+    """Wait for an op's `works` (by monotonic `end`); a failed message raises `_unanswered` naming its `peers` that
+    never answered"""
     for i, w in enumerate(works):
-        try: w.wait() if end is None else w.wait(_left(end))
+        try:
+            w.wait() if end is None else w.wait(_left(end))
         except (CommError, TimeoutError) as e:
-            if peers is None: raise   # not messages (a `ThreadedOp`): its own error
-            late = [peers[i]] + [p for p, later in zip(peers[i + 1:], works[i + 1:]) if not _answered(later)]
+            if peers is None:
+                raise  # not messages (a `ThreadedOp`): its own error
+            late = [peers[i]] + [p for p, later in zip(peers[i + 1 :], works[i + 1 :]) if not _answered(later)]
             raise _unanswered(name, group, late, e, timeout) from e
 
 # %% ../../nbs/10_comm_p2p.ipynb #c006
 class P2PWork:
-    "The handle of an op made of point-to-point messages: `wait()` waits for them all, then finishes the op (once, on whichever thread waits first)"
-    finish_when_reported = True   # every rank started it: the comms logger may wait for it before reporting
-    def __init__(self, works:list, finish=None, name:str='a direct-message op',
-                 peers:list|None=None, # the group rank each of `works` exchanges with; None: they are not messages (a `ThreadedOp`)
-                 group=None): # the group the messages go over
+    """The handle of an op made of point-to-point messages: `wait()` waits for them all, then finishes the op (once, on
+    whichever thread waits first)"""
+
+    finish_when_reported = True  # every rank started it: the comms logger may wait for it before reporting
+
+    def __init__(
+        self,
+        works: list,
+        finish=None,
+        name: str = 'a direct-message op',
+        peers: list
+        | None = None,  # the group rank each of `works` exchanges with; None: they are not messages (a `ThreadedOp`)
+        group=None,  # the group the messages go over
+    ):
         self._works, self._finish, self._done, self._lock, self.name = works, finish, False, threading.Lock(), name
         self._peers, self._group = peers, group
-    def wait(self, timeout=None)->bool:
-        "`timeout` (seconds or a `timedelta`): `TimeoutError` naming the op if it is not done by then; a failed message: `CommError` naming the ranks that never answered"
+
+    def wait(self, timeout=None) -> bool:
+        """`timeout` (seconds or a `timedelta`): `TimeoutError` naming the op if it is not done by then; a failed
+        message: `CommError` naming the ranks that never answered"""
         end = None if timeout is None else time.monotonic() + _seconds(timeout)
         late = lambda: TimeoutError(f"{self.name} did not finish within {timeout_seconds(self._group, timeout):g}s")
-        if not self._lock.acquire(timeout=-1 if end is None else _left(end).total_seconds()): raise late()   # another thread is finishing it
+        if not self._lock.acquire(timeout=-1 if end is None else _left(end).total_seconds()):
+            raise late()  # another thread is finishing it
         try:
             if not self._done:
-                try: _wait_messages(self._works, self._peers, self.name, self._group, end, timeout)
-                except CommError: raise   # it names the op, the ranks that never answered and the timeout
-                except TimeoutError as e: raise late() from e
-                if self._finish is not None: self._finish()
-                self._works, self._finish, self._done = [], None, True   # let go of the messages' tensors at once
-        finally: self._lock.release()
+                try:
+                    _wait_messages(self._works, self._peers, self.name, self._group, end, timeout)
+                except CommError:
+                    raise  # it names the op, the ranks that never answered and the timeout
+                except TimeoutError as e:
+                    raise late() from e
+                if self._finish is not None:
+                    self._finish()
+                self._works, self._finish, self._done = [], None, True  # let go of the messages' tensors at once
+        finally:
+            self._lock.release()
         return True
-    def is_completed(self)->bool: return self._done
-    def get_future(self): raise RuntimeError("an op made of point-to-point messages has no future: call wait()")
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def get_future(self):
+        raise RuntimeError("an op made of point-to-point messages has no future: call wait()")
 
 # %% ../../nbs/10_comm_p2p.ipynb #c009
-def _post(b, tag:int, sends:dict, recvs:dict, group)->list:
+def _post(b, tag: int, sends: dict, recvs: dict, group) -> list:
     "Post the messages of one op on backend `b` under `tag`; their works"
     works = [b.isend(t, get_global_rank(group, j), group, tag) for j, t in sends.items()]
     return works + [b.irecv(t, get_global_rank(group, j), group, tag) for j, t in recvs.items()]
 
-def _exchange(sends:dict, recvs:dict, group)->list: # {group rank: tensor} each; the works of all messages
-    if not sends and not recvs: return []
+
+def _exchange(sends: dict, recvs: dict, group) -> list:  # {group rank: tensor} each; the works of all messages
+    if not sends and not recvs:
+        return []
     return _post(comm_state.backend or comm_state.active(), comm_state.next_tag(group), sends, recvs, group)
 
 # %% ../../nbs/10_comm_p2p.ipynb #c010b
 class P2PThread:
-    "Runs one group's direct-message ops in the order they were started, on a daemon thread that lives while some are queued and `linger` seconds after"
-    def __init__(self, linger:float=2.): # seconds an idle thread waits for the next op before it ends
+    """Runs one group's direct-message ops in the order they were started, on a daemon thread that lives while some are
+    queued and `linger` seconds after"""
+
+    def __init__(self, linger: float = 2.0):  # seconds an idle thread waits for the next op before it ends
         self._jobs, self._lock, self._thread, self._started = collections.deque(), threading.Condition(), None, []
         self.linger, self._closing = linger, 0
+
     def submit(self, job):
         "Queue `job`; start the thread if none is running"
         with self._lock:
             self._jobs.append(job)
-            if self._thread is None: self._spawn()
-            else: self._lock.notify()
-    def _spawn(self): # with the lock held
+            if self._thread is None:
+                self._spawn()
+            else:
+                self._lock.notify()
+
+    def _spawn(self):  # with the lock held
         self._thread = threading.Thread(target=self._run, name='flexrt-p2p', daemon=True)
         self._started = [t for t in self._started if t.is_alive()] + [self._thread]
         self._thread.start()
-    def _next(self): # with the lock held
+
+    def _next(self):  # with the lock held
         "The next job; None once the queue stayed empty `linger` seconds, or at once when empty while the runner closes"
         end = time.monotonic() + self.linger
         while not self._jobs:
             left = end - time.monotonic()
-            if self._closing or left <= 0: return None
+            if self._closing or left <= 0:
+                return None
             self._lock.wait(left)
         return self._jobs.popleft()
+
     def _run(self):
         try:
             while True:
                 with self._lock:
                     job = self._next()
-                    if job is None: self._thread = None; return   # idle: this thread ends, the next submit starts one
-                job(); job = None   # let go of it (and its tensors) before waiting for the next
-        finally:   # a job raised: this thread ends; a new one runs what is still queued (the next submit would too)
+                    if job is None:
+                        self._thread = None
+                        return  # idle: this thread ends, the next submit starts one
+                job()
+                job = None  # let go of it (and its tensors) before waiting for the next
+        finally:  # a job raised: this thread ends; a new one runs what is still queued (the next submit would too)
             with self._lock:
                 if self._thread is threading.current_thread():
                     self._thread = None
-                    if self._jobs: self._spawn()
+                    if self._jobs:
+                        self._spawn()
 
-# %% ../../nbs/10_comm_p2p.ipynb #c010b2
-@patch
-def close(self:P2PThread):
-    "Wait until the ops queued so far ran and every thread this runner started has ended (an idle one ends at once)"
-    joined = {threading.current_thread()}
-    with self._lock: self._closing += 1; self._lock.notify_all()
-    try:
-        while True:   # a thread that ended by an error may have started another
-            with self._lock: threads = [t for t in self._started if t not in joined]
-            if not threads: return
-            for t in threads: t.join(); joined.add(t)
-    finally:
-        with self._lock: self._closing -= 1
+    def close(self):
+        "Wait until the ops queued so far ran and every thread this runner started has ended (an idle one ends at once)"
+        joined = {threading.current_thread()}
+        with self._lock:
+            self._closing += 1
+            self._lock.notify_all()
+        try:
+            while True:  # a thread that ended by an error may have started another
+                with self._lock:
+                    threads = [t for t in self._started if t not in joined]
+                if not threads:
+                    return
+                for t in threads:
+                    t.join()
+                    joined.add(t)
+        finally:
+            with self._lock:
+                self._closing -= 1
 
-@patch(as_prop=True)
-def running(self:P2PThread)->bool: return self._thread is not None   # a thread is working through the queue
+    @property
+    def running(self) -> bool:
+        return self._thread is not None  # a thread is working through the queue
 
 # %% ../../nbs/10_comm_p2p.ipynb #c010c
 class ThreadedOp:
-    "One op run by a `P2PThread`: `wait()` blocks until the thread finished it, lets go of its tensors and re-raises what it raised"
-    def __init__(self, run): self._run, self._event, self._error = run, threading.Event(), None
+    """One op run by a `P2PThread`: `wait()` blocks until the thread finished it, lets go of its tensors and re-raises
+    what it raised"""
+
+    def __init__(self, run):
+        self._run, self._event, self._error = run, threading.Event(), None
+
     def __call__(self):
-        try: self._run()
-        except BaseException as e: self._error = e
-        finally: self._event.set()   # the closure (its tensors) stays until wait(): memory is freed when the caller waits, not when the thread happens to finish
+        try:
+            self._run()
+        except BaseException as e:
+            self._error = e
+        finally:
+            # the closure (its tensors) stays until wait(): memory is freed when the caller waits, not when the thread
+            # happens to finish
+            self._event.set()
+
     def wait(self, timeout=None):
         "`timeout`: seconds or a `timedelta`"
-        if not self._event.wait(_seconds(timeout)): raise TimeoutError(f"the p2p thread did not run this op within {_seconds(timeout):g}s")
+        if not self._event.wait(_seconds(timeout)):
+            raise TimeoutError(f"the p2p thread did not run this op within {_seconds(timeout):g}s")
         self._run = None
-        if self._error is not None: raise self._error
-    def is_completed(self)->bool: return self._event.is_set()
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
 
 # %% ../../nbs/10_comm_p2p.ipynb #c010e
-def _thread_of(group)->P2PThread:
+def _thread_of(group) -> P2PThread:
     "The group's p2p thread, started on first use"
     thread = comm_state.p2p_threads.get(group)
-    if thread is None: thread = comm_state.p2p_threads[group] = P2PThread()
+    if thread is None:
+        thread = comm_state.p2p_threads[group] = P2PThread()
     return thread
 
-def _start(sends:dict, recvs:dict, group, finish=None, async_op:bool=True, name:str='a direct-message op')->P2PWork:
-    "Start one op's messages (on the group's thread when asynchronous on gloo); its handle, which runs `finish` once done"
-    if not sends and not recvs: return P2PWork([], finish, name)
-    b, tag = comm_state.backend or comm_state.active(), comm_state.next_tag(group)   # the tag: in call order, here
-    peers = [*sends, *recvs]   # the group rank each message goes to or comes from, in `_post`'s order
+
+def _start(
+    sends: dict, recvs: dict, group, finish=None, async_op: bool = True, name: str = 'a direct-message op'
+) -> P2PWork:
+    """Start one op's messages (on the group's thread when asynchronous on gloo); its handle, which runs `finish` once
+    done"""
+    if not sends and not recvs:
+        return P2PWork([], finish, name)
+    b, tag = comm_state.backend or comm_state.active(), comm_state.next_tag(group)  # the tag: in call order, here
+    peers = [*sends, *recvs]  # the group rank each message goes to or comes from, in `_post`'s order
     if not (async_op and comm_state.p2p_threaded and get_backend(group) == 'gloo'):
         return P2PWork(_post(b, tag, sends, recvs, group), finish, name, peers, group)
+
     def run():
         _wait_messages(_post(b, tag, sends, recvs, group), peers, name, group)
-        if finish is not None: finish()
+        if finish is not None:
+            finish()
+
     op = ThreadedOp(run)
     _thread_of(group).submit(op)
     return P2PWork([op], name=name)
@@ -191,51 +273,76 @@ def _start(sends:dict, recvs:dict, group, finish=None, async_op:bool=True, name:
 # %% ../../nbs/10_comm_p2p.ipynb #c010f
 def join_p2p_threads(*groups):
     "Wait until the p2p threads of `groups` (none given: every group's) ran the ops queued on them and ended"
-    for g in (groups or list(comm_state.p2p_threads)):
+    for g in groups or list(comm_state.p2p_threads):
         thread = comm_state.p2p_threads.get(g)
-        if thread is not None: thread.close()
+        if thread is not None:
+            thread.close()
 
 # %% ../../nbs/10_comm_p2p.ipynb #c012
-def prefers_p2p(group=None)->bool:
+def prefers_p2p(group=None) -> bool:
     "Whether the `_p2p` forms below beat the native ops on `group`: on gloo, with more than one rank"
     return get_world_size(group) > 1 and get_backend(group) == 'gloo'
 
-def _chunks(t:torch.Tensor, n:int, name:str)->tuple:
-    if not t.is_contiguous() or t.shape[0] % n: raise ValueError(f"{name} must be contiguous with a first dimension divisible by {n}, got {tuple(t.shape)}")
+
+def _chunks(t: torch.Tensor, n: int, name: str) -> tuple:
+    if not t.is_contiguous() or t.shape[0] % n:
+        raise ValueError(f"{name} must be contiguous with a first dimension divisible by {n}, got {tuple(t.shape)}")
     return t.chunk(n)
 
-def _slots(t:torch.Tensor, n:int, name:str, piece:torch.Size)->tuple:
-    "The `n` places a gather of `piece`-shaped inputs writes: the rows of an `(n, k)` tensor whose rows are contiguous and have that shape, else its chunks"
-    if t.dim() == 2 and t.shape[0] == n and t.shape[1:] == piece and (t.stride(1) == 1 or t.shape[1] < 2): return t.unbind(0)
+
+def _slots(t: torch.Tensor, n: int, name: str, piece: torch.Size) -> tuple:
+    """The `n` places a gather of `piece`-shaped inputs writes: the rows of an `(n, k)` tensor whose rows are contiguous
+    and have that shape, else its chunks"""
+    if t.dim() == 2 and t.shape[0] == n and t.shape[1:] == piece and (t.stride(1) == 1 or t.shape[1] < 2):
+        return t.unbind(0)
     return _chunks(t, n, name)
 
 # %% ../../nbs/10_comm_p2p.ipynb #c014
 @timed_op
 def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name=None):
     "`reduce_scatter_tensor` (SUM) by direct messages: rank r sends chunk j to rank j and adds the chunks it receives"
-    if op != ReduceOp.SUM: raise ValueError(f"reduce_scatter_tensor_p2p only sums: use reduce_scatter_tensor for {op}")
+    if op != ReduceOp.SUM:
+        raise ValueError(f"reduce_scatter_tensor_p2p only sums: use reduce_scatter_tensor for {op}")
     n, me = get_world_size(group), get_rank(group)
     chunks = _chunks(input, n, 'input')
-    if chunks[me].shape != output.shape: raise ValueError(f"output has shape {tuple(output.shape)}, a chunk of input {tuple(chunks[me].shape)}")
+    if chunks[me].shape != output.shape:
+        raise ValueError(f"output has shape {tuple(output.shape)}, a chunk of input {tuple(chunks[me].shape)}")
     o, i = output.data_ptr(), input.data_ptr()
-    apart = o + output.nbytes <= i or i + input.nbytes <= o   # output is not (a part of) input
+    apart = o + output.nbytes <= i or i + input.nbytes <= o  # output is not (a part of) input
     direct = n == 2 and output.is_contiguous() and apart
-    received = {j: output if direct else torch.empty_like(output) for j in range(n) if j != me}   # direct: the one peer's chunk lands in `output`
+    received = {
+        j: output if direct else torch.empty_like(output) for j in range(n) if j != me
+    }  # direct: the one peer's chunk lands in `output`
+
     def finish():
-        if direct: output.add_(chunks[me]); return   # its chunk + ours: the same sum as ours + its (addition commutes)
+        if direct:
+            output.add_(chunks[me])
+            return  # its chunk + ours: the same sum as ours + its (addition commutes)
         output.copy_(chunks[me])
-        for j in sorted(received): output.add_(received[j])
+        for j in sorted(received):
+            output.add_(received[j])
+
     work = _start({j: chunks[j] for j in received}, received, group, finish, async_op, 'reduce_scatter_tensor_p2p')
     return work if async_op else work.wait() and None
 
 # %% ../../nbs/10_comm_p2p.ipynb #c016
 @timed_op
 def all_gather_into_tensor_p2p(output_tensor, input_tensor, group=None, async_op=False, *, prof=False, log_name=None):
-    "`all_gather_into_tensor` by direct messages: rank r sends its input to every rank and receives theirs in place (`output_tensor` may also be `(N, k)` with contiguous rows: a piece of each rank's chunk of a larger buffer)"
+    """`all_gather_into_tensor` by direct messages: rank r sends its input to every rank and receives theirs in place
+    (`output_tensor` may also be `(N, k)` with contiguous rows: a piece of each rank's chunk of a larger buffer)"""
     n, me = get_world_size(group), get_rank(group)
     slots = _slots(output_tensor, n, 'output_tensor', input_tensor.shape)
-    if slots[me].shape != input_tensor.shape: raise ValueError(f"input_tensor has shape {tuple(input_tensor.shape)}, a chunk of output {tuple(slots[me].shape)}")
+    if slots[me].shape != input_tensor.shape:
+        raise ValueError(
+            f"input_tensor has shape {tuple(input_tensor.shape)}, a chunk of output {tuple(slots[me].shape)}"
+        )
     slots[me].copy_(input_tensor)
-    work = _start({j: input_tensor for j in range(n) if j != me}, {j: slots[j] for j in range(n) if j != me}, group, None, async_op,
-                  'all_gather_into_tensor_p2p')
+    work = _start(
+        {j: input_tensor for j in range(n) if j != me},
+        {j: slots[j] for j in range(n) if j != me},
+        group,
+        None,
+        async_op,
+        'all_gather_into_tensor_p2p',
+    )
     return work if async_op else work.wait() and None

@@ -15,18 +15,28 @@ from .wrappers import get_world_size, get_rank
 __all__ = ['configure', 'reset_log', 'get_comm_stats', 'log_summary']
 
 # %% ../../nbs/10_comm_profiling.ipynb #c005
-def configure(config=None, # flexrt/DeepSpeed config (dict, object or JSON path), or a CommsLoggerConfig
-              enabled:bool|None=None, prof_all:bool|None=None, prof_ops:list|None=None, verbose:bool|None=None,
-              debug:bool|None=None, # each overrides the config's value when given
-              deepspeed_config=None): # DeepSpeed's name for `config`
+def configure(
+    config=None,  # flexrt/DeepSpeed config (dict, object or JSON path), or a CommsLoggerConfig
+    enabled: bool | None = None,
+    prof_all: bool | None = None,
+    prof_ops: list | None = None,
+    verbose: bool | None = None,
+    debug: bool | None = None,  # each overrides the config's value when given
+    deepspeed_config=None,  # DeepSpeed's name for `config`
+):
     "Configure the comms logger; unspecified settings stay as they are"
     if deepspeed_config is not None:
         if config is not None and config is not deepspeed_config:
-            raise ValueError("configure: pass the config once, as config= or as DeepSpeed's deepspeed_config=, not both")
+            raise ValueError(
+                "configure: pass the config once, as config= or as DeepSpeed's deepspeed_config=, not both"
+            )
         config = deepspeed_config
     base = comms_config(config) or comms_logger.config
-    changes = {k: v for k, v in dict(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose, debug=debug).items()
-               if v is not None}
+    changes = {
+        k: v
+        for k, v in dict(enabled=enabled, prof_all=prof_all, prof_ops=prof_ops, verbose=verbose, debug=debug).items()
+        if v is not None
+    }
     comms_logger.apply(dataclasses.replace(base, **changes))
 
 # %% ../../nbs/10_comm_profiling.ipynb #c008
@@ -34,25 +44,30 @@ def reset_log():
     "Forget every logged op (e.g. at the start of an epoch)"
     comms_logger.reset()
 
-def get_comm_stats()->dict:
+
+def get_comm_stats() -> dict:
     "Logged ops as `{op: {size_bytes: {count, total_latency_ms, avg_latency_ms, algbw_gbps, busbw_gbps, ranks}}}`"
     return comms_logger.stats()  # never waits for the device: CUDA ops still running appear in a later call
+
 
 comms_logger.world_size_of, comms_logger.rank = get_world_size, get_rank
 
 # %% ../../nbs/10_comm_profiling.ipynb #c011
-def log_summary(show_straggler:bool=False, # gather every rank's latencies and add a straggler_ms column (collective)
-                return_dict:bool=False, # return DeepSpeed's nested dict instead of the DataFrame
-                print_table:bool=True, # print the table on rank 0
-               ): # a DataFrame, one row per op, message size and world size; or DeepSpeed's dict
+def log_summary(
+    show_straggler: bool = False,  # gather every rank's latencies and add a straggler_ms column (collective)
+    return_dict: bool = False,  # return DeepSpeed's nested dict instead of the DataFrame
+    print_table: bool = True,  # print the table on rank 0
+):  # a DataFrame, one row per op, message size and world size; or DeepSpeed's dict
     "Summarise the comms log: count, latency and algorithm/bus bandwidth per op and message size"
     df, b = comms_logger.summary(), comm_state.backend or comm_state.active()
-    if show_straggler: df['straggler_ms'] = _straggler_column(df, b)
-    if print_table and b.get_rank() == 0: print(df.to_string(index=False))
+    if show_straggler:
+        df['straggler_ms'] = _straggler_column(df, b)
+    if print_table and b.get_rank() == 0:
+        print(df.to_string(index=False))
     return _as_deepspeed_dict(df, b) if return_dict else df
 
 # %% ../../nbs/10_comm_profiling.ipynb #c013
-def _straggler_column(df, b:CommBackend)->list:
+def _straggler_column(df, b: CommBackend) -> list:
     "Per row of `df`, this rank's time waiting for slower ranks (ms); gathers every rank's latencies (collective)"
     comms_logger.flush()
     per_rank = [None] * b.get_world_size()
@@ -65,16 +80,25 @@ def _straggler_column(df, b:CommBackend)->list:
     return [by_row.get((o, s, n, c), 0.0) for o, s, n, c in zip(df.op, df.size_bytes, df.ranks, callers)]
 
 # %% ../../nbs/10_comm_profiling.ipynb #c015
-def _as_deepspeed_dict(df, b:CommBackend)->dict:
+def _as_deepspeed_dict(df, b: CommBackend) -> dict:
     "`df` in DeepSpeed's `log_summary(return_dict=True)` shape"
     summary, straggler = {}, {}
     for (op, size), rows in df.groupby(['op', 'size_bytes'], sort=True):
         count, total = int(rows['count'].sum()), float(rows.total_latency_ms.sum())
-        mean = lambda col: float((rows[col] * rows['count']).sum() / count)  # rows of one op and size: weighted by count
-        summary.setdefault(op, {})[int(size)] = dict(count=count, total_latency_ms=total, avg_latency_ms=mean('avg_latency_ms'),
-                                                    tput_avg_gbps=mean('algbw_gbps'), busbw_avg_gbps=mean('busbw_gbps'))
-        if 'straggler_ms' in rows: straggler.setdefault(op, {})[int(size)] = dict(total_straggler_ms=float(rows.straggler_ms.sum()))
+        mean = lambda col: float(
+            (rows[col] * rows['count']).sum() / count
+        )  # rows of one op and size: weighted by count
+        summary.setdefault(op, {})[int(size)] = dict(
+            count=count,
+            total_latency_ms=total,
+            avg_latency_ms=mean('avg_latency_ms'),
+            tput_avg_gbps=mean('algbw_gbps'),
+            busbw_avg_gbps=mean('busbw_gbps'),
+        )
+        if 'straggler_ms' in rows:
+            straggler.setdefault(op, {})[int(size)] = dict(total_straggler_ms=float(rows.straggler_ms.sum()))
     out = dict(summary=summary)
-    if 'straggler_ms' in df: out['straggler_analysis'] = straggler
+    if 'straggler_ms' in df:
+        out['straggler_analysis'] = straggler
     out['metadata'] = dict(world_size=b.get_world_size(), rank=b.get_rank(), timestamp=datetime.now().isoformat())
     return out

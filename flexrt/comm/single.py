@@ -5,7 +5,6 @@
 # %% ../../nbs/10_comm_single.ipynb #c003
 from __future__ import annotations
 import copy
-from fastcore.basics import patch
 from .base import ReduceOp, CompletedWork, CommBackend
 
 # %% auto #0
@@ -14,121 +13,159 @@ __all__ = ['SingleProcessGroup', 'SingleProcessBackend']
 # %% ../../nbs/10_comm_single.ipynb #c005
 class SingleProcessGroup:
     "The only group a single-process run has: rank 0 alone"
+
     group_name = 'single'
-    def __repr__(self): return 'SingleProcessGroup()'
+
+    def __repr__(self):
+        return 'SingleProcessGroup()'
+
 
 def _copy_into(op, dst, src):
-    if dst.numel() != src.numel(): raise ValueError(f"{op}: output has {dst.numel()} elements, input {src.numel()}; with world size 1 they must match")
+    if dst.numel() != src.numel():
+        raise ValueError(
+            f"{op}: output has {dst.numel()} elements, input {src.numel()}; with world size 1 they must match"
+        )
     dst.copy_(src.reshape(dst.shape))
 
+
 def _one(op, name, tensors):
-    if len(tensors) != 1: raise ValueError(f"{op}: {name} has {len(tensors)} tensors, expected world size 1")
+    if len(tensors) != 1:
+        raise ValueError(f"{op}: {name} has {len(tensors)} tensors, expected world size 1")
     return tensors[0]
 
 # %% ../../nbs/10_comm_single.ipynb #c008
 class SingleProcessBackend(CommBackend):
     "World size 1 without a process group: collectives are identities, point-to-point has no peer"
+
     name = 'single'
-    def is_initialized(self): return True
+
+    def is_initialized(self):
+        return True
+
     def _group(self, group):
         if group is not None and not isinstance(group, SingleProcessGroup):
             raise ValueError(f"group {group!r} is not a single-process group: no torch process group is initialised")
+
     def _root(self, op, rank, group):
         self._group(group)
-        if rank not in (None, 0): raise ValueError(f"{op}: rank {rank} does not exist in a single-process run (world size 1, only rank 0)")
-    def _done(self, async_op, result=None): return CompletedWork(result) if async_op else None
-    def get_rank(self, group=None): self._group(group); return 0
-    def get_world_size(self, group=None): self._group(group); return 1
-    def get_global_rank(self, group, group_rank): self._root('get_global_rank', group_rank, group); return 0
+        if rank not in (None, 0):
+            raise ValueError(f"{op}: rank {rank} does not exist in a single-process run (world size 1, only rank 0)")
+
+    def _done(self, async_op, result=None):
+        return CompletedWork(result) if async_op else None
+
+    def get_rank(self, group=None):
+        self._group(group)
+        return 0
+
+    def get_world_size(self, group=None):
+        self._group(group)
+        return 1
+
+    def get_global_rank(self, group, group_rank):
+        self._root('get_global_rank', group_rank, group)
+        return 0
+
     def new_group(self, ranks=None, **kwargs):
-        if ranks is not None and list(ranks) != [0]: raise ValueError(f"new_group: ranks {list(ranks)} do not exist in a single-process run (only rank 0)")
+        if ranks is not None and list(ranks) != [0]:
+            raise ValueError(f"new_group: ranks {list(ranks)} do not exist in a single-process run (only rank 0)")
         return SingleProcessGroup()
-    def destroy_process_group(self, group=None): self._group(group)
 
-# %% ../../nbs/10_comm_single.ipynb #c011
-@patch
-def barrier(self:SingleProcessBackend, group=None, async_op=False, device_ids=None, timeout=None): self._group(group); return self._done(async_op)
+    def destroy_process_group(self, group=None):
+        self._group(group)
 
-@patch
-def monitored_barrier(self:SingleProcessBackend, group=None, timeout=None, wait_all_ranks=False): self._group(group)
+    def barrier(self, group=None, async_op=False, device_ids=None, timeout=None):
+        self._group(group)
+        return self._done(async_op)
 
-@patch
-def broadcast(self:SingleProcessBackend, tensor, src=None, group=None, async_op=False, group_src=None):
-    self._root('broadcast', src if group_src is None else group_src, group); return self._done(async_op)
+    def monitored_barrier(self, group=None, timeout=None, wait_all_ranks=False):
+        self._group(group)
 
-@patch
-def all_reduce(self:SingleProcessBackend, tensor, op=ReduceOp.SUM, group=None, async_op=False): self._group(group); return self._done(async_op)
+    def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
+        self._root('broadcast', src if group_src is None else group_src, group)
+        return self._done(async_op)
 
-@patch
-def reduce(self:SingleProcessBackend, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
-    self._root('reduce', dst if group_dst is None else group_dst, group); return self._done(async_op)
+    def all_reduce(self, tensor, op=ReduceOp.SUM, group=None, async_op=False):
+        self._group(group)
+        return self._done(async_op)
 
-# %% ../../nbs/10_comm_single.ipynb #c013
-@patch
-def reduce_scatter(self:SingleProcessBackend, output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    self._group(group); _copy_into('reduce_scatter', output, _one('reduce_scatter', 'input_list', input_list)); return self._done(async_op)
+    def reduce(self, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+        self._root('reduce', dst if group_dst is None else group_dst, group)
+        return self._done(async_op)
 
-@patch
-def reduce_scatter_tensor(self:SingleProcessBackend, output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    self._group(group); _copy_into('reduce_scatter_tensor', output, input); return self._done(async_op)
+    def reduce_scatter(self, output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+        self._group(group)
+        _copy_into('reduce_scatter', output, _one('reduce_scatter', 'input_list', input_list))
+        return self._done(async_op)
 
-# %% ../../nbs/10_comm_single.ipynb #c016
-@patch
-def all_gather(self:SingleProcessBackend, tensor_list, tensor, group=None, async_op=False):
-    self._group(group); _copy_into('all_gather', _one('all_gather', 'tensor_list', tensor_list), tensor); return self._done(async_op)
+    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, group=None, async_op=False):
+        self._group(group)
+        _copy_into('reduce_scatter_tensor', output, input)
+        return self._done(async_op)
 
-@patch
-def all_gather_into_tensor(self:SingleProcessBackend, output_tensor, input_tensor, group=None, async_op=False):
-    self._group(group); _copy_into('all_gather_into_tensor', output_tensor, input_tensor); return self._done(async_op)
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        self._group(group)
+        _copy_into('all_gather', _one('all_gather', 'tensor_list', tensor_list), tensor)
+        return self._done(async_op)
 
-# %% ../../nbs/10_comm_single.ipynb #c018
-@patch
-def all_to_all(self:SingleProcessBackend, output_tensor_list, input_tensor_list, group=None, async_op=False):
-    self._group(group); _copy_into('all_to_all', _one('all_to_all', 'output_tensor_list', output_tensor_list),
-                                   _one('all_to_all', 'input_tensor_list', input_tensor_list)); return self._done(async_op)
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        self._group(group)
+        _copy_into('all_gather_into_tensor', output_tensor, input_tensor)
+        return self._done(async_op)
 
-@patch
-def all_to_all_single(self:SingleProcessBackend, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    self._group(group); _copy_into('all_to_all_single', output, input); return self._done(async_op)
+    def all_to_all(self, output_tensor_list, input_tensor_list, group=None, async_op=False):
+        self._group(group)
+        _copy_into(
+            'all_to_all',
+            _one('all_to_all', 'output_tensor_list', output_tensor_list),
+            _one('all_to_all', 'input_tensor_list', input_tensor_list),
+        )
+        return self._done(async_op)
 
-@patch
-def gather(self:SingleProcessBackend, tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
-    self._root('gather', dst if group_dst is None else group_dst, group)
-    _copy_into('gather', _one('gather', 'gather_list', gather_list or []), tensor); return self._done(async_op)
+    def all_to_all_single(
+        self, output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+    ):
+        self._group(group)
+        _copy_into('all_to_all_single', output, input)
+        return self._done(async_op)
 
-@patch
-def scatter(self:SingleProcessBackend, tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
-    self._root('scatter', src if group_src is None else group_src, group)
-    _copy_into('scatter', tensor, _one('scatter', 'scatter_list', scatter_list or [])); return self._done(async_op)
+    def gather(self, tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+        self._root('gather', dst if group_dst is None else group_dst, group)
+        _copy_into('gather', _one('gather', 'gather_list', gather_list or []), tensor)
+        return self._done(async_op)
 
-# %% ../../nbs/10_comm_single.ipynb #c021
-@patch
-def all_gather_object(self:SingleProcessBackend, object_list, obj, group=None):
-    self._group(group); _one('all_gather_object', 'object_list', object_list); object_list[0] = copy.deepcopy(obj)
+    def scatter(self, tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+        self._root('scatter', src if group_src is None else group_src, group)
+        _copy_into('scatter', tensor, _one('scatter', 'scatter_list', scatter_list or []))
+        return self._done(async_op)
 
-@patch
-def broadcast_object_list(self:SingleProcessBackend, object_list, src=None, group=None, device=None, group_src=None):
-    self._root('broadcast_object_list', src if group_src is None else group_src, group)
+    def all_gather_object(self, object_list, obj, group=None):
+        self._group(group)
+        _one('all_gather_object', 'object_list', object_list)
+        object_list[0] = copy.deepcopy(obj)
 
-# %% ../../nbs/10_comm_single.ipynb #c023
-@patch
-def _no_peer(self:SingleProcessBackend, op, peer):
-    raise ValueError(f"{op}: peer rank {peer} does not exist; a single-process run (world size 1) has no one to exchange with. "
-                     "Launch several ranks (torchrun, accelerate.notebook_launcher) to use point-to-point ops.")
+    def broadcast_object_list(self, object_list, src=None, group=None, device=None, group_src=None):
+        self._root('broadcast_object_list', src if group_src is None else group_src, group)
 
-@patch
-def send(self:SingleProcessBackend, tensor, dst=None, group=None, tag=0, group_dst=None): self._no_peer('send', dst if group_dst is None else group_dst)
+    def _no_peer(self, op, peer):
+        raise ValueError(
+            f"{op}: peer rank {peer} does not exist; a single-process run (world size 1) has no one to exchange with. "
+            "Launch several ranks (torchrun, accelerate.notebook_launcher) to use point-to-point ops."
+        )
 
-@patch
-def recv(self:SingleProcessBackend, tensor, src=None, group=None, tag=0, group_src=None): self._no_peer('recv', src if group_src is None else group_src)
+    def send(self, tensor, dst=None, group=None, tag=0, group_dst=None):
+        self._no_peer('send', dst if group_dst is None else group_dst)
 
-@patch
-def isend(self:SingleProcessBackend, tensor, dst=None, group=None, tag=0, group_dst=None): self._no_peer('isend', dst if group_dst is None else group_dst)
+    def recv(self, tensor, src=None, group=None, tag=0, group_src=None):
+        self._no_peer('recv', src if group_src is None else group_src)
 
-@patch
-def irecv(self:SingleProcessBackend, tensor, src=None, group=None, tag=0, group_src=None): self._no_peer('irecv', src if group_src is None else group_src)
+    def isend(self, tensor, dst=None, group=None, tag=0, group_dst=None):
+        self._no_peer('isend', dst if group_dst is None else group_dst)
 
-@patch
-def batch_isend_irecv(self:SingleProcessBackend, p2p_op_list):
-    if p2p_op_list: self._no_peer('batch_isend_irecv', p2p_op_list[0].peer)
-    return []
+    def irecv(self, tensor, src=None, group=None, tag=0, group_src=None):
+        self._no_peer('irecv', src if group_src is None else group_src)
+
+    def batch_isend_irecv(self, p2p_op_list):
+        if p2p_op_list:
+            self._no_peer('batch_isend_irecv', p2p_op_list[0].peer)
+        return []

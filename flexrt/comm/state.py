@@ -6,7 +6,6 @@
 from __future__ import annotations
 import os
 import torch.distributed as tdist
-from fastcore.basics import patch
 from .base import CommBackend
 from .backends import TorchBackend
 from .single import SingleProcessBackend
@@ -17,74 +16,88 @@ __all__ = ['comm_state', 'CommState', 'get_comm_backend', 'set_comm_backend']
 
 # %% ../../nbs/10_comm_state.ipynb #c006
 class CommState:
-    "What flexrt.comm chose in this process: the backend set explicitly, what `init_distributed` found, p2p tag counters"
+    """What flexrt.comm chose in this process: the backend set explicitly, what `init_distributed` found, p2p tag
+    counters"""
+
     def __init__(self):
-        self.backend: CommBackend|None = None  # set explicitly (init_distributed, set_comm_backend); None: follow torch
-        self.env: DistEnv|None = None          # what init_distributed found; None before it runs
-        self.p2p_tags: dict = {}               # per group: how many direct-message ops it has started
-        self.p2p_threads: dict = {}            # per group: the P2PThread running its direct-message ops (gloo) while some are queued
-        self.p2p_threaded: bool = True         # False: direct-message ops run on the calling thread
+        self.backend: CommBackend | None = (
+            None  # set explicitly (init_distributed, set_comm_backend); None: follow torch
+        )
+        self.env: DistEnv | None = None  # what init_distributed found; None before it runs
+        self.p2p_tags: dict = {}  # per group: how many direct-message ops it has started
+        # per group: the P2PThread running its direct-message ops (gloo) while some are queued
+        self.p2p_threads: dict = {}
+        self.p2p_threaded: bool = True  # False: direct-message ops run on the calling thread
         self.single, self.torch = SingleProcessBackend(), TorchBackend()  # what calls go to when none is set
 
-    def active(self)->CommBackend:
+    def active(self) -> CommBackend:
         "The backend calls go to: the one set explicitly, else torch's when a process group exists, else single-process"
-        if self.backend is not None: return self.backend
-        if tdist.is_available() and tdist.is_initialized(): return self.torch
+        if self.backend is not None:
+            return self.backend
+        if tdist.is_available() and tdist.is_initialized():
+            return self.torch
         return self.unlaunched()
 
-    def unlaunched(self)->SingleProcessBackend:
+    def unlaunched(self) -> SingleProcessBackend:
         "The single-process backend, unless the environment says this process is one of several ranks"
         ws = os.environ.get('WORLD_SIZE', '1')
         if ws.isdigit() and int(ws) > 1 and 'RANK' in os.environ:  # a launched worker (a launching parent has no RANK)
-            raise RuntimeError(f"WORLD_SIZE={ws} says this is one of {ws} ranks, but no process group is initialised: "
-                               "call flexrt.comm.init_distributed() (or torch.distributed.init_process_group) first")
+            raise RuntimeError(
+                f"WORLD_SIZE={ws} says this is one of {ws} ranks, but no process group is initialised: "
+                "call flexrt.comm.init_distributed() (or torch.distributed.init_process_group) first"
+            )
         return self.single
 
-# %% ../../nbs/10_comm_state.ipynb #c009
-@patch
-def next_tag(self:CommState, group)->int:
-    "The tag of `group`'s next direct-message op (every member counts the same)"
-    count = self.p2p_tags.get(group, 0)
-    self.p2p_tags[group] = count + 1
-    return 1_000_000 + count % 1_000_000
+    def next_tag(self, group) -> int:
+        "The tag of `group`'s next direct-message op (every member counts the same)"
+        count = self.p2p_tags.get(group, 0)
+        self.p2p_tags[group] = count + 1
+        return 1_000_000 + count % 1_000_000
 
-# %% ../../nbs/10_comm_state.ipynb #c012
-@patch
-def forget(self:CommState, group=None):
-    "Forget `group`'s tag counter and join its p2p thread; with None, every group's, the backend, the env and torch's backend"
-    if group is not None:
-        self.p2p_tags.pop(group, None)
-        thread = self.p2p_threads.pop(group, None)
-        if thread is not None: thread.close()   # waits for the ops queued on it; the thread has ended
-        return
-    for thread in self.p2p_threads.values(): thread.close()
-    self.p2p_threads.clear(); self.p2p_tags.clear()
-    self.torch = TorchBackend()
-    self.backend, self.env = None, None
+    def forget(self, group=None):
+        """Forget `group`'s tag counter and join its p2p thread; with None, every group's, the backend, the env and
+        torch's backend"""
+        if group is not None:
+            self.p2p_tags.pop(group, None)
+            thread = self.p2p_threads.pop(group, None)
+            if thread is not None:
+                thread.close()  # waits for the ops queued on it; the thread has ended
+            return
+        for thread in self.p2p_threads.values():
+            thread.close()
+        self.p2p_threads.clear()
+        self.p2p_tags.clear()
+        self.torch = TorchBackend()
+        self.backend, self.env = None, None
 
-# %% ../../nbs/10_comm_state.ipynb #c015
-@patch
-def forget_single_process(self:CommState):
-    "In a forked child: drop the parent's single-process choice (not a real process group)"
-    torch_group = tdist.is_available() and tdist.is_initialized()
-    if isinstance(self.backend, SingleProcessBackend) or (self.backend is None and self.env is not None
-                                                          and self.env.world_size == 1 and not torch_group):
-        self.env, self.backend = None, None
+    def forget_single_process(self):
+        "In a forked child: drop the parent's single-process choice (not a real process group)"
+        torch_group = tdist.is_available() and tdist.is_initialized()
+        if isinstance(self.backend, SingleProcessBackend) or (
+            self.backend is None and self.env is not None and self.env.world_size == 1 and not torch_group
+        ):
+            self.env, self.backend = None, None
 
 # %% ../../nbs/10_comm_state.ipynb #c018
 comm_state = CommState()
 os.register_at_fork(after_in_child=comm_state.forget_single_process)
-os.register_at_fork(after_in_child=comm_state.p2p_threads.clear)   # threads do not survive a fork: a child starts its own
+os.register_at_fork(
+    after_in_child=comm_state.p2p_threads.clear
+)  # threads do not survive a fork: a child starts its own
 
 # %% ../../nbs/10_comm_state.ipynb #c020
-def get_comm_backend()->CommBackend:
+def get_comm_backend() -> CommBackend:
     "The backend flexrt.comm calls go to now"
     return comm_state.active()
 
-def set_comm_backend(backend:CommBackend|None # a backend, or None to follow torch.distributed again
-                    )->CommBackend|None: # the backend set before
+
+def set_comm_backend(
+    backend: CommBackend | None,  # a backend, or None to follow torch.distributed again
+) -> CommBackend | None:  # the backend set before
     "Send every flexrt.comm call to `backend` from now on"
     if backend is not None and not isinstance(backend, CommBackend):
-        raise TypeError(f"set_comm_backend needs a CommBackend (TorchBackend, SingleProcessBackend), got {type(backend).__name__}")
+        raise TypeError(
+            f"set_comm_backend needs a CommBackend (TorchBackend, SingleProcessBackend), got {type(backend).__name__}"
+        )
     before, comm_state.backend = comm_state.backend, backend
     return before

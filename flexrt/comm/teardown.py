@@ -15,15 +15,17 @@ __all__ = ['EXIT_TEARDOWN_VARIABLE', 'EXIT_TIMEOUT', 'EXIT_PRIORITY', 'at_teardo
            'teardown_at_exit']
 
 # %% ../../nbs/10_comm_teardown.ipynb #c006
-EXIT_TEARDOWN_VARIABLE = 'FLEXRT_EXIT_TEARDOWN'   # '0': no teardown at exit (a diagnostic: shows the abort it prevents)
-EXIT_TIMEOUT = 30.   # seconds for the p2p threads and destroying the groups (gloo's destroy is local: milliseconds)
-EXIT_PRIORITY = 10   # multiprocessing finalizers run by priority, highest first: the forwarder's flush (100) before
+EXIT_TEARDOWN_VARIABLE = 'FLEXRT_EXIT_TEARDOWN'  # '0': no teardown at exit (a diagnostic: shows the abort it prevents)
+EXIT_TIMEOUT = 30.0  # seconds for the p2p threads and destroying the groups (gloo's destroy is local: milliseconds)
+EXIT_PRIORITY = 10  # multiprocessing finalizers run by priority, highest first: the forwarder's flush (100) before
 
-_hooks: list = []   # what runs before the p2p threads and the groups end
+_hooks: list = []  # what runs before the p2p threads and the groups end
 
-def at_teardown(fn): # a function of no arguments that must not block for long (it bounds its own waits)
+
+def at_teardown(fn):  # a function of no arguments that must not block for long (it bounds its own waits)
     "Run `fn()` in `teardown`, before flexrt's p2p threads and the process groups end; once however often registered"
-    if fn not in _hooks: _hooks.append(fn)
+    if fn not in _hooks:
+        _hooks.append(fn)
     return fn
 
 # %% ../../nbs/10_comm_teardown.ipynb #c009
@@ -35,60 +37,81 @@ def _release_stale_defaults():
         if defaults and any(isinstance(d, tdist.ProcessGroup) for d in defaults):
             fn.__defaults__ = tuple(None if isinstance(d, tdist.ProcessGroup) else d for d in defaults)
 
+
 def end_process_groups():
     "End flexrt's p2p threads (their queued ops run first), forget comm's state, then destroy torch's process groups"
     if not tdist.is_available():
         comm_state.forget()
         return
     b = comm_state.backend if isinstance(comm_state.backend, TorchBackend) else comm_state.torch
-    comm_state.forget()   # p2p threads finish while the groups live; a new process group starts its tags from zero
-    if tdist.is_initialized(): b.destroy_process_group()
-    _release_stale_defaults()   # no group is left: any a default holds is destroyed
+    comm_state.forget()  # p2p threads finish while the groups live; a new process group starts its tags from zero
+    if tdist.is_initialized():
+        b.destroy_process_group()
+    _release_stale_defaults()  # no group is left: any a default holds is destroyed
 
 # %% ../../nbs/10_comm_teardown.ipynb #c012
-def _say(what:str): print(f'flexrt.comm.teardown: {what}', file=sys.stderr, flush=True)
+def _say(what: str):
+    print(f'flexrt.comm.teardown: {what}', file=sys.stderr, flush=True)
 
-def _failed(what:str, error:Exception):
-    _say(f"{what} failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}")   # one line, no traceback
 
-def _within(fn, seconds:float)->bool: # whether `fn` ended in time without an error (which is said)
+def _failed(what: str, error: Exception):
+    _say(f"{what} failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}")  # one line, no traceback
+
+
+def _within(fn, seconds: float) -> bool:  # whether `fn` ended in time without an error (which is said)
     "Run `fn()` on a daemon thread for at most `seconds`"
     errors = []
+
     def run():
-        try: fn()
-        except Exception as e: errors.append(e)
+        try:
+            fn()
+        except Exception as e:
+            errors.append(e)
+
     thread = threading.Thread(target=run, daemon=True, name='flexrt-exit-teardown')
-    try: thread.start()
-    except RuntimeError: run()   # Python >= 3.12 starts no thread at interpreter shutdown (atexit): here, unbounded
-    else: thread.join(seconds)
-    if thread.is_alive(): _say(f'{fn.__name__} did not finish within {seconds:g} s; exiting without it')
-    elif errors: _failed(fn.__name__, errors[0])
+    try:
+        thread.start()
+    except RuntimeError:
+        run()  # Python >= 3.12 starts no thread at interpreter shutdown (atexit): here, unbounded
+    else:
+        thread.join(seconds)
+    if thread.is_alive():
+        _say(f'{fn.__name__} did not finish within {seconds:g} s; exiting without it')
+    elif errors:
+        _failed(fn.__name__, errors[0])
     return not thread.is_alive() and not errors
 
 # %% ../../nbs/10_comm_teardown.ipynb #c014
-def teardown(timeout:float|None=None, # seconds for the p2p threads and the groups; None: `EXIT_TIMEOUT`
-            ):
+def teardown(
+    timeout: float | None = None,  # seconds for the p2p threads and the groups; None: `EXIT_TIMEOUT`
+):
     "The higher layers' hooks, then flexrt's p2p threads, then the process groups; never raises (failures: stderr)"
     for hook in list(_hooks):
-        try: hook()
-        except Exception as e: _failed(getattr(hook, '__qualname__', repr(hook)), e)
+        try:
+            hook()
+        except Exception as e:
+            _failed(getattr(hook, '__qualname__', repr(hook)), e)
     _within(end_process_groups, EXIT_TIMEOUT if timeout is None else timeout)
 
 # %% ../../nbs/10_comm_teardown.ipynb #c018
-_registered_in, _ran_in = None, None   # the process (pid) that registered the exit teardown, and the one that ran it
+_registered_in, _ran_in = None, None  # the process (pid) that registered the exit teardown, and the one that ran it
+
 
 def _at_exit():
     "The exit teardown of the process that registered it: once, unless FLEXRT_EXIT_TEARDOWN=0"
     global _ran_in
     pid = os.getpid()
-    if _registered_in != pid or _ran_in == pid or os.environ.get(EXIT_TEARDOWN_VARIABLE, '1').strip() == '0': return
+    if _registered_in != pid or _ran_in == pid or os.environ.get(EXIT_TEARDOWN_VARIABLE, '1').strip() == '0':
+        return
     _ran_in = pid
     teardown()
+
 
 def teardown_at_exit():
     "Run `teardown` when this process exits: at interpreter exit, or at a multiprocessing child's end; registers once"
     global _registered_in
-    if _registered_in == os.getpid(): return
+    if _registered_in == os.getpid():
+        return
     _registered_in = os.getpid()
     atexit.register(_at_exit)
-    multiprocessing.util.Finalize(None, _at_exit, exitpriority=EXIT_PRIORITY)   # children skip atexit
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=EXIT_PRIORITY)  # children skip atexit

@@ -20,58 +20,89 @@ __all__ = ['is_available', 'is_initialized', 'get_rank', 'get_world_size', 'get_
            'batch_isend_irecv']
 
 # %% ../../nbs/10_comm_wrappers.ipynb #c006
-def is_available()->bool:
+def is_available() -> bool:
     "Whether torch.distributed is built (the single-process backend works either way)"
     return tdist.is_available()
 
-def is_initialized()->bool:
-    "Whether a backend is ready: a torch process group exists, or `init_distributed`/`set_comm_backend` chose one"
-    return (comm_state.backend is not None and comm_state.backend.is_initialized() or comm_state.env is not None
-            or tdist.is_available() and tdist.is_initialized())
 
-def get_rank(group=None)->int:
+def is_initialized() -> bool:
+    "Whether a backend is ready: a torch process group exists, or `init_distributed`/`set_comm_backend` chose one"
+    return (
+        comm_state.backend is not None
+        and comm_state.backend.is_initialized()
+        or comm_state.env is not None
+        or tdist.is_available()
+        and tdist.is_initialized()
+    )
+
+
+def get_rank(group=None) -> int:
     "This process's rank in `group` (0 in a single-process run)"
     return comm_state.active().get_rank(group)
 
-def get_world_size(group=None)->int:
+
+def get_world_size(group=None) -> int:
     "Number of ranks in `group` (1 in a single-process run)"
     return comm_state.active().get_world_size(group)
 
 # %% ../../nbs/10_comm_wrappers.ipynb #c008
-def get_local_rank()->int:
+def get_local_rank() -> int:
     "This process's rank on its node, from the launcher's environment (0 when nothing was launched)"
     return (comm_state.env or discover_env()).local_rank
 
-def get_global_rank(group=None, group_rank:int=0)->int:
+
+def get_global_rank(group=None, group_rank: int = 0) -> int:
     "The global rank of `group_rank` in `group` (itself for the default group)"
     return comm_state.active().get_global_rank(group, group_rank)
 
-def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization:bool=False,
-              group_desc=None, device_id=None, sort_ranks:bool=True): # torch.distributed.new_group's parameters
-    "A process group over `ranks` (all ranks if None); every rank must call it. Its timeout defaults to `init_distributed`'s"
-    timeout = timeout or getattr(comm_state.backend, 'timeout', None)
-    return comm_state.active().new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc,
-                               use_local_synchronization=use_local_synchronization, device_id=device_id, sort_ranks=sort_ranks)
 
-def get_backend(group=None)->str:
+def new_group(
+    ranks=None,
+    timeout=None,
+    backend=None,
+    pg_options=None,
+    use_local_synchronization: bool = False,
+    group_desc=None,
+    device_id=None,
+    sort_ranks: bool = True,  # torch.distributed.new_group's parameters
+):
+    """A process group over `ranks` (all ranks if None); every rank must call it. Its timeout defaults to
+    `init_distributed`'s"""
+    timeout = timeout or getattr(comm_state.backend, 'timeout', None)
+    return comm_state.active().new_group(
+        ranks,
+        timeout=timeout,
+        backend=backend,
+        pg_options=pg_options,
+        group_desc=group_desc,
+        use_local_synchronization=use_local_synchronization,
+        device_id=device_id,
+        sort_ranks=sort_ranks,
+    )
+
+
+def get_backend(group=None) -> str:
     "Name of the backend running `group`: 'gloo', 'nccl', 'mpi', or 'single'"
     b = comm_state.active()
     return b.name if isinstance(b, SingleProcessBackend) else tdist.get_backend(group)
 
 # %% ../../nbs/10_comm_wrappers.ipynb #c011
-def _native(op:str)->bool:
+def _native(op: str) -> bool:
     b = comm_state.backend or comm_state.active()
     return not (isinstance(b, TorchBackend) and op in b.missing_ops())
 
-def has_all_gather_into_tensor()->bool:
+
+def has_all_gather_into_tensor() -> bool:
     "Whether `all_gather_into_tensor` runs natively on the default group (else through its fallback)"
     return _native('all_gather_into_tensor')
 
-def has_reduce_scatter_tensor()->bool:
+
+def has_reduce_scatter_tensor() -> bool:
     "Whether `reduce_scatter_tensor` runs natively on the default group (else through its fallback)"
     return _native('reduce_scatter_tensor')
 
-def get_all_ranks_from_group(group=None)->list:
+
+def get_all_ranks_from_group(group=None) -> list:
     "The global ranks of `group`'s members, in group-rank order"
     return [get_global_rank(group, r) for r in range(get_world_size(group))]
 
@@ -81,10 +112,12 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None, *, prof=F
     "Block until every rank of `group` reaches this call"
     return (comm_state.backend or comm_state.active()).barrier(group, async_op, device_ids, timeout)
 
+
 @timed_op
 def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, *, prof=False, log_name=None):
     "A barrier that names the ranks that did not arrive within `timeout` (gloo)"
     return (comm_state.backend or comm_state.active()).monitored_barrier(group, timeout, wait_all_ranks)
+
 
 @timed_op
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, prof=False, log_name=None):
@@ -97,15 +130,18 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, prof=Fals
     "Reduce `tensor` over all ranks with `op`, in place on every rank"
     return (comm_state.backend or comm_state.active()).all_reduce(tensor, op, group, async_op)
 
+
 @timed_op
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None, *, prof=False, log_name=None):
     "Reduce `tensor` over all ranks with `op` into `tensor` on rank `dst`"
     return (comm_state.backend or comm_state.active()).reduce(tensor, dst, op, group, async_op, group_dst)
 
+
 @timed_op
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name=None):
     "Reduce `input_list` elementwise over ranks; rank r gets entry r of the result in `output`"
     return (comm_state.backend or comm_state.active()).reduce_scatter(output, input_list, op, group, async_op)
+
 
 @timed_op
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, prof=False, log_name=None):
@@ -118,18 +154,27 @@ def all_gather(tensor_list, tensor, group=None, async_op=False, *, prof=False, l
     "Gather every rank's `tensor` into `tensor_list` on every rank"
     return (comm_state.backend or comm_state.active()).all_gather(tensor_list, tensor, group, async_op)
 
+
 @timed_op
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, *, prof=False, log_name=None):
     "Gather every rank's `input_tensor` into `output_tensor`, in rank order along dim 0"
-    return (comm_state.backend or comm_state.active()).all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+    return (comm_state.backend or comm_state.active()).all_gather_into_tensor(
+        output_tensor, input_tensor, group, async_op
+    )
+
 
 @timed_op
-def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None, *, prof=False, log_name=None):
+def gather(
+    tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None, *, prof=False, log_name=None
+):
     "Gather every rank's `tensor` into `gather_list` on rank `dst`"
     return (comm_state.backend or comm_state.active()).gather(tensor, gather_list, dst, group, async_op, group_dst)
 
+
 @timed_op
-def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None, *, prof=False, log_name=None):
+def scatter(
+    tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None, *, prof=False, log_name=None
+):
     "Give rank r entry r of `scatter_list` from rank `src`, in `tensor`"
     return (comm_state.backend or comm_state.active()).scatter(tensor, scatter_list, src, group, async_op, group_src)
 
@@ -137,18 +182,34 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
 @timed_op
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False, *, prof=False, log_name=None):
     "Send entry j of `input_tensor_list` to rank j; entry i of `output_tensor_list` comes from rank i"
-    return (comm_state.backend or comm_state.active()).all_to_all(output_tensor_list, input_tensor_list, group, async_op)
+    return (comm_state.backend or comm_state.active()).all_to_all(
+        output_tensor_list, input_tensor_list, group, async_op
+    )
+
 
 @timed_op
-def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False, *,
-                      prof=False, log_name=None):
+def all_to_all_single(
+    output,
+    input,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    async_op=False,
+    *,
+    prof=False,
+    log_name=None,
+):
     "`all_to_all` over splits of one input and one output tensor along dim 0"
-    return (comm_state.backend or comm_state.active()).all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
+    return (comm_state.backend or comm_state.active()).all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group, async_op
+    )
+
 
 @timed_op
 def all_gather_object(object_list, obj, group=None, *, prof=False, log_name=None):
     "Gather every rank's picklable `obj` into `object_list`"
     return (comm_state.backend or comm_state.active()).all_gather_object(object_list, obj, group)
+
 
 @timed_op
 def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None, *, prof=False, log_name=None):
@@ -161,20 +222,24 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None, *, prof=False, log
     "Send `tensor` to rank `dst`; blocks until it is received"
     return (comm_state.backend or comm_state.active()).send(tensor, dst, group, tag, group_dst)
 
+
 @timed_op
 def recv(tensor, src=None, group=None, tag=0, group_src=None, *, prof=False, log_name=None):
     "Receive into `tensor` from rank `src` (any rank if None); returns the sender's rank"
     return (comm_state.backend or comm_state.active()).recv(tensor, src, group, tag, group_src)
+
 
 @timed_op
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None, *, prof=False, log_name=None):
     "Start sending `tensor` to rank `dst`; returns a work handle at once"
     return (comm_state.backend or comm_state.active()).isend(tensor, dst, group, tag, group_dst)
 
+
 @timed_op
 def irecv(tensor, src=None, group=None, tag=0, group_src=None, *, prof=False, log_name=None):
     "Start receiving into `tensor` from rank `src`; returns a work handle at once"
     return (comm_state.backend or comm_state.active()).irecv(tensor, src, group, tag, group_src)
+
 
 @timed_op
 def batch_isend_irecv(p2p_op_list, *, prof=False, log_name=None):

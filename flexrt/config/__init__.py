@@ -12,10 +12,57 @@ __all__ = ['BATCH_KEYS', 'BatchConfig', 'FlexConfig', 'load_config', 'Block', 'b
 # %% ../../nbs/00_config.ipynb #c003
 from .flex_config import BATCH_KEYS, BatchConfig, FlexConfig, load_config
 from .schema import Block, block, setting
-from .blocks import (FP16Config, BF16Config, OptimizerConfig, SchedulerConfig, OffloadOptimizerConfig,
-                                  OffloadParamConfig, ZeroConfig, ProgressiveLayerDropConfig, DataTypesConfig)
-from .services import (CommsLoggerConfig, FlopsProfilerConfig, TensorBoardConfig, CSVMonitorConfig,
-                                    WandbConfig, ParallelWriteConfig, CheckpointConfig, ModelInfoConfig,
-                                    AutotuningConfig)
+from flexrt.config.blocks import (
+    FP16Config,
+    BF16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ZeroConfig,
+    ProgressiveLayerDropConfig,
+    DataTypesConfig,
+)
+from flexrt.config.services import (
+    CommsLoggerConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    CSVMonitorConfig,
+    WandbConfig,
+    ParallelWriteConfig,
+    CheckpointConfig,
+    ModelInfoConfig,
+    AutotuningConfig,
+)
 from .compat import ActivationCheckpointingConfig, NO_EFFECT, NoEffectWarning
-_all_ = ['BATCH_KEYS', 'BatchConfig', 'FlexConfig', 'load_config', 'Block', 'block', 'setting', 'FP16Config', 'BF16Config', 'OptimizerConfig', 'SchedulerConfig', 'OffloadOptimizerConfig', 'OffloadParamConfig', 'ZeroConfig', 'ProgressiveLayerDropConfig', 'DataTypesConfig', 'CommsLoggerConfig', 'FlopsProfilerConfig', 'TensorBoardConfig', 'CSVMonitorConfig', 'WandbConfig', 'ParallelWriteConfig', 'CheckpointConfig', 'ModelInfoConfig', 'AutotuningConfig', 'ActivationCheckpointingConfig', 'NO_EFFECT', 'NoEffectWarning']
+
+_all_ = [
+    'BATCH_KEYS',
+    'BatchConfig',
+    'FlexConfig',
+    'load_config',
+    'Block',
+    'block',
+    'setting',
+    'FP16Config',
+    'BF16Config',
+    'OptimizerConfig',
+    'SchedulerConfig',
+    'OffloadOptimizerConfig',
+    'OffloadParamConfig',
+    'ZeroConfig',
+    'ProgressiveLayerDropConfig',
+    'DataTypesConfig',
+    'CommsLoggerConfig',
+    'FlopsProfilerConfig',
+    'TensorBoardConfig',
+    'CSVMonitorConfig',
+    'WandbConfig',
+    'ParallelWriteConfig',
+    'CheckpointConfig',
+    'ModelInfoConfig',
+    'AutotuningConfig',
+    'ActivationCheckpointingConfig',
+    'NO_EFFECT',
+    'NoEffectWarning',
+]

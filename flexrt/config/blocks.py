@@ -14,7 +14,6 @@ import inspect, sys, warnings
 from dataclasses import field
 from typing import Literal
 import torch
-from fastcore.basics import patch
 from .schema import Block, block, setting, closest, coerce
 from .params import param_kinds, check_params_types
 from .compat import NoEffectWarning
@@ -23,91 +22,139 @@ from .compat import NoEffectWarning
 @block
 class FP16Config(Block):
     "The `fp16` block: half precision with static or dynamic loss scaling"
+
     key = 'fp16'
-    enabled: bool = False # train in fp16 with fp32 master weights
-    auto_cast: bool = False # cast floating-point inputs of forward to fp16
-    loss_scale: float = setting(0.0, ge=0, le=65504) # a static scale, at most fp16's largest value; 0 scales dynamically
-    initial_scale_power: int = setting(16, ge=0, le=127) # dynamic: the first scale is 2**initial_scale_power (finite in fp32)
-    loss_scale_window: int = setting(1000, ge=1) # dynamic: clean steps before the scale doubles
-    hysteresis: int = setting(2, ge=1) # dynamic: overflows absorbed before the scale halves
-    consecutive_hysteresis: bool = False # dynamic: refill hysteresis after every clean step
-    min_loss_scale: float = setting(1.0, gt=0) # dynamic: the scale never drops below this
-    fp16_master_weights_and_grads: bool = False # keep master weights and gradients in fp16 (DeepSpeed: CPU Adam only)
+    enabled: bool = False  # train in fp16 with fp32 master weights
+    auto_cast: bool = False  # cast floating-point inputs of forward to fp16
+    loss_scale: float = setting(
+        0.0, ge=0, le=65504
+    )  # a static scale, at most fp16's largest value; 0 scales dynamically
+    initial_scale_power: int = setting(
+        16, ge=0, le=127
+    )  # dynamic: the first scale is 2**initial_scale_power (finite in fp32)
+    loss_scale_window: int = setting(1000, ge=1)  # dynamic: clean steps before the scale doubles
+    hysteresis: int = setting(2, ge=1)  # dynamic: overflows absorbed before the scale halves
+    consecutive_hysteresis: bool = False  # dynamic: refill hysteresis after every clean step
+    min_loss_scale: float = setting(1.0, gt=0)  # dynamic: the scale never drops below this
+    fp16_master_weights_and_grads: bool = False  # keep master weights and gradients in fp16 (DeepSpeed: CPU Adam only)
 
     @property
-    def dynamic(self)->bool: return self.loss_scale == 0
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0
+
     @property
-    def initial_scale(self)->float: return self.loss_scale or 2.0 ** self.initial_scale_power
+    def initial_scale(self) -> float:
+        return self.loss_scale or 2.0**self.initial_scale_power
 
     def validate(self):
         if self.dynamic and self.min_loss_scale > self.initial_scale:
-            raise ValueError(f"fp16.min_loss_scale={self.min_loss_scale:g} is above the initial scale 2**{self.initial_scale_power}={self.initial_scale:g}")
+            raise ValueError(
+                f"fp16.min_loss_scale={self.min_loss_scale:g} is above the initial scale "
+                f"2**{self.initial_scale_power}={self.initial_scale:g}"
+            )
 
 # %% ../../nbs/00_config_blocks.ipynb #c008
 @block
 class BF16Config(Block):
     "The `bf16` block (legacy name `bfloat16`): bfloat16 compute with fp32 master weights, no loss scaling"
+
     key = 'bf16'
-    enabled: bool = False # train in bf16
+    enabled: bool = False  # train in bf16
 
 # %% ../../nbs/00_config_blocks.ipynb #c011
-def _classes(module, base)->dict:
+def _classes(module, base) -> dict:
     "Public subclasses of `base` defined in `module`, by name"
     found = {n: getattr(module, n) for n in dir(module) if not n.startswith('_')}
     return {n: c for n, c in found.items() if isinstance(c, type) and issubclass(c, base) and c is not base}
 
+
 TORCH_OPTIMIZERS = _classes(torch.optim, torch.optim.Optimizer)
-LAMB_PARAMS = ('lr', 'bias_correction', 'betas', 'eps', 'eps_inside_sqrt', 'weight_decay', 'max_grad_norm', 'max_coeff', 'min_coeff', 'amsgrad')
+LAMB_PARAMS = (
+    'lr',
+    'bias_correction',
+    'betas',
+    'eps',
+    'eps_inside_sqrt',
+    'weight_decay',
+    'max_grad_norm',
+    'max_coeff',
+    'min_coeff',
+    'amsgrad',
+)
 ADAM_EXTRA_PARAMS = ('torch_adam', 'adam_w_mode', 'bias_correction')
-EXTRA_PARAM_KINDS = {'torch_adam': (bool, False), 'adam_w_mode': (bool, False), 'bias_correction': (bool, False), # DeepSpeed's Adam/Lamb
-                     'eps_inside_sqrt': (bool, False), 'max_grad_norm': (float, False), 'max_coeff': (float, False), 'min_coeff': (float, False),
-                     'lr': (float, False), 'betas': (('tuple', 2), False), 'eps': (float, False), 'weight_decay': (float, False), 'amsgrad': (bool, False)}
+EXTRA_PARAM_KINDS = {
+    'torch_adam': (bool, False),
+    'adam_w_mode': (bool, False),
+    'bias_correction': (bool, False),  # DeepSpeed's Adam/Lamb
+    'eps_inside_sqrt': (bool, False),
+    'max_grad_norm': (float, False),
+    'max_coeff': (float, False),
+    'min_coeff': (float, False),
+    'lr': (float, False),
+    'betas': (('tuple', 2), False),
+    'eps': (float, False),
+    'weight_decay': (float, False),
+    'amsgrad': (bool, False),
+}
 DEEPSPEED_ONLY_OPTIMIZERS = ('onebitadam', 'zerooneadam', 'onebitlamb', 'muadam', 'muadamw', 'musgd', 'lion')
 
 # %% ../../nbs/00_config_blocks.ipynb #c013
-def signature_params(cls, skip:str)->tuple[set|None, set]: # (accepted names or None for any, required names)
+def signature_params(cls, skip: str) -> tuple[set | None, set]:  # (accepted names or None for any, required names)
     "Keyword names `cls(...)` accepts besides `skip`, and those without a default"
     ps = [p for n, p in inspect.signature(cls).parameters.items() if n != skip]
-    if any(p.kind is p.VAR_KEYWORD for p in ps): return None, set()
+    if any(p.kind is p.VAR_KEYWORD for p in ps):
+        return None, set()
     named = [p for p in ps if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     return {p.name for p in named}, {p.name for p in named if p.default is p.empty}
 
-def check_params(params:dict, accepted:set|None, required:set, path:str, owner:str):
+
+def check_params(params: dict, accepted: set | None, required: set, path: str, owner: str):
     "Reject names of `params` outside `accepted`, and absent `required` ones, naming `path` and `owner`"
     for k in params:
-        if accepted is not None and k not in accepted: raise ValueError(f"unknown key '{k}' in {path} for {owner} ({closest(k, accepted)})")
+        if accepted is not None and k not in accepted:
+            raise ValueError(f"unknown key '{k}' in {path} for {owner} ({closest(k, accepted)})")
     missing = sorted(required - set(params))
-    if missing: raise ValueError(f"{path}.{missing[0]} is required by {owner}")
+    if missing:
+        raise ValueError(f"{path}.{missing[0]} is required by {owner}")
 
 # %% ../../nbs/00_config_blocks.ipynb #c015
-def optimizer_name(name:str)->str:
+def optimizer_name(name: str) -> str:
     "The canonical spelling of optimizer `name`; ValueError with the closest known name otherwise"
     known = {n.lower(): n for n in [*TORCH_OPTIMIZERS, 'Lamb']}
-    if name.lower() in known: return known[name.lower()]
+    if name.lower() in known:
+        return known[name.lower()]
     if name.lower() in DEEPSPEED_ONLY_OPTIMIZERS:
-        raise ValueError(f"optimizer.type '{name}' is a DeepSpeed-only optimizer that flexrt does not provide; "
-                         "use Adam, AdamW or Lamb, or pass your own optimizer to initialize()")
+        raise ValueError(
+            f"optimizer.type '{name}' is a DeepSpeed-only optimizer that flexrt does not provide; "
+            "use Adam, AdamW or Lamb, or pass your own optimizer to initialize()"
+        )
     raise ValueError(f"optimizer.type '{name}' is not a known optimizer ({closest(name, known.values())})")
 
-def optimizer_params(name:str)->tuple[set|None, set]:
+
+def optimizer_params(name: str) -> tuple[set | None, set]:
     "Names `optimizer.params` may hold for the optimizer `name` (canonical), and those it must hold"
-    if name == 'Lamb': return set(LAMB_PARAMS), set()
+    if name == 'Lamb':
+        return set(LAMB_PARAMS), set()
     accepted, required = signature_params(TORCH_OPTIMIZERS[name], 'params')
-    if name in ('Adam', 'AdamW') and accepted is not None: accepted |= set(ADAM_EXTRA_PARAMS)
+    if name in ('Adam', 'AdamW') and accepted is not None:
+        accepted |= set(ADAM_EXTRA_PARAMS)
     return accepted, required
 
-def optimizer_kinds(name:str)->dict:
+
+def optimizer_kinds(name: str) -> dict:
     "What each `optimizer.params` value must be for the optimizer `name` (see `param_kinds`)"
-    if name == 'Lamb': return {k: EXTRA_PARAM_KINDS[k] for k in LAMB_PARAMS}
+    if name == 'Lamb':
+        return {k: EXTRA_PARAM_KINDS[k] for k in LAMB_PARAMS}
     return {**{k: EXTRA_PARAM_KINDS[k] for k in ADAM_EXTRA_PARAMS}, **param_kinds(TORCH_OPTIMIZERS[name], 'params')}
 
 # %% ../../nbs/00_config_blocks.ipynb #c017
 @block
 class OptimizerConfig(Block):
     "The `optimizer` block: the optimizer flexrt builds when the script passes none"
+
     key = 'optimizer'
-    type: str # a torch.optim class name or Lamb, any case; stored in canonical spelling
-    params: dict = setting({}) # its keyword arguments: lr, betas, weight_decay, ...
+    type: str  # a torch.optim class name or Lamb, any case; stored in canonical spelling
+    params: dict = setting({})  # its keyword arguments: lr, betas, weight_decay, ...
 
     def validate(self):
         self._set('type', optimizer_name(self.type))
@@ -116,153 +163,239 @@ class OptimizerConfig(Block):
 
 # %% ../../nbs/00_config_blocks.ipynb #c020
 _WARMUP = ('warmup_min_lr', 'warmup_max_lr', 'warmup_num_steps', 'warmup_type', 'last_batch_iteration')
-DEEPSPEED_SCHEDULERS = { # name -> (accepted params, required params)
+DEEPSPEED_SCHEDULERS = {  # name -> (accepted params, required params)
     'WarmupLR': (_WARMUP, ()),
     'WarmupDecayLR': (_WARMUP + ('total_num_steps',), ('total_num_steps',)),
-    'WarmupCosineLR': (('total_num_steps', 'warmup_min_ratio', 'warmup_num_steps', 'cos_min_ratio', 'warmup_type', 'last_batch_iteration'), ('total_num_steps',)),
-    'OneCycle': (('cycle_min_lr', 'cycle_max_lr', 'decay_lr_rate', 'cycle_first_step_size', 'cycle_second_step_size', 'cycle_first_stair_count',
-                  'cycle_second_stair_count', 'decay_step_size', 'cycle_momentum', 'cycle_min_mom', 'cycle_max_mom', 'decay_mom_rate',
-                  'last_batch_iteration'), ('cycle_min_lr', 'cycle_max_lr')),
-    'LRRangeTest': (('lr_range_test_min_lr', 'lr_range_test_step_size', 'lr_range_test_step_rate', 'lr_range_test_staircase', 'last_batch_iteration'), ()),
+    'WarmupCosineLR': (
+        (
+            'total_num_steps',
+            'warmup_min_ratio',
+            'warmup_num_steps',
+            'cos_min_ratio',
+            'warmup_type',
+            'last_batch_iteration',
+        ),
+        ('total_num_steps',),
+    ),
+    'OneCycle': (
+        (
+            'cycle_min_lr',
+            'cycle_max_lr',
+            'decay_lr_rate',
+            'cycle_first_step_size',
+            'cycle_second_step_size',
+            'cycle_first_stair_count',
+            'cycle_second_stair_count',
+            'decay_step_size',
+            'cycle_momentum',
+            'cycle_min_mom',
+            'cycle_max_mom',
+            'decay_mom_rate',
+            'last_batch_iteration',
+        ),
+        ('cycle_min_lr', 'cycle_max_lr'),
+    ),
+    'LRRangeTest': (
+        (
+            'lr_range_test_min_lr',
+            'lr_range_test_step_size',
+            'lr_range_test_step_rate',
+            'lr_range_test_staircase',
+            'last_batch_iteration',
+        ),
+        (),
+    ),
 }
 TORCH_SCHEDULERS = _classes(torch.optim.lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
 
-def scheduler_name(name:str)->str:
+
+def scheduler_name(name: str) -> str:
     "The canonical spelling of scheduler `name`; ValueError with the closest known name otherwise"
     known = {n.lower(): n for n in [*DEEPSPEED_SCHEDULERS, *TORCH_SCHEDULERS]}
-    if name.lower() in known: return known[name.lower()]
+    if name.lower() in known:
+        return known[name.lower()]
     raise ValueError(f"scheduler.type '{name}' is not a known schedule ({closest(name, known.values())})")
 
 # %% ../../nbs/00_config_blocks.ipynb #c022
 @block
 class SchedulerConfig(Block):
     "The `scheduler` block: the learning-rate schedule flexrt builds when the script passes none"
+
     key = 'scheduler'
-    type: str # WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest or a torch.optim.lr_scheduler class
-    params: dict = setting({}) # its keyword arguments (without the optimizer)
+    type: str  # WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest or a torch.optim.lr_scheduler class
+    params: dict = setting({})  # its keyword arguments (without the optimizer)
 
     def validate(self):
         self._set('type', scheduler_name(self.type))
-        if self.type in DEEPSPEED_SCHEDULERS: accepted, required = map(set, DEEPSPEED_SCHEDULERS[self.type])
-        else: accepted, required = signature_params(TORCH_SCHEDULERS[self.type], 'optimizer')
+        if self.type in DEEPSPEED_SCHEDULERS:
+            accepted, required = map(set, DEEPSPEED_SCHEDULERS[self.type])
+        else:
+            accepted, required = signature_params(TORCH_SCHEDULERS[self.type], 'optimizer')
         check_params(self.params, accepted, required, 'scheduler.params', self.type)
-        if self.type in TORCH_SCHEDULERS:   # DeepSpeed's schedules check their own values (and take null where DeepSpeed does)
-            self._set('params', check_params_types(self.params, param_kinds(TORCH_SCHEDULERS[self.type], 'optimizer'), 'scheduler.params', self.type, allow_null=True))
-        if 'warmup_type' in self.params: coerce(self.params['warmup_type'], Literal['log', 'linear'], 'scheduler.params.warmup_type')
+        if (
+            self.type in TORCH_SCHEDULERS
+        ):  # DeepSpeed's schedules check their own values (and take null where DeepSpeed does)
+            self._set(
+                'params',
+                check_params_types(
+                    self.params,
+                    param_kinds(TORCH_SCHEDULERS[self.type], 'optimizer'),
+                    'scheduler.params',
+                    self.type,
+                    allow_null=True,
+                ),
+            )
+        if 'warmup_type' in self.params:
+            coerce(self.params['warmup_type'], Literal['log', 'linear'], 'scheduler.params.warmup_type')
 
 # %% ../../nbs/00_config_blocks.ipynb #c025
 OffloadDevice = Literal['none', 'cpu', 'nvme']
 
+
 def _check_nvme(cfg):
-    if cfg.device == 'nvme' and not cfg.nvme_path: raise ValueError(f"{cfg.key}.device is 'nvme' but {cfg.key}.nvme_path is not set")
+    if cfg.device == 'nvme' and not cfg.nvme_path:
+        raise ValueError(f"{cfg.key}.device is 'nvme' but {cfg.key}.nvme_path is not set")
+
 
 @block
 class OffloadOptimizerConfig(Block):
     "`zero_optimization.offload_optimizer`: optimizer state (and its step) on CPU or NVMe; stages 1-3"
+
     key = 'zero_optimization.offload_optimizer'
-    device: OffloadDevice = 'none' # where optimizer state lives: none (the accelerator), cpu or nvme
-    nvme_path: str | None = None # directory for nvme offload
-    buffer_count: int = setting(4, ge=0) # nvme: buffers in the pool (at least the states per parameter)
-    pin_memory: bool = False # use page-locked CPU memory
-    pipeline_read: bool = False # nvme: overlap reading the next tile with the current step
-    pipeline_write: bool = False # nvme: overlap writing the previous tile with the current step
-    fast_init: bool = False # nvme: fast optimizer initialisation
-    ratio: float = setting(1.0, ge=0, le=1) # fraction of optimizer state offloaded (stage 3)
-    def validate(self): _check_nvme(self)
+    device: OffloadDevice = 'none'  # where optimizer state lives: none (the accelerator), cpu or nvme
+    nvme_path: str | None = None  # directory for nvme offload
+    buffer_count: int = setting(4, ge=0)  # nvme: buffers in the pool (at least the states per parameter)
+    pin_memory: bool = False  # use page-locked CPU memory
+    pipeline_read: bool = False  # nvme: overlap reading the next tile with the current step
+    pipeline_write: bool = False  # nvme: overlap writing the previous tile with the current step
+    fast_init: bool = False  # nvme: fast optimizer initialisation
+    ratio: float = setting(1.0, ge=0, le=1)  # fraction of optimizer state offloaded (stage 3)
+
+    def validate(self):
+        _check_nvme(self)
+
     @property
-    def enabled(self)->bool: return self.device != 'none'
+    def enabled(self) -> bool:
+        return self.device != 'none'
 
 # %% ../../nbs/00_config_blocks.ipynb #c026
 @block
 class OffloadParamConfig(Block):
     "`zero_optimization.offload_param`: partitioned parameters on CPU or NVMe; stage 3 only"
+
     key = 'zero_optimization.offload_param'
-    device: OffloadDevice = 'none' # where parameters live: none (the accelerator), cpu or nvme
-    nvme_path: str | None = None # directory for nvme offload
-    buffer_count: int = setting(5, ge=0) # nvme: buffers in the pool
-    buffer_size: int = setting(100_000_000, ge=0) # nvme: elements per buffer
-    max_in_cpu: int = setting(1_000_000_000, ge=0) # nvme: parameter elements kept in CPU memory
-    pin_memory: bool = False # use page-locked CPU memory
-    def validate(self): _check_nvme(self)
+    device: OffloadDevice = 'none'  # where parameters live: none (the accelerator), cpu or nvme
+    nvme_path: str | None = None  # directory for nvme offload
+    buffer_count: int = setting(5, ge=0)  # nvme: buffers in the pool
+    buffer_size: int = setting(100_000_000, ge=0)  # nvme: elements per buffer
+    max_in_cpu: int = setting(1_000_000_000, ge=0)  # nvme: parameter elements kept in CPU memory
+    pin_memory: bool = False  # use page-locked CPU memory
+
+    def validate(self):
+        _check_nvme(self)
+
     @property
-    def enabled(self)->bool: return self.device != 'none'
+    def enabled(self) -> bool:
+        return self.device != 'none'
 
 # %% ../../nbs/00_config_blocks.ipynb #c028
-MAX_BUCKET_SIZE = 2**40   # elements: bucket sizes above it are clamped (with a warning)
+MAX_BUCKET_SIZE = 2**40  # elements: bucket sizes above it are clamped (with a warning)
+
 
 @block
 class ZeroConfig(Block):
     "The `zero_optimization` block: which ZeRO stage partitions what, and how its communication is bucketed"
+
     key = 'zero_optimization'
     renamed = {'stage3_gather_fp16_weights_on_model_save': 'stage3_gather_16bit_weights_on_model_save'}
     legacy = ('cpu_offload', 'cpu_offload_param', 'cpu_offload_use_pin_memory')
-    stage: int = setting(0, ge=0, le=3) # 0 off, 1 optimizer state, 2 + gradients, 3 + parameters partitioned
-    contiguous_gradients: bool = True # copy gradients into one flat buffer as they are produced
-    reduce_scatter: bool = True # reduce-scatter gradients (else all-reduce)
-    reduce_bucket_size: int = setting(500_000_000, ge=1, clamp=MAX_BUCKET_SIZE) # elements reduced at a time
-    use_multi_rank_bucket_allreduce: bool = True # combine the ranks' reduce buckets into one all-reduce
-    allgather_partitions: bool = True # all-gather updated partitions (else a broadcast per rank)
-    allgather_bucket_size: int = setting(500_000_000, ge=1, clamp=MAX_BUCKET_SIZE) # elements all-gathered at a time
-    overlap_comm: bool | None = None # overlap gradient reduction with backward; null: on for stage 3 only
-    load_from_fp32_weights: bool = True # restore fp32 master weights from the checkpoint's fp32 copies
-    elastic_checkpoint: bool = False # load stage 1/2 optimizer state saved with another data-parallel size
-    sub_group_size: int = setting(1_000_000_000, ge=1, clamp=MAX_BUCKET_SIZE) # elements per optimizer-step tile (offload)
-    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig) # optimizer state on CPU/NVMe
-    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig) # parameters on CPU/NVMe (stage 3)
-    stage3_prefetch_bucket_size: int = setting(50_000_000, ge=0, clamp=MAX_BUCKET_SIZE) # elements fetched ahead of use
-    stage3_param_persistence_threshold: int = setting(100_000, ge=0) # parameters smaller than this stay whole
-    stage3_model_persistence_threshold: int = setting(sys.maxsize, ge=0) # cap on elements kept whole in all
-    stage3_max_live_parameters: int = setting(1_000_000_000, ge=0) # elements gathered at once before releasing
-    stage3_max_reuse_distance: int = setting(1_000_000_000, ge=0) # keep a parameter gathered if reused within this
-    stage3_gather_16bit_weights_on_model_save: bool = False # gather whole 16-bit weights when saving the model
-    stage3_module_granularity_threshold: int = setting(0, ge=0) # fetch fine-grained modules as one unit
-    stage3_use_all_reduce_for_fetch_params: bool = False # fetch parameters with all-reduce instead of all-gather
-    ignore_unused_parameters: bool = True # parameters without gradients are not an error
-    round_robin_gradients: bool = False # stage 1/2 with offload: spread gradient copies across ranks
-    zero_hpz_partition_size: int = setting(1, ge=1) # ZeRO++: ranks in the secondary parameter partition
-    zero_quantized_weights: bool = False # ZeRO++: quantise weights for the all-gather
-    zero_quantized_nontrainable_weights: bool = False # ZeRO++: store frozen weights quantised
-    zero_quantized_gradients: bool = False # ZeRO++: quantise gradients for the reduction
-    mics_shard_size: int = setting(-1, ge=-1) # MiCS: ranks per parameter shard group; -1 off
-    mics_hierarchical_params_gather: bool = False # MiCS: gather within nodes first
-    memory_efficient_linear: bool = True # stage 3: a linear layer that saves less for backward
-    override_module_apply: bool = True # stage 3: gather parameters inside `module.apply`
+    stage: int = setting(0, ge=0, le=3)  # 0 off, 1 optimizer state, 2 + gradients, 3 + parameters partitioned
+    contiguous_gradients: bool = True  # copy gradients into one flat buffer as they are produced
+    reduce_scatter: bool = True  # reduce-scatter gradients (else all-reduce)
+    reduce_bucket_size: int = setting(500_000_000, ge=1, clamp=MAX_BUCKET_SIZE)  # elements reduced at a time
+    use_multi_rank_bucket_allreduce: bool = True  # combine the ranks' reduce buckets into one all-reduce
+    allgather_partitions: bool = True  # all-gather updated partitions (else a broadcast per rank)
+    allgather_bucket_size: int = setting(500_000_000, ge=1, clamp=MAX_BUCKET_SIZE)  # elements all-gathered at a time
+    overlap_comm: bool | None = None  # overlap gradient reduction with backward; null: on for stage 3 only
+    load_from_fp32_weights: bool = True  # restore fp32 master weights from the checkpoint's fp32 copies
+    elastic_checkpoint: bool = False  # load stage 1/2 optimizer state saved with another data-parallel size
+    sub_group_size: int = setting(
+        1_000_000_000, ge=1, clamp=MAX_BUCKET_SIZE
+    )  # elements per optimizer-step tile (offload)
+    offload_optimizer: OffloadOptimizerConfig = field(
+        default_factory=OffloadOptimizerConfig
+    )  # optimizer state on CPU/NVMe
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)  # parameters on CPU/NVMe (stage 3)
+    stage3_prefetch_bucket_size: int = setting(50_000_000, ge=0, clamp=MAX_BUCKET_SIZE)  # elements fetched ahead of use
+    stage3_param_persistence_threshold: int = setting(100_000, ge=0)  # parameters smaller than this stay whole
+    stage3_model_persistence_threshold: int = setting(sys.maxsize, ge=0)  # cap on elements kept whole in all
+    stage3_max_live_parameters: int = setting(1_000_000_000, ge=0)  # elements gathered at once before releasing
+    stage3_max_reuse_distance: int = setting(1_000_000_000, ge=0)  # keep a parameter gathered if reused within this
+    stage3_gather_16bit_weights_on_model_save: bool = False  # gather whole 16-bit weights when saving the model
+    stage3_module_granularity_threshold: int = setting(0, ge=0)  # fetch fine-grained modules as one unit
+    stage3_use_all_reduce_for_fetch_params: bool = False  # fetch parameters with all-reduce instead of all-gather
+    ignore_unused_parameters: bool = True  # parameters without gradients are not an error
+    round_robin_gradients: bool = False  # stage 1/2 with offload: spread gradient copies across ranks
+    zero_hpz_partition_size: int = setting(1, ge=1)  # ZeRO++: ranks in the secondary parameter partition
+    zero_quantized_weights: bool = False  # ZeRO++: quantise weights for the all-gather
+    zero_quantized_nontrainable_weights: bool = False  # ZeRO++: store frozen weights quantised
+    zero_quantized_gradients: bool = False  # ZeRO++: quantise gradients for the reduction
+    mics_shard_size: int = setting(-1, ge=-1)  # MiCS: ranks per parameter shard group; -1 off
+    mics_hierarchical_params_gather: bool = False  # MiCS: gather within nodes first
+    memory_efficient_linear: bool = True  # stage 3: a linear layer that saves less for backward
+    override_module_apply: bool = True  # stage 3: gather parameters inside `module.apply`
 
-# %% ../../nbs/00_config_blocks.ipynb #c030
-@patch(cls_method=True)
-def upgrade(cls:ZeroConfig, data:dict)->dict:
-    "Map DeepSpeed's deprecated `cpu_offload*` booleans onto the offload blocks"
-    data = Block.upgrade.__func__(cls, data)
-    pin, used = data.pop('cpu_offload_use_pin_memory', None), False
-    for old, new in (('cpu_offload', 'offload_optimizer'), ('cpu_offload_param', 'offload_param')):
-        if data.get(old, 0) is None: del data[old]   # DeepSpeed's default for these legacy flags is null: absent
-        if old not in data: continue
-        if new in data: raise ValueError(f"zero_optimization.{old} and zero_optimization.{new} both given; keep only '{new}'")
-        warnings.warn(f"zero_optimization.{old} is deprecated; use zero_optimization.{new}", DeprecationWarning, stacklevel=3)
-        if coerce(data.pop(old), bool, f"zero_optimization.{old}"):
-            data[new], used = {'device': 'cpu', **({'pin_memory': pin} if pin is not None else {})}, True
-    if pin is not None and not used: warnings.warn("zero_optimization.cpu_offload_use_pin_memory is ignored without cpu_offload or cpu_offload_param", stacklevel=3)
-    return data
+    @classmethod
+    def upgrade(cls, data: dict) -> dict:
+        "Map DeepSpeed's deprecated `cpu_offload*` booleans onto the offload blocks"
+        data = Block.upgrade.__func__(cls, data)
+        pin, used = data.pop('cpu_offload_use_pin_memory', None), False
+        for old, new in (('cpu_offload', 'offload_optimizer'), ('cpu_offload_param', 'offload_param')):
+            if data.get(old, 0) is None:
+                del data[old]  # DeepSpeed's default for these legacy flags is null: absent
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"zero_optimization.{old} and zero_optimization.{new} both given; keep only '{new}'")
+            warnings.warn(
+                f"zero_optimization.{old} is deprecated; use zero_optimization.{new}", DeprecationWarning, stacklevel=3
+            )
+            if coerce(data.pop(old), bool, f"zero_optimization.{old}"):
+                data[new], used = {'device': 'cpu', **({'pin_memory': pin} if pin is not None else {})}, True
+        if pin is not None and not used:
+            warnings.warn(
+                "zero_optimization.cpu_offload_use_pin_memory is ignored without cpu_offload or cpu_offload_param",
+                stacklevel=3,
+            )
+        return data
 
-@patch
-def validate(self:ZeroConfig):
-    if self.overlap_comm is None: self._set('overlap_comm', self.stage == 3)
-    for name, lowest in (('offload_param', 3), ('offload_optimizer', 1)):
-        if getattr(self, name).enabled and self.stage < lowest:
-            warnings.warn(f"zero_optimization.{name} has no effect at stage {self.stage}: it acts from stage {lowest} "
-                          "(DeepSpeed ignores it there too); remove the block or raise the stage", NoEffectWarning, stacklevel=3)
+    def validate(self):
+        if self.overlap_comm is None:
+            self._set('overlap_comm', self.stage == 3)
+        for name, lowest in (('offload_param', 3), ('offload_optimizer', 1)):
+            if getattr(self, name).enabled and self.stage < lowest:
+                warnings.warn(
+                    f"zero_optimization.{name} has no effect at stage {self.stage}: it acts from stage {lowest} "
+                    "(DeepSpeed ignores it there too); remove the block or raise the stage",
+                    NoEffectWarning,
+                    stacklevel=3,
+                )
 
 # %% ../../nbs/00_config_blocks.ipynb #c033
 @block
 class ProgressiveLayerDropConfig(Block):
-    "The `progressive_layer_drop` block: keep probability theta(t) = (1 - theta) * exp(-gamma * t) + theta, passed to forward"
+    """The `progressive_layer_drop` block: keep probability theta(t) = (1 - theta) * exp(-gamma * t) + theta, passed to
+    forward"""
+
     key = 'progressive_layer_drop'
-    enabled: bool = False # drive a layer-drop schedule and pass its state to the model's forward
-    theta: float = setting(0.5, gt=0, le=1) # the keep probability the schedule approaches
-    gamma: float = setting(0.001, gt=0) # how fast it gets there, per step
+    enabled: bool = False  # drive a layer-drop schedule and pass its state to the model's forward
+    theta: float = setting(0.5, gt=0, le=1)  # the keep probability the schedule approaches
+    gamma: float = setting(0.001, gt=0)  # how fast it gets there, per step
+
 
 @block
 class DataTypesConfig(Block):
     "The `data_types` block: the dtype gradients accumulate in"
+
     key = 'data_types'
-    grad_accum_dtype: Literal['fp32', 'fp16', 'bf16'] | None = None # null: the training precision's default
+    grad_accum_dtype: Literal['fp32', 'fp16', 'bf16'] | None = None  # null: the training precision's default

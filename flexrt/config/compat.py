@@ -13,61 +13,107 @@ from .schema import Block, block, setting
 # %% ../../nbs/00_config_compat.ipynb #c006
 @block
 class ActivationCheckpointingConfig(Block):
-    "The `activation_checkpointing` block: how `flexrt.checkpointing.checkpoint` (`deepspeed.checkpointing`) keeps what it needs for recomputation"
+    """The `activation_checkpointing` block: how `flexrt.checkpointing.checkpoint` (`deepspeed.checkpointing`) keeps
+    what it needs for recomputation"""
+
     key = 'activation_checkpointing'
-    partition_activations: bool = False # split saved activations across model-parallel ranks (no model parallelism here: warned)
-    contiguous_memory_optimization: bool = False # copy saved activations into one buffer (warned: torch allocates)
-    cpu_checkpointing: bool = False # keep the saved inputs on the CPU until backward
-    number_checkpoints: int | None = setting(None, ge=1) # checkpoints per forward (sizes DeepSpeed's contiguous buffer; warned)
-    synchronize_checkpoint_boundary: bool = False # synchronise the accelerator before and after each checkpointed block
-    profile: bool = False # time the checkpointed forward and backward (warned)
+    partition_activations: bool = (
+        False  # split saved activations across model-parallel ranks (no model parallelism here: warned)
+    )
+    contiguous_memory_optimization: bool = False  # copy saved activations into one buffer (warned: torch allocates)
+    cpu_checkpointing: bool = False  # keep the saved inputs on the CPU until backward
+    number_checkpoints: int | None = setting(
+        None, ge=1
+    )  # checkpoints per forward (sizes DeepSpeed's contiguous buffer; warned)
+    synchronize_checkpoint_boundary: bool = (
+        False  # synchronise the accelerator before and after each checkpointed block
+    )
+    profile: bool = False  # time the checkpointed forward and backward (warned)
 
 # %% ../../nbs/00_config_compat.ipynb #c009
 _TP, _NVME = 'flexrt has no tensor parallelism', 'flexrt has no NVMe offload'
 _ZPP = 'ZeRO++ (hierarchical partitions, quantised weights and gradients) is not in flexrt; ZeRO 1-3 run unquantised'
 _MICS = 'MiCS shard groups are not in flexrt; ZeRO partitions over the whole data-parallel group'
-NO_EFFECT = { # key path (a block covers its keys) -> why it has no effect in flexrt
-    'amp': 'Apex AMP is not supported; use the bf16 or fp16 block', 'torch_autocast': 'use the bf16 block, or fp16 with auto_cast',
-    'comet': 'flexrt has no Comet sink; use tensorboard, csv_monitor or wandb', 'tensor_parallel': _TP,
+NO_EFFECT = {  # key path (a block covers its keys) -> why it has no effect in flexrt
+    'amp': 'Apex AMP is not supported; use the bf16 or fp16 block',
+    'torch_autocast': 'use the bf16 block, or fp16 with auto_cast',
+    'comet': 'flexrt has no Comet sink; use tensorboard, csv_monitor or wandb',
+    'tensor_parallel': _TP,
     'compile': 'flexrt does not compile the model; call torch.compile on it before initialize',
     'expert_parallel': 'flexrt has no automatic expert parallelism; mark experts with expert groups',
-    'hybrid_engine': 'flexrt has no inference engine', 'pipeline': 'flexrt has no pipeline parallelism', 'aio': _NVME,
-    'data_efficiency': "flexrt has no curriculum learning or data routing", 'weight_quantization': 'flexrt does not quantise weights',
-    'timers': 'flexrt times steps with wall_clock_breakdown', 'datastates_ckpt': "flexrt writes its own checkpoints (no DataStates engine)",
-    'disable_allgather': 'a legacy DeepSpeed switch with no counterpart', 'disable_python_gc': 'flexrt leaves Python garbage collection alone',
-    'log_level': "set the level of the 'flexrt' logger with logging", 'managed_gradient_accumulation': 'flexrt always manages accumulation',
+    'hybrid_engine': 'flexrt has no inference engine',
+    'pipeline': 'flexrt has no pipeline parallelism',
+    'aio': _NVME,
+    'data_efficiency': "flexrt has no curriculum learning or data routing",
+    'weight_quantization': 'flexrt does not quantise weights',
+    'timers': 'flexrt times steps with wall_clock_breakdown',
+    'datastates_ckpt': "flexrt writes its own checkpoints (no DataStates engine)",
+    'disable_allgather': 'a legacy DeepSpeed switch with no counterpart',
+    'disable_python_gc': 'flexrt leaves Python garbage collection alone',
+    'log_level': "set the level of the 'flexrt' logger with logging",
+    'managed_gradient_accumulation': 'flexrt always manages accumulation',
     'seq_parallel_communication_data_type': 'flexrt has no sequence parallelism',
-    'use_data_before_expert_parallelism': 'flexrt has one process-group layout', 'zero_force_ds_cpu_optimizer': 'flexrt uses torch optimizers',
-    'dump_state': "flexrt does not print its state at start; print engine.config", 'optimizer.legacy_fusion': 'torch optimizers have no legacy fusion',
+    'use_data_before_expert_parallelism': 'flexrt has one process-group layout',
+    'zero_force_ds_cpu_optimizer': 'flexrt uses torch optimizers',
+    'dump_state': "flexrt does not print its state at start; print engine.config",
+    'optimizer.legacy_fusion': 'torch optimizers have no legacy fusion',
     'bf16.immediate_grad_update': 'flexrt accumulates bf16 gradients in fp32 and applies them at the step',
-    'bf16.check_grad_overflow': 'bf16 needs no overflow check here', 'bf16.bf16_master_weights_and_grads': 'master weights are fp32',
-    'bf16.bf16_optimizer_states': 'optimizer states are fp32', 'checkpoint.checkpoint_serialization': 'flexrt writes safetensors-style files',
-    'checkpoint.writer': 'flexrt has no decoupled checkpoint writer', 'checkpoint.load_universal': 'every flexrt checkpoint loads at any world size',
-    'checkpoint.use_node_local_storage': 'flexrt expects one shared checkpoint directory', 'checkpoint.parallel_write': 'flexrt has no pipeline stages',
-    'data_types.param_dtype': 'parameters keep the training precision', 'data_types.buffer_dtype': 'buffers keep their dtype',
-    'data_types.keep_in_fp32_modules': 'flexrt casts every floating-point module to the training precision'}
+    'bf16.check_grad_overflow': 'bf16 needs no overflow check here',
+    'bf16.bf16_master_weights_and_grads': 'master weights are fp32',
+    'bf16.bf16_optimizer_states': 'optimizer states are fp32',
+    'checkpoint.checkpoint_serialization': 'flexrt writes safetensors-style files',
+    'checkpoint.writer': 'flexrt has no decoupled checkpoint writer',
+    'checkpoint.load_universal': 'every flexrt checkpoint loads at any world size',
+    'checkpoint.use_node_local_storage': 'flexrt expects one shared checkpoint directory',
+    'checkpoint.parallel_write': 'flexrt has no pipeline stages',
+    'data_types.param_dtype': 'parameters keep the training precision',
+    'data_types.buffer_dtype': 'buffers keep their dtype',
+    'data_types.keep_in_fp32_modules': 'flexrt casts every floating-point module to the training precision',
+}
 
 # %% ../../nbs/00_config_compat.ipynb #c010
-NO_EFFECT |= {f'zero_optimization.{k}': why for k, why in {
-    'zero_hpz_partition_size': _ZPP, 'zero_quantized_weights': _ZPP, 'zero_quantized_nontrainable_weights': _ZPP, 'zero_quantized_gradients': _ZPP,
-    'zeropp_loco_param': _ZPP, 'mics_shard_size': _MICS, 'mics_hierarchical_params_gather': _MICS, 'zenflow': 'flexrt has no ZenFlow offload',
-    'memory_efficient_linear': 'linear layers are torch\'s own', 'override_module_apply': 'module.apply is not patched',
-    'round_robin_gradients': 'offloaded gradients are copied in order', 'stage3_module_granularity_threshold': 'parameters are fetched per module',
-    'stage3_use_all_reduce_for_fetch_params': 'parameters are fetched with all-gather', 'stage3_allgather_sequential': 'parameters are fetched with all-gather',
-    'use_multi_rank_bucket_allreduce': 'buckets are reduced one at a time', 'compute_grad_norm': 'flexrt always computes the gradient norm',
-    'enable_sanity_checks': 'no ZeRO-3 sanity checks here', 'leaf_module': 'stage 3 fetches parameters per module', 'legacy_stage1': 'one stage-1 code path',
-    'log_trace_cache_warnings': 'no trace cache', 'parameter_alignment': 'partitions are aligned as flexrt needs', 'pipeline_loading_checkpoint': 'no pipeline parallelism',
-    'save_muon_momentum_buffer_in_memory': 'no Muon optimizer', 'offload_optimizer.cpuadam_cores_perc': 'no DeepSpeed CPU Adam',
-    'offload_optimizer.super_offload': 'no SuperOffload'}.items()}
-NO_EFFECT |= {'bfloat16' + k[4:]: why for k, why in NO_EFFECT.items() if k.startswith('bf16.')}   # the legacy name of the bf16 block
+NO_EFFECT |= {
+    f'zero_optimization.{k}': why
+    for k, why in {
+        'zero_hpz_partition_size': _ZPP,
+        'zero_quantized_weights': _ZPP,
+        'zero_quantized_nontrainable_weights': _ZPP,
+        'zero_quantized_gradients': _ZPP,
+        'zeropp_loco_param': _ZPP,
+        'mics_shard_size': _MICS,
+        'mics_hierarchical_params_gather': _MICS,
+        'zenflow': 'flexrt has no ZenFlow offload',
+        'memory_efficient_linear': 'linear layers are torch\'s own',
+        'override_module_apply': 'module.apply is not patched',
+        'round_robin_gradients': 'offloaded gradients are copied in order',
+        'stage3_module_granularity_threshold': 'parameters are fetched per module',
+        'stage3_use_all_reduce_for_fetch_params': 'parameters are fetched with all-gather',
+        'stage3_allgather_sequential': 'parameters are fetched with all-gather',
+        'use_multi_rank_bucket_allreduce': 'buckets are reduced one at a time',
+        'compute_grad_norm': 'flexrt always computes the gradient norm',
+        'enable_sanity_checks': 'no ZeRO-3 sanity checks here',
+        'leaf_module': 'stage 3 fetches parameters per module',
+        'legacy_stage1': 'one stage-1 code path',
+        'log_trace_cache_warnings': 'no trace cache',
+        'parameter_alignment': 'partitions are aligned as flexrt needs',
+        'pipeline_loading_checkpoint': 'no pipeline parallelism',
+        'save_muon_momentum_buffer_in_memory': 'no Muon optimizer',
+        'offload_optimizer.cpuadam_cores_perc': 'no DeepSpeed CPU Adam',
+        'offload_optimizer.super_offload': 'no SuperOffload',
+    }.items()
+}
+NO_EFFECT |= {
+    'bfloat16' + k[4:]: why for k, why in NO_EFFECT.items() if k.startswith('bf16.')
+}  # the legacy name of the bf16 block
 
 # %% ../../nbs/00_config_compat.ipynb #c012
-def no_effect_entry(path:str)->str|None:
+def no_effect_entry(path: str) -> str | None:
     "The `NO_EFFECT` entry covering key `path` (the path itself or a block above it), or None"
     parts = path.split('.')
     return next(('.'.join(parts[:i]) for i in range(len(parts), 0, -1) if '.'.join(parts[:i]) in NO_EFFECT), None)
 
-def leaf_paths(data:dict, prefix:str='')->list:
+
+def leaf_paths(data: dict, prefix: str = '') -> list:
     "The key paths of `data`'s leaves (a non-empty dict is walked into)"
     out = []
     for k, v in data.items():
@@ -79,58 +125,82 @@ def leaf_paths(data:dict, prefix:str='')->list:
 def _block_type(tp):
     return next((a for a in (tp, *typing.get_args(tp)) if isinstance(a, type) and issubclass(a, Block)), None)
 
-def field_at(cls, # a Block class
-             path:str)->dataclasses.Field|None:
+
+def field_at(
+    cls,  # a Block class
+    path: str,
+) -> dataclasses.Field | None:
     "The dataclass field for key `path` in `cls` (and its nested blocks), or None when `cls` has no such key"
     f = None
     for part in path.split('.'):
-        if cls is None or part not in cls.json_keys(): return None
+        if cls is None or part not in cls.json_keys():
+            return None
         f = {f.name: f for f in dataclasses.fields(cls)}.get(part)
         cls = _block_type(f.type) if f is not None else None
     return f
 
-def is_field(cls, path:str)->bool: return field_at(cls, path) is not None
-def default_of(f:dataclasses.Field): return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+def is_field(cls, path: str) -> bool:
+    return field_at(cls, path) is not None
+
+
+def default_of(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 # %% ../../nbs/00_config_compat.ipynb #c016
-class NoEffectWarning(UserWarning): "A DeepSpeed config key that flexrt accepts but that does nothing here"
+class NoEffectWarning(UserWarning):
+    "A DeepSpeed config key that flexrt accepts but that does nothing here"
 
-def _pop(data:dict, parts:list):
+
+def _pop(data: dict, parts: list):
     "Remove and return the value at `parts` in nested dict `data`"
-    for p in parts[:-1]: data = data[p]
+    for p in parts[:-1]:
+        data = data[p]
     return data.pop(parts[-1])
 
-def _value_at(data:dict, path:str):
-    for p in path.split('.'): data = data[p]
+
+def _value_at(data: dict, path: str):
+    for p in path.split('.'):
+        data = data[p]
     return data
 
-def _put(data:dict, parts:list, value):
-    for p in parts[:-1]: data = data.setdefault(p, {})
+
+def _put(data: dict, parts: list, value):
+    for p in parts[:-1]:
+        data = data.setdefault(p, {})
     data[parts[-1]] = value
 
 # %% ../../nbs/00_config_compat.ipynb #c017
-def split_no_effect(data:dict, # a DeepSpeed-style config (not changed)
-                    cls, # the Block class it is loaded into
-                   )->tuple[dict, dict]: # (the config without the keys `cls` lacks, those keys as a nested dict)
-    "Warn once per `NO_EFFECT` entry in `data` (a field of `cls`: when not at its default), naming its keys; take out those `cls` lacks"
+def split_no_effect(
+    data: dict,  # a DeepSpeed-style config (not changed)
+    cls,  # the Block class it is loaded into
+) -> tuple[dict, dict]:  # (the config without the keys `cls` lacks, those keys as a nested dict)
+    """Warn once per `NO_EFFECT` entry in `data` (a field of `cls`: when not at its default), naming its keys; take out
+    those `cls` lacks"""
     found = {}
     for path in leaf_paths(data):
-        if (entry := no_effect_entry(path)) is None: continue
-        if is_field(cls, entry) and ((f := field_at(cls, path)) is None or _value_at(data, path) == default_of(f)): continue
+        if (entry := no_effect_entry(path)) is None:
+            continue
+        if is_field(cls, entry) and ((f := field_at(cls, path)) is None or _value_at(data, path) == default_of(f)):
+            continue
         found.setdefault(entry, []).append(path)
     kept, taken = copy.deepcopy(data), {}
     for entry, paths in found.items():
-        warnings.warn(f"config key {', '.join(paths)} has no effect in flexrt: {NO_EFFECT[entry]}", NoEffectWarning, stacklevel=4)
-        if not is_field(cls, entry): _put(taken, entry.split('.'), _pop(kept, entry.split('.')))
+        warnings.warn(
+            f"config key {', '.join(paths)} has no effect in flexrt: {NO_EFFECT[entry]}", NoEffectWarning, stacklevel=4
+        )
+        if not is_field(cls, entry):
+            _put(taken, entry.split('.'), _pop(kept, entry.split('.')))
     return kept, taken
 
 # %% ../../nbs/00_config_compat.ipynb #c019
-def merge_paths(data:dict, extra:dict)->dict:
+def merge_paths(data: dict, extra: dict) -> dict:
     "`data` with the nested keys of `extra` put back in (a copy)"
     out = copy.deepcopy(data)
     for path in leaf_paths(extra):
         parts = path.split('.')
         value = extra
-        for p in parts: value = value[p]
+        for p in parts:
+            value = value[p]
         _put(out, parts, copy.deepcopy(value))
     return out

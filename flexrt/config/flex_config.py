@@ -11,165 +11,254 @@ from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Literal
-from fastcore.basics import patch
 from .schema import Block, block, setting, coerce
-from .blocks import (FP16Config, BF16Config, OptimizerConfig, SchedulerConfig, OffloadOptimizerConfig, OffloadParamConfig,
-                                  ZeroConfig, ProgressiveLayerDropConfig, DataTypesConfig)
-from .services import (CommsLoggerConfig, FlopsProfilerConfig, TensorBoardConfig, CSVMonitorConfig, WandbConfig,
-                                    ParallelWriteConfig, CheckpointConfig, ModelInfoConfig, AutotuningConfig, DiagnosticsConfig)
+from flexrt.config.blocks import (
+    FP16Config,
+    BF16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ZeroConfig,
+    ProgressiveLayerDropConfig,
+    DataTypesConfig,
+)
+from flexrt.config.services import (
+    CommsLoggerConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    CSVMonitorConfig,
+    WandbConfig,
+    ParallelWriteConfig,
+    CheckpointConfig,
+    ModelInfoConfig,
+    AutotuningConfig,
+    DiagnosticsConfig,
+)
 from .compat import ActivationCheckpointingConfig, NO_EFFECT, NoEffectWarning, split_no_effect, merge_paths
 
 # %% ../../nbs/00_config_flex_config.ipynb #c006
 BATCH_KEYS = ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps')
 
+
 @block
 class BatchConfig(Block):
     "The batch triangle: train_batch_size = micro-batch x accumulation steps x data-parallel world size"
-    train_batch_size: int | None = setting(None, ge=1) # samples per optimizer step, all ranks together
-    train_micro_batch_size_per_gpu: int | None = setting(None, ge=1) # samples per forward on one rank
-    gradient_accumulation_steps: int | None = setting(None, ge=1) # micro-batches per optimizer step
+
+    train_batch_size: int | None = setting(None, ge=1)  # samples per optimizer step, all ranks together
+    train_micro_batch_size_per_gpu: int | None = setting(None, ge=1)  # samples per forward on one rank
+    gradient_accumulation_steps: int | None = setting(None, ge=1)  # micro-batches per optimizer step
+
+    def resolve(self, dp_world_size: int) -> 'BatchConfig':  # data-parallel ranks (world size / model-parallel size)
+        "All three sizes for `dp_world_size` data-parallel ranks, deriving the missing ones"
+        w = coerce(dp_world_size, int, 'dp_world_size', {'ge': 1})
+        tb, mb, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        if tb is None and mb is None:
+            raise ValueError(
+                "give train_batch_size or train_micro_batch_size_per_gpu: gradient_accumulation_steps alone cannot "
+                "size "
+                "a batch"
+            )
+        if mb is None:
+            mb = _exact(
+                tb,
+                (gas or 1) * w,
+                f"train_batch_size={tb} is not a multiple of accumulation ({gas or 1}) x world ({w}) = "
+                f"{(gas or 1) * w}, so no micro-batch size fits",
+            )
+        if gas is None:
+            gas = (
+                1
+                if tb is None
+                else _exact(
+                    tb,
+                    mb * w,
+                    f"train_batch_size={tb} is not a multiple of micro ({mb}) x world ({w}) = {mb * w}, so no "
+                    "accumulation count fits",
+                )
+            )
+        if tb is None:
+            tb = mb * gas * w
+        if tb != mb * gas * w:
+            raise ValueError(
+                f"train_batch_size={tb} is not micro ({mb}) x accumulation ({gas}) x world ({w}) = {mb * gas * w}"
+            )
+        return BatchConfig(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas)
 
 # %% ../../nbs/00_config_flex_config.ipynb #c008
-def _exact(total:int, part:int, message:str)->int:
-    if total % part: raise ValueError(message)
+def _exact(total: int, part: int, message: str) -> int:
+    if total % part:
+        raise ValueError(message)
     return total // part
-
-@patch
-def resolve(self:BatchConfig, dp_world_size:int)->BatchConfig: # data-parallel ranks (world size / model-parallel size)
-    "All three sizes for `dp_world_size` data-parallel ranks, deriving the missing ones"
-    w = coerce(dp_world_size, int, 'dp_world_size', {'ge': 1})
-    tb, mb, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
-    if tb is None and mb is None:
-        raise ValueError("give train_batch_size or train_micro_batch_size_per_gpu: gradient_accumulation_steps alone cannot size a batch")
-    if mb is None: mb = _exact(tb, (gas or 1) * w, f"train_batch_size={tb} is not a multiple of accumulation ({gas or 1}) x world ({w}) = {(gas or 1) * w}, so no micro-batch size fits")
-    if gas is None: gas = 1 if tb is None else _exact(tb, mb * w, f"train_batch_size={tb} is not a multiple of micro ({mb}) x world ({w}) = {mb * w}, so no accumulation count fits")
-    if tb is None: tb = mb * gas * w
-    if tb != mb * gas * w: raise ValueError(f"train_batch_size={tb} is not micro ({mb}) x accumulation ({gas}) x world ({w}) = {mb * gas * w}")
-    return BatchConfig(train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas)
 
 # %% ../../nbs/00_config_flex_config.ipynb #c011
 @block
 class FlexConfig(Block):
     "A whole training configuration: DeepSpeed's JSON keys as typed blocks, validated once at construction"
+
     renamed = {'bfloat16': 'bf16'}
-    legacy = tuple(k for k in NO_EFFECT if '.' not in k) # DeepSpeed blocks without effect here: warned, kept in not_applied
-    batch: BatchConfig = field(default_factory=BatchConfig) # the three batch sizes (top-level keys in the JSON)
-    fp16: FP16Config = field(default_factory=FP16Config) # fp16 with loss scaling
-    bf16: BF16Config = field(default_factory=BF16Config) # bf16
-    gradient_clipping: float = setting(1.0, ge=0) # largest global gradient norm; 0 disables clipping
-    optimizer: OptimizerConfig | None = None # the optimizer to build; null when the script passes one
-    scheduler: SchedulerConfig | None = None # the learning-rate schedule to build; null when the script passes one
-    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig) # ZeRO stage and its knobs
-    zero_allow_untested_optimizer: bool = False # allow a client optimizer under ZeRO
-    steps_per_print: int | None = setting(10, ge=1) # log a progress line every this many optimizer steps (null: never)
-    wall_clock_breakdown: bool = False # time forward, backward, all-reduce and step
-    memory_breakdown: bool = False # report memory use around each phase
-    dump_state: bool = False # print the engine's configuration at start
-    prescale_gradients: bool = False # divide gradients before the all-reduce instead of after
-    gradient_predivide_factor: float = setting(1.0, gt=0) # with prescale_gradients: divide by this before, the rest after
-    gradient_allreduce_op: Literal['mean', 'sum'] = 'mean' # 'mean': gradients averaged over the data-parallel ranks; 'sum': summed
-    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig) # deepspeed.checkpointing settings
-    communication_data_type: Literal['fp32', 'fp16', 'bf16'] | None = None # dtype of gradient all-reduce; null: the training dtype
-    dataloader_drop_last: bool = False # drop the last incomplete batch in `deepspeed_io`
-    sparse_gradients: bool = False # reduce embedding gradients as sparse tensors
-    data_types: DataTypesConfig = field(default_factory=DataTypesConfig) # accumulation dtype
-    progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig) # layer-drop schedule
-    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig) # collective timing
-    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig) # flexrt's step watch: non-finite values, layer norms, blocked time
-    threads_per_rank: int | None = setting(None, ge=1) # flexrt: torch intra-op threads per rank; null: yours (OMP_NUM_THREADS, torch.set_num_threads), else cores ÷ ranks on the node
-    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig) # FLOPs profile
-    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig) # TensorBoard sink
-    csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig) # CSV sink
-    wandb: WandbConfig = field(default_factory=WandbConfig) # W&B sink
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig) # checkpoint behaviour
-    autotuning: AutotuningConfig = field(default_factory=AutotuningConfig) # autotuner settings
-    not_applied: dict = setting({}) # DeepSpeed keys accepted without effect (see NO_EFFECT), as given; back in to_dict
+    legacy = tuple(
+        k for k in NO_EFFECT if '.' not in k
+    )  # DeepSpeed blocks without effect here: warned, kept in not_applied
+    batch: BatchConfig = field(default_factory=BatchConfig)  # the three batch sizes (top-level keys in the JSON)
+    fp16: FP16Config = field(default_factory=FP16Config)  # fp16 with loss scaling
+    bf16: BF16Config = field(default_factory=BF16Config)  # bf16
+    gradient_clipping: float = setting(1.0, ge=0)  # largest global gradient norm; 0 disables clipping
+    optimizer: OptimizerConfig | None = None  # the optimizer to build; null when the script passes one
+    scheduler: SchedulerConfig | None = None  # the learning-rate schedule to build; null when the script passes one
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)  # ZeRO stage and its knobs
+    zero_allow_untested_optimizer: bool = False  # allow a client optimizer under ZeRO
+    steps_per_print: int | None = setting(10, ge=1)  # log a progress line every this many optimizer steps (null: never)
+    wall_clock_breakdown: bool = False  # time forward, backward, all-reduce and step
+    memory_breakdown: bool = False  # report memory use around each phase
+    dump_state: bool = False  # print the engine's configuration at start
+    prescale_gradients: bool = False  # divide gradients before the all-reduce instead of after
+    gradient_predivide_factor: float = setting(
+        1.0, gt=0
+    )  # with prescale_gradients: divide by this before, the rest after
+    gradient_allreduce_op: Literal['mean', 'sum'] = (
+        'mean'  # 'mean': gradients averaged over the data-parallel ranks; 'sum': summed
+    )
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )  # deepspeed.checkpointing settings
+    communication_data_type: Literal['fp32', 'fp16', 'bf16'] | None = (
+        None  # dtype of gradient all-reduce; null: the training dtype
+    )
+    dataloader_drop_last: bool = False  # drop the last incomplete batch in `deepspeed_io`
+    sparse_gradients: bool = False  # reduce embedding gradients as sparse tensors
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)  # accumulation dtype
+    progressive_layer_drop: ProgressiveLayerDropConfig = field(
+        default_factory=ProgressiveLayerDropConfig
+    )  # layer-drop schedule
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)  # collective timing
+    diagnostics: DiagnosticsConfig = field(
+        default_factory=DiagnosticsConfig
+    )  # flexrt's step watch: non-finite values, layer norms, blocked time
+    threads_per_rank: int | None = setting(
+        None,
+        ge=1,
+        # flexrt: torch intra-op threads per rank; null: yours (OMP_NUM_THREADS, torch.set_num_threads), else cores ÷
+        # ranks
+        # on the node
+    )
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)  # FLOPs profile
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)  # TensorBoard sink
+    csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig)  # CSV sink
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # W&B sink
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint behaviour
+    autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)  # autotuner settings
+    not_applied: dict = setting({})  # DeepSpeed keys accepted without effect (see NO_EFFECT), as given; back in to_dict
 
+    @classmethod
+    def json_keys(cls) -> tuple:
+        return BATCH_KEYS + tuple(f.name for f in dataclasses.fields(cls) if f.name not in ('batch', 'not_applied'))
 
-# %% ../../nbs/00_config_flex_config.ipynb #c013
-@patch(cls_method=True)
-def json_keys(cls:FlexConfig)->tuple: return BATCH_KEYS + tuple(f.name for f in dataclasses.fields(cls) if f.name not in ('batch', 'not_applied'))
+    @classmethod
+    def upgrade(cls, data: dict) -> dict:
+        """Gather the top-level batch keys into `batch`, after the legacy renames; DeepSpeed keys without effect warned
+        and set aside"""
+        data = Block.upgrade.__func__(cls, data)
+        data, data['not_applied'] = split_no_effect(data, cls)
+        if data.get('steps_per_print') == float('inf'):
+            data['steps_per_print'] = None  # Accelerate's "never": DeepSpeed's null
+        data['batch'] = {k: data.pop(k) for k in BATCH_KEYS if k in data}
+        return data
 
-@patch(cls_method=True)
-def upgrade(cls:FlexConfig, data:dict)->dict:
-    "Gather the top-level batch keys into `batch`, after the legacy renames; DeepSpeed keys without effect warned and set aside"
-    data = Block.upgrade.__func__(cls, data)
-    data, data['not_applied'] = split_no_effect(data, cls)
-    if data.get('steps_per_print') == float('inf'): data['steps_per_print'] = None   # Accelerate's "never": DeepSpeed's null
-    data['batch'] = {k: data.pop(k) for k in BATCH_KEYS if k in data}
-    return data
+    def to_dict(self) -> dict:
+        "DeepSpeed-style JSON: batch keys at the top level, nulls left out; `load_config` of it gives an equal config"
+        d = Block.to_dict(self)
+        extra = d.pop('not_applied')
+        return merge_paths({k: v for k, v in {**d.pop('batch'), **d}.items() if v is not None}, extra)
 
-@patch
-def to_dict(self:FlexConfig)->dict:
-    "DeepSpeed-style JSON: batch keys at the top level, nulls left out; `load_config` of it gives an equal config"
-    d = Block.to_dict(self)
-    extra = d.pop('not_applied')
-    return merge_paths({k: v for k, v in {**d.pop('batch'), **d}.items() if v is not None}, extra)
+    def validate(self):
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
+        if self.steps_per_print is None:
+            self._set('steps_per_print', sys.maxsize)  # DeepSpeed's null: no progress lines
 
-# %% ../../nbs/00_config_flex_config.ipynb #c014
-@patch
-def validate(self:FlexConfig):
-    if self.fp16.enabled and self.bf16.enabled: raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
-    if self.steps_per_print is None: self._set('steps_per_print', sys.maxsize)   # DeepSpeed's null: no progress lines
+    def resolve_batch(
+        self, dp_world_size: int
+    ) -> 'FlexConfig':  # data-parallel ranks (world size / model-parallel size)
+        "A copy with all three batch sizes set for `dp_world_size` ranks (see `BatchConfig.resolve`)"
+        return dataclasses.replace(self, batch=self.batch.resolve(dp_world_size))
 
-@patch
-def resolve_batch(self:FlexConfig, dp_world_size:int)->FlexConfig: # data-parallel ranks (world size / model-parallel size)
-    "A copy with all three batch sizes set for `dp_world_size` ranks (see `BatchConfig.resolve`)"
-    return dataclasses.replace(self, batch=self.batch.resolve(dp_world_size))
+    def _json(self) -> dict:
+        "The DeepSpeed JSON of this config (`to_dict()`), computed on first use and kept"
+        if '_json_view' not in self.__dict__:
+            self.__dict__['_json_view'] = self.to_dict()  # frozen: the view never goes stale
+        return self.__dict__['_json_view']
+
+    def __getitem__(self, key: str):
+        return self._json()[key]
+
+    def __iter__(self):
+        return iter(self._json())
+
+    def __len__(self) -> int:
+        return len(self._json())
 
 # %% ../../nbs/00_config_flex_config.ipynb #c015c
-@patch
-def _json(self:FlexConfig)->dict:
-    "The DeepSpeed JSON of this config (`to_dict()`), computed on first use and kept"
-    if '_json_view' not in self.__dict__: self.__dict__['_json_view'] = self.to_dict()   # frozen: the view never goes stale
-    return self.__dict__['_json_view']
-
-@patch
-def __getitem__(self:FlexConfig, key:str): return self._json()[key]
-@patch
-def __iter__(self:FlexConfig): return iter(self._json())
-@patch
-def __len__(self:FlexConfig)->int: return len(self._json())
-
-for _name in ('get', 'keys', 'items', 'values', '__contains__'): setattr(FlexConfig, _name, getattr(Mapping, _name))   # Mapping's own, over the three above
+for _name in ('get', 'keys', 'items', 'values', '__contains__'):
+    setattr(FlexConfig, _name, getattr(Mapping, _name))  # Mapping's own, over the three above
 Mapping.register(FlexConfig)
 
 # %% ../../nbs/00_config_flex_config.ipynb #c017
 class _Pairs(dict):
     "A JSON object that remembers keys it saw twice: [(key, first value, second value)]"
-    def __init__(self, pairs:list):
+
+    def __init__(self, pairs: list):
         super().__init__()
         self.twice = []
         for k, v in pairs:
-            if k in self: self.twice.append((k, self[k], v))
+            if k in self:
+                self.twice.append((k, self[k], v))
             self[k] = v
 
-def _first_duplicate(data, path:str='')->tuple|None: # (key path, first value, second value)
-    if isinstance(data, list): return next((d for i, v in enumerate(data) if (d := _first_duplicate(v, f"{path}[{i}]"))), None)
-    if not isinstance(data, dict): return None
-    if getattr(data, 'twice', None): k, a, b = data.twice[0]; return (f"{path}.{k}" if path else k), a, b
+
+def _first_duplicate(data, path: str = '') -> tuple | None:  # (key path, first value, second value)
+    if isinstance(data, list):
+        return next((d for i, v in enumerate(data) if (d := _first_duplicate(v, f"{path}[{i}]"))), None)
+    if not isinstance(data, dict):
+        return None
+    if getattr(data, 'twice', None):
+        k, a, b = data.twice[0]
+        return (f"{path}.{k}" if path else k), a, b
     return next((d for k, v in data.items() if (d := _first_duplicate(v, f"{path}.{k}" if path else k))), None)
 
 # %% ../../nbs/00_config_flex_config.ipynb #c017a
 def _plain_json(data):
-    if isinstance(data, dict): return {k: _plain_json(v) for k, v in data.items()}
+    if isinstance(data, dict):
+        return {k: _plain_json(v) for k, v in data.items()}
     return [_plain_json(v) for v in data] if isinstance(data, list) else data
 
-def _read_json(path:Path)->dict:
-    "The JSON object in `path`; ValueError for invalid JSON or a key given twice in one object (naming it and both values)"
-    if not path.is_file(): raise FileNotFoundError(f"config file {path} not found")
-    try: data = json.loads(path.read_text(), object_pairs_hook=_Pairs)
-    except json.JSONDecodeError as e: raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in `path`; ValueError for invalid JSON or a key given twice in one object (naming it and both
+    values)"""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} not found")
+    try:
+        data = json.loads(path.read_text(), object_pairs_hook=_Pairs)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config file {path} is not valid JSON: {e}") from None
     if (twice := _first_duplicate(data)) is not None:
         key, a, b = twice
-        raise ValueError(f"config file {path}: the key {key} is given twice ({json.dumps(a)[:60]} and {json.dumps(b)[:60]}); "
-                         "JSON keeps only the last, so keep the one you mean")
+        raise ValueError(
+            f"config file {path}: the key {key} is given twice ({json.dumps(a)[:60]} and {json.dumps(b)[:60]}); "
+            "JSON keeps only the last, so keep the one you mean"
+        )
     return _plain_json(data)
 
-def load_config(source, # a DeepSpeed-style dict, the path of a JSON file (str or Path), or a FlexConfig
-               )->FlexConfig:
+
+def load_config(
+    source,  # a DeepSpeed-style dict, the path of a JSON file (str or Path), or a FlexConfig
+) -> FlexConfig:
     "The validated `FlexConfig` for `source`; a `FlexConfig` is returned as it is"
-    if isinstance(source, FlexConfig): return source
-    if isinstance(source, (str, os.PathLike)): source = _read_json(Path(source))
-    if not isinstance(source, dict): raise TypeError(f"config must be a dict, a JSON file path or a FlexConfig, got {type(source).__name__}")
+    if isinstance(source, FlexConfig):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        source = _read_json(Path(source))
+    if not isinstance(source, dict):
+        raise TypeError(f"config must be a dict, a JSON file path or a FlexConfig, got {type(source).__name__}")
     return FlexConfig.from_dict(source)

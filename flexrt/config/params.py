@@ -11,95 +11,153 @@ import torch
 from .schema import short_repr, describe
 
 # %% ../../nbs/00_config_params.ipynb #c005
-RANGES = { # parameter name -> bounds: ge (>=), gt (>), lt (<), le (<=); for a tuple, of each element
-    'lr': {'ge': 0}, 'eps': {'ge': 0}, 'weight_decay': {'ge': 0}, 'momentum': {'ge': 0}, 'dampening': {'ge': 0},
-    'alpha': {'ge': 0}, 'lr_decay': {'ge': 0}, 'rho': {'ge': 0, 'le': 1}, 'betas': {'ge': 0, 'lt': 1},
-    'max_grad_norm': {'ge': 0}, 'max_coeff': {'ge': 0}, 'min_coeff': {'ge': 0},
-    'step_size': {'ge': 1}, 'T_max': {'ge': 1}, 'T_0': {'ge': 1}, 'T_mult': {'ge': 1}, 'gamma': {'ge': 0},
-    'total_iters': {'ge': 0}, 'total_steps': {'ge': 1}, 'epochs': {'ge': 1}, 'steps_per_epoch': {'ge': 1},
+RANGES = {  # parameter name -> bounds: ge (>=), gt (>), lt (<), le (<=); for a tuple, of each element
+    'lr': {'ge': 0},
+    'eps': {'ge': 0},
+    'weight_decay': {'ge': 0},
+    'momentum': {'ge': 0},
+    'dampening': {'ge': 0},
+    'alpha': {'ge': 0},
+    'lr_decay': {'ge': 0},
+    'rho': {'ge': 0, 'le': 1},
+    'betas': {'ge': 0, 'lt': 1},
+    'max_grad_norm': {'ge': 0},
+    'max_coeff': {'ge': 0},
+    'min_coeff': {'ge': 0},
+    'step_size': {'ge': 1},
+    'T_max': {'ge': 1},
+    'T_0': {'ge': 1},
+    'T_mult': {'ge': 1},
+    'gamma': {'ge': 0},
+    'total_iters': {'ge': 0},
+    'total_steps': {'ge': 1},
+    'epochs': {'ge': 1},
+    'steps_per_epoch': {'ge': 1},
 }
 _WORDS = {'ge': '>= {}', 'gt': '> {}', 'lt': '< {}', 'le': '<= {}'}
 
-def bounds_text(bounds:dict)->str: return ' and '.join(_WORDS[k].format(v) for k, v in bounds.items())
 
-def _within(x, bounds:dict)->bool:
+def bounds_text(bounds: dict) -> str:
+    return ' and '.join(_WORDS[k].format(v) for k, v in bounds.items())
+
+
+def _within(x, bounds: dict) -> bool:
     ops = {'ge': x.__ge__, 'gt': x.__gt__, 'lt': x.__lt__, 'le': x.__le__}
     return all(ops[k](v) for k, v in bounds.items())
 
 # %% ../../nbs/00_config_params.ipynb #c006
-def _kind_of_annotation(tp): # bool, int, float, str, ('tuple', n), or None: nothing checkable
-    args = [a for a in typing.get_args(tp) if a is not type(None) and a is not torch.Tensor] if typing.get_origin(tp) in (typing.Union, types.UnionType) else [tp]
-    if len(args) != 1: return None
+def _kind_of_annotation(tp):  # bool, int, float, str, ('tuple', n), or None: nothing checkable
+    args = (
+        [a for a in typing.get_args(tp) if a is not type(None) and a is not torch.Tensor]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType)
+        else [tp]
+    )
+    if len(args) != 1:
+        return None
     tp = args[0]
-    if tp in (bool, int, float, str): return tp
+    if tp in (bool, int, float, str):
+        return tp
     if typing.get_origin(tp) is tuple and typing.get_args(tp) and Ellipsis not in typing.get_args(tp):
         return ('tuple', len(typing.get_args(tp)))
     return None
 
-def _nullable(tp)->bool: return type(None) in typing.get_args(tp)
+
+def _nullable(tp) -> bool:
+    return type(None) in typing.get_args(tp)
 
 # %% ../../nbs/00_config_params.ipynb #c007
-def param_kinds(cls, # the class the parameters are passed to
-                skip:str, # its first argument, not a config key ('params', 'optimizer')
-               )->dict: # name -> (kind, nullable): kind is bool, int, float, str, ('tuple', n) or None (unchecked)
+def param_kinds(
+    cls,  # the class the parameters are passed to
+    skip: str,  # its first argument, not a config key ('params', 'optimizer')
+) -> dict:  # name -> (kind, nullable): kind is bool, int, float, str, ('tuple', n) or None (unchecked)
     "What each keyword argument of `cls` must be, from its annotation, else its default"
-    try: hints = typing.get_type_hints(cls.__init__)
-    except Exception: hints = {}
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:
+        hints = {}
     out = {}
     for name, p in inspect.signature(cls).parameters.items():
-        if name == skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD): continue
+        if name == skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
         tp, default = hints.get(name), p.default
         kind = _kind_of_annotation(tp) if tp is not None else None
         if kind is None and default is not p.empty and default is not None:
-            kind = ('tuple', len(default)) if isinstance(default, tuple) else type(default) if type(default) in (bool, int, float, str) else None
+            kind = (
+                ('tuple', len(default))
+                if isinstance(default, tuple)
+                else type(default)
+                if type(default) in (bool, int, float, str)
+                else None
+            )
         out[name] = (kind, default is None or (tp is not None and _nullable(tp)))
     return out
 
 # %% ../../nbs/00_config_params.ipynb #c009
-def _number(value, integer:bool)->bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value): return False
+def _number(value, integer: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
     return not integer or float(value).is_integer()
 
-def _describe(kind, name:str, element:bool=False)->str:
+
+def _describe(kind, name: str, element: bool = False) -> str:
     "What a value of `kind` named `name` must be, in words (`element`: one number of a tuple)"
     bounds = RANGES.get(name, {})
-    if kind == bool: return "true or false (or 1/0)"
-    if kind == str: return "a string"
-    if isinstance(kind, tuple) and not element: return f"a list of {kind[1]} numbers" + (f", each {bounds_text(bounds)}" if bounds else "")
+    if kind == bool:
+        return "true or false (or 1/0)"
+    if kind == str:
+        return "a string"
+    if isinstance(kind, tuple) and not element:
+        return f"a list of {kind[1]} numbers" + (f", each {bounds_text(bounds)}" if bounds else "")
     number = int if kind == int else float
     return f"a number {bounds_text(bounds)}" if 'lt' in bounds else describe(number, bounds)
 
 # %% ../../nbs/00_config_params.ipynb #c010
-def check_param(value, # what the config gives
-                kind, # from `param_kinds`
-                nullable:bool, # None is allowed
-                path:str, # the key path, for messages: optimizer.params.betas
-                owner:str): # the class, for messages: Adam
+def check_param(
+    value,  # what the config gives
+    kind,  # from `param_kinds`
+    nullable: bool,  # None is allowed
+    path: str,  # the key path, for messages: optimizer.params.betas
+    owner: str,  # the class, for messages: Adam
+):
     "`value` in the form `owner` takes; `TypeError` (wrong kind) or `ValueError` (out of range) naming `path`"
     name = path.rsplit('.', 1)[-1]
-    if kind is None or (value is None and nullable): return value
-    auto = ". 'auto' is a placeholder the Hugging Face Trainer fills in; give the value itself" if value == 'auto' else ''
+    if kind is None or (value is None and nullable):
+        return value
+    auto = (
+        ". 'auto' is a placeholder the Hugging Face Trainer fills in; give the value itself" if value == 'auto' else ''
+    )
     wrong = lambda: TypeError(f"{path} must be {_describe(kind, name)}, got {short_repr(value)} (for {owner}){auto}")
     if kind == bool:
-        if isinstance(value, bool) or (type(value) is int and value in (0, 1)): return bool(value)
+        if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            return bool(value)
         raise wrong()
     if kind == str:
-        if isinstance(value, str): return value
+        if isinstance(value, str):
+            return value
         raise wrong()
     items = value if isinstance(kind, tuple) else [value]
-    if (isinstance(kind, tuple) and not (isinstance(value, (list, tuple)) and len(value) == kind[1])) or not all(_number(v, kind == int) for v in items):
+    if (isinstance(kind, tuple) and not (isinstance(value, (list, tuple)) and len(value) == kind[1])) or not all(
+        _number(v, kind == int) for v in items
+    ):
         raise wrong()
     for i, v in enumerate(items):
         if not _within(v, RANGES.get(name, {})):
             where = f"{path}[{i}]" if isinstance(kind, tuple) else path
-            raise ValueError(f"{where} must be {_describe(kind, name, element=True)}, got {short_repr(v)} (for {owner})")
+            raise ValueError(
+                f"{where} must be {_describe(kind, name, element=True)}, got {short_repr(v)} (for {owner})"
+            )
     return list(value) if isinstance(kind, tuple) else int(value) if kind == int else value
 
 # %% ../../nbs/00_config_params.ipynb #c012
-def check_params_types(params:dict, # the config's keyword arguments (names already checked)
-                       kinds:dict, # from `param_kinds`, or a dict of the same form
-                       path:str, owner:str, # for messages: 'optimizer.params', 'Adam'
-                       allow_null:bool=False)->dict: # None passes for any parameter (DeepSpeed's schedules take it)
+def check_params_types(
+    params: dict,  # the config's keyword arguments (names already checked)
+    kinds: dict,  # from `param_kinds`, or a dict of the same form
+    path: str,
+    owner: str,  # for messages: 'optimizer.params', 'Adam'
+    allow_null: bool = False,
+) -> dict:  # None passes for any parameter (DeepSpeed's schedules take it)
     "`params` with each value checked against its kind, in the form the class takes"
-    return {k: v if (v is None and allow_null) or k not in kinds else check_param(v, *kinds[k], f"{path}.{k}", owner)
-            for k, v in params.items()}
+    return {
+        k: v if (v is None and allow_null) or k not in kinds else check_param(v, *kinds[k], f"{path}.{k}", owner)
+        for k, v in params.items()
+    }

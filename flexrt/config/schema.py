@@ -12,131 +12,187 @@ from typing import Any, ClassVar, Literal
 from fastcore.basics import patch
 
 # %% ../../nbs/00_config_schema.ipynb #c006
-def closest(word:str, # what the user wrote
-            choices, # the valid spellings
-           )->str: # "did you mean 'x'?" or the list of valid choices
+def closest(
+    word: str,  # what the user wrote
+    choices,  # the valid spellings
+) -> str:  # "did you mean 'x'?" or the list of valid choices
     "A hint for a misspelt key or name: the nearest of `choices` (case-insensitive), or all of them when none is near"
     lower = {str(c).lower(): c for c in choices}
     near = difflib.get_close_matches(str(word).lower(), list(lower), n=1, cutoff=0.6)
     return f"did you mean '{lower[near[0]]}'?" if near else "valid: " + ", ".join(sorted(map(str, choices)))
 
-def key_path(block:str, name:str)->str:
+
+def key_path(block: str, name: str) -> str:
     "`block.name`, or `name` for the top level"
     return f"{block}.{name}" if block else name
 
-def unknown_key(name:str, block:str, valid)->ValueError:
+
+def unknown_key(name: str, block: str, valid) -> ValueError:
     "The error for a key that `block` does not have"
     where = f"in {block}" if block else "at the top level"
     return ValueError(f"unknown key '{name}' {where} ({closest(name, valid)})")
 
 # %% ../../nbs/00_config_schema.ipynb #c009
-def setting(default:Any=None, # the value when the key is absent
-            *, ge=None, gt=None, le=None, # bounds: value >= ge, value > gt, value <= le
-            clamp=None, # a larger value is lowered to this, with a warning (sizes no device holds)
-           ):
+def setting(
+    default: Any = None,  # the value when the key is absent
+    *,
+    ge=None,
+    gt=None,
+    le=None,  # bounds: value >= ge, value > gt, value <= le
+    clamp=None,  # a larger value is lowered to this, with a warning (sizes no device holds)
+):
     "A dataclass field for a config value, with optional bounds checked at construction"
     meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, clamp=clamp).items() if v is not None}
-    if isinstance(default, (list, dict)): return field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     return field(default=default, metadata=meta)
 
 # %% ../../nbs/00_config_schema.ipynb #c010
-def _optional(tp)->tuple: # (annotation without None, whether None is allowed)
+def _optional(tp) -> tuple:  # (annotation without None, whether None is allowed)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         rest = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(rest) < len(typing.get_args(tp)): return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+        if len(rest) < len(typing.get_args(tp)):
+            return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
     return tp, False
 
-def _plural(tp)->str: return {str: 'strings', int: 'ints', float: 'numbers', bool: 'booleans'}.get(tp, f"values of type {tp}")
 
-def _describe_number(tp, meta:dict)->str:
+def _plural(tp) -> str:
+    return {str: 'strings', int: 'ints', float: 'numbers', bool: 'booleans'}.get(tp, f"values of type {tp}")
+
+
+def _describe_number(tp, meta: dict) -> str:
     noun = 'an int' if tp is int else 'a number'
     ge, gt, le = meta.get('ge'), meta.get('gt'), meta.get('le')
-    if le is not None and ge is not None: return f"{noun} from {ge} to {le}"
-    if le is not None and gt is not None: return f"{noun} above {gt} and at most {le}"
-    if gt == 0 or (ge == 1 and tp is int): return f"a positive {noun.split()[1]}"
-    if ge == 0: return f"a non-negative {noun.split()[1]}"
-    if ge is not None: return f"{noun} >= {ge}"
-    if gt is not None: return f"{noun} > {gt}"
+    if le is not None and ge is not None:
+        return f"{noun} from {ge} to {le}"
+    if le is not None and gt is not None:
+        return f"{noun} above {gt} and at most {le}"
+    if gt == 0 or (ge == 1 and tp is int):
+        return f"a positive {noun.split()[1]}"
+    if ge == 0:
+        return f"a non-negative {noun.split()[1]}"
+    if ge is not None:
+        return f"{noun} >= {ge}"
+    if gt is not None:
+        return f"{noun} > {gt}"
     return f"{noun} <= {le}" if le is not None else noun
 
 # %% ../../nbs/00_config_schema.ipynb #c011
-def describe(tp, # a field annotation
-             meta:dict|None=None, # bounds from `setting`
-            )->str:
+def describe(
+    tp,  # a field annotation
+    meta: dict | None = None,  # bounds from `setting`
+) -> str:
     "What a value of annotation `tp` must be, in words, for error messages"
     tp, nullable = _optional(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal: text = "one of " + ", ".join(repr(a) for a in args)
-    elif tp is bool: text = "true or false (or 1/0)"
-    elif tp in (int, float): text = _describe_number(tp, meta or {})
-    elif tp is str: text = "a string"
-    elif tp is list or origin is list: text = "a list" + (f" of {_plural(args[0])}" if args else "")
-    elif tp is dict or origin is dict: text = "a dict (JSON object)" + (f" of {_plural(args[1])}" if args else "")
-    elif isinstance(tp, type) and issubclass(tp, Block): text = "a dict (JSON object)"
-    else: text = str(tp)
+    if origin is Literal:
+        text = "one of " + ", ".join(repr(a) for a in args)
+    elif tp is bool:
+        text = "true or false (or 1/0)"
+    elif tp in (int, float):
+        text = _describe_number(tp, meta or {})
+    elif tp is str:
+        text = "a string"
+    elif tp is list or origin is list:
+        text = "a list" + (f" of {_plural(args[0])}" if args else "")
+    elif tp is dict or origin is dict:
+        text = "a dict (JSON object)" + (f" of {_plural(args[1])}" if args else "")
+    elif isinstance(tp, type) and issubclass(tp, Block):
+        text = "a dict (JSON object)"
+    else:
+        text = str(tp)
     return text + (" or null" if nullable else "")
 
 # %% ../../nbs/00_config_schema.ipynb #c014
-class _Mismatch(Exception): "`value` is not of the annotated kind"
+class _Mismatch(Exception):
+    "`value` is not of the annotated kind"
 
-def json_data(value, path:str):
+
+def json_data(value, path: str):
     "A deep copy of `value` as plain JSON data (tuples become lists); TypeError naming `path` for anything else"
-    if value is None or isinstance(value, (bool, str)): return value
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value): raise TypeError(f"{path} must be a finite number, got {value!r}")
+    if value is None or isinstance(value, (bool, str)):
         return value
-    if isinstance(value, (list, tuple)): return [json_data(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TypeError(f"{path} must be a finite number, got {value!r}")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [json_data(v, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
         for k in value:
-            if not isinstance(k, str): raise TypeError(f"{path} keys must be strings, got {k!r}")
+            if not isinstance(k, str):
+                raise TypeError(f"{path} keys must be strings, got {k!r}")
         return {k: json_data(v, key_path(path, k)) for k, v in value.items()}
     raise TypeError(f"{path} must be JSON data (number, string, bool, list, dict or null), got {type(value).__name__}")
 
 # %% ../../nbs/00_config_schema.ipynb #c016
-def _convert(value, tp, path:str):
+def _convert(value, tp, path: str):
     "`value` in the stored form of annotation `tp` (no None, no bounds), or raise `_Mismatch`"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         match = [a for a in args if isinstance(value, str) and value.lower() == a.lower()]
-        if match: return match[0]
+        if match:
+            return match[0]
     elif tp is bool:
-        if isinstance(value, bool): return value
-        if type(value) is int and value in (0, 1): return bool(value)   # DeepSpeed reads flags as truthy: 1 and 0 are fine
-    elif tp in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        if tp is float: return float(value)
-        if float(value).is_integer(): return int(value)
+        if isinstance(value, bool):
+            return value
+        if type(value) is int and value in (0, 1):
+            return bool(value)  # DeepSpeed reads flags as truthy: 1 and 0 are fine
+    elif (
+        tp in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ):
+        if tp is float:
+            return float(value)
+        if float(value).is_integer():
+            return int(value)
     elif tp is str:
-        if isinstance(value, str): return value
+        if isinstance(value, str):
+            return value
     elif tp is list or origin is list:
-        if isinstance(value, (list, tuple)): return [coerce(v, args[0], f"{path}[{i}]") if args else json_data(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, (list, tuple)):
+            return [
+                coerce(v, args[0], f"{path}[{i}]") if args else json_data(v, f"{path}[{i}]")
+                for i, v in enumerate(value)
+            ]
     elif tp is dict or origin is dict:
-        if isinstance(value, dict): return {k: coerce(v, args[1], key_path(path, k)) for k, v in json_data(value, path).items()} if args else json_data(value, path)
+        if isinstance(value, dict):
+            return (
+                {k: coerce(v, args[1], key_path(path, k)) for k, v in json_data(value, path).items()}
+                if args
+                else json_data(value, path)
+            )
     elif isinstance(tp, type) and issubclass(tp, Block):
-        if isinstance(value, (dict, tp)): return tp.from_dict(value)
+        if isinstance(value, (dict, tp)):
+            return tp.from_dict(value)
     raise _Mismatch()
 
 # %% ../../nbs/00_config_schema.ipynb #c017
-def short_repr(value, width=60)->str:
+def short_repr(value, width=60) -> str:
     "`repr(value)`, shortened for an error message"
     text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + '...'
+    return text if len(text) <= width else text[: width - 3] + '...'
 
-def _in_bounds(value, meta:dict)->bool:
+
+def _in_bounds(value, meta: dict) -> bool:
     ge, gt, le = meta.get('ge'), meta.get('gt'), meta.get('le')
     return not ((ge is not None and value < ge) or (gt is not None and value <= gt) or (le is not None and value > le))
 
-def coerce(value, # what the JSON (or the caller) gave
-           tp, # the field annotation
-           path:str, # the key path, for messages
-           meta:dict|None=None, # bounds from `setting`
-          ):
+
+def coerce(
+    value,  # what the JSON (or the caller) gave
+    tp,  # the field annotation
+    path: str,  # the key path, for messages
+    meta: dict | None = None,  # bounds from `setting`
+):
     "`value` checked against `tp` and its bounds, in stored form; TypeError/ValueError naming `path` otherwise"
     meta = meta or {}
     inner, nullable = _optional(tp)
-    if value is None and nullable: return None
+    if value is None and nullable:
+        return None
     auto = isinstance(value, str) and value == 'auto'
     hint = ". 'auto' is a placeholder the Hugging Face Trainer fills in; give the value itself" if auto else ""
-    try: out = _convert(value, inner, path)
+    try:
+        out = _convert(value, inner, path)
     except _Mismatch:
         error = ValueError if typing.get_origin(inner) is Literal and isinstance(value, str) else TypeError
         raise error(f"{path} must be {describe(tp, meta)}, got {short_repr(value)}{hint}") from None
@@ -144,11 +200,15 @@ def coerce(value, # what the JSON (or the caller) gave
         raise ValueError(f"{path} must be {describe(inner, meta)}, got {short_repr(value)}")
     return _clamped(out, meta, path)
 
-def _clamped(value, meta:dict, path:str):
+
+def _clamped(value, meta: dict, path: str):
     "`value`, or the field's clamp with a warning when `value` is above it"
     clamp = meta.get('clamp')
-    if clamp is None or value is None or value <= clamp: return value
-    warnings.warn(f"{path}={value:g} is more than any device holds; using {clamp} (2**{math.log2(clamp):g}) instead", stacklevel=2)
+    if clamp is None or value is None or value <= clamp:
+        return value
+    warnings.warn(
+        f"{path}={value:g} is more than any device holds; using {clamp} (2**{math.log2(clamp):g}) instead", stacklevel=2
+    )
     return type(value)(clamp)
 
 # %% ../../nbs/00_config_schema.ipynb #c019
@@ -156,61 +216,82 @@ def block(cls):
     "Make `cls`, a `Block` subclass, a frozen keyword-only dataclass"
     return dataclass(frozen=True, kw_only=True)(cls)
 
+
 class Block:
     "Base of a config block: a frozen dataclass checked against its annotations once, at construction"
-    key: ClassVar[str] = '' # where the block sits in the JSON ('' for the top level)
-    renamed: ClassVar[dict] = {} # legacy key -> current key, accepted with a DeprecationWarning
-    legacy: ClassVar[tuple] = () # other legacy keys, translated by the subclass's `upgrade`
+
+    key: ClassVar[str] = ''  # where the block sits in the JSON ('' for the top level)
+    renamed: ClassVar[dict] = {}  # legacy key -> current key, accepted with a DeprecationWarning
+    legacy: ClassVar[tuple] = ()  # other legacy keys, translated by the subclass's `upgrade`
 
     def __post_init__(self):
-        for f in fields(self): self._set(f.name, coerce(getattr(self, f.name), f.type, key_path(self.key, f.name), f.metadata))
+        for f in fields(self):
+            self._set(f.name, coerce(getattr(self, f.name), f.type, key_path(self.key, f.name), f.metadata))
         self.validate()
 
-    def _set(self, name:str, value): object.__setattr__(self, name, value)
-    def validate(self): "Rules that span several fields (subclasses override); raise ValueError naming the keys"
+    def _set(self, name: str, value):
+        object.__setattr__(self, name, value)
+
+    def validate(self):
+        "Rules that span several fields (subclasses override); raise ValueError naming the keys"
+
+    @classmethod
+    def json_keys(cls) -> tuple:
+        "The current keys of the block's JSON (the field names, unless a subclass maps them differently)"
+        return _names(cls)
+
+    @classmethod
+    def upgrade(cls, data: dict) -> dict:
+        "Rename legacy keys in `data` (a copy); subclasses with other legacy forms override"
+        for old, new in cls.renamed.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"{key_path(cls.key, old)} and {key_path(cls.key, new)} both given; keep only '{new}'")
+            warnings.warn(
+                f"config key {key_path(cls.key, old)} is deprecated; use {key_path(cls.key, new)}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            data[new] = data.pop(old)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict):  # the block's value in the JSON
+        "Build the block from its JSON value, rejecting unknown keys and naming missing required ones"
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise TypeError(f"{cls.key or 'the config'} must be a dict (JSON object), got {short_repr(data)}")
+        for k in data:
+            if k not in cls.json_keys() and k not in cls.renamed and k not in cls.legacy:
+                raise unknown_key(k, cls.key, cls.json_keys())
+        data = cls.upgrade(dict(data))
+        missing = [k for k in _required(cls) if k not in data]
+        if missing:
+            raise ValueError(f"{key_path(cls.key, missing[0])} is required")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        "The block as plain JSON data; `from_dict` of it gives an equal block"
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
 # %% ../../nbs/00_config_schema.ipynb #c020
 @functools.cache
-def _names(cls)->tuple: return tuple(f.name for f in fields(cls))
+def _names(cls) -> tuple:
+    return tuple(f.name for f in fields(cls))
 
-@patch(cls_method=True)
-def json_keys(cls:Block)->tuple:
-    "The current keys of the block's JSON (the field names, unless a subclass maps them differently)"
-    return _names(cls)
 
 @functools.cache
-def _required(cls)->tuple:
-    return tuple(f.name for f in fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-
-@patch(cls_method=True)
-def upgrade(cls:Block, data:dict)->dict:
-    "Rename legacy keys in `data` (a copy); subclasses with other legacy forms override"
-    for old, new in cls.renamed.items():
-        if old not in data: continue
-        if new in data: raise ValueError(f"{key_path(cls.key, old)} and {key_path(cls.key, new)} both given; keep only '{new}'")
-        warnings.warn(f"config key {key_path(cls.key, old)} is deprecated; use {key_path(cls.key, new)}", DeprecationWarning, stacklevel=3)
-        data[new] = data.pop(old)
-    return data
+def _required(cls) -> tuple:
+    return tuple(
+        f.name for f in fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
 
 # %% ../../nbs/00_config_schema.ipynb #c021
-@patch(cls_method=True)
-def from_dict(cls:Block, data:dict): # the block's value in the JSON
-    "Build the block from its JSON value, rejecting unknown keys and naming missing required ones"
-    if isinstance(data, cls): return data
-    if not isinstance(data, dict): raise TypeError(f"{cls.key or 'the config'} must be a dict (JSON object), got {short_repr(data)}")
-    for k in data:
-        if k not in cls.json_keys() and k not in cls.renamed and k not in cls.legacy: raise unknown_key(k, cls.key, cls.json_keys())
-    data = cls.upgrade(dict(data))
-    missing = [k for k in _required(cls) if k not in data]
-    if missing: raise ValueError(f"{key_path(cls.key, missing[0])} is required")
-    return cls(**data)
-
 def _plain(value):
-    if isinstance(value, Block): return value.to_dict()
-    if isinstance(value, dict): return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Block):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-@patch
-def to_dict(self:Block)->dict:
-    "The block as plain JSON data; `from_dict` of it gives an equal block"
-    return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}

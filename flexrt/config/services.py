@@ -9,134 +9,183 @@ __all__ = ['CommsLoggerConfig', 'FlopsProfilerConfig', 'DiagnosticsConfig', 'Ten
 # %% ../../nbs/00_config_services.ipynb #c003
 from dataclasses import field
 from typing import Literal
-from fastcore.basics import patch
 from .schema import Block, block, setting
 
 # %% ../../nbs/00_config_services.ipynb #c006
 @block
 class CommsLoggerConfig(Block):
     "The `comms_logger` block: which collectives flexrt.comm times, and how much it prints"
+
     key = 'comms_logger'
-    enabled: bool = False # time collectives at all; false means off, even when the block is present
-    verbose: bool = False # print each profiled op as it completes
-    prof_all: bool = True # profile every op; else only `prof_ops` and calls made with `prof=True`
-    debug: bool = False # record the function that called each op
-    prof_ops: list[str] = setting([]) # op names to profile when `prof_all` is false
+    enabled: bool = False  # time collectives at all; false means off, even when the block is present
+    verbose: bool = False  # print each profiled op as it completes
+    prof_all: bool = True  # profile every op; else only `prof_ops` and calls made with `prof=True`
+    debug: bool = False  # record the function that called each op
+    prof_ops: list[str] = setting([])  # op names to profile when `prof_all` is false
+
 
 @block
 class FlopsProfilerConfig(Block):
     "The `flops_profiler` block: profile one step's FLOPs, parameters and latency per module"
+
     key = 'flops_profiler'
-    enabled: bool = False # run the profiler
-    recompute_fwd_factor: float = setting(0.0, ge=0) # extra forward passes from activation recomputation (0 to 1 per pass)
-    profile_step: int = setting(1, ge=1) # the training step to profile
-    module_depth: int = setting(-1, ge=-1) # deepest module level to report; -1 all
-    top_modules: int = setting(1, ge=1) # modules listed per level in the summary
-    detailed: bool = True # print the per-module breakdown
-    output_file: str | None = None # write the report here instead of stdout
+    enabled: bool = False  # run the profiler
+    recompute_fwd_factor: float = setting(
+        0.0, ge=0
+    )  # extra forward passes from activation recomputation (0 to 1 per pass)
+    profile_step: int = setting(1, ge=1)  # the training step to profile
+    module_depth: int = setting(-1, ge=-1)  # deepest module level to report; -1 all
+    top_modules: int = setting(1, ge=1)  # modules listed per level in the summary
+    detailed: bool = True  # print the per-module breakdown
+    output_file: str | None = None  # write the report here instead of stdout
 
 # %% ../../nbs/00_config_services.ipynb #w2871d05
 @block
 class DiagnosticsConfig(Block):
-    "The `diagnostics` block (flexrt's own): the first non-finite value named, per-layer gradient norms, time blocked in collectives"
+    """The `diagnostics` block (flexrt's own): the first non-finite value named, per-layer gradient norms, time blocked
+    in collectives"""
+
     key = 'diagnostics'
-    stop_on_nonfinite: bool = False # raise `NonFiniteError` on every rank at the first non-finite loss or gradient
-    layer_norms_every: int | None = setting(None, ge=0) # per-layer gradient norms every this many optimizer steps; 0 never; null: 10 while watched
-    layer_norms_top: int = setting(16, ge=1) # layers in each 'layer_norms' record, largest norm first
-    comm_wait: bool | None = None # time each rank spends blocked in collectives, in its step records; null: while watched
+    stop_on_nonfinite: bool = False  # raise `NonFiniteError` on every rank at the first non-finite loss or gradient
+    layer_norms_every: int | None = setting(
+        None, ge=0
+    )  # per-layer gradient norms every this many optimizer steps; 0 never; null: 10 while watched
+    layer_norms_top: int = setting(16, ge=1)  # layers in each 'layer_norms' record, largest norm first
+    comm_wait: bool | None = (
+        None  # time each rank spends blocked in collectives, in its step records; null: while watched
+    )
 
 # %% ../../nbs/00_config_services.ipynb #c010
 @block
 class TensorBoardConfig(Block):
-    "The `tensorboard` block: DeepSpeed's step events as TensorBoard scalars in `output_path/job_name` (rank 0; `flexrt.monitor.ds_sinks`)"
+    """The `tensorboard` block: DeepSpeed's step events as TensorBoard scalars in `output_path/job_name` (rank 0;
+    `flexrt.monitor.ds_sinks`)"""
+
     key = 'tensorboard'
-    enabled: bool = False # write TensorBoard event files
-    output_path: str = '' # directory for the files ('' the current directory)
-    job_name: str = 'flexrt' # sub-directory naming this run
+    enabled: bool = False  # write TensorBoard event files
+    output_path: str = ''  # directory for the files ('' the current directory)
+    job_name: str = 'flexrt'  # sub-directory naming this run
+
 
 @block
 class CSVMonitorConfig(Block):
     "The `csv_monitor` block: DeepSpeed's step events, one CSV file per event in `output_path/job_name` (rank 0)"
+
     key = 'csv_monitor'
-    enabled: bool = False # write CSV files
-    output_path: str = '' # directory for the files ('' the current directory)
-    job_name: str = 'flexrt' # sub-directory naming this run
+    enabled: bool = False  # write CSV files
+    output_path: str = ''  # directory for the files ('' the current directory)
+    job_name: str = 'flexrt'  # sub-directory naming this run
+
 
 @block
 class WandbConfig(Block):
-    "The `wandb` block: DeepSpeed's step events to a Weights & Biases run (rank 0; `WANDB_MODE=offline` keeps it on disk)"
+    """The `wandb` block: DeepSpeed's step events to a Weights & Biases run (rank 0; `WANDB_MODE=offline` keeps it on
+    disk)"""
+
     key = 'wandb'
-    enabled: bool = False # log to W&B (needs the wandb package)
-    group: str | None = None # W&B group
-    team: str | None = None # W&B entity
-    project: str = 'flexrt' # W&B project
+    enabled: bool = False  # log to W&B (needs the wandb package)
+    group: str | None = None  # W&B group
+    team: str | None = None  # W&B entity
+    project: str = 'flexrt'  # W&B project
 
 # %% ../../nbs/00_config_services.ipynb #c013
 @block
 class ParallelWriteConfig(Block):
     "`checkpoint.parallel_write`: how ranks share the writing of a checkpoint"
+
     key = 'checkpoint.parallel_write'
-    pipeline_stage: bool = False # each pipeline stage writes its own part
+    pipeline_stage: bool = False  # each pipeline stage writes its own part
+
 
 @block
 class CheckpointConfig(Block):
     "The `checkpoint` block: tag checks across ranks, universal checkpoints, where files are written"
+
     key = 'checkpoint'
-    tag_validation: Literal['Ignore', 'Warn', 'Fail'] = 'Warn' # on ranks saving under different tags
-    load_universal: bool = False # load from a universal (world-size independent) checkpoint
-    use_node_local_storage: bool = False # each node's local rank 0 writes (storage not shared between nodes)
-    parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig) # parallel writing
+    tag_validation: Literal['Ignore', 'Warn', 'Fail'] = 'Warn'  # on ranks saving under different tags
+    load_universal: bool = False  # load from a universal (world-size independent) checkpoint
+    use_node_local_storage: bool = False  # each node's local rank 0 writes (storage not shared between nodes)
+    parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig)  # parallel writing
 
 # %% ../../nbs/00_config_services.ipynb #c016
 @block
 class ModelInfoConfig(Block):
     "`autotuning.model_info`: what the tuner knows about the model without profiling it"
+
     key = 'autotuning.model_info'
-    profile: bool = False # profile the model (parameters, activation memory) before tuning
-    num_params: int | None = setting(None, ge=1) # parameter count, if known
-    hidden_size: int | None = setting(None, ge=1) # hidden size, sizes ZeRO-3 buckets
-    num_layers: int | None = setting(None, ge=1) # layer count
+    profile: bool = False  # profile the model (parameters, activation memory) before tuning
+    num_params: int | None = setting(None, ge=1)  # parameter count, if known
+    hidden_size: int | None = setting(None, ge=1)  # hidden size, sizes ZeRO-3 buckets
+    num_layers: int | None = setting(None, ge=1)  # layer count
 
 # %% ../../nbs/00_config_services.ipynb #c017
 @block
 class AutotuningConfig(Block):
     "The `autotuning` block: search over ZeRO stage, micro-batch size and ZeRO knobs"
+
     key = 'autotuning'
-    enabled: bool = False # tune
-    fast: bool = True # only ZeRO stage and micro-batch size; false also searches each stage's knobs
-    results_dir: str = 'autotuning_results' # per-experiment results and the summary
-    exps_dir: str = 'autotuning_exps' # experiment descriptions
-    overwrite: bool = True # start afresh; false skips experiments already finished
-    start_profile_step: int = setting(3, ge=0) # first step timed in each experiment
-    end_profile_step: int = setting(5, ge=1) # last step timed in each experiment
-    metric: Literal['throughput', 'latency', 'flops'] = 'throughput' # what the search optimises
-    metric_path: str | None = None # where an experiment writes its metrics
-    model_info_path: str | None = None # where the profiling run writes model info
-    tuner_type: Literal['gridsearch', 'random', 'model_based', 'tpe', 'gp', 'grid'] = 'gridsearch' # search strategy (flexrt's autotuner: model_based = tpe, gridsearch = grid)
-    tuner_early_stopping: int = setting(5, ge=1) # experiments past the best without improvement before stopping
-    tuner_num_trials: int = setting(50, ge=1) # most experiments per tuning space
-    arg_mappings: dict[str, str] | None = None # config key -> script argument that carries it
-    max_train_batch_size: int | None = setting(None, ge=1) # upper bound on train_batch_size
-    min_train_batch_size: int = setting(1, ge=1) # lower bound on train_batch_size
-    max_train_micro_batch_size_per_gpu: int = setting(1024, ge=1) # upper bound on the micro-batch size
-    min_train_micro_batch_size_per_gpu: int = setting(1, ge=1) # lower bound on the micro-batch size
-    num_tuning_micro_batch_sizes: int = setting(3, ge=1) # micro-batch sizes tried per stage
-    mp_size: int = setting(1, ge=1) # model-parallel size
-    tolerance: float = setting(0.03, gt=0, le=1) # flexrt: a trial times steps until its median step time's 95% interval is within this of it
-    max_profile_steps: int = setting(40, ge=1) # flexrt: timed steps per trial at most
-    max_profile_seconds: float = setting(4.0, gt=0) # flexrt: seconds of timed steps per trial at most
-    playoff_size: int = setting(3, ge=1) # flexrt: top candidates re-measured against the baseline, in interleaved rounds, to decide
-    playoff_rounds: int = setting(15, ge=6) # flexrt: most playoff rounds (6 at least: the fewest whose interval covers 95%)
-    model_info: ModelInfoConfig = field(default_factory=ModelInfoConfig) # model facts
+    enabled: bool = False  # tune
+    fast: bool = True  # only ZeRO stage and micro-batch size; false also searches each stage's knobs
+    results_dir: str = 'autotuning_results'  # per-experiment results and the summary
+    exps_dir: str = 'autotuning_exps'  # experiment descriptions
+    overwrite: bool = True  # start afresh; false skips experiments already finished
+    start_profile_step: int = setting(3, ge=0)  # first step timed in each experiment
+    end_profile_step: int = setting(5, ge=1)  # last step timed in each experiment
+    metric: Literal['throughput', 'latency', 'flops'] = 'throughput'  # what the search optimises
+    metric_path: str | None = None  # where an experiment writes its metrics
+    model_info_path: str | None = None  # where the profiling run writes model info
+    tuner_type: Literal['gridsearch', 'random', 'model_based', 'tpe', 'gp', 'grid'] = (
+        'gridsearch'  # search strategy (flexrt's autotuner: model_based = tpe, gridsearch = grid)
+    )
+    tuner_early_stopping: int = setting(5, ge=1)  # experiments past the best without improvement before stopping
+    tuner_num_trials: int = setting(50, ge=1)  # most experiments per tuning space
+    arg_mappings: dict[str, str] | None = None  # config key -> script argument that carries it
+    max_train_batch_size: int | None = setting(None, ge=1)  # upper bound on train_batch_size
+    min_train_batch_size: int = setting(1, ge=1)  # lower bound on train_batch_size
+    max_train_micro_batch_size_per_gpu: int = setting(1024, ge=1)  # upper bound on the micro-batch size
+    min_train_micro_batch_size_per_gpu: int = setting(1, ge=1)  # lower bound on the micro-batch size
+    num_tuning_micro_batch_sizes: int = setting(3, ge=1)  # micro-batch sizes tried per stage
+    mp_size: int = setting(1, ge=1)  # model-parallel size
+    tolerance: float = setting(
+        0.03, gt=0, le=1
+    )  # flexrt: a trial times steps until its median step time's 95% interval is within this of it
+    max_profile_steps: int = setting(40, ge=1)  # flexrt: timed steps per trial at most
+    max_profile_seconds: float = setting(4.0, gt=0)  # flexrt: seconds of timed steps per trial at most
+    playoff_size: int = setting(
+        3, ge=1
+    )  # flexrt: top candidates re-measured against the baseline, in interleaved rounds, to decide
+    playoff_rounds: int = setting(
+        15, ge=6
+    )  # flexrt: most playoff rounds (6 at least: the fewest whose interval covers 95%)
+    model_info: ModelInfoConfig = field(default_factory=ModelInfoConfig)  # model facts
+
+    def validate(self):
+        _check_order(
+            'autotuning',
+            'start_profile_step',
+            self.start_profile_step,
+            'end_profile_step',
+            self.end_profile_step,
+            strict=True,
+        )
+        _check_order(
+            'autotuning',
+            'min_train_batch_size',
+            self.min_train_batch_size,
+            'max_train_batch_size',
+            self.max_train_batch_size,
+        )
+        _check_order(
+            'autotuning',
+            'min_train_micro_batch_size_per_gpu',
+            self.min_train_micro_batch_size_per_gpu,
+            'max_train_micro_batch_size_per_gpu',
+            self.max_train_micro_batch_size_per_gpu,
+        )
 
 # %% ../../nbs/00_config_services.ipynb #c018
-def _check_order(path:str, low_name:str, low, high_name:str, high, strict=False):
+def _check_order(path: str, low_name: str, low, high_name: str, high, strict=False):
     if high is not None and (low >= high if strict else low > high):
-        raise ValueError(f"{path}.{low_name}={low} must be {'below' if strict else 'at most'} {path}.{high_name}={high}")
-
-@patch
-def validate(self:AutotuningConfig):
-    _check_order('autotuning', 'start_profile_step', self.start_profile_step, 'end_profile_step', self.end_profile_step, strict=True)
-    _check_order('autotuning', 'min_train_batch_size', self.min_train_batch_size, 'max_train_batch_size', self.max_train_batch_size)
-    _check_order('autotuning', 'min_train_micro_batch_size_per_gpu', self.min_train_micro_batch_size_per_gpu,
-                 'max_train_micro_batch_size_per_gpu', self.max_train_micro_batch_size_per_gpu)
+        raise ValueError(
+            f"{path}.{low_name}={low} must be {'below' if strict else 'at most'} {path}.{high_name}={high}"
+        )

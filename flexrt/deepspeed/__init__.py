@@ -7,4 +7,5 @@ __all__ = ['TREE', 'Unavailable', 'ShimModule', 'use_as_deepspeed', 'stop_using_
 
 # %% ../../nbs/90_deepspeed.ipynb #c003
 from .alias import TREE, Unavailable, ShimModule, use_as_deepspeed, stop_using_as_deepspeed
+
 _all_ = ['TREE', 'Unavailable', 'ShimModule', 'use_as_deepspeed', 'stop_using_as_deepspeed']

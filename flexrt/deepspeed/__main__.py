@@ -7,31 +7,48 @@ __all__ = ['USAGE', 'main']
 
 # %% ../../nbs/90_deepspeed_main.ipynb #c003
 import os, runpy, sys
-from . import use_as_deepspeed
+from .alias import use_as_deepspeed
 from .detection import install_alias, remove_alias
 
-USAGE = ('usage: python -m flexrt.deepspeed SCRIPT.py [script arguments...]\n'
-         '       python -m flexrt.deepspeed --install-alias | --remove-alias\n'
-         'Runs a DeepSpeed training script unmodified, with flexrt imported as deepspeed. --install-alias makes every Python\n'
-         'process of this environment find flexrt as deepspeed (for `accelerate launch --use_deepspeed`); --remove-alias undoes it.')
+USAGE = (
+    'usage: python -m flexrt.deepspeed SCRIPT.py [script arguments...]\n'
+    '       python -m flexrt.deepspeed --install-alias | --remove-alias\n'
+    'Runs a DeepSpeed training script unmodified, with flexrt imported as deepspeed. --install-alias makes every '
+    'Python\n'
+    'process of this environment find flexrt as deepspeed (for `accelerate launch --use_deepspeed`); --remove-alias '
+    'undoes it.'
+)
 
-def _alias(option:str)->str: # what was done, for the user
+
+def _alias(option: str) -> str:  # what was done, for the user
     if option == '--install-alias':
-        return f"installed {install_alias()}: `import deepspeed` gives flexrt in every Python process of this environment " \
-               "(FLEXRT_DEEPSPEED_ALIAS=0 for the real one in one process); `python -m flexrt.deepspeed --remove-alias` undoes it"
+        return (
+            f"installed {install_alias()}: `import deepspeed` gives flexrt in every Python process of this environment "
+            "(FLEXRT_DEEPSPEED_ALIAS=0 for the real one in one process); `python -m flexrt.deepspeed --remove-alias` "
+            "undoes it"
+        )
     removed = remove_alias()
-    return f"removed {removed}: `import deepspeed` finds the installed DeepSpeed again, if any" if removed else "no alias was installed here"
+    return (
+        f"removed {removed}: `import deepspeed` finds the installed DeepSpeed again, if any"
+        if removed
+        else "no alias was installed here"
+    )
 
-def main(argv:list|None=None):
+
+def main(argv: list | None = None):
     "Run `argv[0]` (a script) as `__main__` with flexrt standing in for deepspeed; or install or remove the alias"
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ('-h', '--help'):
         print(USAGE)
         raise SystemExit(0 if argv else 2)
-    if argv[0] in ('--install-alias', '--remove-alias'): print(_alias(argv[0])); return
+    if argv[0] in ('--install-alias', '--remove-alias'):
+        print(_alias(argv[0]))
+        return
     use_as_deepspeed()
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))   # as `python SCRIPT.py` sets it
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT.py` sets it
     runpy.run_path(argv[0], run_name='__main__')
 
-if __name__ == '__main__' and not hasattr(sys, 'ps1') and 'ipykernel' not in sys.modules: main()
+
+if __name__ == '__main__' and not hasattr(sys, 'ps1') and 'ipykernel' not in sys.modules:
+    main()

@@ -11,132 +11,187 @@ import psutil, torch
 __all__ = ['SUPPORTED_ACCELERATOR_LIST', 'Accelerator', 'get_accelerator', 'set_accelerator', 'is_current_accelerator_supported']
 
 # %% ../../nbs/90_deepspeed_accelerator.ipynb #c006
-def _mkldnn_fp16()->bool:
-    try: return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError): return False
+def _mkldnn_fp16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
 
 class Accelerator:
     "DeepSpeed's accelerator interface over one torch device kind"
-    def __init__(self, name:str): self._name = name
-    def device_name(self, device_index=None)->str: return self._name if device_index is None else f'{self._name}:{device_index}'
-    def current_device_name(self)->str: return self.device_name(self.current_device()) if self._name != 'cpu' else 'cpu'
-    def device(self, device_index=None): return torch.device(self.device_name(device_index))
-    def communication_backend_name(self)->str: return {'cuda': 'nccl', 'cpu': 'gloo', 'mps': 'gloo'}[self._name]
-    def is_synchronized_device(self)->bool: return self._name == 'cpu'
-    def use_host_timers(self)->bool: return self.is_synchronized_device()
-    def resolves_data_dependency(self)->bool: return self.is_synchronized_device()
-    def handles_memory_backpressure(self)->bool: return self.is_synchronized_device()
-    def is_bf16_supported(self)->bool: return self._name != 'cuda' or torch.cuda.is_bf16_supported()
-    def is_fp16_supported(self)->bool:
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def device_name(self, device_index=None) -> str:
+        return self._name if device_index is None else f'{self._name}:{device_index}'
+
+    def current_device_name(self) -> str:
+        return self.device_name(self.current_device()) if self._name != 'cpu' else 'cpu'
+
+    def device(self, device_index=None):
+        return torch.device(self.device_name(device_index))
+
+    def communication_backend_name(self) -> str:
+        return {'cuda': 'nccl', 'cpu': 'gloo', 'mps': 'gloo'}[self._name]
+
+    def is_synchronized_device(self) -> bool:
+        return self._name == 'cpu'
+
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
+
+    def resolves_data_dependency(self) -> bool:
+        return self.is_synchronized_device()
+
+    def handles_memory_backpressure(self) -> bool:
+        return self.is_synchronized_device()
+
+    def is_bf16_supported(self) -> bool:
+        return self._name != 'cuda' or torch.cuda.is_bf16_supported()
+
+    def is_fp16_supported(self) -> bool:
         "DeepSpeed's answer: on CPU, whether oneDNN has fast fp16 kernels here (flexrt itself trains fp16 on any CPU)"
         return self._name != 'cpu' or _mkldnn_fp16()
-    def supported_dtypes(self)->list: return [torch.float32, torch.bfloat16] + ([torch.float16] if self.is_fp16_supported() else [])
-    def on_accelerator(self, tensor:torch.Tensor)->bool: return tensor.device.type == self._name
-    def __repr__(self): return f"Accelerator({self._name!r})"
+
+    def supported_dtypes(self) -> list:
+        return [torch.float32, torch.bfloat16] + ([torch.float16] if self.is_fp16_supported() else [])
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self._name
+
+    def __repr__(self):
+        return f"Accelerator({self._name!r})"
+
+    def device_count(self) -> int:
+        "Devices of this kind; on CPU, DeepSpeed's count: `LOCAL_SIZE` ranks if set, else 1"
+        if self._name == 'cpu':
+            return int(os.environ.get('LOCAL_SIZE', 0)) or 1
+        module = _torch_device_module(self)
+        return module.device_count() if module is not None else 1
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device() if self._name == 'cuda' else 0
+
+    def set_device(self, device_index: int):
+        if self._name == 'cuda':
+            torch.cuda.set_device(device_index)
+
+    def is_available(self) -> bool:
+        module = _torch_device_module(self)
+        return module.is_available() if module is not None else True
+
+    def synchronize(self, device_index=None):
+        module = _torch_device_module(self)
+        if module is not None:
+            module.synchronize()
+
+    def manual_seed(self, seed: int):
+        module = _torch_device_module(self)
+        (module or torch).manual_seed(seed)
+
+    def manual_seed_all(self, seed: int):
+        if self._name == 'cuda':
+            torch.cuda.manual_seed_all(seed)
+        else:
+            self.manual_seed(seed)
+
+    def get_rng_state(self, device_index=None):
+        return (torch.cuda if self._name == 'cuda' else torch).get_rng_state()
+
+    def set_rng_state(self, new_state, device_index=None):
+        (torch.cuda if self._name == 'cuda' else torch).set_rng_state(new_state)
+
+    def empty_cache(self):
+        module = _torch_device_module(self)
+        if module is not None and hasattr(module, 'empty_cache'):
+            module.empty_cache()
+
+    def memory_allocated(self, device_index=None) -> int:
+        if self._name == 'cuda':
+            return torch.cuda.memory_allocated(device_index)
+        if self._name == 'mps':
+            return torch.mps.current_allocated_memory()
+        return _cpu_tensor_stats()[0]
+
+    def max_memory_allocated(self, device_index=None) -> int:
+        return (
+            torch.cuda.max_memory_allocated(device_index)
+            if self._name == 'cuda'
+            else max(self.memory_allocated(), _cpu_tensor_stats()[1])
+        )
+
+    def memory_reserved(self, device_index=None) -> int:
+        return torch.cuda.memory_reserved(device_index) if self._name == 'cuda' else self.memory_allocated()
+
+    def max_memory_reserved(self, device_index=None) -> int:
+        return torch.cuda.max_memory_reserved(device_index) if self._name == 'cuda' else self.max_memory_allocated()
+
+    def reset_peak_memory_stats(self, device_index=None):
+        if self._name == 'cuda':
+            torch.cuda.reset_peak_memory_stats(device_index)
+
+    def total_memory(self, device_index=None) -> int:
+        if self._name == 'cuda':
+            return torch.cuda.get_device_properties(device_index or 0).total_memory
+        return psutil.virtual_memory().total
+
+    def available_memory(self, device_index=None) -> int:
+        if self._name == 'cuda':
+            return torch.cuda.mem_get_info(device_index)[0]
+        return psutil.virtual_memory().available
+
+    def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
+        return tensor.pin_memory() if self._name == 'cuda' else tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return self._name == 'cuda' and tensor.is_pinned()
 
 # %% ../../nbs/90_deepspeed_accelerator.ipynb #c007
 import os
-from fastcore.basics import patch
 
-def _torch_device_module(self:Accelerator): return getattr(torch, self._name) if self._name != 'cpu' else None
 
-@patch
-def device_count(self:Accelerator)->int:
-    "Devices of this kind; on CPU, DeepSpeed's count: `LOCAL_SIZE` ranks if set, else 1"
-    if self._name == 'cpu': return int(os.environ.get('LOCAL_SIZE', 0)) or 1
-    module = _torch_device_module(self)
-    return module.device_count() if module is not None else 1
-@patch
-def current_device(self:Accelerator)->int:
-    return torch.cuda.current_device() if self._name == 'cuda' else 0
-@patch
-def set_device(self:Accelerator, device_index:int):
-    if self._name == 'cuda': torch.cuda.set_device(device_index)
-@patch
-def is_available(self:Accelerator)->bool:
-    module = _torch_device_module(self)
-    return module.is_available() if module is not None else True
-@patch
-def synchronize(self:Accelerator, device_index=None):
-    module = _torch_device_module(self)
-    if module is not None: module.synchronize()
-@patch
-def manual_seed(self:Accelerator, seed:int):
-    module = _torch_device_module(self)
-    (module or torch).manual_seed(seed)
-@patch
-def manual_seed_all(self:Accelerator, seed:int):
-    if self._name == 'cuda': torch.cuda.manual_seed_all(seed)
-    else: self.manual_seed(seed)
-@patch
-def get_rng_state(self:Accelerator, device_index=None): return (torch.cuda if self._name == 'cuda' else torch).get_rng_state()
-@patch
-def set_rng_state(self:Accelerator, new_state, device_index=None): (torch.cuda if self._name == 'cuda' else torch).set_rng_state(new_state)
-@patch
-def empty_cache(self:Accelerator):
-    module = _torch_device_module(self)
-    if module is not None and hasattr(module, 'empty_cache'): module.empty_cache()
+def _torch_device_module(self: Accelerator):
+    return getattr(torch, self._name) if self._name != 'cpu' else None
 
 # %% ../../nbs/90_deepspeed_accelerator.ipynb #c009
-def _cpu_tensor_stats()->tuple: # allocated, max allocated
+def _cpu_tensor_stats() -> tuple:  # allocated, max allocated
     from flexrt.memory.stats import memory_snapshot
+
     s = memory_snapshot()
     return s.allocated_bytes, s.max_allocated_bytes
-
-@patch
-def memory_allocated(self:Accelerator, device_index=None)->int:
-    if self._name == 'cuda': return torch.cuda.memory_allocated(device_index)
-    if self._name == 'mps': return torch.mps.current_allocated_memory()
-    return _cpu_tensor_stats()[0]
-@patch
-def max_memory_allocated(self:Accelerator, device_index=None)->int:
-    return torch.cuda.max_memory_allocated(device_index) if self._name == 'cuda' else max(self.memory_allocated(), _cpu_tensor_stats()[1])
-@patch
-def memory_reserved(self:Accelerator, device_index=None)->int:
-    return torch.cuda.memory_reserved(device_index) if self._name == 'cuda' else self.memory_allocated()
-@patch
-def max_memory_reserved(self:Accelerator, device_index=None)->int:
-    return torch.cuda.max_memory_reserved(device_index) if self._name == 'cuda' else self.max_memory_allocated()
-@patch
-def reset_peak_memory_stats(self:Accelerator, device_index=None):
-    if self._name == 'cuda': torch.cuda.reset_peak_memory_stats(device_index)
-@patch
-def total_memory(self:Accelerator, device_index=None)->int:
-    if self._name == 'cuda': return torch.cuda.get_device_properties(device_index or 0).total_memory
-    return psutil.virtual_memory().total
-@patch
-def available_memory(self:Accelerator, device_index=None)->int:
-    if self._name == 'cuda': return torch.cuda.mem_get_info(device_index)[0]
-    return psutil.virtual_memory().available
-@patch
-def pin_memory(self:Accelerator, tensor:torch.Tensor, align_bytes:int=1)->torch.Tensor:
-    return tensor.pin_memory() if self._name == 'cuda' else tensor
-@patch
-def is_pinned(self:Accelerator, tensor:torch.Tensor)->bool: return self._name == 'cuda' and tensor.is_pinned()
 
 # %% ../../nbs/90_deepspeed_accelerator.ipynb #c011
 _ACCELERATOR = [None]
 
-def _usable(name:str)->bool:
-    if name == 'cpu': return True
+
+def _usable(name: str) -> bool:
+    if name == 'cpu':
+        return True
     module = getattr(torch, name, None)
     return module is not None and hasattr(module, 'is_available') and module.is_available()
 
-def get_accelerator()->Accelerator:
+
+def get_accelerator() -> Accelerator:
     "The process's accelerator: `DS_ACCELERATOR` (cuda, mps, cpu) if set, else CUDA, MPS or CPU, whichever torch has"
     if _ACCELERATOR[0] is None:
         wanted = os.environ.get('DS_ACCELERATOR')
         if wanted is not None and wanted not in ('cuda', 'mps', 'cpu'):
             raise ValueError(f"DS_ACCELERATOR={wanted!r}: flexrt supports 'cuda', 'mps' and 'cpu'")
-        if wanted is not None and not _usable(wanted): raise RuntimeError(f"DS_ACCELERATOR={wanted!r} but torch has no usable {wanted} device")
+        if wanted is not None and not _usable(wanted):
+            raise RuntimeError(f"DS_ACCELERATOR={wanted!r} but torch has no usable {wanted} device")
         _ACCELERATOR[0] = Accelerator(wanted or next(n for n in ('cuda', 'mps', 'cpu') if _usable(n)))
     return _ACCELERATOR[0]
 
-def set_accelerator(accelerator:Accelerator): _ACCELERATOR[0] = accelerator
+
+def set_accelerator(accelerator: Accelerator):
+    _ACCELERATOR[0] = accelerator
 
 # %% ../../nbs/90_deepspeed_accelerator.ipynb #c013
 SUPPORTED_ACCELERATOR_LIST = ['cuda', 'cpu', 'mps']
 
-def is_current_accelerator_supported()->bool:
+
+def is_current_accelerator_supported() -> bool:
     "DeepSpeed's check that the chosen accelerator is one it knows (flexrt's are CUDA, CPU and MPS)"
     return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST

@@ -14,75 +14,170 @@ __all__ = ['TREE', 'ENV_SWITCH', 'HOOK', 'Unavailable', 'ShimModule', 'use_as_de
 # %% ../../nbs/90_deepspeed_alias.ipynb #c006
 class Unavailable:
     "A DeepSpeed name with no flexrt equivalent: using it raises `NotImplementedError` naming it and why"
-    def __init__(self, name:str, why:str): self._name, self._why = name, why
-    def _fail(self): raise NotImplementedError(f"{self._name}: flexrt has no equivalent ({self._why})")
-    def __call__(self, *args, **kwargs): self._fail()
-    def __getattr__(self, attr): self._fail()
-    def __repr__(self): return f'<unavailable in flexrt: {self._name}>'
-    def __instancecheck__(self, obj)->bool: return False   # `isinstance(x, DeepSpeedClass)`: no flexrt object is one
-    def __subclasscheck__(self, cls)->bool: return False
-    def __mro_entries__(self, bases)->tuple:
+
+    def __init__(self, name: str, why: str):
+        self._name, self._why = name, why
+
+    def _fail(self):
+        raise NotImplementedError(f"{self._name}: flexrt has no equivalent ({self._why})")
+
+    def __call__(self, *args, **kwargs):
+        self._fail()
+
+    def __getattr__(self, attr):
+        self._fail()
+
+    def __repr__(self):
+        return f'<unavailable in flexrt: {self._name}>'
+
+    def __instancecheck__(self, obj) -> bool:
+        return False  # `isinstance(x, DeepSpeedClass)`: no flexrt object is one
+
+    def __subclasscheck__(self, cls) -> bool:
+        return False
+
+    def __mro_entries__(self, bases) -> tuple:
         "`class X(DeepSpeedClass)` defines X; building one raises, naming the DeepSpeed class and why"
         fail = self._fail
-        def __init__(obj, *args, **kwargs): fail()
-        return (type(self._name.rpartition('.')[2], (), {'__init__': __init__, '__doc__': f'unavailable in flexrt: {self._why}'}),)
+
+        def __init__(obj, *args, **kwargs):
+            fail()
+
+        return (
+            type(
+                self._name.rpartition('.')[2],
+                (),
+                {'__init__': __init__, '__doc__': f'unavailable in flexrt: {self._why}'},
+            ),
+        )
 
 # %% ../../nbs/90_deepspeed_alias.ipynb #c009
 class ShimModule(types.ModuleType):
     "A module under a DeepSpeed path whose attributes come from flexrt"
-    def __init__(self, name:str, sources:tuple=(), names:dict|None=None, unavailable:dict|None=None):
+
+    def __init__(self, name: str, sources: tuple = (), names: dict | None = None, unavailable: dict | None = None):
         super().__init__(name)
-        self.__path__, self.__file__ = [], f'<flexrt shim for {name}>'   # a package: submodules can be registered under it
-        self.__spec__, self.__loader__ = shim_spec(name), LOADER        # importlib.util.find_spec(name) finds it
+        self.__path__, self.__file__ = (
+            [],
+            f'<flexrt shim for {name}>',
+        )  # a package: submodules can be registered under it
+        self.__spec__, self.__loader__ = shim_spec(name), LOADER  # importlib.util.find_spec(name) finds it
         self._sources, self._names, self._unavailable = tuple(sources), dict(names or {}), dict(unavailable or {})
 
-    def __getattr__(self, attr:str):
-        if attr.startswith('__') and attr not in self._names: raise AttributeError(attr)
+    def __getattr__(self, attr: str):
+        if attr.startswith('__') and attr not in self._names:
+            raise AttributeError(attr)
         if attr in self._names:
             value = self._names[attr]
             value = value() if isinstance(value, _Lazy) else value
         else:
-            value = next((getattr(m, attr) for m in map(importlib.import_module, self._sources) if hasattr(m, attr)), _MISSING)
-            if value is _MISSING and attr in self._unavailable: value = Unavailable(f'{self.__name__}.{attr}', self._unavailable[attr])
-            if value is _MISSING: raise AttributeError(f"module {self.__name__!r} (flexrt standing in for DeepSpeed) has no attribute {attr!r}")
+            value = next(
+                (getattr(m, attr) for m in map(importlib.import_module, self._sources) if hasattr(m, attr)), _MISSING
+            )
+            if value is _MISSING and attr in self._unavailable:
+                value = Unavailable(f'{self.__name__}.{attr}', self._unavailable[attr])
+            if value is _MISSING:
+                raise AttributeError(
+                    f"module {self.__name__!r} (flexrt standing in for DeepSpeed) has no attribute {attr!r}"
+                )
         setattr(self, attr, value)
         return value
 
+
 class _Lazy:
     "A value computed on first read: `_Lazy('module:name')`"
-    def __init__(self, path:str): self.path = path
+
+    def __init__(self, path: str):
+        self.path = path
+
     def __call__(self):
         module, _, name = self.path.partition(':')
         return getattr(importlib.import_module(module), name) if name else importlib.import_module(module)
 
+
 _MISSING = object()
 
 # %% ../../nbs/90_deepspeed_alias.ipynb #c012
-_LR_CONSTANTS = {n.upper(): n for n in ('lr_schedule', 'lr_range_test_min_lr', 'lr_range_test_step_rate', 'lr_range_test_step_size',
-    'lr_range_test_staircase', 'edge_value', 'mid_value', 'cycle_first_step_size', 'cycle_first_stair_count', 'cycle_second_step_size',
-    'cycle_second_stair_count', 'decay_step_size', 'cycle_min_lr', 'cycle_max_lr', 'decay_lr_rate', 'cycle_min_mom', 'cycle_max_mom',
-    'decay_mom_rate', 'warmup_min_lr', 'warmup_max_lr', 'warmup_num_steps', 'warmup_type', 'total_num_steps', 'warmup_min_ratio',
-    'cos_min_ratio')} | {'LR_RANGE_TEST': 'LRRangeTest', 'ONE_CYCLE': 'OneCycle', 'WARMUP_LR': 'WarmupLR', 'WARMUP_DECAY_LR': 'WarmupDecayLR',
-    'WARMUP_COSINE_LR': 'WarmupCosineLR', 'WARMUP_LOG_RATE': 'log', 'WARMUP_LINEAR_RATE': 'linear',
-    'VALID_LR_SCHEDULES': ['LRRangeTest', 'OneCycle', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR']}
+_LR_CONSTANTS = {
+    n.upper(): n
+    for n in (
+        'lr_schedule',
+        'lr_range_test_min_lr',
+        'lr_range_test_step_rate',
+        'lr_range_test_step_size',
+        'lr_range_test_staircase',
+        'edge_value',
+        'mid_value',
+        'cycle_first_step_size',
+        'cycle_first_stair_count',
+        'cycle_second_step_size',
+        'cycle_second_stair_count',
+        'decay_step_size',
+        'cycle_min_lr',
+        'cycle_max_lr',
+        'decay_lr_rate',
+        'cycle_min_mom',
+        'cycle_max_mom',
+        'decay_mom_rate',
+        'warmup_min_lr',
+        'warmup_max_lr',
+        'warmup_num_steps',
+        'warmup_type',
+        'total_num_steps',
+        'warmup_min_ratio',
+        'cos_min_ratio',
+    )
+} | {
+    'LR_RANGE_TEST': 'LRRangeTest',
+    'ONE_CYCLE': 'OneCycle',
+    'WARMUP_LR': 'WarmupLR',
+    'WARMUP_DECAY_LR': 'WarmupDecayLR',
+    'WARMUP_COSINE_LR': 'WarmupCosineLR',
+    'WARMUP_LOG_RATE': 'log',
+    'WARMUP_LINEAR_RATE': 'linear',
+    'VALID_LR_SCHEDULES': ['LRRangeTest', 'OneCycle', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR'],
+}
 
 _C, _NO_PIPE = 'flexrt.deepspeed.compat', 'flexrt has no pipeline parallelism'
 _CL, _NO_SP = 'flexrt.deepspeed.clients', 'flexrt has no sequence parallelism (Ulysses)'
 _Z3_LEAF = "flexrt's ZeRO-3 fetches parameters module by module and has no leaf-module setting (DeepSpeed's MoE option)"
-_OWN_OPT = "flexrt's engine wraps the optimizer in its own precision/ZeRO optimizer, not DeepSpeed's class (isinstance is False)"
-TREE = {   # DeepSpeed path: (flexrt modules answering for it, extra names, {unavailable name: why})
-    'deepspeed': (('flexrt',), {'__version__': DEEPSPEED_VERSION, 'DeepSpeedEngine': _Lazy('flexrt.engine:Engine'),
-                   'get_accelerator': _Lazy('flexrt.deepspeed.accelerator:get_accelerator'), 'log_dist': _Lazy(f'{_C}:log_dist'),
-                   'logger': _Lazy(f'{_C}:logger'), 'dist': _Lazy('flexrt.comm'),
-                   'initialize': _Lazy(f'{_C}:initialize')},
-                  {'PipelineModule': _NO_PIPE, 'PipelineEngine': _NO_PIPE, 'init_inference': 'flexrt trains; it has no inference engine',
-                   'DeepSpeedTransformerLayer': 'no fused transformer kernels', 'tp_model_init': 'flexrt has no tensor parallelism'}),
+_OWN_OPT = (
+    "flexrt's engine wraps the optimizer in its own precision/ZeRO optimizer, not DeepSpeed's class (isinstance is "
+    "False)"
+)
+TREE = {  # DeepSpeed path: (flexrt modules answering for it, extra names, {unavailable name: why})
+    'deepspeed': (
+        ('flexrt',),
+        {
+            '__version__': DEEPSPEED_VERSION,
+            'DeepSpeedEngine': _Lazy('flexrt.engine:Engine'),
+            'get_accelerator': _Lazy('flexrt.deepspeed.accelerator:get_accelerator'),
+            'log_dist': _Lazy(f'{_C}:log_dist'),
+            'logger': _Lazy(f'{_C}:logger'),
+            'dist': _Lazy('flexrt.comm'),
+            'initialize': _Lazy(f'{_C}:initialize'),
+        },
+        {
+            'PipelineModule': _NO_PIPE,
+            'PipelineEngine': _NO_PIPE,
+            'init_inference': 'flexrt trains; it has no inference engine',
+            'DeepSpeedTransformerLayer': 'no fused transformer kernels',
+            'tp_model_init': 'flexrt has no tensor parallelism',
+        },
+    ),
     'deepspeed.comm': (('flexrt.comm',), {'inference_all_reduce': _Lazy(f'{_C}:inference_all_reduce')}, {}),
     'deepspeed.accelerator': (('flexrt.deepspeed.accelerator',), {}, {}),
     'deepspeed.runtime': ((), {}, {}),
     'deepspeed.runtime.engine': ((), {'DeepSpeedEngine': _Lazy('flexrt.engine:Engine')}, {}),
-    'deepspeed.runtime.utils': (('flexrt.utils',), {'clip_grad_norm_': _Lazy(f'{_C}:clip_grad_norm_'), 'CheckOverflow': _Lazy(f'{_C}:CheckOverflow'),
-                                                   'count_used_parameters_in_backward': _Lazy(f'{_C}:count_used_parameters_in_backward')}, {}),
+    'deepspeed.runtime.utils': (
+        ('flexrt.utils',),
+        {
+            'clip_grad_norm_': _Lazy(f'{_C}:clip_grad_norm_'),
+            'CheckOverflow': _Lazy(f'{_C}:CheckOverflow'),
+            'count_used_parameters_in_backward': _Lazy(f'{_C}:count_used_parameters_in_backward'),
+        },
+        {},
+    ),
     'deepspeed.runtime.lr_schedules': (('flexrt.schedulers',), _LR_CONSTANTS, {}),
     'deepspeed.runtime.config': (('flexrt.deepspeed.config', 'flexrt.config'), {}, {}),
     'deepspeed.runtime.dataloader': ((_C,), {}, {}),
@@ -91,12 +186,43 @@ TREE = {   # DeepSpeed path: (flexrt modules answering for it, extra names, {una
     'deepspeed.runtime.activation_checkpointing': ((), {}, {}),
     'deepspeed.runtime.activation_checkpointing.checkpointing': (('flexrt.checkpointing',), {}, {}),
     'deepspeed.zero': (('flexrt.zero', 'flexrt.zero.stage3.params'), {}, {}),
-    'deepspeed.checkpointing': (('flexrt.checkpointing',), {}, {'get_cuda_rng_tracker': 'flexrt has no model parallelism',
-                                            'model_parallel_cuda_manual_seed': 'flexrt has no model parallelism'}),
-    'deepspeed.utils': ((_C,), {}, {n: _Z3_LEAF for n in ('set_z3_leaf_modules', 'unset_z3_leaf_modules', 'get_z3_leaf_modules', 'z3_leaf_module',
-                                                     'z3_leaf_parameter', 'set_z3_leaf_module', 'set_z3_leaf_modules_by_name', 'set_z3_leaf_modules_by_suffix')}),
-    'deepspeed.utils.groups': (('flexrt.deepspeed.groups',), {}, {n: _NO_SP for n in ('_get_sequence_parallel_group', '_get_sequence_parallel_world_size',
-                                                                             '_get_sequence_parallel_rank')}),
+    'deepspeed.checkpointing': (
+        ('flexrt.checkpointing',),
+        {},
+        {
+            'get_cuda_rng_tracker': 'flexrt has no model parallelism',
+            'model_parallel_cuda_manual_seed': 'flexrt has no model parallelism',
+        },
+    ),
+    'deepspeed.utils': (
+        (_C,),
+        {},
+        {
+            n: _Z3_LEAF
+            for n in (
+                'set_z3_leaf_modules',
+                'unset_z3_leaf_modules',
+                'get_z3_leaf_modules',
+                'z3_leaf_module',
+                'z3_leaf_parameter',
+                'set_z3_leaf_module',
+                'set_z3_leaf_modules_by_name',
+                'set_z3_leaf_modules_by_suffix',
+            )
+        },
+    ),
+    'deepspeed.utils.groups': (
+        ('flexrt.deepspeed.groups',),
+        {},
+        {
+            n: _NO_SP
+            for n in (
+                '_get_sequence_parallel_group',
+                '_get_sequence_parallel_world_size',
+                '_get_sequence_parallel_rank',
+            )
+        },
+    ),
     'deepspeed.utils.zero_to_fp32': ((_C,), {}, {}),
     'deepspeed.ops': ((), {'__compatible_ops__': _Lazy(f'{_C}:COMPATIBLE_OPS')}, {}),
     'deepspeed.ops.op_builder': ((_C,), {}, {}),
@@ -106,99 +232,193 @@ TREE = {   # DeepSpeed path: (flexrt modules answering for it, extra names, {una
     'deepspeed.runtime.fp16.unfused_optimizer': ((), {}, {'FP16_UnfusedOptimizer': _OWN_OPT}),
     'deepspeed.runtime.zero.stage_1_and_2': ((), {}, {'DeepSpeedZeroOptimizer': _OWN_OPT}),
     'deepspeed.runtime.zero.stage3': ((), {}, {'DeepSpeedZeroOptimizer_Stage3': _OWN_OPT}),
-    'deepspeed.runtime.zero.partition_parameters': (('flexrt.zero.stage3.params', 'flexrt.zero.stage3.partitioned_init'),
+    'deepspeed.runtime.zero.partition_parameters': (
+        ('flexrt.zero.stage3.params', 'flexrt.zero.stage3.partitioned_init'),
         {'get_accelerator': _Lazy('flexrt.deepspeed.accelerator:get_accelerator')},
-        {'ZeroParamStatus': "flexrt's stage-3 parameters carry no DeepSpeed status; GatheredParameters gathers them"}),
+        {'ZeroParamStatus': "flexrt's stage-3 parameters carry no DeepSpeed status; GatheredParameters gathers them"},
+    ),
     'deepspeed.moe.utils': ((_C,), {}, {}),
     'deepspeed.ops.adam': ((_C,), {}, {}),
     'deepspeed.ops.lamb': ((), {}, {'FusedLamb': 'torch has no LAMB optimizer'}),
-    'deepspeed.ops.lion': ((), {}, {'FusedLion': 'torch has no Lion optimizer', 'DeepSpeedCPULion': 'torch has no Lion optimizer'}),
+    'deepspeed.ops.lion': (
+        (),
+        {},
+        {'FusedLion': 'torch has no Lion optimizer', 'DeepSpeedCPULion': 'torch has no Lion optimizer'},
+    ),
     'deepspeed.moe': ((), {}, {}),
-    'deepspeed.moe.layer': ((), {}, {'MoE': "flexrt has no MoE layer: bring your own experts and mark them with expert groups"}),
+    'deepspeed.moe.layer': (
+        (),
+        {},
+        {'MoE': "flexrt has no MoE layer: bring your own experts and mark them with expert groups"},
+    ),
     'deepspeed.pipe': ((), {}, {'PipelineModule': _NO_PIPE, 'LayerSpec': _NO_PIPE, 'TiedLayerSpec': _NO_PIPE}),
-    **{f'deepspeed.monitor{sub}': (('flexrt.deepspeed.monitor',), {}, {}) for sub in ('', '.monitor', '.config', '.tensorboard', '.csv_monitor', '.wandb')},
+    **{
+        f'deepspeed.monitor{sub}': (('flexrt.deepspeed.monitor',), {}, {})
+        for sub in ('', '.monitor', '.config', '.tensorboard', '.csv_monitor', '.wandb')
+    },
     'deepspeed.checkpoint': ((), {}, {}),
     'deepspeed.checkpoint.utils': ((_CL,), {}, {}),
     'deepspeed.launcher': ((), {}, {}),
-    'deepspeed.launcher.runner': ((_CL,), {}, {'main': 'flexrt has no launcher of its own: launch with torchrun or accelerate launch and -m flexrt.deepspeed'}),
+    'deepspeed.launcher.runner': (
+        (_CL,),
+        {},
+        {
+            'main': 'flexrt has no launcher of its own: '
+            'launch with torchrun or accelerate launch and -m flexrt.deepspeed'
+        },
+    ),
     'deepspeed.ops.adagrad': ((_CL,), {}, {}),
     'deepspeed.runtime.sequence_parallel': ((), {}, {}),
-    'deepspeed.runtime.sequence_parallel.ulysses_sp': ((), {}, {'UlyssesSPAttentionHF': _NO_SP, 'UlyssesSPDataLoaderAdapter': _NO_SP}),
-    'deepspeed.monitor.comet': ((), {}, {'CometMonitor': 'flexrt has no Comet sink; use tensorboard, csv_monitor or wandb'}),
+    'deepspeed.runtime.sequence_parallel.ulysses_sp': (
+        (),
+        {},
+        {'UlyssesSPAttentionHF': _NO_SP, 'UlyssesSPDataLoaderAdapter': _NO_SP},
+    ),
+    'deepspeed.monitor.comet': (
+        (),
+        {},
+        {'CometMonitor': 'flexrt has no Comet sink; use tensorboard, csv_monitor or wandb'},
+    ),
 }
 
 # %% ../../nbs/90_deepspeed_alias.ipynb #c012b
 _S = 'flexrt.deepspeed.surface'
 _PER_PARAM = "flexrt's optimizer slots give masters per fragment (engine.optimizer.fragments()), not per parameter"
-def _extend_tree(extra:dict):
-    "Add DeepSpeed paths to `TREE`; a path already there keeps its entry and gains these sources, names and unavailable names"
+
+
+def _extend_tree(extra: dict):
+    """Add DeepSpeed paths to `TREE`; a path already there keeps its entry and gains these sources, names and
+    unavailable names"""
     for path, (sources, names, unavailable) in extra.items():
         old_sources, old_names, old_unavailable = TREE.get(path, ((), {}, {}))
-        TREE[path] = (tuple(dict.fromkeys((*old_sources, *sources))), {**names, **old_names}, {**unavailable, **old_unavailable})
+        TREE[path] = (
+            tuple(dict.fromkeys((*old_sources, *sources))),
+            {**names, **old_names},
+            {**unavailable, **old_unavailable},
+        )
 
-_extend_tree({   # the paths DeepSpeed's unit tests (tools/ds_tests.py) import, see flexrt.deepspeed.surface
-    'deepspeed': ((), {'DeepSpeedConfigError': _Lazy(f'{_S}:DeepSpeedConfigError'), '__git_hash__': None, '__git_branch__': None,   # no DeepSpeed build
-                       '__version_major__': 0, '__version_minor__': 19, '__version_patch__': 8}, {}),
-    'deepspeed.runtime.config': ((_S,), {}, {}),
-    'deepspeed.runtime.constants': ((_S,), {}, {}),
-    'deepspeed.runtime.precision_config': ((_S,), {}, {}),
-    'deepspeed.runtime.bf16_optimizer': ((), {}, {'BF16_Optimizer': _OWN_OPT}),
-    **{p: ((), {'ZeroParamStatus': _Lazy('flexrt.zero.stage3.records:ZeroParamStatus')}, {}) for p in
-       ('deepspeed.runtime.zero', 'deepspeed.runtime.zero.partition_parameters', 'deepspeed.zero')},
-    'deepspeed.runtime.zero.utils': ((_S,), {}, {}),
-    'deepspeed.utils.comms_logging': ((_S,), {'CommsLogger': _Lazy(f'{_S}:DeepSpeedCommsLogger')}, {}),   # DeepSpeed's record book (flexrt.comm has its own CommsLogger)
-    'deepspeed.utils.timer': ((_S,), {}, {'SynchronizedWallClockTimer': "flexrt's engine keeps its own timers (wall_clock_breakdown)",
-                                          'ThroughputTimer': "flexrt's engine reports samples/s in its step events"}),
-    'deepspeed.utils.torch': ((_S,), {}, {}),
-    'deepspeed.checkpoint': ((), {}, {}),
-    'deepspeed.checkpoint.utils': ((_S,), {}, {'clone_tensors_for_torch_save': 'not in flexrt yet'}),
-    'deepspeed.runtime.utils': ((), {'see_memory_usage': _Lazy('flexrt.memory:see_memory_usage')}, {}),
-    'deepspeed.utils': ((), {}, {n: _PER_PARAM for n in ('safe_get_full_fp32_param', 'safe_get_full_grad', 'safe_get_full_optimizer_state',
-                                  'safe_set_full_fp32_param', 'safe_set_full_optimizer_state', 'safe_get_local_fp32_param',
-                                  'safe_get_local_grad', 'safe_get_local_optimizer_state', 'safe_set_local_fp32_param')}),
-})
 
+_extend_tree(
+    {  # the paths DeepSpeed's unit tests (tools/ds_tests.py) import, see flexrt.deepspeed.surface
+        'deepspeed': (
+            (),
+            {
+                'DeepSpeedConfigError': _Lazy(f'{_S}:DeepSpeedConfigError'),
+                '__git_hash__': None,
+                '__git_branch__': None,  # no DeepSpeed build
+                '__version_major__': 0,
+                '__version_minor__': 19,
+                '__version_patch__': 8,
+            },
+            {},
+        ),
+        'deepspeed.runtime.config': ((_S,), {}, {}),
+        'deepspeed.runtime.constants': ((_S,), {}, {}),
+        'deepspeed.runtime.precision_config': ((_S,), {}, {}),
+        'deepspeed.runtime.bf16_optimizer': ((), {}, {'BF16_Optimizer': _OWN_OPT}),
+        **{
+            p: ((), {'ZeroParamStatus': _Lazy('flexrt.zero.stage3.records:ZeroParamStatus')}, {})
+            for p in ('deepspeed.runtime.zero', 'deepspeed.runtime.zero.partition_parameters', 'deepspeed.zero')
+        },
+        'deepspeed.runtime.zero.utils': ((_S,), {}, {}),
+        'deepspeed.utils.comms_logging': (
+            (_S,),
+            {'CommsLogger': _Lazy(f'{_S}:DeepSpeedCommsLogger')},
+            {},
+        ),  # DeepSpeed's record book (flexrt.comm has its own CommsLogger)
+        'deepspeed.utils.timer': (
+            (_S,),
+            {},
+            {
+                'SynchronizedWallClockTimer': "flexrt's engine keeps its own timers (wall_clock_breakdown)",
+                'ThroughputTimer': "flexrt's engine reports samples/s in its step events",
+            },
+        ),
+        'deepspeed.utils.torch': ((_S,), {}, {}),
+        'deepspeed.checkpoint': ((), {}, {}),
+        'deepspeed.checkpoint.utils': ((_S,), {}, {'clone_tensors_for_torch_save': 'not in flexrt yet'}),
+        'deepspeed.runtime.utils': ((), {'see_memory_usage': _Lazy('flexrt.memory:see_memory_usage')}, {}),
+        'deepspeed.utils': (
+            (),
+            {},
+            {
+                n: _PER_PARAM
+                for n in (
+                    'safe_get_full_fp32_param',
+                    'safe_get_full_grad',
+                    'safe_get_full_optimizer_state',
+                    'safe_set_full_fp32_param',
+                    'safe_set_full_optimizer_state',
+                    'safe_get_local_fp32_param',
+                    'safe_get_local_grad',
+                    'safe_get_local_optimizer_state',
+                    'safe_set_local_fp32_param',
+                )
+            },
+        ),
+    }
+)
 
 # %% ../../nbs/90_deepspeed_alias.ipynb #c014
-def _is_ours(module)->bool: return isinstance(module, ShimModule)
+def _is_ours(module) -> bool:
+    return isinstance(module, ShimModule)
 
-def use_as_deepspeed()->types.ModuleType: # the `deepspeed` module now in sys.modules
+
+def use_as_deepspeed() -> types.ModuleType:  # the `deepspeed` module now in sys.modules
     "Register flexrt under DeepSpeed's module paths, so `import deepspeed` (and its submodules) gives flexrt"
     present = sys.modules.get('deepspeed')
     if present is not None and not _is_ours(present):
-        raise RuntimeError("the real deepspeed is already imported in this process: call flexrt.use_as_deepspeed() "
-                           "(or run `python -m flexrt.deepspeed script.py`) before anything imports deepspeed")
-    install_finder()   # importlib.metadata finds a `deepspeed` distribution (flexrt's), ahead of any installed one
-    if present is not None: return present
+        raise RuntimeError(
+            "the real deepspeed is already imported in this process: call flexrt.use_as_deepspeed() "
+            "(or run `python -m flexrt.deepspeed script.py`) before anything imports deepspeed"
+        )
+    install_finder()  # importlib.metadata finds a `deepspeed` distribution (flexrt's), ahead of any installed one
+    if present is not None:
+        return present
     for path, (sources, names, unavailable) in TREE.items():
         sys.modules[path] = ShimModule(path, sources, names, unavailable)
     for path in TREE:
         parent, _, child = path.rpartition('.')
-        if parent: setattr(sys.modules[parent], child, sys.modules[path])
+        if parent:
+            setattr(sys.modules[parent], child, sys.modules[path])
     return sys.modules['deepspeed']
+
 
 def stop_using_as_deepspeed():
     "Remove flexrt's DeepSpeed module tree from sys.modules, and its `deepspeed` distribution from importlib.metadata"
     remove_finder()
     for path in TREE:
-        if _is_ours(sys.modules.get(path)): del sys.modules[path]
+        if _is_ours(sys.modules.get(path)):
+            del sys.modules[path]
 
 # %% ../../nbs/90_deepspeed_alias.ipynb #c017
-ENV_SWITCH = 'FLEXRT_DEEPSPEED_ALIAS'   # "0" in a process's environment: the installed alias leaves `deepspeed` alone there
+ENV_SWITCH = (
+    'FLEXRT_DEEPSPEED_ALIAS'  # "0" in a process's environment: the installed alias leaves `deepspeed` alone there
+)
+
 
 class AliasHook(importlib.abc.MetaPathFinder):
-    "First on `sys.meta_path` from interpreter start (the alias's `.pth` file): the first look-up of `deepspeed` makes flexrt stand in"
+    """First on `sys.meta_path` from interpreter start (the alias's `.pth` file): the first look-up of `deepspeed` makes
+    flexrt stand in"""
+
     def find_spec(self, name, path=None, target=None):
-        if name.partition('.')[0] != 'deepspeed': return None
+        if name.partition('.')[0] != 'deepspeed':
+            return None
         use_as_deepspeed()
-        return getattr(sys.modules.get(name), '__spec__', None)   # a path flexrt does not register: not found
+        return getattr(sys.modules.get(name), '__spec__', None)  # a path flexrt does not register: not found
+
     def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
         return FINDER.find_distributions(context)
 
+
 HOOK = AliasHook()
 
-def install_hook()->bool: # whether the hook is on sys.meta_path now
-    "What the alias's `.pth` file runs at interpreter start: `HOOK` first on `sys.meta_path`, unless FLEXRT_DEEPSPEED_ALIAS=0"
-    if os.environ.get(ENV_SWITCH, '1') == '0': return False
-    if HOOK not in sys.meta_path: sys.meta_path.insert(0, HOOK)
+
+def install_hook() -> bool:  # whether the hook is on sys.meta_path now
+    """What the alias's `.pth` file runs at interpreter start: `HOOK` first on `sys.meta_path`, unless
+    FLEXRT_DEEPSPEED_ALIAS=0"""
+    if os.environ.get(ENV_SWITCH, '1') == '0':
+        return False
+    if HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, HOOK)
     return True

@@ -11,23 +11,35 @@ import torch
 __all__ = ['DEEPSPEED_ENVIRONMENT_NAME', 'clone_tensors_for_torch_save', 'DeepSpeedCPUAdagrad']
 
 # %% ../../nbs/90_deepspeed_clients.ipynb #c006
-def clone_tensors_for_torch_save(item, # a tensor, or lists, tuples and dicts holding tensors (at any depth)
-                                 device=torch.device('cpu'), # where the copies go
-                                ):
+def clone_tensors_for_torch_save(
+    item,  # a tensor, or lists, tuples and dicts holding tensors (at any depth)
+    device=torch.device('cpu'),  # where the copies go
+):
     "`item` with every tensor in it replaced by a detached copy of its own on `device`"
-    if isinstance(item, torch.Tensor): return item.detach().to(device, copy=True)
-    if isinstance(item, dict): return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
+    if isinstance(item, torch.Tensor):
+        return item.detach().to(device, copy=True)
+    if isinstance(item, dict):
+        return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
     if isinstance(item, (list, tuple)):
         copies = [clone_tensors_for_torch_save(v, device) for v in item]
         return copies if isinstance(item, list) else tuple(copies)
     return item
 
 # %% ../../nbs/90_deepspeed_clients.ipynb #c009
-DEEPSPEED_ENVIRONMENT_NAME = os.getenv('DS_ENV_FILE', '.deepspeed_env')   # DeepSpeed's multi-node environment file
+DEEPSPEED_ENVIRONMENT_NAME = os.getenv('DS_ENV_FILE', '.deepspeed_env')  # DeepSpeed's multi-node environment file
 
 # %% ../../nbs/90_deepspeed_clients.ipynb #c012
-def DeepSpeedCPUAdagrad(model_params, lr:float=1e-2, eps:float=1e-10, weight_decay:float=0., amsgrad:bool=False,
-                        fp32_optimizer_states:bool=True)->torch.optim.Adagrad:
+def DeepSpeedCPUAdagrad(
+    model_params,
+    lr: float = 1e-2,
+    eps: float = 1e-10,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    fp32_optimizer_states: bool = True,
+) -> torch.optim.Adagrad:
     "DeepSpeed's CPU Adagrad: torch's `Adagrad` with the same learning rate, epsilon and weight decay"
-    if amsgrad: raise NotImplementedError("DeepSpeedCPUAdagrad(amsgrad=True): Adagrad has no AMSGrad variant in torch; flexrt has no equivalent")
+    if amsgrad:
+        raise NotImplementedError(
+            "DeepSpeedCPUAdagrad(amsgrad=True): Adagrad has no AMSGrad variant in torch; flexrt has no equivalent"
+        )
     return torch.optim.Adagrad(model_params, lr=lr, eps=eps, weight_decay=weight_decay)

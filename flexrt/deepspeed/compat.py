@@ -6,7 +6,7 @@
 from __future__ import annotations
 import logging, warnings
 import torch
-from ..engine import initialize as _engine_initialize   # `initialize` below is DeepSpeed's name for it
+from ..engine import initialize as _engine_initialize  # `initialize` below is DeepSpeed's name for it
 
 # %% auto #0
 __all__ = ['logger', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam', 'RepeatingLoader', 'log_dist',
@@ -17,185 +17,319 @@ __all__ = ['logger', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUA
            'split_params_into_different_moe_groups_for_optimizer', 'CheckOverflow', 'inference_all_reduce']
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c006
-def _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw:bool, name:str)->torch.optim.Optimizer:
-    if not bias_correction: raise NotImplementedError(f"{name}(bias_correction=False): torch's Adam always corrects the bias; flexrt has no equivalent")
+def _adam(
+    params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw: bool, name: str
+) -> torch.optim.Optimizer:
+    if not bias_correction:
+        raise NotImplementedError(
+            f"{name}(bias_correction=False): torch's Adam always corrects the bias; flexrt has no equivalent"
+        )
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     return cls(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
 
+
 class _TorchAdam(type):
-    "A DeepSpeed Adam class that builds torch's Adam/AdamW: `isinstance(opt, FusedAdam)` holds for torch's Adam and AdamW (an engine's config-built Adam too)"
-    def __instancecheck__(cls, obj)->bool: return isinstance(obj, (torch.optim.Adam, torch.optim.AdamW))
+    """A DeepSpeed Adam class that builds torch's Adam/AdamW: `isinstance(opt, FusedAdam)` holds for torch's Adam and
+    AdamW (an engine's config-built Adam too)"""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, (torch.optim.Adam, torch.optim.AdamW))
+
 
 class FusedAdam(metaclass=_TorchAdam):
     "DeepSpeed's `FusedAdam`: builds torch's AdamW (`adam_w_mode=True`) or Adam, same arguments"
-    def __new__(cls, params, lr:float=1e-3, bias_correction:bool=True, betas=(0.9, 0.999), eps:float=1e-8, adam_w_mode:bool=True,
-                weight_decay:float=0., amsgrad:bool=False, set_grad_none:bool=True)->torch.optim.Optimizer:
+
+    def __new__(
+        cls,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ) -> torch.optim.Optimizer:
         return _adam(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, 'FusedAdam')
+
 
 class DeepSpeedCPUAdam(metaclass=_TorchAdam):
     "DeepSpeed's `DeepSpeedCPUAdam`: builds torch's AdamW (`adamw_mode=True`) or Adam on the parameters' device"
-    def __new__(cls, model_params, lr:float=1e-3, bias_correction:bool=True, betas=(0.9, 0.999), eps:float=1e-8,
-                weight_decay:float=0., amsgrad:bool=False, adamw_mode:bool=True, fp32_optimizer_states:bool=True):
-        return _adam(model_params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode, 'DeepSpeedCPUAdam')
+
+    def __new__(
+        cls,
+        model_params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ):
+        return _adam(
+            model_params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adamw_mode, 'DeepSpeedCPUAdam'
+        )
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c009
 class RepeatingLoader:
     "Iterate `loader` forever, starting it again whenever it ends (DeepSpeed's `RepeatingLoader`)"
-    def __init__(self, loader): self.loader, self.data_iter = loader, iter(loader)
-    def __iter__(self): return self
+
+    def __init__(self, loader):
+        self.loader, self.data_iter = loader, iter(loader)
+
+    def __iter__(self):
+        return self
+
     def __next__(self):
-        try: return next(self.data_iter)
+        try:
+            return next(self.data_iter)
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
 
+
 logger = logging.getLogger('flexrt')
 
-def log_dist(message:str, ranks:list|None=None, level:int=logging.INFO):
+
+def log_dist(message: str, ranks: list | None = None, level: int = logging.INFO):
     "Log `message` on the listed ranks (None or [-1]: every rank), prefixed with the rank"
     from flexrt import comm as dist
+
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if ranks is None or -1 in ranks or rank in ranks: logger.log(level, f'[Rank {rank}] {message}')
+    if ranks is None or -1 in ranks or rank in ranks:
+        logger.log(level, f'[Rank {rank}] {message}')
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c012
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters:bool=False)->dict:
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters: bool = False) -> dict:
     "A full fp32 `state_dict` from a flexrt checkpoint folder (with `latest`) or one checkpoint's folder"
     from flexrt.checkpoint.save_load import consolidate
+
     state = consolidate(checkpoint_dir, tag=tag)
-    if exclude_frozen_parameters: warnings.warn('exclude_frozen_parameters=True: flexrt consolidates every saved tensor')
+    if exclude_frozen_parameters:
+        warnings.warn('exclude_frozen_parameters=True: flexrt consolidates every saved tensor')
     return state
 
-def load_state_dict_from_zero_checkpoint(model:torch.nn.Module, checkpoint_dir, tag=None)->torch.nn.Module:
-    "Load the consolidated fp32 weights of a checkpoint into `model`, moved to the CPU (DeepSpeed's `zero_to_fp32` helper); returns it"
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag=None) -> torch.nn.Module:
+    """Load the consolidated fp32 weights of a checkpoint into `model`, moved to the CPU (DeepSpeed's `zero_to_fp32`
+    helper); returns it"""
     model = model.cpu()
     model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=False)
     return model
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=None, exclude_frozen_parameters:bool=False):
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir, output_file, tag=None, exclude_frozen_parameters: bool = False
+):
     "Write the consolidated fp32 `state_dict` of a checkpoint to `output_file` (a torch file)"
     torch.save(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters), output_file)
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c014
-from ..checkpointing import configure, is_configured, reset, unconfigure, checkpoint, non_reentrant_checkpoint, SETTINGS
+from flexrt.checkpointing import (
+    configure,
+    is_configured,
+    reset,
+    unconfigure,
+    checkpoint,
+    non_reentrant_checkpoint,
+    SETTINGS,
+)
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015b
 def _config_file(path):
-    "A config file as DeepSpeed reads it: JSON, or hjson (JSON with comments, unquoted keys) where the hjson package is installed"
+    """A config file as DeepSpeed reads it: JSON, or hjson (JSON with comments, unquoted keys) where the hjson package
+    is installed"""
     import json
     from pathlib import Path
-    text = Path(path).read_text()
-    try: return json.loads(text)
-    except json.JSONDecodeError:
-        try: import hjson
-        except ImportError: return path   # flexrt's loader names the JSON error
-        return json.loads(json.dumps(hjson.loads(text)))   # hjson's ordered dicts as plain ones
 
-def _with_wrapper_attributes(engine)->torch.optim.Optimizer|None: # the engine's torch optimizer (None without one)
-    "The torch optimizer, given the attributes of DeepSpeed's optimizer wrappers that it lacks: `optimizer` (what steps the masters: itself), `bit16_groups`/`fp16_groups` (per param group, the model parameters it trains), and `fp32_partitioned_groups_flat` where each param group steps one flat master"
+    text = Path(path).read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            import hjson
+        except ImportError:
+            return path  # flexrt's loader names the JSON error
+        return json.loads(json.dumps(hjson.loads(text)))  # hjson's ordered dicts as plain ones
+
+
+def _with_wrapper_attributes(engine) -> torch.optim.Optimizer | None:  # the engine's torch optimizer (None without one)
+    """The torch optimizer, given the attributes of DeepSpeed's optimizer wrappers that it lacks: `optimizer` (what
+    steps the masters: itself), `bit16_groups`/`fp16_groups` (per param group, the model parameters it trains), and
+    `fp32_partitioned_groups_flat` where each param group steps one flat master"""
     opt = engine.basic_optimizer
-    if opt is None: return None
+    if opt is None:
+        return None
     groups = [list(g) for g in engine.trained_param_groups]
     attributes = dict(optimizer=opt, bit16_groups=groups, fp16_groups=groups)
     if opt.param_groups and all(len(g['params']) == 1 for g in opt.param_groups):
         attributes['fp32_partitioned_groups_flat'] = [g['params'][0] for g in opt.param_groups]
     for name, value in attributes.items():
-        if not hasattr(opt, name): setattr(opt, name, value)   # a wrapper's own `.optimizer` stays
+        if not hasattr(opt, name):
+            setattr(opt, name, value)  # a wrapper's own `.optimizer` stays
     return opt
 
-def initialize(args=None, model=None, *more, **kwargs)->tuple:
-    "`deepspeed.initialize`: `flexrt.initialize` (which also sets `deepspeed.checkpointing` up from the config's `activation_checkpointing` block); no model is DeepSpeed's AssertionError; the optimizer returned also answers to DeepSpeed's wrapper attributes"
+
+def initialize(args=None, model=None, *more, **kwargs) -> tuple:
+    """`deepspeed.initialize`: `flexrt.initialize` (which also sets `deepspeed.checkpointing` up from the config's
+    `activation_checkpointing` block); no model is DeepSpeed's AssertionError; the optimizer returned also answers to
+    DeepSpeed's wrapper attributes"""
     assert model is not None, "deepspeed.initialize requires a model (model=<the torch.nn.Module to train>)"
     for key in ('config', 'config_params'):
-        if isinstance(kwargs.get(key), str): kwargs[key] = _config_file(kwargs[key])
+        if isinstance(kwargs.get(key), str):
+            kwargs[key] = _config_file(kwargs[key])
     engine, _, loader, lr_scheduler = _engine_initialize(args, model, *more, **kwargs)
     return engine, _with_wrapper_attributes(engine), loader, lr_scheduler
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015c
-def clip_grad_norm_(parameters, max_norm:float, norm_type:float=2, mpu=None)->torch.Tensor:
-    "DeepSpeed's `runtime.utils.clip_grad_norm_`: flexrt's, expert (`allreduce=False`) gradients reduced over the largest expert group of `deepspeed.utils.groups`"
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2, mpu=None) -> torch.Tensor:
+    """DeepSpeed's `runtime.utils.clip_grad_norm_`: flexrt's, expert (`allreduce=False`) gradients reduced over the
+    largest expert group of `deepspeed.utils.groups`"""
     from flexrt.utils import clip_grad_norm_ as clip
     from flexrt.deepspeed.groups import max_expert_parallel_group
+
     return clip(parameters, max_norm, norm_type, mpu, expert_groups=max_expert_parallel_group())
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015e
-def _major_minor(version)->str: return '.'.join(str(version).split('.')[:2]) if version else '0.0'
+def _major_minor(version) -> str:
+    return '.'.join(str(version).split('.')[:2]) if version else '0.0'
 
-torch_info = {'version': _major_minor(torch.__version__), 'cuda_version': _major_minor(torch.version.cuda),   # DeepSpeed's git_version_info
-              'hip_version': _major_minor(getattr(torch.version, 'hip', None)),
-              'nccl_version': '.'.join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else '0.0',
-              'bf16_support': torch.cuda.is_available() and torch.cuda.is_bf16_supported()}
+
+torch_info = {
+    'version': _major_minor(torch.__version__),
+    'cuda_version': _major_minor(torch.version.cuda),  # DeepSpeed's git_version_info
+    'hip_version': _major_minor(getattr(torch.version, 'hip', None)),
+    'nccl_version': '.'.join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else '0.0',
+    'bf16_support': torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+}
+
 
 class OpBuilder:
-    "DeepSpeed's builder for an op flexrt maps to torch (its Adam): compatible everywhere torch runs; `load()` gives the module holding it"
+    """DeepSpeed's builder for an op flexrt maps to torch (its Adam): compatible everywhere torch runs; `load()` gives
+    the module holding it"""
+
     NAME = ''
-    def is_compatible(self, verbose:bool=False)->bool: return True
-    def load(self, verbose:bool=True):
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return True
+
+    def load(self, verbose: bool = True):
         import flexrt.deepspeed.compat as m
+
         return m
 
-class FusedAdamBuilder(OpBuilder): NAME = 'fused_adam'
-class CPUAdamBuilder(OpBuilder): NAME = 'cpu_adam'
+
+class FusedAdamBuilder(OpBuilder):
+    NAME = 'fused_adam'
+
+
+class CPUAdamBuilder(OpBuilder):
+    NAME = 'cpu_adam'
+
 
 class MissingOpBuilder(OpBuilder):
     "DeepSpeed's builder for a kernel flexrt does not have: never compatible; `load()` raises naming it"
-    def is_compatible(self, verbose:bool=False)->bool: return False
-    def load(self, verbose:bool=True): raise NotImplementedError(f"{type(self).__name__} ({self.NAME}): flexrt builds no DeepSpeed kernels and torch has no equivalent")
 
-class FusedLambBuilder(MissingOpBuilder): NAME = 'fused_lamb'
-class FusedLionBuilder(MissingOpBuilder): NAME = 'fused_lion'
-class CPULionBuilder(MissingOpBuilder): NAME = 'cpu_lion'
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return False
+
+    def load(self, verbose: bool = True):
+        raise NotImplementedError(
+            f"{type(self).__name__} ({self.NAME}): flexrt builds no DeepSpeed kernels and torch has no equivalent"
+        )
+
+
+class FusedLambBuilder(MissingOpBuilder):
+    NAME = 'fused_lamb'
+
+
+class FusedLionBuilder(MissingOpBuilder):
+    NAME = 'fused_lion'
+
+
+class CPULionBuilder(MissingOpBuilder):
+    NAME = 'cpu_lion'
+
 
 class _Ops(dict):
-    "DeepSpeed's `ops.__compatible_ops__`: the ops flexrt maps to torch are True; any other kernel name is False (flexrt builds none)"
-    def __missing__(self, name): return False
+    """DeepSpeed's `ops.__compatible_ops__`: the ops flexrt maps to torch are True; any other kernel name is False
+    (flexrt builds none)"""
+
+    def __missing__(self, name):
+        return False
+
 
 COMPATIBLE_OPS = _Ops({FusedAdamBuilder.NAME: True, CPUAdamBuilder.NAME: True})
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015g
-def count_used_parameters_in_backward(parameters)->int:
+def count_used_parameters_in_backward(parameters) -> int:
     "How many of `parameters` get a gradient from the backward pass now running (call it from a backward hook)"
     from torch.autograd.graph import _get_grad_fn_or_grad_acc
-    if torch._C._current_graph_task_id() == -1: raise RuntimeError("count_used_parameters_in_backward must be called during backward (from a hook)")
-    with torch.enable_grad():   # looking up a leaf's gradient accumulator needs grad mode, which backward turns off
+
+    if torch._C._current_graph_task_id() == -1:
+        raise RuntimeError("count_used_parameters_in_backward must be called during backward (from a hook)")
+    with torch.enable_grad():  # looking up a leaf's gradient accumulator needs grad mode, which backward turns off
         nodes = [_get_grad_fn_or_grad_acc(p) for p in parameters if isinstance(p, torch.Tensor) and p.requires_grad]
     return sum(1 for n in nodes if n is not None and torch._C._will_engine_execute_node(n))
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015i
-def _chunks(params:list, max_size)->list:
+def _chunks(params: list, max_size) -> list:
     "`params` in consecutive runs of at most `max_size` elements each (a larger parameter alone)"
     out, run, size = [], [], 0
     for p in params:
-        if run and size + p.numel() > max_size: out.append(run); run, size = [], 0
-        run.append(p); size += p.numel()
+        if run and size + p.numel() > max_size:
+            out.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += p.numel()
     return out + ([run] if run else [])
 
-def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=178956971)->list:
-    "DeepSpeed's MoE split: expert parameters (`allreduce=False`) leave their group for groups per `group_name` (`moe=True`), of at most `max_group_size` elements"
+
+def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=178956971) -> list:
+    """DeepSpeed's MoE split: expert parameters (`allreduce=False`) leave their group for groups per `group_name`
+    (`moe=True`), of at most `max_group_size` elements"""
     groups = [param_groups] if isinstance(param_groups, dict) else list(param_groups)
     is_expert = lambda p: getattr(p, 'allreduce', True) is False
     out = []
     for g in groups:
         params, by_name = list(g['params']), {}
-        for p in filter(is_expert, params): by_name.setdefault(p.group_name, []).append(p)
+        for p in filter(is_expert, params):
+            by_name.setdefault(p.group_name, []).append(p)
         out.append({**g, 'params': [p for p in params if not is_expert(p)]})
         for name, ps in by_name.items():
-            out += [{**g, 'name': name, 'moe': True, 'params': run} for run in (_chunks(ps, max_group_size) if max_group_size else [ps])]
+            out += [
+                {**g, 'name': name, 'moe': True, 'params': run}
+                for run in (_chunks(ps, max_group_size) if max_group_size else [ps])
+            ]
     return out
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015k
 from ..utils import CheckOverflow as _CheckOverflow
 
-class CheckOverflow(_CheckOverflow):
-    "DeepSpeed's `CheckOverflow`: flexrt's; when the checked parameters include expert ones (`allreduce=False`), a norm-based check also agrees over the largest expert group, as DeepSpeed's does"
-    def check_using_norm(self, norm_group, reduce_overflow:bool=True)->bool:
-        from flexrt.deepspeed.groups import max_expert_parallel_group
-        local, group = super().check_using_norm(norm_group, reduce_overflow), max_expert_parallel_group()
-        if group is None or not any(getattr(p, 'allreduce', True) is False for p in self.params): return local
-        saved, self.group = self.group, group
-        try: return self._agree(local)
-        finally: self.group = saved
 
-def inference_all_reduce(tensor:torch.Tensor, op=None, group=None):
-    "DeepSpeed's `comm.inference_all_reduce` (its fused kernel for inference): the same sum, as `flexrt.comm.all_reduce`"
+class CheckOverflow(_CheckOverflow):
+    """DeepSpeed's `CheckOverflow`: flexrt's; when the checked parameters include expert ones (`allreduce=False`), a
+    norm-based check also agrees over the largest expert group, as DeepSpeed's does"""
+
+    def check_using_norm(self, norm_group, reduce_overflow: bool = True) -> bool:
+        from flexrt.deepspeed.groups import max_expert_parallel_group
+
+        local, group = super().check_using_norm(norm_group, reduce_overflow), max_expert_parallel_group()
+        if group is None or not any(getattr(p, 'allreduce', True) is False for p in self.params):
+            return local
+        saved, self.group = self.group, group
+        try:
+            return self._agree(local)
+        finally:
+            self.group = saved
+
+
+def inference_all_reduce(tensor: torch.Tensor, op=None, group=None):
+    """DeepSpeed's `comm.inference_all_reduce` (its fused kernel for inference): the same sum, as
+    `flexrt.comm.all_reduce`"""
     from flexrt import comm as dist
+
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)

@@ -8,102 +8,194 @@ __all__ = ['DeepSpeedZeroOffloadParamConfig', 'DeepSpeedZeroOffloadOptimizerConf
 
 # %% ../../nbs/90_deepspeed_config.ipynb #c003
 import warnings
-from ..config import FlexConfig, load_config
+from ..config.flex_config import FlexConfig, load_config
 from ..config.blocks import OffloadParamConfig, OffloadOptimizerConfig
 from .monitor import DeepSpeedMonitorConfig
-from fastcore.basics import patch
-
 
 # %% ../../nbs/90_deepspeed_config.ipynb #c005
 class _Attrs:
     "Attributes set from a dict; mutable, compared by value, printed like DeepSpeed's pydantic models"
-    def __init__(self, values:dict): self.__dict__.update(values)
-    def __eq__(self, other): return type(self) is type(other) and vars(self) == vars(other)
-    def __repr__(self): return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items() if not k.startswith('_'))})"
-    def model_dump(self)->dict: return {k: v.model_dump() if isinstance(v, _Attrs) else v for k, v in vars(self).items() if not k.startswith('_')}
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+    def __eq__(self, other):
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __repr__(self):
+        return (
+            f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items() if not k.startswith('_'))})"
+        )
+
+    def model_dump(self) -> dict:
+        return {
+            k: v.model_dump() if isinstance(v, _Attrs) else v for k, v in vars(self).items() if not k.startswith('_')
+        }
+
 
 class DeepSpeedZeroOffloadParamConfig(_Attrs):
     "`zero_optimization.offload_param` under DeepSpeed's names"
-    def __init__(self, **kwargs): super().__init__(OffloadParamConfig.from_dict(kwargs).to_dict())
+
+    def __init__(self, **kwargs):
+        super().__init__(OffloadParamConfig.from_dict(kwargs).to_dict())
+
 
 class DeepSpeedZeroOffloadOptimizerConfig(_Attrs):
     "`zero_optimization.offload_optimizer` under DeepSpeed's names; `pipeline` is pipeline_read or pipeline_write"
+
     def __init__(self, **kwargs):
         d = OffloadOptimizerConfig.from_dict(kwargs).to_dict()
         super().__init__({**d, 'pipeline': d['pipeline_read'] or d['pipeline_write']})
 
 # %% ../../nbs/90_deepspeed_config.ipynb #c007
-_STAGE3 = ('prefetch_bucket_size', 'param_persistence_threshold', 'model_persistence_threshold', 'max_live_parameters',
-           'max_reuse_distance', 'gather_16bit_weights_on_model_save', 'module_granularity_threshold', 'use_all_reduce_for_fetch_params')
-_ZERO_NO_EFFECT = {'legacy_stage1': False, 'pipeline_loading_checkpoint': False, 'log_trace_cache_warnings': False,
-                   'parameter_alignment': False, 'enable_sanity_checks': False, 'compute_grad_norm': True}
+_STAGE3 = (
+    'prefetch_bucket_size',
+    'param_persistence_threshold',
+    'model_persistence_threshold',
+    'max_live_parameters',
+    'max_reuse_distance',
+    'gather_16bit_weights_on_model_save',
+    'module_granularity_threshold',
+    'use_all_reduce_for_fetch_params',
+)
+_ZERO_NO_EFFECT = {
+    'legacy_stage1': False,
+    'pipeline_loading_checkpoint': False,
+    'log_trace_cache_warnings': False,
+    'parameter_alignment': False,
+    'enable_sanity_checks': False,
+    'compute_grad_norm': True,
+}
+
 
 class DeepSpeedZeroConfig(_Attrs):
-    "DeepSpeed's `DeepSpeedZeroConfig(**zero_optimization)`: flexrt's ZeroConfig, with DeepSpeed's field names and optional offload blocks"
+    """DeepSpeed's `DeepSpeedZeroConfig(**zero_optimization)`: flexrt's ZeroConfig, with DeepSpeed's field names and
+    optional offload blocks"""
+
     def __init__(self, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if not (k in ('offload_param', 'offload_optimizer') and v is None)}   # null: no offload
+        kwargs = {
+            k: v for k, v in kwargs.items() if not (k in ('offload_param', 'offload_optimizer') and v is None)
+        }  # null: no offload
         stage = FlexConfig.from_dict({'zero_optimization': {'stage': kwargs.get('stage', 0)}}).zero_optimization.stage
-        # which stage an offload needs is checked when an engine loads the config, as in DeepSpeed; here every other value is
+        # which stage an offload needs is checked when an engine loads the config, as in DeepSpeed; here every other
+        # value is
         z = FlexConfig.from_dict({'zero_optimization': {**kwargs, 'stage': 3}}).zero_optimization
         d = {k: v for k, v in z.to_dict().items() if k not in ('offload_param', 'offload_optimizer')}
         d |= {'stage': stage, 'overlap_comm': stage == 3 if kwargs.get('overlap_comm') is None else z.overlap_comm}
         d |= {name: d[f'stage3_{name}'] for name in _STAGE3}
         d |= {k: kwargs.get(k, v) for k, v in _ZERO_NO_EFFECT.items()}
         wants = lambda block, legacy: kwargs.get(block) is not None or bool(kwargs.get(legacy))
-        d['offload_param'] = DeepSpeedZeroOffloadParamConfig(**z.offload_param.to_dict()) if wants('offload_param', 'cpu_offload_param') else None
-        d['offload_optimizer'] = DeepSpeedZeroOffloadOptimizerConfig(**z.offload_optimizer.to_dict()) if wants('offload_optimizer', 'cpu_offload') else None
-        if stage == 3 and d.get('elastic_checkpoint'):   # DeepSpeed logs this (its logger), it does not raise
+        d['offload_param'] = (
+            DeepSpeedZeroOffloadParamConfig(**z.offload_param.to_dict())
+            if wants('offload_param', 'cpu_offload_param')
+            else None
+        )
+        d['offload_optimizer'] = (
+            DeepSpeedZeroOffloadOptimizerConfig(**z.offload_optimizer.to_dict())
+            if wants('offload_optimizer', 'cpu_offload')
+            else None
+        )
+        if stage == 3 and d.get('elastic_checkpoint'):  # DeepSpeed logs this (its logger), it does not raise
             from flexrt.deepspeed.compat import logger
-            logger.warning("ZeRO-3 elastic checkpointing is deprecated in DeepSpeed and has no effect in flexrt: flexrt's "
-                           "checkpoints load at any world size and stage")
+
+            logger.warning(
+                "ZeRO-3 elastic checkpointing is deprecated in DeepSpeed and has no effect in flexrt: flexrt's "
+                "checkpoints load at any world size and stage"
+            )
         super().__init__({**d, '_flexrt': z})
 
 # %% ../../nbs/90_deepspeed_config.ipynb #c008z
-def check_gradient_allreduce_op(config:dict):
-    "DeepSpeed's checks of `gradient_allreduce_op` (before flexrt's own): 'mean' or 'sum', and 'sum' only where DeepSpeed can sum"
+def check_gradient_allreduce_op(config: dict):
+    """DeepSpeed's checks of `gradient_allreduce_op` (before flexrt's own): 'mean' or 'sum', and 'sum' only where
+    DeepSpeed can sum"""
     op = config.get('gradient_allreduce_op', 'mean')
     if not isinstance(op, str) or op.lower() not in ('mean', 'sum'):
         raise ValueError(f"Invalid gradient_allreduce_op {op!r}: use 'mean' (average over ranks, the default) or 'sum'")
-    if op.lower() != 'sum': return
+    if op.lower() != 'sum':
+        return
     zero = config.get('zero_optimization') or {}
-    why = ('ZeRO stage 3' if int(zero.get('stage', 0)) == 3 else 'ZenFlow' if 'zenflow' in zero
-           else 'DeepCompile' if (config.get('compile') or {}).get('deepcompile') else None)
-    if why: raise ValueError(f"gradient_allreduce_op='sum' is not supported with {why}: use 'mean'")
-
+    why = (
+        'ZeRO stage 3'
+        if int(zero.get('stage', 0)) == 3
+        else 'ZenFlow'
+        if 'zenflow' in zero
+        else 'DeepCompile'
+        if (config.get('compile') or {}).get('deepcompile')
+        else None
+    )
+    if why:
+        raise ValueError(f"gradient_allreduce_op='sum' is not supported with {why}: use 'mean'")
 
 # %% ../../nbs/90_deepspeed_config.ipynb #c009
 class DeepSpeedConfig(_Attrs):
-    "DeepSpeed's `DeepSpeedConfig(config, mpu)`: flexrt's config resolved for the world size, under DeepSpeed's attribute names (mutable)"
+    """DeepSpeed's `DeepSpeedConfig(config, mpu)`: flexrt's config resolved for the world size, under DeepSpeed's
+    attribute names (mutable)"""
+
     def __init__(self, config, mpu=None, mesh_device=None):
         from flexrt import comm as dist
-        if isinstance(config, dict): check_gradient_allreduce_op(config)
+
+        if isinstance(config, dict):
+            check_gradient_allreduce_op(config)
         cfg = load_config(config)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if mpu is not None: world //= mpu.get_model_parallel_world_size()
+        if mpu is not None:
+            world //= mpu.get_model_parallel_world_size()
         r = cfg.resolve_batch(world)
-        super().__init__(dict(_param_dict=r.to_dict(), flexrt_config=r, world_size=world, train_batch_size=r.batch.train_batch_size,
-            train_micro_batch_size_per_gpu=r.batch.train_micro_batch_size_per_gpu, gradient_accumulation_steps=r.batch.gradient_accumulation_steps,
-            steps_per_print=r.steps_per_print, dump_state=r.dump_state, prescale_gradients=r.prescale_gradients,
-            gradient_predivide_factor=r.gradient_predivide_factor, gradient_allreduce_op=r.gradient_allreduce_op,
-            communication_data_type=r.communication_data_type, gradient_clipping=r.gradient_clipping,
-            zero_config=DeepSpeedZeroConfig(**r.zero_optimization.to_dict()), zero_optimization_stage=r.zero_optimization.stage,
-            zero_enabled=r.zero_optimization.stage > 0, fp16_enabled=r.fp16.enabled, bfloat16_enabled=r.bf16.enabled,
-            fp16_auto_cast=r.fp16.auto_cast, loss_scale=r.fp16.loss_scale, initial_dynamic_scale=r.fp16.initial_scale,
-            optimizer_name=r.optimizer and r.optimizer.type, optimizer_params=r.optimizer and r.optimizer.params,
-            scheduler_name=r.scheduler and r.scheduler.type, scheduler_params=r.scheduler and r.scheduler.params,
-            zero_allow_untested_optimizer=r.zero_allow_untested_optimizer, wall_clock_breakdown=r.wall_clock_breakdown,
-            memory_breakdown=r.memory_breakdown, dataloader_drop_last=r.dataloader_drop_last, sparse_gradients_enabled=r.sparse_gradients,
-            checkpoint_tag_validation_enabled=r.checkpoint.tag_validation != 'Ignore', checkpoint_tag_validation_fail=r.checkpoint.tag_validation == 'Fail',
-            load_universal_checkpoint=r.checkpoint.load_universal, use_node_local_storage=r.checkpoint.use_node_local_storage,
-            grad_accum_dtype=r.data_types.grad_accum_dtype, monitor_config=DeepSpeedMonitorConfig.from_flexrt(r)))
+        super().__init__(
+            dict(
+                _param_dict=r.to_dict(),
+                flexrt_config=r,
+                world_size=world,
+                train_batch_size=r.batch.train_batch_size,
+                train_micro_batch_size_per_gpu=r.batch.train_micro_batch_size_per_gpu,
+                gradient_accumulation_steps=r.batch.gradient_accumulation_steps,
+                steps_per_print=r.steps_per_print,
+                dump_state=r.dump_state,
+                prescale_gradients=r.prescale_gradients,
+                gradient_predivide_factor=r.gradient_predivide_factor,
+                gradient_allreduce_op=r.gradient_allreduce_op,
+                communication_data_type=r.communication_data_type,
+                gradient_clipping=r.gradient_clipping,
+                zero_config=DeepSpeedZeroConfig(**r.zero_optimization.to_dict()),
+                zero_optimization_stage=r.zero_optimization.stage,
+                zero_enabled=r.zero_optimization.stage > 0,
+                fp16_enabled=r.fp16.enabled,
+                bfloat16_enabled=r.bf16.enabled,
+                fp16_auto_cast=r.fp16.auto_cast,
+                loss_scale=r.fp16.loss_scale,
+                initial_dynamic_scale=r.fp16.initial_scale,
+                optimizer_name=r.optimizer and r.optimizer.type,
+                optimizer_params=r.optimizer and r.optimizer.params,
+                scheduler_name=r.scheduler and r.scheduler.type,
+                scheduler_params=r.scheduler and r.scheduler.params,
+                zero_allow_untested_optimizer=r.zero_allow_untested_optimizer,
+                wall_clock_breakdown=r.wall_clock_breakdown,
+                memory_breakdown=r.memory_breakdown,
+                dataloader_drop_last=r.dataloader_drop_last,
+                sparse_gradients_enabled=r.sparse_gradients,
+                checkpoint_tag_validation_enabled=r.checkpoint.tag_validation != 'Ignore',
+                checkpoint_tag_validation_fail=r.checkpoint.tag_validation == 'Fail',
+                load_universal_checkpoint=r.checkpoint.load_universal,
+                use_node_local_storage=r.checkpoint.use_node_local_storage,
+                grad_accum_dtype=r.data_types.grad_accum_dtype,
+                monitor_config=DeepSpeedMonitorConfig.from_flexrt(r),
+            )
+        )
 
-# %% ../../nbs/90_deepspeed_config.ipynb #c010y
-@patch
-def _configure_train_batch_size(self:DeepSpeedConfig):
-    "Resolve the batch triangle again from the (assigned) `train_batch_size`, `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps`; DeepSpeed's AssertionError when they cannot agree"
-    given = {k: getattr(self, k) for k in ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps') if getattr(self, k) is not None}
-    try: batch = FlexConfig.from_dict(given).resolve_batch(self.world_size).batch
-    except ValueError as e: raise AssertionError(str(e)) from None
-    self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = (
-        batch.train_batch_size, batch.train_micro_batch_size_per_gpu, batch.gradient_accumulation_steps)
-
+    def _configure_train_batch_size(self):
+        """Resolve the batch triangle again from the (assigned) `train_batch_size`, `train_micro_batch_size_per_gpu`,
+        `gradient_accumulation_steps`; DeepSpeed's AssertionError when they cannot agree"""
+        given = {
+            k: getattr(self, k)
+            for k in ('train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps')
+            if getattr(self, k) is not None
+        }
+        try:
+            batch = FlexConfig.from_dict(given).resolve_batch(self.world_size).batch
+        except ValueError as e:
+            raise AssertionError(str(e)) from None
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = (
+            batch.train_batch_size,
+            batch.train_micro_batch_size_per_gpu,
+            batch.gradient_accumulation_steps,
+        )

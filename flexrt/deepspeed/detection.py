@@ -12,69 +12,102 @@ __all__ = ['DEEPSPEED_VERSION', 'FINDER', 'LOADER', 'PTH_NAME', 'DeepSpeedDistri
            'remove_finder', 'ShimLoader', 'shim_spec', 'site_packages', 'install_alias', 'remove_alias']
 
 # %% ../../nbs/90_deepspeed_detection.ipynb #c006
-DEEPSPEED_VERSION = '0.19.8'   # the DeepSpeed release whose behaviour and names flexrt follows
+DEEPSPEED_VERSION = '0.19.8'  # the DeepSpeed release whose behaviour and names flexrt follows
+
 
 class DeepSpeedDistribution(importlib.metadata.Distribution):
-    "What `importlib.metadata` reports for `deepspeed` while flexrt stands in: DeepSpeed's name, the version flexrt follows"
-    def read_text(self, filename:str)->str|None:
-        if filename == 'METADATA': return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
-                                           "Summary: flexrt standing in for DeepSpeed (flexrt.use_as_deepspeed)\n")
+    """What `importlib.metadata` reports for `deepspeed` while flexrt stands in: DeepSpeed's name, the version flexrt
+    follows"""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == 'METADATA':
+            return (
+                f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
+                "Summary: flexrt standing in for DeepSpeed (flexrt.use_as_deepspeed)\n"
+            )
         return 'flexrt\n' if filename == 'INSTALLER' else None
-    def locate_file(self, path)->Path: return Path(importlib.util.find_spec('flexrt').origin).parent.parent / path   # where flexrt is installed
+
+    def locate_file(self, path) -> Path:
+        return Path(importlib.util.find_spec('flexrt').origin).parent.parent / path  # where flexrt is installed
 
 # %% ../../nbs/90_deepspeed_detection.ipynb #c009
-def _is_deepspeed(name:str|None)->bool: # None: a search for every distribution
+def _is_deepspeed(name: str | None) -> bool:  # None: a search for every distribution
     return name is None or name.replace('-', '_').replace('.', '_').lower() == 'deepspeed'
 
+
 class DistributionFinder(importlib.abc.MetaPathFinder):
-    "First on `sys.meta_path` while the alias is active: `importlib.metadata` finds flexrt's `deepspeed`; imports pass by"
-    def find_spec(self, name, path=None, target=None): return None
+    """First on `sys.meta_path` while the alias is active: `importlib.metadata` finds flexrt's `deepspeed`; imports pass
+    by"""
+
+    def find_spec(self, name, path=None, target=None):
+        return None
+
     def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
         "flexrt's `deepspeed` distribution when `context` asks for it (or for every distribution)"
         return iter([DeepSpeedDistribution()] if _is_deepspeed(context.name) else [])
 
+
 FINDER = DistributionFinder()
+
 
 def install_finder():
     "Put `FINDER` first on `sys.meta_path` (once)"
-    if FINDER not in sys.meta_path: sys.meta_path.insert(0, FINDER)
+    if FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, FINDER)
+
 
 def remove_finder():
     "Take `FINDER` off `sys.meta_path`"
-    while FINDER in sys.meta_path: sys.meta_path.remove(FINDER)
+    while FINDER in sys.meta_path:
+        sys.meta_path.remove(FINDER)
 
 # %% ../../nbs/90_deepspeed_detection.ipynb #c012
 class ShimLoader(importlib.abc.Loader):
     "The loader in the spec of a DeepSpeed path flexrt answers: the module is the one `use_as_deepspeed` registered"
+
     def create_module(self, spec):
         if spec.name not in sys.modules:
-            raise ImportError(f"{spec.name}: flexrt stands in for DeepSpeed only while its alias is active; call flexrt.use_as_deepspeed() first")
+            raise ImportError(
+                f"{spec.name}: flexrt stands in for DeepSpeed only while its alias is active; call "
+                "flexrt.use_as_deepspeed() first"
+            )
         return sys.modules[spec.name]
-    def exec_module(self, module): pass
+
+    def exec_module(self, module):
+        pass
+
 
 LOADER = ShimLoader()
 
-def shim_spec(name:str)->importlib.machinery.ModuleSpec:
+
+def shim_spec(name: str) -> importlib.machinery.ModuleSpec:
     "The `__spec__` of flexrt's module under DeepSpeed's path `name`: a package, loaded by `LOADER`"
     return importlib.machinery.ModuleSpec(name, LOADER, origin=f'flexrt shim for {name}', is_package=True)
 
 # %% ../../nbs/90_deepspeed_detection.ipynb #c016
 PTH_NAME = 'flexrt_deepspeed_alias.pth'
-_PTH = ("# flexrt stands in for DeepSpeed in this environment; `python -m flexrt.deepspeed --remove-alias` undoes it\n"
-        "import importlib.util; importlib.util.find_spec('flexrt') is not None and "
-        "__import__('flexrt.deepspeed.alias', fromlist=['install_hook']).install_hook()\n")
+_PTH = (
+    "# flexrt stands in for DeepSpeed in this environment; `python -m flexrt.deepspeed --remove-alias` undoes it\n"
+    "import importlib.util; importlib.util.find_spec('flexrt') is not None and "
+    "__import__('flexrt.deepspeed.alias', fromlist=['install_hook']).install_hook()\n"
+)
 
-def site_packages()->Path: return Path(sysconfig.get_paths()['purelib'])   # this interpreter's site-packages
 
-def install_alias(directory=None)->Path: # the `.pth` file written
+def site_packages() -> Path:
+    return Path(sysconfig.get_paths()['purelib'])  # this interpreter's site-packages
+
+
+def install_alias(directory=None) -> Path:  # the `.pth` file written
     "Make every Python process of this environment (or of the site directory `directory`) find flexrt as `deepspeed`"
     path = Path(directory or site_packages()) / PTH_NAME
     path.write_text(_PTH)
     return path
 
-def remove_alias(directory=None)->Path|None: # the `.pth` file removed, or None when there was none
+
+def remove_alias(directory=None) -> Path | None:  # the `.pth` file removed, or None when there was none
     "Undo `install_alias`"
     path = Path(directory or site_packages()) / PTH_NAME
-    if not path.exists(): return None
+    if not path.exists():
+        return None
     path.unlink()
     return path

@@ -9,53 +9,119 @@ __all__ = ['expert_layout', 'max_expert_parallel_group']
 from .. import comm as dist
 
 # %% ../../nbs/90_deepspeed_groups.ipynb #c005
-_EXPERT, _EXPERT_DATA = {}, {}   # group name -> process group (this rank's)
+_EXPERT, _EXPERT_DATA = {}, {}  # group name -> process group (this rank's)
 
-def expert_layout(world:int, ep_size:int)->tuple[list, list]: # (expert-parallel rank lists, expert-data-parallel rank lists)
-    "DeepSpeed's layout of `world` ranks into expert-parallel groups of `ep_size` and the matching expert-data-parallel groups"
-    if ep_size < 1 or world % ep_size: raise ValueError(f"expert parallel size {ep_size} must be at least 1 and divide the world size {world}")
+
+def expert_layout(
+    world: int, ep_size: int
+) -> tuple[list, list]:  # (expert-parallel rank lists, expert-data-parallel rank lists)
+    """DeepSpeed's layout of `world` ranks into expert-parallel groups of `ep_size` and the matching
+    expert-data-parallel groups"""
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"expert parallel size {ep_size} must be at least 1 and divide the world size {world}")
     ep = [list(range(i, i + ep_size)) for i in range(0, world, ep_size)]
     return ep, [list(range(j, world, ep_size)) for j in range(ep_size)]
 
 # %% ../../nbs/90_deepspeed_groups.ipynb #c007
-def _create_expert_and_data_parallel(expert_parallel_size_:int, use_data_before_expert_parallel_:bool=False):
+def _create_expert_and_data_parallel(expert_parallel_size_: int, use_data_before_expert_parallel_: bool = False):
     "Create the expert-parallel and expert-data-parallel groups for `expert_parallel_size_` (once per size)"
     name = f"ep_size_{expert_parallel_size_}"
-    if name in _EXPERT: return
-    if use_data_before_expert_parallel_: raise NotImplementedError("use_data_before_expert_parallel_=True: flexrt lays expert groups out one way only")
+    if name in _EXPERT:
+        return
+    if use_data_before_expert_parallel_:
+        raise NotImplementedError("use_data_before_expert_parallel_=True: flexrt lays expert groups out one way only")
     rank, (ep, edp) = dist.get_rank(), expert_layout(dist.get_world_size(), expert_parallel_size_)
     for ranks in ep:
         g = dist.new_group(ranks)
-        if rank in ranks: _EXPERT[name] = g
+        if rank in ranks:
+            _EXPERT[name] = g
     for ranks in edp:
         g = dist.new_group(ranks)
-        if rank in ranks: _EXPERT_DATA[name] = g
+        if rank in ranks:
+            _EXPERT_DATA[name] = g
 
 # %% ../../nbs/90_deepspeed_groups.ipynb #c008
-def _get_expert_parallel_group(group_name:str): return _EXPERT[group_name]
-def _get_expert_data_parallel_group(group_name:str): return _EXPERT_DATA[group_name]
-def _get_expert_parallel_group_dict()->dict: return dict(_EXPERT)
-def _get_expert_data_parallel_group_dict()->dict: return dict(_EXPERT_DATA)
-def _get_max_expert_size()->int: return max((int(n.split('_')[-1]) for n in _EXPERT), default=1)
-def _get_max_expert_size_name()->str: return f"ep_size_{_get_max_expert_size()}"
+def _get_expert_parallel_group(group_name: str):
+    return _EXPERT[group_name]
+
+
+def _get_expert_data_parallel_group(group_name: str):
+    return _EXPERT_DATA[group_name]
+
+
+def _get_expert_parallel_group_dict() -> dict:
+    return dict(_EXPERT)
+
+
+def _get_expert_data_parallel_group_dict() -> dict:
+    return dict(_EXPERT_DATA)
+
+
+def _get_max_expert_size() -> int:
+    return max((int(n.split('_')[-1]) for n in _EXPERT), default=1)
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
 def max_expert_parallel_group():
     "This rank's expert-parallel group of the largest expert-parallel size made so far (None before any)"
     return _EXPERT.get(_get_max_expert_size_name())
-_get_max_expert_parallel_group = max_expert_parallel_group   # DeepSpeed's name
-def _get_expert_parallel_world_size(group_name:str)->int: return dist.get_world_size(_EXPERT[group_name])
-def _get_expert_parallel_rank(group_name:str)->int: return dist.get_rank(_EXPERT[group_name])
-def _get_expert_data_parallel_world_size(group_name:str)->int: return dist.get_world_size(_EXPERT_DATA[group_name])
-def _get_expert_data_parallel_rank(group_name:str)->int: return dist.get_rank(_EXPERT_DATA[group_name])
+
+
+_get_max_expert_parallel_group = max_expert_parallel_group  # DeepSpeed's name
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return dist.get_world_size(_EXPERT[group_name])
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return dist.get_rank(_EXPERT[group_name])
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return dist.get_world_size(_EXPERT_DATA[group_name])
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return dist.get_rank(_EXPERT_DATA[group_name])
 
 # %% ../../nbs/90_deepspeed_groups.ipynb #c009
-def _get_data_parallel_group(): return dist.group.WORLD
-def _get_data_parallel_world_size()->int: return dist.get_world_size()
-def _get_data_parallel_rank()->int: return dist.get_rank()
-def _get_model_parallel_world_size()->int: return 1
-def _get_model_parallel_rank()->int: return 0
-def _get_sequence_data_parallel_group(): return dist.group.WORLD
-def _get_sequence_data_parallel_world_size()->int: return dist.get_world_size()
-def _get_sequence_data_parallel_rank()->int: return dist.get_rank()
+def _get_data_parallel_group():
+    return dist.group.WORLD
+
+
+def _get_data_parallel_world_size() -> int:
+    return dist.get_world_size()
+
+
+def _get_data_parallel_rank() -> int:
+    return dist.get_rank()
+
+
+def _get_model_parallel_world_size() -> int:
+    return 1
+
+
+def _get_model_parallel_rank() -> int:
+    return 0
+
+
+def _get_sequence_data_parallel_group():
+    return dist.group.WORLD
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    return dist.get_world_size()
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    return dist.get_rank()
+
+
 def _clear_groups():
     "Forget the expert groups (a new process group needs new ones)"
-    _EXPERT.clear(); _EXPERT_DATA.clear()
+    _EXPERT.clear()
+    _EXPERT_DATA.clear()

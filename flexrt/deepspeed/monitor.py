@@ -11,54 +11,80 @@ from ..monitor import ds_sinks
 __all__ = ['DeepSpeedMonitorConfig', 'TensorBoardMonitor', 'csvMonitor', 'WandbMonitor', 'MonitorMaster']
 
 # %% ../../nbs/90_deepspeed_monitor.ipynb #c005
-def _block(cls, value): # a dict, the block itself, or None
+def _block(cls, value):  # a dict, the block itself, or None
     return value if isinstance(value, cls) else cls.from_dict(dict(value or {}))
+
 
 class DeepSpeedMonitorConfig:
     "DeepSpeed's monitor config: the `tensorboard`, `wandb` and `csv_monitor` blocks, and `enabled` when any is"
-    def __init__(self, tensorboard=None, wandb=None, csv_monitor=None, comet=None): # each a dict or flexrt's block; `comet` is not kept (warned at load)
+
+    def __init__(
+        self, tensorboard=None, wandb=None, csv_monitor=None, comet=None
+    ):  # each a dict or flexrt's block; `comet` is not kept (warned at load)
         self.tensorboard, self.wandb = _block(TensorBoardConfig, tensorboard), _block(WandbConfig, wandb)
         self.csv_monitor = _block(CSVMonitorConfig, csv_monitor)
         self.enabled = self.tensorboard.enabled or self.wandb.enabled or self.csv_monitor.enabled
 
     @classmethod
-    def from_flexrt(cls, config): # a `FlexConfig`
+    def from_flexrt(cls, config):  # a `FlexConfig`
         "The monitor config of a loaded flexrt config"
         return cls(config.tensorboard, config.wandb, config.csv_monitor)
 
 # %% ../../nbs/90_deepspeed_monitor.ipynb #c007
-def _writes_here()->bool:
+def _writes_here() -> bool:
     "Global rank 0, or no process group"
     from flexrt import comm as dist
+
     return not dist.is_initialized() or dist.get_rank() == 0
 
-class _Monitor:
-    "DeepSpeed's monitor shape over a flexrt sink: the block's settings as attributes; a sink only when enabled, on rank 0"
-    sink_type, settings, package = None, (), None
-    def __init__(self, config): # the block (flexrt's, as `DeepSpeedMonitorConfig` holds it)
-        self.monitor_config, self.enabled = config, config.enabled
-        for name in self.settings: setattr(self, name, getattr(config, name))
-        if self.enabled and self.package: ds_sinks.require_package(self.package, config.key)   # every rank, as DeepSpeed checks
-        self.sink = self.sink_type(config) if self.enabled and _writes_here() else None
-    def write_events(self, event_list): # [(tag, value, step)]
-        if self.sink is not None: self.sink.write_events(event_list)
-    def close(self):
-        if self.sink is not None: self.sink.close()
 
-class TensorBoardMonitor(_Monitor): sink_type, settings, package = ds_sinks.TensorBoardMonitor, ('output_path', 'job_name'), 'tensorboard'
-class csvMonitor(_Monitor): sink_type, settings = ds_sinks.CSVMonitor, ('output_path', 'job_name')
-class WandbMonitor(_Monitor): sink_type, settings, package = ds_sinks.WandbMonitor, ('group', 'team', 'project'), 'wandb'
+class _Monitor:
+    """DeepSpeed's monitor shape over a flexrt sink: the block's settings as attributes; a sink only when enabled, on
+    rank 0"""
+
+    sink_type, settings, package = None, (), None
+
+    def __init__(self, config):  # the block (flexrt's, as `DeepSpeedMonitorConfig` holds it)
+        self.monitor_config, self.enabled = config, config.enabled
+        for name in self.settings:
+            setattr(self, name, getattr(config, name))
+        if self.enabled and self.package:
+            ds_sinks.require_package(self.package, config.key)  # every rank, as DeepSpeed checks
+        self.sink = self.sink_type(config) if self.enabled and _writes_here() else None
+
+    def write_events(self, event_list):  # [(tag, value, step)]
+        if self.sink is not None:
+            self.sink.write_events(event_list)
+
+    def close(self):
+        if self.sink is not None:
+            self.sink.close()
+
+
+class TensorBoardMonitor(_Monitor):
+    sink_type, settings, package = ds_sinks.TensorBoardMonitor, ('output_path', 'job_name'), 'tensorboard'
+
+
+class csvMonitor(_Monitor):
+    sink_type, settings = ds_sinks.CSVMonitor, ('output_path', 'job_name')
+
+
+class WandbMonitor(_Monitor):
+    sink_type, settings, package = ds_sinks.WandbMonitor, ('group', 'team', 'project'), 'wandb'
 
 # %% ../../nbs/90_deepspeed_monitor.ipynb #c009
 class MonitorMaster:
-    "DeepSpeed's `MonitorMaster(monitor_config)`: its enabled monitors (`tb_monitor`, `wandb_monitor`, `csv_monitor`), writing on rank 0"
-    def __init__(self, monitor_config:DeepSpeedMonitorConfig):
+    """DeepSpeed's `MonitorMaster(monitor_config)`: its enabled monitors (`tb_monitor`, `wandb_monitor`, `csv_monitor`),
+    writing on rank 0"""
+
+    def __init__(self, monitor_config: DeepSpeedMonitorConfig):
         self.monitor_config, self.enabled = monitor_config, monitor_config.enabled
         build = lambda cls, block: cls(block) if block.enabled else None
         self.tb_monitor = build(TensorBoardMonitor, monitor_config.tensorboard)
         self.wandb_monitor = build(WandbMonitor, monitor_config.wandb)
         self.csv_monitor = build(csvMonitor, monitor_config.csv_monitor)
 
-    def write_events(self, event_list): # [(tag, value, step)]
+    def write_events(self, event_list):  # [(tag, value, step)]
         for m in (self.tb_monitor, self.wandb_monitor, self.csv_monitor):
-            if m is not None: m.write_events(event_list)
+            if m is not None:
+                m.write_events(event_list)

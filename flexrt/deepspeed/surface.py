@@ -6,9 +6,8 @@
 from __future__ import annotations
 import datetime, math, os
 import torch
-from fastcore.basics import patch
 from packaging import version as _version
-from ..config import FlexConfig
+from ..config.flex_config import FlexConfig
 from ..comm.logger import trim_mean, calc_bw
 
 # %% auto #0
@@ -23,130 +22,223 @@ __all__ = ['TRAIN_BATCH_SIZE', 'TRAIN_MICRO_BATCH_SIZE_PER_GPU', 'GRADIENT_ACCUM
            'convert_size', 'DeepSpeedCommsLogger', 'get_model_ckpt_name_for_rank', 'ZeRORuntimeException']
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c006
-def _only(param_dict:dict, *keys)->FlexConfig:
+def _only(param_dict: dict, *keys) -> FlexConfig:
     "flexrt's config built from just `keys` of a DeepSpeed config dict (the rest are some other getter's business)"
     return FlexConfig.from_dict({k: param_dict[k] for k in keys if k in param_dict})
 
-def get_gradient_clipping(param_dict:dict)->float:
+
+def get_gradient_clipping(param_dict: dict) -> float:
     "`gradient_clipping` of a DeepSpeed config dict (default 1.0; 0 disables clipping)"
     return _only(param_dict, 'gradient_clipping').gradient_clipping
 
-def get_bfloat16_config(param_dict:dict):
+
+def get_bfloat16_config(param_dict: dict):
     "The `bf16` block (or its legacy name `bfloat16`) of a DeepSpeed config dict, with `.enabled`"
     return _only(param_dict, 'bf16', 'bfloat16').bf16
 
-def get_float16_config(param_dict:dict):
+
+def get_float16_config(param_dict: dict):
     "The `fp16` block of a DeepSpeed config dict, with `.enabled`, `.loss_scale`, `.initial_scale_power` ..."
     return _only(param_dict, 'fp16').fp16
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c009
-TRAIN_BATCH_SIZE, TRAIN_MICRO_BATCH_SIZE_PER_GPU, GRADIENT_ACCUMULATION_STEPS = 'train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps'
+TRAIN_BATCH_SIZE, TRAIN_MICRO_BATCH_SIZE_PER_GPU, GRADIENT_ACCUMULATION_STEPS = (
+    'train_batch_size',
+    'train_micro_batch_size_per_gpu',
+    'gradient_accumulation_steps',
+)
 GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT = 'gradient_clipping', FlexConfig().gradient_clipping
 STEPS_PER_PRINT, STEPS_PER_PRINT_DEFAULT = 'steps_per_print', 10
 OPTIMIZER, SCHEDULER, TYPE, OPTIMIZER_PARAMS, SCHEDULER_PARAMS = 'optimizer', 'scheduler', 'type', 'params', 'params'
 ZERO_ALLOW_UNTESTED_OPTIMIZER, ZERO_ALLOW_UNTESTED_OPTIMIZER_DEFAULT = 'zero_allow_untested_optimizer', False
 ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = 'adagrad', 'adam', 'adamw', 'lamb'
 ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER = 'onebitadam', 'zerooneadam', 'onebitlamb'
-MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER = 'muadam', 'muadamw', 'musgd', 'lion', 'muon'
-DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER,
-                        ZERO_ONE_ADAM_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER]
+MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER = (
+    'muadam',
+    'muadamw',
+    'musgd',
+    'lion',
+    'muon',
+)
+DEEPSPEED_OPTIMIZERS = [
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAMW_OPTIMIZER,
+    LAMB_OPTIMIZER,
+    ONEBIT_ADAM_OPTIMIZER,
+    ONEBIT_LAMB_OPTIMIZER,
+    ZERO_ONE_ADAM_OPTIMIZER,
+    MUADAM_OPTIMIZER,
+    MUADAMW_OPTIMIZER,
+    MUSGD_OPTIMIZER,
+    LION_OPTIMIZER,
+    MUON_OPTIMIZER,
+]
 TORCH_ADAM_PARAM, ADAM_W_MODE, ADAM_W_MODE_DEFAULT = 'torch_adam', 'adam_w_mode', True
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c012
-def required_torch_version(min_version=None, max_version=None)->bool:
+def required_torch_version(min_version=None, max_version=None) -> bool:
     "Whether the installed torch's major.minor lies in [min_version, max_version] (either bound may be left out)"
-    if min_version is None and max_version is None: raise ValueError("required_torch_version: give min_version, max_version or both")
+    if min_version is None and max_version is None:
+        raise ValueError("required_torch_version: give min_version, max_version or both")
     major, minor = torch.__version__.split('.')[:2]
     have = _version.parse(f'{major}.{minor}')
-    if min_version is not None and have < _version.parse(str(min_version)): return False
+    if min_version is not None and have < _version.parse(str(min_version)):
+        return False
     return max_version is None or have <= _version.parse(str(max_version))
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c015
-def convert_size(size_bytes:int)->str:
+def convert_size(size_bytes: int) -> str:
     "A byte count for people: '0B', '512.0 B', '1.5 KB', ... (powers of 1024)"
-    if size_bytes == 0: return '0B'
+    if size_bytes == 0:
+        return '0B'
     i = int(math.floor(math.log(size_bytes, 1024)))
-    return f"{round(size_bytes / 1024 ** i, 2)} {('B', 'KB', 'MB', 'GB', 'TB', 'PB', 'EB', 'ZB', 'YB')[i]}"
+    return f"{round(size_bytes / 1024**i, 2)} {('B', 'KB', 'MB', 'GB', 'TB', 'PB', 'EB', 'ZB', 'YB')[i]}"
 
-def _world_size()->int:
+
+def _world_size() -> int:
     from flexrt import comm as dist
+
     return dist.get_world_size() if dist.is_initialized() else 1
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c017
 class DeepSpeedCommsLogger:
     "DeepSpeed's comms logger: per op name and message size, the count and every latency (ms) and bandwidth (Gbps)"
+
     def __init__(self):
-        self.comms_dict, self.verbose, self.debug, self.prof_ops, self.prof_all, self.enabled = {}, False, False, [], True, False
+        self.comms_dict, self.verbose, self.debug, self.prof_ops, self.prof_all, self.enabled = (
+            {},
+            False,
+            False,
+            [],
+            True,
+            False,
+        )
+
     def configure(self, comms_config):
-        "Take `enabled`, `verbose`, `debug`, `prof_ops`, `prof_all` from a config with DeepSpeed's `comms_logger` fields"
+        """Take `enabled`, `verbose`, `debug`, `prof_ops`, `prof_all` from a config with DeepSpeed's `comms_logger`
+        fields"""
         block = getattr(comms_config, 'comms_logger', comms_config)
         self.enabled = bool(getattr(comms_config, 'comms_logger_enabled', getattr(block, 'enabled', False)))
-        if self.enabled: self.verbose, self.debug, self.prof_ops, self.prof_all = block.verbose, block.debug, list(block.prof_ops), block.prof_all
-    def start_profiling_comms(self): self.prof_all = True
-    def stop_profiling_comms(self): self.prof_all = False
-    def start_profiling_op(self, op_name_list): self.prof_ops = list(set(self.prof_ops) | set(op_name_list))
-    def stop_profiling_op(self, op_name_list): self.prof_ops = [op for op in self.prof_ops if op not in op_name_list]
+        if self.enabled:
+            self.verbose, self.debug, self.prof_ops, self.prof_all = (
+                block.verbose,
+                block.debug,
+                list(block.prof_ops),
+                block.prof_all,
+            )
 
-# %% ../../nbs/90_deepspeed_surface.ipynb #c018
-@patch
-def append(self:DeepSpeedCommsLogger, raw_name:str, # the collective (`all_reduce`, ...): decides the bus factor
-            record_name:str, # what the record is filed under (the op, or the caller's log name)
-            latency:float, # milliseconds
-            msg_size:int): # bytes
-    "Record one call"
-    algbw, busbw = calc_bw(raw_name, msg_size, latency / 1e3, _world_size())
-    entry = self.comms_dict.setdefault(record_name, {}).setdefault(msg_size, [0, [], [], []])
-    entry[0] += 1
-    for values, v in zip(entry[1:], (latency, algbw, busbw)): values.append(v)
-    if self.verbose:
-        from flexrt.deepspeed.compat import log_dist
-        log_dist(f"comm op: {record_name} | time (ms): {latency:.2f} | msg size: {convert_size(msg_size)} | algbw (Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}", [0])
+    def start_profiling_comms(self):
+        self.prof_all = True
 
-@patch
-def get_raw_data(self:DeepSpeedCommsLogger)->dict: return dict(self.comms_dict)
-@patch
-def has_data(self:DeepSpeedCommsLogger)->bool: return len(self.comms_dict) > 0
-@patch
-def reset_data(self:DeepSpeedCommsLogger): self.comms_dict.clear()
-@patch
-def get_operation_names(self:DeepSpeedCommsLogger)->list: return list(self.comms_dict)
-@patch
-def get_total_operations(self:DeepSpeedCommsLogger)->int: return sum(v[0] for sizes in self.comms_dict.values() for v in sizes.values())
+    def stop_profiling_comms(self):
+        self.prof_all = False
 
-# %% ../../nbs/90_deepspeed_surface.ipynb #c020
-@patch
-def get_operation_summary(self:DeepSpeedCommsLogger, operation_name:str)->dict|None:
-    "Per message size of `operation_name`: count, total and trimmed-mean latency (ms), trimmed-mean bandwidths; None if never logged"
-    if operation_name not in self.comms_dict: return None
-    return {size: {'count': count, 'total_latency_ms': sum(lats), 'avg_latency_ms': trim_mean(lats, 0.1),
-                   'tput_avg_gbps': trim_mean(algbws, 0.1), 'busbw_avg_gbps': trim_mean(busbws, 0.1),
-                   'msg_size_bytes': size, 'msg_size_str': convert_size(size)}
-            for size, (count, lats, algbws, busbws) in self.comms_dict[operation_name].items()}
+    def start_profiling_op(self, op_name_list):
+        self.prof_ops = list(set(self.prof_ops) | set(op_name_list))
 
-@patch
-def log_all(self:DeepSpeedCommsLogger, print_log:bool=True, show_straggler:bool=False, return_dict:bool=False)->dict|None:
-    "Print (on rank 0) and/or return every operation's summary; `show_straggler` is not measured here (None)"
-    summary = {op: self.get_operation_summary(op) for op in self.comms_dict}
-    from flexrt import comm as dist
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if print_log and rank == 0:
-        print(f"{'Comm. Op':<20}{'Message Size':<20}{'Count':<20}{'Total Latency(ms)':<20}{'Avg Latency(ms)':<20}{'tput_avg (Gbps)':<20}{'busbw_avg (Gbps)':<20}")
-        for op, sizes in summary.items():
-            print(op)
-            for s in sizes.values():
-                print(f"{' ':<20}{s['msg_size_str']:<20}{s['count']:<20}{s['total_latency_ms']:<20.2f}{s['avg_latency_ms']:<20.2f}"
-                      f"{s['tput_avg_gbps']:<20.2f}{s['busbw_avg_gbps']:<20.2f}")
-    if return_dict:
-        return {'summary': summary, 'straggler_analysis': None,
-                'metadata': {'world_size': _world_size(), 'rank': rank, 'timestamp': datetime.datetime.now().isoformat()}}
+    def stop_profiling_op(self, op_name_list):
+        self.prof_ops = [op for op in self.prof_ops if op not in op_name_list]
+
+    def append(
+        self,
+        raw_name: str,  # the collective (`all_reduce`, ...): decides the bus factor
+        record_name: str,  # what the record is filed under (the op, or the caller's log name)
+        latency: float,  # milliseconds
+        msg_size: int,  # bytes
+    ):
+        "Record one call"
+        algbw, busbw = calc_bw(raw_name, msg_size, latency / 1e3, _world_size())
+        entry = self.comms_dict.setdefault(record_name, {}).setdefault(msg_size, [0, [], [], []])
+        entry[0] += 1
+        for values, v in zip(entry[1:], (latency, algbw, busbw)):
+            values.append(v)
+        if self.verbose:
+            from flexrt.deepspeed.compat import log_dist
+
+            log_dist(
+                f"comm op: {record_name} | time (ms): {latency:.2f} | msg size: {convert_size(msg_size)} | algbw "
+                f"(Gbps): {algbw:.2f} | busbw (Gbps): {busbw:.2f}",
+                [0],
+            )
+
+    def get_raw_data(self) -> dict:
+        return dict(self.comms_dict)
+
+    def has_data(self) -> bool:
+        return len(self.comms_dict) > 0
+
+    def reset_data(self):
+        self.comms_dict.clear()
+
+    def get_operation_names(self) -> list:
+        return list(self.comms_dict)
+
+    def get_total_operations(self) -> int:
+        return sum(v[0] for sizes in self.comms_dict.values() for v in sizes.values())
+
+    def get_operation_summary(self, operation_name: str) -> dict | None:
+        """Per message size of `operation_name`: count, total and trimmed-mean latency (ms), trimmed-mean bandwidths;
+        None if never logged"""
+        if operation_name not in self.comms_dict:
+            return None
+        return {
+            size: {
+                'count': count,
+                'total_latency_ms': sum(lats),
+                'avg_latency_ms': trim_mean(lats, 0.1),
+                'tput_avg_gbps': trim_mean(algbws, 0.1),
+                'busbw_avg_gbps': trim_mean(busbws, 0.1),
+                'msg_size_bytes': size,
+                'msg_size_str': convert_size(size),
+            }
+            for size, (count, lats, algbws, busbws) in self.comms_dict[operation_name].items()
+        }
+
+    def log_all(self, print_log: bool = True, show_straggler: bool = False, return_dict: bool = False) -> dict | None:
+        "Print (on rank 0) and/or return every operation's summary; `show_straggler` is not measured here (None)"
+        summary = {op: self.get_operation_summary(op) for op in self.comms_dict}
+        from flexrt import comm as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if print_log and rank == 0:
+            print(
+                f"{'Comm. Op':<20}{'Message Size':<20}{'Count':<20}{'Total Latency(ms)':<20}{'Avg Latency(ms)':<20}"
+                f"{'tput_avg (Gbps)':<20}{'busbw_avg (Gbps)':<20}"
+            )
+            for op, sizes in summary.items():
+                print(op)
+                for s in sizes.values():
+                    print(
+                        f"{' ':<20}{s['msg_size_str']:<20}{s['count']:<20}{s['total_latency_ms']:<20.2f}"
+                        f"{s['avg_latency_ms']:<20.2f}"
+                        f"{s['tput_avg_gbps']:<20.2f}{s['busbw_avg_gbps']:<20.2f}"
+                    )
+        if return_dict:
+            return {
+                'summary': summary,
+                'straggler_analysis': None,
+                'metadata': {
+                    'world_size': _world_size(),
+                    'rank': rank,
+                    'timestamp': datetime.datetime.now().isoformat(),
+                },
+            }
 
 # %% ../../nbs/90_deepspeed_surface.ipynb #c023
-def get_model_ckpt_name_for_rank(base_folder, # a tag's directory
-                                 mp_rank_str:str)->str: # the model-parallel rank, two digits: '00'
+def get_model_ckpt_name_for_rank(
+    base_folder,  # a tag's directory
+    mp_rank_str: str,
+) -> str:  # the model-parallel rank, two digits: '00'
     "The path of DeepSpeed's model-states file for model-parallel rank `mp_rank_str` in `base_folder`"
     return os.path.join(base_folder, f'mp_rank_{mp_rank_str}_model_states.pt')
 
-class ZeRORuntimeException(Exception):
-    "DeepSpeed's error for a ZeRO setting or state that cannot work (flexrt raises ValueError/RuntimeError itself; this name lets `except` clauses import)"
 
-DeepSpeedConfigError = ValueError   # flexrt's config raises ValueError naming the key and the fix: `except DeepSpeedConfigError` catches it
+class ZeRORuntimeException(Exception):
+    """DeepSpeed's error for a ZeRO setting or state that cannot work (flexrt raises ValueError/RuntimeError itself;
+    this name lets `except` clauses import)"""
+
+
+DeepSpeedConfigError = (
+    ValueError  # flexrt's config raises ValueError naming the key and the fix: `except DeepSpeedConfigError` catches it
+)

@@ -12,4 +12,15 @@ from .core import Engine
 from .watch import NonFiniteError
 from .optim import Lamb, build_optimizer, build_lr_scheduler
 from ..zero.stage0 import ReplicatedOptimizer
-_all_ = ['config_source', 'add_config_arguments', 'initialize', 'Engine', 'NonFiniteError', 'Lamb', 'build_optimizer', 'build_lr_scheduler', 'ReplicatedOptimizer']
+
+_all_ = [
+    'config_source',
+    'add_config_arguments',
+    'initialize',
+    'Engine',
+    'NonFiniteError',
+    'Lamb',
+    'build_optimizer',
+    'build_lr_scheduler',
+    'ReplicatedOptimizer',
+]

@@ -5,215 +5,513 @@
 # %% ../../nbs/65_engine_accessors.ipynb #c003
 from __future__ import annotations
 import dataclasses, operator
-from fastcore.basics import patch
 import torch
 from .. import comm as dist
-from ..config import BatchConfig
+from ..config.flex_config import BatchConfig
 from ..checkpoint import save_load
 from ..checkpoint.deepspeed_view import optimizer_state_file, make_executable
 
 # %% auto #0
-__all__ = ['ACCESSORS', 'DeepSpeedAccessors']
+__all__ = ['ACCESSORS', 'config_accessor', 'DeepSpeedAccessors']
+
+# %% ../../nbs/65_engine_accessors.ipynb #8763a12b2bbd4a93a75aff182afb95dc
+ACCESSORS = {}  # DeepSpeed's configuration accessors, by name: the methods `config_accessor` marks
+
+
+def config_accessor(method):
+    "Mark `method` as one of DeepSpeed's configuration accessors (listed in `ACCESSORS`)"
+    ACCESSORS[method.__name__] = method
+    return method
+
+
+def _read_config(engine, path: str):
+    "The config value at a dotted `path`; on a DeepSpeed stand-in (`_config`, no `config`), its attribute `path`"
+    if '.' not in path and not hasattr(engine, 'config') and hasattr(engine, '_config'):
+        return getattr(engine._config, path)  # DeepSpeed's own reading: `_config.<the method's name>`
+    return operator.attrgetter(path)(engine.config)
 
 # %% ../../nbs/65_engine_accessors.ipynb #c004b
 class DeepSpeedAccessors:
-    "DeepSpeed's engine methods over what `Engine` provides (`config`, `optimizer`, `counter`, `module`, the parallel groups); `Engine` inherits them"
+    """DeepSpeed's engine methods over what `Engine` provides (`config`, `optimizer`, `counter`, `module`, the parallel
+    groups); `Engine` inherits them"""
 
-# %% ../../nbs/65_engine_accessors.ipynb #c006
-_z = 'zero_optimization.'
-ACCESSORS = {   # DeepSpeed engine method: a dotted path in engine.config, or a function of the config
-    'zero_optimization_stage': _z + 'stage', 'zero_optimization': lambda c: c.zero_optimization.stage > 0,
-    'zero_optimization_partition_gradients': lambda c: c.zero_optimization.stage >= 2,
-    'zero_optimization_partition_weights': lambda c: c.zero_optimization.stage >= 3,
-    'zero_allgather_bucket_size': _z + 'allgather_bucket_size', 'zero_reduce_bucket_size': _z + 'reduce_bucket_size',
-    'zero_overlap_comm': _z + 'overlap_comm', 'zero_contiguous_gradients': _z + 'contiguous_gradients',
-    'zero_reduce_scatter': _z + 'reduce_scatter', 'zero_allgather_partitions': _z + 'allgather_partitions',
-    'zero_sub_group_size': _z + 'sub_group_size', 'zero_prefetch_bucket_size': _z + 'stage3_prefetch_bucket_size',
-    'zero_param_persistence_threshold': _z + 'stage3_param_persistence_threshold',
-    'zero_model_persistence_threshold': _z + 'stage3_model_persistence_threshold',
-    'zero_max_live_parameters': _z + 'stage3_max_live_parameters', 'zero_max_reuse_distance': _z + 'stage3_max_reuse_distance',
-    'zero_gather_16bit_weights_on_model_save': _z + 'stage3_gather_16bit_weights_on_model_save',
-    'zero_module_granularity_threshold': _z + 'stage3_module_granularity_threshold',
-    'zero_elastic_checkpoint': _z + 'elastic_checkpoint', 'zero_load_from_fp32_weights': _z + 'load_from_fp32_weights',
-    'zero_ignore_unused_parameters': _z + 'ignore_unused_parameters', 'zero_round_robin_gradients': _z + 'round_robin_gradients',
-    'zero_hpz_partition_size': _z + 'zero_hpz_partition_size', 'zero_quantized_weights': _z + 'zero_quantized_weights',
-    'zero_quantized_nontrainable_weights': _z + 'zero_quantized_nontrainable_weights',
-    'zero_quantized_gradients': _z + 'zero_quantized_gradients',
-    'zero_multi_rank_bucket_allreduce': _z + 'use_multi_rank_bucket_allreduce',
-    'zero_allow_untested_optimizer': 'zero_allow_untested_optimizer',
-    'zero_offload_optimizer': _z + 'offload_optimizer', 'zero_offload_param': _z + 'offload_param',
-    'zero_cpu_offload': lambda c: c.zero_optimization.offload_optimizer.device == 'cpu',
-    'fp16_enabled': 'fp16.enabled', 'bfloat16_enabled': 'bf16.enabled', 'fp16_auto_cast': 'fp16.auto_cast',
-    'fp16_master_weights_and_gradients': 'fp16.fp16_master_weights_and_grads',
-    'dynamic_loss_scale': lambda c: c.fp16.loss_scale == 0, 'loss_scale': 'fp16.loss_scale',
-    'initial_dynamic_scale': lambda c: 2. ** c.fp16.initial_scale_power,
-    'dynamic_loss_scale_args': lambda c: dict(init_scale=2. ** c.fp16.initial_scale_power, scale_window=c.fp16.loss_scale_window,
-                                              delayed_shift=c.fp16.hysteresis, consecutive_hysteresis=c.fp16.consecutive_hysteresis,
-                                              min_scale=c.fp16.min_loss_scale) if c.fp16.enabled and c.fp16.loss_scale == 0 else None,
-    'gradient_clipping': 'gradient_clipping', 'steps_per_print': 'steps_per_print',
-    'wall_clock_breakdown': 'wall_clock_breakdown', 'dump_state': 'dump_state',
-    'postscale_gradients': lambda c: not c.prescale_gradients, 'gradient_predivide_factor': 'gradient_predivide_factor',
-    'communication_data_type': 'communication_data_type', 'dataloader_drop_last': 'dataloader_drop_last',
-    'optimizer_name': lambda c: c.optimizer.type if c.optimizer else None,
-    'optimizer_params': lambda c: dict(c.optimizer.params) if c.optimizer else None,
-    'scheduler_name': lambda c: c.scheduler.type if c.scheduler else None,
-    'scheduler_params': lambda c: dict(c.scheduler.params) if c.scheduler else None,
-    'flops_profiler_enabled': 'flops_profiler.enabled', 'autotuning_enabled': 'autotuning.enabled',
-    'autotuning_metric': 'autotuning.metric', 'autotuning_start_profile_step': 'autotuning.start_profile_step',
-    'autotuning_end_profile_step': 'autotuning.end_profile_step',
-    'checkpoint_tag_validation_enabled': lambda c: c.checkpoint.tag_validation != 'Ignore',
-    'checkpoint_tag_validation_fail': lambda c: c.checkpoint.tag_validation == 'Fail',
-    'load_universal_checkpoint': 'checkpoint.load_universal', 'use_node_local_storage': 'checkpoint.use_node_local_storage',
-}
+    def get_mom(self) -> list:
+        "Each param group's momentum, as DeepSpeed reports it: Adam's `betas` pair, or SGD's `momentum`"
+        return [tuple(g['betas']) if 'betas' in g else g.get('momentum', 0.0) for g in self.optimizer.param_groups]
 
-def _accessor(name:str, how):
-    read = how if callable(how) else operator.attrgetter(how)
-    def method(self:DeepSpeedAccessors):
-        if how == name and not hasattr(self, 'config') and hasattr(self, '_config'): return getattr(self._config, name)   # DeepSpeed's own reading
-        return read(self.config)
-    method.__name__, method.__qualname__ = name, f'DeepSpeedAccessors.{name}'
-    method.__doc__ = f"DeepSpeed's `engine.{name}()`: " + (f"`config.{how}`" if isinstance(how, str) else 'from the config')
-    return method
+    def was_step_applied(self) -> bool:
+        "Whether the last `step()` updated the weights (False inside an accumulation window or after an fp16 overflow)"
+        return self.counter.last_step_applied
 
-for _name, _how in ACCESSORS.items(): setattr(DeepSpeedAccessors, _name, _accessor(_name, _how))   # one generated method per entry
+    def destroy(self):
+        "DeepSpeed's name for `close()`: hooks, buffers and process groups of this engine are released"
+        self.close()
 
-# %% ../../nbs/65_engine_accessors.ipynb #c009
-@patch
-def get_mom(self:DeepSpeedAccessors)->list:
-    "Each param group's momentum, as DeepSpeed reports it: Adam's `betas` pair, or SGD's `momentum`"
-    return [tuple(g['betas']) if 'betas' in g else g.get('momentum', 0.) for g in self.optimizer.param_groups]
+    def get_data_parallel_group(self):
+        return self.dp_group if self.dp_group is not None else dist.get_world_group()
 
-@patch
-def was_step_applied(self:DeepSpeedAccessors)->bool:
-    "Whether the last `step()` updated the weights (False inside an accumulation window or after an fp16 overflow)"
-    return self.counter.last_step_applied
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
 
-@patch
-def destroy(self:DeepSpeedAccessors):
-    "DeepSpeed's name for `close()`: hooks, buffers and process groups of this engine are released"
-    self.close()
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_world_size
 
-# %% ../../nbs/65_engine_accessors.ipynb #c010
-@patch
-def get_data_parallel_group(self:DeepSpeedAccessors): return self.dp_group if self.dp_group is not None else dist.get_world_group()
-@patch
-def get_data_parallel_rank(self:DeepSpeedAccessors)->int: return self.dp_rank
-@patch
-def get_data_parallel_world_size(self:DeepSpeedAccessors)->int: return self.dp_world_size
-@patch
-def get_model_parallel_rank(self:DeepSpeedAccessors)->int: return self.mpu.get_model_parallel_rank() if self.mpu is not None else 0
-@patch
-def get_model_parallel_world_size(self:DeepSpeedAccessors)->int: return self.mp_world_size
-@patch
-def get_sequence_parallel_group(self:DeepSpeedAccessors): return None   # flexrt has no sequence parallelism
+    def get_model_parallel_rank(self) -> int:
+        return self.mpu.get_model_parallel_rank() if self.mpu is not None else 0
 
-@patch
-def set_train_micro_batch_size(self:DeepSpeedAccessors, micro_batch_size:int):
-    "Change the micro-batch size, keeping the accumulation steps (the global batch size follows)"
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    gas = self.gradient_accumulation_steps()
-    self.config = dataclasses.replace(self.config, batch=BatchConfig(train_batch_size=micro_batch_size * gas * self.dp_world_size,
-                                      train_micro_batch_size_per_gpu=micro_batch_size, gradient_accumulation_steps=gas))
+    def get_model_parallel_world_size(self) -> int:
+        return self.mp_world_size
 
-# %% ../../nbs/65_engine_accessors.ipynb #c010b
-@patch
-def get_batch_info(self:DeepSpeedAccessors)->tuple:
-    "(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)"
-    return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+    def get_sequence_parallel_group(self):
+        return None  # flexrt has no sequence parallelism
 
-@patch
-def set_train_batch_size(self:DeepSpeedAccessors, train_batch_size:int):
-    "Change the global batch size by changing the accumulation steps (the micro-batch size stays)"
-    micro, dp = self.train_micro_batch_size_per_gpu(), self.dp_world_size
-    if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0 or train_batch_size % (micro * dp):
-        raise ValueError(f"train_batch_size={train_batch_size!r} must be a positive multiple of micro ({micro}) x world ({dp}) = {micro * dp}")
-    gas = train_batch_size // (micro * dp)
-    self.config = dataclasses.replace(self.config, batch=BatchConfig(train_batch_size=train_batch_size,
-                                      train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas))
-    self.counter.gradient_accumulation_steps = gas
+    def set_train_micro_batch_size(self, micro_batch_size: int):
+        "Change the micro-batch size, keeping the accumulation steps (the global batch size follows)"
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
+        gas = self.gradient_accumulation_steps()
+        self.config = dataclasses.replace(
+            self.config,
+            batch=BatchConfig(
+                train_batch_size=micro_batch_size * gas * self.dp_world_size,
+                train_micro_batch_size_per_gpu=micro_batch_size,
+                gradient_accumulation_steps=gas,
+            ),
+        )
 
-# %% ../../nbs/65_engine_accessors.ipynb #c012
-@patch
-def module_state_dict(self:DeepSpeedAccessors, destination=None, prefix:str='', keep_vars:bool=False,
-                      exclude_frozen_parameters:bool=False)->dict:
-    "The model's complete weights (gathered at ZeRO stage 3), as `module.state_dict()` names them; every rank calls it"
-    with self.optimizer.gathered(list(self.module.parameters())):
-        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if not keep_vars: state = {k: v.clone() for k, v in state.items()}
-    if exclude_frozen_parameters:
-        frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
-        state = {k: v for k, v in state.items() if k not in frozen}
-    return state
+    def get_batch_info(self) -> tuple:
+        "(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)"
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
 
-@patch
-def empty_partition_cache(self:DeepSpeedAccessors):
-    "Release parameters ZeRO stage 3 keeps gathered (a no-op at other stages)"
-    self.optimizer.quiesce()
+    def set_train_batch_size(self, train_batch_size: int):
+        "Change the global batch size by changing the accumulation steps (the micro-batch size stays)"
+        micro, dp = self.train_micro_batch_size_per_gpu(), self.dp_world_size
+        if (
+            isinstance(train_batch_size, bool)
+            or not isinstance(train_batch_size, int)
+            or train_batch_size <= 0
+            or train_batch_size % (micro * dp)
+        ):
+            raise ValueError(
+                f"train_batch_size={train_batch_size!r} must be a positive multiple of micro ({micro}) x world ({dp}) "
+                "= "
+                f"{micro * dp}"
+            )
+        gas = train_batch_size // (micro * dp)
+        self.config = dataclasses.replace(
+            self.config,
+            batch=BatchConfig(
+                train_batch_size=train_batch_size, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas
+            ),
+        )
+        self.counter.gradient_accumulation_steps = gas
 
-@patch(as_prop=True)
-def sparse_tensor_module_names(self:DeepSpeedAccessors)->set:
-    "DeepSpeed's modules whose gradients it reduces as sparse tensors: none here (`sparse_gradients` has no effect; all are dense)"
-    return set()
-
-@patch
-def memory_breakdown(self:DeepSpeedAccessors)->dict: # bytes: params, grads, optimizer_state, total (stage 3 adds persistent)
-    "Bytes this rank holds for parameters, gradients and optimizer state, as the ZeRO stage in use partitions them"
-    return self.optimizer.memory_breakdown()
-
-# %% ../../nbs/65_engine_accessors.ipynb #c013b
-@patch
-def _zero3_consolidated_16bit_state_dict(self:DeepSpeedAccessors, exclude_frozen_parameters:bool=False)->dict|None:
-    "The whole model's weights on rank 0 (CPU copies; tied names share one tensor), None on other ranks; ZeRO stage 3, every rank calls it"
-    if self.zero_optimization_stage() != 3: raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage=3); use module_state_dict()")
-    frozen = {id(p) for p in self.module.parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
-    with self.optimizer.gathered(list(self.module.parameters())):
-        if dist.get_rank() != 0: return None
-        state, copies = {}, {}   # copies: one per tensor, whatever its names
-        for name, value in self.module.state_dict(keep_vars=True).items():
-            if id(value) in frozen: continue
-            if id(value) not in copies: copies[id(value)] = value.detach().to('cpu', copy=True)
-            state[name] = copies[id(value)]
+    def module_state_dict(
+        self, destination=None, prefix: str = '', keep_vars: bool = False, exclude_frozen_parameters: bool = False
+    ) -> dict:
+        """The model's complete weights (gathered at ZeRO stage 3), as `module.state_dict()` names them; every rank
+        calls it"""
+        with self.optimizer.gathered(list(self.module.parameters())):
+            state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            if not keep_vars:
+                state = {k: v.clone() for k, v in state.items()}
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
-# %% ../../nbs/65_engine_accessors.ipynb #c015
-@patch
-def save_checkpoint(self:DeepSpeedAccessors, save_dir, # the directory holding the checkpoints (shared by all ranks)
-                     tag=None, # the checkpoint's name (default: global_step<N>)
-                     client_state:dict|None=None, # your own state: tensors, numbers, strings and containers of them
-                     save_latest:bool=True, # point `<save_dir>/latest` at this tag
-                     exclude_frozen_parameters:bool=False)->bool: # leave out parameters that do not require grad
-    "Save the complete training state (all ranks call it)"
-    saved = save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-    self.optimizer.refresh()   # stage 3: persistent parameters released by `empty_partition_cache()` are whole again, as in DeepSpeed
-    return saved
+    def empty_partition_cache(self):
+        "Release parameters ZeRO stage 3 keeps gathered (a no-op at other stages)"
+        self.optimizer.quiesce()
 
-@patch
-def load_checkpoint(self:DeepSpeedAccessors, load_dir, tag=None, load_module_strict:bool=True, load_optimizer_states:bool=True,
-                     load_lr_scheduler_states:bool=True, load_module_only:bool=False)->tuple:
-    "Restore a checkpoint (all ranks call it): `(path, client_state)`, or `(None, None)` when `load_dir` has no `latest`"
-    return save_load.load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                     load_lr_scheduler_states, load_module_only)
+    @property
+    def sparse_tensor_module_names(self) -> set:
+        """DeepSpeed's modules whose gradients it reduces as sparse tensors: none here (`sparse_gradients` has no
+        effect; all are dense)"""
+        return set()
 
-@patch
-def save_16bit_model(self:DeepSpeedAccessors, save_dir, save_filename:str='pytorch_model.bin', exclude_frozen_parameters:bool=False)->bool:
-    "The model's weights in their working dtype, in one file written by rank 0 (all ranks call it)"
-    return save_load.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+    def memory_breakdown(self) -> dict:  # bytes: params, grads, optimizer_state, total (stage 3 adds persistent)
+        "Bytes this rank holds for parameters, gradients and optimizer state, as the ZeRO stage in use partitions them"
+        return self.optimizer.memory_breakdown()
 
-# %% ../../nbs/65_engine_accessors.ipynb #wa040ad
-@patch
-def _get_optimizer_ckpt_name(self:DeepSpeedAccessors, checkpoints_path, tag, expp_rank=None)->str:
-    "The file holding this rank's optimizer state in checkpoint `tag` (flexrt: its rank file, with its fp32 masters)"
-    return str(optimizer_state_file(checkpoints_path, tag, dist.get_rank()))
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The whole model's weights on rank 0 (CPU copies; tied names share one tensor), None on other ranks; ZeRO
+        stage 3, every rank calls it"""
+        if self.zero_optimization_stage() != 3:
+            raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage=3); use module_state_dict()")
+        frozen = (
+            {id(p) for p in self.module.parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
+        )
+        with self.optimizer.gathered(list(self.module.parameters())):
+            if dist.get_rank() != 0:
+                return None
+            state, copies = {}, {}  # copies: one per tensor, whatever its names
+            for name, value in self.module.state_dict(keep_vars=True).items():
+                if id(value) in frozen:
+                    continue
+                if id(value) not in copies:
+                    copies[id(value)] = value.detach().to('cpu', copy=True)
+                state[name] = copies[id(value)]
+            return state
 
-@patch
-def _change_recovery_script_permissions(self:DeepSpeedAccessors, dst)->bool: # whether it is executable now
-    "Make the recovery script at `dst` executable (the file system refusing is logged, not raised)"
-    return make_executable(dst)
+    def save_checkpoint(
+        self,
+        save_dir,  # the directory holding the checkpoints (shared by all ranks)
+        tag=None,  # the checkpoint's name (default: global_step<N>)
+        client_state: dict | None = None,  # your own state: tensors, numbers, strings and containers of them
+        save_latest: bool = True,  # point `<save_dir>/latest` at this tag
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:  # leave out parameters that do not require grad
+        "Save the complete training state (all ranks call it)"
+        saved = save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        # stage 3: persistent parameters released by `empty_partition_cache()` are whole again, as in DeepSpeed
+        self.optimizer.refresh()
+        return saved
 
-# %% ../../nbs/65_engine_accessors.ipynb #wb0607b
-@patch
-def allreduce_gradients(self:DeepSpeedAccessors, bucket_size=None):
-    "Wait until the boundary's gradient reduction (started by backward) is done; nothing inside an accumulation window"
-    reducer = getattr(self.optimizer, 'reducer', None)
-    if reducer is not None and hasattr(reducer, 'wait'): reducer.wait()
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple:
+        """Restore a checkpoint (all ranks call it): `(path, client_state)`, or `(None, None)` when `load_dir` has no
+        `latest`"""
+        return save_load.load_checkpoint(
+            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
+    def save_16bit_model(
+        self, save_dir, save_filename: str = 'pytorch_model.bin', exclude_frozen_parameters: bool = False
+    ) -> bool:
+        "The model's weights in their working dtype, in one file written by rank 0 (all ranks call it)"
+        return save_load.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path, tag, expp_rank=None) -> str:
+        """The file holding this rank's optimizer state in checkpoint `tag` (flexrt: its rank file, with its fp32
+        masters)"""
+        return str(optimizer_state_file(checkpoints_path, tag, dist.get_rank()))
+
+    def _change_recovery_script_permissions(self, dst) -> bool:  # whether it is executable now
+        "Make the recovery script at `dst` executable (the file system refusing is logged, not raised)"
+        return make_executable(dst)
+
+    def allreduce_gradients(self, bucket_size=None):
+        """Wait until the boundary's gradient reduction (started by backward) is done; nothing inside an accumulation
+        window"""
+        reducer = getattr(self.optimizer, 'reducer', None)
+        if reducer is not None and hasattr(reducer, 'wait'):
+            reducer.wait()
+
+    # DeepSpeed's configuration accessors (ACCESSORS): one method each, reading `config`
+
+    @config_accessor
+    def zero_optimization_stage(self):
+        "`config.zero_optimization.stage`"
+        return _read_config(self, 'zero_optimization.stage')
+
+    @config_accessor
+    def zero_optimization(self):
+        "Whether ZeRO partitions anything (stage > 0)"
+        return self.config.zero_optimization.stage > 0
+
+    @config_accessor
+    def zero_optimization_partition_gradients(self):
+        "Whether gradients are partitioned (stage >= 2)"
+        return self.config.zero_optimization.stage >= 2
+
+    @config_accessor
+    def zero_optimization_partition_weights(self):
+        "Whether parameters are partitioned (stage 3)"
+        return self.config.zero_optimization.stage >= 3
+
+    @config_accessor
+    def zero_allgather_bucket_size(self):
+        "`config.zero_optimization.allgather_bucket_size`"
+        return _read_config(self, 'zero_optimization.allgather_bucket_size')
+
+    @config_accessor
+    def zero_reduce_bucket_size(self):
+        "`config.zero_optimization.reduce_bucket_size`"
+        return _read_config(self, 'zero_optimization.reduce_bucket_size')
+
+    @config_accessor
+    def zero_overlap_comm(self):
+        "`config.zero_optimization.overlap_comm`"
+        return _read_config(self, 'zero_optimization.overlap_comm')
+
+    @config_accessor
+    def zero_contiguous_gradients(self):
+        "`config.zero_optimization.contiguous_gradients`"
+        return _read_config(self, 'zero_optimization.contiguous_gradients')
+
+    @config_accessor
+    def zero_reduce_scatter(self):
+        "`config.zero_optimization.reduce_scatter`"
+        return _read_config(self, 'zero_optimization.reduce_scatter')
+
+    @config_accessor
+    def zero_allgather_partitions(self):
+        "`config.zero_optimization.allgather_partitions`"
+        return _read_config(self, 'zero_optimization.allgather_partitions')
+
+    @config_accessor
+    def zero_sub_group_size(self):
+        "`config.zero_optimization.sub_group_size`"
+        return _read_config(self, 'zero_optimization.sub_group_size')
+
+    @config_accessor
+    def zero_prefetch_bucket_size(self):
+        "`config.zero_optimization.stage3_prefetch_bucket_size`"
+        return _read_config(self, 'zero_optimization.stage3_prefetch_bucket_size')
+
+    @config_accessor
+    def zero_param_persistence_threshold(self):
+        "`config.zero_optimization.stage3_param_persistence_threshold`"
+        return _read_config(self, 'zero_optimization.stage3_param_persistence_threshold')
+
+    @config_accessor
+    def zero_model_persistence_threshold(self):
+        "`config.zero_optimization.stage3_model_persistence_threshold`"
+        return _read_config(self, 'zero_optimization.stage3_model_persistence_threshold')
+
+    @config_accessor
+    def zero_max_live_parameters(self):
+        "`config.zero_optimization.stage3_max_live_parameters`"
+        return _read_config(self, 'zero_optimization.stage3_max_live_parameters')
+
+    @config_accessor
+    def zero_max_reuse_distance(self):
+        "`config.zero_optimization.stage3_max_reuse_distance`"
+        return _read_config(self, 'zero_optimization.stage3_max_reuse_distance')
+
+    @config_accessor
+    def zero_gather_16bit_weights_on_model_save(self):
+        "`config.zero_optimization.stage3_gather_16bit_weights_on_model_save`"
+        return _read_config(self, 'zero_optimization.stage3_gather_16bit_weights_on_model_save')
+
+    @config_accessor
+    def zero_module_granularity_threshold(self):
+        "`config.zero_optimization.stage3_module_granularity_threshold`"
+        return _read_config(self, 'zero_optimization.stage3_module_granularity_threshold')
+
+    @config_accessor
+    def zero_elastic_checkpoint(self):
+        "`config.zero_optimization.elastic_checkpoint`"
+        return _read_config(self, 'zero_optimization.elastic_checkpoint')
+
+    @config_accessor
+    def zero_load_from_fp32_weights(self):
+        "`config.zero_optimization.load_from_fp32_weights`"
+        return _read_config(self, 'zero_optimization.load_from_fp32_weights')
+
+    @config_accessor
+    def zero_ignore_unused_parameters(self):
+        "`config.zero_optimization.ignore_unused_parameters`"
+        return _read_config(self, 'zero_optimization.ignore_unused_parameters')
+
+    @config_accessor
+    def zero_round_robin_gradients(self):
+        "`config.zero_optimization.round_robin_gradients`"
+        return _read_config(self, 'zero_optimization.round_robin_gradients')
+
+    @config_accessor
+    def zero_hpz_partition_size(self):
+        "`config.zero_optimization.zero_hpz_partition_size`"
+        return _read_config(self, 'zero_optimization.zero_hpz_partition_size')
+
+    @config_accessor
+    def zero_quantized_weights(self):
+        "`config.zero_optimization.zero_quantized_weights`"
+        return _read_config(self, 'zero_optimization.zero_quantized_weights')
+
+    @config_accessor
+    def zero_quantized_nontrainable_weights(self):
+        "`config.zero_optimization.zero_quantized_nontrainable_weights`"
+        return _read_config(self, 'zero_optimization.zero_quantized_nontrainable_weights')
+
+    @config_accessor
+    def zero_quantized_gradients(self):
+        "`config.zero_optimization.zero_quantized_gradients`"
+        return _read_config(self, 'zero_optimization.zero_quantized_gradients')
+
+    @config_accessor
+    def zero_multi_rank_bucket_allreduce(self):
+        "`config.zero_optimization.use_multi_rank_bucket_allreduce`"
+        return _read_config(self, 'zero_optimization.use_multi_rank_bucket_allreduce')
+
+    @config_accessor
+    def zero_allow_untested_optimizer(self):
+        "`config.zero_allow_untested_optimizer`"
+        return _read_config(self, 'zero_allow_untested_optimizer')
+
+    @config_accessor
+    def zero_offload_optimizer(self):
+        "`config.zero_optimization.offload_optimizer`"
+        return _read_config(self, 'zero_optimization.offload_optimizer')
+
+    @config_accessor
+    def zero_offload_param(self):
+        "`config.zero_optimization.offload_param`"
+        return _read_config(self, 'zero_optimization.offload_param')
+
+    @config_accessor
+    def zero_cpu_offload(self):
+        "Whether `zero_optimization.offload_optimizer.device` is `'cpu'`"
+        return self.config.zero_optimization.offload_optimizer.device == 'cpu'
+
+    @config_accessor
+    def fp16_enabled(self):
+        "`config.fp16.enabled`"
+        return _read_config(self, 'fp16.enabled')
+
+    @config_accessor
+    def bfloat16_enabled(self):
+        "`config.bf16.enabled`"
+        return _read_config(self, 'bf16.enabled')
+
+    @config_accessor
+    def fp16_auto_cast(self):
+        "`config.fp16.auto_cast`"
+        return _read_config(self, 'fp16.auto_cast')
+
+    @config_accessor
+    def fp16_master_weights_and_gradients(self):
+        "`config.fp16.fp16_master_weights_and_grads`"
+        return _read_config(self, 'fp16.fp16_master_weights_and_grads')
+
+    @config_accessor
+    def dynamic_loss_scale(self):
+        "Whether fp16 scales the loss dynamically (`fp16.loss_scale` is 0)"
+        return self.config.fp16.loss_scale == 0
+
+    @config_accessor
+    def loss_scale(self):
+        "`config.fp16.loss_scale`"
+        return _read_config(self, 'fp16.loss_scale')
+
+    @config_accessor
+    def initial_dynamic_scale(self):
+        "The first dynamic loss scale, `2 ** fp16.initial_scale_power`"
+        return 2.0**self.config.fp16.initial_scale_power
+
+    @config_accessor
+    def dynamic_loss_scale_args(self):
+        "The dynamic loss scaler's arguments under DeepSpeed's names, or None without one"
+        fp16 = self.config.fp16
+        if not fp16.enabled or fp16.loss_scale != 0:
+            return None
+        return dict(
+            init_scale=2.0**fp16.initial_scale_power,
+            scale_window=fp16.loss_scale_window,
+            delayed_shift=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=fp16.min_loss_scale,
+        )
+
+    @config_accessor
+    def gradient_clipping(self):
+        "`config.gradient_clipping`"
+        return _read_config(self, 'gradient_clipping')
+
+    @config_accessor
+    def steps_per_print(self):
+        "`config.steps_per_print`"
+        return _read_config(self, 'steps_per_print')
+
+    @config_accessor
+    def wall_clock_breakdown(self):
+        "`config.wall_clock_breakdown`"
+        return _read_config(self, 'wall_clock_breakdown')
+
+    @config_accessor
+    def dump_state(self):
+        "`config.dump_state`"
+        return _read_config(self, 'dump_state')
+
+    @config_accessor
+    def postscale_gradients(self):
+        "Whether gradients are divided after the reduction (not `prescale_gradients`)"
+        return not self.config.prescale_gradients
+
+    @config_accessor
+    def gradient_predivide_factor(self):
+        "`config.gradient_predivide_factor`"
+        return _read_config(self, 'gradient_predivide_factor')
+
+    @config_accessor
+    def communication_data_type(self):
+        "`config.communication_data_type`"
+        return _read_config(self, 'communication_data_type')
+
+    @config_accessor
+    def dataloader_drop_last(self):
+        "`config.dataloader_drop_last`"
+        return _read_config(self, 'dataloader_drop_last')
+
+    @config_accessor
+    def optimizer_name(self):
+        "The `optimizer` block's type, or None"
+        return self.config.optimizer.type if self.config.optimizer else None
+
+    @config_accessor
+    def optimizer_params(self):
+        "The `optimizer` block's params, or None"
+        return dict(self.config.optimizer.params) if self.config.optimizer else None
+
+    @config_accessor
+    def scheduler_name(self):
+        "The `scheduler` block's type, or None"
+        return self.config.scheduler.type if self.config.scheduler else None
+
+    @config_accessor
+    def scheduler_params(self):
+        "The `scheduler` block's params, or None"
+        return dict(self.config.scheduler.params) if self.config.scheduler else None
+
+    @config_accessor
+    def flops_profiler_enabled(self):
+        "`config.flops_profiler.enabled`"
+        return _read_config(self, 'flops_profiler.enabled')
+
+    @config_accessor
+    def autotuning_enabled(self):
+        "`config.autotuning.enabled`"
+        return _read_config(self, 'autotuning.enabled')
+
+    @config_accessor
+    def autotuning_metric(self):
+        "`config.autotuning.metric`"
+        return _read_config(self, 'autotuning.metric')
+
+    @config_accessor
+    def autotuning_start_profile_step(self):
+        "`config.autotuning.start_profile_step`"
+        return _read_config(self, 'autotuning.start_profile_step')
+
+    @config_accessor
+    def autotuning_end_profile_step(self):
+        "`config.autotuning.end_profile_step`"
+        return _read_config(self, 'autotuning.end_profile_step')
+
+    @config_accessor
+    def checkpoint_tag_validation_enabled(self):
+        "Whether checkpoint tags are checked (`checkpoint.tag_validation` is not 'Ignore')"
+        return self.config.checkpoint.tag_validation != 'Ignore'
+
+    @config_accessor
+    def checkpoint_tag_validation_fail(self):
+        "Whether a tag that differs between ranks is an error (`tag_validation` is 'Fail')"
+        return self.config.checkpoint.tag_validation == 'Fail'
+
+    @config_accessor
+    def load_universal_checkpoint(self):
+        "`config.checkpoint.load_universal`"
+        return _read_config(self, 'checkpoint.load_universal')
+
+    @config_accessor
+    def use_node_local_storage(self):
+        "`config.checkpoint.use_node_local_storage`"
+        return _read_config(self, 'checkpoint.use_node_local_storage')

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import torch
 from .. import comm as dist
-from ..config import FlexConfig, load_config
+from ..config.flex_config import FlexConfig, load_config
 from .core import Engine
 from .optim import build_optimizer, build_lr_scheduler
 from ..zero.stage3.partitioned_init import outside_init
 from .. import checkpointing
-from ..config import ActivationCheckpointingConfig
+from ..config.compat import ActivationCheckpointingConfig
 
 # %% auto #0
 __all__ = ['config_source', 'add_config_arguments', 'initialize']
@@ -21,17 +21,27 @@ __all__ = ['config_source', 'add_config_arguments', 'initialize']
 def config_source(args=None, config=None, config_params=None):
     "The one config source among `config`, `config_params` and `args.deepspeed_config`"
     from_args = getattr(args, 'deepspeed_config', None) or getattr(args, 'deepscale_config', None)
-    given = {k: v for k, v in (('config', config), ('config_params', config_params), ('args.deepspeed_config', from_args))
-             if v is not None}
-    if len(given) > 1: raise ValueError(f"initialize() got a config from {' and '.join(given)}: pass exactly one")
-    if not given: raise ValueError("initialize() needs a config: config=<dict, JSON path or FlexConfig>, "
-                                   "or args with --deepspeed_config <path>")
+    given = {
+        k: v
+        for k, v in (('config', config), ('config_params', config_params), ('args.deepspeed_config', from_args))
+        if v is not None
+    }
+    if len(given) > 1:
+        raise ValueError(f"initialize() got a config from {' and '.join(given)}: pass exactly one")
+    if not given:
+        raise ValueError(
+            "initialize() needs a config: config=<dict, JSON path or FlexConfig>, "
+            "or args with --deepspeed_config <path>"
+        )
     return next(iter(given.values()))
 
-def add_config_arguments(parser:argparse.ArgumentParser)->argparse.ArgumentParser:
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     "Add DeepSpeed's command-line flags (`--deepspeed`, `--deepspeed_config`) to `parser`"
     group = parser.add_argument_group('DeepSpeed', 'DeepSpeed configurations (flexrt)')
-    group.add_argument('--deepspeed', default=False, action='store_true', help='enable the engine (always on in flexrt)')
+    group.add_argument(
+        '--deepspeed', default=False, action='store_true', help='enable the engine (always on in flexrt)'
+    )
     group.add_argument('--deepspeed_config', default=None, type=str, help='path of the JSON config')
     group.add_argument('--deepscale', default=False, action='store_true', help=argparse.SUPPRESS)
     group.add_argument('--deepscale_config', default=None, type=str, help=argparse.SUPPRESS)
@@ -39,33 +49,48 @@ def add_config_arguments(parser:argparse.ArgumentParser)->argparse.ArgumentParse
 
 # %% ../../nbs/65_engine_build.ipynb #c009
 def _check_model(model):
-    if model is None: raise ValueError("initialize() needs model=<the torch.nn.Module to train>")
+    if model is None:
+        raise ValueError("initialize() needs model=<the torch.nn.Module to train>")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
-def initialize(args=None, # argparse namespace carrying `deepspeed_config`, or None
-               model:torch.nn.Module|None=None, # the model to train
-               optimizer=None, # a torch optimizer or a callable(params) building one; None: the config's
-               model_parameters=None, # parameters or param groups for the config's optimizer
-               training_data=None, # a torch Dataset, or None
-               lr_scheduler=None, # a schedule or a callable(optimizer) building one; None: the config's
-               mpu=None, # Megatron-style model-parallel unit, or None
-               dist_init_required:bool|None=None, # start a process group: True always, False never, None when launched
-               collate_fn=None, # the DataLoader's collate function
-               config=None, # dict, JSON path or FlexConfig
-               config_params=None, # DeepSpeed's older name for `config`
-               *, expert_groups=None, # {group_name: (expert parallel group, expert data-parallel group)}
-               optimizer_slot=None, # a callable(`flexrt.zero.SlotArgs`) -> `OptimizerSlot`; None: the ZeRO stage's
-              )->tuple: # (engine, optimizer, training dataloader or None, lr scheduler or None)
+
+def initialize(
+    args=None,  # argparse namespace carrying `deepspeed_config`, or None
+    model: torch.nn.Module | None = None,  # the model to train
+    optimizer=None,  # a torch optimizer or a callable(params) building one; None: the config's
+    model_parameters=None,  # parameters or param groups for the config's optimizer
+    training_data=None,  # a torch Dataset, or None
+    lr_scheduler=None,  # a schedule or a callable(optimizer) building one; None: the config's
+    mpu=None,  # Megatron-style model-parallel unit, or None
+    dist_init_required: bool | None = None,  # start a process group: True always, False never, None when launched
+    collate_fn=None,  # the DataLoader's collate function
+    config=None,  # dict, JSON path or FlexConfig
+    config_params=None,  # DeepSpeed's older name for `config`
+    *,
+    expert_groups=None,  # {group_name: (expert parallel group, expert data-parallel group)}
+    optimizer_slot=None,  # a callable(`flexrt.zero.SlotArgs`) -> `OptimizerSlot`; None: the ZeRO stage's
+) -> tuple:  # (engine, optimizer, training dataloader or None, lr scheduler or None)
     "Build the training engine for `model` from a DeepSpeed-style config"
     source = config_source(args, config, config_params)
     _check_model(model)
     cfg = load_config(source)
     dist.init_distributed(dist_init_required=dist_init_required)
-    with outside_init():   # called inside a zero.Init block: the engine and what it does to the model are not watched
-        engine = Engine(model, cfg, optimizer, model_parameters, lr_scheduler, mpu, collate_fn, expert_groups,
-                        optimizer_slot=optimizer_slot)
+    with outside_init():  # called inside a zero.Init block: the engine and what it does to the model are not watched
+        engine = Engine(
+            model,
+            cfg,
+            optimizer,
+            model_parameters,
+            lr_scheduler,
+            mpu,
+            collate_fn,
+            expert_groups,
+            optimizer_slot=optimizer_slot,
+        )
     if cfg.activation_checkpointing != ActivationCheckpointingConfig() and not checkpointing.is_configured():
-        checkpointing.configure(deepspeed_config=cfg)   # the block sets flexrt.checkpointing up, unless you called configure()
+        checkpointing.configure(
+            deepspeed_config=cfg
+        )  # the block sets flexrt.checkpointing up, unless you called configure()
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     return engine, engine.basic_optimizer, loader, engine.lr_scheduler

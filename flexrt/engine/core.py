@@ -9,18 +9,17 @@ from collections.abc import Mapping
 import torch
 from .. import comm as dist
 from .. import monitor, __version__
-from ..config import FlexConfig
+from ..config.flex_config import FlexConfig
 from ..config.services import CommsLoggerConfig
 from ..precision.policy import Precision
 from ..utils.groups import ExpertGroups
 from ..memory.reports import tune_cpu_malloc
 from ..utils.threads import size_threads
 from .watch import StepWatch
-from .parts import (StepCounter, Timers, StepClock, StepReporter, layer_drop,
-                                 build_dataloader)
+from .parts import StepCounter, Timers, StepClock, StepReporter, layer_drop, build_dataloader
 from .optim import client_optimizer, client_lr_scheduler
 from ..monitor.ds_sinks import DeepSpeedMonitors, check_packages
-from ..zero import SlotArgs, build_optimizer_slot
+from ..zero.slots import SlotArgs, build_optimizer_slot
 from .accessors import DeepSpeedAccessors
 from fastcore.basics import patch
 
@@ -28,15 +27,19 @@ from fastcore.basics import patch
 __all__ = ['unused_settings', 'check_stage', 'Engine', 'broadcast_tensors']
 
 # %% ../../nbs/65_engine_core.ipynb #c006
-def unused_settings(config:FlexConfig)->list: # the keys set to something this engine ignores
+def unused_settings(config: FlexConfig) -> list:  # the keys set to something this engine ignores
     "Config keys that are switched on but have no effect in this engine"
-    checks = {'flops_profiler.enabled': config.flops_profiler.enabled,
-              'sparse_gradients': config.sparse_gradients, 'autotuning.enabled': config.autotuning.enabled,
-              'communication_data_type': config.communication_data_type is not None,
-              'data_types.grad_accum_dtype': config.data_types.grad_accum_dtype is not None}
+    checks = {
+        'flops_profiler.enabled': config.flops_profiler.enabled,
+        'sparse_gradients': config.sparse_gradients,
+        'autotuning.enabled': config.autotuning.enabled,
+        'communication_data_type': config.communication_data_type is not None,
+        'data_types.grad_accum_dtype': config.data_types.grad_accum_dtype is not None,
+    }
     return [k for k, on in checks.items() if on]
 
-def check_stage(config:FlexConfig):
+
+def check_stage(config: FlexConfig):
     "Refuse ZeRO stages this engine cannot run (stage 3 needs `flexrt.zero.stage3`)"
     stage = config.zero_optimization.stage
     if stage == 3 and importlib.util.find_spec('flexrt.zero.stage3') is None:
@@ -44,21 +47,29 @@ def check_stage(config:FlexConfig):
 
 # %% ../../nbs/65_engine_core.ipynb #c009
 class Engine(DeepSpeedAccessors, torch.nn.Module):
-    "DeepSpeed's engine API over `module`: forward, backward (loss scaling, accumulation) and step (reduce, clip, update)"
-    def __init__(self, model:torch.nn.Module, # the model to train
-                 config:FlexConfig, # the validated configuration (batch sizes may still be partly given)
-                 optimizer=None, # a torch optimizer, a callable(params) building one, or None (the config's or none)
-                 model_parameters=None, # what the config's optimizer optimizes (default: all of the model's parameters)
-                 lr_scheduler=None, # a schedule, a callable(optimizer) building one, or None (the config's or none)
-                 mpu=None, # Megatron-style model-parallel unit, or None
-                 collate_fn=None, # the default collate function of `deepspeed_io`
-                 expert_groups:Mapping|None=None, # {group_name: (expert parallel group, expert data-parallel group)}
-                 dont_change_device:bool=False, # leave the model where it is
-                 optimizer_slot=None): # a callable(`flexrt.zero.SlotArgs`) -> OptimizerSlot; None: the ZeRO stage's
+    """DeepSpeed's engine API over `module`: forward, backward (loss scaling, accumulation) and step (reduce, clip,
+    update)"""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,  # the model to train
+        config: FlexConfig,  # the validated configuration (batch sizes may still be partly given)
+        optimizer=None,  # a torch optimizer, a callable(params) building one, or None (the config's or none)
+        model_parameters=None,  # what the config's optimizer optimizes (default: all of the model's parameters)
+        lr_scheduler=None,  # a schedule, a callable(optimizer) building one, or None (the config's or none)
+        mpu=None,  # Megatron-style model-parallel unit, or None
+        collate_fn=None,  # the default collate function of `deepspeed_io`
+        expert_groups: Mapping | None = None,  # {group_name: (expert parallel group, expert data-parallel group)}
+        dont_change_device: bool = False,  # leave the model where it is
+        optimizer_slot=None,
+    ):  # a callable(`flexrt.zero.SlotArgs`) -> OptimizerSlot; None: the ZeRO stage's
         super().__init__()
-        if not isinstance(model, torch.nn.Module): raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(config, FlexConfig): raise TypeError(f"config must be a FlexConfig (use flexrt.config.load_config), got {type(config).__name__}")
-        check_stage(config); check_packages(config)   # before anything is built: a missing package stops every rank alike
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(config, FlexConfig):
+            raise TypeError(f"config must be a FlexConfig (use flexrt.config.load_config), got {type(config).__name__}")
+        check_stage(config)
+        check_packages(config)  # before anything is built: a missing package stops every rank alike
         self._closed, self._in_no_sync, self._grad_norm, self.collate_fn = False, False, None, collate_fn
         self._place(mpu, config.threads_per_rank)
         self.config = config.resolve_batch(self.dp_world_size)
@@ -67,241 +78,335 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self._setup_optimizer(optimizer, model_parameters, lr_scheduler, optimizer_slot)
         self._setup_parts()
 
-    def __getattr__(self, name:str):
-        "Attributes the engine lacks come from the model, as in DeepSpeed; the model's parameters are whole when one is read here"
-        try: value = torch.nn.Module.__getattr__(self, name)
+    def __getattr__(self, name: str):
+        """Attributes the engine lacks come from the model, as in DeepSpeed; the model's parameters are whole when one
+        is read here"""
+        try:
+            value = torch.nn.Module.__getattr__(self, name)
         except AttributeError:
             module = self.__dict__['_modules'].get('module')
-            if module is None or name.startswith('__'): raise
-            value = getattr(module, name)   # a name neither has raises here: a `hasattr` miss waits for nothing
+            if module is None or name.startswith('__'):
+                raise
+            value = getattr(module, name)  # a name neither has raises here: a `hasattr` miss waits for nothing
         slot = self.__dict__.get('optimizer')
-        if slot is not None and not name.startswith('__'): slot.wait_for_params()   # gathers left in flight finish
+        if slot is not None and not name.startswith('__'):
+            slot.wait_for_params()  # gathers left in flight finish
         return value
 
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.close()
+    def __enter__(self):
+        return self
 
-# %% ../../nbs/65_engine_core.ipynb #c010
-@patch
-def _place(self:Engine, mpu, threads_per_rank:int|None=None):
-    "Ranks, process groups, device and torch threads of this process (on CPU, glibc's malloc keeps freed buffers for reuse: `tune_cpu_malloc`)"
-    self.mpu, self.world_size, self.global_rank = mpu, dist.get_world_size(), dist.get_rank()
-    self.local_rank = dist.get_local_rank()
-    self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
-    self.dp_world_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
-    self.mp_world_size = self.world_size // self.dp_world_size
-    cuda = torch.cuda.is_available()
-    self.device = torch.device('cuda', self.local_rank % torch.cuda.device_count()) if cuda else torch.device('cpu')
-    if not cuda: tune_cpu_malloc()   # CPU buffers freed every step are reused, not faulted in anew (see flexrt.memory)
-    self.threads = size_threads(threads_per_rank)   # cores ÷ ranks on the node unless you chose (flexrt.utils.threads)
+    def __exit__(self, *exc):
+        self.close()
+
+    def _place(self, mpu, threads_per_rank: int | None = None):
+        """Ranks, process groups, device and torch threads of this process (on CPU, glibc's malloc keeps freed buffers
+        for reuse: `tune_cpu_malloc`)"""
+        self.mpu, self.world_size, self.global_rank = mpu, dist.get_world_size(), dist.get_rank()
+        self.local_rank = dist.get_local_rank()
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.dp_world_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self.mp_world_size = self.world_size // self.dp_world_size
+        cuda = torch.cuda.is_available()
+        self.device = torch.device('cuda', self.local_rank % torch.cuda.device_count()) if cuda else torch.device('cpu')
+        if not cuda:
+            tune_cpu_malloc()  # CPU buffers freed every step are reused, not faulted in anew (see flexrt.memory)
+        self.threads = size_threads(
+            threads_per_rank
+        )  # cores ÷ ranks on the node unless you chose (flexrt.utils.threads)
+
+    def _setup_model(self, dont_change_device: bool, expert_groups: Mapping | None):
+        "Move the model to the device, find its expert groups, and make every replica equal"
+        if not dont_change_device:
+            self.module.to(self.device)
+        self.expert_groups = ExpertGroups(list(self.module.parameters()), expert_groups)
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        experts = {id(p) for p in tensors if getattr(p, 'allreduce', True) is False}
+        broadcast_tensors([t for t in tensors if id(t) not in experts], self.dp_group)
+        for name, group in self.expert_groups.data_parallel.items():
+            broadcast_tensors(
+                [p for p in tensors if id(p) in experts and getattr(p, 'group_name', None) == name], group
+            )
+
+    def _setup_optimizer(self, optimizer, model_parameters, lr_scheduler, optimizer_slot=None):
+        "Precision, the torch optimizer, the optimizer slot (the owner of the step), and the learning-rate schedule"
+        cfg = self.config
+        self.precision = Precision.from_config(cfg.fp16, cfg.bf16)
+        params = model_parameters if model_parameters is not None else self.module.parameters()
+        self.basic_optimizer = client_optimizer(optimizer, cfg.optimizer, params)
+        groups = self.basic_optimizer.param_groups if self.basic_optimizer is not None else []
+        self.trained_param_groups = [
+            [p for p in g['params'] if p.requires_grad] for g in groups
+        ]  # before the slot swaps in its masters
+        predivide = self.dp_world_size if cfg.prescale_gradients else cfg.gradient_predivide_factor
+        args = SlotArgs(
+            cfg.zero_optimization,
+            self.module,
+            self.basic_optimizer,
+            self.precision,
+            self.dp_group,
+            self.expert_groups,
+            self.mpu,
+            predivide,
+            gradient_average=cfg.gradient_allreduce_op == 'mean',
+        )
+        self.optimizer = build_optimizer_slot(args, optimizer_slot)
+        self.lr_scheduler = client_lr_scheduler(lr_scheduler, cfg.scheduler, self.basic_optimizer)
+
+    def _setup_parts(self):
+        """Counters, timers, the step clock, layer drop, the config's monitors, the reporter and the step watch; the
+        comms logger when the config sets it"""
+        cfg = self.config
+        self.counter = StepCounter(cfg.batch.gradient_accumulation_steps)
+        self.timers, self.clock = Timers(cfg.wall_clock_breakdown, self.device), StepClock()
+        self.layer_drop = layer_drop(cfg.progressive_layer_drop)
+        self.monitor = DeepSpeedMonitors.from_config(
+            cfg, self.global_rank
+        )  # tensorboard / csv_monitor / wandb, on rank 0 (DeepSpeed's name)
+        self.reporter = StepReporter(
+            cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank, sinks=[self.monitor]
+        )
+        self.watch = StepWatch(
+            cfg.diagnostics, self.module, self.optimizer, self.reporter.peek_loss, self.dp_group, self.device
+        )
+        self._announce_run()
+        self._comm_bytes_seen, self._comms_before = 0, None
+        if cfg.comms_logger != CommsLoggerConfig():  # a default block changes nothing the script set itself
+            self._comms_before = dist.comms_logger.config
+            dist.configure(cfg)
+        unused = unused_settings(cfg)
+        if unused and self.global_rank == 0:
+            warnings.warn(f"these config settings have no effect in this engine yet: {', '.join(unused)}")
+
+    def _announce_run(self):
+        """A `'run'` record from rank 0 when anyone listens: the config, world size and versions (what a saved report
+        shows)"""
+        if self.global_rank != 0 or not monitor.listening():
+            return
+        monitor.emit(
+            'run',
+            rank=0,
+            config=self.config.to_dict(),
+            world_size=self.world_size,
+            zero_stage=self.optimizer.stage,
+            precision=self.precision.name,
+            threads=self.threads.to_dict(),
+            flexrt=__version__,
+            torch=torch.__version__,
+        )
+
+    def forward(self, *inputs, **kwargs):
+        "Run the model (inputs cast under `fp16.auto_cast`, layer-drop state added to the keyword arguments)"
+        self.clock.start()
+        cast = self.precision.cast_inputs
+        with self.timers('forward'):
+            model = self._modules[
+                'module'
+            ]  # not `self.module`, which waits for every gather in flight: forward's hooks wait
+            return model(*cast(inputs), **self.layer_drop.forward_kwargs(cast(kwargs)))
+
+    def backward(
+        self,
+        loss: torch.Tensor,  # the micro-batch's loss (a scalar tensor)
+        retain_graph: bool = False,  # keep the graph for another backward
+        scale_wrt_gas: bool = True,
+    ) -> torch.Tensor:  # divide the loss by the accumulation steps first
+        """Backward on the (accumulation-averaged, loss-scaled) loss; at a boundary the gradients are reduced as they
+        appear"""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"engine.backward needs the loss as a scalar tensor, got {type(loss).__name__}"
+                + (
+                    f" of shape {tuple(loss.shape)}: reduce it first (loss.mean())"
+                    if isinstance(loss, torch.Tensor)
+                    else ""
+                )
+            )
+        self.clock.start()
+        self.reporter.add_loss(loss)
+        gas = self.counter.gradient_accumulation_steps
+        if scale_wrt_gas and gas > 1:
+            loss = loss / gas
+        with self.timers('backward'):
+            self.optimizer.set_boundary(self.counter.is_boundary() and not self._in_no_sync)
+            self.precision.backward(loss, retain_graph)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None):  # keyword arguments for the schedule's step()
+        "Count a micro-step; at an accumulation boundary reduce, unscale, clip, update and report"
+        if self._in_no_sync:
+            raise RuntimeError(
+                "engine.step() inside engine.no_sync(): leave the no_sync block, run one more "
+                "backward outside it (that one reduces the gradients), then call step()"
+            )
+        if self.basic_optimizer is None:
+            raise ValueError(
+                "engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the "
+                "config"
+            )
+        if not self.counter.count_micro_step():
+            return
+        with self.timers('allreduce'):
+            grads = self.optimizer.reduced_gradients()
+        with self.timers('step'):
+            overflow, step = self.precision.unscale_and_check(grads), self.counter.global_steps + 1
+            self.watch.before_clip(step, overflow)  # layer norms, on sampled steps
+            self._grad_norm, post_clip = self.optimizer.clip_grad_norm(self.config.gradient_clipping)
+            self.watch.after_norm(step, self._grad_norm, overflow)  # the first non-finite value named (raises if asked)
+            if not overflow:
+                self._apply_step(lr_kwargs)
+            self.optimizer.zero_grad()
+        self.layer_drop.update_state(self.counter.global_steps)
+        self.counter.count_optimizer_step(self.train_batch_size(), overflow)
+        self._report(post_clip, overflow)
+
+    def _apply_step(self, lr_kwargs: dict | None):
+        "The optimizer step, then the schedule's (only for steps the optimizer applied)"
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def _comm_bytes(self) -> int:
+        "Bytes of gradients this rank reduced since the last call"
+        now = self.optimizer.comm_bytes
+        delta, self._comm_bytes_seen = now - self._comm_bytes_seen, now
+        return delta
+
+    def _report(self, post_clip: float, overflow: bool):
+        "Hand the step's numbers to the reporter (monitor record, progress line)"
+        step_time, batch = self.clock.stop(), self.train_batch_size()
+        lrs = self.get_lr()
+        self.reporter.report(
+            self.counter.global_steps,
+            comm_bytes=self._comm_bytes(),
+            samples=self.counter.global_samples,
+            grad_norm=self._grad_norm,
+            grad_norm_post_clip=post_clip,
+            lr=lrs[0] if lrs else math.nan,
+            loss_scale=self.precision.loss_scale,
+            skipped=overflow,
+            step_time=step_time,
+            samples_per_s=batch / step_time if step_time > 0 else math.nan,
+            **self.watch.step_fields(),
+        )
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        "Whether the next `step()` applies the optimizer"
+        return self.counter.is_boundary()
+
+    def set_gradient_accumulation_boundary(
+        self, is_boundary: bool | None
+    ):  # True/False to force it, None to count again
+        "Override the accumulation boundary (pipeline schedules do)"
+        self.counter.boundary_override = None if is_boundary is None else bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        "Inside the block, backward only accumulates gradients (no communication) and `step()` is an error"
+        if not self.optimizer.supports_no_sync:
+            raise RuntimeError(
+                f"no_sync() is not available at ZeRO stage {self.optimizer.stage}, which reduces gradients during "
+                "backward to partition them"
+            )
+        if self._in_no_sync:
+            raise RuntimeError("engine.no_sync() blocks cannot be nested")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def train_batch_size(self) -> int:
+        return self.config.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.batch.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.batch.gradient_accumulation_steps
+
+    def get_lr(self) -> list:
+        return [g['lr'] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        "The global gradient norm of the last optimizer step, before clipping (None before the first)"
+        return self._grad_norm
+
+    def zero_grad(self, set_to_none: bool = True):
+        "Drop the accumulated gradients"
+        self.optimizer.zero_grad(set_to_none)
+
+    @property
+    def global_steps(self) -> int:
+        return self.counter.global_steps  # optimizer steps taken (skipped ones included)
+
+    @property
+    def global_samples(self) -> int:
+        return self.counter.global_samples  # samples trained on
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counter.skipped_steps  # optimizer steps skipped on overflow
+
+    @property
+    def micro_steps(self) -> int:
+        return self.counter.micro_steps  # engine.step() calls
+
+    def deepspeed_io(
+        self,
+        dataset,  # a torch Dataset
+        batch_size: int | None = None,  # samples per batch on this rank (default: the micro-batch size)
+        route=None,
+        pin_memory: bool = True,
+        data_sampler=None,
+        collate_fn=None,
+        num_local_io_workers: int | None = None,
+    ) -> torch.utils.data.DataLoader:
+        "A DataLoader giving this data-parallel rank its share of `dataset`, a micro-batch at a time"
+        return build_dataloader(
+            dataset,
+            batch_size or self.train_micro_batch_size_per_gpu(),
+            self.dp_world_size,
+            self.dp_rank,
+            collate_fn or self.collate_fn,
+            data_sampler,
+            self.config.dataloader_drop_last,
+            pin_memory,
+            num_local_io_workers or 0,
+        )
+
+    def close(self):
+        """Remove gradient hooks, free gradient buffers, destroy process groups this engine made, end the p2p threads,
+        restore the comms logger, close the monitors"""
+        if self._closed:
+            return
+        self._closed = True
+        with (
+            contextlib.ExitStack() as parts
+        ):  # run last-in first, each even when one before it raised (a peer failed mid-step)
+            if self._comms_before is not None:
+                parts.callback(dist.configure, self._comms_before)
+            parts.callback(self.monitor.close)
+            parts.callback(dist.join_p2p_threads)  # no direct-message thread outlives the engine
+            parts.callback(self.expert_groups.close)
+            parts.callback(self.optimizer.close)
+            parts.callback(self.watch.close)
 
 # %% ../../nbs/65_engine_core.ipynb #c012
 @torch.no_grad()
-def broadcast_tensors(tensors:list, # tensors to make equal on every rank of `group`, in place
-                      group=None): # the process group (None: all ranks)
-    "Copy the tensors of the group's first rank to the others, each in place: no flat copy, whose memory would outlive the call for as long as the backend's worker holds it"
-    if dist.get_world_size(group) == 1: return
+def broadcast_tensors(
+    tensors: list,  # tensors to make equal on every rank of `group`, in place
+    group=None,  # the process group (None: all ranks)
+):
+    """Copy the tensors of the group's first rank to the others, each in place: no flat copy, whose memory would outlive
+    the call for as long as the backend's worker holds it"""
+    if dist.get_world_size(group) == 1:
+        return
     src = dist.get_global_rank(group, 0)
     for t in tensors:
-        if t.is_contiguous(): dist.broadcast(t, src=src, group=group)
-        else: c = t.contiguous(); dist.broadcast(c, src=src, group=group); t.copy_(c)
-
-@patch
-def _setup_model(self:Engine, dont_change_device:bool, expert_groups:Mapping|None):
-    "Move the model to the device, find its expert groups, and make every replica equal"
-    if not dont_change_device: self.module.to(self.device)
-    self.expert_groups = ExpertGroups(list(self.module.parameters()), expert_groups)
-    tensors = [*self.module.parameters(), *self.module.buffers()]
-    experts = {id(p) for p in tensors if getattr(p, 'allreduce', True) is False}
-    broadcast_tensors([t for t in tensors if id(t) not in experts], self.dp_group)
-    for name, group in self.expert_groups.data_parallel.items():
-        broadcast_tensors([p for p in tensors if id(p) in experts and getattr(p, 'group_name', None) == name], group)
-
-# %% ../../nbs/65_engine_core.ipynb #c013
-@patch
-def _setup_optimizer(self:Engine, optimizer, model_parameters, lr_scheduler, optimizer_slot=None):
-    "Precision, the torch optimizer, the optimizer slot (the owner of the step), and the learning-rate schedule"
-    cfg = self.config
-    self.precision = Precision.from_config(cfg.fp16, cfg.bf16)
-    params = model_parameters if model_parameters is not None else self.module.parameters()
-    self.basic_optimizer = client_optimizer(optimizer, cfg.optimizer, params)
-    groups = self.basic_optimizer.param_groups if self.basic_optimizer is not None else []
-    self.trained_param_groups = [[p for p in g['params'] if p.requires_grad] for g in groups]   # before the slot swaps in its masters
-    predivide = self.dp_world_size if cfg.prescale_gradients else cfg.gradient_predivide_factor
-    args = SlotArgs(cfg.zero_optimization, self.module, self.basic_optimizer, self.precision, self.dp_group,
-                    self.expert_groups, self.mpu, predivide, gradient_average=cfg.gradient_allreduce_op == 'mean')
-    self.optimizer = build_optimizer_slot(args, optimizer_slot)
-    self.lr_scheduler = client_lr_scheduler(lr_scheduler, cfg.scheduler, self.basic_optimizer)
-
-@patch
-def _setup_parts(self:Engine):
-    "Counters, timers, the step clock, layer drop, the config's monitors, the reporter and the step watch; the comms logger when the config sets it"
-    cfg = self.config
-    self.counter = StepCounter(cfg.batch.gradient_accumulation_steps)
-    self.timers, self.clock = Timers(cfg.wall_clock_breakdown, self.device), StepClock()
-    self.layer_drop = layer_drop(cfg.progressive_layer_drop)
-    self.monitor = DeepSpeedMonitors.from_config(cfg, self.global_rank)   # tensorboard / csv_monitor / wandb, on rank 0 (DeepSpeed's name)
-    self.reporter = StepReporter(cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank, sinks=[self.monitor])
-    self.watch = StepWatch(cfg.diagnostics, self.module, self.optimizer, self.reporter.peek_loss, self.dp_group, self.device)
-    self._announce_run()
-    self._comm_bytes_seen, self._comms_before = 0, None
-    if cfg.comms_logger != CommsLoggerConfig():   # a default block changes nothing the script set itself
-        self._comms_before = dist.comms_logger.config
-        dist.configure(cfg)
-    unused = unused_settings(cfg)
-    if unused and self.global_rank == 0: warnings.warn(f"these config settings have no effect in this engine yet: {', '.join(unused)}")
-
-@patch
-def _announce_run(self:Engine):
-    "A `'run'` record from rank 0 when anyone listens: the config, world size and versions (what a saved report shows)"
-    if self.global_rank != 0 or not monitor.listening(): return
-    monitor.emit('run', rank=0, config=self.config.to_dict(), world_size=self.world_size, zero_stage=self.optimizer.stage,
-                 precision=self.precision.name, threads=self.threads.to_dict(), flexrt=__version__, torch=torch.__version__)
-
-
-# %% ../../nbs/65_engine_core.ipynb #c015
-@patch
-def forward(self:Engine, *inputs, **kwargs):
-    "Run the model (inputs cast under `fp16.auto_cast`, layer-drop state added to the keyword arguments)"
-    self.clock.start()
-    cast = self.precision.cast_inputs
-    with self.timers('forward'):
-        model = self._modules['module']   # not `self.module`, which waits for every gather in flight: forward's hooks wait
-        return model(*cast(inputs), **self.layer_drop.forward_kwargs(cast(kwargs)))
-
-@patch
-def backward(self:Engine, loss:torch.Tensor, # the micro-batch's loss (a scalar tensor)
-              retain_graph:bool=False, # keep the graph for another backward
-              scale_wrt_gas:bool=True)->torch.Tensor: # divide the loss by the accumulation steps first
-    "Backward on the (accumulation-averaged, loss-scaled) loss; at a boundary the gradients are reduced as they appear"
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"engine.backward needs the loss as a scalar tensor, got {type(loss).__name__}"
-                        + (f" of shape {tuple(loss.shape)}: reduce it first (loss.mean())" if isinstance(loss, torch.Tensor) else ""))
-    self.clock.start()
-    self.reporter.add_loss(loss)
-    gas = self.counter.gradient_accumulation_steps
-    if scale_wrt_gas and gas > 1: loss = loss / gas
-    with self.timers('backward'):
-        self.optimizer.set_boundary(self.counter.is_boundary() and not self._in_no_sync)
-        self.precision.backward(loss, retain_graph)
-    return loss
-
-# %% ../../nbs/65_engine_core.ipynb #c017
-@patch
-def step(self:Engine, lr_kwargs:dict|None=None): # keyword arguments for the schedule's step()
-    "Count a micro-step; at an accumulation boundary reduce, unscale, clip, update and report"
-    if self._in_no_sync: raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync block, run one more "
-                                            "backward outside it (that one reduces the gradients), then call step()")
-    if self.basic_optimizer is None: raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
-    if not self.counter.count_micro_step(): return
-    with self.timers('allreduce'): grads = self.optimizer.reduced_gradients()
-    with self.timers('step'):
-        overflow, step = self.precision.unscale_and_check(grads), self.counter.global_steps + 1
-        self.watch.before_clip(step, overflow)                      # layer norms, on sampled steps
-        self._grad_norm, post_clip = self.optimizer.clip_grad_norm(self.config.gradient_clipping)
-        self.watch.after_norm(step, self._grad_norm, overflow)      # the first non-finite value named (raises if asked)
-        if not overflow: self._apply_step(lr_kwargs)
-        self.optimizer.zero_grad()
-    self.layer_drop.update_state(self.counter.global_steps)
-    self.counter.count_optimizer_step(self.train_batch_size(), overflow)
-    self._report(post_clip, overflow)
-
-@patch
-def _apply_step(self:Engine, lr_kwargs:dict|None):
-    "The optimizer step, then the schedule's (only for steps the optimizer applied)"
-    self.optimizer.step()
-    if self.lr_scheduler is not None: self.lr_scheduler.step(**(lr_kwargs or {}))
-
-# %% ../../nbs/65_engine_core.ipynb #c018
-@patch
-def _comm_bytes(self:Engine)->int:
-    "Bytes of gradients this rank reduced since the last call"
-    now = self.optimizer.comm_bytes
-    delta, self._comm_bytes_seen = now - self._comm_bytes_seen, now
-    return delta
-
-@patch
-def _report(self:Engine, post_clip:float, overflow:bool):
-    "Hand the step's numbers to the reporter (monitor record, progress line)"
-    step_time, batch = self.clock.stop(), self.train_batch_size()
-    lrs = self.get_lr()
-    self.reporter.report(self.counter.global_steps, comm_bytes=self._comm_bytes(), samples=self.counter.global_samples,
-                         grad_norm=self._grad_norm, grad_norm_post_clip=post_clip, lr=lrs[0] if lrs else math.nan,
-                         loss_scale=self.precision.loss_scale, skipped=overflow, step_time=step_time,
-                         samples_per_s=batch / step_time if step_time > 0 else math.nan, **self.watch.step_fields())
-
-# %% ../../nbs/65_engine_core.ipynb #c020
-@patch
-def is_gradient_accumulation_boundary(self:Engine)->bool:
-    "Whether the next `step()` applies the optimizer"
-    return self.counter.is_boundary()
-
-@patch
-def set_gradient_accumulation_boundary(self:Engine, is_boundary:bool|None): # True/False to force it, None to count again
-    "Override the accumulation boundary (pipeline schedules do)"
-    self.counter.boundary_override = None if is_boundary is None else bool(is_boundary)
-
-@patch
-@contextlib.contextmanager
-def no_sync(self:Engine):
-    "Inside the block, backward only accumulates gradients (no communication) and `step()` is an error"
-    if not self.optimizer.supports_no_sync: raise RuntimeError(f"no_sync() is not available at ZeRO stage {self.optimizer.stage}, which reduces gradients during backward to partition them")
-    if self._in_no_sync: raise RuntimeError("engine.no_sync() blocks cannot be nested")
-    self._in_no_sync = True
-    try: yield
-    finally: self._in_no_sync = False
-
-# %% ../../nbs/65_engine_core.ipynb #c021
-@patch
-def train_batch_size(self:Engine)->int: return self.config.batch.train_batch_size
-@patch
-def train_micro_batch_size_per_gpu(self:Engine)->int: return self.config.batch.train_micro_batch_size_per_gpu
-@patch
-def gradient_accumulation_steps(self:Engine)->int: return self.config.batch.gradient_accumulation_steps
-
-# %% ../../nbs/65_engine_core.ipynb #c022
-@patch
-def get_lr(self:Engine)->list: return [g['lr'] for g in self.optimizer.param_groups]
-@patch
-def get_global_grad_norm(self:Engine)->float|None:
-    "The global gradient norm of the last optimizer step, before clipping (None before the first)"
-    return self._grad_norm
-
-@patch
-def zero_grad(self:Engine, set_to_none:bool=True):
-    "Drop the accumulated gradients"
-    self.optimizer.zero_grad(set_to_none)
-
-@patch(as_prop=True)
-def global_steps(self:Engine)->int: return self.counter.global_steps   # optimizer steps taken (skipped ones included)
-@patch(as_prop=True)
-def global_samples(self:Engine)->int: return self.counter.global_samples   # samples trained on
-@patch(as_prop=True)
-def skipped_steps(self:Engine)->int: return self.counter.skipped_steps   # optimizer steps skipped on overflow
-@patch(as_prop=True)
-def micro_steps(self:Engine)->int: return self.counter.micro_steps   # engine.step() calls
-
-# %% ../../nbs/65_engine_core.ipynb #c024
-@patch
-def deepspeed_io(self:Engine, dataset, # a torch Dataset
-                  batch_size:int|None=None, # samples per batch on this rank (default: the micro-batch size)
-                  route=None, pin_memory:bool=True, data_sampler=None, collate_fn=None,
-                  num_local_io_workers:int|None=None)->torch.utils.data.DataLoader:
-    "A DataLoader giving this data-parallel rank its share of `dataset`, a micro-batch at a time"
-    return build_dataloader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.dp_world_size, self.dp_rank,
-                            collate_fn or self.collate_fn, data_sampler, self.config.dataloader_drop_last, pin_memory,
-                            num_local_io_workers or 0)
-
-# %% ../../nbs/65_engine_core.ipynb #c027
-@patch
-def close(self:Engine):
-    "Remove gradient hooks, free gradient buffers, destroy process groups this engine made, end the p2p threads, restore the comms logger, close the monitors"
-    if self._closed: return
-    self._closed = True
-    with contextlib.ExitStack() as parts:   # run last-in first, each even when one before it raised (a peer failed mid-step)
-        if self._comms_before is not None: parts.callback(dist.configure, self._comms_before)
-        parts.callback(self.monitor.close)
-        parts.callback(dist.join_p2p_threads)   # no direct-message thread outlives the engine
-        parts.callback(self.expert_groups.close)
-        parts.callback(self.optimizer.close)
-        parts.callback(self.watch.close)
+        if t.is_contiguous():
+            dist.broadcast(t, src=src, group=group)
+        else:
+            c = t.contiguous()
+            dist.broadcast(c, src=src, group=group)
+            t.copy_(c)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math, warnings
 from collections.abc import Mapping
 import torch
-from ..config import OptimizerConfig, SchedulerConfig
+from ..config.blocks import OptimizerConfig, SchedulerConfig
 from ..config.blocks import TORCH_OPTIMIZERS, TORCH_SCHEDULERS, DEEPSPEED_SCHEDULERS
 from ..schedulers.build import build_scheduler
 from fastcore.basics import patch
@@ -18,119 +18,177 @@ __all__ = ['Lamb', 'build_optimizer', 'client_optimizer', 'build_lr_scheduler', 
 # %% ../../nbs/65_engine_optim.ipynb #c006
 class Lamb(torch.optim.Optimizer):
     "Layer-wise adaptive moments (LAMB), with DeepSpeed FusedLamb's parameters"
-    def __init__(self, params, lr:float=1e-3, bias_correction:bool=True, betas=(0.9, 0.999), eps:float=1e-8,
-                 eps_inside_sqrt:bool=False, # eps under the square root instead of added after it
-                 weight_decay:float=0., # added to the update as weight_decay * w (decoupled, inside the trust ratio)
-                 max_grad_norm:float=0., # DeepSpeed's in-optimizer clipping; the engine clips (`gradient_clipping`)
-                 max_coeff:float=10., min_coeff:float=0.01, # bounds of the trust ratio
-                 amsgrad:bool=False):
-        if amsgrad: raise ValueError("Lamb does not support amsgrad=True (DeepSpeed's FusedLamb does not either)")
-        if max_grad_norm: warnings.warn("Lamb's max_grad_norm is ignored: set gradient_clipping in the config instead")
-        if not 0 <= min_coeff <= max_coeff: raise ValueError(f"Lamb needs 0 <= min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
-        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                                      eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay,
-                                      max_coeff=max_coeff, min_coeff=min_coeff))
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,  # eps under the square root instead of added after it
+        weight_decay: float = 0.0,  # added to the update as weight_decay * w (decoupled, inside the trust ratio)
+        max_grad_norm: float = 0.0,  # DeepSpeed's in-optimizer clipping; the engine clips (`gradient_clipping`)
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,  # bounds of the trust ratio
+        amsgrad: bool = False,
+    ):
+        if amsgrad:
+            raise ValueError("Lamb does not support amsgrad=True (DeepSpeed's FusedLamb does not either)")
+        if max_grad_norm:
+            warnings.warn("Lamb's max_grad_norm is ignored: set gradient_clipping in the config instead")
+        if not 0 <= min_coeff <= max_coeff:
+            raise ValueError(f"Lamb needs 0 <= min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                bias_correction=bias_correction,
+                betas=tuple(betas),
+                eps=eps,
+                eps_inside_sqrt=eps_inside_sqrt,
+                weight_decay=weight_decay,
+                max_coeff=max_coeff,
+                min_coeff=min_coeff,
+            ),
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
         "One Lamb update of every parameter with a gradient"
         loss = None
         if closure is not None:
-            with torch.enable_grad(): loss = closure()
-        for group in self.param_groups: self._step_group(group)
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
         return loss
 
-# %% ../../nbs/65_engine_optim.ipynb #c007
-@patch
-def _moments(self:Lamb, params:list, grads:list, b1:float, b2:float)->tuple:
-    "Updated (exp_avg, exp_avg_sq, step) of `params`"
-    states = [self.state[p] for p in params]
-    for p, s in zip(params, states):
-        if not s: s.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-        s['step'] += 1
-    m, v = [s['exp_avg'] for s in states], [s['exp_avg_sq'] for s in states]
-    torch._foreach_lerp_(m, grads, 1 - b1)
-    torch._foreach_mul_(v, b2); torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-    return m, v, [s['step'] for s in states]
+    def _moments(self, params: list, grads: list, b1: float, b2: float) -> tuple:
+        "Updated (exp_avg, exp_avg_sq, step) of `params`"
+        states = [self.state[p] for p in params]
+        for p, s in zip(params, states):
+            if not s:
+                s.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            s['step'] += 1
+        m, v = [s['exp_avg'] for s in states], [s['exp_avg_sq'] for s in states]
+        torch._foreach_lerp_(m, grads, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+        return m, v, [s['step'] for s in states]
 
-@patch
-def _step_group(self:Lamb, group:dict):
-    params = [p for p in group['params'] if p.grad is not None]
-    if not params: return
-    (b1, b2), eps = group['betas'], group['eps']
-    m, v, steps = self._moments(params, [p.grad for p in params], b1, b2)
-    c1 = [1 - b1 ** t if group['bias_correction'] else 1. for t in steps]
-    c2 = [1 - b2 ** t if group['bias_correction'] else 1. for t in steps]
-    denom = torch._foreach_div(v, c2)
-    if group['eps_inside_sqrt']: torch._foreach_add_(denom, eps); torch._foreach_sqrt_(denom)
-    else: torch._foreach_sqrt_(denom); torch._foreach_add_(denom, eps)
-    update = torch._foreach_div(m, c1); torch._foreach_div_(update, denom)
-    if group['weight_decay']: torch._foreach_add_(update, params, alpha=group['weight_decay'])
-    w, u = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(update))
-    ratio = torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w)).clamp(group['min_coeff'], group['max_coeff'])
-    torch._foreach_mul_(update, list((ratio * -group['lr']).unbind()))
-    torch._foreach_add_(params, update)
+    def _step_group(self, group: dict):
+        params = [p for p in group['params'] if p.grad is not None]
+        if not params:
+            return
+        (b1, b2), eps = group['betas'], group['eps']
+        m, v, steps = self._moments(params, [p.grad for p in params], b1, b2)
+        c1 = [1 - b1**t if group['bias_correction'] else 1.0 for t in steps]
+        c2 = [1 - b2**t if group['bias_correction'] else 1.0 for t in steps]
+        denom = torch._foreach_div(v, c2)
+        if group['eps_inside_sqrt']:
+            torch._foreach_add_(denom, eps)
+            torch._foreach_sqrt_(denom)
+        else:
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(m, c1)
+        torch._foreach_div_(update, denom)
+        if group['weight_decay']:
+            torch._foreach_add_(update, params, alpha=group['weight_decay'])
+        w, u = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(update))
+        ratio = torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w)).clamp(group['min_coeff'], group['max_coeff'])
+        torch._foreach_mul_(update, list((ratio * -group['lr']).unbind()))
+        torch._foreach_add_(params, update)
 
 # %% ../../nbs/65_engine_optim.ipynb #c011
-def _adam(name:str, params:dict)->tuple: # (optimizer class, its keyword arguments)
+def _adam(name: str, params: dict) -> tuple:  # (optimizer class, its keyword arguments)
     "DeepSpeed's Adam/AdamW conventions on torch's Adam/AdamW"
     params = dict(params)
     params.pop('torch_adam', None)
     adam_w_mode = params.pop('adam_w_mode', True)
     if not params.pop('bias_correction', True):
         raise ValueError(f"optimizer.params.bias_correction=false is not supported by torch's {name}: remove it")
-    params.setdefault('weight_decay', 0.)
+    params.setdefault('weight_decay', 0.0)
     return (torch.optim.AdamW if name == 'AdamW' or adam_w_mode else torch.optim.Adam), params
 
-def build_optimizer(config:OptimizerConfig, # the validated `optimizer` block
-                    parameters)->torch.optim.Optimizer: # parameters or param groups to optimize
+
+def build_optimizer(
+    config: OptimizerConfig,  # the validated `optimizer` block
+    parameters,
+) -> torch.optim.Optimizer:  # parameters or param groups to optimize
     "The optimizer the config block describes"
     name, params = config.type, dict(config.params)
-    if name == 'Lamb': return Lamb(parameters, **params)
+    if name == 'Lamb':
+        return Lamb(parameters, **params)
     cls, params = _adam(name, params) if name in ('Adam', 'AdamW') else (TORCH_OPTIMIZERS[name], params)
     return cls(parameters, **params)
 
 # %% ../../nbs/65_engine_optim.ipynb #c014
-def client_optimizer(optimizer, # what the script passed to initialize(): None, an Optimizer, or a callable(params)
-                     config:OptimizerConfig|None, # the config's `optimizer` block
-                     parameters)->torch.optim.Optimizer|None: # what the optimizer optimizes
+def client_optimizer(
+    optimizer,  # what the script passed to initialize(): None, an Optimizer, or a callable(params)
+    config: OptimizerConfig | None,  # the config's `optimizer` block
+    parameters,
+) -> torch.optim.Optimizer | None:  # what the optimizer optimizes
     "The torch optimizer to train with, from the script or from the config"
     if optimizer is not None and config is not None:
-        warnings.warn(f"an optimizer was passed to initialize() and the config has an 'optimizer' block ({config.type}): "
-                      "the passed one trains (as in DeepSpeed); remove the block to silence this", stacklevel=3)
+        warnings.warn(
+            f"an optimizer was passed to initialize() and the config has an 'optimizer' block ({config.type}): "
+            "the passed one trains (as in DeepSpeed); remove the block to silence this",
+            stacklevel=3,
+        )
         config = None
-    if config is not None: return build_optimizer(config, parameters)
-    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer): return optimizer
+    if config is not None:
+        return build_optimizer(config, parameters)
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
     if not callable(optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable that builds one from the parameters, "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or a callable that builds one from the parameters, "
+            f"got {type(optimizer).__name__}"
+        )
     built = optimizer(parameters)
     if not isinstance(built, torch.optim.Optimizer):
         raise TypeError(f"the optimizer callable returned a {type(built).__name__}, not a torch.optim.Optimizer")
     return built
 
 # %% ../../nbs/65_engine_optim.ipynb #c017
-def build_lr_scheduler(config:SchedulerConfig, # the validated `scheduler` block
-                       optimizer:torch.optim.Optimizer): # the torch optimizer it drives
+def build_lr_scheduler(
+    config: SchedulerConfig,  # the validated `scheduler` block
+    optimizer: torch.optim.Optimizer,  # the torch optimizer it drives
+):
     "The schedule the config block describes: DeepSpeed's by name, or a torch.optim.lr_scheduler class"
-    if config.type in DEEPSPEED_SCHEDULERS: return build_scheduler(config.type, optimizer, config.params)
+    if config.type in DEEPSPEED_SCHEDULERS:
+        return build_scheduler(config.type, optimizer, config.params)
     return TORCH_SCHEDULERS[config.type](optimizer, **config.params)
 
-def client_lr_scheduler(lr_scheduler, # None, a schedule object, or a callable(optimizer) that builds one
-                        config:SchedulerConfig|None, # the config's `scheduler` block
-                        optimizer:torch.optim.Optimizer|None): # the torch optimizer
+
+def client_lr_scheduler(
+    lr_scheduler,  # None, a schedule object, or a callable(optimizer) that builds one
+    config: SchedulerConfig | None,  # the config's `scheduler` block
+    optimizer: torch.optim.Optimizer | None,  # the torch optimizer
+):
     "The learning-rate schedule to train with, from the script or from the config (None for none)"
     if lr_scheduler is not None and config is not None:
-        warnings.warn(f"an lr_scheduler was passed to initialize() and the config has a 'scheduler' block ({config.type}): "
-                      "the passed one is used (as in DeepSpeed); remove the block to silence this", stacklevel=3)
+        warnings.warn(
+            f"an lr_scheduler was passed to initialize() and the config has a 'scheduler' block ({config.type}): "
+            "the passed one is used (as in DeepSpeed); remove the block to silence this",
+            stacklevel=3,
+        )
         config = None
     if (lr_scheduler is not None or config is not None) and optimizer is None:
         raise ValueError("a learning-rate schedule needs an optimizer: pass optimizer= or add an 'optimizer' block")
-    if config is not None: return build_lr_scheduler(config, optimizer)
+    if config is not None:
+        return build_lr_scheduler(config, optimizer)
     if lr_scheduler is not None and not hasattr(lr_scheduler, 'step'):
-        if not callable(lr_scheduler): raise TypeError(f"lr_scheduler must have a step() method or build one from the optimizer, got {type(lr_scheduler).__name__}")
+        if not callable(lr_scheduler):
+            raise TypeError(
+                "lr_scheduler must have a step() method or build one from the optimizer, got "
+                f"{type(lr_scheduler).__name__}"
+            )
         lr_scheduler = lr_scheduler(optimizer)
-        if not hasattr(lr_scheduler, 'step'): raise TypeError(f"the lr_scheduler callable returned a {type(lr_scheduler).__name__}, which has no step()")
+        if not hasattr(lr_scheduler, 'step'):
+            raise TypeError(f"the lr_scheduler callable returned a {type(lr_scheduler).__name__}, which has no step()")
     return lr_scheduler
 
 # %% ../../nbs/65_engine_optim.ipynb #c020

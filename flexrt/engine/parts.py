@@ -20,107 +20,136 @@ __all__ = ['PHASES', 'TIMER_INTERVALS', 'StepCounter', 'Timers', 'StepClock', 'P
 # %% ../../nbs/65_engine_parts.ipynb #c006
 _COUNTERS = ('micro_steps', 'global_steps', 'global_samples', 'skipped_steps')
 
+
 class StepCounter:
     "Micro-steps, accumulation boundaries and the optimizer-step counters"
-    def __init__(self, gradient_accumulation_steps:int): # micro-batches per optimizer step
+
+    def __init__(self, gradient_accumulation_steps: int):  # micro-batches per optimizer step
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
-        self.boundary_override = None   # True/False set by the script; None: count
-        self.window_start = 0   # the micro-step the accumulation windows are counted from (a load restarts them)
-        self.last_step_applied = False   # whether the last `step()` call updated the weights (DeepSpeed's was_step_applied)
+        self.boundary_override = None  # True/False set by the script; None: count
+        self.window_start = 0  # the micro-step the accumulation windows are counted from (a load restarts them)
+        self.last_step_applied = (
+            False  # whether the last `step()` call updated the weights (DeepSpeed's was_step_applied)
+        )
 
-    def is_boundary(self)->bool:
+    def is_boundary(self) -> bool:
         "Whether the current micro-step ends an accumulation window"
-        if self.boundary_override is not None: return self.boundary_override
+        if self.boundary_override is not None:
+            return self.boundary_override
         return (self.micro_steps - self.window_start + 1) % self.gradient_accumulation_steps == 0
 
-    def count_micro_step(self)->bool: # whether the micro-step just counted was a boundary
+    def count_micro_step(self) -> bool:  # whether the micro-step just counted was a boundary
         "Count one `engine.step()` call"
         boundary = self.is_boundary()
-        self.last_step_applied = False   # until the optimizer step of a boundary applies
+        self.last_step_applied = False  # until the optimizer step of a boundary applies
         self.micro_steps += 1
         return boundary
 
-# %% ../../nbs/65_engine_parts.ipynb #c008
-@patch
-def count_optimizer_step(self:StepCounter, samples:int, # the global batch size
-                          skipped:bool): # the optimizer did not apply it (overflow)
-    "Count one optimizer step"
-    self.global_steps += 1
-    self.global_samples += samples
-    self.skipped_steps += int(skipped)
-    self.last_step_applied = not skipped
+    def count_optimizer_step(
+        self,
+        samples: int,  # the global batch size
+        skipped: bool,  # the optimizer did not apply it (overflow)
+    ):
+        "Count one optimizer step"
+        self.global_steps += 1
+        self.global_samples += samples
+        self.skipped_steps += int(skipped)
+        self.last_step_applied = not skipped
 
-@patch
-def state_dict(self:StepCounter)->dict: return {k: getattr(self, k) for k in _COUNTERS}
-@patch
-def load_state_dict(self:StepCounter, state:Mapping):
-    "Restore the counters; the next micro-step begins a fresh accumulation window"
-    for k in _COUNTERS: setattr(self, k, int(state[k]))
-    self.start_window()
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in _COUNTERS}
 
-@patch
-def start_window(self:StepCounter):
-    "Count accumulation windows from now: the next micro-step is the first of a window"
-    self.window_start = self.micro_steps
+    def load_state_dict(self, state: Mapping):
+        "Restore the counters; the next micro-step begins a fresh accumulation window"
+        for k in _COUNTERS:
+            setattr(self, k, int(state[k]))
+        self.start_window()
 
-@patch
-def window_micro_steps(self:StepCounter)->int: # 0 at a boundary
-    "Micro-steps counted since the current accumulation window began"
-    return (self.micro_steps - self.window_start) % self.gradient_accumulation_steps
+    def start_window(self):
+        "Count accumulation windows from now: the next micro-step is the first of a window"
+        self.window_start = self.micro_steps
+
+    def window_micro_steps(self) -> int:  # 0 at a boundary
+        "Micro-steps counted since the current accumulation window began"
+        return (self.micro_steps - self.window_start) % self.gradient_accumulation_steps
 
 # %% ../../nbs/65_engine_parts.ipynb #c011
 PHASES = ('forward', 'backward', 'allreduce', 'step')
-TIMER_INTERVALS = 4096   # phases `Timers.intervals` keeps; the oldest go first
+TIMER_INTERVALS = 4096  # phases `Timers.intervals` keeps; the oldest go first
+
 
 class _Timer:
-    def __init__(self, timers, name): self.timers, self.name = timers, name
+    def __init__(self, timers, name):
+        self.timers, self.name = timers, name
+
     def __enter__(self):
-        self.timers.synchronize(); self.start = time.perf_counter()
+        self.timers.synchronize()
+        self.start = time.perf_counter()
+
     def __exit__(self, *exc):
-        self.timers.synchronize(); end = time.perf_counter()
+        self.timers.synchronize()
+        end = time.perf_counter()
         elapsed = end - self.start
-        for sums in (self.timers.totals, self.timers.window): sums[self.name] = sums.get(self.name, 0.) + elapsed
+        for sums in (self.timers.totals, self.timers.window):
+            sums[self.name] = sums.get(self.name, 0.0) + elapsed
         self.timers.intervals.append((self.name, self.start, end))
+
 
 class Timers:
     "Wall-clock time per phase, summed until read; disabled timers cost one shared no-op context"
-    def __init__(self, enabled:bool=False, # time anything at all (`wall_clock_breakdown`)
-                 device:torch.device|None=None): # CUDA devices are synchronised around each phase
-        self.enabled, self.totals, self.window = enabled, {}, {}   # totals: until `read`; window: until `take_window`
-        self.intervals = collections.deque(maxlen=TIMER_INTERVALS)   # the latest phases as (name, start, end), perf_counter seconds
+
+    def __init__(
+        self,
+        enabled: bool = False,  # time anything at all (`wall_clock_breakdown`)
+        device: torch.device | None = None,  # CUDA devices are synchronised around each phase
+    ):
+        self.enabled, self.totals, self.window = enabled, {}, {}  # totals: until `read`; window: until `take_window`
+        self.intervals = collections.deque(
+            maxlen=TIMER_INTERVALS
+        )  # the latest phases as (name, start, end), perf_counter seconds
         self._cuda = device is not None and torch.device(device).type == 'cuda'
         self._off = contextlib.nullcontext()
+
     def synchronize(self):
-        if self._cuda: torch.cuda.synchronize()
-    def __call__(self, name:str): return _Timer(self, name) if self.enabled else self._off
+        if self._cuda:
+            torch.cuda.synchronize()
 
-# %% ../../nbs/65_engine_parts.ipynb #c012
-@patch
-def read(self:Timers, steps:int=1)->dict: # divide the totals by this many steps
-    "Milliseconds per step of each timed phase since the last read, then start again from zero"
-    out = {n: self.totals[n] * 1e3 / max(steps, 1) for n in (*PHASES, *sorted(set(self.totals) - set(PHASES))) if n in self.totals}
-    self.totals = {}
-    return out
+    def __call__(self, name: str):
+        return _Timer(self, name) if self.enabled else self._off
 
-@patch
-def take_window(self:Timers)->dict:
-    "Milliseconds of each timed phase since the last call (one optimizer step, for the monitors), apart from `read`'s totals"
-    out, self.window = {n: s * 1e3 for n, s in self.window.items()}, {}
-    return out
+    def read(self, steps: int = 1) -> dict:  # divide the totals by this many steps
+        "Milliseconds per step of each timed phase since the last read, then start again from zero"
+        out = {
+            n: self.totals[n] * 1e3 / max(steps, 1)
+            for n in (*PHASES, *sorted(set(self.totals) - set(PHASES)))
+            if n in self.totals
+        }
+        self.totals = {}
+        return out
 
-@patch
-def line(self:Timers, steps:int=1)->str:
-    "`time (ms) | forward: 1.20 | backward: ...`, per step since the last read"
-    return 'time (ms) | ' + ' | '.join(f'{n}: {ms:.2f}' for n, ms in self.read(steps).items())
+    def take_window(self) -> dict:
+        """Milliseconds of each timed phase since the last call (one optimizer step, for the monitors), apart from
+        `read`'s totals"""
+        out, self.window = {n: s * 1e3 for n, s in self.window.items()}, {}
+        return out
+
+    def line(self, steps: int = 1) -> str:
+        "`time (ms) | forward: 1.20 | backward: ...`, per step since the last read"
+        return 'time (ms) | ' + ' | '.join(f'{n}: {ms:.2f}' for n, ms in self.read(steps).items())
 
 # %% ../../nbs/65_engine_parts.ipynb #c015
 class StepClock:
     "Wall time of one accumulation window: `start()` at its first forward/backward, `stop()` at its optimizer step"
-    def __init__(self): self.started = None
+
+    def __init__(self):
+        self.started = None
+
     def start(self):
-        if self.started is None: self.started = time.perf_counter()
-    def stop(self)->float: # seconds since `start()` (0 if it was never started)
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def stop(self) -> float:  # seconds since `start()` (0 if it was never started)
         now = time.perf_counter()
         elapsed, self.started = now - (self.started or now), None
         return elapsed
@@ -128,26 +157,51 @@ class StepClock:
 # %% ../../nbs/65_engine_parts.ipynb #c018
 class ProgressiveLayerDrop:
     "The keep probability theta(t) of progressive layer drop, handed to the model's forward as keyword arguments"
-    def __init__(self, theta:float=0.5, # the keep probability the schedule approaches
-                 gamma:float=0.001): # how fast, per optimizer step
+
+    def __init__(
+        self,
+        theta: float = 0.5,  # the keep probability the schedule approaches
+        gamma: float = 0.001,  # how fast, per optimizer step
+    ):
         self.theta, self.gamma, self.current_theta = theta, gamma, 1.0
-    def get_theta(self)->float: return self.current_theta
-    def get_state(self)->dict: return {'progressive_layer_drop': True, 'pld_theta': self.current_theta}
-    def forward_kwargs(self, kwargs:dict)->dict: return {**kwargs, **self.get_state()}
-    def update_state(self, global_step:int):
+
+    def get_theta(self) -> float:
+        return self.current_theta
+
+    def get_state(self) -> dict:
+        return {'progressive_layer_drop': True, 'pld_theta': self.current_theta}
+
+    def forward_kwargs(self, kwargs: dict) -> dict:
+        return {**kwargs, **self.get_state()}
+
+    def update_state(self, global_step: int):
         "Move theta to its value after `global_step` optimizer steps"
-        self.current_theta = (1. - self.theta) * math.exp(-self.gamma * global_step) + self.theta
-    def state_dict(self)->dict: return {'current_theta': self.current_theta}
-    def load_state_dict(self, state:Mapping): self.current_theta = float(state['current_theta'])
+        self.current_theta = (1.0 - self.theta) * math.exp(-self.gamma * global_step) + self.theta
+
+    def state_dict(self) -> dict:
+        return {'current_theta': self.current_theta}
+
+    def load_state_dict(self, state: Mapping):
+        self.current_theta = float(state['current_theta'])
+
 
 class NoLayerDrop:
     "Progressive layer drop switched off: forward gets its keyword arguments unchanged"
-    def forward_kwargs(self, kwargs:dict)->dict: return kwargs
-    def update_state(self, global_step:int): pass
-    def state_dict(self)->dict: return {}
-    def load_state_dict(self, state:Mapping): pass
 
-def layer_drop(config)->ProgressiveLayerDrop|NoLayerDrop: # a `ProgressiveLayerDropConfig`
+    def forward_kwargs(self, kwargs: dict) -> dict:
+        return kwargs
+
+    def update_state(self, global_step: int):
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: Mapping):
+        pass
+
+
+def layer_drop(config) -> ProgressiveLayerDrop | NoLayerDrop:  # a `ProgressiveLayerDropConfig`
     "The layer-drop part for the `progressive_layer_drop` config block"
     return ProgressiveLayerDrop(config.theta, config.gamma) if config.enabled else NoLayerDrop()
 
@@ -157,80 +211,117 @@ from ..utils.groups import expert_layout, expert_group_names, ExpertGroups
 # %% ../../nbs/65_engine_parts.ipynb #c028
 class StepReporter:
     "The monitor record after each optimizer step, and the progress line every `steps_per_print` steps"
-    def __init__(self, steps_per_print:int=10, # print on rank 0 every this many optimizer steps
-                 timers:Timers|None=None, # printed with the progress line when enabled
-                 memory_breakdown:bool=False, # print a memory line with the progress line
-                 rank:int=0, # this process's global rank
-                 print_fn=monitor.console, # where lines go (a watching notebook view's log area, else stdout)
-                 sinks=()): # callables given each step record on this rank, with `timings_ms` (the config's monitors)
+
+    def __init__(
+        self,
+        steps_per_print: int = 10,  # print on rank 0 every this many optimizer steps
+        timers: Timers | None = None,  # printed with the progress line when enabled
+        memory_breakdown: bool = False,  # print a memory line with the progress line
+        rank: int = 0,  # this process's global rank
+        print_fn=monitor.console,  # where lines go (a watching notebook view's log area, else stdout)
+        sinks=(),  # callables given each step record on this rank, with `timings_ms` (the config's monitors)
+    ):
         self.steps_per_print, self.timers, self.memory_breakdown = steps_per_print, timers or Timers(), memory_breakdown
         self.rank, self.print_fn, self.sinks = rank, print_fn, [s for s in sinks if s]
         self._loss, self._losses = None, 0
 
-    def add_loss(self, loss:torch.Tensor):
+    def add_loss(self, loss: torch.Tensor):
         "Remember a micro-step's loss (no device sync)"
         loss = loss.detach()
         self._loss = loss if self._loss is None else self._loss + loss
         self._losses += 1
 
-    def peek_loss(self)->float: # mean loss of the window's micro-steps on this rank so far (nan if none was given)
+    def peek_loss(self) -> float:  # mean loss of the window's micro-steps on this rank so far (nan if none was given)
         "The mean loss since the last `take_loss`, kept (it syncs the device: for rare looks, like a non-finite step)"
         return math.nan if self._loss is None else float(self._loss) / self._losses
 
-    def take_loss(self)->float: # mean loss of the window's micro-steps on this rank (nan if none was given)
+    def take_loss(self) -> float:  # mean loss of the window's micro-steps on this rank (nan if none was given)
         "The mean loss since the last call, as a float"
         loss, n, self._loss, self._losses = self._loss, self._losses, None, 0
         return math.nan if loss is None else float(loss) / n
 
-# %% ../../nbs/65_engine_parts.ipynb #c029
-@patch
-def report(self:StepReporter, step:int, # optimizer steps so far (this one included)
-            comm_bytes, # bytes this rank sent in collectives during the step, or a callable returning them
-            **numbers): # samples, grad_norm, grad_norm_post_clip, lr, loss_scale, skipped, step_time, samples_per_s
-    "Write the step to the sinks, emit its record if anyone listens; print the progress line on rank 0 every `steps_per_print` steps"
-    printing = self.rank == 0 and step % self.steps_per_print == 0
-    if not (printing or self.sinks or monitor.listening()): self._loss, self._losses = None, 0; return
-    record = dict(step=step, loss=self.take_loss(), **numbers, rank=self.rank,
-                  comm_bytes=comm_bytes() if callable(comm_bytes) else comm_bytes)
-    if self.sinks: self.write_sinks(record)
-    if monitor.listening(): monitor.emit('step', **record, memory=memory_record(rank=self.rank, max_age=0.1))   # resident bytes read at most 10 times a second
-    if printing: self.print_line(record)
+    def report(
+        self,
+        step: int,  # optimizer steps so far (this one included)
+        comm_bytes,  # bytes this rank sent in collectives during the step, or a callable returning them
+        **numbers,  # samples, grad_norm, grad_norm_post_clip, lr, loss_scale, skipped, step_time, samples_per_s
+    ):
+        """Write the step to the sinks, emit its record if anyone listens; print the progress line on rank 0 every
+        `steps_per_print` steps"""
+        printing = self.rank == 0 and step % self.steps_per_print == 0
+        if not (printing or self.sinks or monitor.listening()):
+            self._loss, self._losses = None, 0
+            return
+        record = dict(
+            step=step,
+            loss=self.take_loss(),
+            **numbers,
+            rank=self.rank,
+            comm_bytes=comm_bytes() if callable(comm_bytes) else comm_bytes,
+        )
+        if self.sinks:
+            self.write_sinks(record)
+        if monitor.listening():
+            monitor.emit(
+                'step', **record, memory=memory_record(rank=self.rank, max_age=0.1)
+            )  # resident bytes read at most 10 times a second
+        if printing:
+            self.print_line(record)
 
-@patch
-def write_sinks(self:StepReporter, record:dict):
-    "Hand the step record, with this step's phase times when timers run, to every sink"
-    record = {**record, 'timings_ms': self.timers.take_window() if self.timers.enabled else None}
-    for sink in self.sinks: sink(record)
+    def write_sinks(self, record: dict):
+        "Hand the step record, with this step's phase times when timers run, to every sink"
+        record = {**record, 'timings_ms': self.timers.take_window() if self.timers.enabled else None}
+        for sink in self.sinks:
+            sink(record)
 
-@patch
-def print_line(self:StepReporter, r:dict):
-    lr = ', '.join(f'{x:.3e}' for x in (r['lr'] if isinstance(r['lr'], (list, tuple)) else [r['lr']]))
-    self.print_fn(f"[flexrt] step={r['step']} samples={r['samples']} loss={r['loss']:.6g} lr=[{lr}] "
-                  f"grad_norm={r['grad_norm']:.4g} loss_scale={r['loss_scale']:g} skipped={r['skipped']} "
-                  f"samples/s={r['samples_per_s']:.1f}", flush=True)
-    if self.timers.enabled: self.print_fn(f"[flexrt] step={r['step']} {self.timers.line(self.steps_per_print)}", flush=True)
-    if self.memory_breakdown: see_memory_usage(f"[flexrt] step={r['step']}", force=True)
+    def print_line(self, r: dict):
+        lr = ', '.join(f'{x:.3e}' for x in (r['lr'] if isinstance(r['lr'], (list, tuple)) else [r['lr']]))
+        self.print_fn(
+            f"[flexrt] step={r['step']} samples={r['samples']} loss={r['loss']:.6g} lr=[{lr}] "
+            f"grad_norm={r['grad_norm']:.4g} loss_scale={r['loss_scale']:g} skipped={r['skipped']} "
+            f"samples/s={r['samples_per_s']:.1f}",
+            flush=True,
+        )
+        if self.timers.enabled:
+            self.print_fn(f"[flexrt] step={r['step']} {self.timers.line(self.steps_per_print)}", flush=True)
+        if self.memory_breakdown:
+            see_memory_usage(f"[flexrt] step={r['step']}", force=True)
 
 # %% ../../nbs/65_engine_parts.ipynb #c032
 class DataLoader(torch.utils.data.DataLoader):
     "torch's DataLoader, with DeepSpeed's name for its sampler (`loader.data_sampler.set_epoch(epoch)`)"
-    @property
-    def data_sampler(self): return self.sampler
 
-def build_dataloader(dataset, # a torch Dataset (map-style or iterable)
-                     batch_size:int, # samples per batch on this rank
-                     dp_world_size:int=1, dp_rank:int=0, # the data-parallel ranks and this one's index
-                     collate_fn=None, # how samples are stacked into a batch (torch's default)
-                     data_sampler=None, # a sampler to use instead of the distributed one
-                     drop_last:bool=False, # drop the last incomplete batch
-                     pin_memory:bool=True, # pin batches (only when CUDA is present)
-                     num_workers:int=0)->DataLoader: # loader processes
+    @property
+    def data_sampler(self):
+        return self.sampler
+
+
+def build_dataloader(
+    dataset,  # a torch Dataset (map-style or iterable)
+    batch_size: int,  # samples per batch on this rank
+    dp_world_size: int = 1,
+    dp_rank: int = 0,  # the data-parallel ranks and this one's index
+    collate_fn=None,  # how samples are stacked into a batch (torch's default)
+    data_sampler=None,  # a sampler to use instead of the distributed one
+    drop_last: bool = False,  # drop the last incomplete batch
+    pin_memory: bool = True,  # pin batches (only when CUDA is present)
+    num_workers: int = 0,
+) -> DataLoader:  # loader processes
     "A DataLoader over this rank's share of `dataset`"
     data = torch.utils.data
     if not isinstance(dataset, data.Dataset):
-        raise TypeError(f"training data must be a torch.utils.data.Dataset, got {type(dataset).__name__}: wrap tensors in "
-                        "torch.utils.data.TensorDataset, or build your own DataLoader and leave training_data out")
+        raise TypeError(
+            f"training data must be a torch.utils.data.Dataset, got {type(dataset).__name__}: wrap tensors in "
+            "torch.utils.data.TensorDataset, or build your own DataLoader and leave training_data out"
+        )
     if data_sampler is None and not isinstance(dataset, data.IterableDataset):
         data_sampler = data.DistributedSampler(dataset, num_replicas=dp_world_size, rank=dp_rank)
-    return DataLoader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
-                           drop_last=drop_last, pin_memory=pin_memory and torch.cuda.is_available(), num_workers=num_workers)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=data_sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        num_workers=num_workers,
+    )

@@ -6,7 +6,6 @@
 from __future__ import annotations
 import math, time
 import torch
-from fastcore.basics import patch
 from .. import comm as dist
 from .. import monitor
 from ..config.services import DiagnosticsConfig
@@ -17,55 +16,66 @@ __all__ = ['WATCHED_LAYER_NORMS_EVERY', 'layer_of', 'LayerNorms', 'top_layers', 
            'NonFiniteError', 'NonFiniteWatch', 'CommWait', 'StepWatch']
 
 # %% ../../nbs/65_engine_watch.ipynb #w287a141
-def layer_of(name:str)->str: # a parameter's name in `module.named_parameters()`
+def layer_of(name: str) -> str:  # a parameter's name in `module.named_parameters()`
     "The module path owning the parameter `name` (itself when it sits on the root module)"
     return name.rpartition('.')[0] or name
 
 # %% ../../nbs/65_engine_watch.ipynb #w282c5cd
 class LayerNorms:
     "Gradient norm per layer every `every` optimizer steps, from the optimizer slot's fragments"
-    def __init__(self, module:torch.nn.Module, # the model (its parameter names name the layers)
-                 every:int, # optimizer steps between measurements (0: never)
-                 top:int=16, # layers in each record, largest norm first
-                 group=None, # the data-parallel group sharded fragments are summed over
-                 device=None): # where the sums live (the gradients' device)
+
+    def __init__(
+        self,
+        module: torch.nn.Module,  # the model (its parameter names name the layers)
+        every: int,  # optimizer steps between measurements (0: never)
+        top: int = 16,  # layers in each record, largest norm first
+        group=None,  # the data-parallel group sharded fragments are summed over
+        device=None,  # where the sums live (the gradients' device)
+    ):
         self.every, self.top, self.group, self.device = every, top, group, device or torch.device('cpu')
         names = {id(p): n for n, p in module.named_parameters()}
         self.layers = list(dict.fromkeys(layer_of(n) for n in names.values()))
         position = {layer: i for i, layer in enumerate(self.layers)}
         self._layer = {pid: position[layer_of(n)] for pid, n in names.items()}
 
-    def due(self, step:int)->bool: return self.every > 0 and step % self.every == 0
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
 
-# %% ../../nbs/65_engine_watch.ipynb #w288d017
-@patch
-@torch.no_grad()
-def measure(self:LayerNorms, fragments:list)->dict: # {layer: gradient norm}, every layer of the model
-    "The norm of each layer's gradient over every rank, from this rank's `fragments` (collective when one is sharded)"
-    views, rows = [], []
-    for fragment, piece, view in gradient_pieces(fragments):
-        layer = self._layer.get(id(piece.param))
-        if layer is not None:
-            views.append(view); rows.append(layer + (0 if fragment.replicated else len(self.layers)))
-    squares = torch.zeros(2 * len(self.layers), dtype=torch.float32, device=self.device)
-    if views:
-        norms = torch.stack([n.to(self.device, torch.float32) for n in torch._foreach_norm(views)])
-        squares.index_add_(0, torch.tensor(rows, device=self.device), norms.square())
-    if any(not f.replicated for f in fragments): dist.all_reduce(squares, group=self.group)   # sharded pieces summed
-    replicated, sharded = squares.view(2, -1).cpu()
-    return dict(zip(self.layers, (replicated + sharded).sqrt().tolist()))
+    @torch.no_grad()
+    def measure(self, fragments: list) -> dict:  # {layer: gradient norm}, every layer of the model
+        """The norm of each layer's gradient over every rank, from this rank's `fragments` (collective when one is
+        sharded)"""
+        views, rows = [], []
+        for fragment, piece, view in gradient_pieces(fragments):
+            layer = self._layer.get(id(piece.param))
+            if layer is not None:
+                views.append(view)
+                rows.append(layer + (0 if fragment.replicated else len(self.layers)))
+        squares = torch.zeros(2 * len(self.layers), dtype=torch.float32, device=self.device)
+        if views:
+            norms = torch.stack([n.to(self.device, torch.float32) for n in torch._foreach_norm(views)])
+            squares.index_add_(0, torch.tensor(rows, device=self.device), norms.square())
+        if any(not f.replicated for f in fragments):
+            dist.all_reduce(squares, group=self.group)  # sharded pieces summed
+        replicated, sharded = squares.view(2, -1).cpu()
+        return dict(zip(self.layers, (replicated + sharded).sqrt().tolist()))
 
 # %% ../../nbs/65_engine_watch.ipynb #w2876a6f
-def top_layers(norms:dict, # {layer: norm}
-               top:int)->dict: # at most `top` of them
+def top_layers(
+    norms: dict,  # {layer: norm}
+    top: int,
+) -> dict:  # at most `top` of them
     "The `top` layers with the largest norms (non-finite ones first), largest first"
-    order = sorted(norms.items(), key=lambda kv: (math.isfinite(kv[1]), -kv[1] if math.isfinite(kv[1]) else 0.))
+    order = sorted(norms.items(), key=lambda kv: (math.isfinite(kv[1]), -kv[1] if math.isfinite(kv[1]) else 0.0))
     return dict(order[:top])
 
 # %% ../../nbs/65_engine_watch.ipynb #w283d199
-def nonfinite_record(step:int, # the optimizer step (counted from 1)
-                     facts:list, # per rank: {'rank', 'loss', 'gradient' (True/False/None: unknown), 'first': (index, name, kind) or None}
-                     grad_norm:float)->dict: # the record's fields
+def nonfinite_record(
+    step: int,  # the optimizer step (counted from 1)
+    # per rank: {'rank', 'loss', 'gradient' (True/False/None: unknown), 'first': (index, name, kind) or None}
+    facts: list,
+    grad_norm: float,
+) -> dict:  # the record's fields
     "What every rank knows about a non-finite step, as the `'nonfinite'` record's fields"
     loss_ranks = [f['rank'] for f in facts if not math.isfinite(f['loss'])]
     grad_ranks = [f['rank'] for f in facts if f['gradient']]
@@ -73,116 +83,197 @@ def nonfinite_record(step:int, # the optimizer step (counted from 1)
     firsts = [f['first'] for f in facts if f['first'] is not None]
     index, parameter, value = min(firsts) if firsts else (None, None, None)
     losses = {f['rank']: f['loss'] for f in facts}
-    return dict(step=step, rank=ranks[0] if ranks else None, ranks=ranks, what='loss' if loss_ranks else 'gradient',
-                parameter=parameter, layer=None if parameter is None else layer_of(parameter), value=value or str(grad_norm),
-                loss=losses[ranks[0]] if ranks else math.nan, grad_norm=grad_norm)
+    return dict(
+        step=step,
+        rank=ranks[0] if ranks else None,
+        ranks=ranks,
+        what='loss' if loss_ranks else 'gradient',
+        parameter=parameter,
+        layer=None if parameter is None else layer_of(parameter),
+        value=value or str(grad_norm),
+        loss=losses[ranks[0]] if ranks else math.nan,
+        grad_norm=grad_norm,
+    )
 
 # %% ../../nbs/65_engine_watch.ipynb #w28a9a34
-def nonfinite_message(record:dict, # a `'nonfinite'` record
-                      stopping:bool=False)->str:
+def nonfinite_message(
+    record: dict,  # a `'nonfinite'` record
+    stopping: bool = False,
+) -> str:
     "One sentence naming the step, the rank and the parameter"
-    where = f"rank {record['rank']}'s own {record['what']}" if record.get('rank') is not None else 'a gradient (after the reduction: no rank can be named)'
-    first = f"; the first parameter whose gradient is non-finite: {record['parameter']} ({record['value']})" if record.get('parameter') else ''
+    where = (
+        f"rank {record['rank']}'s own {record['what']}"
+        if record.get('rank') is not None
+        else 'a gradient (after the reduction: no rank can be named)'
+    )
+    first = (
+        f"; the first parameter whose gradient is non-finite: {record['parameter']} ({record['value']})"
+        if record.get('parameter')
+        else ''
+    )
     others = [r for r in record.get('ranks') or () if r != record.get('rank')]
     also = f" (also ranks {', '.join(map(str, others))})" if others else ''
     stop = '; diagnostics.stop_on_nonfinite is set: every rank stops here' if stopping else ''
     return f"step {record['step']}: non-finite values in {where}{also}{first}{stop}"
 
+
 class NonFiniteError(FloatingPointError):
-    "A loss or gradient became inf or nan and `diagnostics.stop_on_nonfinite` is set; `.record` names step, rank and parameter"
-    def __init__(self, record:dict): super().__init__(nonfinite_message(record, stopping=True)); self.record = record
+    """A loss or gradient became inf or nan and `diagnostics.stop_on_nonfinite` is set; `.record` names step, rank and
+    parameter"""
+
+    def __init__(self, record: dict):
+        super().__init__(nonfinite_message(record, stopping=True))
+        self.record = record
 
 # %% ../../nbs/65_engine_watch.ipynb #w28eb092
 class NonFiniteWatch:
-    "Names the first non-finite loss or gradient (step, rank, parameter) in a `'nonfinite'` record; raises on every rank if asked"
-    def __init__(self, module:torch.nn.Module, # the model, for parameter names
-                 slot, # the optimizer slot (`fragments()`; `.reducer.before_reduction` where it reduces in buckets)
-                 peek_loss, # () -> this rank's mean loss of the step (read only on a non-finite step)
-                 stop:bool=False, # raise `NonFiniteError` at the first non-finite step
-                 probe:bool=True): # sum each bucket before its reduction, so a rank can be named for a gradient
+    """Names the first non-finite loss or gradient (step, rank, parameter) in a `'nonfinite'` record; raises on every
+    rank if asked"""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,  # the model, for parameter names
+        slot,  # the optimizer slot (`fragments()`; `.reducer.before_reduction` where it reduces in buckets)
+        peek_loss,  # () -> this rank's mean loss of the step (read only on a non-finite step)
+        stop: bool = False,  # raise `NonFiniteError` at the first non-finite step
+        probe: bool = True,  # sum each bucket before its reduction, so a rank can be named for a gradient
+    ):
         self.slot, self.peek_loss, self.stop, self.found = slot, peek_loss, stop, None
         self._index = {id(p): (i, n) for i, (n, p) in enumerate(module.named_parameters())}
         self._sums, reducer = [], getattr(slot, 'reducer', None)
         self._reducer = reducer if probe and hasattr(reducer, 'before_reduction') else None
-        if self._reducer is not None: self._reducer.before_reduction.append(self._probe)
+        if self._reducer is not None:
+            self._reducer.before_reduction.append(self._probe)
 
-    def _probe(self, bucket): self._sums.append(bucket.buffer.sum(dtype=torch.float32))   # no sync: read only when needed
+    def _probe(self, bucket):
+        self._sums.append(bucket.buffer.sum(dtype=torch.float32))  # no sync: read only when needed
+
     def close(self):
-        if self._reducer is not None and self._probe in self._reducer.before_reduction: self._reducer.before_reduction.remove(self._probe)
+        if self._reducer is not None and self._probe in self._reducer.before_reduction:
+            self._reducer.before_reduction.remove(self._probe)
 
-# %% ../../nbs/65_engine_watch.ipynb #w2827e34
-@patch
-@torch.no_grad()
-def _first_nonfinite(self:NonFiniteWatch)->tuple|None: # (index in model order, name, 'nan' or 'inf')
-    "The first parameter, in model order, whose gradient on this rank holds a non-finite value"
-    first = None
-    for _, piece, view in gradient_pieces(self.slot.fragments()):
-        index, name = self._index.get(id(piece.param), (None, None))
-        if index is None or (first is not None and index >= first[0]): continue
-        if not bool(torch.isfinite(view).all()): first = (index, name, 'nan' if bool(view.isnan().any()) else 'inf')
-    return first
+    @torch.no_grad()
+    def _first_nonfinite(self) -> tuple | None:  # (index in model order, name, 'nan' or 'inf')
+        "The first parameter, in model order, whose gradient on this rank holds a non-finite value"
+        first = None
+        for _, piece, view in gradient_pieces(self.slot.fragments()):
+            index, name = self._index.get(id(piece.param), (None, None))
+            if index is None or (first is not None and index >= first[0]):
+                continue
+            if not bool(torch.isfinite(view).all()):
+                first = (index, name, 'nan' if bool(view.isnan().any()) else 'inf')
+        return first
 
-@patch
-def _local_facts(self:NonFiniteWatch, sums:list)->dict:
-    "What this rank alone knows about the non-finite step"
-    own = None if not sums else not bool(torch.isfinite(torch.stack(sums)).all())
-    return dict(rank=dist.get_rank(), loss=self.peek_loss(), gradient=own, first=self._first_nonfinite())
+    def _local_facts(self, sums: list) -> dict:
+        "What this rank alone knows about the non-finite step"
+        own = None if not sums else not bool(torch.isfinite(torch.stack(sums)).all())
+        return dict(rank=dist.get_rank(), loss=self.peek_loss(), gradient=own, first=self._first_nonfinite())
 
-@patch
-def check(self:NonFiniteWatch, step:int, # the optimizer step being taken
-           grad_norm:float, # its global gradient norm
-           overflow:bool=False): # fp16's loss scaler skips this step (its own overflow handling)
-    "Nothing while `grad_norm` is finite; at the first non-finite step: name it, emit it, raise if asked (on every rank)"
-    sums, self._sums = self._sums, []
-    if math.isfinite(grad_norm) or overflow or self.found is not None: return
-    facts = [None] * dist.get_world_size()
-    if len(facts) > 1: dist.all_gather_object(facts, self._local_facts(sums))
-    else: facts = [self._local_facts(sums)]
-    self.found = record = nonfinite_record(step, facts, grad_norm)
-    if dist.get_rank() == (record['rank'] if record['rank'] is not None else 0): monitor.emit('nonfinite', **record)
-    if self.stop: monitor.flush(); raise NonFiniteError(record)
+    def check(
+        self,
+        step: int,  # the optimizer step being taken
+        grad_norm: float,  # its global gradient norm
+        overflow: bool = False,  # fp16's loss scaler skips this step (its own overflow handling)
+    ):
+        """Nothing while `grad_norm` is finite; at the first non-finite step: name it, emit it, raise if asked (on every
+        rank)"""
+        sums, self._sums = self._sums, []
+        if math.isfinite(grad_norm) or overflow or self.found is not None:
+            return
+        facts = [None] * dist.get_world_size()
+        if len(facts) > 1:
+            dist.all_gather_object(facts, self._local_facts(sums))
+        else:
+            facts = [self._local_facts(sums)]
+        self.found = record = nonfinite_record(step, facts, grad_norm)
+        if dist.get_rank() == (record['rank'] if record['rank'] is not None else 0):
+            monitor.emit('nonfinite', **record)
+        if self.stop:
+            monitor.flush()
+            raise NonFiniteError(record)
 
 # %% ../../nbs/65_engine_watch.ipynb #w289ca39
 class CommWait:
     "Per optimizer step: seconds blocked in collectives (flexrt.comm's own timing), by op, and the time between steps"
-    def __init__(self, on:bool=True): # False: add nothing to the records
-        self.on, self._last = on, None
-        if on: dist.comms_logger.watch_blocked()
 
-    def fields(self)->dict: # comm_wait, comm_wait_op, comm_wait_ops, step_period ({} when off)
-        if not self.on: return {}
+    def __init__(self, on: bool = True):  # False: add nothing to the records
+        self.on, self._last = on, None
+        if on:
+            dist.comms_logger.watch_blocked()
+
+    def fields(self) -> dict:  # comm_wait, comm_wait_op, comm_wait_ops, step_period ({} when off)
+        if not self.on:
+            return {}
         now, blocked = time.perf_counter(), dist.comms_logger.take_blocked()
         period, self._last = (now - self._last) if self._last is not None else math.nan, now
-        return dict(step_period=period, comm_wait=sum(blocked.values()), comm_wait_op=max(blocked, key=blocked.get) if blocked else None,
-                    comm_wait_ops=blocked)
+        return dict(
+            step_period=period,
+            comm_wait=sum(blocked.values()),
+            comm_wait_op=max(blocked, key=blocked.get) if blocked else None,
+            comm_wait_ops=blocked,
+        )
 
     def close(self):
-        if self.on: self.on = False; dist.comms_logger.watch_blocked(False)
+        if self.on:
+            self.on = False
+            dist.comms_logger.watch_blocked(False)
 
 # %% ../../nbs/65_engine_watch.ipynb #w28b0d70
-WATCHED_LAYER_NORMS_EVERY = 10   # optimizer steps between layer-norm records while a dashboard watches (`layer_norms_every: null`)
+WATCHED_LAYER_NORMS_EVERY = (
+    10  # optimizer steps between layer-norm records while a dashboard watches (`layer_norms_every: null`)
+)
+
 
 class StepWatch:
     "The engine's diagnostics: the first non-finite value named, layer norms every N steps, blocked time per step"
-    def __init__(self, config:DiagnosticsConfig, module:torch.nn.Module, slot, peek_loss, # see `NonFiniteWatch`
-                 group=None, device=None): # data-parallel group; the gradients' device
+
+    def __init__(
+        self,
+        config: DiagnosticsConfig,
+        module: torch.nn.Module,
+        slot,
+        peek_loss,  # see `NonFiniteWatch`
+        group=None,
+        device=None,  # data-parallel group; the gradients' device
+    ):
         watched, listened = monitor.watched(), monitor.listening()
-        every = config.layer_norms_every if config.layer_norms_every is not None else WATCHED_LAYER_NORMS_EVERY if watched else 0
+        every = (
+            config.layer_norms_every
+            if config.layer_norms_every is not None
+            else WATCHED_LAYER_NORMS_EVERY
+            if watched
+            else 0
+        )
         self.layer_norms = LayerNorms(module, every, config.layer_norms_top, group, device)
-        self.nonfinite = NonFiniteWatch(module, slot, peek_loss, config.stop_on_nonfinite,
-                                        probe=config.stop_on_nonfinite or watched or listened)
+        self.nonfinite = NonFiniteWatch(
+            module, slot, peek_loss, config.stop_on_nonfinite, probe=config.stop_on_nonfinite or watched or listened
+        )
         self.comm_wait = CommWait(config.comm_wait if config.comm_wait is not None else watched or listened)
         self.slot, self.rank = slot, dist.get_rank()
 
-    def before_clip(self, step:int, overflow:bool=False):
+    def before_clip(self, step: int, overflow: bool = False):
         "On sampled steps: the layer norms of the gradients about to be clipped and stepped (every rank takes part)"
-        if overflow or not self.layer_norms.due(step): return
+        if overflow or not self.layer_norms.due(step):
+            return
         norms = self.layer_norms.measure(self.slot.fragments())
-        if self.rank != 0: return
+        if self.rank != 0:
+            return
         shown = top_layers(norms, self.layer_norms.top)
-        monitor.emit('layer_norms', step=step, rank=self.rank, norms=shown, num_layers=len(norms),
-                     nonfinite_layers=[l for l, v in shown.items() if not math.isfinite(v)])   # NaN would read as absent
+        monitor.emit(
+            'layer_norms',
+            step=step,
+            rank=self.rank,
+            norms=shown,
+            num_layers=len(norms),
+            nonfinite_layers=[l for l, v in shown.items() if not math.isfinite(v)],
+        )  # NaN would read as absent
 
-    def after_norm(self, step:int, grad_norm:float, overflow:bool=False): self.nonfinite.check(step, grad_norm, overflow)
-    def step_fields(self)->dict: return self.comm_wait.fields()
-    def close(self): self.nonfinite.close(); self.comm_wait.close()
+    def after_norm(self, step: int, grad_norm: float, overflow: bool = False):
+        self.nonfinite.check(step, grad_norm, overflow)
+
+    def step_fields(self) -> dict:
+        return self.comm_wait.fields()
+
+    def close(self):
+        self.nonfinite.close()
+        self.comm_wait.close()

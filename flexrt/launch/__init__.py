@@ -7,14 +7,44 @@ __all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'pr
            'RankError', 'Run', 'free_port', 'launch', 'describe_launch', 'quiet_launcher']
 
 # %% ../../nbs/35_launch.ipynb #c003
-from .launcher import (STOP_VARIABLE, STACK_SIGNAL, stop_requested, should_stop, prepare_stop,
-                                    request_stop, RankMain, RankError, Run, free_port, launch)
+from flexrt.launch.launcher import (
+    STOP_VARIABLE,
+    STACK_SIGNAL,
+    stop_requested,
+    should_stop,
+    prepare_stop,
+    request_stop,
+    RankMain,
+    RankError,
+    Run,
+    free_port,
+    launch,
+)
 from .output import describe_launch, quiet_launcher
 import sys, types
 
+
 class _CallableModule(types.ModuleType):
     "The `flexrt.launch` module, callable as `flexrt.launch(train, ...)`"
-    def __call__(self, *args, **kwargs): return launch(*args, **kwargs)
 
-if __name__.startswith('flexrt'): sys.modules[__name__].__class__ = _CallableModule
-_all_ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain', 'RankError', 'Run', 'free_port', 'launch', 'describe_launch', 'quiet_launcher']
+    def __call__(self, *args, **kwargs):
+        return launch(*args, **kwargs)
+
+
+if __name__.startswith('flexrt'):
+    sys.modules[__name__].__class__ = _CallableModule
+_all_ = [
+    'STOP_VARIABLE',
+    'STACK_SIGNAL',
+    'stop_requested',
+    'should_stop',
+    'prepare_stop',
+    'request_stop',
+    'RankMain',
+    'RankError',
+    'Run',
+    'free_port',
+    'launch',
+    'describe_launch',
+    'quiet_launcher',
+]

@@ -18,26 +18,32 @@ __all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'pr
 # %% ../../nbs/35_launch_launcher.ipynb #c006
 STOP_VARIABLE = 'FLEXRT_STOP_FILE'
 
-def stop_requested()->bool:
+
+def stop_requested() -> bool:
     "Whether this process was asked to stop (no communication)"
     path = os.environ.get(STOP_VARIABLE)
     return bool(path) and os.path.exists(path)
 
-def should_stop()->bool:
+
+def should_stop() -> bool:
     "Whether training should stop now; all ranks get the same answer (collective: call it on every rank each step)"
     local = stop_requested()
-    if not (dist.is_initialized() and dist.get_world_size() > 1): return local
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return local
     flag = torch.tensor([int(local)])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 # %% ../../nbs/35_launch_launcher.ipynb #c007
-def prepare_stop(fresh:bool=True)->str: # the stop file's path
-    "Give ranks launched from now on (plain `notebook_launcher` too) a stop file to watch; `fresh` clears an old request"
+def prepare_stop(fresh: bool = True) -> str:  # the stop file's path
+    """Give ranks launched from now on (plain `notebook_launcher` too) a stop file to watch; `fresh` clears an old
+    request"""
     path = os.environ.get(STOP_VARIABLE) or tempfile.mktemp(prefix='flexrt-stop-')
     os.environ[STOP_VARIABLE] = path
-    if fresh and os.path.exists(path): os.remove(path)
+    if fresh and os.path.exists(path):
+        os.remove(path)
     return path
+
 
 def request_stop():
     "Ask the ranks of the current run to stop"
@@ -46,139 +52,200 @@ def request_stop():
 # %% ../../nbs/35_launch_launcher.ipynb #c010
 STACK_SIGNAL = signal.SIGUSR1
 
-def _failure(error:BaseException)->dict:
-    "What a rank reports about `error`: a failed collective's op, whether it timed out, the ranks it says never answered"
-    if not isinstance(error, dist.CommError): return {'comm': False}
+
+def _failure(error: BaseException) -> dict:
+    """What a rank reports about `error`: a failed collective's op, whether it timed out, the ranks it says never
+    answered"""
+    if not isinstance(error, dist.CommError):
+        return {'comm': False}
     said = str(error)
-    return {'comm': True, 'timed_out': isinstance(error, dist.CommTimeoutError),
-            'op': said.split(' did not complete', 1)[0] if ' did not complete' in said else None,
-            'peers': list(getattr(error, 'peers', ()))}   # direct messages know their peers (flexrt.comm.p2p)
+    return {
+        'comm': True,
+        'timed_out': isinstance(error, dist.CommTimeoutError),
+        'op': said.split(' did not complete', 1)[0] if ' did not complete' in said else None,
+        'peers': list(getattr(error, 'peers', ())),
+    }  # direct messages know their peers (flexrt.comm.p2p)
 
 # %% ../../nbs/35_launch_launcher.ipynb #c012
 class RankMain:
     "Run `fn(*args)` on a rank: size its threads, report its start and any exception to the kernel, leave its result"
-    def __init__(self, fn, # the training function
-                 results_dir:str|None=None, # where ranks leave their return values (`write_result`); None: nowhere
-                 result_ranks=(), # the ranks that leave theirs there
-                ):
+
+    def __init__(
+        self,
+        fn,  # the training function
+        results_dir: str | None = None,  # where ranks leave their return values (`write_result`); None: nowhere
+        result_ranks=(),  # the ranks that leave theirs there
+    ):
         self.fn, self.results_dir, self.result_ranks, self._stack = fn, results_dir, tuple(result_ranks), None
         self.__name__ = getattr(fn, '__name__', type(fn).__name__)
-        self.__qualname__ = getattr(fn, '__qualname__', self.__name__)   # torchelastic names the entry point
+        self.__qualname__ = getattr(fn, '__qualname__', self.__name__)  # torchelastic names the entry point
 
-    def __call__(self, *args)->None: # nothing: the launcher would pickle a return value into the kernel
+    def __call__(self, *args) -> None:  # nothing: the launcher would pickle a return value into the kernel
         rank = int(os.environ.get('RANK', 0))
-        if threading.current_thread() is threading.main_thread():   # a rank blocked in a collective when another fails
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)           # must die on the launcher's SIGTERM, not after 30 s
+        if threading.current_thread() is threading.main_thread():  # a rank blocked in a collective when another fails
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # must die on the launcher's SIGTERM, not after 30 s
         monitor.emit('rank_start', rank=rank, pid=os.getpid(), stack_file=self._stack_on_request(rank))
         try:
             # before `fn`, so what it builds before flexrt.initialize runs sized too (a warning shows the next line)
             size_threads()
             value = self.fn(*args)
-            if self.results_dir is not None and rank in self.result_ranks: write_result(value, self.results_dir, rank)
+            if self.results_dir is not None and rank in self.result_ranks:
+                write_result(value, self.results_dir, rank)
         except BaseException as e:
-            monitor.emit('rank_error', rank=rank, pid=os.getpid(), error=f'{type(e).__name__}: {e}',
-                         traceback=traceback.format_exc(), **_failure(e))
+            monitor.emit(
+                'rank_error',
+                rank=rank,
+                pid=os.getpid(),
+                error=f'{type(e).__name__}: {e}',
+                traceback=traceback.format_exc(),
+                **_failure(e),
+            )
             raise
-        finally: monitor.flush()
+        finally:
+            monitor.flush()
 
-    def _stack_on_request(self, rank:int)->str|None: # the file, or None where SIGUSR1 has a handler of the user's
+    def _stack_on_request(self, rank: int) -> str | None:  # the file, or None where SIGUSR1 has a handler of the user's
         "Make STACK_SIGNAL write this process's Python stacks to a new file"
-        if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None): return None
+        if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None):
+            return None
         fd, path = tempfile.mkstemp(prefix=f'flexrt-rank{rank}-stack-', suffix='.txt')
-        self._stack = os.fdopen(fd, 'w')                             # kept open for as long as the handler may write
+        self._stack = os.fdopen(fd, 'w')  # kept open for as long as the handler may write
         faulthandler.register(STACK_SIGNAL, file=self._stack, all_threads=True)
         return path
 
 # %% ../../nbs/35_launch_launcher.ipynb #c015
 class RankError(RuntimeError):
     "A rank failed during `launch`; `.rank` says which, `.traceback` where (see `.signal`, `.op`, `.waiting`)"
-    def __init__(self, rank:int, error:str, tb:str, message:str|None=None, signal:str|None=None, op:str|None=None,
-                 waiting:list=()):
+
+    def __init__(
+        self,
+        rank: int,
+        error: str,
+        tb: str,
+        message: str | None = None,
+        signal: str | None = None,
+        op: str | None = None,
+        waiting: list = (),
+    ):
         super().__init__(message or f'rank {rank} failed with {error}\n\nTraceback on rank {rank}:\n{tb}')
-        self.rank, self.error, self.traceback, self.signal, self.op, self.waiting = rank, error, tb, signal, op, list(waiting)
+        self.rank, self.error, self.traceback, self.signal, self.op, self.waiting = (
+            rank,
+            error,
+            tb,
+            signal,
+            op,
+            list(waiting),
+        )
 
 # %% ../../nbs/35_launch_launcher.ipynb #c017
-def _exit_codes(error:BaseException|None)->dict: # {rank: exit code} of the ranks the launcher saw fail
+def _exit_codes(error: BaseException | None) -> dict:  # {rank: exit code} of the ranks the launcher saw fail
     "The exit codes in the launcher's error (or the errors it was raised from)"
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         failures = getattr(error, 'failures', None)
-        if isinstance(failures, dict): return {int(r): f.exitcode for r, f in failures.items() if hasattr(f, 'exitcode')}
+        if isinstance(failures, dict):
+            return {int(r): f.exitcode for r, f in failures.items() if hasattr(f, 'exitcode')}
         error = error.__cause__ or error.__context__
     return {}
 
-def _signal_name(code:int)->str:
+
+def _signal_name(code: int) -> str:
     "'SIGKILL' for exit code -9"
-    try: return signal.Signals(-code).name
-    except ValueError: return f'signal {-code}'
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f'signal {-code}'
 
 # %% ../../nbs/35_launch_launcher.ipynb #c020
-def _died(rank:int, code:int, reports:list)->RankError:
+def _died(rank: int, code: int, reports: list) -> RankError:
     "A RankError for `rank`, which ended with `code` and reported nothing"
     how = f'killed by {_signal_name(code)}' if code < 0 else f'exited with code {code}'
     then = ''.join(f"\nThen rank {r['rank']} failed: {r['error']}" for r in sorted(reports, key=lambda r: r['time']))
     tbs = ''.join(f"\n\nTraceback on rank {r['rank']} (it noticed):\n{r['traceback']}" for r in reports)
-    return RankError(rank, how, '', f'rank {rank} died: {how}, without reporting an error.{then}{tbs}',
-                     signal=_signal_name(code) if code < 0 else None)
+    return RankError(
+        rank,
+        how,
+        '',
+        f'rank {rank} died: {how}, without reporting an error.{then}{tbs}',
+        signal=_signal_name(code) if code < 0 else None,
+    )
 
-def _absent(missing:list, waits:list, stacks:dict)->RankError:
+
+def _absent(missing: list, waits: list, stacks: dict) -> RankError:
     "A RankError for the first of `missing`, the ranks that never arrived at the op the `waits` reports timed out in"
     ops = sorted({w.get('op') or 'a collective' for w in waits})
     waiting, rank = sorted(w['rank'] for w in waits), missing[0]
-    where = ''.join(f'\n\nWhere rank {m} was when the others gave up:\n{stacks.get(m) or "(its stack could not be taken)"}'
-                    for m in missing)
-    message = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive at {' / '.join(ops)}: "
-               f"rank{'s' if len(waiting) > 1 else ''} {waiting} waited in it and gave up ({waits[0]['error']}){where}")
+    where = ''.join(
+        f'\n\nWhere rank {m} was when the others gave up:\n{stacks.get(m) or "(its stack could not be taken)"}'
+        for m in missing
+    )
+    message = (
+        f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not arrive at {' / '.join(ops)}: "
+        f"rank{'s' if len(waiting) > 1 else ''} {waiting} waited in it and gave up ({waits[0]['error']}){where}"
+    )
     return RankError(rank, f'did not arrive at {ops[0]}', stacks.get(rank) or '', message, op=ops[0], waiting=waiting)
 
 # %% ../../nbs/35_launch_launcher.ipynb #c021
-def _in_collective(stack:str|None)->bool:
+def _in_collective(stack: str | None) -> bool:
     "Whether a rank's stack shows it inside a collective (it was waiting too, but was stopped before it could say so)"
     inside = (f'{os.sep}flexrt{os.sep}comm{os.sep}', f'{os.sep}torch{os.sep}distributed{os.sep}')
-    threads = (stack or '').split('(most recent call first):')[1:]            # faulthandler: one block per thread
+    threads = (stack or '').split('(most recent call first):')[1:]  # faulthandler: one block per thread
     return any(p in line for t in threads for line in t.strip().splitlines()[:3] for p in inside)
 
 # %% ../../nbs/35_launch_launcher.ipynb #c023
-def _blame(reports:list, # the ranks' 'rank_error' records
-           started:dict, # rank -> its 'rank_start' record
-           error:BaseException, # what the launcher raised
-           stacks:dict={}, # rank -> the stack it wrote when asked
-           exits:dict={}, # rank -> (exit code, whether other ranks had failed before) as seen by the kernel
-          )->BaseException:
+def _blame(
+    reports: list,  # the ranks' 'rank_error' records
+    started: dict,  # rank -> its 'rank_start' record
+    error: BaseException,  # what the launcher raised
+    stacks: dict = {},  # rank -> the stack it wrote when asked
+    exits: dict = {},  # rank -> (exit code, whether other ranks had failed before) as seen by the kernel
+) -> BaseException:
     "The error that names the rank at fault"
     first = lambda rs: min(rs, key=lambda r: r['time'])
     own = [r for r in reports if not r.get('comm')]
-    if own: r = first(own); return RankError(r['rank'], r['error'], r['traceback'])
+    if own:
+        r = first(own)
+        return RankError(r['rank'], r['error'], r['traceback'])
     reported = {r['rank'] for r in reports}
     ended = {**{r: (code, bool(reports)) for r, code in _exit_codes(error).items()}, **exits}
-    died = {r: code for r, (code, late) in sorted(ended.items())     # SIGTERM after a failure: the launcher's clean-up
-            if r not in reported and code and not (late and code == -signal.SIGTERM)}
-    if died: return _died(*next(iter(died.items())), reports)
+    died = {
+        r: code
+        for r, (code, late) in sorted(ended.items())  # SIGTERM after a failure: the launcher's clean-up
+        if r not in reported and code and not (late and code == -signal.SIGTERM)
+    }
+    if died:
+        return _died(*next(iter(died.items())), reports)
     silent, waits = sorted(set(started) - reported), [r for r in reports if r.get('comm')]
-    named = {p for r in waits for p in r.get('peers') or ()}       # ranks a waiting one says never answered
+    named = {p for r in waits for p in r.get('peers') or ()}  # ranks a waiting one says never answered
     inside = lambda r: _in_collective(stacks.get(r)) and r not in named
     waits += [{'rank': r, 'error': 'stopped by the launcher inside it'} for r in silent if inside(r)]
     missing = [r for r in silent if not inside(r)]
-    if missing and waits: return _absent(missing, waits, stacks)
-    if reports: r = first(reports); return RankError(r['rank'], r['error'], r['traceback'])
+    if missing and waits:
+        return _absent(missing, waits, stacks)
+    if reports:
+        r = first(reports)
+        return RankError(r['rank'], r['error'], r['traceback'])
     return error
 
 # %% ../../nbs/35_launch_launcher.ipynb #c026
 class Run:
     "A launched training: `.done`, `.wait()`, `.stop()`; `.results`: the ranks' return values; `.error`: the launch's"
-    def __init__(self, stop_file:str,
-                 results_dir:str|None=None, # where the ranks leave their return values; None: they leave none
-                 result_ranks=(), # the ranks whose values `.results` holds, in order
-                ):
+
+    def __init__(
+        self,
+        stop_file: str,
+        results_dir: str | None = None,  # where the ranks leave their return values; None: they leave none
+        result_ranks=(),  # the ranks whose values `.results` holds, in order
+    ):
         self.stop_file, self.error, self.pids, self.errors, self.started = stop_file, None, set(), [], {}
         self.results_dir, self.result_ranks = results_dir, list(result_ranks)
-        self.results = None   # after a successful end: the values of `result_ranks`, e.g. [rank 0's, rank 1's]
-        self.exits, self._watchers, self._finishing = {}, [], False   # rank -> (exit code, whether others had failed)
+        self.results = None  # after a successful end: the values of `result_ranks`, e.g. [rank 0's, rank 1's]
+        self.exits, self._watchers, self._finishing = {}, [], False  # rank -> (exit code, whether others had failed)
         self._finished = threading.Event()
 
     @property
-    def done(self)->bool:
+    def done(self) -> bool:
         "Whether every rank has ended"
         return self._finished.is_set()
 
@@ -186,138 +253,184 @@ class Run:
         "Ask every rank to stop; they stop together at the next `should_stop()`"
         open(self.stop_file, 'w').close()
 
-    def wait(self, timeout:float=None)->bool: # False if it is still running after `timeout` seconds
+    def wait(self, timeout: float = None) -> bool:  # False if it is still running after `timeout` seconds
         "Wait for the ranks to end; raise what the launch raised"
-        if not self._finished.wait(timeout): return False
-        if self.error is not None: raise self.error
+        if not self._finished.wait(timeout):
+            return False
+        if self.error is not None:
+            raise self.error
         return True
+
+    def _record(self, record: dict):
+        "Listener: remember ranks' starts and errors; on a timeout, ask the silent ranks where they are"
+        if record.get('kind') == 'rank_start':
+            self.pids.add(record['pid'])
+            self.started[record['rank']] = record
+            self._watch(record['rank'], record['pid'])
+        elif record.get('kind') == 'rank_error':
+            self.errors.append(record)
+            if record.get('timed_out'):
+                self._ask_for_stacks()
+
+    def _watch(self, rank: int, pid: int):
+        "Learn how `rank`'s process ends (its signal) without reaping it: the launcher reaps its children itself"
+        if not hasattr(os, 'waitid'):
+            return
+
+        def wait():
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            except (ChildProcessError, OSError):
+                return  # not this process's child, or already reaped
+            code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+            if not self._finishing:
+                self.exits[rank] = (code, bool(self.errors))
+
+        self._watchers.append(threading.Thread(target=wait, daemon=True, name=f'flexrt-launch-rank{rank}'))
+        self._watchers[-1].start()
+
+    def _ask_for_stacks(self):
+        "Signal every rank that reported no error to write its stacks (before the launcher stops it)"
+        reported = {r['rank'] for r in self.errors}
+        for rank, start in self.started.items():
+            if rank in reported or not start.get('stack_file'):
+                continue
+            try:
+                os.kill(start['pid'], STACK_SIGNAL)
+            except OSError:
+                pass
 
 # %% ../../nbs/35_launch_launcher.ipynb #c027
 from fastcore.basics import patch
 
-@patch
-def _record(self:Run, record:dict):
-    "Listener: remember ranks' starts and errors; on a timeout, ask the silent ranks where they are"
-    if record.get('kind') == 'rank_start':
-        self.pids.add(record['pid']); self.started[record['rank']] = record; self._watch(record['rank'], record['pid'])
-    elif record.get('kind') == 'rank_error':
-        self.errors.append(record)
-        if record.get('timed_out'): self._ask_for_stacks()
-
-@patch
-def _watch(self:Run, rank:int, pid:int):
-    "Learn how `rank`'s process ends (its signal) without reaping it: the launcher reaps its children itself"
-    if not hasattr(os, 'waitid'): return
-    def wait():
-        try: info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except (ChildProcessError, OSError): return               # not this process's child, or already reaped
-        code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
-        if not self._finishing: self.exits[rank] = (code, bool(self.errors))
-    self._watchers.append(threading.Thread(target=wait, daemon=True, name=f'flexrt-launch-rank{rank}'))
-    self._watchers[-1].start()
-
-@patch
-def _ask_for_stacks(self:Run):
-    "Signal every rank that reported no error to write its stacks (before the launcher stops it)"
-    reported = {r['rank'] for r in self.errors}
-    for rank, start in self.started.items():
-        if rank in reported or not start.get('stack_file'): continue
-        try: os.kill(start['pid'], STACK_SIGNAL)
-        except OSError: pass
-
 # %% ../../nbs/35_launch_launcher.ipynb #c029
-def _stacks(run:Run)->dict: # rank -> what its stack file holds (only non-empty ones)
+def _stacks(run: Run) -> dict:  # rank -> what its stack file holds (only non-empty ones)
     "Read and remove the ranks' stack files"
     out = {}
     for rank, start in run.started.items():
         path = start.get('stack_file')
-        if not path: continue
+        if not path:
+            continue
         try:
-            with open(path) as f: text = f.read().strip()
+            with open(path) as f:
+                text = f.read().strip()
             os.remove(path)
-        except OSError: continue
-        if text: out[rank] = text
+        except OSError:
+            continue
+        if text:
+            out[rank] = text
     return out
 
-def _collect(run:Run)->list: # the values of `run.result_ranks`, in order
+
+def _collect(run: Run) -> list:  # the values of `run.result_ranks`, in order
     "Read the values the ranks left in the run's directory; `RankError` for a rank whose value is missing or unreadable"
     values = []
     for rank in run.result_ranks:
-        try: values.append(read_result(run.results_dir, rank))
+        try:
+            values.append(read_result(run.results_dir, rank))
         except FileNotFoundError as e:
-            raise RankError(rank, 'left no return value', '', f'rank {rank} ended without handing back a return value: '
-                            'it left the training function without returning (sys.exit or os._exit?)') from e
+            raise RankError(
+                rank,
+                'left no return value',
+                '',
+                f'rank {rank} ended without handing back a return value: '
+                'it left the training function without returning (sys.exit or os._exit?)',
+            ) from e
         except Exception as e:
             error = f'{type(e).__name__}: {e}'
             raise RankError(rank, error, '', f"rank {rank}'s return value could not be read: {error}") from e
     return values
 
-def _finish(run:Run, error:BaseException|None):
+
+def _finish(run: Run, error: BaseException | None):
     "Kill leftover ranks, turn a failure into the RankError naming the rank at fault, mark the run done"
-    for t in run._watchers: t.join(2)                       # the ranks have ended: their exits are being noted
+    for t in run._watchers:
+        t.join(2)  # the ranks have ended: their exits are being noted
     run._finishing = True
     for pid in run.pids:
-        try: psutil.Process(pid).kill()
-        except psutil.Error: pass
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
     stacks = _stacks(run)
     if error is None and run.results_dir is not None:
-        try: run.results = _collect(run)
-        except RankError as e: run.error = e
-    if run.results_dir is not None: shutil.rmtree(run.results_dir, ignore_errors=True)
+        try:
+            run.results = _collect(run)
+        except RankError as e:
+            run.error = e
+    if run.results_dir is not None:
+        shutil.rmtree(run.results_dir, ignore_errors=True)
     if error is not None:
         run.error = _blame(run.errors, run.started, error, stacks, run.exits)
-        if run.error is not error: run.error.__cause__ = error
-    try: os.remove(run.stop_file)
-    except OSError: pass
+        if run.error is not error:
+            run.error.__cause__ = error
+    try:
+        os.remove(run.stop_file)
+    except OSError:
+        pass
     run._finished.set()
 
 # %% ../../nbs/35_launch_launcher.ipynb #c032
-def free_port()->int:
+def free_port() -> int:
     "A TCP port nobody listens on now"
     with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
 
-def _launch_blocking(run:Run, fn, args, num_processes, kwargs):
+
+def _launch_blocking(run: Run, fn, args, num_processes, kwargs):
     "Run the launcher, restoring the signal handlers it replaces; always finish the run"
     from accelerate import notebook_launcher
+
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    error = None   # garbage is collected before each fork: `launch` serves, and a serving kernel does (flexrt.monitor)
+    error = None  # garbage is collected before each fork: `launch` serves, and a serving kernel does (flexrt.monitor)
     try:
         with monitor.listen(run._record), quiet_launcher():
             entry = RankMain(fn, run.results_dir, run.result_ranks)
             notebook_launcher(entry, args, num_processes=num_processes, **kwargs)
-    except BaseException as e: error = e
+    except BaseException as e:
+        error = e
     finally:
-        for s, handler in saved.items(): signal.signal(s, handler)
+        for s, handler in saved.items():
+            signal.signal(s, handler)
         _finish(run, error)
 
 # %% ../../nbs/35_launch_launcher.ipynb #c033
-def launch(train, # the training function; importable (not defined in the notebook) if ranks may be spawned
-           args=(), # its arguments
-           num_processes:int=2, # number of ranks
-           background:bool=False, # return a `Run` at once instead of waiting
-           use_port:int|str|None=None, # the rendezvous port; default: a free one
-           results:str|None='all', # `Run.results`: 'all' ranks' return values by rank, 'rank0' rank 0's only, None none
-           **kwargs, # further `accelerate.notebook_launcher` arguments
-          )->Run:
+def launch(
+    train,  # the training function; importable (not defined in the notebook) if ranks may be spawned
+    args=(),  # its arguments
+    num_processes: int = 2,  # number of ranks
+    background: bool = False,  # return a `Run` at once instead of waiting
+    use_port: int | str | None = None,  # the rendezvous port; default: a free one
+    results: str | None = 'all',  # `Run.results`: 'all' ranks' return values by rank, 'rank0' rank 0's only, None none
+    **kwargs,  # further `accelerate.notebook_launcher` arguments
+) -> Run:
     "Start `train(*args)` on `num_processes` ranks whose records reach this kernel; the `Run` holds what they return"
-    if not callable(train): raise TypeError(f'train must be a function, got {type(train).__name__}')
+    if not callable(train):
+        raise TypeError(f'train must be a function, got {type(train).__name__}')
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f'num_processes must be a positive int, not {num_processes!r}')
-    if results not in RESULTS: raise ValueError(f"results must be 'all', 'rank0' or None, not {results!r}")
+    if results not in RESULTS:
+        raise ValueError(f"results must be 'all', 'rank0' or None, not {results!r}")
     if results is not None and kwargs.get('num_nodes', 1) > 1:
-        raise ValueError(f"results={results!r} reads the ranks' return values on this machine, which runs only some of "
-                         f"num_nodes={kwargs['num_nodes']}: pass results=None")
+        raise ValueError(
+            f"results={results!r} reads the ranks' return values on this machine, which runs only some of "
+            f"num_nodes={kwargs['num_nodes']}: pass results=None"
+        )
     monitor.serve()
-    print(describe_launch(num_processes), flush=True)   # from the cell itself: a background thread's print may never show
-    results_dir = None if results is None else tempfile.mkdtemp(prefix='flexrt-results-')   # removed when the run ends
+    print(
+        describe_launch(num_processes), flush=True
+    )  # from the cell itself: a background thread's print may never show
+    results_dir = None if results is None else tempfile.mkdtemp(prefix='flexrt-results-')  # removed when the run ends
     ranks = {'all': range(num_processes), 'rank0': [0], None: []}[results]
     run = Run(tempfile.mktemp(prefix='flexrt-stop-'), results_dir, ranks)
     os.environ[STOP_VARIABLE] = run.stop_file
     kwargs['use_port'] = str(use_port or free_port())
     job = (run, train, tuple(args), num_processes, kwargs)
     if not background:
-        _launch_blocking(*job); run.wait(); return run
+        _launch_blocking(*job)
+        run.wait()
+        return run
     threading.Thread(target=_launch_blocking, args=job, daemon=True, name='flexrt-launch').start()
     return run

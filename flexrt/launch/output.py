@@ -12,9 +12,10 @@ from ..utils.threads import ThreadPlan, plan_threads
 __all__ = ['describe_launch', 'quiet_launcher']
 
 # %% ../../nbs/35_launch_output.ipynb #c005
-def describe_launch(num_processes:int, # ranks started on this machine
-                    threads:ThreadPlan|None=None, # their threads; None: what `plan_threads` gives them
-                   )->str:
+def describe_launch(
+    num_processes: int,  # ranks started on this machine
+    threads: ThreadPlan | None = None,  # their threads; None: what `plan_threads` gives them
+) -> str:
     "One line saying what a launch of `num_processes` ranks starts: device kind, backend, and threads per rank"
     plan = threads or plan_threads(local_ranks=num_processes)
     cuda = torch.cuda.device_count() > 0
@@ -26,33 +27,56 @@ def describe_launch(num_processes:int, # ranks started on this machine
 # %% ../../nbs/35_launch_output.ipynb #c008
 _ACCELERATE_LINE = re.compile(r'Launching (a )?training on (\d+|one|an?) ?[A-Za-z]*\.?$')
 
+
 class _LaunchOutput:
     "A stream that drops accelerate's device line written by one thread and passes everything else"
-    def __init__(self, stream, thread:threading.Thread): self.stream, self.thread, self._drop_newline = stream, thread, False
-    def write(self, text:str)->int:
+
+    def __init__(self, stream, thread: threading.Thread):
+        self.stream, self.thread, self._drop_newline = stream, thread, False
+
+    def write(self, text: str) -> int:
         mine = threading.current_thread() is self.thread
-        if mine and self._drop_newline and text == '\n': self._drop_newline = False; return len(text)
-        if mine and _ACCELERATE_LINE.match(text.strip()): self._drop_newline = not text.endswith('\n'); return len(text)
+        if mine and self._drop_newline and text == '\n':
+            self._drop_newline = False
+            return len(text)
+        if mine and _ACCELERATE_LINE.match(text.strip()):
+            self._drop_newline = not text.endswith('\n')
+            return len(text)
         return self.stream.write(text)
-    def __getattr__(self, name): return getattr(self.stream, name)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 # %% ../../nbs/35_launch_output.ipynb #c010
 _ELASTIC_LOGGER = 'torch.distributed.elastic.multiprocessing.api'
 
+
 class _ElasticThreadWarning(logging.Filter):
     "Drops torchelastic's child-thread signal-handler warning when it comes from one thread"
-    def __init__(self, thread:threading.Thread): super().__init__(); self.thread = thread
-    def filter(self, record:logging.LogRecord)->bool:
-        return not (threading.current_thread() is self.thread and
-                    str(record.msg).startswith('Failed to register signal handlers since torchelastic is running on a child thread'))
+
+    def __init__(self, thread: threading.Thread):
+        super().__init__()
+        self.thread = thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            threading.current_thread() is self.thread
+            and str(record.msg).startswith(
+                'Failed to register signal handlers since torchelastic is running on a child thread'
+            )
+        )
+
 
 @contextlib.contextmanager
 def quiet_launcher():
     "While the launcher runs in this thread: drop the two misleading lines, pass everything else"
     thread, stream, logger = threading.current_thread(), sys.stdout, logging.getLogger(_ELASTIC_LOGGER)
     wrapped, quiet = _LaunchOutput(stream, thread), _ElasticThreadWarning(thread)
-    sys.stdout = wrapped; logger.addFilter(quiet)
-    try: yield
+    sys.stdout = wrapped
+    logger.addFilter(quiet)
+    try:
+        yield
     finally:
         logger.removeFilter(quiet)
-        if sys.stdout is wrapped: sys.stdout = stream   # someone else replaced it meanwhile: leave theirs
+        if sys.stdout is wrapped:
+            sys.stdout = stream  # someone else replaced it meanwhile: leave theirs

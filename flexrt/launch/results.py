@@ -13,116 +13,159 @@ __all__ = ['RESULTS', 'FORMAT', 'FORMAT_VERSION', 'unsendable', 'encode_result',
            'read_result']
 
 # %% ../../nbs/35_launch_results.ipynb #c006
-RESULTS = ('all', 'rank0', None)   # what `launch(results=...)` takes: every rank's value, rank 0's only, or none
-_SCALARS = (type(None), bool, int, float, str)   # what JSON holds as it is
+RESULTS = ('all', 'rank0', None)  # what `launch(results=...)` takes: every rank's value, rank 0's only, or none
+_SCALARS = (type(None), bool, int, float, str)  # what JSON holds as it is
 
-def _advice(value)->str:
+
+def _advice(value) -> str:
     "What a rank could return instead of `value`"
-    if isinstance(value, torch.nn.Module): return 'return its .state_dict() instead'
+    if isinstance(value, torch.nn.Module):
+        return 'return its .state_dict() instead'
     if isinstance(value, torch.Tensor):
         return "return a plain tensor instead (.detach(), .to_dense(), a DTensor's .full_tensor())"
-    if isinstance(value, (set, frozenset)): return 'return a list instead (sorted(...))'
-    if type(value).__module__ == 'numpy': return 'return torch.from_numpy(x) (an array) or x.item() (a number) instead'
-    if callable(value): return 'return data, not code'
+    if isinstance(value, (set, frozenset)):
+        return 'return a list instead (sorted(...))'
+    if type(value).__module__ == 'numpy':
+        return 'return torch.from_numpy(x) (an array) or x.item() (a number) instead'
+    if callable(value):
+        return 'return data, not code'
     return 'return plain data instead (dataclasses.asdict(x), x.state_dict(), ...)'
 
-def unsendable(value, where:str)->TypeError:
+
+def unsendable(value, where: str) -> TypeError:
     "The error for `value`, found at `where` inside a rank's return value, which cannot go to the kernel"
     kind = type(value)
     name = kind.__name__ if kind.__module__ == 'builtins' else f'{kind.__module__}.{kind.__qualname__}'
-    return TypeError(f'{where} is a {name}, which cannot be sent to the kernel: {_advice(value)}. Return values travel '
-                     'without pickle: None, bool, int, float, str, lists, tuples, dicts and tensors '
-                     '(or launch with results=None to send none)')
+    return TypeError(
+        f'{where} is a {name}, which cannot be sent to the kernel: {_advice(value)}. Return values travel '
+        'without pickle: None, bool, int, float, str, lists, tuples, dicts and tensors '
+        '(or launch with results=None to send none)'
+    )
 
 # %% ../../nbs/35_launch_results.ipynb #c009
-def _cpu_tensor(t:torch.Tensor, where:str)->torch.Tensor:
+def _cpu_tensor(t: torch.Tensor, where: str) -> torch.Tensor:
     "`t`'s data, detached, on the CPU, in a storage of its own size"
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.is_meta:
         raise unsendable(t, where)
     t = t.detach().cpu()
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
-def _key(key, where:str):
+
+def _key(key, where: str):
     "A dict key as it is, if JSON holds it"
-    if isinstance(key, _SCALARS): return key
-    raise TypeError(f'{where} has a key of type {type(key).__name__}, which cannot be sent to the kernel: '
-                    'use str, int, float, bool or None keys')
+    if isinstance(key, _SCALARS):
+        return key
+    raise TypeError(
+        f'{where} has a key of type {type(key).__name__}, which cannot be sent to the kernel: '
+        'use str, int, float, bool or None keys'
+    )
 
 # %% ../../nbs/35_launch_results.ipynb #c010
-def encode_result(value, # what a rank returned
-                  where:str='result', # how errors name `value`
-                 )->tuple: # (a JSON-able tree, the CPU tensors its {'tensor': i} nodes point to)
+def encode_result(
+    value,  # what a rank returned
+    where: str = 'result',  # how errors name `value`
+) -> tuple:  # (a JSON-able tree, the CPU tensors its {'tensor': i} nodes point to)
     "`value` as JSON plus tensors; `TypeError` naming the first part that cannot be sent"
-    tensors, inside = [], set()   # ids of the containers on the path now: a value that holds itself cannot be sent
+    tensors, inside = [], set()  # ids of the containers on the path now: a value that holds itself cannot be sent
+
     def walk(v, where):
-        if isinstance(v, _SCALARS): return v
-        if isinstance(v, torch.Tensor): tensors.append(_cpu_tensor(v, where)); return {'tensor': len(tensors) - 1}
-        if not isinstance(v, (list, tuple, dict)): raise unsendable(v, where)
-        if id(v) in inside: raise TypeError(f'{where} contains itself, which cannot be sent to the kernel')
+        if isinstance(v, _SCALARS):
+            return v
+        if isinstance(v, torch.Tensor):
+            tensors.append(_cpu_tensor(v, where))
+            return {'tensor': len(tensors) - 1}
+        if not isinstance(v, (list, tuple, dict)):
+            raise unsendable(v, where)
+        if id(v) in inside:
+            raise TypeError(f'{where} contains itself, which cannot be sent to the kernel')
         inside.add(id(v))
-        if isinstance(v, dict): tree = {'dict': [[_key(k, where), walk(x, f'{where}[{k!r}]')] for k, x in v.items()]}
-        else: tree = [walk(x, f'{where}[{i}]') for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            tree = {'dict': [[_key(k, where), walk(x, f'{where}[{k!r}]')] for k, x in v.items()]}
+        else:
+            tree = [walk(x, f'{where}[{i}]') for i, x in enumerate(v)]
         inside.discard(id(v))
         return {'tuple': tree} if isinstance(v, tuple) else tree
+
     return walk(value, where), tensors
 
 # %% ../../nbs/35_launch_results.ipynb #c015
-def decode_result(tree, # what `encode_result` made, read back from JSON
-                  tensors:list, # the tensors its {'tensor': i} nodes point to
-                 ):
+def decode_result(
+    tree,  # what `encode_result` made, read back from JSON
+    tensors: list,  # the tensors its {'tensor': i} nodes point to
+):
     "The value `encode_result` encoded: tuples and dicts as such, tensors on the CPU; `ValueError` on anything else"
-    if isinstance(tree, _SCALARS): return tree
-    if isinstance(tree, list): return [decode_result(t, tensors) for t in tree]
+    if isinstance(tree, _SCALARS):
+        return tree
+    if isinstance(tree, list):
+        return [decode_result(t, tensors) for t in tree]
     tag, body = next(iter(tree.items())) if isinstance(tree, dict) and len(tree) == 1 else (None, None)
-    if tag == 'tuple' and isinstance(body, list): return tuple(decode_result(t, tensors) for t in body)
+    if tag == 'tuple' and isinstance(body, list):
+        return tuple(decode_result(t, tensors) for t in body)
     pairs = tag == 'dict' and isinstance(body, list)
     if pairs and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], _SCALARS) for p in body):
         return {k: decode_result(v, tensors) for k, v in body}
-    if tag == 'tensor' and type(body) is int and 0 <= body < len(tensors): return tensors[body]
+    if tag == 'tensor' and type(body) is int and 0 <= body < len(tensors):
+        return tensors[body]
     raise ValueError(f'not part of a flexrt result: {repr(tree)[:60]}')
 
 # %% ../../nbs/35_launch_results.ipynb #c018
 FORMAT, FORMAT_VERSION = 'flexrt-result', 2
 
-def _replace(path:Path, write):
+
+def _replace(path: Path, write):
     "`write(temporary path)`, then rename it to `path`: a reader never sees half a file"
     tmp = path.with_name(f'.{path.name}.tmp')
     try:
         write(tmp)
         os.replace(tmp, path)
-    finally: tmp.unlink(missing_ok=True)
+    finally:
+        tmp.unlink(missing_ok=True)
 
-def _tensor_bytes(t:torch.Tensor)->bytes: return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
-def _write_tensors(path:Path, tensors:list)->list: # each tensor's {'dtype', 'shape', 'offset', 'nbytes'}
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _write_tensors(path: Path, tensors: list) -> list:  # each tensor's {'dtype', 'shape', 'offset', 'nbytes'}
     "Write the tensors' bytes back to back to `path`; describe where each one is"
     described, offset = [], 0
     with open(path, 'wb') as f:
         for t in tensors:
             data = _tensor_bytes(t)
             f.write(data)
-            described.append({'dtype': str(t.dtype).removeprefix('torch.'), 'shape': list(t.shape), 'offset': offset,
-                              'nbytes': len(data)})
+            described.append(
+                {
+                    'dtype': str(t.dtype).removeprefix('torch.'),
+                    'shape': list(t.shape),
+                    'offset': offset,
+                    'nbytes': len(data),
+                }
+            )
             offset += len(data)
     return described
 
-def result_files(directory, rank:int)->tuple: # (the JSON document, the tensor file)
+
+def result_files(directory, rank: int) -> tuple:  # (the JSON document, the tensor file)
     "Where rank `rank` leaves its return value in `directory`"
     return Path(directory) / f'rank{rank}.json', Path(directory) / f'rank{rank}.bin'
 
-def write_result(value, # what the rank returned
-                 directory, # the run's results directory (the kernel made it)
-                 rank:int):
+
+def write_result(
+    value,  # what the rank returned
+    directory,  # the run's results directory (the kernel made it)
+    rank: int,
+):
     "Leave `value` in `directory` for the kernel; `TypeError` naming `results[rank]...` where it cannot be sent"
     tree, tensors = encode_result(value, f'results[{rank}]')
     document, tensor_file = result_files(directory, rank)
     described = []
-    if tensors: _replace(tensor_file, lambda tmp: described.extend(_write_tensors(tmp, tensors)))
+    if tensors:
+        _replace(tensor_file, lambda tmp: described.extend(_write_tensors(tmp, tensors)))
     head = {'format': FORMAT, 'version': FORMAT_VERSION, 'rank': rank, 'tensors': described, 'value': tree}
     _replace(document, lambda tmp: tmp.write_text(json.dumps(head)))
 
 # %% ../../nbs/35_launch_results.ipynb #c019
-def _tensor(data:bytes, d, where:str)->torch.Tensor:
+def _tensor(data: bytes, d, where: str) -> torch.Tensor:
     "The tensor `d` (dtype, shape, byte range) describes, built from `data`; `ValueError` if it does not fit"
     dtype = getattr(torch, d.get('dtype', '') if isinstance(d, dict) and isinstance(d.get('dtype'), str) else '', None)
     shape, start, size = (d.get(k) for k in ('shape', 'offset', 'nbytes')) if isinstance(d, dict) else (None,) * 3
@@ -130,16 +173,21 @@ def _tensor(data:bytes, d, where:str)->torch.Tensor:
     range_ok = type(start) is int and type(size) is int and 0 <= start and start + size <= len(data)
     if not isinstance(dtype, torch.dtype) or not shape_ok or not range_ok or size != math.prod(shape) * dtype.itemsize:
         raise ValueError(f'{where}: tensor description {str(d)[:80]} does not fit the tensor file')
-    if not size: return torch.empty(shape, dtype=dtype)   # frombuffer refuses an empty buffer
-    raw = torch.frombuffer(bytearray(data[start:start + size]), dtype=torch.uint8)
+    if not size:
+        return torch.empty(shape, dtype=dtype)  # frombuffer refuses an empty buffer
+    raw = torch.frombuffer(bytearray(data[start : start + size]), dtype=torch.uint8)
     return raw.view(dtype).reshape(shape)
 
-def read_result(directory, rank:int):
+
+def read_result(directory, rank: int):
     "Rank `rank`'s return value as `write_result` left it in `directory`, tensors on the CPU; no object is unpickled"
     document, tensor_file = result_files(directory, rank)
     head = json.loads(document.read_text())
-    if not isinstance(head, dict) or (head.get('format'), head.get('version')) != (FORMAT, FORMAT_VERSION) \
-       or not isinstance(head.get('tensors'), list):
+    if (
+        not isinstance(head, dict)
+        or (head.get('format'), head.get('version')) != (FORMAT, FORMAT_VERSION)
+        or not isinstance(head.get('tensors'), list)
+    ):
         raise ValueError(f'{document} is not a {FORMAT} document of version {FORMAT_VERSION}')
     data = tensor_file.read_bytes() if head['tensors'] else b''
     if len(data) != sum(d.get('nbytes', 0) for d in head['tensors'] if isinstance(d, dict)):

@@ -10,6 +10,32 @@ __all__ = ['active_tracker', 'TensorMemoryTracker', 'CudaBytes', 'MemorySnapshot
 # %% ../../nbs/25_memory.ipynb #c003
 from .tracker import active_tracker, TensorMemoryTracker, CudaBytes
 from .stats import MemorySnapshot, memory_snapshot, reset_peak_memory_stats
-from .reports import (memory_status, M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, see_memory_usage, MemoryStatus,
-                                   get_ma_status, storage_bytes, tune_cpu_malloc, MemorySampler)
-_all_ = ['active_tracker', 'TensorMemoryTracker', 'CudaBytes', 'MemorySnapshot', 'memory_snapshot', 'reset_peak_memory_stats', 'memory_status', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'see_memory_usage', 'MemoryStatus', 'get_ma_status', 'storage_bytes', 'tune_cpu_malloc', 'MemorySampler']
+from flexrt.memory.reports import (
+    memory_status,
+    M_TRIM_THRESHOLD,
+    M_MMAP_THRESHOLD,
+    see_memory_usage,
+    MemoryStatus,
+    get_ma_status,
+    storage_bytes,
+    tune_cpu_malloc,
+    MemorySampler,
+)
+
+_all_ = [
+    'active_tracker',
+    'TensorMemoryTracker',
+    'CudaBytes',
+    'MemorySnapshot',
+    'memory_snapshot',
+    'reset_peak_memory_stats',
+    'memory_status',
+    'M_TRIM_THRESHOLD',
+    'M_MMAP_THRESHOLD',
+    'see_memory_usage',
+    'MemoryStatus',
+    'get_ma_status',
+    'storage_bytes',
+    'tune_cpu_malloc',
+    'MemorySampler',
+]

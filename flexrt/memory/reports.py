@@ -13,122 +13,174 @@ from collections import deque
 from dataclasses import fields
 from .. import comm as dist
 from .tracker import TensorMemoryTracker
-from .stats import MemorySnapshot, memory_snapshot, reset_peak_memory_stats, memory_device, tensor_memory_stats
-from fastcore.basics import patch
+from flexrt.memory.stats import (
+    MemorySnapshot,
+    memory_snapshot,
+    reset_peak_memory_stats,
+    memory_device,
+    tensor_memory_stats,
+)
+
 _all_ = ['MemorySnapshot', 'memory_snapshot', 'reset_peak_memory_stats']
 
 # %% ../../nbs/25_memory_reports.ipynb #c023
-def _format_bytes(n:int)->str:
+def _format_bytes(n: int) -> str:
     "Bytes in the largest binary unit that keeps the number at least 1"
     for unit, size in (('TiB', 1 << 40), ('GiB', 1 << 30), ('MiB', 1 << 20), ('KiB', 1 << 10)):
-        if abs(n) >= size: return f'{n / size:.2f} {unit}'
+        if abs(n) >= size:
+            return f'{n / size:.2f} {unit}'
     return f'{n} B'
 
 # %% ../../nbs/25_memory_reports.ipynb #c026
-def _untracked(s:MemorySnapshot)->str:
+def _untracked(s: MemorySnapshot) -> str:
     "Why the tensor numbers of `s` are not measured"
-    if s.device.startswith('cuda'): return 'no tensors yet (CUDA not initialised in this process)'
+    if s.device.startswith('cuda'):
+        return 'no tensors yet (CUDA not initialised in this process)'
     return 'tensor bytes untracked (enable a TensorMemoryTracker)'
 
-def _usage_line(message:str, s:MemorySnapshot)->str:
+
+def _usage_line(message: str, s: MemorySnapshot) -> str:
     "One line: tensor memory (when measured), then process and system memory"
     f = _format_bytes
     if s.tracked:
-        tensors = (f'allocated {f(s.allocated_bytes)} | max allocated {f(s.max_allocated_bytes)} | '
-                   f'cached {f(s.reserved_bytes)} | max cached {f(s.max_reserved_bytes)}')
-    else: tensors = _untracked(s)
-    return (f'{message} | {s.device}: {tensors} | process RSS {f(s.process_rss_bytes)} | virtual '
-            f'{f(s.process_virtual_bytes)} | system used {f(s.system_used_bytes)} ({s.system_used_percent:.1f}%)')
+        tensors = (
+            f'allocated {f(s.allocated_bytes)} | max allocated {f(s.max_allocated_bytes)} | '
+            f'cached {f(s.reserved_bytes)} | max cached {f(s.max_reserved_bytes)}'
+        )
+    else:
+        tensors = _untracked(s)
+    return (
+        f'{message} | {s.device}: {tensors} | process RSS {f(s.process_rss_bytes)} | virtual '
+        f'{f(s.process_virtual_bytes)} | system used {f(s.system_used_bytes)} ({s.system_used_percent:.1f}%)'
+    )
 
 # %% ../../nbs/25_memory_reports.ipynb #c029
-def see_memory_usage(message:str, # what the program is doing, printed first
-                     force:bool=False, # report only when True (DeepSpeed's switch)
-                    ):
+def see_memory_usage(
+    message: str,  # what the program is doing, printed first
+    force: bool = False,  # report only when True (DeepSpeed's switch)
+):
     "When forced: print one memory line on rank 0, then reset the peaks on every rank"
-    if not force: return
+    if not force:
+        return
     gc.collect()
     snap = memory_snapshot()
-    if snap.rank == 0: print(_usage_line(message, snap), flush=True)
+    if snap.rank == 0:
+        print(_usage_line(message, snap), flush=True)
     reset_peak_memory_stats()
 
 # %% ../../nbs/25_memory_reports.ipynb #c032
-def _status_numbers(s:MemorySnapshot, previous_allocated:int, previous_reserved:int)->str:
+def _status_numbers(s: MemorySnapshot, previous_allocated: int, previous_reserved: int) -> str:
     "The allocated/cached part of a `MEMSTATS` line (or why it is not measured), and the RSS"
     f = _format_bytes
     rss = f'rss={f(s.process_rss_bytes)}'
-    if not s.tracked: return f'current alloc={_untracked(s)} {rss}'
-    return (f'current alloc={f(s.allocated_bytes)} (delta={f(s.allocated_bytes - previous_allocated)} '
-            f'max={f(s.max_allocated_bytes)}) current cache={f(s.reserved_bytes)} '
-            f'(delta={f(s.reserved_bytes - previous_reserved)} max={f(s.max_reserved_bytes)}) {rss}')
+    if not s.tracked:
+        return f'current alloc={_untracked(s)} {rss}'
+    return (
+        f'current alloc={f(s.allocated_bytes)} (delta={f(s.allocated_bytes - previous_allocated)} '
+        f'max={f(s.max_allocated_bytes)}) current cache={f(s.reserved_bytes)} '
+        f'(delta={f(s.reserved_bytes - previous_reserved)} max={f(s.max_reserved_bytes)}) {rss}'
+    )
 
 # %% ../../nbs/25_memory_reports.ipynb #c034
 class MemoryStatus:
     "Callable that prints DeepSpeed's `MEMSTATS` line with changes since its previous call"
-    def __init__(self): self.previous = {}  # device -> (allocated, reserved) at the previous call
 
-    def __call__(self, msg:str, # what the program is doing
-                 print_rank:int=-1, # the rank that prints; -1: every rank
-                 reset_max:bool=False, # reset the peaks before reading
-                ):
+    def __init__(self):
+        self.previous = {}  # device -> (allocated, reserved) at the previous call
+
+    def __call__(
+        self,
+        msg: str,  # what the program is doing
+        print_rank: int = -1,  # the rank that prints; -1: every rank
+        reset_max: bool = False,  # reset the peaks before reading
+    ):
         "Print one line on `print_rank` (every rank if -1)"
         if not isinstance(print_rank, int) or print_rank < -1:
             raise ValueError(f'print_rank must be a rank (an int >= 0) or -1 for every rank, not {print_rank!r}')
         rank = dist.get_rank()
-        if print_rank != -1 and rank != print_rank: return
-        if reset_max: reset_peak_memory_stats()
+        if print_rank != -1 and rank != print_rank:
+            return
+        if reset_max:
+            reset_peak_memory_stats()
         s = memory_snapshot()
         previous = self.previous.get(s.device, (0, 0))
         self.previous[s.device] = (s.allocated_bytes, s.reserved_bytes)
         print(f'RANK={rank} MEMSTATS {msg} device={s.device} {_status_numbers(s, *previous)}', flush=True)
 
+
 memory_status = MemoryStatus()
 
 # %% ../../nbs/25_memory_reports.ipynb #c037
-def get_ma_status()->int:
+def get_ma_status() -> int:
     "Bytes of live tensors on this device if this is rank 0, else 0"
-    if dist.get_rank() != 0: return 0
+    if dist.get_rank() != 0:
+        return 0
     allocated, *_, tracked = tensor_memory_stats(memory_device())
     if not tracked:
-        warnings.warn('get_ma_status: no TensorMemoryTracker is enabled, so CPU tensor bytes are not counted and '
-                      '0 is returned; enable one with TensorMemoryTracker().enable()', stacklevel=2)
+        warnings.warn(
+            'get_ma_status: no TensorMemoryTracker is enabled, so CPU tensor bytes are not counted and '
+            '0 is returned; enable one with TensorMemoryTracker().enable()',
+            stacklevel=2,
+        )
     return allocated
 
 # %% ../../nbs/25_memory_reports.ipynb #c040
-def storage_bytes(tensors, # tensors (None entries are skipped)
-                  seen:set)->int: # (data pointer, device) of storages already counted; updated
+def storage_bytes(
+    tensors,  # tensors (None entries are skipped)
+    seen: set,
+) -> int:  # (data pointer, device) of storages already counted; updated
     "Bytes of the storages behind `tensors` not yet in `seen`"
     total = 0
     for t in tensors:
-        if t is None: continue
+        if t is None:
+            continue
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.device)
-        if key in seen or storage.nbytes() == 0: continue
-        seen.add(key); total += storage.nbytes()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
     return total
 
 # %% ../../nbs/25_memory_reports.ipynb #7653e0b9
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameter numbers (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 
-def tune_cpu_malloc(mmap_threshold:int=32 << 20, # blocks below this many bytes come from the heap and are reused (glibc's maximum)
-                    trim_threshold:int=64 << 20)->bool: # free bytes the heap keeps at its top before giving them back
-    "Fix glibc's malloc thresholds so multi-MiB CPU tensors freed each step are reused, not mapped and faulted in anew; False where not applied"
+
+def tune_cpu_malloc(
+    mmap_threshold: int = 32 << 20,  # blocks below this many bytes come from the heap and are reused (glibc's maximum)
+    trim_threshold: int = 64 << 20,
+) -> bool:  # free bytes the heap keeps at its top before giving them back
+    """Fix glibc's malloc thresholds so multi-MiB CPU tensors freed each step are reused, not mapped and faulted in
+    anew; False where not applied"""
     tunables = os.environ.get('GLIBC_TUNABLES', '')
-    if any(k in os.environ for k in ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')) or 'threshold' in tunables: return False   # the user chose
-    if not sys.platform.startswith('linux'): return False
-    try: libc = ctypes.CDLL(None); libc.gnu_get_libc_version   # glibc only (musl has no mallopt thresholds)
-    except (OSError, AttributeError, TypeError): return False
-    return libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1 and libc.mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) == 1
+    if any(k in os.environ for k in ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_')) or 'threshold' in tunables:
+        return False  # the user chose
+    if not sys.platform.startswith('linux'):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc only (musl has no mallopt thresholds)
+    except (OSError, AttributeError, TypeError):
+        return False
+    return (
+        libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
+        and libc.mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) == 1
+    )
 
 # %% ../../nbs/25_memory_reports.ipynb #c043
 _samplers = weakref.WeakSet()  # every live sampler, so that a forked child can reset them
 
+
 class MemorySampler:
     "Sample `memory_snapshot()` on a background thread into a ring buffer"
-    def __init__(self, interval_ms:float=100, # time between samples, in milliseconds
-                 capacity:int=10_000, # number of newest snapshots kept
-                 device=None, # device to report on; None: the default device at each sample
-                 on_sample=None, # callable taking each new snapshot, on the sampler's thread; its error stops sampling
-                ):
+
+    def __init__(
+        self,
+        interval_ms: float = 100,  # time between samples, in milliseconds
+        capacity: int = 10_000,  # number of newest snapshots kept
+        device=None,  # device to report on; None: the default device at each sample
+        on_sample=None,  # callable taking each new snapshot, on the sampler's thread; its error stops sampling
+    ):
         if isinstance(interval_ms, bool) or not isinstance(interval_ms, (int, float)) or not interval_ms > 0:
             raise ValueError(f'interval_ms must be a positive number of milliseconds, not {interval_ms!r}')
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -141,101 +193,101 @@ class MemorySampler:
         self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
         _samplers.add(self)
 
-# %% ../../nbs/25_memory_reports.ipynb #c045
-@patch(as_prop=True)
-def running(self:MemorySampler)->bool:
-    "Whether the sampling thread is alive"
-    return self._thread is not None and self._thread.is_alive()
+    @property
+    def running(self) -> bool:
+        "Whether the sampling thread is alive"
+        return self._thread is not None and self._thread.is_alive()
 
-@patch
-def __len__(self:MemorySampler):
-    return len(self._buffer)
+    def __len__(self):
+        return len(self._buffer)
 
-@patch
-def __repr__(self:MemorySampler):
-    return (f'MemorySampler(interval_ms={self.interval_ms}, capacity={self.capacity}, '
-            f'device={self.device!r}, running={self.running}, kept={len(self)})')
+    def __repr__(self):
+        return (
+            f'MemorySampler(interval_ms={self.interval_ms}, capacity={self.capacity}, '
+            f'device={self.device!r}, running={self.running}, kept={len(self)})'
+        )
 
-# %% ../../nbs/25_memory_reports.ipynb #c047
-@patch
-def _sample(self:MemorySampler):
-    "Take one snapshot into the buffer, and hand it to `on_sample`"
-    snapshot = memory_snapshot(self.device)
-    with self._lock:
-        self._buffer.append(snapshot)
-        self.num_samples += 1
-    if self.on_sample is not None: self.on_sample(snapshot)
+    def _sample(self):
+        "Take one snapshot into the buffer, and hand it to `on_sample`"
+        snapshot = memory_snapshot(self.device)
+        with self._lock:
+            self._buffer.append(snapshot)
+            self.num_samples += 1
+        if self.on_sample is not None:
+            self.on_sample(snapshot)
 
-@patch
-def _run(self:MemorySampler, stop:threading.Event):
-    "The thread's loop: sample, then wait one interval or until stopped; keep an error for stop() to raise"
-    interval = self.interval_ms / 1000
-    try:
-        while True:
-            self._sample()
-            if stop.wait(interval): return
-    except Exception as e: self._error = e
+    def _run(self, stop: threading.Event):
+        "The thread's loop: sample, then wait one interval or until stopped; keep an error for stop() to raise"
+        interval = self.interval_ms / 1000
+        try:
+            while True:
+                self._sample()
+                if stop.wait(interval):
+                    return
+        except Exception as e:
+            self._error = e
 
-# %% ../../nbs/25_memory_reports.ipynb #c050
-@patch
-def start(self:MemorySampler)->MemorySampler:
-    "Start sampling; returns the sampler"
-    if self.running: raise RuntimeError('this MemorySampler is already running; stop() it first')
-    self._stop_event = threading.Event()
-    self._thread = threading.Thread(target=self._run, args=(self._stop_event,), daemon=True,
-                                    name=f'flexrt-memory-sampler-{os.getpid()}-{id(self):x}')
-    self._thread.start()
-    return self
+    def start(self) -> 'MemorySampler':
+        "Start sampling; returns the sampler"
+        if self.running:
+            raise RuntimeError('this MemorySampler is already running; stop() it first')
+        self._stop_event = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(self._stop_event,),
+            daemon=True,
+            name=f'flexrt-memory-sampler-{os.getpid()}-{id(self):x}',
+        )
+        self._thread.start()
+        return self
 
-@patch
-def stop(self:MemorySampler):
-    "Stop sampling and wait for the thread to end; take a last snapshot"
-    if self._thread is None: return
-    self._stop_event.set()
-    self._thread.join()
-    self._thread, error, self._error = None, self._error, None
-    if error is not None: raise RuntimeError(f'the memory sampler thread failed: {error!r}') from error
-    self._sample()
+    def stop(self):
+        "Stop sampling and wait for the thread to end; take a last snapshot"
+        if self._thread is None:
+            return
+        self._stop_event.set()
+        self._thread.join()
+        self._thread, error, self._error = None, self._error, None
+        if error is not None:
+            raise RuntimeError(f'the memory sampler thread failed: {error!r}') from error
+        self._sample()
 
-# %% ../../nbs/25_memory_reports.ipynb #c053
-@patch
-def __exit__(self:MemorySampler, exc_type, exc, traceback):
-    "Stop sampling; an exception already propagating keeps propagating, with a sampler error noted on it"
-    if exc is None: return self.stop()
-    try: self.stop()
-    except Exception as error:
-        note = f'while handling this exception, the MemorySampler failed too: {error}'
-        exc.add_note(note)
-        warnings.warn(note, RuntimeWarning, stacklevel=2)
+    def __exit__(self, exc_type, exc, traceback):
+        "Stop sampling; an exception already propagating keeps propagating, with a sampler error noted on it"
+        if exc is None:
+            return self.stop()
+        try:
+            self.stop()
+        except Exception as error:
+            note = f'while handling this exception, the MemorySampler failed too: {error}'
+            exc.add_note(note)
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
 
-@patch
-def __enter__(self:MemorySampler):
-    return self.start()
+    def __enter__(self):
+        return self.start()
 
-# %% ../../nbs/25_memory_reports.ipynb #c056
-@patch
-def snapshots(self:MemorySampler)->list:
-    "The kept snapshots, oldest first"
-    with self._lock: return list(self._buffer)
+    def snapshots(self) -> list:
+        "The kept snapshots, oldest first"
+        with self._lock:
+            return list(self._buffer)
 
-@patch
-def to_dataframe(self:MemorySampler):
-    "The kept snapshots as a pandas DataFrame, one row each"
-    import pandas as pd
-    columns = [f.name for f in fields(MemorySnapshot)]
-    df = pd.DataFrame.from_records([vars(s) for s in self.snapshots()], columns=columns)
-    df['elapsed_s'] = df['timestamp'] - (df['timestamp'].iloc[0] if len(df) else 0.0)
-    return df
+    def to_dataframe(self):
+        "The kept snapshots as a pandas DataFrame, one row each"
+        import pandas as pd
 
-@patch
-def clear(self:MemorySampler):
-    "Drop the kept snapshots"
-    with self._lock: self._buffer.clear()
+        columns = [f.name for f in fields(MemorySnapshot)]
+        df = pd.DataFrame.from_records([vars(s) for s in self.snapshots()], columns=columns)
+        df['elapsed_s'] = df['timestamp'] - (df['timestamp'].iloc[0] if len(df) else 0.0)
+        return df
+
+    def clear(self):
+        "Drop the kept snapshots"
+        with self._lock:
+            self._buffer.clear()
+
+    def _after_fork(self):
+        "In a forked child: no thread, fresh locks"
+        self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
 
 # %% ../../nbs/25_memory_reports.ipynb #c061
-@patch
-def _after_fork(self:MemorySampler):
-    "In a forked child: no thread, fresh locks"
-    self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
-
 os.register_at_fork(after_in_child=lambda: [s._after_fork() for s in list(_samplers)])

@@ -14,9 +14,10 @@ from .. import comm as dist
 from .tracker import active_tracker
 
 # %% ../../nbs/25_memory_stats.ipynb #c005
-def memory_device(device=None)->torch.device:
+def memory_device(device=None) -> torch.device:
     "The device whose tensor memory is reported: `device`, else the current CUDA device if CUDA is in use, else the CPU"
-    if device is None: device = 'cuda' if torch.cuda.is_initialized() else 'cpu'
+    if device is None:
+        device = 'cuda' if torch.cuda.is_initialized() else 'cpu'
     device = torch.device(device)
     if device.type not in ('cpu', 'cuda'):
         raise ValueError(f"memory reports cover 'cpu' and 'cuda' devices, not {str(device)!r}")
@@ -25,30 +26,40 @@ def memory_device(device=None)->torch.device:
     return device
 
 # %% ../../nbs/25_memory_stats.ipynb #c007
-def tensor_memory_stats(device:torch.device)->tuple: # allocated, max allocated, reserved, max reserved, tracked
+def tensor_memory_stats(device: torch.device) -> tuple:  # allocated, max allocated, reserved, max reserved, tracked
     "Tensor memory of `device` from the CUDA allocator or the enabled CPU tracker"
     if device.type == 'cuda':
-        if not torch.cuda.is_initialized(): return 0, 0, 0, 0, False  # never used here: nothing to read
-        return (torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
-                torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device), True)
+        if not torch.cuda.is_initialized():
+            return 0, 0, 0, 0, False  # never used here: nothing to read
+        return (
+            torch.cuda.memory_allocated(device),
+            torch.cuda.max_memory_allocated(device),
+            torch.cuda.memory_reserved(device),
+            torch.cuda.max_memory_reserved(device),
+            True,
+        )
     tracker = active_tracker()
-    if tracker is None: return 0, 0, 0, 0, False
+    if tracker is None:
+        return 0, 0, 0, 0, False
     allocated = tracker.allocated_bytes
     peak = max(allocated, tracker.peak_bytes)
     return allocated, peak, allocated, peak, True
 
 # %% ../../nbs/25_memory_stats.ipynb #c009
 @functools.cache
-def _cpu_name()->str:
+def _cpu_name() -> str:
     "The CPU model, from /proc/cpuinfo where there is one"
     try:
         with open('/proc/cpuinfo') as f:
             for line in f:
-                if line.startswith('model name'): return line.split(':', 1)[1].strip()
-    except OSError: pass
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or platform.machine()
 
-def _device_name(device:torch.device)->str:
+
+def _device_name(device: torch.device) -> str:
     "A readable name for `device`, without initialising CUDA"
     if device.type == 'cuda':
         return torch.cuda.get_device_name(device) if torch.cuda.is_initialized() else 'CUDA (not initialised yet)'
@@ -58,87 +69,124 @@ def _device_name(device:torch.device)->str:
 @dataclass(frozen=True)
 class MemorySnapshot:
     "Memory of one process at one moment; byte counts are ints"
-    timestamp: float # seconds since the epoch (`time.time()`)
-    rank: int # global rank (0 without a process group)
-    device: str # the device the tensor numbers describe, e.g. 'cuda:0' or 'cpu'
-    device_name: str # GPU or CPU model
-    allocated_bytes: int # bytes of live tensors on `device`
-    max_allocated_bytes: int # peak of `allocated_bytes` since the last peak reset
-    reserved_bytes: int # bytes the allocator holds ("cached"); on CPU equal to `allocated_bytes`
-    max_reserved_bytes: int # peak of `reserved_bytes` since the last peak reset
-    tracked: bool # False when the four tensor numbers are not measured (then 0): CPU without a TensorMemoryTracker, CUDA not initialised
-    process_rss_bytes: int # resident set size of this process
-    process_virtual_bytes: int # virtual memory size of this process
-    system_used_bytes: int # memory in use on the machine (total - available)
-    system_total_bytes: int # physical memory of the machine
-    system_used_percent: float # `system_used_bytes` as a percentage of the total
+
+    timestamp: float  # seconds since the epoch (`time.time()`)
+    rank: int  # global rank (0 without a process group)
+    device: str  # the device the tensor numbers describe, e.g. 'cuda:0' or 'cpu'
+    device_name: str  # GPU or CPU model
+    allocated_bytes: int  # bytes of live tensors on `device`
+    max_allocated_bytes: int  # peak of `allocated_bytes` since the last peak reset
+    reserved_bytes: int  # bytes the allocator holds ("cached"); on CPU equal to `allocated_bytes`
+    max_reserved_bytes: int  # peak of `reserved_bytes` since the last peak reset
+    # False when the four tensor numbers are not measured (then 0): CPU without a TensorMemoryTracker, CUDA not
+    # initialised
+    tracked: bool
+    process_rss_bytes: int  # resident set size of this process
+    process_virtual_bytes: int  # virtual memory size of this process
+    system_used_bytes: int  # memory in use on the machine (total - available)
+    system_total_bytes: int  # physical memory of the machine
+    system_used_percent: float  # `system_used_bytes` as a percentage of the total
 
 # %% ../../nbs/25_memory_stats.ipynb #c015
-_PROCESS, _SYSTEM = {}, [0., None]   # {pid: its /proc statm descriptor, or psutil's process}
-_LAST_PROCESS = [0., None, None]   # (monotonic time, pid, _ProcessMemory) of the last read
+_PROCESS, _SYSTEM = {}, [0.0, None]  # {pid: its /proc statm descriptor, or psutil's process}
+_LAST_PROCESS = [0.0, None, None]  # (monotonic time, pid, _ProcessMemory) of the last read
 _PAGE = os.sysconf('SC_PAGE_SIZE') if hasattr(os, 'sysconf') else 4096
 _ProcessMemory = collections.namedtuple('_ProcessMemory', 'rss vms')
+
 
 def _forget_process_handle():
     "In a forked child: the inherited descriptor reads the parent's numbers; close it (the child opens its own)"
     for handle in _PROCESS.values():
         if isinstance(handle, int):
-            try: os.close(handle)
-            except OSError: pass
+            try:
+                os.close(handle)
+            except OSError:
+                pass
     _PROCESS.clear()
 
-if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_forget_process_handle)
 
-def _process_memory(max_age:float=0.)->_ProcessMemory:
-    "This process's resident and virtual bytes (psutil's `memory_info()` numbers), read now or up to `max_age` seconds ago; on Linux its statm file is kept open (opening it cost ~30 µs a step record)"
+if hasattr(os, 'register_at_fork'):
+    os.register_at_fork(after_in_child=_forget_process_handle)
+
+
+def _process_memory(max_age: float = 0.0) -> _ProcessMemory:
+    """This process's resident and virtual bytes (psutil's `memory_info()` numbers), read now or up to `max_age` seconds
+    ago; on Linux its statm file is kept open (opening it cost ~30 µs a step record)"""
     pid, now = os.getpid(), time.monotonic()
     at, read_by, last = _LAST_PROCESS
-    if max_age > 0 and read_by == pid and now - at <= max_age: return last
+    if max_age > 0 and read_by == pid and now - at <= max_age:
+        return last
     _LAST_PROCESS[:] = now, pid, _read_process_memory(pid)
     return _LAST_PROCESS[2]
 
-def _read_process_memory(pid:int)->_ProcessMemory:
+
+def _read_process_memory(pid: int) -> _ProcessMemory:
     handle = _PROCESS.get(pid)
     if handle is None:
-        try: opened = os.open(f'/proc/{pid}/statm', os.O_RDONLY | getattr(os, 'O_CLOEXEC', 0))
-        except OSError: opened = psutil.Process(pid)
+        try:
+            opened = os.open(f'/proc/{pid}/statm', os.O_RDONLY | getattr(os, 'O_CLOEXEC', 0))
+        except OSError:
+            opened = psutil.Process(pid)
         handle = _PROCESS.setdefault(pid, opened)
-        if handle is not opened and isinstance(opened, int): os.close(opened)   # another thread opened it first
-    if not isinstance(handle, int): m = handle.memory_info(); return _ProcessMemory(m.rss, m.vms)
+        if handle is not opened and isinstance(opened, int):
+            os.close(opened)  # another thread opened it first
+    if not isinstance(handle, int):
+        m = handle.memory_info()
+        return _ProcessMemory(m.rss, m.vms)
     size, resident = os.pread(handle, 128, 0).split()[:2]
     return _ProcessMemory(int(resident) * _PAGE, int(size) * _PAGE)
 
-def _system_memory(max_age:float=0.2):
+
+def _system_memory(max_age: float = 0.2):
     "`psutil.virtual_memory()`, read again once it is older than `max_age` seconds"
     now = time.monotonic()
-    if _SYSTEM[1] is None or now - _SYSTEM[0] > max_age: _SYSTEM[:] = now, psutil.virtual_memory()
+    if _SYSTEM[1] is None or now - _SYSTEM[0] > max_age:
+        _SYSTEM[:] = now, psutil.virtual_memory()
     return _SYSTEM[1]
 
 # %% ../../nbs/25_memory_stats.ipynb #c016
-def memory_record(device=None, # device to report on; default: the current CUDA device once CUDA is initialised, else the CPU
-                  rank:int|None=None, # this process's global rank, when the caller knows it (else asked)
-                  max_age:float=0., # the process's resident and virtual bytes may be this many seconds old (a step record's: 0.1)
-                 )->dict: # `MemorySnapshot`'s fields
+def memory_record(
+    device=None,  # device to report on; default: the current CUDA device once CUDA is initialised, else the CPU
+    rank: int | None = None,  # this process's global rank, when the caller knows it (else asked)
+    # the process's resident and virtual bytes may be this many seconds old (a step record's: 0.1)
+    max_age: float = 0.0,
+) -> dict:  # `MemorySnapshot`'s fields
     "What `memory_snapshot` reads, as a dict of its fields: the `memory` of every step record (~15 µs a step)"
     device = memory_device(device)
     allocated, max_allocated, reserved, max_reserved, tracked = tensor_memory_stats(device)
     process, system = _process_memory(max_age), _system_memory()
-    return dict(timestamp=time.time(), rank=dist.get_rank() if rank is None else rank, device=str(device),
-                device_name=_device_name(device), allocated_bytes=allocated, max_allocated_bytes=max_allocated,
-                reserved_bytes=reserved, max_reserved_bytes=max_reserved, tracked=tracked, process_rss_bytes=process.rss,
-                process_virtual_bytes=process.vms, system_used_bytes=system.total - system.available,
-                system_total_bytes=system.total, system_used_percent=system.percent)
+    return dict(
+        timestamp=time.time(),
+        rank=dist.get_rank() if rank is None else rank,
+        device=str(device),
+        device_name=_device_name(device),
+        allocated_bytes=allocated,
+        max_allocated_bytes=max_allocated,
+        reserved_bytes=reserved,
+        max_reserved_bytes=max_reserved,
+        tracked=tracked,
+        process_rss_bytes=process.rss,
+        process_virtual_bytes=process.vms,
+        system_used_bytes=system.total - system.available,
+        system_total_bytes=system.total,
+        system_used_percent=system.percent,
+    )
 
-def memory_snapshot(device=None, # device to report on; default: the current CUDA device once CUDA is initialised, else the CPU
-                   )->MemorySnapshot:
+
+def memory_snapshot(
+    device=None,  # device to report on; default: the current CUDA device once CUDA is initialised, else the CPU
+) -> MemorySnapshot:
     "Read this process's tensor, process and system memory now"
     return MemorySnapshot(**memory_record(device))
 
 # %% ../../nbs/25_memory_stats.ipynb #c020
-def reset_peak_memory_stats(device=None, # device whose peaks to reset; default as in `memory_snapshot`
-                           ):
+def reset_peak_memory_stats(
+    device=None,  # device whose peaks to reset; default as in `memory_snapshot`
+):
     "Set the peak allocated/cached numbers back to the current ones"
     device = memory_device(device)
-    if device.type == 'cuda' and torch.cuda.is_initialized(): torch.cuda.reset_peak_memory_stats(device)
+    if device.type == 'cuda' and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats(device)
     tracker = active_tracker()
-    if tracker is not None: tracker.reset_peak()
+    if tracker is not None:
+        tracker.reset_peak()

@@ -15,210 +15,232 @@ from fastcore.basics import patch
 # %% ../../nbs/25_memory_tracker.ipynb #c006
 class _StorageRef(weakref.ref):
     "A weak reference to a storage that remembers its key and its size in bytes when it was last counted"
+
     __slots__ = ('key', 'nbytes')
 
 # %% ../../nbs/25_memory_tracker.ipynb #c009
 _active: 'TensorMemoryTracker|None' = None  # the enabled tracker, owned by whoever called enable()
 
-def active_tracker()->'TensorMemoryTracker|None':
+
+def active_tracker() -> 'TensorMemoryTracker|None':
     "The enabled `TensorMemoryTracker`, or None"
     return _active
 
+
 class TensorMemoryTracker:
     "Count the bytes of live CPU tensor storages, exactly, while enabled"
-    def __init__(self,
-                 count_existing:bool=True, # at enable, also count tensors that already exist (found via `gc`)
-                ):
+
+    def __init__(
+        self,
+        count_existing: bool = True,  # at enable, also count tensors that already exist (found via `gc`)
+    ):
         self.count_existing = count_existing
         self._lock, self._mode, self._thread = threading.RLock(), None, None
         self._live, self._pending = {}, deque()  # key -> _StorageRef of each counted storage; refs of freed ones
         self._allocated = self._peak = 0
 
-# %% ../../nbs/25_memory_tracker.ipynb #c012
-@patch
-def _register(self:TensorMemoryTracker, storage, key:int, nbytes:int):
-    "Start counting a storage not counted yet"
-    ref = _StorageRef(storage, self._pending.append)
-    ref.key, ref.nbytes = key, 0
-    with self._lock:
-        self._drain()
-        self._live[key] = ref
-        self._count(ref, nbytes)
+    def _register(self, storage, key: int, nbytes: int):
+        "Start counting a storage not counted yet"
+        ref = _StorageRef(storage, self._pending.append)
+        ref.key, ref.nbytes = key, 0
+        with self._lock:
+            self._drain()
+            self._live[key] = ref
+            self._count(ref, nbytes)
 
-@patch
-def _count(self:TensorMemoryTracker, ref:_StorageRef, delta:int):
-    "Add `delta` bytes to `ref`'s storage and to the total; raise the peak"
-    with self._lock:
-        ref.nbytes += delta
-        self._allocated += delta
-        if self._allocated > self._peak: self._peak = self._allocated
+    def _count(self, ref: _StorageRef, delta: int):
+        "Add `delta` bytes to `ref`'s storage and to the total; raise the peak"
+        with self._lock:
+            ref.nbytes += delta
+            self._allocated += delta
+            if self._allocated > self._peak:
+                self._peak = self._allocated
 
-# %% ../../nbs/25_memory_tracker.ipynb #c014
-@patch
-def _drain(self:TensorMemoryTracker):
-    "Subtract the storages freed since the last drain"
-    with self._lock:
-        while self._pending:
-            ref = self._pending.popleft()
-            if self._live.get(ref.key) is ref:
-                del self._live[ref.key]
-                self._allocated -= ref.nbytes
+    def _drain(self):
+        "Subtract the storages freed since the last drain"
+        with self._lock:
+            while self._pending:
+                ref = self._pending.popleft()
+                if self._live.get(ref.key) is ref:
+                    del self._live[ref.key]
+                    self._allocated -= ref.nbytes
 
-# %% ../../nbs/25_memory_tracker.ipynb #c017
-@patch
-def _add(self:TensorMemoryTracker, t:torch.Tensor):
-    "Count `t`'s memory: its storage, or the tensors it is made of"
-    if t.layout is not torch.strided or (type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t)):
-        for part in _parts(t): self._add(part)
-        return
-    try: storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError): return  # e.g. mkldnn tensors have no storage
-    key, nbytes = storage._cdata, storage.nbytes()
-    ref = self._live.get(key)
-    if ref is not None and ref() is storage:
-        if ref.nbytes != nbytes: self._count(ref, nbytes - ref.nbytes)
-        return
-    if storage.device.type != 'cpu' or (type(t) is not torch.Tensor and not _has_data(storage)): return
-    self._register(storage, key, nbytes)
+    def _add(self, t: torch.Tensor):
+        "Count `t`'s memory: its storage, or the tensors it is made of"
+        if t.layout is not torch.strided or (type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t)):
+            for part in _parts(t):
+                self._add(part)
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return  # e.g. mkldnn tensors have no storage
+        key, nbytes = storage._cdata, storage.nbytes()
+        ref = self._live.get(key)
+        if ref is not None and ref() is storage:
+            if ref.nbytes != nbytes:
+                self._count(ref, nbytes - ref.nbytes)
+            return
+        if storage.device.type != 'cpu' or (type(t) is not torch.Tensor and not _has_data(storage)):
+            return
+        self._register(storage, key, nbytes)
+
+    def _observe(self, out):
+        "Count every tensor in an operator's output"
+        if isinstance(out, torch.Tensor):
+            self._add(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                self._observe(o)
+
+    def _count_existing(self):
+        "Count tensors that already exist and that Python can see, and their gradients"
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor):
+                self._add(obj)
+                if obj.is_leaf and obj.requires_grad and obj.grad is not None:
+                    self._add(obj.grad)
+
+    def enable(self) -> 'TensorMemoryTracker':
+        "Start counting on this thread; returns the tracker"
+        global _active
+        if self.enabled:
+            raise RuntimeError('this TensorMemoryTracker is already enabled')
+        if _active is not None:
+            raise RuntimeError(
+                'another TensorMemoryTracker is enabled in this process: use active_tracker(), or disable it first'
+            )
+        with self._lock:
+            self._live, self._pending, self._allocated, self._peak = {}, deque(), 0, 0
+        if self.count_existing:
+            self._count_existing()
+        self._mode, self._thread, _active = _TrackingMode(self), threading.get_ident(), self
+        self._mode.__enter__()
+        return self
+
+    @property
+    def enabled(self):
+        "Whether the tracker is counting"
+        return self._mode is not None
+
+    def disable(self):
+        "Stop counting; the counts keep their last values"
+        global _active
+        if not self.enabled:
+            return
+        if threading.get_ident() != self._thread:
+            raise RuntimeError('disable() must run on the thread that called enable(): dispatch modes are thread-local')
+        if _get_current_dispatch_mode() is not self._mode:
+            raise RuntimeError(
+                'a dispatch mode entered after enable() is still active: exit it before disabling the tracker'
+            )
+        self._mode.__exit__(None, None, None)
+        with self._lock:
+            self._drain()
+            self._live, self._mode, self._thread = {}, None, None
+        _active = None
+
+    def __enter__(self):
+        return self.enable()
+
+    def __exit__(self, *exc):
+        return self.disable()
+
+    @property
+    def allocated_bytes(self) -> int:
+        "Bytes of live CPU tensor storages counted by this tracker"
+        with self._lock:
+            self._drain()
+            return self._allocated
+
+    @property
+    def peak_bytes(self) -> int:
+        "Highest `allocated_bytes` since enable() or the last reset_peak()"
+        with self._lock:
+            return self._peak
+
+    @property
+    def num_storages(self) -> int:
+        "Number of live storages counted"
+        with self._lock:
+            self._drain()
+            return len(self._live)
+
+    def reset_peak(self):
+        "Set the peak to the current count"
+        with self._lock:
+            self._drain()
+            self._peak = self._allocated
+
+    def __repr__(self):
+        return (
+            f"TensorMemoryTracker({'enabled' if self.enabled else 'disabled'}, "
+            f'allocated={self.allocated_bytes:,} B, peak={self.peak_bytes:,} B)'
+        )
 
 # %% ../../nbs/25_memory_tracker.ipynb #c020
-_SPARSE_PARTS = {torch.sparse_coo: ('_indices', '_values'),
-                 torch.sparse_csr: ('crow_indices', 'col_indices', 'values'),
-                 torch.sparse_bsr: ('crow_indices', 'col_indices', 'values'),
-                 torch.sparse_csc: ('ccol_indices', 'row_indices', 'values'),
-                 torch.sparse_bsc: ('ccol_indices', 'row_indices', 'values')}
+_SPARSE_PARTS = {
+    torch.sparse_coo: ('_indices', '_values'),
+    torch.sparse_csr: ('crow_indices', 'col_indices', 'values'),
+    torch.sparse_bsr: ('crow_indices', 'col_indices', 'values'),
+    torch.sparse_csc: ('ccol_indices', 'row_indices', 'values'),
+    torch.sparse_bsc: ('ccol_indices', 'row_indices', 'values'),
+}
 
-def _parts(t:torch.Tensor)->list:
+
+def _parts(t: torch.Tensor) -> list:
     "The tensors a sparse tensor or a traceable wrapper subclass is made of"
-    if t.layout in _SPARSE_PARTS: return [getattr(t, name)() for name in _SPARSE_PARTS[t.layout]]
-    if is_traceable_wrapper_subclass(t): return [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+    if t.layout in _SPARSE_PARTS:
+        return [getattr(t, name)() for name in _SPARSE_PARTS[t.layout]]
+    if is_traceable_wrapper_subclass(t):
+        return [getattr(t, name) for name in t.__tensor_flatten__()[0]]
     return []
 
-def _has_data(storage)->bool:
-    "False for the placeholder storage of a wrapper subclass"
-    try: storage.data_ptr()
-    except RuntimeError: return False
-    return True
 
-# %% ../../nbs/25_memory_tracker.ipynb #c023
-@patch
-def _observe(self:TensorMemoryTracker, out):
-    "Count every tensor in an operator's output"
-    if isinstance(out, torch.Tensor): self._add(out)
-    elif isinstance(out, (tuple, list)):
-        for o in out: self._observe(o)
+def _has_data(storage) -> bool:
+    "False for the placeholder storage of a wrapper subclass"
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 # %% ../../nbs/25_memory_tracker.ipynb #c026
 class _TrackingMode(TorchDispatchMode):
     "Dispatch mode that shows every operator's output tensors to a tracker"
-    def __init__(self, tracker): super().__init__(); self.tracker = tracker
+
+    def __init__(self, tracker):
+        super().__init__()
+        self.tracker = tracker
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.tracker._observe(out)
         return out
 
-# %% ../../nbs/25_memory_tracker.ipynb #c029
-@patch
-def _count_existing(self:TensorMemoryTracker):
-    "Count tensors that already exist and that Python can see, and their gradients"
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor):
-            self._add(obj)
-            if obj.is_leaf and obj.requires_grad and obj.grad is not None: self._add(obj.grad)
-
-# %% ../../nbs/25_memory_tracker.ipynb #c032
-@patch
-def enable(self:TensorMemoryTracker)->TensorMemoryTracker:
-    "Start counting on this thread; returns the tracker"
-    global _active
-    if self.enabled: raise RuntimeError('this TensorMemoryTracker is already enabled')
-    if _active is not None:
-        raise RuntimeError('another TensorMemoryTracker is enabled in this process: use active_tracker(), '
-                           'or disable it first')
-    with self._lock:
-        self._live, self._pending, self._allocated, self._peak = {}, deque(), 0, 0
-    if self.count_existing: self._count_existing()
-    self._mode, self._thread, _active = _TrackingMode(self), threading.get_ident(), self
-    self._mode.__enter__()
-    return self
-
-@patch(as_prop=True)
-def enabled(self:TensorMemoryTracker):
-    "Whether the tracker is counting"
-    return self._mode is not None
-
-# %% ../../nbs/25_memory_tracker.ipynb #c035
-@patch
-def disable(self:TensorMemoryTracker):
-    "Stop counting; the counts keep their last values"
-    global _active
-    if not self.enabled: return
-    if threading.get_ident() != self._thread:
-        raise RuntimeError('disable() must run on the thread that called enable(): dispatch modes are thread-local')
-    if _get_current_dispatch_mode() is not self._mode:
-        raise RuntimeError('a dispatch mode entered after enable() is still active: exit it before disabling '
-                           'the tracker')
-    self._mode.__exit__(None, None, None)
-    with self._lock:
-        self._drain()
-        self._live, self._mode, self._thread = {}, None, None
-    _active = None
-
-@patch
-def __enter__(self:TensorMemoryTracker):
-    return self.enable()
-
-@patch
-def __exit__(self:TensorMemoryTracker, *exc):
-    return self.disable()
-
-# %% ../../nbs/25_memory_tracker.ipynb #c038
-@patch(as_prop=True)
-def allocated_bytes(self:TensorMemoryTracker)->int:
-    "Bytes of live CPU tensor storages counted by this tracker"
-    with self._lock:
-        self._drain()
-        return self._allocated
-
-@patch(as_prop=True)
-def peak_bytes(self:TensorMemoryTracker)->int:
-    "Highest `allocated_bytes` since enable() or the last reset_peak()"
-    with self._lock: return self._peak
-
-# %% ../../nbs/25_memory_tracker.ipynb #c040
-@patch(as_prop=True)
-def num_storages(self:TensorMemoryTracker)->int:
-    "Number of live storages counted"
-    with self._lock:
-        self._drain()
-        return len(self._live)
-
-@patch
-def reset_peak(self:TensorMemoryTracker):
-    "Set the peak to the current count"
-    with self._lock:
-        self._drain()
-        self._peak = self._allocated
-
-@patch
-def __repr__(self:TensorMemoryTracker):
-    return (f"TensorMemoryTracker({'enabled' if self.enabled else 'disabled'}, "
-            f'allocated={self.allocated_bytes:,} B, peak={self.peak_bytes:,} B)')
-
 # %% ../../nbs/25_memory_tracker.ipynb #c055
 def _renew_lock_after_fork():
     "In a forked child: give the enabled tracker a lock no other thread can hold"
-    if _active is not None: _active._lock = threading.RLock()
+    if _active is not None:
+        _active._lock = threading.RLock()
+
 
 os.register_at_fork(after_in_child=_renew_lock_after_fork)
 
 # %% ../../nbs/25_memory_tracker.ipynb #w3b30f7
 class CudaBytes:
     "The CUDA caching allocator's counts of `device` in `TensorMemoryTracker`'s terms (nothing to enable)"
-    def __init__(self, device=None): # default: the current CUDA device
+
+    def __init__(self, device=None):  # default: the current CUDA device
         self.device = torch.device('cuda', torch.cuda.current_device()) if device is None else torch.device(device)
+
     @property
-    def allocated_bytes(self)->int: return torch.cuda.memory_allocated(self.device)
+    def allocated_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
     @property
-    def peak_bytes(self)->int: return torch.cuda.max_memory_allocated(self.device)
-    def reset_peak(self): torch.cuda.reset_peak_memory_stats(self.device)
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self):
+        torch.cuda.reset_peak_memory_stats(self.device)

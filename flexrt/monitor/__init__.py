@@ -9,11 +9,63 @@ __all__ = ['listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'lo
            'flush', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
 
 # %% ../../nbs/30_monitor.ipynb #c003
-from .events import (listening, add_listener, remove_listener, emit, listen, log, emit_snapshot,
-                                   sample_memory, deliver, WATCHED_VARIABLE, hold_watch, release_watch, watched, console)
-from .channel import (ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE, lower_thread_priority, Hub,
-                                    serve, stop_serving, ranks_connected)
+from flexrt.monitor.events import (
+    listening,
+    add_listener,
+    remove_listener,
+    emit,
+    listen,
+    log,
+    emit_snapshot,
+    sample_memory,
+    deliver,
+    WATCHED_VARIABLE,
+    hold_watch,
+    release_watch,
+    watched,
+    console,
+)
+from flexrt.monitor.channel import (
+    ADDRESS_VARIABLE,
+    KEY_VARIABLE,
+    OWNER_VARIABLE,
+    lower_thread_priority,
+    Hub,
+    serve,
+    stop_serving,
+    ranks_connected,
+)
 from .forwarder import Forwarder, flush
 from .sinks import JSONLSink, CSVSink, TensorBoardSink, follow
 from . import events, wire, channel, forwarder, sinks, ds_sinks
-_all_ = ['listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'log', 'emit_snapshot', 'sample_memory', 'deliver', 'WATCHED_VARIABLE', 'hold_watch', 'release_watch', 'watched', 'console', 'ADDRESS_VARIABLE', 'KEY_VARIABLE', 'OWNER_VARIABLE', 'lower_thread_priority', 'Hub', 'serve', 'stop_serving', 'ranks_connected', 'Forwarder', 'flush', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
+
+_all_ = [
+    'listening',
+    'add_listener',
+    'remove_listener',
+    'emit',
+    'listen',
+    'log',
+    'emit_snapshot',
+    'sample_memory',
+    'deliver',
+    'WATCHED_VARIABLE',
+    'hold_watch',
+    'release_watch',
+    'watched',
+    'console',
+    'ADDRESS_VARIABLE',
+    'KEY_VARIABLE',
+    'OWNER_VARIABLE',
+    'lower_thread_priority',
+    'Hub',
+    'serve',
+    'stop_serving',
+    'ranks_connected',
+    'Forwarder',
+    'flush',
+    'JSONLSink',
+    'CSVSink',
+    'TensorBoardSink',
+    'follow',
+]

@@ -5,7 +5,6 @@
 # %% ../../nbs/30_monitor_channel.ipynb #c003
 from __future__ import annotations
 import collections, gc, json, os, secrets, selectors, socket, sys, threading, time, warnings
-from fastcore.basics import patch
 from .events import deliver
 from .wire import MAX_MESSAGE_BYTES, MalformedMessage, frame, answer, parse_message, check_records
 
@@ -14,224 +13,294 @@ __all__ = ['ADDRESS_VARIABLE', 'KEY_VARIABLE', 'OWNER_VARIABLE', 'lower_thread_p
            'ranks_connected', 'forget_hub']
 
 # %% ../../nbs/30_monitor_channel.ipynb #c006
-def lower_thread_priority(niceness:int=19)->bool: # False where threads have no priority of their own
+def lower_thread_priority(niceness: int = 19) -> bool:  # False where threads have no priority of their own
     "Make the calling thread (only it) yield the CPU to the process's other threads; Linux only"
-    if not sys.platform.startswith('linux'): return False
-    try: os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except OSError: return False
+    if not sys.platform.startswith('linux'):
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except OSError:
+        return False
     return True
 
 # %% ../../nbs/30_monitor_channel.ipynb #c009
 ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE = 'FLEXRT_MONITOR_ADDRESS', 'FLEXRT_MONITOR_KEY', 'FLEXRT_MONITOR_OWNER'
 
+
 class _Peer:
     "One connection on the hub"
-    def __init__(self, sock:socket.socket, deadline:float):
+
+    def __init__(self, sock: socket.socket, deadline: float):
         self.sock, self.deadline, self.challenge = sock, deadline, secrets.token_bytes(32)
         self.inbox, self.outbox, self.skip, self.authenticated, self.warned = bytearray(), bytearray(), 0, False, set()
 
 # %% ../../nbs/30_monitor_channel.ipynb #c010
 class Hub:
     "Kernel side of the channel: serve ranks' connections and deliver their records to this process's listeners"
-    def __init__(self, handshake_timeout:float=5.0, # seconds a connection may take to authenticate
-                 max_pending:int=64, # connections that may be unauthenticated at once; the oldest is closed beyond
-                 max_message_bytes:int=MAX_MESSAGE_BYTES, # larger messages are skipped unread and counted
-                 start:bool=True): # serve from a background thread now; False: call the loop's steps by hand
+
+    def __init__(
+        self,
+        handshake_timeout: float = 5.0,  # seconds a connection may take to authenticate
+        max_pending: int = 64,  # connections that may be unauthenticated at once; the oldest is closed beyond
+        max_message_bytes: int = MAX_MESSAGE_BYTES,  # larger messages are skipped unread and counted
+        start: bool = True,  # serve from a background thread now; False: call the loop's steps by hand
+    ):
         self.key, self.handshake_timeout, self.max_pending = secrets.token_bytes(32), handshake_timeout, max_pending
         self.max_message_bytes, self.closed, self._lock = max_message_bytes, False, threading.Lock()
         self.num_received = self.num_connections = self.num_open = self.num_refused = 0
         self.num_malformed = self.num_oversized = 0
-        self._dropped, self._pending = {}, collections.OrderedDict()   # sender -> records it dropped; peers to authenticate
-        self._server = socket.create_server(('127.0.0.1', 0), backlog=1024); self._server.setblocking(False)
+        self._dropped, self._pending = (
+            {},
+            collections.OrderedDict(),
+        )  # sender -> records it dropped; peers to authenticate
+        self._server = socket.create_server(('127.0.0.1', 0), backlog=1024)
+        self._server.setblocking(False)
         self.address = '%s:%d' % self._server.getsockname()
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ, 'accept')
         self._selector.register(self._wake_r, selectors.EVENT_READ, 'wake')
         self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-hub') if start else None
-        if start: self._thread.start()
+        if start:
+            self._thread.start()
 
     @property
-    def num_dropped(self)->int:
+    def num_dropped(self) -> int:
         "Records the ranks dropped (their buffers were full, or a record was not data or too large)"
         return sum(self._dropped.values())
 
-    def stats(self)->dict:
+    def stats(self) -> dict:
         "The hub's counters"
-        return {k: getattr(self, 'num_' + k) for k in ('received', 'dropped', 'malformed', 'oversized', 'refused',
-                                                       'connections', 'open')}
+        return {
+            k: getattr(self, 'num_' + k)
+            for k in ('received', 'dropped', 'malformed', 'oversized', 'refused', 'connections', 'open')
+        }
 
-# %% ../../nbs/30_monitor_channel.ipynb #c011
-@patch
-def _count(self:Hub, peer:_Peer, what:str, detail:str, n:int=1):
-    "Count `n` dropped messages of kind `what`; warn once per connection and kind"
-    with self._lock: setattr(self, f'num_{what}', getattr(self, f'num_{what}') + n)
-    if what in peer.warned: return
-    peer.warned.add(what)
-    warnings.warn(f'flexrt monitor hub: dropped {detail} from a rank; counted in Hub.num_{what} '
-                  '(further ones from this connection are counted without a warning)', RuntimeWarning)
-
-@patch
-def _close_peer(self:Hub, peer:_Peer, why:str|None=None):
-    "Close `peer`'s connection; `why` (misbehaviour) counts it as refused"
-    if peer.sock.fileno() < 0: return
-    self._pending.pop(id(peer), None)
-    with self._lock:                                  # counted before closing: whoever sees the close sees the count
-        if peer.authenticated: self.num_open -= 1       # the rank exited (or died): `num_open` says whether any still runs
-        if why is not None and not peer.authenticated: self.num_refused += 1
-    self._selector.unregister(peer.sock); peer.sock.close()
-
-# %% ../../nbs/30_monitor_channel.ipynb #c012
-@patch
-def close(self:Hub):
-    "Stop serving: close every connection and the listening socket"
-    if self.closed: return
-    self.closed = True
-    if self._thread is None: return self._shutdown()           # never served from a thread
-    with self._lock:                                            # the loop may have seen `closed` and shut down already
-        if self._wake_w.fileno() >= 0: self._wake_w.send(b'x')
-    if threading.current_thread() is not self._thread: self._thread.join(10)
-
-@patch
-def _shutdown(self:Hub):
-    "The loop's last act: close everything it owns"
-    for key in list(self._selector.get_map().values()):
-        if isinstance(key.data, _Peer): self._close_peer(key.data)
-    self._selector.close(); self._server.close()
-    with self._lock: self._wake_r.close(); self._wake_w.close()   # never while `close` writes to it
-
-# %% ../../nbs/30_monitor_channel.ipynb #c016
-@patch
-def _write(self:Hub, peer:_Peer, data:bytes):
-    "Queue `data` for `peer` and send what the socket takes now"
-    if len(peer.outbox) + len(data) > 1 << 16: return self._close_peer(peer, 'does not read its replies')
-    peer.outbox += data
-    self._send_ready(peer)
-
-@patch
-def _send_ready(self:Hub, peer:_Peer):
-    "Send queued bytes; watch for writability while some are left"
-    try: del peer.outbox[:peer.sock.send(peer.outbox)]
-    except (BlockingIOError, InterruptedError): pass
-    except OSError as e: return self._close_peer(peer, f'lost ({e})')
-    want = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.outbox else 0)
-    if self._selector.get_key(peer.sock).events != want: self._selector.modify(peer.sock, want, peer)
-
-# %% ../../nbs/30_monitor_channel.ipynb #c018
-@patch
-def _accept_ready(self:Hub):
-    "Accept every waiting connection without blocking"
-    while True:
-        try: sock, _ = self._server.accept()
-        except (BlockingIOError, InterruptedError): return
-        except OSError:                                      # out of file descriptors: make room, try later
-            if self._pending: self._close_peer(next(iter(self._pending.values())), 'closed to free a descriptor')
+    def _count(self, peer: _Peer, what: str, detail: str, n: int = 1):
+        "Count `n` dropped messages of kind `what`; warn once per connection and kind"
+        with self._lock:
+            setattr(self, f'num_{what}', getattr(self, f'num_{what}') + n)
+        if what in peer.warned:
             return
-        sock.setblocking(False)
-        peer = _Peer(sock, time.monotonic() + self.handshake_timeout)
-        self._pending[id(peer)] = peer
-        self._selector.register(sock, selectors.EVENT_READ, peer)
-        self._write(peer, frame(peer.challenge))
-        while len(self._pending) > self.max_pending:
-            self._close_peer(next(iter(self._pending.values())), f'more than {self.max_pending} connections waiting to authenticate')
+        peer.warned.add(what)
+        warnings.warn(
+            f'flexrt monitor hub: dropped {detail} from a rank; counted in Hub.num_{what} '
+            '(further ones from this connection are counted without a warning)',
+            RuntimeWarning,
+        )
 
-# %% ../../nbs/30_monitor_channel.ipynb #c021
-@patch
-def _read_ready(self:Hub, peer:_Peer):
-    "Read what `peer` sent and handle every complete frame in it"
-    try: data = peer.sock.recv(1 << 18)
-    except (BlockingIOError, InterruptedError): return
-    except OSError: data = b''
-    if not data: return self._close_peer(peer)
-    peer.inbox += data
-    at = 0
-    while peer.sock.fileno() >= 0:
-        limit = self.max_message_bytes if peer.authenticated else 64
-        if peer.skip:
-            n = min(peer.skip, len(peer.inbox) - at); at += n; peer.skip -= n
-            if peer.skip: break
-        if len(peer.inbox) - at < 4: break
-        size = int.from_bytes(peer.inbox[at:at + 4], 'big')
-        if size > limit:
-            if not peer.authenticated: return self._close_peer(peer, 'sent a frame too large for a handshake')
-            at += 4; peer.skip = size; self._count(peer, 'oversized', f'a message of {size} bytes (limit {limit})'); continue
-        if len(peer.inbox) - at < 4 + size: break
-        payload = bytes(peer.inbox[at + 4:at + 4 + size]); at += 4 + size
-        self._on_frame(peer, payload)
-    del peer.inbox[:at]
+    def _close_peer(self, peer: _Peer, why: str | None = None):
+        "Close `peer`'s connection; `why` (misbehaviour) counts it as refused"
+        if peer.sock.fileno() < 0:
+            return
+        self._pending.pop(id(peer), None)
+        with self._lock:  # counted before closing: whoever sees the close sees the count
+            if peer.authenticated:
+                self.num_open -= 1  # the rank exited (or died): `num_open` says whether any still runs
+            if why is not None and not peer.authenticated:
+                self.num_refused += 1
+        self._selector.unregister(peer.sock)
+        peer.sock.close()
 
-# %% ../../nbs/30_monitor_channel.ipynb #c022
-@patch
-def _on_frame(self:Hub, peer:_Peer, payload:bytes):
-    "Handle one frame: the handshake's answer, or a message"
-    if not peer.authenticated:
-        if not secrets.compare_digest(payload, answer(self.key, peer.challenge)):
-            return self._close_peer(peer, 'failed to authenticate')
-        peer.authenticated = True; del self._pending[id(peer)]
-        with self._lock: self.num_connections += 1; self.num_open += 1
-        return self._write(peer, frame(json.dumps({'type': 'welcome', 'max_message_bytes': self.max_message_bytes}).encode()))
-    try: message = parse_message(payload)
-    except MalformedMessage as e: return self._count(peer, 'malformed', str(e))
-    if message['type'] == 'flush': return self._write(peer, frame(b'{"type":"flushed"}'))
-    records, bad = check_records(message['records'])
-    if bad: self._count(peer, 'malformed', f'{bad} record(s) that are not dicts with a string "kind"', bad)
-    for record in records: deliver(record)
-    with self._lock: self.num_received += len(records); self._dropped[message['sender']] = message['dropped']
+    def close(self):
+        "Stop serving: close every connection and the listening socket"
+        if self.closed:
+            return
+        self.closed = True
+        if self._thread is None:
+            return self._shutdown()  # never served from a thread
+        with self._lock:  # the loop may have seen `closed` and shut down already
+            if self._wake_w.fileno() >= 0:
+                self._wake_w.send(b'x')
+        if threading.current_thread() is not self._thread:
+            self._thread.join(10)
 
-# %% ../../nbs/30_monitor_channel.ipynb #c025
-@patch
-def _loop(self:Hub):
-    "Serve every connection until closed"
-    lower_thread_priority()
-    while not self.closed:
-        first = next(iter(self._pending.values()), None)      # pending peers are in deadline order
-        wait = None if first is None else max(0.0, first.deadline - time.monotonic())
-        for key, ready in self._selector.select(wait):
-            if key.data == 'accept': self._accept_ready()
-            elif key.data == 'wake': self._wake_r.recv(64)
-            elif key.fileobj.fileno() >= 0:
-                try:
-                    if ready & selectors.EVENT_WRITE: self._send_ready(key.data)
-                    if ready & selectors.EVENT_READ: self._read_ready(key.data)
-                except Exception as e: self._close_peer(key.data, f'closed after an error: {type(e).__name__}: {e}')
-        self._expire(time.monotonic())
-    self._shutdown()
+    def _shutdown(self):
+        "The loop's last act: close everything it owns"
+        for key in list(self._selector.get_map().values()):
+            if isinstance(key.data, _Peer):
+                self._close_peer(key.data)
+        self._selector.close()
+        self._server.close()
+        with self._lock:
+            self._wake_r.close()
+            self._wake_w.close()  # never while `close` writes to it
 
-@patch
-def _expire(self:Hub, now:float):
-    "Close the connections that did not authenticate in time"
-    while self._pending:
-        peer = next(iter(self._pending.values()))
-        if peer.deadline > now: return
-        self._read_ready(peer)                        # an answer that came while this thread was not scheduled counts
-        if id(peer) in self._pending: self._close_peer(peer, f'did not authenticate within {self.handshake_timeout:g} s')
+    def _write(self, peer: _Peer, data: bytes):
+        "Queue `data` for `peer` and send what the socket takes now"
+        if len(peer.outbox) + len(data) > 1 << 16:
+            return self._close_peer(peer, 'does not read its replies')
+        peer.outbox += data
+        self._send_ready(peer)
+
+    def _send_ready(self, peer: _Peer):
+        "Send queued bytes; watch for writability while some are left"
+        try:
+            del peer.outbox[: peer.sock.send(peer.outbox)]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            return self._close_peer(peer, f'lost ({e})')
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if peer.outbox else 0)
+        if self._selector.get_key(peer.sock).events != want:
+            self._selector.modify(peer.sock, want, peer)
+
+    def _accept_ready(self):
+        "Accept every waiting connection without blocking"
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of file descriptors: make room, try later
+                if self._pending:
+                    self._close_peer(next(iter(self._pending.values())), 'closed to free a descriptor')
+                return
+            sock.setblocking(False)
+            peer = _Peer(sock, time.monotonic() + self.handshake_timeout)
+            self._pending[id(peer)] = peer
+            self._selector.register(sock, selectors.EVENT_READ, peer)
+            self._write(peer, frame(peer.challenge))
+            while len(self._pending) > self.max_pending:
+                self._close_peer(
+                    next(iter(self._pending.values())),
+                    f'more than {self.max_pending} connections waiting to authenticate',
+                )
+
+    def _read_ready(self, peer: _Peer):
+        "Read what `peer` sent and handle every complete frame in it"
+        try:
+            data = peer.sock.recv(1 << 18)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b''
+        if not data:
+            return self._close_peer(peer)
+        peer.inbox += data
+        at = 0
+        while peer.sock.fileno() >= 0:
+            limit = self.max_message_bytes if peer.authenticated else 64
+            if peer.skip:
+                n = min(peer.skip, len(peer.inbox) - at)
+                at += n
+                peer.skip -= n
+                if peer.skip:
+                    break
+            if len(peer.inbox) - at < 4:
+                break
+            size = int.from_bytes(peer.inbox[at : at + 4], 'big')
+            if size > limit:
+                if not peer.authenticated:
+                    return self._close_peer(peer, 'sent a frame too large for a handshake')
+                at += 4
+                peer.skip = size
+                self._count(peer, 'oversized', f'a message of {size} bytes (limit {limit})')
+                continue
+            if len(peer.inbox) - at < 4 + size:
+                break
+            payload = bytes(peer.inbox[at + 4 : at + 4 + size])
+            at += 4 + size
+            self._on_frame(peer, payload)
+        del peer.inbox[:at]
+
+    def _on_frame(self, peer: _Peer, payload: bytes):
+        "Handle one frame: the handshake's answer, or a message"
+        if not peer.authenticated:
+            if not secrets.compare_digest(payload, answer(self.key, peer.challenge)):
+                return self._close_peer(peer, 'failed to authenticate')
+            peer.authenticated = True
+            del self._pending[id(peer)]
+            with self._lock:
+                self.num_connections += 1
+                self.num_open += 1
+            return self._write(
+                peer, frame(json.dumps({'type': 'welcome', 'max_message_bytes': self.max_message_bytes}).encode())
+            )
+        try:
+            message = parse_message(payload)
+        except MalformedMessage as e:
+            return self._count(peer, 'malformed', str(e))
+        if message['type'] == 'flush':
+            return self._write(peer, frame(b'{"type":"flushed"}'))
+        records, bad = check_records(message['records'])
+        if bad:
+            self._count(peer, 'malformed', f'{bad} record(s) that are not dicts with a string "kind"', bad)
+        for record in records:
+            deliver(record)
+        with self._lock:
+            self.num_received += len(records)
+            self._dropped[message['sender']] = message['dropped']
+
+    def _loop(self):
+        "Serve every connection until closed"
+        lower_thread_priority()
+        while not self.closed:
+            first = next(iter(self._pending.values()), None)  # pending peers are in deadline order
+            wait = None if first is None else max(0.0, first.deadline - time.monotonic())
+            for key, ready in self._selector.select(wait):
+                if key.data == 'accept':
+                    self._accept_ready()
+                elif key.data == 'wake':
+                    self._wake_r.recv(64)
+                elif key.fileobj.fileno() >= 0:
+                    try:
+                        if ready & selectors.EVENT_WRITE:
+                            self._send_ready(key.data)
+                        if ready & selectors.EVENT_READ:
+                            self._read_ready(key.data)
+                    except Exception as e:
+                        self._close_peer(key.data, f'closed after an error: {type(e).__name__}: {e}')
+            self._expire(time.monotonic())
+        self._shutdown()
+
+    def _expire(self, now: float):
+        "Close the connections that did not authenticate in time"
+        while self._pending:
+            peer = next(iter(self._pending.values()))
+            if peer.deadline > now:
+                return
+            self._read_ready(peer)  # an answer that came while this thread was not scheduled counts
+            if id(peer) in self._pending:
+                self._close_peer(peer, f'did not authenticate within {self.handshake_timeout:g} s')
 
 # %% ../../nbs/30_monitor_channel.ipynb #c030
 _hub = None
 
+
 def _collect_before_fork():
     "Before a fork from a serving kernel: finalise unreachable objects here, not in the child"
-    if _hub is not None and not _hub.closed: gc.collect()
+    if _hub is not None and not _hub.closed:
+        gc.collect()
+
 
 os.register_at_fork(before=_collect_before_fork)
 
-def serve(**kwargs, # `Hub` arguments, used when a hub is started
-         )->Hub:
+
+def serve(
+    **kwargs,  # `Hub` arguments, used when a hub is started
+) -> Hub:
     "Start (once) the hub that delivers worker ranks' records to this process, and publish its address in `os.environ`"
     global _hub
     if _hub is None or _hub.closed:
         _hub = Hub(**kwargs)
-        os.environ.update({ADDRESS_VARIABLE: _hub.address, KEY_VARIABLE: _hub.key.hex(), OWNER_VARIABLE: str(os.getpid())})
+        os.environ.update(
+            {ADDRESS_VARIABLE: _hub.address, KEY_VARIABLE: _hub.key.hex(), OWNER_VARIABLE: str(os.getpid())}
+        )
     return _hub
+
 
 def stop_serving():
     "Close the hub and remove its address from the environment, so later ranks stop forwarding"
     global _hub
-    if _hub is not None: _hub.close()
+    if _hub is not None:
+        _hub.close()
     _hub = None
-    for name in (ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE): os.environ.pop(name, None)
+    for name in (ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE):
+        os.environ.pop(name, None)
 
-def ranks_connected()->int:
+
+def ranks_connected() -> int:
     "How many worker ranks are connected to this kernel's hub now (0 when it does not serve)"
     return _hub.num_open if _hub is not None else 0
 

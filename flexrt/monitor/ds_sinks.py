@@ -13,116 +13,173 @@ __all__ = ['PREFIX', 'TIMER_NAMES', 'MONITOR_BLOCKS', 'step_events', 'job_dir', 
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c006
 PREFIX = 'Train/Samples/'
-TIMER_NAMES = {'forward': 'forward', 'backward': 'backward', 'allreduce': 'backward_allreduce', 'step': 'step'}   # flexrt phase -> DeepSpeed timer
+TIMER_NAMES = {
+    'forward': 'forward',
+    'backward': 'backward',
+    'allreduce': 'backward_allreduce',
+    'step': 'step',
+}  # flexrt phase -> DeepSpeed timer
 
-def step_events(record:dict, # a step record: `samples`, `loss`, `lr`, `loss_scale`, optionally `timings_ms`
-                loss_scale:bool=False, # include the loss scale (DeepSpeed does for fp16 runs only)
-               )->list: # [(tag, value, global samples)]
+
+def step_events(
+    record: dict,  # a step record: `samples`, `loss`, `lr`, `loss_scale`, optionally `timings_ms`
+    loss_scale: bool = False,  # include the loss scale (DeepSpeed does for fp16 runs only)
+) -> list:  # [(tag, value, global samples)]
     "DeepSpeed's monitor events for one optimizer step"
     samples, lr = record['samples'], record['lr']
-    events = [(PREFIX + 'train_loss', record['loss'], samples), (PREFIX + 'lr', lr[0] if isinstance(lr, (list, tuple)) else lr, samples)]
-    if loss_scale: events.append((PREFIX + 'loss_scale', record['loss_scale'], samples))
+    events = [
+        (PREFIX + 'train_loss', record['loss'], samples),
+        (PREFIX + 'lr', lr[0] if isinstance(lr, (list, tuple)) else lr, samples),
+    ]
+    if loss_scale:
+        events.append((PREFIX + 'loss_scale', record['loss_scale'], samples))
     for phase, ms in (record.get('timings_ms') or {}).items():
         events.append((PREFIX + 'elapsed_time_ms_' + TIMER_NAMES.get(phase, phase), ms, samples))
     return events
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c009
-def job_dir(output_path:str, # the block's `output_path` ('' the current directory)
-            job_name:str)->str: # the block's `job_name`
+def job_dir(
+    output_path: str,  # the block's `output_path` ('' the current directory)
+    job_name: str,
+) -> str:  # the block's `job_name`
     "`output_path/job_name`, created"
     path = os.path.join(output_path, job_name)
     os.makedirs(path, exist_ok=True)
     return path
 
-def require_package(package:str, # the module to import
-                    block:str): # the config block that needs it
+
+def require_package(
+    package: str,  # the module to import
+    block: str,  # the config block that needs it
+):
     "Raise `ImportError` naming `package` and the fix when it is not installed"
     if importlib.util.find_spec(package) is None:
-        raise ImportError(f'the "{block}" config block is enabled but the {package} package is not installed: '
-                          f'pip install {package}, or set "{block}": {{"enabled": false}}')
+        raise ImportError(
+            f'the "{block}" config block is enabled but the {package} package is not installed: '
+            f'pip install {package}, or set "{block}": {{"enabled": false}}'
+        )
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c011
 class CSVMonitor:
-    "The `csv_monitor` block: one CSV file per tag in `output_path/job_name`, rows `step,value` after a `step,<name>` header"
-    def __init__(self, config:CSVMonitorConfig): # the block (its `enabled` is not looked at)
+    """The `csv_monitor` block: one CSV file per tag in `output_path/job_name`, rows `step,value` after a `step,<name>`
+    header"""
+
+    def __init__(self, config: CSVMonitorConfig):  # the block (its `enabled` is not looked at)
         self.config, self.log_dir, self._started = config, job_dir(config.output_path, config.job_name), set()
 
-    def path_of(self, tag:str)->str: return os.path.join(self.log_dir, tag.replace('/', '_').replace(' ', '_') + '.csv')
+    def path_of(self, tag: str) -> str:
+        return os.path.join(self.log_dir, tag.replace('/', '_').replace(' ', '_') + '.csv')
 
-    def write_events(self, events:list): # [(tag, value, step)]
+    def write_events(self, events: list):  # [(tag, value, step)]
         for tag, value, step in events:
             path = self.path_of(tag)
             with open(path, 'a', newline='') as f:
                 writer = csv.writer(f)
-                if path not in self._started: writer.writerow(['step', tag.rsplit('/', 1)[-1]]); self._started.add(path)
+                if path not in self._started:
+                    writer.writerow(['step', tag.rsplit('/', 1)[-1]])
+                    self._started.add(path)
                 writer.writerow([step, value])
 
-    def close(self): pass
+    def close(self):
+        pass
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c014
 class TensorBoardMonitor:
     "The `tensorboard` block: DeepSpeed's events as scalars in one event file under `output_path/job_name`"
-    def __init__(self, config:TensorBoardConfig): # the block (its `enabled` is not looked at)
+
+    def __init__(self, config: TensorBoardConfig):  # the block (its `enabled` is not looked at)
         require_package('tensorboard', 'tensorboard')
         from torch.utils.tensorboard import SummaryWriter
+
         self.config, self.log_dir = config, job_dir(config.output_path, config.job_name)
         self.writer = SummaryWriter(log_dir=self.log_dir)
 
-    def write_events(self, events:list): # [(tag, value, step)]
-        for tag, value, step in events: self.writer.add_scalar(tag, value, step)
+    def write_events(self, events: list):  # [(tag, value, step)]
+        for tag, value, step in events:
+            self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
-    def close(self): self.writer.close()
+    def close(self):
+        self.writer.close()
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c017
 class WandbMonitor:
     "The `wandb` block: a W&B run (`project`, `group`, entity `team`) logging `{tag: value}` at step = samples"
-    def __init__(self, config:WandbConfig): # the block (its `enabled` is not looked at)
+
+    def __init__(self, config: WandbConfig):  # the block (its `enabled` is not looked at)
         require_package('wandb', 'wandb')
         import wandb
+
         self.config = config
         self.run = wandb.init(project=config.project, group=config.group, entity=config.team)
 
-    def write_events(self, events:list): # [(tag, value, step)]
-        for tag, value, step in events: self.run.log({tag: value}, step=step)
+    def write_events(self, events: list):  # [(tag, value, step)]
+        for tag, value, step in events:
+            self.run.log({tag: value}, step=step)
 
-    def close(self): self.run.finish()
+    def close(self):
+        self.run.finish()
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c021
-_SINKS = (('tensorboard', TensorBoardMonitor, 'tensorboard'), ('csv_monitor', CSVMonitor, None), ('wandb', WandbMonitor, 'wandb'))
+_SINKS = (
+    ('tensorboard', TensorBoardMonitor, 'tensorboard'),
+    ('csv_monitor', CSVMonitor, None),
+    ('wandb', WandbMonitor, 'wandb'),
+)
 
-def check_packages(config): # a `FlexConfig`
+
+def check_packages(config):  # a `FlexConfig`
     "Raise `ImportError` for the first enabled monitor block whose package is missing (call it on every rank)"
     for key, _, package in _SINKS:
-        if package is not None and getattr(config, key).enabled: require_package(package, key)
+        if package is not None and getattr(config, key).enabled:
+            require_package(package, key)
+
 
 class DeepSpeedMonitors:
     "The sinks of the config's enabled `tensorboard`, `csv_monitor` and `wandb` blocks; `self(record)` writes a step"
-    def __init__(self, sinks:list=(), # objects with `write_events(events)` and `close()`
-                 loss_scale:bool=False, # write `Train/Samples/loss_scale` (fp16)
-                 enabled:bool|None=None): # whether the config enables any block (DeepSpeed's `monitor.enabled`; default: sinks given)
+
+    def __init__(
+        self,
+        sinks: list = (),  # objects with `write_events(events)` and `close()`
+        loss_scale: bool = False,  # write `Train/Samples/loss_scale` (fp16)
+        enabled: bool
+        | None = None,  # whether the config enables any block (DeepSpeed's `monitor.enabled`; default: sinks given)
+    ):
         self.sinks, self.loss_scale = list(sinks), loss_scale
         self.enabled = bool(self.sinks) if enabled is None else enabled
 
     @classmethod
-    def from_config(cls, config, # a `FlexConfig`
-                    rank:int=0): # this process's global rank: only rank 0 writes
+    def from_config(
+        cls,
+        config,  # a `FlexConfig`
+        rank: int = 0,  # this process's global rank: only rank 0 writes
+    ):
         "The monitors `config` enables (none on ranks other than 0)"
         check_packages(config)
         blocks = [(getattr(config, key), make) for key, make, _ in _SINKS if getattr(config, key).enabled]
-        return cls([make(block) for block, make in blocks] if rank == 0 else [], config.fp16.enabled, enabled=bool(blocks))
+        return cls(
+            [make(block) for block, make in blocks] if rank == 0 else [], config.fp16.enabled, enabled=bool(blocks)
+        )
 
-    def __bool__(self)->bool: return bool(self.sinks)   # whether this rank writes anything
-    def __call__(self, record:dict): self.write_events(step_events(record, self.loss_scale))
-    def write_events(self, events:list):
-        for sink in self.sinks: sink.write_events(events)
+    def __bool__(self) -> bool:
+        return bool(self.sinks)  # whether this rank writes anything
+
+    def __call__(self, record: dict):
+        self.write_events(step_events(record, self.loss_scale))
+
+    def write_events(self, events: list):
+        for sink in self.sinks:
+            sink.write_events(events)
+
     def close(self):
-        for sink in self.sinks: sink.close()
+        for sink in self.sinks:
+            sink.close()
         self.sinks = []
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c024
 MONITOR_BLOCKS = ('tensorboard', 'csv_monitor', 'wandb')
 
-def without_monitors(config:dict)->dict: # a DeepSpeed-style config dict
+
+def without_monitors(config: dict) -> dict:  # a DeepSpeed-style config dict
     "`config` without its monitor blocks (a copy), for engines that are not the training run (autotuner trials)"
     return {k: v for k, v in config.items() if k not in MONITOR_BLOCKS}

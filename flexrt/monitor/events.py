@@ -11,23 +11,28 @@ __all__ = ['WATCHED_VARIABLE', 'listening', 'add_listener', 'remove_listener', '
            'release_watch', 'watched', 'console', 'emit_snapshot', 'sample_memory', 'route_to']
 
 # %% ../../nbs/30_monitor_events.ipynb #c006
-_listeners: tuple = ()        # the registered listeners, in registration order
-_failed: list = []            # listeners whose error was already reported
+_listeners: tuple = ()  # the registered listeners, in registration order
+_failed: list = []  # listeners whose error was already reported
 _lock = threading.Lock()
 
-def listening()->bool:
+
+def listening() -> bool:
     "Whether any listener is registered (check this before building an expensive record)"
     return bool(_listeners)
 
-def add_listener(fn): # a callable taking one record (a dict with 'kind' and 'time')
+
+def add_listener(fn):  # a callable taking one record (a dict with 'kind' and 'time')
     "Call `fn(record)` for every emitted event from now on; returns `fn`, so it also works as a decorator"
     global _listeners
-    if not callable(fn): raise TypeError(f"a listener must be callable with one record dict, got {type(fn).__name__}")
+    if not callable(fn):
+        raise TypeError(f"a listener must be callable with one record dict, got {type(fn).__name__}")
     with _lock:
-        if fn not in _listeners: _listeners = _listeners + (fn,)
+        if fn not in _listeners:
+            _listeners = _listeners + (fn,)
     return fn
 
-def remove_listener(fn)->bool: # True if `fn` was registered
+
+def remove_listener(fn) -> bool:  # True if `fn` was registered
     "Stop calling `fn`"
     global _listeners
     with _lock:
@@ -37,83 +42,114 @@ def remove_listener(fn)->bool: # True if `fn` was registered
     return found
 
 # %% ../../nbs/30_monitor_events.ipynb #c009
-def _report(fn, error:BaseException):
+def _report(fn, error: BaseException):
     "Warn once per listener that it raised, with the error and where"
-    if fn in _failed: return
+    if fn in _failed:
+        return
     _failed.append(fn)
     where = traceback.extract_tb(error.__traceback__)[-1]
-    warnings.warn(f"monitor listener {getattr(fn, '__qualname__', fn)!r} raised {type(error).__name__}: {error} "
-                  f"({where.filename}:{where.lineno}); training goes on, further errors of this listener are not reported",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"monitor listener {getattr(fn, '__qualname__', fn)!r} raised {type(error).__name__}: {error} "
+        f"({where.filename}:{where.lineno}); training goes on, further errors of this listener are not reported",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
-def emit(kind:str, # the event type: 'step', 'memory', 'comm', 'experiment', ...
-         **record): # the event's fields
-    "Hand `{'kind': kind, 'time': ..., **record}` to every listener; errors in listeners are reported once, never raised"
+
+def emit(
+    kind: str,  # the event type: 'step', 'memory', 'comm', 'experiment', ...
+    **record,  # the event's fields
+):
+    """Hand `{'kind': kind, 'time': ..., **record}` to every listener; errors in listeners are reported once, never
+    raised"""
     listeners = _listeners
-    if not listeners: return
+    if not listeners:
+        return
     event = {'kind': kind, 'time': time.time(), **record}
     for fn in listeners:
-        try: fn(event)
-        except Exception as e: _report(fn, e)
+        try:
+            fn(event)
+        except Exception as e:
+            _report(fn, e)
 
 # %% ../../nbs/30_monitor_events.ipynb #c014
 @contextlib.contextmanager
-def listen(fn): # a callable taking one record
+def listen(fn):  # a callable taking one record
     "Register `fn` inside the `with` block only"
     add_listener(fn)
-    try: yield fn
-    finally: remove_listener(fn)
+    try:
+        yield fn
+    finally:
+        remove_listener(fn)
 
 # %% ../../nbs/30_monitor_events.ipynb #c015b
-def deliver(record:dict): # a record built elsewhere: a dict with 'kind' and 'time'
+def deliver(record: dict):  # a record built elsewhere: a dict with 'kind' and 'time'
     "Hand an already built record (one that arrived from a rank or a file) to every listener of this process"
     for fn in _listeners:
-        try: fn(record)
-        except Exception as e: _report(fn, e)
+        try:
+            fn(record)
+        except Exception as e:
+            _report(fn, e)
 
 # %% ../../nbs/30_monitor_events.ipynb #c019
-def log(**values): # the values to record, e.g. `accuracy=0.91`
+def log(**values):  # the values to record, e.g. `accuracy=0.91`
     "Emit a `'log'` record with `values`"
     emit('log', **values)
 
 # %% ../../nbs/30_monitor_events.ipynb #w28c6e1b
-WATCHED_VARIABLE = 'FLEXRT_MONITOR_WATCHED'   # set while a view in the kernel draws the runs it launches
+WATCHED_VARIABLE = 'FLEXRT_MONITOR_WATCHED'  # set while a view in the kernel draws the runs it launches
 _watches = [0]
+
 
 def hold_watch():
     "A view watches the runs this kernel launches from now on (until `release_watch`)"
-    _watches[0] += 1; os.environ[WATCHED_VARIABLE] = '1'
+    _watches[0] += 1
+    os.environ[WATCHED_VARIABLE] = '1'
+
 
 def release_watch():
     "A view stopped watching; the variable goes when the last one does"
     _watches[0] = max(_watches[0] - 1, 0)
-    if not _watches[0]: os.environ.pop(WATCHED_VARIABLE, None)
+    if not _watches[0]:
+        os.environ.pop(WATCHED_VARIABLE, None)
 
-def watched()->bool:
+
+def watched() -> bool:
     "Whether a view watches this process: the variable is set (here or inherited) and records go somewhere"
     return bool(_listeners) and bool(os.environ.get(WATCHED_VARIABLE))
 
-def console(*parts, **kwargs): # what `print` takes
+
+def console(*parts, **kwargs):  # what `print` takes
     "Print, or while `watched()`, send the line as a `'console'` record (`text`) to the watching view's log area"
-    if not watched(): print(*parts, **kwargs); return
+    if not watched():
+        print(*parts, **kwargs)
+        return
     emit('console', text=kwargs.get('sep', ' ').join(map(str, parts)))
 
 # %% ../../nbs/30_monitor_events.ipynb #c022
-def emit_snapshot(snapshot): # a `flexrt.memory.MemorySnapshot`
+def emit_snapshot(snapshot):  # a `flexrt.memory.MemorySnapshot`
     "Emit `snapshot` as a `'memory'` record (its fields, `rank` among them); nothing is built when nobody listens"
-    if _listeners: emit('memory', **vars(snapshot))
+    if _listeners:
+        emit('memory', **vars(snapshot))
 
-def sample_memory(interval_ms:float=100, # time between samples, in milliseconds
-                  **kwargs, # further `MemorySampler` arguments (capacity, device)
-                 ):
-    "A `MemorySampler` (not started; use it as a context manager) whose every snapshot is emitted as a `'memory'` record"
+
+def sample_memory(
+    interval_ms: float = 100,  # time between samples, in milliseconds
+    **kwargs,  # further `MemorySampler` arguments (capacity, device)
+):
+    """A `MemorySampler` (not started; use it as a context manager) whose every snapshot is emitted as a `'memory'`
+    record"""
     from flexrt.memory.reports import MemorySampler
+
     return MemorySampler(interval_ms, on_sample=emit_snapshot, **kwargs)
 
 # %% ../../nbs/30_monitor_events.ipynb #c023b
-def route_to(forwarder, # a callable taking one record: a worker rank's link to the kernel
-             inherited:bool=False): # the listeners were copied from the parent by fork: forget them first
+def route_to(
+    forwarder,  # a callable taking one record: a worker rank's link to the kernel
+    inherited: bool = False,  # the listeners were copied from the parent by fork: forget them first
+):
     "Hand every record from now on to `forwarder` too (no lock: call it at import or right after a fork)"
     global _listeners
-    if inherited: _listeners, _failed[:] = (), []
+    if inherited:
+        _listeners, _failed[:] = (), []
     _listeners = _listeners + (forwarder,)

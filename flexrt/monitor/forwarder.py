@@ -6,7 +6,6 @@
 from __future__ import annotations
 import atexit, collections, json, os, socket, threading, warnings
 import multiprocessing.util
-from fastcore.basics import patch
 from .events import route_to
 from .channel import ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE, forget_hub
 from .wire import MAX_MESSAGE_BYTES, frame, read_frame, connect, encode_record
@@ -18,11 +17,14 @@ __all__ = ['Forwarder', 'flush']
 # %% ../../nbs/30_monitor_forwarder.ipynb #c005
 class Forwarder:
     "Listener in a worker rank: buffer records (drop-oldest) and send them to the hub from a background thread"
-    def __init__(self, address:str, # 'host:port' of the hub
-                 key:bytes, # the hub's authentication key
-                 capacity:int=10_000, # records buffered before the oldest are dropped
-                 interval:float=0.2, # seconds between sends (the sender thread's wake-ups)
-                ):
+
+    def __init__(
+        self,
+        address: str,  # 'host:port' of the hub
+        key: bytes,  # the hub's authentication key
+        capacity: int = 10_000,  # records buffered before the oldest are dropped
+        interval: float = 0.2,  # seconds between sends (the sender thread's wake-ups)
+    ):
         host, port = address.rsplit(':', 1)
         self.address, self.key, self.interval = (host, int(port)), key, interval
         self.buffer, self.num_dropped, self.num_unsendable, self.num_sent = collections.deque(maxlen=capacity), 0, 0, 0
@@ -30,124 +32,160 @@ class Forwarder:
         self._sock, self._limit, self._thread, self._send_lock = None, MAX_MESSAGE_BYTES, None, threading.RLock()
         self._closed, self._wake, self._slow_kernel = False, threading.Event(), False
 
-    def __call__(self, record:dict):
+    def __call__(self, record: dict):
         "Buffer `record` (the training loop's only cost); tag it with this process's rank"
-        if 'rank' not in record: record = {**record, 'rank': int(os.environ.get('RANK', 0))}
-        if len(self.buffer) == self.buffer.maxlen: self.num_dropped += 1
+        if 'rank' not in record:
+            record = {**record, 'rank': int(os.environ.get('RANK', 0))}
+        if len(self.buffer) == self.buffer.maxlen:
+            self.num_dropped += 1
         self.buffer.append(record)
-        if self._thread is None: self._start()
+        if self._thread is None:
+            self._start()
 
-# %% ../../nbs/30_monitor_forwarder.ipynb #c006
-@patch
-def _start(self:Forwarder):
-    "Start the sender thread, and flush at exit (multiprocessing children skip atexit, so register both)"
-    self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-forwarder')
-    self._thread.start()
-    multiprocessing.util.Finalize(self, self.close, exitpriority=100)
-    atexit.register(self.close)
+    def _start(self):
+        "Start the sender thread, and flush at exit (multiprocessing children skip atexit, so register both)"
+        self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-forwarder')
+        self._thread.start()
+        multiprocessing.util.Finalize(self, self.close, exitpriority=100)
+        atexit.register(self.close)
 
-@patch
-def _loop(self:Forwarder):
-    "Send every `interval` until closed; a lost hub ends forwarding (training goes on)"
-    while not self._closed:
-        try: self._send_pending()
-        except (OSError, ValueError) as e:
-            if self._closed: return
-            if isinstance(e, TimeoutError) and self._sock is None:   # too busy to answer the handshake: try again
-                if not self._slow_kernel: warnings.warn(f'flexrt monitor: the notebook kernel is slow to accept ({e}); '
-                                                        'retrying; meanwhile the oldest records are dropped and counted')
-                self._slow_kernel = True; continue
-            self._closed = True
-            warnings.warn(f'flexrt monitor: lost the notebook kernel at {self.address} ({e}); records are no longer forwarded')
+    def _loop(self):
+        "Send every `interval` until closed; a lost hub ends forwarding (training goes on)"
+        while not self._closed:
+            try:
+                self._send_pending()
+            except (OSError, ValueError) as e:
+                if self._closed:
+                    return
+                if isinstance(e, TimeoutError) and self._sock is None:  # too busy to answer the handshake: try again
+                    if not self._slow_kernel:
+                        warnings.warn(
+                            f'flexrt monitor: the notebook kernel is slow to accept ({e}); '
+                            'retrying; meanwhile the oldest records are dropped and counted'
+                        )
+                    self._slow_kernel = True
+                    continue
+                self._closed = True
+                warnings.warn(
+                    f'flexrt monitor: lost the notebook kernel at {self.address} ({e}); records are no longer forwarded'
+                )
+                return
+            self._wake.wait(self.interval)
+
+    def _messages(self, records: list) -> list:  # frames, each under the hub's limit
+        "Encode `records` into frames; drop (and count) those that are not data or too large"
+        head = b'{"type":"records","sender":%s,"dropped":%%d,"records":[' % json.dumps(self.sender).encode()
+        frames, parts, size = [], [], 0
+        for record in records:
+            try:
+                part = encode_record(record)
+            except (TypeError, ValueError) as e:
+                self._unsendable(f'{e}')
+                continue
+            if len(part) + len(head) + 64 > self._limit:
+                self._unsendable(f'a record of {len(part)} bytes')
+                continue
+            if parts and size + len(part) + len(head) + 64 > self._limit:
+                frames.append(parts)
+                parts, size = [], 0
+            parts.append(part)
+            size += len(part) + 1
+        if parts:
+            frames.append(parts)
+        lost = self.num_dropped + self.num_unsendable
+        return [frame(head % lost + b','.join(p) + b']}') for p in frames]
+
+    def _unsendable(self, why: str):
+        "Count a record that cannot be sent; warn the first time"
+        self.num_unsendable += 1
+        if self.num_unsendable == 1:
+            warnings.warn(
+                f'flexrt monitor: a record was dropped ({why}); records must be plain data under '
+                f'{self._limit} bytes. Further ones are counted (Forwarder.num_unsendable) without a warning'
+            )
+
+    def _send_pending(self):
+        "Send what the buffer holds"
+        with self._send_lock:
+            if self._sock is None:
+                self._sock, self._limit = connect(self.address, self.key)
+            batch = []
+            while self.buffer:
+                batch.append(self.buffer.popleft())
+            if not batch:
+                return
+            for message in self._messages(batch):
+                self._sock.sendall(message)
+            self.num_sent += len(batch)
+
+    def flush(self, timeout: float = 30):
+        "Send everything buffered and wait until the hub has delivered it, for at most `timeout` seconds"
+        if self._closed or self._thread is None:
             return
-        self._wake.wait(self.interval)
+        if not self._send_lock.acquire(timeout=timeout):
+            return self._give_up(timeout)
+        try:
+            if self._sock is None:
+                self._sock, self._limit = connect(self.address, self.key, timeout)
+            self._sock.settimeout(timeout)
+            self._send_pending()
+            self._sock.sendall(frame(b'{"type":"flush"}'))
+            read_frame(self._sock)
+            self._sock.settimeout(None)
+        except (TimeoutError, socket.timeout):
+            self._give_up(timeout)
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._send_lock.release()
 
-# %% ../../nbs/30_monitor_forwarder.ipynb #c007
-@patch
-def _messages(self:Forwarder, records:list)->list: # frames, each under the hub's limit
-    "Encode `records` into frames; drop (and count) those that are not data or too large"
-    head = b'{"type":"records","sender":%s,"dropped":%%d,"records":[' % json.dumps(self.sender).encode()
-    frames, parts, size = [], [], 0
-    for record in records:
-        try: part = encode_record(record)
-        except (TypeError, ValueError) as e: self._unsendable(f'{e}'); continue
-        if len(part) + len(head) + 64 > self._limit: self._unsendable(f'a record of {len(part)} bytes'); continue
-        if parts and size + len(part) + len(head) + 64 > self._limit: frames.append(parts); parts, size = [], 0
-        parts.append(part); size += len(part) + 1
-    if parts: frames.append(parts)
-    lost = self.num_dropped + self.num_unsendable
-    return [frame(head % lost + b','.join(p) + b']}') for p in frames]
+    def _give_up(self, timeout: float):
+        "The kernel did not answer in time: stop forwarding (a message may be cut short) and say so"
+        self._closed = True
+        self._wake.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # also ends a send the sender thread is stuck in
+            except OSError:
+                pass
+        warnings.warn(
+            f'flexrt monitor: the notebook kernel did not confirm delivery within {timeout} s; '
+            'records are no longer forwarded'
+        )
 
-@patch
-def _unsendable(self:Forwarder, why:str):
-    "Count a record that cannot be sent; warn the first time"
-    self.num_unsendable += 1
-    if self.num_unsendable == 1:
-        warnings.warn(f'flexrt monitor: a record was dropped ({why}); records must be plain data under '
-                      f'{self._limit} bytes. Further ones are counted (Forwarder.num_unsendable) without a warning')
-
-# %% ../../nbs/30_monitor_forwarder.ipynb #c008
-@patch
-def _send_pending(self:Forwarder):
-    "Send what the buffer holds"
-    with self._send_lock:
-        if self._sock is None: self._sock, self._limit = connect(self.address, self.key)
-        batch = []
-        while self.buffer: batch.append(self.buffer.popleft())
-        if not batch: return
-        for message in self._messages(batch): self._sock.sendall(message)
-        self.num_sent += len(batch)
-
-@patch
-def flush(self:Forwarder, timeout:float=30):
-    "Send everything buffered and wait until the hub has delivered it, for at most `timeout` seconds"
-    if self._closed or self._thread is None: return
-    if not self._send_lock.acquire(timeout=timeout): return self._give_up(timeout)
-    try:
-        if self._sock is None: self._sock, self._limit = connect(self.address, self.key, timeout)
-        self._sock.settimeout(timeout)
-        self._send_pending(); self._sock.sendall(frame(b'{"type":"flush"}')); read_frame(self._sock)
-        self._sock.settimeout(None)
-    except (TimeoutError, socket.timeout): self._give_up(timeout)
-    except (OSError, ValueError): pass
-    finally: self._send_lock.release()
-
-@patch
-def _give_up(self:Forwarder, timeout:float):
-    "The kernel did not answer in time: stop forwarding (a message may be cut short) and say so"
-    self._closed = True; self._wake.set()
-    if self._sock is not None:
-        try: self._sock.shutdown(socket.SHUT_RDWR)                 # also ends a send the sender thread is stuck in
-        except OSError: pass
-    warnings.warn(f'flexrt monitor: the notebook kernel did not confirm delivery within {timeout} s; '
-                  'records are no longer forwarded')
-
-# %% ../../nbs/30_monitor_forwarder.ipynb #c009
-@patch
-def close(self:Forwarder):
-    "Flush, then stop the thread and drop the connection"
-    if not self._closed: self.flush()
-    self._closed = True; self._wake.set()
-    if self._sock is not None: self._sock.close()           # also after giving up or losing the kernel
+    def close(self):
+        "Flush, then stop the thread and drop the connection"
+        if not self._closed:
+            self.flush()
+        self._closed = True
+        self._wake.set()
+        if self._sock is not None:
+            self._sock.close()  # also after giving up or losing the kernel
 
 # %% ../../nbs/30_monitor_forwarder.ipynb #c017
 _forwarder = None
 
-def _attach_from_environment(inherited:bool=False):
+
+def _attach_from_environment(inherited: bool = False):
     "In a worker rank whose environment names another process's hub: forward every record there"
     global _forwarder
     address, owner = os.environ.get(ADDRESS_VARIABLE), os.environ.get(OWNER_VARIABLE)
-    if not address or owner == str(os.getpid()): return None
-    if inherited: forget_hub()   # the kernel's hub, listeners too (below): they get records by the channel
+    if not address or owner == str(os.getpid()):
+        return None
+    if inherited:
+        forget_hub()  # the kernel's hub, listeners too (below): they get records by the channel
     _forwarder = Forwarder(address, bytes.fromhex(os.environ[KEY_VARIABLE]))
-    route_to(_forwarder, inherited)   # no lock: runs at import or right after fork, before other threads
+    route_to(_forwarder, inherited)  # no lock: runs at import or right after fork, before other threads
     return _forwarder
+
 
 def flush():
     "In a worker rank: wait until every record emitted so far reached the kernel (no-op elsewhere)"
-    if _forwarder is not None: _forwarder.flush()
+    if _forwarder is not None:
+        _forwarder.flush()
 
-at_teardown(flush)   # at exit flexrt.comm delivers the last records first, then ends the process group (atexit is LIFO)
+
+at_teardown(flush)  # at exit flexrt.comm delivers the last records first, then ends the process group (atexit is LIFO)
 
 os.register_at_fork(after_in_child=lambda: _attach_from_environment(inherited=True))
 _attach_from_environment()

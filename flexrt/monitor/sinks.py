@@ -11,15 +11,18 @@ from .events import deliver
 __all__ = ['flatten_record', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
 
 # %% ../../nbs/30_monitor_sinks.ipynb #c005
-def flatten_record(record:dict, prefix:str='')->dict:
+def flatten_record(record: dict, prefix: str = '') -> dict:
     "Nested dicts as dotted keys"
     out = {}
     for k, v in record.items():
-        if isinstance(v, dict): out.update(flatten_record(v, f'{prefix}{k}.'))
-        else: out[prefix + k] = v
+        if isinstance(v, dict):
+            out.update(flatten_record(v, f'{prefix}{k}.'))
+        else:
+            out[prefix + k] = v
     return out
 
-def _sink_path(path)->str:
+
+def _sink_path(path) -> str:
     "`path` with `{rank}` filled in, its folder created"
     path = str(path).format(rank=os.environ.get('RANK', 0))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -28,73 +31,108 @@ def _sink_path(path)->str:
 # %% ../../nbs/30_monitor_sinks.ipynb #c007
 class JSONLSink:
     "Listener that appends every record as one JSON line"
-    def __init__(self, path): # file to append to; may contain '{rank}'
+
+    def __init__(self, path):  # file to append to; may contain '{rank}'
         self.path = _sink_path(path)
         self._file, self._lock = open(self.path, 'a', buffering=1), threading.Lock()
-    def __call__(self, record:dict):
+
+    def __call__(self, record: dict):
         line = json.dumps(record, default=str)
-        with self._lock: self._file.write(line + '\n')
-    def close(self): self._file.close()
+        with self._lock:
+            self._file.write(line + '\n')
+
+    def close(self):
+        self._file.close()
 
 # %% ../../nbs/30_monitor_sinks.ipynb #c009
 class CSVSink:
     "Listener that writes records of the given kinds as CSV rows; columns come from the first record"
-    def __init__(self, path, # file to write; may contain '{rank}'
-                 kinds=('step',)): # record kinds to keep
+
+    def __init__(
+        self,
+        path,  # file to write; may contain '{rank}'
+        kinds=('step',),  # record kinds to keep
+    ):
         self.path, self.kinds, self._writer, self._lock = _sink_path(path), set(kinds), None, threading.Lock()
         self._file = open(self.path, 'w', newline='', buffering=1)
-    def __call__(self, record:dict):
-        if record.get('kind') not in self.kinds: return
+
+    def __call__(self, record: dict):
+        if record.get('kind') not in self.kinds:
+            return
         import csv
+
         row = flatten_record(record)
         with self._lock:
             if self._writer is None:
                 self._writer = csv.DictWriter(self._file, fieldnames=list(row), extrasaction='ignore')
                 self._writer.writeheader()
             self._writer.writerow(row)
-    def close(self): self._file.close()
+
+    def close(self):
+        self._file.close()
 
 # %% ../../nbs/30_monitor_sinks.ipynb #c012
 class TensorBoardSink:
     "Listener that writes the numeric fields of step records as TensorBoard scalars (needs `pip install tensorboard`)"
-    def __init__(self, log_dir, # folder for the event files; may contain '{rank}'
-                 kinds=('step',)): # record kinds to write
-        try: from torch.utils.tensorboard import SummaryWriter
+
+    def __init__(
+        self,
+        log_dir,  # folder for the event files; may contain '{rank}'
+        kinds=('step',),  # record kinds to write
+    ):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
-            raise ImportError('TensorBoardSink needs the tensorboard package: pip install tensorboard '
-                              '(or use JSONLSink / CSVSink, which need nothing extra)') from e
+            raise ImportError(
+                'TensorBoardSink needs the tensorboard package: pip install tensorboard '
+                '(or use JSONLSink / CSVSink, which need nothing extra)'
+            ) from e
         self.writer, self.kinds = SummaryWriter(str(log_dir).format(rank=os.environ.get('RANK', 0))), set(kinds)
-    def __call__(self, record:dict):
-        if record.get('kind') not in self.kinds: return
+
+    def __call__(self, record: dict):
+        if record.get('kind') not in self.kinds:
+            return
         step = record.get('step', 0)
         for k, v in flatten_record(record).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ('step', 'time'):
                 self.writer.add_scalar(k, v, step)
-    def close(self): self.writer.close()
+
+    def close(self):
+        self.writer.close()
 
 # %% ../../nbs/30_monitor_sinks.ipynb #c016
 class follow:
     "Call `fn(record)` for every line of a JSONL file, as it grows, on a background thread; `.stop()` ends it"
-    def __init__(self, path, # the JSONL file (it may not exist yet)
-                 fn=None, # callable taking one record; default: this process's listeners
-                 interval:float=0.2): # seconds between looks at the file
+
+    def __init__(
+        self,
+        path,  # the JSONL file (it may not exist yet)
+        fn=None,  # callable taking one record; default: this process's listeners
+        interval: float = 0.2,  # seconds between looks at the file
+    ):
         self.path, self.fn, self.interval, self.num_records = str(path), fn or deliver, interval, 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-follow'); self._thread.start()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name='flexrt-monitor-follow')
+        self._thread.start()
 
     def _loop(self):
         while not os.path.exists(self.path):
-            if self._stop.wait(self.interval) and not os.path.exists(self.path): return
+            if self._stop.wait(self.interval) and not os.path.exists(self.path):
+                return
         with open(self.path) as f:
             pending, stopping = '', False
             while not stopping:
-                stopping = self._stop.is_set()               # set before this read: the read sees all written before stop()
+                stopping = self._stop.is_set()  # set before this read: the read sees all written before stop()
                 pending += f.read()
                 *lines, pending = pending.split('\n')
                 for line in lines:
-                    if line.strip(): self.fn(json.loads(line)); self.num_records += 1
-                if not stopping: self._stop.wait(self.interval)
+                    if line.strip():
+                        self.fn(json.loads(line))
+                        self.num_records += 1
+                if not stopping:
+                    self._stop.wait(self.interval)
 
     def stop(self):
         "Read what the file holds now, then stop"
-        self._stop.set(); self._thread.join()
+        self._stop.set()
+        self._thread.join()

@@ -11,60 +11,77 @@ __all__ = ['MAX_MESSAGE_BYTES', 'frame', 'read_frame', 'answer', 'connect', 'enc
            'check_records']
 
 # %% ../../nbs/30_monitor_wire.ipynb #c006
-MAX_MESSAGE_BYTES = 1 << 20        # the hub refuses larger messages; a rank drops a record that cannot fit in one
+MAX_MESSAGE_BYTES = 1 << 20  # the hub refuses larger messages; a rank drops a record that cannot fit in one
 _HEADER = struct.Struct('>I')
 
-def frame(payload:bytes)->bytes: # the bytes of one message
+
+def frame(payload: bytes) -> bytes:  # the bytes of one message
     "`payload` with its length in front"
     return _HEADER.pack(len(payload)) + payload
 
-def _recv_exactly(sock:socket.socket, size:int)->bytes:
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     "Read exactly `size` bytes (blocking); ConnectionError if the peer closes first"
     chunks, left = [], size
     while left:
         chunk = sock.recv(min(left, 1 << 16))
-        if not chunk: raise ConnectionError('the other side closed the monitor connection')
-        chunks.append(chunk); left -= len(chunk)
+        if not chunk:
+            raise ConnectionError('the other side closed the monitor connection')
+        chunks.append(chunk)
+        left -= len(chunk)
     return b''.join(chunks)
 
-def read_frame(sock:socket.socket, # a blocking socket
-               limit:int=MAX_MESSAGE_BYTES, # the largest payload accepted
-              )->bytes:
+
+def read_frame(
+    sock: socket.socket,  # a blocking socket
+    limit: int = MAX_MESSAGE_BYTES,  # the largest payload accepted
+) -> bytes:
     "Read one frame's payload; ValueError if it announces more than `limit` bytes"
-    size, = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
-    if size > limit: raise ValueError(f'a monitor message of {size} bytes exceeds the limit of {limit}')
+    (size,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
+    if size > limit:
+        raise ValueError(f'a monitor message of {size} bytes exceeds the limit of {limit}')
     return _recv_exactly(sock, size)
 
 # %% ../../nbs/30_monitor_wire.ipynb #c009
-def answer(key:bytes, # the hub's key
-           challenge:bytes, # the random bytes the hub sent
-          )->bytes:
+def answer(
+    key: bytes,  # the hub's key
+    challenge: bytes,  # the random bytes the hub sent
+) -> bytes:
     "The response that proves knowledge of `key`: HMAC-SHA256 of the challenge"
     return hmac.new(key, b'flexrt-monitor:' + challenge, hashlib.sha256).digest()
 
-def connect(address:tuple, # (host, port) of the hub
-            key:bytes, # the hub's key
-            timeout:float=10, # seconds for connecting and the handshake
-           )->tuple: # (socket, the hub's largest accepted message in bytes)
+
+def connect(
+    address: tuple,  # (host, port) of the hub
+    key: bytes,  # the hub's key
+    timeout: float = 10,  # seconds for connecting and the handshake
+) -> tuple:  # (socket, the hub's largest accepted message in bytes)
     "Open an authenticated connection to a hub; ConnectionError if it refuses"
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.sendall(frame(answer(key, read_frame(sock, 64))))
         welcome = json.loads(read_frame(sock, 4096))
-    except BaseException: sock.close(); raise
+    except BaseException:
+        sock.close()
+        raise
     sock.settimeout(None)
     return sock, int(welcome['max_message_bytes'])
 
 # %% ../../nbs/30_monitor_wire.ipynb #c012
 def _plain(value):
     "JSON's fallback: tensors and numpy values as numbers and lists; TypeError for anything that is not data"
-    if hasattr(value, 'tolist') and callable(value.tolist): return value.tolist()
-    if isinstance(value, (set, frozenset)): return sorted(value, key=repr)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type): return dataclasses.asdict(value)
-    if isinstance(value, os.PathLike): return os.fspath(value)
+    if hasattr(value, 'tolist') and callable(value.tolist):
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     raise TypeError(f'{type(value).__name__} is not plain data (numbers, strings, lists, dicts, tensors)')
 
-def encode_record(record:dict)->bytes: # UTF-8 JSON
+
+def encode_record(record: dict) -> bytes:  # UTF-8 JSON
     "A record as JSON: data only"
     return json.dumps(record, default=_plain, separators=(',', ':')).encode()
 
@@ -72,26 +89,36 @@ def encode_record(record:dict)->bytes: # UTF-8 JSON
 class MalformedMessage(ValueError):
     "A monitor message that is not what the protocol allows"
 
-def _field(message:dict, name:str, kind):
+
+def _field(message: dict, name: str, kind):
     "`message[name]`, checked to be a `kind`"
     value = message.get(name)
     if not isinstance(value, kind) or isinstance(value, bool):
         raise MalformedMessage(f'field {name!r} must be {getattr(kind, "__name__", kind)}, got {type(value).__name__}')
     return value
 
-def parse_message(payload:bytes)->dict: # {'type': 'flush'} or {'type': 'records', 'sender', 'dropped', 'records'}
+
+def parse_message(payload: bytes) -> dict:  # {'type': 'flush'} or {'type': 'records', 'sender', 'dropped', 'records'}
     "The message in `payload`, its fields checked; MalformedMessage otherwise"
-    try: message = json.loads(payload)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e: raise MalformedMessage(f'not JSON ({type(e).__name__})') from None
-    if not isinstance(message, dict): raise MalformedMessage(f'a message must be a JSON object, got {type(message).__name__}')
+    try:
+        message = json.loads(payload)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MalformedMessage(f'not JSON ({type(e).__name__})') from None
+    if not isinstance(message, dict):
+        raise MalformedMessage(f'a message must be a JSON object, got {type(message).__name__}')
     kind = message.get('type')
-    if kind == 'flush': return message
-    if kind != 'records': raise MalformedMessage(f'unknown message type {kind!r}')
-    _field(message, 'sender', str); _field(message, 'records', list)
-    if _field(message, 'dropped', int) < 0: raise MalformedMessage('field \'dropped\' must be >= 0')
+    if kind == 'flush':
+        return message
+    if kind != 'records':
+        raise MalformedMessage(f'unknown message type {kind!r}')
+    _field(message, 'sender', str)
+    _field(message, 'records', list)
+    if _field(message, 'dropped', int) < 0:
+        raise MalformedMessage('field \'dropped\' must be >= 0')
     return message
 
-def check_records(records:list)->tuple: # (the good records, how many were not)
+
+def check_records(records: list) -> tuple:  # (the good records, how many were not)
     "Keep the records that are dicts with a string 'kind'"
     good = [r for r in records if isinstance(r, dict) and isinstance(r.get('kind'), str)]
     return good, len(records) - len(good)

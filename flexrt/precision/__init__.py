@@ -7,8 +7,25 @@ __all__ = ['SKIPPED_STEPS_WARNING', 'FP16_MAX', 'SkippedSteps', 'StaticLossScale
            'ModelWeights', 'MasterWeights', 'Precision']
 
 # %% ../../nbs/40_precision.ipynb #c003
-from .loss_scaler import (SKIPPED_STEPS_WARNING, FP16_MAX, SkippedSteps, StaticLossScaler,
-                                          DynamicLossScaler, make_loss_scaler)
+from flexrt.precision.loss_scaler import (
+    SKIPPED_STEPS_WARNING,
+    FP16_MAX,
+    SkippedSteps,
+    StaticLossScaler,
+    DynamicLossScaler,
+    make_loss_scaler,
+)
 from .master_weights import ModelWeights, MasterWeights
 from .policy import Precision
-_all_ = ['SKIPPED_STEPS_WARNING', 'FP16_MAX', 'SkippedSteps', 'StaticLossScaler', 'DynamicLossScaler', 'make_loss_scaler', 'ModelWeights', 'MasterWeights', 'Precision']
+
+_all_ = [
+    'SKIPPED_STEPS_WARNING',
+    'FP16_MAX',
+    'SkippedSteps',
+    'StaticLossScaler',
+    'DynamicLossScaler',
+    'make_loss_scaler',
+    'ModelWeights',
+    'MasterWeights',
+    'Precision',
+]

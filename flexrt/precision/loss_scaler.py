@@ -13,7 +13,7 @@ from fastcore.basics import patch
 __all__ = ['SKIPPED_STEPS_WARNING', 'FP16_MAX', 'SkippedSteps', 'StaticLossScaler', 'DynamicLossScaler', 'make_loss_scaler']
 
 # %% ../../nbs/40_precision_loss_scaler.ipynb #c006
-def _number(name:str, value, integer:bool=False, minimum:float=0., inclusive:bool=False):
+def _number(name: str, value, integer: bool = False, minimum: float = 0.0, inclusive: bool = False):
     "`value` as a finite float (an int if `integer`) above `minimum` (or equal, if `inclusive`)"
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind):
@@ -24,131 +24,171 @@ def _number(name:str, value, integer:bool=False, minimum:float=0., inclusive:boo
     return value if integer else float(value)
 
 # %% ../../nbs/40_precision_loss_scaler.ipynb #c007b
-SKIPPED_STEPS_WARNING = 50   # skipped steps in a row before `SkippedSteps` warns
+SKIPPED_STEPS_WARNING = 50  # skipped steps in a row before `SkippedSteps` warns
+
 
 class SkippedSteps:
     "Optimizer steps skipped in a row for inf/nan gradients; warns once when a run of them reaches `warn_after`"
-    def __init__(self, warn_after:int=SKIPPED_STEPS_WARNING): # skips in a row that trigger the warning
+
+    def __init__(self, warn_after: int = SKIPPED_STEPS_WARNING):  # skips in a row that trigger the warning
         self.warn_after, self.in_a_row = _number('warn_after', warn_after, integer=True, minimum=1, inclusive=True), 0
 
-    def record(self, overflow:bool, # was this step skipped?
-               scale:float)->int: # the loss scale it ran at; returns the skips in a row
+    def record(
+        self,
+        overflow: bool,  # was this step skipped?
+        scale: float,
+    ) -> int:  # the loss scale it ran at; returns the skips in a row
         "Count one optimizer step"
         self.in_a_row = self.in_a_row + 1 if overflow else 0
         if self.in_a_row == self.warn_after:
-            warnings.warn(f"{self.in_a_row} optimizer steps in a row were skipped because the gradients held inf/nan (loss scale "
-                          f"{scale:g}): the model is not training. A static fp16.loss_scale may be too large (0 scales dynamically); "
-                          "otherwise lower the learning rate, look for inf/nan in the data or the model, or train in bf16", stacklevel=3)
+            warnings.warn(
+                f"{self.in_a_row} optimizer steps in a row were skipped because the gradients held inf/nan (loss scale "
+                f"{scale:g}): the model is not training. A static fp16.loss_scale may be too large (0 scales "
+                "dynamically); "
+                "otherwise lower the learning rate, look for inf/nan in the data or the model, or train in bf16",
+                stacklevel=3,
+            )
         return self.in_a_row
 
 # %% ../../nbs/40_precision_loss_scaler.ipynb #c009
 class StaticLossScaler:
     "A fixed loss scale"
+
     dynamic = False
-    def __init__(self, scale:float=1., # the loss is multiplied by this
-                 warn_after_skips:int=SKIPPED_STEPS_WARNING): # warn when this many steps in a row are skipped
+
+    def __init__(
+        self,
+        scale: float = 1.0,  # the loss is multiplied by this
+        warn_after_skips: int = SKIPPED_STEPS_WARNING,  # warn when this many steps in a row are skipped
+    ):
         self.cur_scale, self.skipped = _number('scale', scale), SkippedSteps(warn_after_skips)
 
     @property
-    def loss_scale(self)->float: return self.cur_scale
+    def loss_scale(self) -> float:
+        return self.cur_scale
 
-    def scale_loss(self, loss:torch.Tensor)->torch.Tensor:
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         "`loss` times the scale (the loss itself when the scale is 1)"
-        return loss if self.cur_scale == 1. else loss * self.cur_scale
+        return loss if self.cur_scale == 1.0 else loss * self.cur_scale
 
-    def update(self, overflow:bool): # did this step's gradients hold inf/nan (on any rank)?
+    def update(self, overflow: bool):  # did this step's gradients hold inf/nan (on any rank)?
         "Record one optimizer step: the scale is fixed, the skips in a row are counted"
         self.skipped.record(overflow, self.cur_scale)
-    def update_scale(self, overflow:bool): return self.update(overflow)   # DeepSpeed's name
 
-    def state_dict(self)->dict: return {'cur_scale': self.cur_scale}
-    def load_state_dict(self, state:Mapping): self.cur_scale = _number('cur_scale', state['cur_scale'])
-    def __repr__(self): return f'StaticLossScaler(scale={self.cur_scale:g})'
+    def update_scale(self, overflow: bool):
+        return self.update(overflow)  # DeepSpeed's name
 
+    def state_dict(self) -> dict:
+        return {'cur_scale': self.cur_scale}
+
+    def load_state_dict(self, state: Mapping):
+        self.cur_scale = _number('cur_scale', state['cur_scale'])
+
+    def __repr__(self):
+        return f'StaticLossScaler(scale={self.cur_scale:g})'
 
 # %% ../../nbs/40_precision_loss_scaler.ipynb #c012
 class DynamicLossScaler(StaticLossScaler):
     "A loss scale that drops on overflow (after `delayed_shift` of them) and grows after `scale_window` clean steps"
+
     dynamic = True
-    def __init__(self, init_scale:float=2.**16, # the first scale
-                 scale_factor:float=2., # divide by this on overflow, multiply by it after a clean window
-                 scale_window:int=1000, # clean steps in a row before the scale grows
-                 min_scale:float=1., # the scale never goes below this
-                 delayed_shift:int=1, # hysteresis: overflows that lower the scale only when this many have happened
-                 consecutive_hysteresis:bool=False, # refill the hysteresis after every clean step
-                 raise_error_at_min_scale:bool=False, # an overflow at `min_scale` raises instead of skipping again
-                 warn_after_skips:int=SKIPPED_STEPS_WARNING): # warn when this many steps in a row are skipped
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,  # the first scale
+        scale_factor: float = 2.0,  # divide by this on overflow, multiply by it after a clean window
+        scale_window: int = 1000,  # clean steps in a row before the scale grows
+        min_scale: float = 1.0,  # the scale never goes below this
+        delayed_shift: int = 1,  # hysteresis: overflows that lower the scale only when this many have happened
+        consecutive_hysteresis: bool = False,  # refill the hysteresis after every clean step
+        raise_error_at_min_scale: bool = False,  # an overflow at `min_scale` raises instead of skipping again
+        warn_after_skips: int = SKIPPED_STEPS_WARNING,  # warn when this many steps in a row are skipped
+    ):
         self.cur_scale = _number('init_scale', init_scale)
-        self.scale_factor = _number('scale_factor', scale_factor, minimum=1.)
+        self.scale_factor = _number('scale_factor', scale_factor, minimum=1.0)
         self.scale_window = _number('scale_window', scale_window, integer=True, minimum=1, inclusive=True)
         self.min_scale = _number('min_scale', min_scale)
         self.delayed_shift = _number('delayed_shift', delayed_shift, integer=True, minimum=1, inclusive=True)
-        if self.cur_scale < self.min_scale: raise ValueError(f"init_scale={init_scale} is below min_scale={min_scale}")
-        self.consecutive_hysteresis, self.raise_error_at_min_scale = bool(consecutive_hysteresis), bool(raise_error_at_min_scale)
+        if self.cur_scale < self.min_scale:
+            raise ValueError(f"init_scale={init_scale} is below min_scale={min_scale}")
+        self.consecutive_hysteresis, self.raise_error_at_min_scale = (
+            bool(consecutive_hysteresis),
+            bool(raise_error_at_min_scale),
+        )
         self.cur_iter, self.last_overflow_iter, self.cur_hysteresis = 0, -1, self.delayed_shift
         self.skipped = SkippedSteps(warn_after_skips)
 
     def __repr__(self):
-        return (f'DynamicLossScaler(scale={self.cur_scale:g}, window={self.scale_window}, min={self.min_scale:g}, '
-                f'hysteresis={self.cur_hysteresis}/{self.delayed_shift})')
+        return (
+            f'DynamicLossScaler(scale={self.cur_scale:g}, window={self.scale_window}, min={self.min_scale:g}, '
+            f'hysteresis={self.cur_hysteresis}/{self.delayed_shift})'
+        )
 
-# %% ../../nbs/40_precision_loss_scaler.ipynb #c015
-@patch
-def _on_overflow(self:DynamicLossScaler):
-    if self.cur_hysteresis > 1: self.cur_hysteresis -= 1   # tolerated: spend one unit of hysteresis
-    elif self.cur_scale <= self.min_scale and self.raise_error_at_min_scale:
-        raise RuntimeError(f"Current loss scale already at minimum ({self.min_scale:g}) - cannot decrease scale anymore. "
-                           "The gradients overflow even at the smallest scale: lower the learning rate, look for inf/nan "
-                           "in the data or the model, lower min_loss_scale, or train in bf16")
-    else: self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-    self.last_overflow_iter = self.cur_iter
+    def _on_overflow(self):
+        if self.cur_hysteresis > 1:
+            self.cur_hysteresis -= 1  # tolerated: spend one unit of hysteresis
+        elif self.cur_scale <= self.min_scale and self.raise_error_at_min_scale:
+            raise RuntimeError(
+                f"Current loss scale already at minimum ({self.min_scale:g}) - cannot decrease scale anymore. "
+                "The gradients overflow even at the smallest scale: lower the learning rate, look for inf/nan "
+                "in the data or the model, lower min_loss_scale, or train in bf16"
+            )
+        else:
+            self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+        self.last_overflow_iter = self.cur_iter
 
-@patch
-def _on_clean(self:DynamicLossScaler):
-    if self.consecutive_hysteresis: self.cur_hysteresis = self.delayed_shift
-    clean_before = self.cur_iter - self.last_overflow_iter - 1   # clean steps in a row before this one
-    if clean_before > 0 and clean_before % self.scale_window == 0:
-        self.cur_hysteresis = self.delayed_shift
-        self.cur_scale *= self.scale_factor
+    def _on_clean(self):
+        if self.consecutive_hysteresis:
+            self.cur_hysteresis = self.delayed_shift
+        clean_before = self.cur_iter - self.last_overflow_iter - 1  # clean steps in a row before this one
+        if clean_before > 0 and clean_before % self.scale_window == 0:
+            self.cur_hysteresis = self.delayed_shift
+            self.cur_scale *= self.scale_factor
 
-@patch
-def update(self:DynamicLossScaler, overflow:bool): # did this step's gradients hold inf/nan (on any rank)?
-    "Record one optimizer step"
-    self.skipped.record(overflow, self.cur_scale)
-    (self._on_overflow if overflow else self._on_clean)()
-    self.cur_iter += 1
+    def update(self, overflow: bool):  # did this step's gradients hold inf/nan (on any rank)?
+        "Record one optimizer step"
+        self.skipped.record(overflow, self.cur_scale)
+        (self._on_overflow if overflow else self._on_clean)()
+        self.cur_iter += 1
 
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in _SCALER_STATE}
+
+    def load_state_dict(self, state: Mapping):
+        missing = [k for k in _SCALER_STATE if k not in state]
+        if missing:
+            raise ValueError(f"loss scaler state is missing {missing}; expected the keys {list(_SCALER_STATE)}")
+        self.cur_scale = _number('cur_scale', state['cur_scale'])
+        self.cur_iter, self.last_overflow_iter, self.cur_hysteresis = (int(state[k]) for k in _SCALER_STATE[1:])
 
 # %% ../../nbs/40_precision_loss_scaler.ipynb #c018
 _SCALER_STATE = ('cur_scale', 'cur_iter', 'last_overflow_iter', 'cur_hysteresis')
 
-@patch
-def state_dict(self:DynamicLossScaler)->dict: return {k: getattr(self, k) for k in _SCALER_STATE}
-
-@patch
-def load_state_dict(self:DynamicLossScaler, state:Mapping):
-    missing = [k for k in _SCALER_STATE if k not in state]
-    if missing: raise ValueError(f"loss scaler state is missing {missing}; expected the keys {list(_SCALER_STATE)}")
-    self.cur_scale = _number('cur_scale', state['cur_scale'])
-    self.cur_iter, self.last_overflow_iter, self.cur_hysteresis = (int(state[k]) for k in _SCALER_STATE[1:])
-
-
 # %% ../../nbs/40_precision_loss_scaler.ipynb #c021
-FP16_MAX = torch.finfo(torch.float16).max   # 65504
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
 
-def make_loss_scaler(loss_scale:float=0., # fp16.loss_scale: > 0 a fixed scale, 0 dynamic scaling
-                     initial_scale_power:int=16, # the dynamic scale starts at 2**initial_scale_power
-                     loss_scale_window:int=1000, # clean steps before the scale grows
-                     hysteresis:int=2, # overflows that lower the scale only when this many have happened
-                     consecutive_hysteresis:bool=False, # refill the hysteresis after every clean step
-                     min_loss_scale:float=1., # the dynamic scale never goes below this
-                     raise_error_at_min_scale:bool=False)->StaticLossScaler: # an overflow at the minimum raises
+
+def make_loss_scaler(
+    loss_scale: float = 0.0,  # fp16.loss_scale: > 0 a fixed scale, 0 dynamic scaling
+    initial_scale_power: int = 16,  # the dynamic scale starts at 2**initial_scale_power
+    loss_scale_window: int = 1000,  # clean steps before the scale grows
+    hysteresis: int = 2,  # overflows that lower the scale only when this many have happened
+    consecutive_hysteresis: bool = False,  # refill the hysteresis after every clean step
+    min_loss_scale: float = 1.0,  # the dynamic scale never goes below this
+    raise_error_at_min_scale: bool = False,
+) -> StaticLossScaler:  # an overflow at the minimum raises
     "A `StaticLossScaler` or `DynamicLossScaler` from DeepSpeed's `fp16` keys"
     loss_scale = _number('fp16.loss_scale', loss_scale, inclusive=True)
-    if loss_scale > FP16_MAX: raise ValueError(f"fp16.loss_scale={loss_scale:g} is above fp16's largest value {FP16_MAX:g}: every step "
-                                              "would overflow and be skipped; use a power of two up to 2**15 = 32768, or 0 for dynamic scaling")
-    if loss_scale > 0: return StaticLossScaler(loss_scale)
+    if loss_scale > FP16_MAX:
+        raise ValueError(
+            f"fp16.loss_scale={loss_scale:g} is above fp16's largest value {FP16_MAX:g}: every step "
+            "would overflow and be skipped; use a power of two up to 2**15 = 32768, or 0 for dynamic scaling"
+        )
+    if loss_scale > 0:
+        return StaticLossScaler(loss_scale)
     power = _number('fp16.initial_scale_power', initial_scale_power, integer=True, inclusive=True)
-    if power >= 128: raise ValueError(f"fp16.initial_scale_power={power} gives a scale past the fp32 range: use < 128")
-    return DynamicLossScaler(2. ** power, 2., loss_scale_window, min_loss_scale, hysteresis, consecutive_hysteresis,
-                             raise_error_at_min_scale)
+    if power >= 128:
+        raise ValueError(f"fp16.initial_scale_power={power} gives a scale past the fp32 range: use < 128")
+    return DynamicLossScaler(
+        2.0**power, 2.0, loss_scale_window, min_loss_scale, hysteresis, consecutive_hysteresis, raise_error_at_min_scale
+    )

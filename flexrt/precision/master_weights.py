@@ -12,85 +12,126 @@ from fastcore.basics import patch
 __all__ = ['ModelWeights', 'MasterWeights']
 
 # %% ../../nbs/40_precision_master_weights.ipynb #c006
-def _optimizer_params(source)->list:
+def _optimizer_params(source) -> list:
     "The parameters of an optimizer's param groups, or of an iterable of tensors"
-    if hasattr(source, 'param_groups'): return [p for g in source.param_groups for p in g['params']]
-    if isinstance(source, torch.Tensor): return [source]
+    if hasattr(source, 'param_groups'):
+        return [p for g in source.param_groups for p in g['params']]
+    if isinstance(source, torch.Tensor):
+        return [source]
     return list(source)
 
-def _zero_grads(tensors, set_to_none:bool):
+
+def _zero_grads(tensors, set_to_none: bool):
     "Drop (or zero) the gradients of `tensors`"
     if set_to_none:
-        for t in tensors: t.grad = None
+        for t in tensors:
+            t.grad = None
     else:
         grads = [t.grad for t in tensors if t.grad is not None]
-        if grads: torch._foreach_zero_(grads)   # none yet (before the first backward, or after a step): nothing to zero
+        if grads:
+            torch._foreach_zero_(grads)  # none yet (before the first backward, or after a step): nothing to zero
 
 # %% ../../nbs/40_precision_master_weights.ipynb #c007
 class ModelWeights:
     "The optimizer steps the model's own parameters: nothing to copy"
-    def __init__(self, source): self.model_params = _optimizer_params(source)   # an optimizer, or parameters
+
+    def __init__(self, source):
+        self.model_params = _optimizer_params(source)  # an optimizer, or parameters
+
     @property
-    def params(self)->list: return self.model_params   # what the optimizer steps
+    def params(self) -> list:
+        return self.model_params  # what the optimizer steps
+
     @property
-    def members(self)->list: return [[p] for p in self.model_params]   # the parameters each of `params` stands for
-    def collect_grads(self)->list: return [p.grad for p in self.model_params if p.grad is not None]
-    def copy_to_model(self): "Nothing to do: the optimizer updated the model's parameters"
-    def zero_grad(self, set_to_none:bool=True): _zero_grads(self.model_params, set_to_none)
-    def state_dict(self)->dict: return {}   # the model's own state_dict holds the weights
-    def load_state_dict(self, state:Mapping): "Nothing to restore"
+    def members(self) -> list:
+        return [[p] for p in self.model_params]  # the parameters each of `params` stands for
+
+    def collect_grads(self) -> list:
+        return [p.grad for p in self.model_params if p.grad is not None]
+
+    def copy_to_model(self):
+        "Nothing to do: the optimizer updated the model's parameters"
+
+    def zero_grad(self, set_to_none: bool = True):
+        _zero_grads(self.model_params, set_to_none)
+
+    def state_dict(self) -> dict:
+        return {}  # the model's own state_dict holds the weights
+
+    def load_state_dict(self, state: Mapping):
+        "Nothing to restore"
 
 # %% ../../nbs/40_precision_master_weights.ipynb #c010
 _MARKS = ('allreduce', 'group_name')
 
-def _expert_key(p)->tuple:
+
+def _expert_key(p) -> tuple:
     "What a flat buffer must not mix: dense parameters, and each expert group (`allreduce=False`, `group_name`)"
     return (False, getattr(p, 'group_name', None)) if getattr(p, 'allreduce', True) is False else (True, None)
+
 
 def _copy_marks(master, p):
     "Give `master` the expert marks of the parameter `p` it stands for"
     for mark in _MARKS:
-        if hasattr(p, mark): setattr(master, mark, getattr(p, mark))
+        if hasattr(p, mark):
+            setattr(master, mark, getattr(p, mark))
 
-def _master_copies(params:list)->tuple:
+
+def _master_copies(params: list) -> tuple:
     "(masters, [[model params] per master], fp32 views matching `params`): one marked fp32 Parameter per parameter"
-    masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad) for p in params]
-    for m, p in zip(masters, params): _copy_marks(m, p)
+    masters = [
+        torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad) for p in params
+    ]
+    for m, p in zip(masters, params):
+        _copy_marks(m, p)
     return masters, [[p] for p in params], [m.detach() for m in masters]
 
 # %% ../../nbs/40_precision_master_weights.ipynb #c011
-def _flat_master(params:list)->tuple:
+def _flat_master(params: list) -> tuple:
     "(the flat fp32 Parameter, fp32 views matching `params`) for parameters of one device and expert key"
     devices = {p.device for p in params}
-    if len(devices) > 1: raise ValueError(f"flat master weights need one device per param group, got {sorted(map(str, devices))}")
+    if len(devices) > 1:
+        raise ValueError(f"flat master weights need one device per param group, got {sorted(map(str, devices))}")
     flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params]))
     _copy_marks(flat, params[0])
     return flat, [v.view_as(p) for v, p in zip(flat.detach().split([p.numel() for p in params]), params)]
 
-def _flat_masters(params:list)->tuple:
+
+def _flat_masters(params: list) -> tuple:
     "(masters, [[model params] per master], fp32 views matching `params`): one flat fp32 buffer per expert key"
     by_key = {}
-    for p in params: by_key.setdefault(_expert_key(p), []).append(p)
+    for p in params:
+        by_key.setdefault(_expert_key(p), []).append(p)
     masters, members, view_of = [], [], {}
     for group in by_key.values():
         flat, views = _flat_master(group)
-        masters.append(flat); members.append(group); view_of.update(zip(map(id, group), views))
+        masters.append(flat)
+        members.append(group)
+        view_of.update(zip(map(id, group), views))
     return masters, members, [view_of[id(p)] for p in params]
 
 # %% ../../nbs/40_precision_master_weights.ipynb #c015
-def _move_state(optimizer, old:list, new:list, flat:bool):
+def _move_state(optimizer, old: list, new: list, flat: bool):
     "Re-key optimizer state held for `old` parameters to `new` ones (flat masters cannot take per-parameter state)"
     held = [p for p in old if p in optimizer.state and optimizer.state[p]]
-    if held and flat: raise ValueError("the optimizer already holds state for these parameters, which flat master weights "
-                                       "cannot take over: build MasterWeights before the first step, or use flat=False")
+    if held and flat:
+        raise ValueError(
+            "the optimizer already holds state for these parameters, which flat master weights "
+            "cannot take over: build MasterWeights before the first step, or use flat=False"
+        )
     for p, m in zip(old, new):
-        if p in optimizer.state: optimizer.state[m] = optimizer.state.pop(p)
+        if p in optimizer.state:
+            optimizer.state[m] = optimizer.state.pop(p)
 
 # %% ../../nbs/40_precision_master_weights.ipynb #c016
 class MasterWeights:
     "fp32 copies of the parameters an optimizer steps, swapped into its param groups; the model keeps its own dtype"
-    def __init__(self, optimizer, # an optimizer over the model's parameters (built before or after the cast)
-                 flat:bool=False): # one flat fp32 buffer per param group instead of one copy per parameter
+
+    def __init__(
+        self,
+        optimizer,  # an optimizer over the model's parameters (built before or after the cast)
+        flat: bool = False,  # one flat fp32 buffer per param group instead of one copy per parameter
+    ):
         self.optimizer, self.flat = optimizer, flat
         self.model_groups, self.master_groups, self.views, self.members = [], [], [], []
         for group in optimizer.param_groups:
@@ -98,61 +139,75 @@ class MasterWeights:
             masters, members, views = (_flat_masters if flat else _master_copies)(params)
             _move_state(optimizer, params, masters, flat)
             group['params'] = masters
-            self.model_groups.append(params); self.master_groups.append(masters); self.views.append(views)
-            self.members += members   # the model parameters each master stands for, in its buffer's order
+            self.model_groups.append(params)
+            self.master_groups.append(masters)
+            self.views.append(views)
+            self.members += members  # the model parameters each master stands for, in its buffer's order
         self.model_params = [p for g in self.model_groups for p in g]
         self._views = [v for g in self.views for v in g]
 
     @property
-    def params(self)->list: return [m for g in self.master_groups for m in g]   # what the optimizer steps
+    def params(self) -> list:
+        return [m for g in self.master_groups for m in g]  # what the optimizer steps
 
-    def __repr__(self): return f'MasterWeights({len(self.model_params)} parameters, flat={self.flat})'
+    def __repr__(self):
+        return f'MasterWeights({len(self.model_params)} parameters, flat={self.flat})'
+
+    @torch.no_grad()
+    def collect_grads(self) -> list:
+        "Copy the model's gradients into the masters' fp32 gradients; return the gradients the optimizer will use"
+        dst, src, zero = [], [], []
+        for master, model in zip(self.params, self.members):
+            _master_grad(master, model, dst, src, zero)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if zero:
+            torch._foreach_zero_(zero)
+        return [m.grad for m in self.params if m.grad is not None]
+
+    @torch.no_grad()
+    def copy_to_model(self):
+        "Write the fp32 masters into the model's parameters (rounded to their dtype)"
+        if self.model_params:
+            torch._foreach_copy_(self.model_params, self._views)
+
+    def zero_grad(self, set_to_none: bool = True):
+        "Drop (or zero) the gradients of the model and of the masters"
+        _zero_grads(self.model_params, set_to_none)
+        _zero_grads(self.params, set_to_none)
+
+    def state_dict(self) -> dict:
+        "{'master_weights': per param group, the fp32 value of each parameter}"
+        return {'master_weights': [list(views) for views in self.views]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping):
+        "Restore the fp32 masters and copy them into the model"
+        groups = state['master_weights']
+        if len(groups) != len(self.views):
+            raise ValueError(f"state has {len(groups)} param groups, the optimizer {len(self.views)}")
+        for i, (saved, views) in enumerate(zip(groups, self.views)):
+            if [tuple(t.shape) for t in saved] != [tuple(v.shape) for v in views]:
+                raise ValueError(
+                    f"param group {i}: saved shapes {[tuple(t.shape) for t in saved]} differ from "
+                    f"{[tuple(v.shape) for v in views]}"
+                )
+        if self._views:
+            torch._foreach_copy_(self._views, [t for g in groups for t in g])
+        self.copy_to_model()
 
 # %% ../../nbs/40_precision_master_weights.ipynb #c018
-def _master_grad(master:torch.nn.Parameter, model:list, dst:list, src:list, zero:list):
+def _master_grad(master: torch.nn.Parameter, model: list, dst: list, src: list, zero: list):
     "Queue the copy of `model`'s gradients into `master.grad` (zeros for a missing one; None when all are missing)"
-    if all(p.grad is None for p in model): master.grad = None; return
-    if master.grad is None: master.grad = torch.empty_like(master)
+    if all(p.grad is None for p in model):
+        master.grad = None
+        return
+    if master.grad is None:
+        master.grad = torch.empty_like(master)
     slots = [master.grad] if len(model) == 1 else master.grad.split([p.numel() for p in model])
     for p, g in zip(model, slots):
-        if p.grad is None: zero.append(g)
-        else: dst.append(g.view_as(p)); src.append(p.grad)
-
-@patch
-@torch.no_grad()
-def collect_grads(self:MasterWeights)->list:
-    "Copy the model's gradients into the masters' fp32 gradients; return the gradients the optimizer will use"
-    dst, src, zero = [], [], []
-    for master, model in zip(self.params, self.members): _master_grad(master, model, dst, src, zero)
-    if dst: torch._foreach_copy_(dst, src)
-    if zero: torch._foreach_zero_(zero)
-    return [m.grad for m in self.params if m.grad is not None]
-
-@patch
-@torch.no_grad()
-def copy_to_model(self:MasterWeights):
-    "Write the fp32 masters into the model's parameters (rounded to their dtype)"
-    if self.model_params: torch._foreach_copy_(self.model_params, self._views)
-
-@patch
-def zero_grad(self:MasterWeights, set_to_none:bool=True):
-    "Drop (or zero) the gradients of the model and of the masters"
-    _zero_grads(self.model_params, set_to_none); _zero_grads(self.params, set_to_none)
-
-# %% ../../nbs/40_precision_master_weights.ipynb #c022
-@patch
-def state_dict(self:MasterWeights)->dict:
-    "{'master_weights': per param group, the fp32 value of each parameter}"
-    return {'master_weights': [list(views) for views in self.views]}
-
-@patch
-@torch.no_grad()
-def load_state_dict(self:MasterWeights, state:Mapping):
-    "Restore the fp32 masters and copy them into the model"
-    groups = state['master_weights']
-    if len(groups) != len(self.views): raise ValueError(f"state has {len(groups)} param groups, the optimizer {len(self.views)}")
-    for i, (saved, views) in enumerate(zip(groups, self.views)):
-        if [tuple(t.shape) for t in saved] != [tuple(v.shape) for v in views]:
-            raise ValueError(f"param group {i}: saved shapes {[tuple(t.shape) for t in saved]} differ from {[tuple(v.shape) for v in views]}")
-    if self._views: torch._foreach_copy_(self._views, [t for g in groups for t in g])
-    self.copy_to_model()
+        if p.grad is None:
+            zero.append(g)
+        else:
+            dst.append(g.view_as(p))
+            src.append(p.grad)

@@ -10,7 +10,7 @@ import torch
 from ..utils import CheckOverflow, get_global_norm_of_tensors
 from .loss_scaler import StaticLossScaler, DynamicLossScaler, make_loss_scaler
 from .master_weights import ModelWeights, MasterWeights
-from fastcore.basics import patch
+
 _all_ = ['ModelWeights', 'MasterWeights']
 
 # %% auto #0
@@ -18,146 +18,214 @@ __all__ = ['Precision', 'ModelWeights', 'MasterWeights']
 
 # %% ../../nbs/40_precision_policy.ipynb #c025
 _NAMES = {torch.float32: 'fp32', torch.bfloat16: 'bf16', torch.float16: 'fp16'}
-_DTYPES = {'fp32': torch.float32, 'float32': torch.float32, 'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16,
-           'fp16': torch.float16, 'float16': torch.float16, 'half': torch.float16}
+_DTYPES = {
+    'fp32': torch.float32,
+    'float32': torch.float32,
+    'bf16': torch.bfloat16,
+    'bfloat16': torch.bfloat16,
+    'fp16': torch.float16,
+    'float16': torch.float16,
+    'half': torch.float16,
+}
 
-def _dtype(dtype)->torch.dtype:
+
+def _dtype(dtype) -> torch.dtype:
     "torch.float32/bfloat16/float16 from a dtype or a name such as 'bf16'"
     found = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype if dtype in _NAMES else None
-    if found is None: raise ValueError(f"dtype must be one of fp32, bf16, fp16 (or the torch dtypes), got {dtype!r}")
+    if found is None:
+        raise ValueError(f"dtype must be one of fp32, bf16, fp16 (or the torch dtypes), got {dtype!r}")
     return found
 
 # %% ../../nbs/40_precision_policy.ipynb #c027
 class Precision:
     "Working dtype, loss scaling and the overflow check of a training run"
-    def __init__(self, dtype:torch.dtype|str=torch.float32, # what the model computes in: fp32, bf16 or fp16
-                 loss_scaler:StaticLossScaler|None=None, # a StaticLossScaler or DynamicLossScaler; None: no scaling
-                 master_weights:bool|None=None, # fp32 copies for the optimizer; None: yes unless `dtype` is fp32
-                 check_overflow:bool|None=None, # skip steps with inf/nan gradients; None: only for fp16
-                 auto_cast:bool=False, # `cast_inputs` casts floating-point inputs to `dtype`
-                 group=None): # the ranks that agree on overflow (None: all)
+
+    def __init__(
+        self,
+        dtype: torch.dtype | str = torch.float32,  # what the model computes in: fp32, bf16 or fp16
+        loss_scaler: StaticLossScaler | None = None,  # a StaticLossScaler or DynamicLossScaler; None: no scaling
+        master_weights: bool | None = None,  # fp32 copies for the optimizer; None: yes unless `dtype` is fp32
+        check_overflow: bool | None = None,  # skip steps with inf/nan gradients; None: only for fp16
+        auto_cast: bool = False,  # `cast_inputs` casts floating-point inputs to `dtype`
+        group=None,  # the ranks that agree on overflow (None: all)
+    ):
         self.dtype = _dtype(dtype)
-        self.loss_scaler = StaticLossScaler(1.) if loss_scaler is None else loss_scaler
-        if not all(hasattr(self.loss_scaler, a) for a in ('scale_loss', 'update', 'loss_scale', 'state_dict', 'dynamic')):
-            raise TypeError(f"loss_scaler must be a StaticLossScaler or DynamicLossScaler, got {type(loss_scaler).__name__}")
+        self.loss_scaler = StaticLossScaler(1.0) if loss_scaler is None else loss_scaler
+        if not all(
+            hasattr(self.loss_scaler, a) for a in ('scale_loss', 'update', 'loss_scale', 'state_dict', 'dynamic')
+        ):
+            raise TypeError(
+                f"loss_scaler must be a StaticLossScaler or DynamicLossScaler, got {type(loss_scaler).__name__}"
+            )
         self.master_weights = self.dtype != torch.float32 if master_weights is None else bool(master_weights)
         self.check_overflow = self.dtype == torch.float16 if check_overflow is None else bool(check_overflow)
         self.auto_cast, self.group = bool(auto_cast), group
         self._overflow_checker = CheckOverflow(group=group)
 
     @property
-    def name(self)->str: return _NAMES[self.dtype]
+    def name(self) -> str:
+        return _NAMES[self.dtype]
+
     @property
-    def loss_scale(self)->float: return self.loss_scaler.loss_scale
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
 
     def __repr__(self):
-        return f'Precision({self.name}, {self.loss_scaler!r}, master_weights={self.master_weights}, check_overflow={self.check_overflow})'
+        return (
+            f'Precision({self.name}, {self.loss_scaler!r}, master_weights={self.master_weights}, '
+            f'check_overflow={self.check_overflow})'
+        )
 
-# %% ../../nbs/40_precision_policy.ipynb #c029
-@patch(cls_method=True)
-def fp32(cls:Precision, group=None)->Precision: return cls(torch.float32, group=group)
+    @classmethod
+    def fp32(cls, group=None) -> Precision:
+        return cls(torch.float32, group=group)
 
-@patch(cls_method=True)
-def bf16(cls:Precision, enabled:bool=True, # DeepSpeed's `bf16.enabled`; False is an error here (see `from_config`)
-          check_grad_overflow:bool=False, # skip steps whose gradients hold inf/nan
-          group=None)->Precision:
-    "bf16 compute with fp32 master weights and no loss scaling"
-    if not enabled: raise ValueError("Precision.bf16(enabled=False): use Precision.from_config(fp16=..., bf16=...) to choose")
-    return cls(torch.bfloat16, check_overflow=check_grad_overflow, group=group)
+    @classmethod
+    def bf16(
+        cls,
+        enabled: bool = True,  # DeepSpeed's `bf16.enabled`; False is an error here (see `from_config`)
+        check_grad_overflow: bool = False,  # skip steps whose gradients hold inf/nan
+        group=None,
+    ) -> Precision:
+        "bf16 compute with fp32 master weights and no loss scaling"
+        if not enabled:
+            raise ValueError("Precision.bf16(enabled=False): use Precision.from_config(fp16=..., bf16=...) to choose")
+        return cls(torch.bfloat16, check_overflow=check_grad_overflow, group=group)
 
-@patch(cls_method=True)
-def fp16(cls:Precision, enabled:bool=True, auto_cast:bool=False, loss_scale:float=0., initial_scale_power:int=16,
-          loss_scale_window:int=1000, hysteresis:int=2, consecutive_hysteresis:bool=False, min_loss_scale:float=1.,
-          fp16_master_weights_and_grads:bool=False, raise_error_at_min_scale:bool=False, group=None)->Precision:
-    "fp16 compute with loss scaling (see `make_loss_scaler`) and fp32 master weights"
-    if not enabled: raise ValueError("Precision.fp16(enabled=False): use Precision.from_config(fp16=..., bf16=...) to choose")
-    scaler = make_loss_scaler(loss_scale, initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis,
-                              min_loss_scale, raise_error_at_min_scale)
-    return cls(torch.float16, scaler, master_weights=not fp16_master_weights_and_grads, check_overflow=True,
-               auto_cast=auto_cast, group=group)
+    @classmethod
+    def fp16(
+        cls,
+        enabled: bool = True,
+        auto_cast: bool = False,
+        loss_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_loss_scale: float = 1.0,
+        fp16_master_weights_and_grads: bool = False,
+        raise_error_at_min_scale: bool = False,
+        group=None,
+    ) -> Precision:
+        "fp16 compute with loss scaling (see `make_loss_scaler`) and fp32 master weights"
+        if not enabled:
+            raise ValueError("Precision.fp16(enabled=False): use Precision.from_config(fp16=..., bf16=...) to choose")
+        scaler = make_loss_scaler(
+            loss_scale,
+            initial_scale_power,
+            loss_scale_window,
+            hysteresis,
+            consecutive_hysteresis,
+            min_loss_scale,
+            raise_error_at_min_scale,
+        )
+        return cls(
+            torch.float16,
+            scaler,
+            master_weights=not fp16_master_weights_and_grads,
+            check_overflow=True,
+            auto_cast=auto_cast,
+            group=group,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        fp16=None,  # DeepSpeed's "fp16" block
+        bf16=None,  # DeepSpeed's "bf16" block
+        group=None,
+    ) -> Precision:
+        "The precision the enabled block asks for (fp32 when neither is enabled)"
+        fp16, bf16 = _block(fp16, 'fp16'), _block(bf16, 'bf16')
+        if fp16.get('enabled', False) and bf16.get('enabled', False):
+            raise ValueError("fp16 and bf16 are both enabled: set 'enabled': false in one of them")
+        if fp16.get('enabled', False):
+            return cls.fp16(**fp16, group=group)
+        if bf16.get('enabled', False):
+            return cls.bf16(**bf16, group=group)
+        return cls.fp32(group=group)
+
+    def cast_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        "Cast `module`'s floating-point parameters and buffers to the working dtype (fp32: leave it alone)"
+        return module if self.dtype == torch.float32 else module.to(self.dtype)
+
+    def cast_inputs(self, inputs):
+        "`inputs` with floating-point tensors cast to the working dtype if `auto_cast`, else unchanged"
+        return _cast_floats(inputs, self.dtype) if self.auto_cast else inputs
+
+    def setup(
+        self,
+        module: torch.nn.Module | None = None,  # the model to cast (None: cast nothing)
+        optimizer=None,  # the optimizer over the model's parameters (None: no optimizer step)
+        flat: bool = False,
+    ) -> MasterWeights | ModelWeights:  # flat fp32 master buffers, one per param group
+        "Make the weights the optimizer steps (fp32 masters when needed), then cast the model"
+        if optimizer is not None:
+            weights = MasterWeights(optimizer, flat) if self.master_weights else ModelWeights(optimizer)
+        else:
+            weights = ModelWeights(module.parameters() if module is not None else [])
+        if module is not None:
+            self.cast_model(module)
+        return weights
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False):
+        "Backward on `loss` times the loss scale"
+        self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
+
+    def _has_overflow(self, grads: list) -> bool:
+        "True on every rank of `group` if any rank's `grads` hold inf/nan"
+        local_max = get_global_norm_of_tensors(grads, math.inf)  # -1 when a gradient is not finite
+        return self._overflow_checker.check_using_norm([local_max])
+
+    @torch.no_grad()
+    def unscale_and_check(self, grads) -> bool:  # the gradients the optimizer will use (this rank's shard)
+        """Once per optimizer step: overflow on any rank (skip the step), else `grads` divided by the scale; updates the
+        scaler"""
+        grads, scale = [g for g in grads if g is not None], self.loss_scale
+        overflow = self.check_overflow and self._has_overflow(grads)
+        self.loss_scaler.update(overflow)
+        if not overflow and scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        return overflow
+
+    def state_dict(self) -> dict:
+        return {
+            'precision': self.name,
+            'dynamic': self.loss_scaler.dynamic,
+            'loss_scaler': self.loss_scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping):
+        "Restore the loss scaler (a state saved under another precision or scaler kind is skipped with a warning)"
+        saved = (state.get('precision'), state.get('dynamic'))
+        if saved != (self.name, self.loss_scaler.dynamic):
+            warnings.warn(
+                f"precision state saved as {saved[0]} (dynamic scale: {saved[1]}) does not match this run's "
+                f"{self.name} (dynamic scale: {self.loss_scaler.dynamic}): the loss scaler starts afresh"
+            )
+            return
+        self.loss_scaler.load_state_dict(state['loss_scaler'])
 
 # %% ../../nbs/40_precision_policy.ipynb #c030
-def _block(block, name:str)->dict:
+def _block(block, name: str) -> dict:
     "A config block (None, a mapping or a dataclass) as a dict"
-    if block is None: return {}
-    if dataclasses.is_dataclass(block) and not isinstance(block, type): return dataclasses.asdict(block)
-    if isinstance(block, Mapping): return dict(block)
-    raise TypeError(f"{name} must be a dict of DeepSpeed's '{name}' keys (or a dataclass, or None), got {type(block).__name__}")
-
-@patch(cls_method=True)
-def from_config(cls:Precision, fp16=None, # DeepSpeed's "fp16" block
-                 bf16=None, # DeepSpeed's "bf16" block
-                 group=None)->Precision:
-    "The precision the enabled block asks for (fp32 when neither is enabled)"
-    fp16, bf16 = _block(fp16, 'fp16'), _block(bf16, 'bf16')
-    if fp16.get('enabled', False) and bf16.get('enabled', False):
-        raise ValueError("fp16 and bf16 are both enabled: set 'enabled': false in one of them")
-    if fp16.get('enabled', False): return cls.fp16(**fp16, group=group)
-    if bf16.get('enabled', False): return cls.bf16(**bf16, group=group)
-    return cls.fp32(group=group)
+    if block is None:
+        return {}
+    if dataclasses.is_dataclass(block) and not isinstance(block, type):
+        return dataclasses.asdict(block)
+    if isinstance(block, Mapping):
+        return dict(block)
+    raise TypeError(
+        f"{name} must be a dict of DeepSpeed's '{name}' keys (or a dataclass, or None), got {type(block).__name__}"
+    )
 
 # %% ../../nbs/40_precision_policy.ipynb #c033
-@patch
-def cast_model(self:Precision, module:torch.nn.Module)->torch.nn.Module:
-    "Cast `module`'s floating-point parameters and buffers to the working dtype (fp32: leave it alone)"
-    return module if self.dtype == torch.float32 else module.to(self.dtype)
-
 def _cast_floats(obj, dtype):
-    if isinstance(obj, torch.Tensor): return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, Mapping): return type(obj)({k: _cast_floats(v, dtype) for k, v in obj.items()})
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _cast_floats(v, dtype) for k, v in obj.items()})
     if isinstance(obj, (list, tuple)):
         items = [_cast_floats(v, dtype) for v in obj]
         return type(obj)(*items) if hasattr(obj, '_fields') else type(obj)(items)
     return obj
-
-@patch
-def cast_inputs(self:Precision, inputs):
-    "`inputs` with floating-point tensors cast to the working dtype if `auto_cast`, else unchanged"
-    return _cast_floats(inputs, self.dtype) if self.auto_cast else inputs
-
-@patch
-def setup(self:Precision, module:torch.nn.Module|None=None, # the model to cast (None: cast nothing)
-           optimizer=None, # the optimizer over the model's parameters (None: no optimizer step)
-           flat:bool=False)->MasterWeights|ModelWeights: # flat fp32 master buffers, one per param group
-    "Make the weights the optimizer steps (fp32 masters when needed), then cast the model"
-    if optimizer is not None: weights = MasterWeights(optimizer, flat) if self.master_weights else ModelWeights(optimizer)
-    else: weights = ModelWeights(module.parameters() if module is not None else [])
-    if module is not None: self.cast_model(module)
-    return weights
-
-# %% ../../nbs/40_precision_policy.ipynb #c036
-@patch
-def backward(self:Precision, loss:torch.Tensor, retain_graph:bool=False):
-    "Backward on `loss` times the loss scale"
-    self.loss_scaler.scale_loss(loss).backward(retain_graph=retain_graph)
-
-@patch
-def _has_overflow(self:Precision, grads:list)->bool:
-    "True on every rank of `group` if any rank's `grads` hold inf/nan"
-    local_max = get_global_norm_of_tensors(grads, math.inf)   # -1 when a gradient is not finite
-    return self._overflow_checker.check_using_norm([local_max])
-
-@patch
-@torch.no_grad()
-def unscale_and_check(self:Precision, grads)->bool: # the gradients the optimizer will use (this rank's shard)
-    "Once per optimizer step: overflow on any rank (skip the step), else `grads` divided by the scale; updates the scaler"
-    grads, scale = [g for g in grads if g is not None], self.loss_scale
-    overflow = self.check_overflow and self._has_overflow(grads)
-    self.loss_scaler.update(overflow)
-    if not overflow and scale != 1. and grads: torch._foreach_mul_(grads, 1. / scale)
-    return overflow
-
-# %% ../../nbs/40_precision_policy.ipynb #c039
-@patch
-def state_dict(self:Precision)->dict:
-    return {'precision': self.name, 'dynamic': self.loss_scaler.dynamic, 'loss_scaler': self.loss_scaler.state_dict()}
-
-@patch
-def load_state_dict(self:Precision, state:Mapping):
-    "Restore the loss scaler (a state saved under another precision or scaler kind is skipped with a warning)"
-    saved = (state.get('precision'), state.get('dynamic'))
-    if saved != (self.name, self.loss_scaler.dynamic):
-        warnings.warn(f"precision state saved as {saved[0]} (dynamic scale: {saved[1]}) does not match this run's "
-                      f"{self.name} (dynamic scale: {self.loss_scaler.dynamic}): the loss scaler starts afresh")
-        return
-    self.loss_scaler.load_state_dict(state['loss_scaler'])

@@ -11,4 +11,14 @@ from .base import BatchLRScheduler
 from .warmup import WarmupLR, WarmupDecayLR, WarmupCosineLR
 from .cycle import OneCycle, LRRangeTest
 from .build import SCHEDULERS, build_scheduler
-_all_ = ['BatchLRScheduler', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'OneCycle', 'LRRangeTest', 'SCHEDULERS', 'build_scheduler']
+
+_all_ = [
+    'BatchLRScheduler',
+    'WarmupLR',
+    'WarmupDecayLR',
+    'WarmupCosineLR',
+    'OneCycle',
+    'LRRangeTest',
+    'SCHEDULERS',
+    'build_scheduler',
+]

@@ -16,7 +16,7 @@ __all__ = ['check_number', 'check_positive', 'per_group_values', 'check_steps', 
            'set_group_value', 'BatchLRScheduler']
 
 # %% ../../nbs/42_schedulers_base.ipynb #c006
-def check_number(name:str, value, minimum:float|None=0., integer:bool=False)->float|int:
+def check_number(name: str, value, minimum: float | None = 0.0, integer: bool = False) -> float | int:
     "`value` as a finite number (an int if `integer`) that is at least `minimum`"
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {value!r}")
@@ -24,73 +24,93 @@ def check_number(name:str, value, minimum:float|None=0., integer:bool=False)->fl
         raise ValueError(f"{name} must be a finite number >= {minimum}, got {value!r}")
     return value
 
-def check_positive(name:str, value)->float:
+
+def check_positive(name: str, value) -> float:
     "`value` as a finite number > 0"
-    if check_number(name, value) == 0: raise ValueError(f"{name} must be > 0, got {value!r}")
+    if check_number(name, value) == 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
     return float(value)
 
-def per_group_values(optimizer:Optimizer, value, name:str)->list:
+
+def per_group_values(optimizer: Optimizer, value, name: str) -> list:
     "One non-negative number per param group, from a number or a list with one entry per group"
     n = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
-        if len(value) != n: raise ValueError(f"{name} has {len(value)} values but the optimizer has {n} param groups")
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} values but the optimizer has {n} param groups")
         return [float(check_number(f'{name}[{i}]', v)) for i, v in enumerate(value)]
     return [float(check_number(name, value))] * n
 
-def check_steps(name:str, value)->int:
+
+def check_steps(name: str, value) -> int:
     "`value` as a positive int; a ValueError for anything else, None included (as DeepSpeed raises)"
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}" + (" (leave it out for the default)" if value is None else ''))
+        raise ValueError(
+            f"{name} must be a positive int, got {value!r}"
+            + (" (leave it out for the default)" if value is None else '')
+        )
     return value
 
 # %% ../../nbs/42_schedulers_base.ipynb #c009
-def torch_optimizer(optimizer)->Optimizer:
+def torch_optimizer(optimizer) -> Optimizer:
     "`optimizer`, or the torch optimizer a wrapper holds in `.optimizer`"
     inner = optimizer
     for _ in range(4):
-        if isinstance(inner, Optimizer): return inner
+        if isinstance(inner, Optimizer):
+            return inner
         inner = getattr(inner, 'optimizer', None)
-    raise TypeError(f"a learning-rate schedule needs a torch.optim.Optimizer (or a wrapper holding one in .optimizer), "
-                    f"got {type(optimizer).__name__}")
+    raise TypeError(
+        f"a learning-rate schedule needs a torch.optim.Optimizer (or a wrapper holding one in .optimizer), "
+        f"got {type(optimizer).__name__}"
+    )
 
-def initial_lrs(optimizer:Optimizer)->list:
+
+def initial_lrs(optimizer: Optimizer) -> list:
     "Each group's learning rate before any schedule changed it"
     return [float(g.get('initial_lr', g['lr'])) for g in optimizer.param_groups]
 
 # %% ../../nbs/42_schedulers_base.ipynb #c012
-def set_group_value(group:dict, key:str, value):
+def set_group_value(group: dict, key: str, value):
     "Set a param-group value, in place when the group holds it as a tensor"
-    if isinstance(group.get(key), torch.Tensor): group[key].fill_(value)
-    else: group[key] = value
+    if isinstance(group.get(key), torch.Tensor):
+        group[key].fill_(value)
+    else:
+        group[key] = value
+
 
 class BatchLRScheduler(LRScheduler):
     "A torch LR scheduler that counts batches as DeepSpeed's do: `last_batch_iteration` is -1 before the first `step()`"
-    def __init__(self, optimizer:Optimizer, last_batch_iteration:int=-1):
+
+    def __init__(self, optimizer: Optimizer, last_batch_iteration: int = -1):
         self._built = False
         super().__init__(torch_optimizer(optimizer))
         self.last_batch_iteration = check_number('last_batch_iteration', last_batch_iteration, minimum=-1, integer=True)
         self._built = True
         self._apply()
 
-    def step(self, batch_iteration:int|None=None): # jump to this batch instead of the next one
+    def step(self, batch_iteration: int | None = None):  # jump to this batch instead of the next one
         "Advance to the next batch and set the optimizer's learning rates for it"
-        if not self._built: return   # torch's constructor steps once; ours sets the first learning rates itself
+        if not self._built:
+            return  # torch's constructor steps once; ours sets the first learning rates itself
         self.last_batch_iteration = self.last_batch_iteration + 1 if batch_iteration is None else int(batch_iteration)
         self._apply()
 
     def _apply(self):
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()): set_group_value(group, 'lr', lr)
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+            set_group_value(group, 'lr', lr)
         self._last_lr = [float(g['lr']) for g in self.optimizer.param_groups]
-        self.last_epoch = self.last_batch_iteration + 1   # torch's counter: steps taken since construction
+        self.last_epoch = self.last_batch_iteration + 1  # torch's counter: steps taken since construction
 
-# %% ../../nbs/42_schedulers_base.ipynb #c014
-@patch
-def state_dict(self:BatchLRScheduler)->dict: return {'last_batch_iteration': self.last_batch_iteration}
+    def state_dict(self) -> dict:
+        return {'last_batch_iteration': self.last_batch_iteration}
 
-@patch
-def load_state_dict(self:BatchLRScheduler, state:Mapping):
-    "Resume at the batch saved in `state`"
-    if 'last_batch_iteration' not in state:
-        raise ValueError(f"scheduler state needs 'last_batch_iteration' (DeepSpeed's format), got keys {sorted(state)}")
-    self.last_batch_iteration = check_number('last_batch_iteration', state['last_batch_iteration'], minimum=-1, integer=True)
-    self._apply()
+    def load_state_dict(self, state: Mapping):
+        "Resume at the batch saved in `state`"
+        if 'last_batch_iteration' not in state:
+            raise ValueError(
+                f"scheduler state needs 'last_batch_iteration' (DeepSpeed's format), got keys {sorted(state)}"
+            )
+        self.last_batch_iteration = check_number(
+            'last_batch_iteration', state['last_batch_iteration'], minimum=-1, integer=True
+        )
+        self._apply()

@@ -16,31 +16,43 @@ __all__ = ['SCHEDULERS', 'build_scheduler']
 # %% ../../nbs/42_schedulers_build.ipynb #c018
 SCHEDULERS = {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 
-def _closest(name:str, valid)->str:
+
+def _closest(name: str, valid) -> str:
     "' (did you mean X?)' for the closest of `valid`, or ''"
     lowered = {v.lower(): v for v in valid}
     match = difflib.get_close_matches(name.lower(), lowered, n=1, cutoff=0.5)
     return f" (did you mean {lowered[match[0]]!r}?)" if match else ''
 
-def _scheduler_class(type_name:str)->type:
-    if not isinstance(type_name, str): raise TypeError(f"scheduler type must be a string, got {type_name!r}")
+
+def _scheduler_class(type_name: str) -> type:
+    if not isinstance(type_name, str):
+        raise TypeError(f"scheduler type must be a string, got {type_name!r}")
     found = {k.lower(): c for k, c in SCHEDULERS.items()}.get(type_name.lower())
     if found is None:
-        raise ValueError(f"unknown scheduler type {type_name!r}{_closest(type_name, SCHEDULERS)}; valid types: {', '.join(SCHEDULERS)}")
+        raise ValueError(
+            f"unknown scheduler type {type_name!r}{_closest(type_name, SCHEDULERS)}; valid types: "
+            f"{', '.join(SCHEDULERS)}"
+        )
     return found
 
 # %% ../../nbs/42_schedulers_build.ipynb #c020
-def build_scheduler(type_name:str, # 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'OneCycle' or 'LRRangeTest' (any case)
-                    optimizer, # the torch optimizer (or a wrapper holding it in .optimizer)
-                    params:Mapping|None=None)->BatchLRScheduler: # the block's "params", with DeepSpeed's names
+def build_scheduler(
+    type_name: str,  # 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'OneCycle' or 'LRRangeTest' (any case)
+    optimizer,  # the torch optimizer (or a wrapper holding it in .optimizer)
+    params: Mapping | None = None,
+) -> BatchLRScheduler:  # the block's "params", with DeepSpeed's names
     "The schedule a DeepSpeed `scheduler` block describes"
     cls, params = _scheduler_class(type_name), {} if params is None else params
-    if not isinstance(params, Mapping): raise TypeError(f"scheduler params must be a dict, got {type(params).__name__}")
-    signature = list(inspect.signature(cls.__init__).parameters.values())[2:]   # after self, optimizer
+    if not isinstance(params, Mapping):
+        raise TypeError(f"scheduler params must be a dict, got {type(params).__name__}")
+    signature = list(inspect.signature(cls.__init__).parameters.values())[2:]  # after self, optimizer
     names = [p.name for p in signature]
     for key in params:
         if key not in names:
-            raise ValueError(f"unknown parameter {key!r} for {cls.__name__}{_closest(str(key), names)}; valid: {', '.join(names)}")
+            raise ValueError(
+                f"unknown parameter {key!r} for {cls.__name__}{_closest(str(key), names)}; valid: {', '.join(names)}"
+            )
     missing = [p.name for p in signature if p.default is inspect.Parameter.empty and p.name not in params]
-    if missing: raise ValueError(f"{cls.__name__} needs {', '.join(map(repr, missing))} in the scheduler params")
+    if missing:
+        raise ValueError(f"{cls.__name__} needs {', '.join(map(repr, missing))} in the scheduler params")
     return cls(optimizer, **params)

@@ -7,125 +7,164 @@ from __future__ import annotations
 import math, warnings
 import torch
 from torch.optim import Optimizer
-from fastcore.basics import patch
-from .base import BatchLRScheduler, torch_optimizer, per_group_values, check_number, check_positive, set_group_value
+from flexrt.schedulers.base import (
+    BatchLRScheduler,
+    torch_optimizer,
+    per_group_values,
+    check_number,
+    check_positive,
+    set_group_value,
+)
 
 # %% auto #0
 __all__ = ['OneCycle', 'LRRangeTest']
 
 # %% ../../nbs/42_schedulers_cycle.ipynb #c006
-def _momentum_key(optimizer:Optimizer)->str|None:
+def _momentum_key(optimizer: Optimizer) -> str | None:
     "'betas', 'momentum', or None when the optimizer has no momentum to cycle"
-    if 'betas' in optimizer.defaults: return 'betas'
-    if all(g.get('momentum', 0) > 0 for g in optimizer.param_groups): return 'momentum'
+    if 'betas' in optimizer.defaults:
+        return 'betas'
+    if all(g.get('momentum', 0) > 0 for g in optimizer.param_groups):
+        return 'momentum'
     return None
 
 # %% ../../nbs/42_schedulers_cycle.ipynb #c008
 class OneCycle(BatchLRScheduler):
     "The 1cycle policy: lr up and down (momentum down and up) once, then an optional decay"
-    def __init__(self, optimizer:Optimizer,
-                 cycle_min_lr:float|list, # lr at the start and end of the cycle
-                 cycle_max_lr:float|list, # lr at the peak of the cycle
-                 decay_lr_rate:float=0., # lr decay rate after the cycle
-                 cycle_first_step_size:int=2000, # batches of the rising half
-                 cycle_second_step_size:int|None=None, # batches of the falling half (None: as the first)
-                 cycle_first_stair_count:int=0, # stairs in the rising half (0: move every batch)
-                 cycle_second_stair_count:int|None=None, # stairs in the falling half (None: as the first)
-                 decay_step_size:int=0, # batches per unit of decay after the cycle (0: no decay)
-                 cycle_momentum:bool=True, # move the momentum opposite to the lr
-                 cycle_min_mom:float|list=0.8, # momentum at the peak lr
-                 cycle_max_mom:float|list=0.9, # momentum at the start and end of the cycle
-                 decay_mom_rate:float=0., # momentum growth rate after the cycle
-                 last_batch_iteration:int=-1):
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        cycle_min_lr: float | list,  # lr at the start and end of the cycle
+        cycle_max_lr: float | list,  # lr at the peak of the cycle
+        decay_lr_rate: float = 0.0,  # lr decay rate after the cycle
+        cycle_first_step_size: int = 2000,  # batches of the rising half
+        cycle_second_step_size: int | None = None,  # batches of the falling half (None: as the first)
+        cycle_first_stair_count: int = 0,  # stairs in the rising half (0: move every batch)
+        cycle_second_stair_count: int | None = None,  # stairs in the falling half (None: as the first)
+        decay_step_size: int = 0,  # batches per unit of decay after the cycle (0: no decay)
+        cycle_momentum: bool = True,  # move the momentum opposite to the lr
+        cycle_min_mom: float | list = 0.8,  # momentum at the peak lr
+        cycle_max_mom: float | list = 0.9,  # momentum at the start and end of the cycle
+        decay_mom_rate: float = 0.0,  # momentum growth rate after the cycle
+        last_batch_iteration: int = -1,
+    ):
         torch_opt = torch_optimizer(optimizer)
-        self._shape(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count, cycle_second_stair_count, decay_step_size)
-        self.min_lrs, self.max_lrs = per_group_values(torch_opt, cycle_min_lr, 'cycle_min_lr'), per_group_values(torch_opt, cycle_max_lr, 'cycle_max_lr')
+        self._shape(
+            cycle_first_step_size,
+            cycle_second_step_size,
+            cycle_first_stair_count,
+            cycle_second_stair_count,
+            decay_step_size,
+        )
+        self.min_lrs, self.max_lrs = (
+            per_group_values(torch_opt, cycle_min_lr, 'cycle_min_lr'),
+            per_group_values(torch_opt, cycle_max_lr, 'cycle_max_lr'),
+        )
         _ordered('cycle_min_lr', self.min_lrs, 'cycle_max_lr', self.max_lrs)
-        self.decay_lr_rate, self.decay_mom_rate = float(check_number('decay_lr_rate', decay_lr_rate)), float(check_number('decay_mom_rate', decay_mom_rate))
-        self.min_moms, self.max_moms = per_group_values(torch_opt, cycle_min_mom, 'cycle_min_mom'), per_group_values(torch_opt, cycle_max_mom, 'cycle_max_mom')
+        self.decay_lr_rate, self.decay_mom_rate = (
+            float(check_number('decay_lr_rate', decay_lr_rate)),
+            float(check_number('decay_mom_rate', decay_mom_rate)),
+        )
+        self.min_moms, self.max_moms = (
+            per_group_values(torch_opt, cycle_min_mom, 'cycle_min_mom'),
+            per_group_values(torch_opt, cycle_max_mom, 'cycle_max_mom'),
+        )
         _ordered('cycle_min_mom', self.min_moms, 'cycle_max_mom', self.max_moms)
-        if any(m >= 1 for m in self.max_moms): raise ValueError(f"cycle_max_mom must be below 1, got {cycle_max_mom!r}")
+        if any(m >= 1 for m in self.max_moms):
+            raise ValueError(f"cycle_max_mom must be below 1, got {cycle_max_mom!r}")
         self.momentum_key = _momentum_key(torch_opt) if cycle_momentum else None
         if cycle_momentum and self.momentum_key is None:
-            warnings.warn(f"OneCycle: cycle_momentum is off because {type(torch_opt).__name__} has neither betas nor momentum > 0")
+            warnings.warn(
+                f"OneCycle: cycle_momentum is off because {type(torch_opt).__name__} has neither betas nor momentum > 0"
+            )
         self.cycle_momentum = self.momentum_key is not None
         super().__init__(torch_opt, last_batch_iteration)
-        if self.cycle_momentum and last_batch_iteration == -1: self._set_momentum(self.min_moms)   # DeepSpeed's start
+        if self.cycle_momentum and last_batch_iteration == -1:
+            self._set_momentum(self.min_moms)  # DeepSpeed's start
+
+    def _shape(self, first, second, first_stairs, second_stairs, decay_step_size):
+        "Check and store the cycle's lengths and stair counts"
+        self.first_step_size = check_positive('cycle_first_step_size', first)
+        self.second_step_size = (
+            self.first_step_size if second is None else float(check_number('cycle_second_step_size', second))
+        )
+        self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size  # the rising share of the cycle
+        self.first_stair_count = check_number('cycle_first_stair_count', first_stairs, integer=True)
+        self.second_stair_count = (
+            self.first_stair_count
+            if second_stairs is None
+            else check_number('cycle_second_stair_count', second_stairs, integer=True)
+        )
+        self.decay_step_size = float(check_number('decay_step_size', decay_step_size))
+
+    def _cycle_fraction(self) -> float:
+        "Where the lr is between `cycle_min_lr` (0) and `cycle_max_lr` (1) at `last_batch_iteration`"
+        position = (self.last_batch_iteration + 1) % self.total_size
+        if position <= self.first_step_size:
+            done, size, stairs = position, self.first_step_size, self.first_stair_count
+        else:
+            done, size, stairs = self.total_size - position, self.second_step_size, self.second_stair_count
+        return math.floor(done * stairs / size) / stairs if stairs else done / size
+
+    def _decay_steps(self) -> float:
+        "Units of decay so far: batches after the cycle / `decay_step_size`"
+        return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size if self.decay_step_size else 0.0
+
+    def get_lr(self) -> list:
+        if self.last_batch_iteration < self.total_size:
+            f = self._cycle_fraction()
+            return [lo + (hi - lo) * f for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        return [lo / (1.0 + self.decay_lr_rate * self._decay_steps()) for lo in self.min_lrs]
+
+    def _moms(self) -> list:
+        "Each group's momentum (beta1) at `last_batch_iteration`"
+        if self.last_batch_iteration < self.total_size:
+            f = self._cycle_fraction()
+            return [hi - (hi - lo) * f for lo, hi in zip(self.min_moms, self.max_moms)]
+        return [hi * (1.0 + self.decay_mom_rate * self._decay_steps()) for hi in self.max_moms]
+
+    def get_mom(self) -> list | None:
+        """Momentum per group at `last_batch_iteration`: `(beta1, beta2)` pairs for `betas`, numbers for `momentum`,
+        None when not cycled"""
+        if not self.cycle_momentum:
+            return None
+        if self.momentum_key == 'momentum':
+            return self._moms()
+        return [(mom, *tuple(g['betas'])[1:]) for mom, g in zip(self._moms(), self.optimizer.param_groups)]
+
+    def _set_momentum(self, moms: list):
+        "Write each group's momentum (Adam's beta1, or SGD's momentum)"
+        for group, mom in zip(self.optimizer.param_groups, moms):
+            if self.momentum_key == 'betas':
+                group['betas'] = (mom, *tuple(group['betas'])[1:])
+            else:
+                set_group_value(group, 'momentum', mom)
+
+    def _apply(self):
+        BatchLRScheduler._apply(self)
+        if self.cycle_momentum:
+            self._set_momentum(self._moms())
+
 
 def _ordered(low_name, lows, high_name, highs):
     if any(lo > hi for lo, hi in zip(lows, highs)):
         raise ValueError(f"{low_name}={lows} must not exceed {high_name}={highs}")
 
-# %% ../../nbs/42_schedulers_cycle.ipynb #c009
-@patch
-def _shape(self:OneCycle, first, second, first_stairs, second_stairs, decay_step_size):
-    "Check and store the cycle's lengths and stair counts"
-    self.first_step_size = check_positive('cycle_first_step_size', first)
-    self.second_step_size = self.first_step_size if second is None else float(check_number('cycle_second_step_size', second))
-    self.total_size = self.first_step_size + self.second_step_size
-    self.step_ratio = self.first_step_size / self.total_size   # the rising share of the cycle
-    self.first_stair_count = check_number('cycle_first_stair_count', first_stairs, integer=True)
-    self.second_stair_count = self.first_stair_count if second_stairs is None else check_number('cycle_second_stair_count', second_stairs, integer=True)
-    self.decay_step_size = float(check_number('decay_step_size', decay_step_size))
-
-@patch
-def _cycle_fraction(self:OneCycle)->float:
-    "Where the lr is between `cycle_min_lr` (0) and `cycle_max_lr` (1) at `last_batch_iteration`"
-    position = (self.last_batch_iteration + 1) % self.total_size
-    if position <= self.first_step_size: done, size, stairs = position, self.first_step_size, self.first_stair_count
-    else: done, size, stairs = self.total_size - position, self.second_step_size, self.second_stair_count
-    return math.floor(done * stairs / size) / stairs if stairs else done / size
-
-# %% ../../nbs/42_schedulers_cycle.ipynb #c010
-@patch
-def _decay_steps(self:OneCycle)->float:
-    "Units of decay so far: batches after the cycle / `decay_step_size`"
-    return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size if self.decay_step_size else 0.
-
-@patch
-def get_lr(self:OneCycle)->list:
-    if self.last_batch_iteration < self.total_size:
-        f = self._cycle_fraction()
-        return [lo + (hi - lo) * f for lo, hi in zip(self.min_lrs, self.max_lrs)]
-    return [lo / (1. + self.decay_lr_rate * self._decay_steps()) for lo in self.min_lrs]
-
-@patch
-def _moms(self:OneCycle)->list:
-    "Each group's momentum (beta1) at `last_batch_iteration`"
-    if self.last_batch_iteration < self.total_size:
-        f = self._cycle_fraction()
-        return [hi - (hi - lo) * f for lo, hi in zip(self.min_moms, self.max_moms)]
-    return [hi * (1. + self.decay_mom_rate * self._decay_steps()) for hi in self.max_moms]
-
-@patch
-def get_mom(self:OneCycle)->list|None:
-    "Momentum per group at `last_batch_iteration`: `(beta1, beta2)` pairs for `betas`, numbers for `momentum`, None when not cycled"
-    if not self.cycle_momentum: return None
-    if self.momentum_key == 'momentum': return self._moms()
-    return [(mom, *tuple(g['betas'])[1:]) for mom, g in zip(self._moms(), self.optimizer.param_groups)]
-
-# %% ../../nbs/42_schedulers_cycle.ipynb #c011
-@patch
-def _set_momentum(self:OneCycle, moms:list):
-    "Write each group's momentum (Adam's beta1, or SGD's momentum)"
-    for group, mom in zip(self.optimizer.param_groups, moms):
-        if self.momentum_key == 'betas': group['betas'] = (mom, *tuple(group['betas'])[1:])
-        else: set_group_value(group, 'momentum', mom)
-
-@patch
-def _apply(self:OneCycle):
-    BatchLRScheduler._apply(self)
-    if self.cycle_momentum: self._set_momentum(self._moms())
-
 # %% ../../nbs/42_schedulers_cycle.ipynb #c014
 class LRRangeTest(BatchLRScheduler):
     "Grow the lr linearly from `lr_range_test_min_lr` to find where training diverges"
-    def __init__(self, optimizer:Optimizer,
-                 lr_range_test_min_lr:float|list=1e-3, # the starting lr
-                 lr_range_test_step_size:int=2000, # batches per unit of increase
-                 lr_range_test_step_rate:float=1.0, # increase per unit, as a multiple of the starting lr
-                 lr_range_test_staircase:bool=False, # increase in whole units instead of every batch
-                 last_batch_iteration:int=-1):
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        lr_range_test_min_lr: float | list = 1e-3,  # the starting lr
+        lr_range_test_step_size: int = 2000,  # batches per unit of increase
+        lr_range_test_step_rate: float = 1.0,  # increase per unit, as a multiple of the starting lr
+        lr_range_test_staircase: bool = False,  # increase in whole units instead of every batch
+        last_batch_iteration: int = -1,
+    ):
         torch_opt = torch_optimizer(optimizer)
         self.min_lrs = per_group_values(torch_opt, lr_range_test_min_lr, 'lr_range_test_min_lr')
         self.step_size = check_positive('lr_range_test_step_size', lr_range_test_step_size)
@@ -135,7 +174,8 @@ class LRRangeTest(BatchLRScheduler):
         self.staircase = lr_range_test_staircase
         super().__init__(torch_opt, last_batch_iteration)
 
-    def get_lr(self)->list:
+    def get_lr(self) -> list:
         interval = (self.last_batch_iteration + 1) / self.step_size
-        if self.staircase: interval = math.floor(interval)
-        return [lr * (1. + self.step_rate * interval) for lr in self.min_lrs]
+        if self.staircase:
+            interval = math.floor(interval)
+        return [lr * (1.0 + self.step_rate * interval) for lr in self.min_lrs]

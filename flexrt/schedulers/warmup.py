@@ -8,9 +8,14 @@ import math, warnings
 from collections.abc import Mapping
 import torch
 from torch.optim import Optimizer
-from fastcore.basics import patch
-from .base import BatchLRScheduler, torch_optimizer, initial_lrs, per_group_values, check_number, check_steps
-
+from flexrt.schedulers.base import (
+    BatchLRScheduler,
+    torch_optimizer,
+    initial_lrs,
+    per_group_values,
+    check_number,
+    check_steps,
+)
 
 # %% auto #0
 __all__ = ['WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR']
@@ -18,104 +23,136 @@ __all__ = ['WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR']
 # %% ../../nbs/42_schedulers_warmup.ipynb #c006
 _WARMUP_TYPES = ('log', 'linear')
 
-def _warmup_type(value)->str:
+
+def _warmup_type(value) -> str:
     "'log' or 'linear' (any case); anything else warns and is 'log', as in DeepSpeed"
-    if isinstance(value, str) and value.lower() in _WARMUP_TYPES: return value.lower()
+    if isinstance(value, str) and value.lower() in _WARMUP_TYPES:
+        return value.lower()
     warnings.warn(f"warmup_type {value!r} is not one of {_WARMUP_TYPES}: using 'log' (as DeepSpeed does)")
     return 'log'
 
-def _warmup_fraction(i:int, num_steps:int, kind:str)->float:
+
+def _warmup_fraction(i: int, num_steps: int, kind: str) -> float:
     "How far warmup has come at batch `i` (< `num_steps`): 0 at the start"
     i = max(i, 0)
-    return (1.0 / math.log(num_steps)) * math.log(i + 1) if kind == 'log' else i / num_steps   # DeepSpeed's order: the same bits
+    return (
+        (1.0 / math.log(num_steps)) * math.log(i + 1) if kind == 'log' else i / num_steps
+    )  # DeepSpeed's order: the same bits
 
 # %% ../../nbs/42_schedulers_warmup.ipynb #c008
 class WarmupLR(BatchLRScheduler):
     "Raise each group's lr from `warmup_min_lr` to `warmup_max_lr` over `warmup_num_steps` batches, then hold it"
-    def __init__(self, optimizer:Optimizer,
-                 warmup_min_lr:float|list=0., # lr at the start of warmup
-                 warmup_max_lr:float|list|None=None, # lr at the end of warmup; None: each group's own lr
-                 warmup_num_steps:int=1000, # batches of warmup (at least 2 are used)
-                 warmup_type:str='log', # 'log' or 'linear' rise
-                 last_batch_iteration:int=-1): # the batch to resume at (-1: start)
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        warmup_min_lr: float | list = 0.0,  # lr at the start of warmup
+        warmup_max_lr: float | list | None = None,  # lr at the end of warmup; None: each group's own lr
+        warmup_num_steps: int = 1000,  # batches of warmup (at least 2 are used)
+        warmup_type: str = 'log',  # 'log' or 'linear' rise
+        last_batch_iteration: int = -1,  # the batch to resume at (-1: start)
+    ):
         torch_opt = torch_optimizer(optimizer)
         self.min_lrs = per_group_values(torch_opt, warmup_min_lr, 'warmup_min_lr')
-        self.max_lrs = per_group_values(torch_opt, initial_lrs(torch_opt) if warmup_max_lr is None else warmup_max_lr, 'warmup_max_lr')
+        self.max_lrs = per_group_values(
+            torch_opt, initial_lrs(torch_opt) if warmup_max_lr is None else warmup_max_lr, 'warmup_max_lr'
+        )
         self.warmup_num_steps = max(2, check_steps('warmup_num_steps', warmup_num_steps))
         self.warmup_type = _warmup_type(warmup_type)
         super().__init__(torch_opt, last_batch_iteration)
 
-    def _gamma(self)->float:
+    def _gamma(self) -> float:
         "Where the lr is between `warmup_min_lr` (0) and `warmup_max_lr` (1)"
         i = self.last_batch_iteration
-        return _warmup_fraction(i, self.warmup_num_steps, self.warmup_type) if i < self.warmup_num_steps else 1.
+        return _warmup_fraction(i, self.warmup_num_steps, self.warmup_type) if i < self.warmup_num_steps else 1.0
 
-    def get_lr(self)->list:
+    def get_lr(self) -> list:
         gamma = self._gamma()
         return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
 # %% ../../nbs/42_schedulers_warmup.ipynb #c011
 class WarmupDecayLR(WarmupLR):
     "WarmupLR, then a linear decay to `warmup_min_lr` at batch `total_num_steps`"
-    def __init__(self, optimizer:Optimizer,
-                 total_num_steps:int, # the batch at which the decay reaches `warmup_min_lr`
-                 warmup_min_lr:float|list=0.,
-                 warmup_max_lr:float|list|None=0.001, # DeepSpeed's default for this class; None: each group's own lr
-                 warmup_num_steps:int=1000, warmup_type:str='log', last_batch_iteration:int=-1):
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        total_num_steps: int,  # the batch at which the decay reaches `warmup_min_lr`
+        warmup_min_lr: float | list = 0.0,
+        warmup_max_lr: float | list | None = 0.001,  # DeepSpeed's default for this class; None: each group's own lr
+        warmup_num_steps: int = 1000,
+        warmup_type: str = 'log',
+        last_batch_iteration: int = -1,
+    ):
         self.total_num_steps = check_number('total_num_steps', total_num_steps, minimum=1, integer=True)
         _warn_default_peak(torch_optimizer(optimizer), warmup_max_lr)
         if total_num_steps < check_steps('warmup_num_steps', warmup_num_steps):
-            raise ValueError(f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
-                             "raise total_num_steps to the length of training, or shorten the warmup")
+            raise ValueError(
+                f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
+                "raise total_num_steps to the length of training, or shorten the warmup"
+            )
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
-    def _gamma(self)->float:
+    def _gamma(self) -> float:
         i, n = self.last_batch_iteration, self.warmup_num_steps
-        if i < n: return _warmup_fraction(i, n, self.warmup_type)
-        return max(0., (self.total_num_steps - i) / max(1, self.total_num_steps - n))
+        if i < n:
+            return _warmup_fraction(i, n, self.warmup_type)
+        return max(0.0, (self.total_num_steps - i) / max(1, self.total_num_steps - n))
 
-def _warn_default_peak(optimizer:Optimizer, warmup_max_lr):
+
+def _warn_default_peak(optimizer: Optimizer, warmup_max_lr):
     "Warn when WarmupDecayLR's default peak (0.001) is not the optimizer's lr"
     lrs = initial_lrs(optimizer)
     if warmup_max_lr == 0.001 and any(lr != 0.001 for lr in lrs):
-        warnings.warn(f"WarmupDecayLR warms up to warmup_max_lr=0.001 (DeepSpeed's default), not to the optimizer's lr {lrs}: "
-                      "pass warmup_max_lr (None: each group's own lr) to choose")
+        warnings.warn(
+            f"WarmupDecayLR warms up to warmup_max_lr=0.001 (DeepSpeed's default), not to the optimizer's lr {lrs}: "
+            "pass warmup_max_lr (None: each group's own lr) to choose"
+        )
 
 # %% ../../nbs/42_schedulers_warmup.ipynb #c014
 class WarmupCosineLR(BatchLRScheduler):
     "Warm up to each group's lr, then follow a cosine down to `cos_min_ratio` of it at `total_num_steps`"
-    def __init__(self, optimizer:Optimizer,
-                 total_num_steps:int, # the batch at which the cosine reaches `cos_min_ratio`
-                 warmup_min_ratio:float=0., # fraction of the lr at the start of warmup
-                 warmup_num_steps:int=1000, # batches of warmup (at least 2 are used)
-                 cos_min_ratio:float=0.0001, # fraction of the lr at the end of the cosine
-                 warmup_type:str='log', # 'log' or 'linear' rise
-                 last_batch_iteration:int=-1):
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        total_num_steps: int,  # the batch at which the cosine reaches `cos_min_ratio`
+        warmup_min_ratio: float = 0.0,  # fraction of the lr at the start of warmup
+        warmup_num_steps: int = 1000,  # batches of warmup (at least 2 are used)
+        cos_min_ratio: float = 0.0001,  # fraction of the lr at the end of the cosine
+        warmup_type: str = 'log',  # 'log' or 'linear' rise
+        last_batch_iteration: int = -1,
+    ):
         torch_opt = torch_optimizer(optimizer)
         self.org_lrs = initial_lrs(torch_opt)
         self.total_num_steps = check_number('total_num_steps', total_num_steps, minimum=1, integer=True)
         self.warmup_num_steps = max(2, check_steps('warmup_num_steps', warmup_num_steps))
         if total_num_steps < warmup_num_steps:
-            raise ValueError(f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
-                             "raise total_num_steps to the length of training, or shorten the warmup")
-        self.warmup_min_ratio, self.cos_min_ratio = _ratio('warmup_min_ratio', warmup_min_ratio), _ratio('cos_min_ratio', cos_min_ratio)
+            raise ValueError(
+                f"total_num_steps={total_num_steps} is less than warmup_num_steps={warmup_num_steps}: "
+                "raise total_num_steps to the length of training, or shorten the warmup"
+            )
+        self.warmup_min_ratio, self.cos_min_ratio = (
+            _ratio('warmup_min_ratio', warmup_min_ratio),
+            _ratio('cos_min_ratio', cos_min_ratio),
+        )
         self.warmup_type = _warmup_type(warmup_type)
         super().__init__(torch_opt, last_batch_iteration)
 
-def _ratio(name:str, value)->float:
-    if check_number(name, value) > 1: raise ValueError(f"{name} is a fraction of the learning rate, in [0, 1]; got {value!r}")
+    def get_lr_ratio(self) -> float:
+        "The fraction of each group's lr at `last_batch_iteration`"
+        i, n = self.last_batch_iteration, self.warmup_num_steps
+        if i < n:
+            return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * _warmup_fraction(i, n, self.warmup_type)
+        progress = min(1.0, (i - n + 1) / max(1, self.total_num_steps - n))
+        return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * (1.0 + math.cos(math.pi * progress)) / 2.0
+
+    def get_lr(self) -> list:
+        ratio = self.get_lr_ratio()
+        return [lr * ratio for lr in self.org_lrs]
+
+
+def _ratio(name: str, value) -> float:
+    if check_number(name, value) > 1:
+        raise ValueError(f"{name} is a fraction of the learning rate, in [0, 1]; got {value!r}")
     return float(value)
-
-# %% ../../nbs/42_schedulers_warmup.ipynb #c015
-@patch
-def get_lr_ratio(self:WarmupCosineLR)->float:
-    "The fraction of each group's lr at `last_batch_iteration`"
-    i, n = self.last_batch_iteration, self.warmup_num_steps
-    if i < n: return self.warmup_min_ratio + (1. - self.warmup_min_ratio) * _warmup_fraction(i, n, self.warmup_type)
-    progress = min(1., (i - n + 1) / max(1, self.total_num_steps - n))
-    return self.cos_min_ratio + (1. - self.cos_min_ratio) * (1. + math.cos(math.pi * progress)) / 2.
-
-@patch
-def get_lr(self:WarmupCosineLR)->list:
-    ratio = self.get_lr_ratio()
-    return [lr * ratio for lr in self.org_lrs]

@@ -14,37 +14,49 @@ __all__ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_dec
            'copy_to_device', 'move_to_device']
 
 # %% ../../nbs/20_utils_core.ipynb #c006
-def set_random_seed(seed:int): # any Python int; reduced into each library's accepted range
+def set_random_seed(seed: int):  # any Python int; reduced into each library's accepted range
     "Seed Python's `random`, numpy (when installed) and torch (all devices) from one integer"
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     random.seed(seed)
-    try: import numpy as np
-    except ImportError: np = None
-    if np is not None: np.random.seed(seed % 2**32)
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        np.random.seed(seed % 2**32)
     torch.manual_seed(seed % 2**63)
 
 # %% ../../nbs/20_utils_core.ipynb #c009
-def ensure_directory_exists(filename:str|os.PathLike): # a file path; its parent directory is created
+def ensure_directory_exists(filename: str | os.PathLike):  # a file path; its parent directory is created
     "Create the directory that will hold `filename` (and its parents) if it does not exist yet"
     dirname = os.path.dirname(os.fspath(filename))
-    if dirname: os.makedirs(dirname, exist_ok=True)
+    if dirname:
+        os.makedirs(dirname, exist_ok=True)
 
 # %% ../../nbs/20_utils_core.ipynb #c012
 class DummyOptim:
     "An optimizer stand-in with one parameter group that refuses to step"
-    def __init__(self, params): # an iterable of parameters
+
+    def __init__(self, params):  # an iterable of parameters
         self.param_groups = [{'params': list(params)}]
         self.state = {}
-    def zero_grad(self, set_to_none:bool=True):
+
+    def zero_grad(self, set_to_none: bool = True):
         "Clear the gradients of the held parameters"
         for p in self.param_groups[0]['params']:
-            if p.grad is None: continue
-            if set_to_none: p.grad = None
-            else: p.grad.detach_().zero_()
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
     def step(self, closure=None):
-        raise RuntimeError("DummyOptim cannot step: it only holds parameters. Pass a real optimizer "
-                           "(or an 'optimizer' config section) to train.")
+        raise RuntimeError(
+            "DummyOptim cannot step: it only holds parameters. Pass a real optimizer "
+            "(or an 'optimizer' config section) to train."
+        )
 
 # %% ../../nbs/20_utils_core.ipynb #c014
 def noop_decorator(func):
@@ -52,14 +64,17 @@ def noop_decorator(func):
     return func
 
 # %% ../../nbs/20_utils_core.ipynb #c016
-def call_to_str(base:str, # the callable's name
-                *args, **kwargs)->str: # `base(args..., key=value...)` with `repr` of each value
+def call_to_str(
+    base: str,  # the callable's name
+    *args,
+    **kwargs,
+) -> str:  # `base(args..., key=value...)` with `repr` of each value
     "Format a call as a string, e.g. for logging which collective or hook ran"
     parts = [repr(a) for a in args] + [f'{k}={v!r}' for k, v in kwargs.items()]
     return f"{base}({', '.join(parts)})"
 
 # %% ../../nbs/20_utils_core.ipynb #c018
-def get_only_unique_item(items): # an iterable of hashable items
+def get_only_unique_item(items):  # an iterable of hashable items
     "The single distinct value in `items`; RuntimeError (as in DeepSpeed) if there are none or several"
     items = list(items)
     distinct = set(items)
@@ -68,7 +83,7 @@ def get_only_unique_item(items): # an iterable of hashable items
     return distinct.pop()
 
 # %% ../../nbs/20_utils_core.ipynb #c021
-def is_model_parallel_parameter(p)->bool: # a parameter or tensor
+def is_model_parallel_parameter(p) -> bool:  # a parameter or tensor
     "True if `p` is split across model-parallel ranks (Megatron's `model_parallel` or `tensor_model_parallel` flag)"
     return bool(getattr(p, 'model_parallel', False) or getattr(p, 'tensor_model_parallel', False))
 
@@ -77,46 +92,61 @@ def _first_method(obj, names):
     "The first of `names` that `obj` has as a callable, else None"
     for n in names:
         f = getattr(obj, n, None)
-        if callable(f): return f
+        if callable(f):
+            return f
     return None
 
-def bwc_tensor_model_parallel_rank(mpu=None)->int: # a Megatron-style mpu, or None
+
+def bwc_tensor_model_parallel_rank(mpu=None) -> int:  # a Megatron-style mpu, or None
     "This rank's tensor-model-parallel rank, whichever Megatron method names `mpu` has (0 without `mpu`)"
-    if mpu is None: return 0
+    if mpu is None:
+        return 0
     f = _first_method(mpu, ('get_tensor_model_parallel_rank', 'get_slice_parallel_rank', 'get_model_parallel_rank'))
     if f is None:
-        raise TypeError(f"mpu {type(mpu).__name__} has none of get_tensor_model_parallel_rank, "
-                        "get_slice_parallel_rank, get_model_parallel_rank: pass a Megatron-style mpu or None")
+        raise TypeError(
+            f"mpu {type(mpu).__name__} has none of get_tensor_model_parallel_rank, "
+            "get_slice_parallel_rank, get_model_parallel_rank: pass a Megatron-style mpu or None"
+        )
     return int(f())
 
 # %% ../../nbs/20_utils_core.ipynb #c027
 class MpuAdapter:
     "Uniform view of a Megatron-style `mpu` (old or new method names); `MpuAdapter(None)` means no model parallelism"
-    def __init__(self, mpu=None): # a Megatron-style mpu, an MpuAdapter, or None
-        if isinstance(mpu, MpuAdapter): mpu = mpu.mpu
+
+    def __init__(self, mpu=None):  # a Megatron-style mpu, an MpuAdapter, or None
+        if isinstance(mpu, MpuAdapter):
+            mpu = mpu.mpu
         self.mpu = mpu
-        if mpu is None: self.group, self.world_size, self.tensor_rank = None, 1, 0; return
+        if mpu is None:
+            self.group, self.world_size, self.tensor_rank = None, 1, 0
+            return
         get_group = _first_method(mpu, ('get_model_parallel_group', 'get_tensor_model_parallel_group'))
         if get_group is None:
-            raise TypeError(f"mpu {type(mpu).__name__} has neither get_model_parallel_group nor "
-                            "get_tensor_model_parallel_group: pass a Megatron-style mpu or None")
+            raise TypeError(
+                f"mpu {type(mpu).__name__} has neither get_model_parallel_group nor "
+                "get_tensor_model_parallel_group: pass a Megatron-style mpu or None"
+            )
         self.group = get_group()
         get_size = _first_method(mpu, ('get_model_parallel_world_size', 'get_tensor_model_parallel_world_size'))
         self.world_size = int(get_size()) if get_size else dist.get_world_size(self.group)
         self.tensor_rank = bwc_tensor_model_parallel_rank(mpu)
 
-    def counts(self, p)->bool:
+    def counts(self, p) -> bool:
         "Whether this rank counts `p` in a norm: split parameters everywhere, replicated ones on tensor rank 0"
         return self.tensor_rank == 0 or is_model_parallel_parameter(p)
 
-    def __repr__(self): return f'MpuAdapter(world_size={self.world_size}, tensor_rank={self.tensor_rank})'
+    def __repr__(self):
+        return f'MpuAdapter(world_size={self.world_size}, tensor_rank={self.tensor_rank})'
 
 # %% ../../nbs/20_utils_core.ipynb #c030
-def as_tensor_list(tensors, # one tensor (if `single_ok`) or an iterable of tensors
-                 name:str='parameters', # the argument's name, for the error
-                 single_ok:bool=True)->list:
+def as_tensor_list(
+    tensors,  # one tensor (if `single_ok`) or an iterable of tensors
+    name: str = 'parameters',  # the argument's name, for the error
+    single_ok: bool = True,
+) -> list:
     "`tensors` as a list; TypeError naming the argument and the first non-tensor"
-    if isinstance(tensors, torch.Tensor) and single_ok: return [tensors]
+    if isinstance(tensors, torch.Tensor) and single_ok:
+        return [tensors]
     if isinstance(tensors, (torch.Tensor, str, bytes)) or not hasattr(tensors, '__iter__'):
         kind = 'a tensor or an iterable of tensors' if single_ok else 'a list of tensors'
         raise TypeError(f"{name} must be {kind}, got {type(tensors).__name__}")
@@ -132,32 +162,43 @@ def _map_nested(item, fn, criterion_func):
     if isinstance(item, (list, tuple)):
         out = [_map_nested(x, fn, criterion_func) for x in item]
         return type(item)(*out) if hasattr(item, '_fields') else type(item)(out)
-    if isinstance(item, dict):   # copy.copy keeps the mapping's type (OrderedDict, defaultdict, ...)
+    if isinstance(item, dict):  # copy.copy keeps the mapping's type (OrderedDict, defaultdict, ...)
         out = copy.copy(item)
-        for k, v in item.items(): out[k] = _map_nested(v, fn, criterion_func)
+        for k, v in item.items():
+            out[k] = _map_nested(v, fn, criterion_func)
         return out
     return fn(item) if criterion_func(item) else item
 
-def copy_to_device(item, # a tensor, or lists/tuples/dicts of them (other leaves are kept)
-                   device, # target device
-                   criterion_func=torch.is_tensor): # which leaves to move
+
+def copy_to_device(
+    item,  # a tensor, or lists/tuples/dicts of them (other leaves are kept)
+    device,  # target device
+    criterion_func=torch.is_tensor,  # which leaves to move
+):
     "A copy of `item` with the accepted leaves moved to `device`"
     return _map_nested(item, lambda t: t.to(device), criterion_func)
 
 # %% ../../nbs/20_utils_core.ipynb #c035
 def _move_tensor(t, device):
-    "Move `t` itself to `device`: swap its `.data`, or, between tensor types `.data` cannot bridge (cpu and meta), its contents"
+    """Move `t` itself to `device`: swap its `.data`, or, between tensor types `.data` cannot bridge (cpu and meta), its
+    contents"""
     moved = t.to(device)
-    if moved is t: return t
-    try: t.data = moved.data
+    if moved is t:
+        return t
+    try:
+        t.data = moved.data
     except RuntimeError:
-        if isinstance(t, torch.nn.Parameter): moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
-        moved.__dict__.update(t.__dict__)          # attributes such as `group_name` stay with the object
+        if isinstance(t, torch.nn.Parameter):
+            moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+        moved.__dict__.update(t.__dict__)  # attributes such as `group_name` stay with the object
         torch.utils.swap_tensors(t, moved)
     return t
 
-def move_to_device(item, # a tensor, or lists/tuples/dicts of them (other leaves are kept)
-                   device, # target device
-                   criterion_func=torch.is_tensor): # which leaves to move
+
+def move_to_device(
+    item,  # a tensor, or lists/tuples/dicts of them (other leaves are kept)
+    device,  # target device
+    criterion_func=torch.is_tensor,  # which leaves to move
+):
     "Move the accepted leaves of `item` to `device` in place (`.data` is swapped, so the tensor objects stay the same)"
     return _map_nested(item, lambda t: _move_tensor(t, device), criterion_func)

@@ -15,16 +15,22 @@ __all__ = ['clip_grad_norm_', 'get_grad_norm', 'get_weight_norm', 'get_grad_zero
            'clip_tensors_by_global_norm', 'get_global_norm', 'has_inf_or_nan', 'CheckOverflow']
 
 # %% ../../nbs/20_utils_grads.ipynb #c006
-def _norm_type(norm_type)->float:
+def _norm_type(norm_type) -> float:
     "`norm_type` as a float p in (0, inf]"
-    try: p = float(norm_type)
-    except (TypeError, ValueError): p = math.nan
-    if not p > 0: raise ValueError(f"norm_type must be a positive number or inf (1, 2, 'inf', ...), got {norm_type!r}")
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        p = math.nan
+    if not p > 0:
+        raise ValueError(f"norm_type must be a positive number or inf (1, 2, 'inf', ...), got {norm_type!r}")
     return p
 
-def _max_norm(max_norm)->float:
-    try: value = float(max_norm)
-    except (TypeError, ValueError): value = math.nan
+
+def _max_norm(max_norm) -> float:
+    try:
+        value = float(max_norm)
+    except (TypeError, ValueError):
+        value = math.nan
     if not value > 0:
         raise ValueError(f"max_norm must be a positive number (inf disables clipping), got {max_norm!r}")
     return value
@@ -32,100 +38,135 @@ def _max_norm(max_norm)->float:
 # %% ../../nbs/20_utils_grads.ipynb #c009
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-def _add(buckets:dict, t:torch.Tensor):
+
+def _add(buckets: dict, t: torch.Tensor):
     "Put `t` in its (device, dtype) bucket"
     key = (t.device, t.dtype)
-    if key in buckets: buckets[key].append(t)
-    else: buckets[key] = [t]
+    if key in buckets:
+        buckets[key].append(t)
+    else:
+        buckets[key] = [t]
 
-def _buckets(tensors)->dict:
+
+def _buckets(tensors) -> dict:
     "{(device, dtype): [non-empty tensors]}"
     buckets = {}
     for t in tensors:
-        if t.numel(): _add(buckets, t)
+        if t.numel():
+            _add(buckets, t)
     return buckets
 
 # %% ../../nbs/20_utils_grads.ipynb #c011
-def _bucket_norms(buckets:dict, p:float)->list:
+def _bucket_norms(buckets: dict, p: float) -> list:
     "Per bucket, a 1-d tensor of the p-norms of its tensors (one fused kernel each)"
-    return [torch.stack(torch._foreach_norm(ts, p, dtype=torch.float32) if dtype in _LOW_PRECISION
-                        else torch._foreach_norm(ts, p)) for (_, dtype), ts in buckets.items()]
+    return [
+        torch.stack(
+            torch._foreach_norm(ts, p, dtype=torch.float32) if dtype in _LOW_PRECISION else torch._foreach_norm(ts, p)
+        )
+        for (_, dtype), ts in buckets.items()
+    ]
 
-def _combine(norms:list, p:float, device)->torch.Tensor:
+
+def _combine(norms: list, p: float, device) -> torch.Tensor:
     "The p-norm of all the norms in `norms` (1-d or 0-d tensors) as a 0-d tensor on `device` (0 for none)"
-    if not norms: return torch.zeros((), device=device)
+    if not norms:
+        return torch.zeros((), device=device)
     flat = [n.reshape(-1).to(device) for n in norms]
     return torch.linalg.vector_norm(flat[0] if len(flat) == 1 else torch.cat(flat), p)
 
 # %% ../../nbs/20_utils_grads.ipynb #c014
-_LOCAL = object()   # "no group": reduce nothing (None would mean the default group, as in torch.distributed)
+_LOCAL = object()  # "no group": reduce nothing (None would mean the default group, as in torch.distributed)
 
-def _spans_ranks(group)->bool: return group is not _LOCAL and dist.get_world_size(group) > 1
 
-def _default_device()->torch.device:
+def _spans_ranks(group) -> bool:
+    return group is not _LOCAL and dist.get_world_size(group) > 1
+
+
+def _default_device() -> torch.device:
     "Where to compute a local scalar when there are no tensors to take the device from"
     return torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
 
-def _reduction_device(group)->torch.device:
+
+def _reduction_device(group) -> torch.device:
     "Where a collective over `group` runs, the same on every rank: the current GPU for NCCL, else the CPU"
-    if 'nccl' in str(dist.get_backend(group)): return torch.device('cuda', torch.cuda.current_device())
+    if 'nccl' in str(dist.get_backend(group)):
+        return torch.device('cuda', torch.cuda.current_device())
     return torch.device('cpu')
 
 # %% ../../nbs/20_utils_grads.ipynb #c017
-def _reduce_norm(norm:torch.Tensor, p:float, group)->torch.Tensor:
+def _reduce_norm(norm: torch.Tensor, p: float, group) -> torch.Tensor:
     "Combine this rank's norm with the other ranks' of `group` (identity for `_LOCAL` or a one-rank group)"
-    if not _spans_ranks(group): return norm
+    if not _spans_ranks(group):
+        return norm
     device = _reduction_device(group)
     if p == math.inf:
         nan = norm.isnan()
-        buf = torch.stack([torch.where(nan, 0., norm.double()), nan.double()]).to(device)
+        buf = torch.stack([torch.where(nan, 0.0, norm.double()), nan.double()]).to(device)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
         return torch.where(buf[1] > 0, math.nan, buf[0]).to(norm.device, norm.dtype)
     buf = (norm.double() ** p).to(device)
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-    return (buf ** (1. / p)).to(norm.device, norm.dtype)
+    return (buf ** (1.0 / p)).to(norm.device, norm.dtype)
 
 # %% ../../nbs/20_utils_grads.ipynb #c020
-def _is_expert(p)->bool: return getattr(p, 'allreduce', True) is False
+def _is_expert(p) -> bool:
+    return getattr(p, 'allreduce', True) is False
 
-def _split_parameters(parameters, mp:MpuAdapter, use_grad=True, skip_pipe_replicated=False):
+
+def _split_parameters(parameters, mp: MpuAdapter, use_grad=True, skip_pipe_replicated=False):
     "Buckets of (all tensors, dense tensors counted here), and {declared expert group name: buckets counted here}"
     every, dense, experts = {}, {}, {}
     for p in as_tensor_list(parameters):
-        target = experts.setdefault(getattr(p, 'group_name', None), {}) if _is_expert(p) else dense   # declared even without a grad
+        target = (
+            experts.setdefault(getattr(p, 'group_name', None), {}) if _is_expert(p) else dense
+        )  # declared even without a grad
         t = p.grad if use_grad else p.detach()
-        if t is None or not t.numel(): continue
+        if t is None or not t.numel():
+            continue
         _add(every, t)
-        if (skip_pipe_replicated and getattr(p, 'ds_pipe_replicated', False)) or not mp.counts(p): continue
+        if (skip_pipe_replicated and getattr(p, 'ds_pipe_replicated', False)) or not mp.counts(p):
+            continue
         _add(target, t)
     return every, dense, experts
 
 # %% ../../nbs/20_utils_grads.ipynb #c023
-def _name_order(name): return (name is not None, str(name))
+def _name_order(name):
+    return (name is not None, str(name))
 
-def _expert_reductions(experts:dict, expert_groups)->list:
+
+def _expert_reductions(experts: dict, expert_groups) -> list:
     "[(process group, [buckets])] for the expert parameters, in an order every rank shares"
     if expert_groups is None:
         if experts and dist.get_world_size() > 1:
             name = next(iter(experts))
-            raise ValueError(f"expert parameters (allreduce=False, group_name={name!r}) found but no expert_groups given: "
-                             f"pass expert_groups={{{name!r}: <their expert-parallel process group>}}")
+            raise ValueError(
+                f"expert parameters (allreduce=False, group_name={name!r}) found but no expert_groups given: "
+                f"pass expert_groups={{{name!r}: <their expert-parallel process group>}}"
+            )
         return [(_LOCAL, list(experts.values()))]
-    if not isinstance(expert_groups, Mapping): return [(expert_groups, list(experts.values()))]
+    if not isinstance(expert_groups, Mapping):
+        return [(expert_groups, list(experts.values()))]
     for name in experts:
         if name not in expert_groups:
             raise ValueError(f"no expert group for group_name={name!r}: expert_groups has {list(expert_groups)}")
     return [(expert_groups[name], [experts.get(name, {})]) for name in sorted(expert_groups, key=_name_order)]
 
 # %% ../../nbs/20_utils_grads.ipynb #c025
-def _global_norm(dense:dict, experts:dict, p:float, mp:MpuAdapter, expert_groups=None, extra_group=_LOCAL)->torch.Tensor:
+def _global_norm(
+    dense: dict, experts: dict, p: float, mp: MpuAdapter, expert_groups=None, extra_group=_LOCAL
+) -> torch.Tensor:
     "The p-norm over the `dense` and `experts` buckets of every rank, identical on all ranks"
     keys = [*dense, *(k for b in experts.values() for k in b)]
-    device = keys[0][0] if keys else _default_device()   # only where the local arithmetic happens
+    device = keys[0][0] if keys else _default_device()  # only where the local arithmetic happens
     reductions = _expert_reductions(experts, expert_groups)
     mp_group = mp.group if mp.mpu is not None else _LOCAL
-    def norms(buckets_list): return [n for b in buckets_list for n in _bucket_norms(b, p)]
-    if not any(_spans_ranks(g) for g in (mp_group, extra_group, *(g for g, _ in reductions))):   # torch's exact computation
+
+    def norms(buckets_list):
+        return [n for b in buckets_list for n in _bucket_norms(b, p)]
+
+    if not any(
+        _spans_ranks(g) for g in (mp_group, extra_group, *(g for g, _ in reductions))
+    ):  # torch's exact computation
         return _combine(_bucket_norms(dense, p) + norms(experts.values()), p, device)
     parts = [_combine(_bucket_norms(dense, p), p, device)]
     parts += [_reduce_norm(_combine(norms(bs), p, device), p, group) for group, bs in reductions]
@@ -133,30 +174,35 @@ def _global_norm(dense:dict, experts:dict, p:float, mp:MpuAdapter, expert_groups
 
 # %% ../../nbs/20_utils_grads.ipynb #c029
 @torch.no_grad()
-def _scale_if_above(buckets:dict, max_norm:float, total:torch.Tensor, eps:float, error_if_nonfinite=False)->bool:
-    "Scale the tensors in `buckets` by `max_norm/(total+eps)` in place if `total > max_norm`; a non-finite total touches nothing"
-    value = float(total)   # the one host sync: decides whether anything is written at all
+def _scale_if_above(buckets: dict, max_norm: float, total: torch.Tensor, eps: float, error_if_nonfinite=False) -> bool:
+    """Scale the tensors in `buckets` by `max_norm/(total+eps)` in place if `total > max_norm`; a non-finite total
+    touches nothing"""
+    value = float(total)  # the one host sync: decides whether anything is written at all
     if not math.isfinite(value):
         if error_if_nonfinite:
             raise RuntimeError(f"the total norm is {value}: gradients are non-finite and were not clipped")
         return False
-    if value <= max_norm: return False
+    if value <= max_norm:
+        return False
     coef = max_norm / (total + eps)
-    for (device, _), ts in buckets.items(): torch._foreach_mul_(ts, coef.to(device))
+    for (device, _), ts in buckets.items():
+        torch._foreach_mul_(ts, coef.to(device))
     return True
 
 # %% ../../nbs/20_utils_grads.ipynb #c031
 @torch.no_grad()
-def clip_grad_norm_(parameters, # a tensor or an iterable of parameters; grads that are None are skipped
-                    max_norm:float, # largest allowed global norm (> 0; inf never clips)
-                    norm_type:float=2, # p of the p-norm: 1, 2, ..., or inf
-                    mpu=None, # Megatron-style model-parallel unit (old or new method names), or None
-                    *,
-                    expert_groups=None, # {group_name: process group} (or one group) for `allreduce=False` params
-                    error_if_nonfinite:bool=False, # raise instead of returning a non-finite norm
-                    eps:float=1e-6, # added to the norm in the scaling coefficient, as torch does
-                   )->torch.Tensor: # the global norm before clipping (0-d; inf/nan if a gradient is non-finite)
-    "Scale gradients in place so their global norm is at most `max_norm`; non-finite or small-enough gradients are left untouched"
+def clip_grad_norm_(
+    parameters,  # a tensor or an iterable of parameters; grads that are None are skipped
+    max_norm: float,  # largest allowed global norm (> 0; inf never clips)
+    norm_type: float = 2,  # p of the p-norm: 1, 2, ..., or inf
+    mpu=None,  # Megatron-style model-parallel unit (old or new method names), or None
+    *,
+    expert_groups=None,  # {group_name: process group} (or one group) for `allreduce=False` params
+    error_if_nonfinite: bool = False,  # raise instead of returning a non-finite norm
+    eps: float = 1e-6,  # added to the norm in the scaling coefficient, as torch does
+) -> torch.Tensor:  # the global norm before clipping (0-d; inf/nan if a gradient is non-finite)
+    """Scale gradients in place so their global norm is at most `max_norm`; non-finite or small-enough gradients are
+    left untouched"""
     max_norm, p, mp = _max_norm(max_norm), _norm_type(norm_type), MpuAdapter(mpu)
     every, dense, experts = _split_parameters(parameters, mp)
     total = _global_norm(dense, experts, p, mp, expert_groups)
@@ -164,22 +210,27 @@ def clip_grad_norm_(parameters, # a tensor or an iterable of parameters; grads t
     return total
 
 # %% ../../nbs/20_utils_grads.ipynb #c041
-def _finite_or_minus_one(total:torch.Tensor)->float:
+def _finite_or_minus_one(total: torch.Tensor) -> float:
     value = float(total)
-    return value if math.isfinite(value) else -1.
+    return value if math.isfinite(value) else -1.0
+
 
 @torch.no_grad()
-def get_grad_norm(parameters, # a tensor or an iterable of parameters
-                  norm_type:float=2, # 1, 2, ..., or inf
-                  mpu=None, # Megatron-style model-parallel unit, or None
-                  *, expert_groups=None)->float: # the global gradient norm, or -1 if it is not finite
+def get_grad_norm(
+    parameters,  # a tensor or an iterable of parameters
+    norm_type: float = 2,  # 1, 2, ..., or inf
+    mpu=None,  # Megatron-style model-parallel unit, or None
+    *,
+    expert_groups=None,
+) -> float:  # the global gradient norm, or -1 if it is not finite
     "Global norm of the gradients (DeepSpeed's contract: -1 when inf or nan)"
     mp, p = MpuAdapter(mpu), _norm_type(norm_type)
     _, dense, experts = _split_parameters(parameters, mp, use_grad=True, skip_pipe_replicated=True)
     return _finite_or_minus_one(_global_norm(dense, experts, p, mp, expert_groups))
 
+
 @torch.no_grad()
-def get_weight_norm(parameters, norm_type:float=2, mpu=None, *, expert_groups=None)->float:
+def get_weight_norm(parameters, norm_type: float = 2, mpu=None, *, expert_groups=None) -> float:
     "Global norm of the parameters themselves (-1 when inf or nan)"
     mp, p = MpuAdapter(mpu), _norm_type(norm_type)
     _, dense, experts = _split_parameters(parameters, mp, use_grad=False, skip_pipe_replicated=True)
@@ -187,101 +238,127 @@ def get_weight_norm(parameters, norm_type:float=2, mpu=None, *, expert_groups=No
 
 # %% ../../nbs/20_utils_grads.ipynb #c043
 @torch.no_grad()
-def get_grad_zeros(parameters, mpu=None)->int: # number of gradient elements equal to zero
+def get_grad_zeros(parameters, mpu=None) -> int:  # number of gradient elements equal to zero
     "Count the zero gradient elements, each model-parallel piece once"
     mp = MpuAdapter(mpu)
     _, dense, experts = _split_parameters(parameters, mp)
     grads = [t for b in (dense, *experts.values()) for ts in b.values() for t in ts]
     zeros = sum(int(g.numel() - torch.count_nonzero(g)) for g in grads)
-    if mp.mpu is None or not _spans_ranks(mp.group): return zeros
-    total = torch.tensor([zeros], dtype=torch.float64, device=_reduction_device(mp.group))   # every rank joins, grads or not
+    if mp.mpu is None or not _spans_ranks(mp.group):
+        return zeros
+    total = torch.tensor(
+        [zeros], dtype=torch.float64, device=_reduction_device(mp.group)
+    )  # every rank joins, grads or not
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mp.group)
     return int(total.item())
 
 # %% ../../nbs/20_utils_grads.ipynb #c046
 @torch.no_grad()
-def get_global_norm_of_tensors(input_tensors, # a tensor or an iterable of tensors
-                               norm_type:float=2, # 1, 2, ..., or inf
-                               mpu=None, # sum over its model-parallel group, or None
-                               moe_ep_group=None)->float: # also sum over this group (disjoint shards), or None
+def get_global_norm_of_tensors(
+    input_tensors,  # a tensor or an iterable of tensors
+    norm_type: float = 2,  # 1, 2, ..., or inf
+    mpu=None,  # sum over its model-parallel group, or None
+    moe_ep_group=None,
+) -> float:  # also sum over this group (disjoint shards), or None
     "Global p-norm of `input_tensors` over the given groups; -1 if it is not finite (DeepSpeed's contract)"
     tensors, p, mp = as_tensor_list(input_tensors, 'input_tensors'), _norm_type(norm_type), MpuAdapter(mpu)
     extra = _LOCAL if moe_ep_group is None else moe_ep_group
     return _finite_or_minus_one(_global_norm(_buckets(tensors), {}, p, mp, extra_group=extra))
 
+
 @torch.no_grad()
-def clip_tensors_by_global_norm(input_tensors, max_norm:float=1.0, global_norm:float|None=None, mpu=None,
-                                eps:float=1e-6, moe_ep_group=None)->float: # the global norm before clipping
+def clip_tensors_by_global_norm(
+    input_tensors,
+    max_norm: float = 1.0,
+    global_norm: float | None = None,
+    mpu=None,
+    eps: float = 1e-6,
+    moe_ep_group=None,
+) -> float:  # the global norm before clipping
     "Scale `input_tensors` in place so their global norm is at most `max_norm`; a -1 or non-finite norm touches nothing"
     tensors, max_norm = as_tensor_list(input_tensors, 'input_tensors'), _max_norm(max_norm)
-    if global_norm is None: global_norm = get_global_norm_of_tensors(tensors, 2, mpu, moe_ep_group)
-    if global_norm == -1: return global_norm
+    if global_norm is None:
+        global_norm = get_global_norm_of_tensors(tensors, 2, mpu, moe_ep_group)
+    if global_norm == -1:
+        return global_norm
     _scale_if_above(_buckets(tensors), max_norm, torch.as_tensor(float(global_norm), dtype=torch.float32), eps)
     return global_norm
 
 # %% ../../nbs/20_utils_grads.ipynb #c048
-def get_global_norm(norm_list)->float: # L2 norms (floats or 0-d tensors)
+def get_global_norm(norm_list) -> float:  # L2 norms (floats or 0-d tensors)
     "L2 norm of several L2 norms; inf if any is negative (a -1 sentinel) or not finite"
     values = [float(n) for n in norm_list]
-    if any(not math.isfinite(v) or v < 0 for v in values): return math.inf
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        return math.inf
     return math.sqrt(sum(v * v for v in values))
 
 # %% ../../nbs/20_utils_grads.ipynb #c051
-def has_inf_or_nan(x:torch.Tensor, j=None)->bool: # `j` is accepted for DeepSpeed compatibility
+def has_inf_or_nan(x: torch.Tensor, j=None) -> bool:  # `j` is accepted for DeepSpeed compatibility
     "True if `x` holds an inf or a nan"
-    if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0: return False
-    if x.is_complex(): x = torch.view_as_real(x)
+    if not (x.is_floating_point() or x.is_complex()) or x.numel() == 0:
+        return False
+    if x.is_complex():
+        x = torch.view_as_real(x)
     extremes = torch.stack([x.amax(), x.amin()])
     return not bool(torch.isfinite(extremes).all())
 
 # %% ../../nbs/20_utils_grads.ipynb #c053
-def _any_non_finite(tensors)->torch.Tensor:
+def _any_non_finite(tensors) -> torch.Tensor:
     "0-d bool tensor: does any of `tensors` hold an inf or a nan (fused max-norm per device and dtype)"
     norms = _bucket_norms(_buckets(t for t in tensors if t.is_floating_point()), math.inf)
-    if not norms: return torch.tensor(False)
+    if not norms:
+        return torch.tensor(False)
     return ~torch.isfinite(_combine(norms, math.inf, norms[0].device))
 
 # %% ../../nbs/20_utils_grads.ipynb #c055
 class CheckOverflow:
     "Detect inf/nan gradients; every rank of `group` gets the same answer"
-    def __init__(self, param_groups=None, # parameter groups (lists of params or optimizer-style dicts) to check
-                 mpu=None, zero_reduce_scatter=False, deepspeed=None, # accepted for DeepSpeed compatibility
-                 group=None): # the ranks that must agree (None: all)
+
+    def __init__(
+        self,
+        param_groups=None,  # parameter groups (lists of params or optimizer-style dicts) to check
+        mpu=None,
+        zero_reduce_scatter=False,
+        deepspeed=None,  # accepted for DeepSpeed compatibility
+        group=None,  # the ranks that must agree (None: all)
+    ):
         self.mpu, self.zero_reduce_scatter, self.group = mpu, zero_reduce_scatter, group
         self.params = self._flatten(param_groups) if param_groups is not None else []
 
     @staticmethod
-    def _flatten(param_groups)->list:
+    def _flatten(param_groups) -> list:
         out = []
-        for g in param_groups: out += as_tensor_list(g['params'] if isinstance(g, Mapping) else g, 'param_groups')
+        for g in param_groups:
+            out += as_tensor_list(g['params'] if isinstance(g, Mapping) else g, 'param_groups')
         return out
 
     @staticmethod
-    def _has_inf_or_nan(x:torch.Tensor, i=None)->bool:
+    def _has_inf_or_nan(x: torch.Tensor, i=None) -> bool:
         "DeepSpeed's name for `has_inf_or_nan` (its fp16 optimizers call it)"
         return has_inf_or_nan(x, i)
 
-    def _agree(self, local:torch.Tensor|bool)->bool:
+    def _agree(self, local: torch.Tensor | bool) -> bool:
         "All-reduce the local flag with MAX over `group`, on the device the group's backend needs"
-        if dist.get_world_size(self.group) <= 1: return bool(local)
+        if dist.get_world_size(self.group) <= 1:
+            return bool(local)
         flag = torch.as_tensor(local, dtype=torch.float32).reshape(1).to(_reduction_device(self.group))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
-    def has_overflow(self, params, has_moe_params=None)->bool:
+    def has_overflow(self, params, has_moe_params=None) -> bool:
         "True on every rank if any rank's gradients among `params` hold inf or nan"
         grads = [p.grad for p in as_tensor_list(params) if p.grad is not None]
         return self._agree(_any_non_finite(grads))
 
-    def check(self, param_groups=None)->bool:
+    def check(self, param_groups=None) -> bool:
         "`has_overflow` over `param_groups`, or over the groups given at construction"
         return self.has_overflow(self._flatten(param_groups) if param_groups is not None else self.params)
 
-    def has_overflow_serial(self, params)->bool:
+    def has_overflow_serial(self, params) -> bool:
         "This rank's answer only, tensor by tensor (no communication)"
         return any(has_inf_or_nan(p.grad, i) for i, p in enumerate(as_tensor_list(params)) if p.grad is not None)
 
-    def check_using_norm(self, norm_group, reduce_overflow:bool=True)->bool:
+    def check_using_norm(self, norm_group, reduce_overflow: bool = True) -> bool:
         "Overflow from already computed norms: any -1 sentinel or non-finite value (agreed across ranks by default)"
         local = any(float(n) == -1 or not math.isfinite(float(n)) for n in norm_group)
         return self._agree(local) if reduce_overflow else local

@@ -13,7 +13,9 @@ from fastcore.basics import patch
 __all__ = ['expert_layout', 'expert_group_names', 'ExpertGroups']
 
 # %% ../../nbs/20_utils_groups.ipynb #g021
-def expert_layout(ep_size:int, world_size:int)->tuple: # (expert-parallel rank lists, expert data-parallel rank lists)
+def expert_layout(
+    ep_size: int, world_size: int
+) -> tuple:  # (expert-parallel rank lists, expert data-parallel rank lists)
     "DeepSpeed's rank layout for experts spread over `ep_size` ranks of `world_size`"
     if ep_size < 1 or world_size % ep_size:
         raise ValueError(f"expert-parallel size {ep_size} must divide the data-parallel world size {world_size}")
@@ -21,52 +23,65 @@ def expert_layout(ep_size:int, world_size:int)->tuple: # (expert-parallel rank l
     data_parallel = [list(range(j, world_size, ep_size)) for j in range(ep_size)]
     return parallel, data_parallel
 
-def expert_group_names(params)->list: # sorted group names of the expert parameters among `params`
+
+def expert_group_names(params) -> list:  # sorted group names of the expert parameters among `params`
     "Names of the expert groups (`group_name` of parameters with `allreduce=False`)"
     return sorted({getattr(p, 'group_name', None) for p in params if getattr(p, 'allreduce', True) is False}, key=str)
 
 # %% ../../nbs/20_utils_groups.ipynb #g024
 _EP_NAME = re.compile(r'ep_size_(\d+)$')
 
-def _parse_ep_size(name:str|None)->int:
+
+def _parse_ep_size(name: str | None) -> int:
     m = _EP_NAME.match(name or '')
     if m is None:
-        raise ValueError(f"expert parameters with group_name={name!r}: pass initialize(..., expert_groups={{{name!r}: "
-                         "(expert_parallel_group, expert_data_parallel_group)}), or name the group 'ep_size_<n>' as "
-                         "DeepSpeed's MoE layer does")
+        raise ValueError(
+            f"expert parameters with group_name={name!r}: pass initialize(..., expert_groups={{{name!r}: "
+            "(expert_parallel_group, expert_data_parallel_group)}), or name the group 'ep_size_<n>' as "
+            "DeepSpeed's MoE layer does"
+        )
     return int(m.group(1))
+
 
 class ExpertGroups:
     "Process groups of the expert parameters, by group name: `parallel` (norms) and `data_parallel` (gradients)"
-    def __init__(self, params, # the model's parameters
-                 given:Mapping|None=None): # {group_name: (expert_parallel_group, expert_data_parallel_group)}
+
+    def __init__(
+        self,
+        params,  # the model's parameters
+        given: Mapping | None = None,  # {group_name: (expert_parallel_group, expert_data_parallel_group)}
+    ):
         self.parallel, self.data_parallel, self.created = {}, {}, []
         for name in expert_group_names(params):
-            if given is not None and name in given: self.parallel[name], self.data_parallel[name] = given[name]
-            else: self.parallel[name], self.data_parallel[name] = self._create(_parse_ep_size(name))
+            if given is not None and name in given:
+                self.parallel[name], self.data_parallel[name] = given[name]
+            else:
+                self.parallel[name], self.data_parallel[name] = self._create(_parse_ep_size(name))
 
-    def __bool__(self): return bool(self.parallel)
+    def __bool__(self):
+        return bool(self.parallel)
 
-# %% ../../nbs/20_utils_groups.ipynb #g025
-@patch
-def _group_for(self:ExpertGroups, rank_lists:list):
-    "This rank's group among `rank_lists` (all ranks take part in creating each one)"
-    world, rank, mine = dist.get_world_size(), dist.get_rank(), None
-    if len(rank_lists) == 1 and len(rank_lists[0]) == world: return None   # the whole world: the default group
-    for ranks in rank_lists:
-        group = dist.new_group(ranks)
-        if rank in ranks: mine = group; self.created.append(group)
-    return mine
+    def _group_for(self, rank_lists: list):
+        "This rank's group among `rank_lists` (all ranks take part in creating each one)"
+        world, rank, mine = dist.get_world_size(), dist.get_rank(), None
+        if len(rank_lists) == 1 and len(rank_lists[0]) == world:
+            return None  # the whole world: the default group
+        for ranks in rank_lists:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+                self.created.append(group)
+        return mine
 
-@patch
-def _create(self:ExpertGroups, ep_size:int)->tuple:
-    "(expert-parallel group, expert data-parallel group) of this rank for experts spread over `ep_size` ranks"
-    if dist.get_world_size() == 1: return None, None
-    parallel, data_parallel = expert_layout(ep_size, dist.get_world_size())
-    return self._group_for(parallel), self._group_for(data_parallel)
+    def _create(self, ep_size: int) -> tuple:
+        "(expert-parallel group, expert data-parallel group) of this rank for experts spread over `ep_size` ranks"
+        if dist.get_world_size() == 1:
+            return None, None
+        parallel, data_parallel = expert_layout(ep_size, dist.get_world_size())
+        return self._group_for(parallel), self._group_for(data_parallel)
 
-@patch
-def close(self:ExpertGroups):
-    "Destroy the process groups this object created"
-    for group in self.created: dist.destroy_process_group(group)
-    self.created = []
+    def close(self):
+        "Destroy the process groups this object created"
+        for group in self.created:
+            dist.destroy_process_group(group)
+        self.created = []

@@ -16,7 +16,7 @@ __all__ = ['prefix_sum_inc', 'partition_uniform', 'partition_balanced', 'align_d
            'all_gather_dp_groups']
 
 # %% ../../nbs/20_utils_partition.ipynb #c005
-def prefix_sum_inc(weights)->list: # numbers
+def prefix_sum_inc(weights) -> list:  # numbers
     "Inclusive prefix sums: `[3, 4, 5]` gives `[3, 7, 12]`"
     return list(itertools.accumulate(weights))
 
@@ -24,12 +24,17 @@ def prefix_sum_inc(weights)->list: # numbers
 def _check_count(name, value, minimum):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum: raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
-def partition_uniform(num_items:int, # items to split
-                      num_parts:int)->list: # number of parts (>= 1)
+
+def partition_uniform(
+    num_items: int,  # items to split
+    num_parts: int,
+) -> list:  # number of parts (>= 1)
     "Boundaries splitting `num_items` into `num_parts` parts whose sizes differ by at most one, larger parts first"
-    _check_count('num_items', num_items, 0); _check_count('num_parts', num_parts, 1)
+    _check_count('num_items', num_items, 0)
+    _check_count('num_parts', num_parts, 1)
     base, extra = divmod(num_items, num_parts)
     return [p * base + min(p, extra) for p in range(num_parts + 1)]
 
@@ -38,31 +43,41 @@ def _count_range(sums, lo, hi):
     "For each prefix of the items, the fewest and most non-empty parts with sums in [lo, hi] (most = -1: impossible)"
     n = len(sums) - 1
     fewest, most = [0] + [n + 1] * n, [0] + [-1] * n
-    q_few, q_most, nxt = deque(), deque(), 0   # window of valid cut points, monotone by fewest / most
+    q_few, q_most, nxt = deque(), deque(), 0  # window of valid cut points, monotone by fewest / most
     for i in range(1, n + 1):
-        while nxt < i and sums[i] - sums[nxt] >= lo:   # cut point `nxt` becomes usable for prefix i and later
+        while nxt < i and sums[i] - sums[nxt] >= lo:  # cut point `nxt` becomes usable for prefix i and later
             if most[nxt] >= 0:
-                while q_few and fewest[q_few[-1]] >= fewest[nxt]: q_few.pop()
-                while q_most and most[q_most[-1]] <= most[nxt]: q_most.pop()
-                q_few.append(nxt); q_most.append(nxt)
+                while q_few and fewest[q_few[-1]] >= fewest[nxt]:
+                    q_few.pop()
+                while q_most and most[q_most[-1]] <= most[nxt]:
+                    q_most.pop()
+                q_few.append(nxt)
+                q_most.append(nxt)
             nxt += 1
-        while q_few and sums[i] - sums[q_few[0]] > hi: q_few.popleft()
-        while q_most and sums[i] - sums[q_most[0]] > hi: q_most.popleft()
-        if q_few: fewest[i], most[i] = fewest[q_few[0]] + 1, most[q_most[0]] + 1
+        while q_few and sums[i] - sums[q_few[0]] > hi:
+            q_few.popleft()
+        while q_most and sums[i] - sums[q_most[0]] > hi:
+            q_most.popleft()
+        if q_few:
+            fewest[i], most[i] = fewest[q_few[0]] + 1, most[q_most[0]] + 1
     return fewest, most
+
 
 def _feasible(sums, k, lo, hi):
     fewest, most = _count_range(sums, lo, hi)
     return fewest[-1] <= k <= most[-1]
 
 # %% ../../nbs/20_utils_partition.ipynb #c013
-def _cut_within(sums, k, lo, hi)->list:
+def _cut_within(sums, k, lo, hi) -> list:
     "Boundaries of a split into exactly `k` parts with every part sum in [lo, hi] (which must exist)"
     fewest, most = _count_range(sums, lo, hi)
     parts, i = [len(sums) - 1], len(sums) - 1
     for remaining in range(k, 0, -1):
-        i = next(t for t in range(i - 1, -1, -1) if lo <= sums[i] - sums[t] <= hi
-                 and most[t] >= 0 and fewest[t] <= remaining - 1 <= most[t])
+        i = next(
+            t
+            for t in range(i - 1, -1, -1)
+            if lo <= sums[i] - sums[t] <= hi and most[t] >= 0 and fewest[t] <= remaining - 1 <= most[t]
+        )
         parts.append(i)
     assert i == 0, 'balanced partition reconstruction did not reach the first item'
     return parts[::-1]
@@ -74,42 +89,51 @@ def _greedy_spread(sums, k):
     for p in range(1, k):
         target, lo, hi = sums[-1] * p / k, cuts[-1] + 1, n - (k - p)
         t = min(max(bisect.bisect_left(sums, target, lo, hi + 1), lo), hi)
-        if t > lo and target - sums[t - 1] <= sums[t] - target: t -= 1
+        if t > lo and target - sums[t - 1] <= sums[t] - target:
+            t -= 1
         cuts.append(t)
     part_sums = [sums[b] - sums[a] for a, b in zip(cuts, cuts[1:] + [n])]
     return max(part_sums) - min(part_sums)
 
-def _candidate_sums(sums, low, high)->list:
+
+def _candidate_sums(sums, low, high) -> list:
     "Distinct sums of contiguous runs of items that lie in [low, high], sorted"
     out = set()
     for i in range(len(sums) - 1):
         j = bisect.bisect_left(sums, sums[i] + low, i + 1)
-        while j < len(sums) and sums[j] - sums[i] <= high: out.add(sums[j] - sums[i]); j += 1
+        while j < len(sums) and sums[j] - sums[i] <= high:
+            out.add(sums[j] - sums[i])
+            j += 1
     return sorted(out)
 
 # %% ../../nbs/20_utils_partition.ipynb #c019
-def _first_true(pred, start:int, end:int)->int:
+def _first_true(pred, start: int, end: int) -> int:
     "The smallest i in [start, end) with `pred(i)`, for `pred` false then true; `end` if none (gallop, then bisect)"
-    lo, hi, step = start, start, 1          # pred is false on [start, lo)
-    while hi < end and not pred(hi): lo, hi, step = hi + 1, hi + step, step * 2
-    hi = min(hi, end)                       # the answer is in [lo, hi]; hi < end means pred(hi)
+    lo, hi, step = start, start, 1  # pred is false on [start, lo)
+    while hi < end and not pred(hi):
+        lo, hi, step = hi + 1, hi + step, step * 2
+    hi = min(hi, end)  # the answer is in [lo, hi]; hi < end means pred(hi)
     while lo < hi:
         mid = (lo + hi) // 2
-        if pred(mid): hi = mid
-        else: lo = mid + 1
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
     return lo
 
 # %% ../../nbs/20_utils_partition.ipynb #c021
-def _min_spread_bounds(sums, k:int, lows:list, highs:list):
+def _min_spread_bounds(sums, k: int, lows: list, highs: list):
     "The feasible (lo, hi) from the sorted candidates with the smallest hi - lo, then the smallest hi"
     best, i, j = None, 0, 0
     while i < len(lows):
         lo = lows[i]
-        j = _first_true(lambda h: _feasible(sums, k, lo, highs[h]), j, len(highs))    # lightest hi for this lo
-        if j == len(highs): break
+        j = _first_true(lambda h: _feasible(sums, k, lo, highs[h]), j, len(highs))  # lightest hi for this lo
+        if j == len(highs):
+            break
         hi = highs[j]
-        i = _first_true(lambda l: not _feasible(sums, k, lows[l], hi), i + 1, len(lows)) - 1   # largest lo for hi
-        if best is None or hi - lows[i] < best[1] - best[0]: best = (lows[i], hi)
+        i = _first_true(lambda l: not _feasible(sums, k, lows[l], hi), i + 1, len(lows)) - 1  # largest lo for hi
+        if best is None or hi - lows[i] < best[1] - best[0]:
+            best = (lows[i], hi)
         i += 1
     return best
 
@@ -121,106 +145,116 @@ def _check_weights(weights):
             raise ValueError(f"weights[{i}] = {w!r}: weights must be finite non-negative numbers")
     return weights
 
-def partition_balanced(weights, # non-negative weight per item (e.g. parameters per layer)
-                       num_parts:int, # number of contiguous parts
-                       eps:float=1e-3)->list: # accepted for DeepSpeed compatibility; the search is exact
-    "Boundaries of the contiguous split of `weights` into `num_parts` non-empty parts with the smallest spread of part sums"
-    weights = _check_weights(weights); _check_count('num_parts', num_parts, 1)
-    if len(weights) <= num_parts: return partition_uniform(len(weights), num_parts)
+
+def partition_balanced(
+    weights,  # non-negative weight per item (e.g. parameters per layer)
+    num_parts: int,  # number of contiguous parts
+    eps: float = 1e-3,
+) -> list:  # accepted for DeepSpeed compatibility; the search is exact
+    """Boundaries of the contiguous split of `weights` into `num_parts` non-empty parts with the smallest spread of part
+    sums"""
+    weights = _check_weights(weights)
+    _check_count('num_parts', num_parts, 1)
+    if len(weights) <= num_parts:
+        return partition_uniform(len(weights), num_parts)
     sums, k = [0] + prefix_sum_inc(weights), num_parts
-    average, bound = sums[-1] / k, _greedy_spread(sums, k)   # the optimum is no worse than the greedy split
-    bound += 1e-9 * (sums[-1] + bound)                          # float rounding must not drop the optimum
-    heaviest = max(average, max(weights))                        # no split has a lighter heaviest part
-    best = _min_spread_bounds(sums, k, _candidate_sums(sums, heaviest - bound, average),
-                              _candidate_sums(sums, heaviest, average + bound))
+    average, bound = sums[-1] / k, _greedy_spread(sums, k)  # the optimum is no worse than the greedy split
+    bound += 1e-9 * (sums[-1] + bound)  # float rounding must not drop the optimum
+    heaviest = max(average, max(weights))  # no split has a lighter heaviest part
+    best = _min_spread_bounds(
+        sums, k, _candidate_sums(sums, heaviest - bound, average), _candidate_sums(sums, heaviest, average + bound)
+    )
     assert best is not None, 'no balanced partition found'
     return _cut_within(sums, k, *best)
 
 # %% ../../nbs/20_utils_partition.ipynb #c031
-def align_dense_tensors(tensor_list, # tensors that will be flattened together
-                        alignment:int)->list: # the total element count is padded to a multiple of this
+def align_dense_tensors(
+    tensor_list,  # tensors that will be flattened together
+    alignment: int,
+) -> list:  # the total element count is padded to a multiple of this
     "`tensor_list` plus, if needed, a zero tensor that pads the total number of elements to a multiple of `alignment`"
-    tensor_list = as_tensor_list(tensor_list, 'tensor_list', single_ok=False); _check_count('alignment', alignment, 1)
+    tensor_list = as_tensor_list(tensor_list, 'tensor_list', single_ok=False)
+    _check_count('alignment', alignment, 1)
     remaining = -sum(t.numel() for t in tensor_list) % alignment
-    if remaining == 0 or not tensor_list: return tensor_list
+    if remaining == 0 or not tensor_list:
+        return tensor_list
     first = tensor_list[0]
     return tensor_list + [torch.zeros(remaining, dtype=first.dtype, device=first.device)]
 
 # %% ../../nbs/20_utils_partition.ipynb #c034
 class PartitionedTensor:
     "This rank's piece of a tensor split over the ranks of `group`; `full()` gathers the whole tensor"
-    def __init__(self, tensor:torch.Tensor, # the full tensor (or, with `partition_meta`, this rank's piece)
-                 group=None, # process group to split over (None: the default group)
-                 partition_meta:torch.Tensor|None=None): # from `to_meta()` when `tensor` is already a piece
-        if not isinstance(tensor, torch.Tensor): raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,  # the full tensor (or, with `partition_meta`, this rank's piece)
+        group=None,  # process group to split over (None: the default group)
+        partition_meta: torch.Tensor | None = None,  # from `to_meta()` when `tensor` is already a piece
+    ):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         self.group, self.num_parts, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        if partition_meta is not None: self._set_from_meta(partition_meta, tensor); return
+        if partition_meta is not None:
+            self._set_from_meta(partition_meta, tensor)
+            return
         self.orig_size, self.orig_device = list(tensor.shape), tensor.device
         self.partition = partition_uniform(tensor.numel(), self.num_parts)
         start, end = self.partition[self.rank], self.partition[self.rank + 1]
         self.local_data = tensor.detach().reshape(-1)[start:end].clone()
 
     @classmethod
-    def from_meta(cls, meta:torch.Tensor, local_part:torch.Tensor, group=None, device=None):
+    def from_meta(cls, meta: torch.Tensor, local_part: torch.Tensor, group=None, device=None):
         "Rebuild from another rank's `to_meta()` and this rank's piece `local_part`"
         obj = cls(local_part, group, partition_meta=meta)
-        if device is not None: obj.orig_device = torch.device(device)
+        if device is not None:
+            obj.orig_device = torch.device(device)
         return obj
 
-# %% ../../nbs/20_utils_partition.ipynb #c036
-@patch
-@torch.no_grad()
-def _set_from_meta(self:PartitionedTensor, meta, local_part):
-    values = [int(v) for v in torch.as_tensor(meta).reshape(-1).tolist()]
-    ndim = values[0]
-    shape, num_parts, partition = values[1:1 + ndim], values[1 + ndim], values[3 + ndim:]
-    if num_parts != self.num_parts or len(partition) != num_parts + 1:
-        raise ValueError(f"partition meta describes {num_parts} parts but the group has {self.num_parts} ranks")
-    if partition[-1] != math.prod(shape) or partition[0] != 0:
-        raise ValueError(f"partition meta boundaries {partition} do not cover shape {shape}")
-    expected = partition[self.rank + 1] - partition[self.rank]
-    if local_part.numel() != expected:
-        raise ValueError(f"local_part has {local_part.numel()} elements; rank {self.rank}'s part has {expected}")
-    self.orig_size, self.orig_device, self.partition = shape, local_part.device, partition
-    self.local_data = local_part.detach().reshape(-1)
+    @torch.no_grad()
+    def _set_from_meta(self, meta, local_part):
+        values = [int(v) for v in torch.as_tensor(meta).reshape(-1).tolist()]
+        ndim = values[0]
+        shape, num_parts, partition = values[1 : 1 + ndim], values[1 + ndim], values[3 + ndim :]
+        if num_parts != self.num_parts or len(partition) != num_parts + 1:
+            raise ValueError(f"partition meta describes {num_parts} parts but the group has {self.num_parts} ranks")
+        if partition[-1] != math.prod(shape) or partition[0] != 0:
+            raise ValueError(f"partition meta boundaries {partition} do not cover shape {shape}")
+        expected = partition[self.rank + 1] - partition[self.rank]
+        if local_part.numel() != expected:
+            raise ValueError(f"local_part has {local_part.numel()} elements; rank {self.rank}'s part has {expected}")
+        self.orig_size, self.orig_device, self.partition = shape, local_part.device, partition
+        self.local_data = local_part.detach().reshape(-1)
 
-# %% ../../nbs/20_utils_partition.ipynb #c039
-@patch
-def to_meta(self:PartitionedTensor)->torch.Tensor:
-    "`[ndim, *shape, num_parts, rank, *boundaries]` as a LongTensor on the piece's device"
-    values = [len(self.orig_size), *self.orig_size, self.num_parts, self.rank, *self.partition]
-    return torch.tensor(values, dtype=torch.long, device=self.local_data.device)
+    def to_meta(self) -> torch.Tensor:
+        "`[ndim, *shape, num_parts, rank, *boundaries]` as a LongTensor on the piece's device"
+        values = [len(self.orig_size), *self.orig_size, self.num_parts, self.rank, *self.partition]
+        return torch.tensor(values, dtype=torch.long, device=self.local_data.device)
 
-# %% ../../nbs/20_utils_partition.ipynb #c041
-@patch
-@torch.no_grad()
-def full(self:PartitionedTensor, device=None)->torch.Tensor:
-    "The whole tensor, all-gathered from every rank's piece (on `device`, default the original device)"
-    sizes = [b - a for a, b in zip(self.partition, self.partition[1:])]
-    longest = max(sizes)
-    local = self.local_data
-    if local.numel() < longest: local = torch.cat([local, local.new_zeros(longest - local.numel())])
-    gathered = local.new_empty(longest * self.num_parts)
-    dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.group)
-    pieces = gathered.view(self.num_parts, longest)
-    flat = gathered if min(sizes) == longest else torch.cat([pieces[r, :n] for r, n in enumerate(sizes)])
-    return flat.view(self.orig_size).to(device if device is not None else self.orig_device)
+    @torch.no_grad()
+    def full(self, device=None) -> torch.Tensor:
+        "The whole tensor, all-gathered from every rank's piece (on `device`, default the original device)"
+        sizes = [b - a for a, b in zip(self.partition, self.partition[1:])]
+        longest = max(sizes)
+        local = self.local_data
+        if local.numel() < longest:
+            local = torch.cat([local, local.new_zeros(longest - local.numel())])
+        gathered = local.new_empty(longest * self.num_parts)
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.group)
+        pieces = gathered.view(self.num_parts, longest)
+        flat = gathered if min(sizes) == longest else torch.cat([pieces[r, :n] for r, n in enumerate(sizes)])
+        return flat.view(self.orig_size).to(device if device is not None else self.orig_device)
 
-# %% ../../nbs/20_utils_partition.ipynb #c044
-@patch
-def data(self:PartitionedTensor)->torch.Tensor:
-    "This rank's piece (flat)"
-    return self.local_data
+    def data(self) -> torch.Tensor:
+        "This rank's piece (flat)"
+        return self.local_data
 
-@patch
-def local_size(self:PartitionedTensor)->int:
-    "Elements in this rank's piece"
-    return self.local_data.numel()
+    def local_size(self) -> int:
+        "Elements in this rank's piece"
+        return self.local_data.numel()
 
-@patch
-def full_size(self:PartitionedTensor)->list:
-    "Shape of the whole tensor"
-    return list(self.orig_size)
+    def full_size(self) -> list:
+        "Shape of the whole tensor"
+        return list(self.orig_size)
 
 # %% ../../nbs/20_utils_partition.ipynb #c047
 def _gather_group(flat, partitions, group, alignment, bucket_size):
@@ -231,7 +265,8 @@ def _gather_group(flat, partitions, group, alignment, bucket_size):
     if any(p.numel() != size for p in partitions):
         raise ValueError(f"partitions must have equal sizes, got {[p.numel() for p in partitions]}")
     if flat is not None and flat.numel() == size * world and flat.numel() <= bucket_size:
-        dist.all_gather_into_tensor(flat, partitions[rank], group=group); return
+        dist.all_gather_into_tensor(flat, partitions[rank], group=group)
+        return
     shard = max(alignment, bucket_size // world // alignment * alignment)
     for offset in range(0, size, shard):
         n = min(shard, size - offset)
@@ -240,18 +275,26 @@ def _gather_group(flat, partitions, group, alignment, bucket_size):
 
 # %% ../../nbs/20_utils_partition.ipynb #c049
 @torch.no_grad()
-def all_gather_dp_groups(groups_flat, # per parameter group: the flat buffer holding all partitions, or None
-                         partitioned_param_groups, # per parameter group: every rank's partition (equal sizes)
-                         dp_process_group=None, # the data-parallel group, or one group per parameter group
-                         start_alignment_factor:int=1, # shard lengths are multiples of this many elements
-                         allgather_bucket_size:int=500_000_000): # most elements gathered by one collective
+def all_gather_dp_groups(
+    groups_flat,  # per parameter group: the flat buffer holding all partitions, or None
+    partitioned_param_groups,  # per parameter group: every rank's partition (equal sizes)
+    dp_process_group=None,  # the data-parallel group, or one group per parameter group
+    start_alignment_factor: int = 1,  # shard lengths are multiples of this many elements
+    allgather_bucket_size: int = 500_000_000,  # most elements gathered by one collective
+):
     "Fill every rank's partitions of each parameter group from the rank that owns them"
     _check_count('start_alignment_factor', start_alignment_factor, 1)
     _check_count('allgather_bucket_size', allgather_bucket_size, 1)
-    if groups_flat is None: groups_flat = [None] * len(partitioned_param_groups)
+    if groups_flat is None:
+        groups_flat = [None] * len(partitioned_param_groups)
     if len(groups_flat) != len(partitioned_param_groups):
         raise ValueError(f"{len(groups_flat)} flat buffers for {len(partitioned_param_groups)} parameter groups")
     for i, (flat, partitions) in enumerate(zip(groups_flat, partitioned_param_groups)):
         group = dp_process_group[i] if isinstance(dp_process_group, (list, tuple)) else dp_process_group
-        _gather_group(flat, as_tensor_list(partitions, f'partitioned_param_groups[{i}]', single_ok=False), group,
-                      start_alignment_factor, allgather_bucket_size)
+        _gather_group(
+            flat,
+            as_tensor_list(partitions, f'partitioned_param_groups[{i}]', single_ok=False),
+            group,
+            start_alignment_factor,
+            allgather_bucket_size,
+        )

@@ -13,27 +13,35 @@ __all__ = ['LOCAL_SIZE_VARIABLES', 'LAUNCHERS_SETTING_OMP', 'cgroup_cores', 'ava
            'omp_set_by_launcher', 'users_threads', 'plan_threads', 'size_threads']
 
 # %% ../../nbs/20_utils_threads.ipynb #c006
-def _words(path:str)->list|None:
+def _words(path: str) -> list | None:
     try:
-        with open(path) as f: return f.read().split()
-    except OSError: return None
+        with open(path) as f:
+            return f.read().split()
+    except OSError:
+        return None
 
-def cgroup_cores(root:str='/sys/fs/cgroup', # where the cgroup file system is mounted
-                )->float|None: # cores the quota allows; None without a quota
+
+def cgroup_cores(
+    root: str = '/sys/fs/cgroup',  # where the cgroup file system is mounted
+) -> float | None:  # cores the quota allows; None without a quota
     "The CPU quota of this process's cgroup in cores: v2 `cpu.max`, else v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`"
     v2 = _words(f'{root}/cpu.max')
-    if v2: quota, period = v2[0], (v2[1:] or ['100000'])[0]
+    if v2:
+        quota, period = v2[0], (v2[1:] or ['100000'])[0]
     else:
         quota = (_words(f'{root}/cpu/cpu.cfs_quota_us') or ['max'])[0]
         period = (_words(f'{root}/cpu/cpu.cfs_period_us') or ['100000'])[0]
-    if quota in ('max', '-1') or not period.isdigit() or int(period) == 0: return None
+    if quota in ('max', '-1') or not period.isdigit() or int(period) == 0:
+        return None
     return int(quota) / int(period)
 
-def _logical_cores()->int:
+
+def _logical_cores() -> int:
     "The cores this process may run on (its affinity), before any quota"
     return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
 
-def available_cores(root:str='/sys/fs/cgroup')->int: # at least 1
+
+def available_cores(root: str = '/sys/fs/cgroup') -> int:  # at least 1
     "Cores this process may run on: its CPU affinity, capped by its cgroup's quota (rounded down)"
     cores, quota = _logical_cores(), cgroup_cores(root)
     return max(1, min(cores, math.floor(quota)) if quota is not None else cores)
@@ -41,23 +49,28 @@ def available_cores(root:str='/sys/fs/cgroup')->int: # at least 1
 # %% ../../nbs/20_utils_threads.ipynb #c009
 LOCAL_SIZE_VARIABLES = ('LOCAL_WORLD_SIZE', 'OMPI_COMM_WORLD_LOCAL_SIZE', 'MPI_LOCALNRANKS', 'SLURM_NTASKS_PER_NODE')
 
-def _slurm_tasks_here(value:str, node:int)->int|None:
+
+def _slurm_tasks_here(value: str, node: int) -> int | None:
     "This node's task count in SLURM's compressed list ('4(x2),3': nodes 0-1 run 4 tasks, node 2 runs 3)"
     counts = []
     for part in value.split(','):
         n, _, times = part.partition('(x')
-        if not n.isdigit() or (times and not times.rstrip(')').isdigit()): return None
+        if not n.isdigit() or (times and not times.rstrip(')').isdigit()):
+            return None
         counts += [int(n)] * (int(times.rstrip(')')) if times else 1)
     return counts[node] if node < len(counts) else None
 
-def local_world_size(environ:dict|None=None)->int: # ranks on this node, at least 1
+
+def local_world_size(environ: dict | None = None) -> int:  # ranks on this node, at least 1
     "How many ranks run on this node, from the launcher's variables"
     env = os.environ if environ is None else environ
     for name in LOCAL_SIZE_VARIABLES:
-        if env.get(name, '').isdigit() and int(env[name]) > 0: return int(env[name])
+        if env.get(name, '').isdigit() and int(env[name]) > 0:
+            return int(env[name])
     if env.get('SLURM_STEP_TASKS_PER_NODE'):
         n = _slurm_tasks_here(env['SLURM_STEP_TASKS_PER_NODE'], int(env.get('SLURM_NODEID', '0') or 0))
-        if n: return n
+        if n:
+            return n
     world = int(env['WORLD_SIZE']) if env.get('WORLD_SIZE', '').isdigit() else 1
     local = env.get('MASTER_ADDR', '127.0.0.1') in ('127.0.0.1', 'localhost', '::1')
     return max(1, world if local else 1)
@@ -66,96 +79,129 @@ def local_world_size(environ:dict|None=None)->int: # ranks on this node, at leas
 @dataclass(frozen=True)
 class ThreadPlan:
     "How many torch intra-op threads a rank runs, beside how many ranks share how many cores, and who chose"
-    threads: int # intra-op threads of each rank
-    local_ranks: int # ranks on this node
-    cores: int # cores available to the process
-    source: str # 'sized' (cores ÷ ranks), 'config' (threads_per_rank), 'OMP_NUM_THREADS' or 'torch.set_num_threads'
+
+    threads: int  # intra-op threads of each rank
+    local_ranks: int  # ranks on this node
+    cores: int  # cores available to the process
+    source: str  # 'sized' (cores ÷ ranks), 'config' (threads_per_rank), 'OMP_NUM_THREADS' or 'torch.set_num_threads'
 
     @property
-    def oversubscribed(self)->bool:
+    def oversubscribed(self) -> bool:
         "Whether the node's ranks run more compute threads than it has cores"
         return self.threads * self.local_ranks > self.cores
 
-    def describe(self)->str:
+    def describe(self) -> str:
         "'2 ranks × 1 thread on 2 cores'"
         plural = lambda n, word: f"{n} {word}{'' if n == 1 else 's'}"
         return f"{plural(self.local_ranks, 'rank')} × {plural(self.threads, 'thread')} on {plural(self.cores, 'core')}"
 
-    def to_dict(self)->dict: return asdict(self) | {'oversubscribed': self.oversubscribed}
+    def to_dict(self) -> dict:
+        return asdict(self) | {'oversubscribed': self.oversubscribed}
 
 # %% ../../nbs/20_utils_threads.ipynb #c015
-_flexrt_threads = None   # the count flexrt set last in this process: not the user's (forked ranks inherit it)
+_flexrt_threads = None  # the count flexrt set last in this process: not the user's (forked ranks inherit it)
 
-def _torch_defaults()->set:
+
+def _torch_defaults() -> set:
     "The counts torch starts a process with: the cores it may run on, or the physical cores among them"
     logical = _logical_cores()
     return {logical, min(logical, psutil.cpu_count(logical=False) or logical)}
 
+
 LAUNCHERS_SETTING_OMP = (b'torchrun', b'torch.distributed.run', b'torch/distributed/run', b'accelerate')
 
-def omp_set_by_launcher(omp:str, # the OMP_NUM_THREADS this process sees
-                        parent:int|None=None, # the launcher's pid; None: this process's parent
-                       )->bool:
-    "Whether `OMP_NUM_THREADS=1` came from torchrun or `accelerate launch` (they set it when unset), not from you"
-    if omp != '1': return False
-    try:
-        with open(f'/proc/{parent or os.getppid()}/cmdline', 'rb') as f: command = f.read()
-        with open(f'/proc/{parent or os.getppid()}/environ', 'rb') as f: started_with = f.read().split(b'\0')
-    except OSError: return False   # not Linux, or not readable: take it as yours
-    launcher = any(name in command for name in LAUNCHERS_SETTING_OMP)
-    return launcher and not any(v.startswith(b'OMP_NUM_THREADS=') for v in started_with)   # its environment at start
 
-def users_threads(environ:dict|None=None)->tuple|None: # (count, 'OMP_NUM_THREADS' | 'torch.set_num_threads') or None
+def omp_set_by_launcher(
+    omp: str,  # the OMP_NUM_THREADS this process sees
+    parent: int | None = None,  # the launcher's pid; None: this process's parent
+) -> bool:
+    "Whether `OMP_NUM_THREADS=1` came from torchrun or `accelerate launch` (they set it when unset), not from you"
+    if omp != '1':
+        return False
+    try:
+        with open(f'/proc/{parent or os.getppid()}/cmdline', 'rb') as f:
+            command = f.read()
+        with open(f'/proc/{parent or os.getppid()}/environ', 'rb') as f:
+            started_with = f.read().split(b'\0')
+    except OSError:
+        return False  # not Linux, or not readable: take it as yours
+    launcher = any(name in command for name in LAUNCHERS_SETTING_OMP)
+    return launcher and not any(v.startswith(b'OMP_NUM_THREADS=') for v in started_with)  # its environment at start
+
+
+def users_threads(
+    environ: dict | None = None,
+) -> tuple | None:  # (count, 'OMP_NUM_THREADS' | 'torch.set_num_threads') or None
     "The thread count you chose for this process, if you chose one"
     env = os.environ if environ is None else environ
     running, omp = torch.get_num_threads(), env.get('OMP_NUM_THREADS', '').strip()
     not_yours = {_flexrt_threads} | _torch_defaults()
-    if environ is None and omp_set_by_launcher(omp): omp, not_yours = '', not_yours | {1}   # torchrun's 1, not yours
+    if environ is None and omp_set_by_launcher(omp):
+        omp, not_yours = '', not_yours | {1}  # torchrun's 1, not yours
     if omp.isdigit() and int(omp) > 0:
-        wanted = min(int(omp), _logical_cores())   # torch starts with at most the cores the process may run on
-        if running in not_yours | {int(omp), wanted}: return wanted, 'OMP_NUM_THREADS'
-        return running, 'torch.set_num_threads'    # a count set after the variable was read: the later choice
-    if running not in not_yours: return running, 'torch.set_num_threads'
+        wanted = min(int(omp), _logical_cores())  # torch starts with at most the cores the process may run on
+        if running in not_yours | {int(omp), wanted}:
+            return wanted, 'OMP_NUM_THREADS'
+        return running, 'torch.set_num_threads'  # a count set after the variable was read: the later choice
+    if running not in not_yours:
+        return running, 'torch.set_num_threads'
     return None
 
 # %% ../../nbs/20_utils_threads.ipynb #c018
-def plan_threads(threads:int|None=None, # a count asked for (the config's threads_per_rank); None: yours, else sized
-                 local_ranks:int|None=None, # ranks on this node; None: from the launcher's variables
-                 environ:dict|None=None)->ThreadPlan:
+def plan_threads(
+    threads: int | None = None,  # a count asked for (the config's threads_per_rank); None: yours, else sized
+    local_ranks: int | None = None,  # ranks on this node; None: from the launcher's variables
+    environ: dict | None = None,
+) -> ThreadPlan:
     "The threads each rank should run: `threads` if given, else your own choice, else cores ÷ ranks (at least 1)"
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f'threads_per_rank must be a whole number >= 1 (or null to size it to the machine), '
-                         f'not {threads!r}')
+        raise ValueError(
+            f'threads_per_rank must be a whole number >= 1 (or null to size it to the machine), not {threads!r}'
+        )
     cores, ranks = available_cores(), local_ranks or local_world_size(environ)
-    if threads is not None: return ThreadPlan(threads, ranks, cores, 'config')
+    if threads is not None:
+        return ThreadPlan(threads, ranks, cores, 'config')
     users = users_threads(environ)
-    if users is not None: return ThreadPlan(users[0], ranks, cores, users[1])
+    if users is not None:
+        return ThreadPlan(users[0], ranks, cores, users[1])
     return ThreadPlan(max(1, cores // ranks), ranks, cores, 'sized')
 
 # %% ../../nbs/20_utils_threads.ipynb #c020
 _warned = False
 
-def _warn_oversubscribed(plan:ThreadPlan, environ):
+
+def _warn_oversubscribed(plan: ThreadPlan, environ):
     "Warn once, on the node's first rank, that a chosen count oversubscribes the node"
     global _warned
     env = os.environ if environ is None else environ
-    if _warned or not plan.oversubscribed or plan.source == 'sized' or env.get('LOCAL_RANK', '0') != '0': return
+    if _warned or not plan.oversubscribed or plan.source == 'sized' or env.get('LOCAL_RANK', '0') != '0':
+        return
     _warned = True
-    fix = {'OMP_NUM_THREADS': 'unset OMP_NUM_THREADS', 'torch.set_num_threads': 'drop the torch.set_num_threads call',
-           'config': 'remove threads_per_rank from the config'}[plan.source]
+    fix = {
+        'OMP_NUM_THREADS': 'unset OMP_NUM_THREADS',
+        'torch.set_num_threads': 'drop the torch.set_num_threads call',
+        'config': 'remove threads_per_rank from the config',
+    }[plan.source]
     threads = plan.threads * plan.local_ranks
-    warnings.warn(f'{plan.describe()} ({plan.source}={plan.threads}): {threads} compute threads '
-                  f'take turns on {plan.cores} cores, which slows every step; {fix} and flexrt gives each rank '
-                  f'{max(1, plan.cores // plan.local_ranks)}, or set {max(1, plan.cores // plan.local_ranks)} yourself',
-                  stacklevel=3)
+    warnings.warn(
+        f'{plan.describe()} ({plan.source}={plan.threads}): {threads} compute threads '
+        f'take turns on {plan.cores} cores, which slows every step; {fix} and flexrt gives each rank '
+        f'{max(1, plan.cores // plan.local_ranks)}, or set {max(1, plan.cores // plan.local_ranks)} yourself',
+        stacklevel=3,
+    )
 
-def size_threads(threads:int|None=None, # a count asked for (the config's threads_per_rank); None: yours, else sized
-                 local_ranks:int|None=None, # ranks on this node; None: from the launcher's variables
-                 environ:dict|None=None)->ThreadPlan: # the plan now in force
+
+def size_threads(
+    threads: int | None = None,  # a count asked for (the config's threads_per_rank); None: yours, else sized
+    local_ranks: int | None = None,  # ranks on this node; None: from the launcher's variables
+    environ: dict | None = None,
+) -> ThreadPlan:  # the plan now in force
     "Give this process its plan's torch intra-op threads; warn once where a count you chose oversubscribes the node"
     global _flexrt_threads
     plan = plan_threads(threads, local_ranks, environ)
-    if torch.get_num_threads() != plan.threads: torch.set_num_threads(plan.threads)   # also OMP_NUM_THREADS after flexrt
-    if plan.source in ('sized', 'config'): _flexrt_threads = plan.threads               # changed the count: yours again
+    if torch.get_num_threads() != plan.threads:
+        torch.set_num_threads(plan.threads)  # also OMP_NUM_THREADS after flexrt
+    if plan.source in ('sized', 'config'):
+        _flexrt_threads = plan.threads  # changed the count: yours again
     _warn_oversubscribed(plan, environ)
     return plan

@@ -9,7 +9,8 @@ __all__ = ['RecordStore', 'rank0_steps', 'Plot', 'figure_html', 'thin', 'LiveVie
 
 # %% ../../nbs/80_widgets.ipynb #c003
 import importlib
-_MODULES = {   # module -> the names the face hands on from it
+
+_MODULES = {  # module -> the names the face hands on from it
     'records': ('RecordStore', 'rank0_steps'),
     'plots': ('Plot', 'figure_html', 'thin'),
     'live': ('LiveView', 'History', 'FIRST_POLL'),
@@ -20,17 +21,42 @@ _MODULES = {   # module -> the names the face hands on from it
     'dashboard': ('TrainingDashboard',),
     'autotune_view': ('SearchView', 'SearchSettings', 'view_of_result'),
     'autotune_panel': ('SearchPanel',),
-    'autotune_widget': ('AutotuneWidget', 'MemoryPlanner')}
+    'autotune_widget': ('AutotuneWidget', 'MemoryPlanner'),
+}
 _HOMES = {name: module for module, names in _MODULES.items() for name in names}
-_all_ = ['RecordStore', 'rank0_steps', 'Plot', 'figure_html', 'thin', 'LiveView', 'History', 'FIRST_POLL',
-         'MemoryMonitor', 'MiB', 'UNTRACKED_HINT', 'GradNormTrace', 'RankPanel', 'LayerNormHeatmap', 'TrainingDashboard', 'SearchView',
-         'SearchSettings', 'view_of_result', 'SearchPanel', 'AutotuneWidget', 'MemoryPlanner']
+_all_ = [
+    'RecordStore',
+    'rank0_steps',
+    'Plot',
+    'figure_html',
+    'thin',
+    'LiveView',
+    'History',
+    'FIRST_POLL',
+    'MemoryMonitor',
+    'MiB',
+    'UNTRACKED_HINT',
+    'GradNormTrace',
+    'RankPanel',
+    'LayerNormHeatmap',
+    'TrainingDashboard',
+    'SearchView',
+    'SearchSettings',
+    'view_of_result',
+    'SearchPanel',
+    'AutotuneWidget',
+    'MemoryPlanner',
+]
 
-def __getattr__(name:str):
+
+def __getattr__(name: str):
     "Load the module that defines `name` on first use"
-    if name not in _HOMES: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f'{__name__}.{_HOMES[name]}'), name)
-    globals()[name] = value   # later lookups are plain attribute reads
+    globals()[name] = value  # later lookups are plain attribute reads
     return value
 
-def __dir__(): return sorted({*globals(), *_HOMES})
+
+def __dir__():
+    return sorted({*globals(), *_HOMES})

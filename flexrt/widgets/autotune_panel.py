@@ -16,171 +16,277 @@ __all__ = ['search_summary', 'error_html', 'ratio_text', 'margin_line', 'standin
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #c012
 _UNITS = {'throughput': 'samples/s', 'latency': 's/step', 'flops': 'FLOP/s'}
 
-def search_summary(view:SearchView)->str:
+
+def search_summary(view: SearchView) -> str:
     "How many trials, of which status, and the best so far"
     trials, best = view.trials, view.best
-    if trials.empty: return 'no trials yet'
+    if trials.empty:
+        return 'no trials yet'
     counts = ', '.join(f'{n} {s}' for s, n in trials['status'].value_counts().items())
-    if best is None: return f'{len(trials)} trials ({counts}); none fits yet'
-    return (f"{len(trials)} trials ({counts}); best {best['metric']:.4g} {_UNITS.get(view.metric_name, '')}: "
-            f"stage {int(best['stage'])}, micro-batch {int(best['micro_batch'])} (trial {int(best['trial'])})")
+    if best is None:
+        return f'{len(trials)} trials ({counts}); none fits yet'
+    return (
+        f"{len(trials)} trials ({counts}); best {best['metric']:.4g} {_UNITS.get(view.metric_name, '')}: "
+        f"stage {int(best['stage'])}, micro-batch {int(best['micro_batch'])} (trial {int(best['trial'])})"
+    )
 
-def error_html(error:BaseException)->str:
+
+def error_html(error: BaseException) -> str:
     "`error` as red HTML: its type, then its message (how the widgets show a failed action)"
     return f'<span style="color:#b00020">{type(error).__name__}: {html.escape(str(error))}</span>'
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #c013b
-def ratio_text(entry:dict|None)->str:
+def ratio_text(entry: dict | None) -> str:
     "`1.12× [1.08–1.16]`: a ratio and its 95% interval (`1.12×` while the interval is unknown)"
-    if not entry or entry.get('ratio') is None: return ''
+    if not entry or entry.get('ratio') is None:
+        return ''
     low, high = entry.get('low'), entry.get('high')
     return f"{entry['ratio']:.2f}×" + ('' if low is None or high is None else f' [{low:.2f}–{high:.2f}]')
 
-def margin_line(view:SearchView)->str:
+
+def margin_line(view: SearchView) -> str:
     "The status line's margin: the verdict once the search ended, the leader while the playoff runs, else ''"
-    if view.end is not None: return view.verdict
+    if view.end is not None:
+        return view.verdict
     playoff = view.playoff or {}
-    if not playoff.get('standings'): return ''
+    if not playoff.get('standings'):
+        return ''
     leader, reference = playoff['standings'][0], playoff.get('reference') or 'baseline'
     rounds = f"{playoff.get('round')}" + (f"/{playoff['max_rounds']}" if playoff.get('max_rounds') else '')
-    return (f"playoff round {rounds}: leader {leader['name']} {ratio_text(leader)}"
-            + ('' if reference == 'baseline' else f' (ratios to {reference})'))
+    return f"playoff round {rounds}: leader {leader['name']} {ratio_text(leader)}" + (
+        '' if reference == 'baseline' else f' (ratios to {reference})'
+    )
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #c013e
-def _within_noise(playoff:dict, margin:dict|None)->set:
+def _within_noise(playoff: dict, margin: dict | None) -> set:
     "Names tied with the leader: the end's `ties`, else those whose interval reaches the leader's"
-    if margin and margin.get('ties') is not None: return set(margin['ties'])
+    if margin and margin.get('ties') is not None:
+        return set(margin['ties'])
     leader, *others = playoff['standings']
     low = leader.get('low')
     return {s['name'] for s in others if low is not None and s.get('high') is not None and s['high'] >= low}
 
-def standings_html(playoff:dict|None, # the latest 'playoff' record
-                   margin:dict|None=None)->str: # the end record's margin, once the search ended
+
+def standings_html(
+    playoff: dict | None,  # the latest 'playoff' record
+    margin: dict | None = None,
+) -> str:  # the end record's margin, once the search ended
     "The playoff's standings (or, without them, the margin) as an HTML table"
-    if not playoff or not playoff.get('standings'): return margin_html(margin)
+    if not playoff or not playoff.get('standings'):
+        return margin_html(margin)
     ties, reference = _within_noise(playoff, margin), html.escape(str(playoff.get('reference') or 'baseline'))
     rows = []
     for i, s in enumerate(playoff['standings']):
-        mark, style = ('&#9733; leader', ' style="font-weight:bold"') if i == 0 else ('&asymp; tie', '') if s['name'] in ties else ('', '')
+        mark, style = (
+            ('&#9733; leader', ' style="font-weight:bold"')
+            if i == 0
+            else ('&asymp; tie', '')
+            if s['name'] in ties
+            else ('', '')
+        )
         name = html.escape(str(s['name'])) + (' <i>(baseline)</i>' if s.get('is_baseline') else '')
-        cells = [mark, name, s.get('stage', ''), s.get('micro_batch', ''), s.get('gradient_accumulation', ''), ratio_text(s), s.get('rounds', '')]
+        cells = [
+            mark,
+            name,
+            s.get('stage', ''),
+            s.get('micro_batch', ''),
+            s.get('gradient_accumulation', ''),
+            ratio_text(s),
+            s.get('rounds', ''),
+        ]
         rows.append(f'<tr class="flexrt-standing"{style}>' + ''.join(f'<td>{c}</td>' for c in cells) + '</tr>')
     rounds = f"{playoff.get('round')}" + (f"/{playoff['max_rounds']}" if playoff.get('max_rounds') else '')
-    head = ''.join(f'<th>{h}</th>' for h in ('', 'entrant', 'stage', 'micro-batch', 'accum.', f'&times; {reference} [95%]', 'rounds'))
-    return (f'<b>Playoff</b>, round {rounds}: the median ratio of paired rounds to the {reference} (above 1: better)'
-            f'<table class="flexrt-playoff" style="font-size:12px;white-space:nowrap"><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table>')
+    head = ''.join(
+        f'<th>{h}</th>'
+        for h in ('', 'entrant', 'stage', 'micro-batch', 'accum.', f'&times; {reference} [95%]', 'rounds')
+    )
+    return (
+        f'<b>Playoff</b>, round {rounds}: the median ratio of paired rounds to the {reference} (above 1: better)'
+        f'<table class="flexrt-playoff" style="font-size:12px;white-space:nowrap"><thead><tr>{head}</tr></thead>'
+        f'<tbody>{"".join(rows)}</tbody></table>'
+    )
 
-def margin_html(margin:dict|None)->str:
+
+def margin_html(margin: dict | None) -> str:
     "The winner against the baseline and the runner-up, as an HTML table ('' without a margin)"
-    if not margin: return ''
+    if not margin:
+        return ''
     runner, ties = margin.get('runner_up') or {}, set(margin.get('ties') or ())
-    rows = [('the baseline', margin.get('baseline'), ''),
-            (f"the runner-up, {html.escape(str(runner.get('name')))}", runner, '&asymp; tie' if runner.get('name') in ties else '')]
-    body = ''.join(f'<tr class="flexrt-margin-row"><td>{against}</td><td>{ratio_text(entry)}</td><td>{mark}</td></tr>'
-                   for against, entry, mark in rows if entry)
-    if not body: return ''
-    return (f'<b>Margin</b><table class="flexrt-margin" style="font-size:12px">'
-            f'<tr><th>the winner over</th><th>&times; [95%]</th><th></th></tr>{body}</table>')
+    rows = [
+        ('the baseline', margin.get('baseline'), ''),
+        (
+            f"the runner-up, {html.escape(str(runner.get('name')))}",
+            runner,
+            '&asymp; tie' if runner.get('name') in ties else '',
+        ),
+    ]
+    body = ''.join(
+        f'<tr class="flexrt-margin-row"><td>{against}</td><td>{ratio_text(entry)}</td><td>{mark}</td></tr>'
+        for against, entry, mark in rows
+        if entry
+    )
+    if not body:
+        return ''
+    return (
+        f'<b>Margin</b><table class="flexrt-margin" style="font-size:12px">'
+        f'<tr><th>the winner over</th><th>&times; [95%]</th><th></th></tr>{body}</table>'
+    )
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #c014
 class SearchPanel(LiveView):
     "A search's trials, plots and best configuration, redrawn as its records arrive"
+
     kinds = ('experiment',)
-    def __init__(self, view:SearchView|None=None, # the records shown; default: a new, empty one
-                 interval:float=0.25, # seconds between table updates while records arrive (a trial shows within about this)
-                 cpu_share:float=0.1): # share of one core the plots may use on average
+
+    def __init__(
+        self,
+        view: SearchView | None = None,  # the records shown; default: a new, empty one
+        interval: float = 0.25,  # seconds between table updates while records arrive (a trial shows within about this)
+        cpu_share: float = 0.1,  # share of one core the plots may use on average
+    ):
         super().__init__(records=view if view is not None else SearchView(), interval=interval, cpu_share=cpu_share)
         self.view = self.records
 
-    def build(self)->W.Widget:
-        self.status, self.notice, self.table, self.plot, self.best_json = W.HTML(), W.HTML(), W.HTML(), W.HTML(), W.HTML()
-        self.standings, self.drawn = W.HTML(), threading.Condition()   # the playoff; notified after each drawing of the texts
-        self._live = None   # the live figure (a `Plot`), made at the first draw
+    def build(self) -> W.Widget:
+        self.status, self.notice, self.table, self.plot, self.best_json = (
+            W.HTML(),
+            W.HTML(),
+            W.HTML(),
+            W.HTML(),
+            W.HTML(),
+        )
+        self.standings, self.drawn = (
+            W.HTML(),
+            threading.Condition(),
+        )  # the playoff; notified after each drawing of the texts
+        self._live = None  # the live figure (a `Plot`), made at the first draw
         self.sort = W.Dropdown(options=TABLE, value='trial', description='sort by', layout=W.Layout(width='240px'))
         self.descending = W.Checkbox(value=False, description='descending', indent=False)
-        for control in (self.sort, self.descending): control.observe(lambda _: self.refresh(plots=False), 'value')
-        self.write_button = W.Button(description='write ds_config_optimal.json', icon='save', layout=W.Layout(width='240px'))
+        for control in (self.sort, self.descending):
+            control.observe(lambda _: self.refresh(plots=False), 'value')
+        self.write_button = W.Button(
+            description='write ds_config_optimal.json', icon='save', layout=W.Layout(width='240px')
+        )
         self.write_button.on_click(lambda _: self._act(self.write_config))
-        return W.VBox([self.status, self.standings, W.HBox([self.sort, self.descending]),
-                       W.Box([self.table], layout=W.Layout(max_height='320px', overflow='auto')), self.plot,
-                       W.HBox([W.HTML('<b>Best configuration</b>'), self.write_button, self.notice]), self.best_json])
+        return W.VBox(
+            [
+                self.status,
+                self.standings,
+                W.HBox([self.sort, self.descending]),
+                W.Box([self.table], layout=W.Layout(max_height='320px', overflow='auto')),
+                self.plot,
+                W.HBox([W.HTML('<b>Best configuration</b>'), self.write_button, self.notice]),
+                self.best_json,
+            ]
+        )
 
     def _act(self, action):
         "A button's action; its error is shown next to the buttons and kept on `.error`"
-        try: self.notice.value = html.escape(str(action() or ''))
-        except Exception as e: self.error, self.notice.value = e, error_html(e)
+        try:
+            self.notice.value = html.escape(str(action() or ''))
+        except Exception as e:
+            self.error, self.notice.value = e, error_html(e)
 
     def draw_text(self):
         view = self.view
-        self.table.value = table_html(view.trials, (view.best or {}).get('trial'), view.metric_name, self.sort.value,
-                                      not self.descending.value)
+        self.table.value = table_html(
+            view.trials, (view.best or {}).get('trial'), view.metric_name, self.sort.value, not self.descending.value
+        )
         config = view.best_config
-        self.best_json.value = '<i>none yet</i>' if config is None else f'<pre>{html.escape(json.dumps(config, indent=2))}</pre>'
+        self.best_json.value = (
+            '<i>none yet</i>' if config is None else f'<pre>{html.escape(json.dumps(config, indent=2))}</pre>'
+        )
         self.standings.value = standings_html(view.playoff, view.margin)
-        self.status.value = self.status_html()   # one assignment: a reader never sees a half-built line
-        with self.drawn: self.drawn.notify_all()
+        self.status.value = self.status_html()  # one assignment: a reader never sees a half-built line
+        with self.drawn:
+            self.drawn.notify_all()
 
-    def status_html(self)->str: # the status line (subclasses add to it)
+    def status_html(self) -> str:  # the status line (subclasses add to it)
         "The summary, and the margin (the playoff's leader, then the verdict) on a line of its own"
         margin = margin_line(self.view)
         return search_summary(self.view) + (f'<br>{html.escape(margin)}' if margin else '')
 
-    def wait_drawn(self, condition, # () -> bool, e.g. on `self.table.value`
-                   timeout:float|None=None)->bool: # False: still false after `timeout` seconds
+    def wait_drawn(
+        self,
+        condition,  # () -> bool, e.g. on `self.table.value`
+        timeout: float | None = None,
+    ) -> bool:  # False: still false after `timeout` seconds
         "Wait until `condition()` holds, looking again each time the texts are drawn"
-        with self.drawn: return self.drawn.wait_for(condition, timeout)
+        with self.drawn:
+            return self.drawn.wait_for(condition, timeout)
 
-    def new_plot(self, layout=None): return search_plot()
+    def new_plot(self, layout=None):
+        return search_plot()
 
     def fill(self, plot):
-        view = self.view; trials, metric, budget = view.trials, view.metric_name, view.memory_budget
+        view = self.view
+        trials, metric, budget = view.trials, view.metric_name, view.memory_budget
         return fill_memory(fill_pareto(fill_metric(plot, trials, metric), trials, metric, budget), trials, budget)
 
     @property
-    def trials(self): return self.view.trials              # one row per trial so far (a copy)
-    @property
-    def best_config(self): return self.view.best_config    # the best configuration so far, for `flexrt.initialize`
+    def trials(self):
+        return self.view.trials  # one row per trial so far (a copy)
 
-    def write_config(self, path='ds_config_optimal.json')->str: # where it was written
+    @property
+    def best_config(self):
+        return self.view.best_config  # the best configuration so far, for `flexrt.initialize`
+
+    def write_config(self, path='ds_config_optimal.json') -> str:  # where it was written
         "Write the best configuration as JSON (the button's action)"
         config = self.best_config
-        if config is None: raise ValueError('no configuration fits yet: run the search (or wait for a trial to succeed) first')
-        with open(path, 'w') as f: json.dump(config, f, indent=2)
+        if config is None:
+            raise ValueError('no configuration fits yet: run the search (or wait for a trial to succeed) first')
+        with open(path, 'w') as f:
+            json.dump(config, f, indent=2)
         return f'wrote {path}'
 
-    def save(self, path)->list: # the files written
+    def save(self, path) -> list:  # the files written
         "Write the plots (autotune.png), the trials (trials.csv) and the best configuration into the folder `path`"
-        os.makedirs(path, exist_ok=True); written = ['autotune.png', 'trials.csv']
+        os.makedirs(path, exist_ok=True)
+        written = ['autotune.png', 'trials.csv']
         self.figure().savefig(os.path.join(path, 'autotune.png'), dpi=100)
         trials = self.trials
-        for column in ('config', 'peak_bytes_per_rank'): trials[column] = trials[column].map(_json_cell)
+        for column in ('config', 'peak_bytes_per_rank'):
+            trials[column] = trials[column].map(_json_cell)
         trials.to_csv(os.path.join(path, 'trials.csv'), index=False)
-        if self.best_config is not None: self.write_config(os.path.join(path, 'ds_config_optimal.json')); written.append('ds_config_optimal.json')
+        if self.best_config is not None:
+            self.write_config(os.path.join(path, 'ds_config_optimal.json'))
+            written.append('ds_config_optimal.json')
         return written
 
     @classmethod
-    def from_result(cls, result, **kwargs): # an `AutotuneResult`; further arguments of the class
+    def from_result(cls, result, **kwargs):  # an `AutotuneResult`; further arguments of the class
         "Browse a finished (or interrupted) search"
-        panel = cls(view=view_of_result(result), **kwargs); panel.refresh()
+        panel = cls(view=view_of_result(result), **kwargs)
+        panel.refresh()
         return panel
 
     @classmethod
-    def load(cls, results_dir='autotuning_results', **kwargs): # a search's folder, e.g. written by `flexrt autotune`
+    def load(cls, results_dir='autotuning_results', **kwargs):  # a search's folder, e.g. written by `flexrt autotune`
         "Browse the search whose files are in `results_dir`"
         from flexrt.autotuner.results import AutotuneResult
+
         return cls.from_result(AutotuneResult.load(results_dir), **kwargs)
 
-def _json_cell(value): return json.dumps(value) if isinstance(value, (dict, list)) else value
+    def save_html(self, path) -> str:  # the file written
+        """Write the search (summary, standings, trials, plots, best configuration, versions) as one self-contained HTML
+        file"""
+        from flexrt.widgets.report import save_html, figure_png
+
+        with self._draw_lock:
+            self.draw_text()
+        sections = [
+            ('Search', self.status.value),
+            ('Playoff', self.standings.value),
+            ('Trials', self.table.value),
+            ('Plots', figure_png(self.figure()) if len(self.trials) else ''),
+            ('Best configuration', self.best_json.value),
+        ]
+        return save_html(path, 'flexrt autotune search', sections)
+
+
+def _json_cell(value):
+    return json.dumps(value) if isinstance(value, (dict, list)) else value
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #w2889623
 from fastcore.basics import patch
-
-@patch
-def save_html(self:SearchPanel, path)->str: # the file written
-    "Write the search (summary, standings, trials, plots, best configuration, versions) as one self-contained HTML file"
-    from flexrt.widgets.report import save_html, figure_png
-    with self._draw_lock: self.draw_text()
-    sections = [('Search', self.status.value), ('Playoff', self.standings.value), ('Trials', self.table.value),
-                ('Plots', figure_png(self.figure()) if len(self.trials) else ''), ('Best configuration', self.best_json.value)]
-    return save_html(path, 'flexrt autotune search', sections)

@@ -10,7 +10,7 @@ import pandas as pd
 from .plots import Plot
 from .memory_monitor import MiB
 from ..autotuner.space import parse_bytes, format_bytes, check_bucket_sizes
-from ..autotuner.results import REPEATS   # phases that run searched candidates again: not search points
+from ..autotuner.results import REPEATS  # phases that run searched candidates again: not search points
 
 # %% auto #0
 __all__ = ['METRICS', 'COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'search_rows', 'search_points',
@@ -21,148 +21,253 @@ __all__ = ['METRICS', 'COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c006
 METRICS = ('throughput', 'latency', 'flops')
 
+
 @dataclasses.dataclass
 class SearchSettings:
     "What the widget's controls ask of a search"
-    stages:tuple=(0, 1, 2, 3) # ZeRO stages to try
-    micro_batch_range:tuple=(1, 64) # smallest and largest micro-batch per rank
-    metric:str='throughput' # 'throughput' (samples/s), 'latency' (s per step, lower is better) or 'flops'
-    memory_budget:int|str|None=None # per-rank budget, bytes or '2GiB'; None: none (on CUDA: the device)
-    num_processes:int=2 # ranks to launch
-    max_trials:int|None=None # stop after this many trials; None: no limit
-    time_budget:float|None=None # seconds; None: no limit
-    bucket_sizes:tuple|None=None # bucket sizes (elements) the knob search tries; None: the autotuner's, scaled to the model
+
+    stages: tuple = (0, 1, 2, 3)  # ZeRO stages to try
+    micro_batch_range: tuple = (1, 64)  # smallest and largest micro-batch per rank
+    metric: str = 'throughput'  # 'throughput' (samples/s), 'latency' (s per step, lower is better) or 'flops'
+    memory_budget: int | str | None = None  # per-rank budget, bytes or '2GiB'; None: none (on CUDA: the device)
+    num_processes: int = 2  # ranks to launch
+    max_trials: int | None = None  # stop after this many trials; None: no limit
+    time_budget: float | None = None  # seconds; None: no limit
+    bucket_sizes: tuple | None = (
+        None  # bucket sizes (elements) the knob search tries; None: the autotuner's, scaled to the model
+    )
 
     def __post_init__(self):
         self.stages = tuple(sorted(set(int(s) for s in self.stages)))
         if not self.stages or not set(self.stages) <= {0, 1, 2, 3}:
             raise ValueError(f'stages={self.stages} must be a non-empty subset of 0, 1, 2, 3')
         low, high = (int(v) for v in self.micro_batch_range)
-        if not 1 <= low <= high: raise ValueError(f'micro_batch_range=({low}, {high}) must satisfy 1 <= smallest <= largest')
+        if not 1 <= low <= high:
+            raise ValueError(f'micro_batch_range=({low}, {high}) must satisfy 1 <= smallest <= largest')
         self.micro_batch_range = (low, high)
-        if self.metric not in METRICS: raise ValueError(f'metric={self.metric!r} must be one of {METRICS}')
+        if self.metric not in METRICS:
+            raise ValueError(f'metric={self.metric!r} must be one of {METRICS}')
         self.memory_budget = parse_bytes(self.memory_budget)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f'memory_budget={self.memory_budget} must be positive, e.g. \'2GiB\', or None (no budget)')
         for name in ('num_processes', 'max_trials'):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f'{name}={value!r} must be a positive int' + (' or None (no limit)' if name == 'max_trials' else ''))
+                raise ValueError(
+                    f'{name}={value!r} must be a positive int' + (' or None (no limit)' if name == 'max_trials' else '')
+                )
         if self.time_budget is not None and not self.time_budget > 0:
             raise ValueError(f'time_budget={self.time_budget!r} must be positive seconds or None (no limit)')
-        if self.bucket_sizes is not None: self.bucket_sizes = tuple(check_bucket_sizes(self.bucket_sizes))
+        if self.bucket_sizes is not None:
+            self.bucket_sizes = tuple(check_bucket_sizes(self.bucket_sizes))
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c007
-def search_arguments(settings:SearchSettings, # what the controls ask
-                     config:dict|None, # the user's DeepSpeed-style config
-                    )->tuple: # (config, kwargs) for `flexrt.autotune(model_fn, train_step, config, **kwargs)`
+def search_arguments(
+    settings: SearchSettings,  # what the controls ask
+    config: dict | None,  # the user's DeepSpeed-style config
+) -> tuple:  # (config, kwargs) for `flexrt.autotune(model_fn, train_step, config, **kwargs)`
     "The search's config (a copy) and keyword arguments"
     config = copy.deepcopy(config or {})
     low, high = settings.micro_batch_range
-    config.setdefault('autotuning', {}).update(metric=settings.metric, min_train_micro_batch_size_per_gpu=low,
-                                               max_train_micro_batch_size_per_gpu=high)
-    kwargs = dict(stages=list(settings.stages), memory_budget=settings.memory_budget, max_trials=settings.max_trials,
-                  time_budget=settings.time_budget, bucket_sizes=None if settings.bucket_sizes is None else list(settings.bucket_sizes))
+    config.setdefault('autotuning', {}).update(
+        metric=settings.metric, min_train_micro_batch_size_per_gpu=low, max_train_micro_batch_size_per_gpu=high
+    )
+    kwargs = dict(
+        stages=list(settings.stages),
+        memory_budget=settings.memory_budget,
+        max_trials=settings.max_trials,
+        time_budget=settings.time_budget,
+        bucket_sizes=None if settings.bucket_sizes is None else list(settings.bucket_sizes),
+    )
     return config, kwargs
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c010
-COLUMNS = ['trial', 'phase', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size',
-           'allgather_bucket_size', 'stage3_prefetch_bucket_size', 'stage3_param_persistence_threshold', 'overlap_comm',
-           'threads_per_rank', 'status', 'reason', 'metric_name', 'metric', 'metric_low', 'metric_high', 'noise',
-           'steps_measured', 'round', 'samples_per_s', 'peak_bytes_measured', 'peak_bytes_per_rank',
-           'peak_bytes_predicted', 'seconds', 'config']
+COLUMNS = [
+    'trial',
+    'phase',
+    'stage',
+    'micro_batch',
+    'gradient_accumulation',
+    'reduce_bucket_size',
+    'allgather_bucket_size',
+    'stage3_prefetch_bucket_size',
+    'stage3_param_persistence_threshold',
+    'overlap_comm',
+    'threads_per_rank',
+    'status',
+    'reason',
+    'metric_name',
+    'metric',
+    'metric_low',
+    'metric_high',
+    'noise',
+    'steps_measured',
+    'round',
+    'samples_per_s',
+    'peak_bytes_measured',
+    'peak_bytes_per_rank',
+    'peak_bytes_predicted',
+    'seconds',
+    'config',
+]
 
-def trials_frame(records:list)->pd.DataFrame: # trial records (dicts)
+
+def trials_frame(records: list) -> pd.DataFrame:  # trial records (dicts)
     "One row per record, the agreed columns first (those an older record lacks: empty)"
     frame = pd.DataFrame.from_records(records)
     return frame.reindex(columns=COLUMNS + [c for c in frame.columns if c not in COLUMNS])
 
-def search_rows(trials:pd.DataFrame)->pd.DataFrame:
+
+def search_rows(trials: pd.DataFrame) -> pd.DataFrame:
     "The trials of the search itself: the playoff's repeats (and the old re-measurements) left out"
     return trials[~trials['phase'].isin(REPEATS)]
 
-def search_points(trials:pd.DataFrame)->pd.DataFrame:
+
+def search_points(trials: pd.DataFrame) -> pd.DataFrame:
     "The search's `ok` trials with a metric: the points the plots draw"
     rows = search_rows(trials)
     return rows[(rows['status'] == 'ok') & rows['metric'].notna()]
 
-def best_trial(trials:pd.DataFrame, metric_name:str='throughput')->dict|None:
+
+def best_trial(trials: pd.DataFrame, metric_name: str = 'throughput') -> dict | None:
     "The search point with the best metric (for latency, the lowest), or None"
     ok = search_points(trials)
-    if ok.empty: return None
+    if ok.empty:
+        return None
     pick = ok['metric'].astype(float).idxmin() if metric_name == 'latency' else ok['metric'].astype(float).idxmax()
     return ok.loc[pick].to_dict()
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c013
-TABLE = ['trial', 'phase', 'round', 'stage', 'micro_batch', 'gradient_accumulation', 'reduce_bucket_size', 'allgather_bucket_size',
-         'overlap_comm', 'threads_per_rank', 'status', 'reason', 'metric', 'noise', 'peak_bytes_measured',
-         'peak_bytes_predicted', 'seconds']
-_HEADERS = {'micro_batch': 'micro-batch', 'gradient_accumulation': 'accum.', 'reduce_bucket_size': 'reduce bucket',
-            'allgather_bucket_size': 'allgather bucket', 'overlap_comm': 'overlap', 'threads_per_rank': 'threads',
-            'peak_bytes_measured': 'peak MiB', 'peak_bytes_predicted': 'predicted MiB', 'seconds': 's'}
+TABLE = [
+    'trial',
+    'phase',
+    'round',
+    'stage',
+    'micro_batch',
+    'gradient_accumulation',
+    'reduce_bucket_size',
+    'allgather_bucket_size',
+    'overlap_comm',
+    'threads_per_rank',
+    'status',
+    'reason',
+    'metric',
+    'noise',
+    'peak_bytes_measured',
+    'peak_bytes_predicted',
+    'seconds',
+]
+_HEADERS = {
+    'micro_batch': 'micro-batch',
+    'gradient_accumulation': 'accum.',
+    'reduce_bucket_size': 'reduce bucket',
+    'allgather_bucket_size': 'allgather bucket',
+    'overlap_comm': 'overlap',
+    'threads_per_rank': 'threads',
+    'peak_bytes_measured': 'peak MiB',
+    'peak_bytes_predicted': 'predicted MiB',
+    'seconds': 's',
+}
 _METRIC_UNITS = {'throughput': 'samples/s', 'latency': 's/step', 'flops': 'FLOP/s'}
 
-def _known(value)->bool: return value is not None and not (isinstance(value, float) and math.isnan(value))
 
-def _cell(column:str, value)->str:
+def _known(value) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _cell(column: str, value) -> str:
     "One table cell's text"
-    if not _known(value): return ''
-    if column.startswith('peak_bytes'): return f'{value / MiB:.1f}'
-    if column == 'noise': return f'{value:.1%}'
-    if column.endswith('bucket_size') and isinstance(value, (int, float)):   # elements: 500M, 33.3K
+    if not _known(value):
+        return ''
+    if column.startswith('peak_bytes'):
+        return f'{value / MiB:.1f}'
+    if column == 'noise':
+        return f'{value:.1%}'
+    if column.endswith('bucket_size') and isinstance(value, (int, float)):  # elements: 500M, 33.3K
         for unit, size in (('G', 1e9), ('M', 1e6), ('K', 1e3)):
-            if value >= size: return f'{value / size:.3g}{unit}'
-    if isinstance(value, float): return f'{value:.4g}'
+            if value >= size:
+                return f'{value / size:.3g}{unit}'
+    if isinstance(value, float):
+        return f'{value:.4g}'
     return html.escape(str(value))
 
-def _metric_cell(row)->str:
+
+def _metric_cell(row) -> str:
     "The metric, and its 95% interval where the record has one"
     low, high = row.get('metric_low'), row.get('metric_high')
     interval = f' <small>[{low:.4g}&ndash;{high:.4g}]</small>' if _known(low) and _known(high) else ''
     return _cell('metric', row['metric']) + interval if _known(row['metric']) else ''
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c014
-def table_html(trials:pd.DataFrame, # one row per trial
-               best:int|None=None, # the best trial's number, highlighted
-               metric_name:str='throughput', sort_by:str='trial', # a column of `TABLE`
-               ascending:bool=True)->str:
+def table_html(
+    trials: pd.DataFrame,  # one row per trial
+    best: int | None = None,  # the best trial's number, highlighted
+    metric_name: str = 'throughput',
+    sort_by: str = 'trial',  # a column of `TABLE`
+    ascending: bool = True,
+) -> str:
     "The trials as an HTML table, sorted, the best row highlighted"
-    if sort_by not in TABLE: raise ValueError(f'sort_by={sort_by!r} must be one of {TABLE}')
-    if trials.empty: return '<i>no trials yet</i>'
+    if sort_by not in TABLE:
+        raise ValueError(f'sort_by={sort_by!r} must be one of {TABLE}')
+    if trials.empty:
+        return '<i>no trials yet</i>'
     trials = trials.sort_values(sort_by, ascending=ascending, kind='stable', na_position='last')
-    head = ''.join(f'<th>{_HEADERS.get(c, _METRIC_UNITS.get(metric_name, c) if c == "metric" else c)}</th>' for c in TABLE)
+    head = ''.join(
+        f'<th>{_HEADERS.get(c, _METRIC_UNITS.get(metric_name, c) if c == "metric" else c)}</th>' for c in TABLE
+    )
     rows = []
     for _, row in trials.iterrows():
-        style = ' style="background:#c8f0c8;font-weight:bold"' if row['trial'] == best else (
-                '' if row['status'] == 'ok' else ' style="color:#b00020"')
+        style = (
+            ' style="background:#c8f0c8;font-weight:bold"'
+            if row['trial'] == best
+            else ('' if row['status'] == 'ok' else ' style="color:#b00020"')
+        )
         cells = ''.join(f'<td>{_metric_cell(row) if c == "metric" else _cell(c, row[c])}</td>' for c in TABLE)
         rows.append(f'<tr class="flexrt-trial"{style}>{cells}</tr>')
-    return f'<table class="flexrt-trials" style="font-size:12px;white-space:nowrap"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    return (
+        '<table class="flexrt-trials" '
+        f'style="font-size:12px;white-space:nowrap"><thead><tr>{head}</tr></thead><tbody>'
+        f'{"".join(rows)}</tbody></table>'
+    )
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c017
 _FAILED = {'oom': 'rx', 'over_budget': 'mv', 'timeout': 'ks', 'error': 'k*', 'pruned': 'c.'}
 
-def search_plot()->Plot:
+
+def search_plot() -> Plot:
     "An empty figure for the three panels"
-    return Plot([('metric vs micro-batch', 'micro-batch', ''), ('metric vs peak memory', 'peak MiB per rank', ''),
-                 ('peak memory per rank', 'trial', 'MiB')], (1, 3), (13, 3.2))
+    return Plot(
+        [
+            ('metric vs micro-batch', 'micro-batch', ''),
+            ('metric vs peak memory', 'peak MiB per rank', ''),
+            ('peak memory per rank', 'trial', 'MiB'),
+        ],
+        (1, 3),
+        (13, 3.2),
+    )
 
-def stage_color(stage)->str: return f'C{int(stage)}'   # a ZeRO stage's colour, the same in every panel
 
-def interval_bars(x, low, high)->tuple: # (xs, ys): the data of one line, NaN between the bars
+def stage_color(stage) -> str:
+    return f'C{int(stage)}'  # a ZeRO stage's colour, the same in every panel
+
+
+def interval_bars(x, low, high) -> tuple:  # (xs, ys): the data of one line, NaN between the bars
     "Vertical bars from `low` to `high` at each `x`; points without an interval get none"
     xs, ys = [], []
     for at, lo, hi in zip(x, low, high):
-        if _known(lo) and _known(hi): xs += [at, at, math.nan]; ys += [float(lo), float(hi), math.nan]
+        if _known(lo) and _known(hi):
+            xs += [at, at, math.nan]
+            ys += [float(lo), float(hi), math.nan]
     return xs, ys
 
-def _best_rows(rows:pd.DataFrame, by:str, metric_name:str)->pd.DataFrame:
+
+def _best_rows(rows: pd.DataFrame, by: str, metric_name: str) -> pd.DataFrame:
     "For each value of `by` (in its order), the row with the best metric"
     metric = rows['metric'].astype(float).groupby(rows[by])
     return rows.loc[list(metric.idxmin() if metric_name == 'latency' else metric.idxmax())]
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c017a
-def fill_metric(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', panel:int=0)->Plot:
+def fill_metric(plot: Plot, trials: pd.DataFrame, metric_name: str = 'throughput', panel: int = 0) -> Plot:
     "Metric vs micro-batch: a line per stage with 95% interval bars; failures marked at the bottom"
     points, search = search_points(trials), search_rows(trials)
     for stage, rows in points.groupby('stage'):
@@ -170,7 +275,7 @@ def fill_metric(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', pa
         plot.line(panel, name, list(best['micro_batch']), list(best['metric'].astype(float)), 'o-')
         plot.lines[(panel, name)].set_color(color)
         bars = interval_bars(best['micro_batch'], best['metric_low'], best['metric_high'])
-        if bars[0] or (panel, f'_{name} 95%') in plot.lines:   # '_': not in the legend; '_' markers: the bars' caps
+        if bars[0] or (panel, f'_{name} 95%') in plot.lines:  # '_': not in the legend; '_' markers: the bars' caps
             plot.line(panel, f'_{name} 95%', *bars, '_')
             plot.lines[(panel, f'_{name} 95%')].set(linestyle='-', color=color, linewidth=1)
     bottom = float(points['metric'].min()) if len(points) else 0.0
@@ -180,47 +285,84 @@ def fill_metric(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', pa
     return plot
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c018
-def _mib(value:float)->str: return f'{value:,.0f} MiB' if value >= 10 else f'{value:.2g} MiB'
+def _mib(value: float) -> str:
+    return f'{value:,.0f} MiB' if value >= 10 else f'{value:.2g} MiB'
 
-def memory_axis(peaks:list, # the data's MiB
-                budget:float|None)->tuple: # MiB -> (the axis's upper end or None: no data, whether the budget is on it)
-    "A memory axis from 0 to 1.15x the largest peak; a budget within 1.5x of that peak stretches it, one further away does not"
+
+def memory_axis(
+    peaks: list,  # the data's MiB
+    budget: float | None,
+) -> tuple:  # MiB -> (the axis's upper end or None: no data, whether the budget is on it)
+    """A memory axis from 0 to 1.15x the largest peak; a budget within 1.5x of that peak stretches it, one further away
+    does not"""
     top = max((float(p) for p in peaks if _known(p)), default=0.0)
-    if budget is None: return (1.15 * top or None), False
-    if top == 0 or budget <= 1.5 * top: return max(1.15 * top, 1.05 * budget), True
+    if budget is None:
+        return (1.15 * top or None), False
+    if top == 0 or budget <= 1.5 * top:
+        return max(1.15 * top, 1.05 * budget), True
     return 1.15 * top, False
 
-def mark_budget(plot:Plot, panel:int, budget:float|None, # MiB
-                on_axis:bool, axis:str='x'): # the memory axis
+
+def mark_budget(
+    plot: Plot,
+    panel: int,
+    budget: float | None,  # MiB
+    on_axis: bool,
+    axis: str = 'x',  # the memory axis
+):
     "The budget as a dotted red line across the panel when it is on the axis, else as a note at the axis's end"
     ax, note = plot.axes[panel], next((t for t in plot.axes[panel].texts if t.get_gid() == 'budget'), None)
     if budget is None:
-        if note is not None: note.set_visible(False)
+        if note is not None:
+            note.set_visible(False)
         return
     if on_axis or (panel, 'budget') in plot.lines:
         at, span = ([budget] * 2 if on_axis else []), ([0, 1] if on_axis else [])
         plot.line(panel, 'budget', *((at, span) if axis == 'x' else (span, at)), 'r')
-        plot.lines[(panel, 'budget')].set(linestyle=':', transform=ax.get_xaxis_transform() if axis == 'x' else ax.get_yaxis_transform())
+        plot.lines[(panel, 'budget')].set(
+            linestyle=':', transform=ax.get_xaxis_transform() if axis == 'x' else ax.get_yaxis_transform()
+        )
     if note is None and not on_axis:
-        place = dict(xy=(0.99, 0.03), ha='right', va='bottom') if axis == 'x' else dict(xy=(0.01, 0.97), ha='left', va='top')
+        place = (
+            dict(xy=(0.99, 0.03), ha='right', va='bottom')
+            if axis == 'x'
+            else dict(xy=(0.01, 0.97), ha='left', va='top')
+        )
         note = ax.annotate('', xycoords='axes fraction', color='#b00020', fontsize=7, gid='budget', **place)
-    if note is not None: note.set_text(f"budget {_mib(budget)} {'→' if axis == 'x' else '↑'}"); note.set_visible(not on_axis)
+    if note is not None:
+        note.set_text(f"budget {_mib(budget)} {'→' if axis == 'x' else '↑'}")
+        note.set_visible(not on_axis)
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c018a
-def pareto_front(points:pd.DataFrame, # rows with `peak_bytes_measured` and `metric`
-                 metric_name:str='throughput')->pd.DataFrame: # its Pareto-optimal rows, by rising memory
+def pareto_front(
+    points: pd.DataFrame,  # rows with `peak_bytes_measured` and `metric`
+    metric_name: str = 'throughput',
+) -> pd.DataFrame:  # its Pareto-optimal rows, by rising memory
     "The rows no other beats: none has at most their peak memory and a better metric (of equal rows, the first)"
-    lower, peak, metric = metric_name == 'latency', points['peak_bytes_measured'].astype(float), points['metric'].astype(float)
+    lower, peak, metric = (
+        metric_name == 'latency',
+        points['peak_bytes_measured'].astype(float),
+        points['metric'].astype(float),
+    )
     order = sorted(points.index, key=lambda i: (peak[i], metric[i] if lower else -metric[i]))
     front, best = [], None
     for i in order:
-        if best is None or (metric[i] < best if lower else metric[i] > best): front.append(i); best = metric[i]
+        if best is None or (metric[i] < best if lower else metric[i] > best):
+            front.append(i)
+            best = metric[i]
     return points.loc[front]
 
-def fill_pareto(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', budget:int|None=None, # bytes per rank
-                panel:int=1)->Plot:
+
+def fill_pareto(
+    plot: Plot,
+    trials: pd.DataFrame,
+    metric_name: str = 'throughput',
+    budget: int | None = None,  # bytes per rank
+    panel: int = 1,
+) -> Plot:
     "Metric vs measured per-rank peak: a point per search trial, the Pareto front as a step line, the budget"
-    points = search_points(trials); points = points[points['peak_bytes_measured'].notna()]
+    points = search_points(trials)
+    points = points[points['peak_bytes_measured'].notna()]
     peak = points['peak_bytes_measured'].astype(float) / MiB
     for stage, rows in points.groupby('stage'):
         plot.line(panel, f'stage {int(stage)}', list(peak[rows.index]), list(rows['metric'].astype(float)), 'o')
@@ -231,49 +373,62 @@ def fill_pareto(plot:Plot, trials:pd.DataFrame, metric_name:str='throughput', bu
         plot.lines[(panel, 'Pareto front')].set(drawstyle='steps-post', alpha=0.45, linewidth=2.5, zorder=1)
     top, on_axis = memory_axis(list(peak), None if budget is None else budget / MiB)
     mark_budget(plot, panel, None if budget is None else budget / MiB, on_axis, 'x')
-    if top: plot.axes[panel].set_xlim(0, top)
+    if top:
+        plot.axes[panel].set_xlim(0, top)
     plot.axes[panel].set_ylabel(_METRIC_UNITS.get(metric_name, metric_name), fontsize=8)
     return plot
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c018b
-def fill_memory(plot:Plot, trials:pd.DataFrame, budget:int|None=None, panel:int=2)->Plot:
+def fill_memory(plot: Plot, trials: pd.DataFrame, budget: int | None = None, panel: int = 2) -> Plot:
     "Measured and predicted per-rank peak per search trial, and the budget"
     search, peaks = search_rows(trials), []
     for column, name, style in (('peak_bytes_measured', 'measured', 'o'), ('peak_bytes_predicted', 'predicted', 'x')):
         rows = search[search[column].notna()]
-        if len(rows): plot.line(panel, name, list(rows['trial']), list(rows[column].astype(float) / MiB), style)
+        if len(rows):
+            plot.line(panel, name, list(rows['trial']), list(rows[column].astype(float) / MiB), style)
         peaks += list(rows[column].astype(float) / MiB)
     top, on_axis = memory_axis(peaks, None if budget is None else budget / MiB)
-    if len(search): mark_budget(plot, panel, None if budget is None else budget / MiB, on_axis, 'y')
-    if top and peaks: plot.axes[panel].set_ylim(0, top)
+    if len(search):
+        mark_budget(plot, panel, None if budget is None else budget / MiB, on_axis, 'y')
+    if top and peaks:
+        plot.axes[panel].set_ylim(0, top)
     return plot
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c021
 class SearchView:
     "Listener keeping an autotune search's records: `start`, the trials (`.trials`), the `playoff`'s standings, `end`"
+
     def __init__(self):
         self.start, self.end, self.playoff, self._trials, self.result = None, None, None, {}, None
         self.counts, self.version, self._frame, self._lock = Counter(), 0, None, threading.Lock()
 
-    def __call__(self, record:dict):
-        if record.get('kind') != 'experiment': return
+    def __call__(self, record: dict):
+        if record.get('kind') != 'experiment':
+            return
         event = record.get('event', 'trial')
         with self._lock:
-            if event == 'start': self.start, self.end, self.playoff = record, None, None
-            elif event == 'end': self.end = record
-            elif event == 'playoff': self.playoff = record
-            elif event == 'trial': self._trials[int(record['trial'])] = {k: v for k, v in record.items() if k not in ('kind', 'event')}
-            else: return
-            self.counts['experiment'] += 1; self.version += 1
+            if event == 'start':
+                self.start, self.end, self.playoff = record, None, None
+            elif event == 'end':
+                self.end = record
+            elif event == 'playoff':
+                self.playoff = record
+            elif event == 'trial':
+                self._trials[int(record['trial'])] = {k: v for k, v in record.items() if k not in ('kind', 'event')}
+            else:
+                return
+            self.counts['experiment'] += 1
+            self.version += 1
 
     def clear(self):
         "Forget the records (before a new search); `counts` and `version` keep rising"
         with self._lock:
             self.start, self.end, self.playoff, self._trials, self.result = None, None, None, {}, None
-            self.counts['experiment'] += 1; self.version += 1
+            self.counts['experiment'] += 1
+            self.version += 1
 
     @property
-    def trials(self)->pd.DataFrame:
+    def trials(self) -> pd.DataFrame:
         "One row per trial, in trial order (a copy: yours to change)"
         with self._lock:
             if self._frame is None or self._frame[0] != self.version:
@@ -281,63 +436,97 @@ class SearchView:
             return self._frame[1].copy()
 
     @property
-    def metric_name(self)->str:
+    def metric_name(self) -> str:
         "The search's metric"
         for record in (self.start or {}, self.end or {}):
-            if record.get('metric'): return record['metric']
+            if record.get('metric'):
+                return record['metric']
         names = self.trials['metric_name'].dropna()
         return names.iloc[0] if len(names) else 'throughput'
 
     @property
-    def best(self)->dict|None:
+    def best(self) -> dict | None:
         "The best trial record so far (the end record's once the search ended)"
         best = (self.end or {}).get('best')
         return best if isinstance(best, dict) else best_trial(self.trials, self.metric_name)
 
     @property
-    def best_config(self)->dict|None:
+    def best_config(self) -> dict | None:
         "The best configuration so far, DeepSpeed-style (a copy)"
         config = (self.end or {}).get('best_config') or (self.best or {}).get('config')
         return copy.deepcopy(json.loads(config) if isinstance(config, str) else config)
 
     @property
-    def margin(self)->dict|None:
+    def margin(self) -> dict | None:
         "The end record's margin: the winner against the baseline and the runner-up, the ties, the verdict"
         return (self.end or {}).get('margin')
 
     @property
-    def verdict(self)->str:
+    def verdict(self) -> str:
         "The margin in one sentence, once the search ended ('' before, or for a search without a playoff)"
         return (self.end or {}).get('verdict') or (self.margin or {}).get('verdict') or ''
 
     @property
-    def memory_budget(self)->int|None:
+    def memory_budget(self) -> int | None:
         "The per-rank memory budget the search ran under"
         return (self.start or {}).get('memory_budget') or getattr(self.result, 'memory_budget', None)
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c025
-def view_of_result(result)->SearchView: # an `AutotuneResult`
+def view_of_result(result) -> SearchView:  # an `AutotuneResult`
     "A `SearchView` of a finished (or interrupted) search"
     view, trials = SearchView(), result.trials
     view.result = result
     names = trials['metric_name'].dropna() if 'metric_name' in trials else []
-    view({'kind': 'experiment', 'event': 'start', 'memory_budget': getattr(result, 'memory_budget', None),
-          'metric': names.iloc[0] if len(names) else None, 'results_dir': getattr(result, 'results_dir', None)})
-    for record in trials.to_dict('records'): view({**record, 'kind': 'experiment', 'event': 'trial'})
-    margin, verdict = getattr(result, 'margin', None), getattr(result, 'verdict', '')   # results from before the playoff: none
+    view(
+        {
+            'kind': 'experiment',
+            'event': 'start',
+            'memory_budget': getattr(result, 'memory_budget', None),
+            'metric': names.iloc[0] if len(names) else None,
+            'results_dir': getattr(result, 'results_dir', None),
+        }
+    )
+    for record in trials.to_dict('records'):
+        view({**record, 'kind': 'experiment', 'event': 'trial'})
+    margin, verdict = (
+        getattr(result, 'margin', None),
+        getattr(result, 'verdict', ''),
+    )  # results from before the playoff: none
     if getattr(result, 'best_config', None) or margin:
-        view({'kind': 'experiment', 'event': 'end', 'best': getattr(result, 'best', None), 'best_config': result.best_config,
-              'margin': margin, 'verdict': verdict})
+        view(
+            {
+                'kind': 'experiment',
+                'event': 'end',
+                'best': getattr(result, 'best', None),
+                'best_config': result.best_config,
+                'margin': margin,
+                'verdict': verdict,
+            }
+        )
     return view
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c028
-def breakdown_html(breakdown:dict, # bytes per part: parameters, gradients, optimizer_state, ...
-                   peak_bytes:int, # the predicted per-rank peak
-                   budget:int|None=None)->str: # per-rank budget in bytes
+def breakdown_html(
+    breakdown: dict,  # bytes per part: parameters, gradients, optimizer_state, ...
+    peak_bytes: int,  # the predicted per-rank peak
+    budget: int | None = None,
+) -> str:  # per-rank budget in bytes
     "A memory estimate as an HTML table"
-    rows = ''.join(f'<tr><td>{html.escape(k.replace("_", " "))}</td><td>{format_bytes(v)}</td><td>{v / max(peak_bytes, 1):.0%}</td></tr>'
-                   for k, v in breakdown.items())
-    verdict = '' if not budget else (f' &mdash; fits the budget ({format_bytes(budget)})' if peak_bytes <= budget
-                                     else f' &mdash; <span style="color:#b00020">over the budget ({format_bytes(budget)})</span>')
-    return (f'<table class="flexrt-plan"><tr><th>part</th><th>bytes</th><th>of peak</th></tr>{rows}</table>'
-            f'<b>predicted peak per rank: {format_bytes(peak_bytes)}</b>{verdict}')
+    rows = ''.join(
+        f'<tr><td>{html.escape(k.replace("_", " "))}</td><td>{format_bytes(v)}</td><td>'
+        f'{v / max(peak_bytes, 1):.0%}</td></tr>'
+        for k, v in breakdown.items()
+    )
+    verdict = (
+        ''
+        if not budget
+        else (
+            f' &mdash; fits the budget ({format_bytes(budget)})'
+            if peak_bytes <= budget
+            else f' &mdash; <span style="color:#b00020">over the budget ({format_bytes(budget)})</span>'
+        )
+    )
+    return (
+        f'<table class="flexrt-plan"><tr><th>part</th><th>bytes</th><th>of peak</th></tr>{rows}</table>'
+        f'<b>predicted peak per rank: {format_bytes(peak_bytes)}</b>{verdict}'
+    )

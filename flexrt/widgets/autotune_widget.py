@@ -10,6 +10,7 @@ from .. import monitor
 from ..autotuner.space import parse_bytes, knob_choices
 from .autotune_view import SearchView, SearchSettings, search_arguments, breakdown_html, METRICS
 from .autotune_panel import SearchPanel, search_summary, error_html
+
 _all_ = ['search_summary', 'SearchPanel']
 
 # %% auto #0
@@ -17,232 +18,379 @@ __all__ = ['num_parameters', 'search_controls', 'settings_from_controls', 'Memor
            'search_summary', 'SearchPanel']
 
 # %% ../../nbs/80_widgets_autotune_widget.ipynb #c006
-def num_parameters(model_fn)->int: # builds one model
+def num_parameters(model_fn) -> int:  # builds one model
     "Parameters of `model_fn()`'s model, each counted once"
     model = model_fn()
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
-def search_controls(config:dict, # the config to tune
-                    num_params:int|None, # the model's parameters; None: no bucket choices
-                    num_processes:int=2, memory_budget=None)->dict: # initial values
+
+def search_controls(
+    config: dict,  # the config to tune
+    num_params: int | None,  # the model's parameters; None: no bucket choices
+    num_processes: int = 2,
+    memory_budget=None,
+) -> dict:  # initial values
     "The search's controls, by name"
-    parse_bytes(memory_budget); micro = int(config.get('train_micro_batch_size_per_gpu', 1))   # a bad budget fails here
-    buckets = knob_choices(num_params)['reduce_bucket_size'] if num_params else []   # the autotuner's, scaled to the model
+    parse_bytes(memory_budget)
+    micro = int(config.get('train_micro_batch_size_per_gpu', 1))  # a bad budget fails here
+    buckets = (
+        knob_choices(num_params)['reduce_bucket_size'] if num_params else []
+    )  # the autotuner's, scaled to the model
     style = dict(style={'description_width': '110px'})
     return dict(
         stages=W.SelectMultiple(options=[0, 1, 2, 3], value=[0, 1, 2, 3], rows=4, description='ZeRO stages', **style),
-        micro_batch_range=W.IntRangeSlider(value=(1, max(64, micro)), min=1, max=max(512, micro), description='micro-batch', **style),
-        bucket_sizes=W.SelectMultiple(options=[(f'{b:,}', b) for b in buckets], value=buckets, rows=3, description='buckets tried',
-                                      tooltip="elements per bucket, scaled to the model (P/16, P/4, P); the knob search tries the ones selected", **style),
-        metric=W.Dropdown(options=METRICS, value=config.get('autotuning', {}).get('metric', 'throughput'), description='metric', **style),
-        memory_budget=W.Text(value=str(memory_budget or ''), placeholder='e.g. 2GiB', description='budget / rank', **style),
+        micro_batch_range=W.IntRangeSlider(
+            value=(1, max(64, micro)), min=1, max=max(512, micro), description='micro-batch', **style
+        ),
+        bucket_sizes=W.SelectMultiple(
+            options=[(f'{b:,}', b) for b in buckets],
+            value=buckets,
+            rows=3,
+            description='buckets tried',
+            tooltip="elements per bucket, scaled to the model (P/16, P/4, P); the knob search tries the ones selected",
+            **style,
+        ),
+        metric=W.Dropdown(
+            options=METRICS,
+            value=config.get('autotuning', {}).get('metric', 'throughput'),
+            description='metric',
+            **style,
+        ),
+        memory_budget=W.Text(
+            value=str(memory_budget or ''), placeholder='e.g. 2GiB', description='budget / rank', **style
+        ),
         num_processes=W.BoundedIntText(value=num_processes, min=1, max=1024, description='processes', **style),
-        max_trials=W.BoundedIntText(value=0, min=0, max=100_000, description='max trials', tooltip='0: no limit', **style),
-        time_budget=W.BoundedFloatText(value=0, min=0, max=7 * 86400, description='time budget s', tooltip='0: no limit', **style))
+        max_trials=W.BoundedIntText(
+            value=0, min=0, max=100_000, description='max trials', tooltip='0: no limit', **style
+        ),
+        time_budget=W.BoundedFloatText(
+            value=0, min=0, max=7 * 86400, description='time budget s', tooltip='0: no limit', **style
+        ),
+    )
 
 # %% ../../nbs/80_widgets_autotune_widget.ipynb #c009
-def settings_from_controls(controls:dict)->SearchSettings:
+def settings_from_controls(controls: dict) -> SearchSettings:
     "What the controls ask, validated"
     value = {name: control.value for name, control in controls.items()}
-    return SearchSettings(stages=value['stages'], micro_batch_range=value['micro_batch_range'], metric=value['metric'],
-                          memory_budget=value['memory_budget'] or None, num_processes=value['num_processes'],
-                          max_trials=value['max_trials'] or None, time_budget=value['time_budget'] or None,
-                          bucket_sizes=_chosen_buckets(controls.get('bucket_sizes')))
+    return SearchSettings(
+        stages=value['stages'],
+        micro_batch_range=value['micro_batch_range'],
+        metric=value['metric'],
+        memory_budget=value['memory_budget'] or None,
+        num_processes=value['num_processes'],
+        max_trials=value['max_trials'] or None,
+        time_budget=value['time_budget'] or None,
+        bucket_sizes=_chosen_buckets(controls.get('bucket_sizes')),
+    )
 
-def _chosen_buckets(control)->tuple|None: # None: all of the autotuner's own choices (its default)
+
+def _chosen_buckets(control) -> tuple | None:  # None: all of the autotuner's own choices (its default)
     "The bucket sizes selected, when they are not simply all the offered ones"
-    if control is None or set(control.value) == {v for _, v in control.options}: return None
-    if not control.value: raise ValueError('no bucket size selected: select one or more in "buckets tried"')
+    if control is None or set(control.value) == {v for _, v in control.options}:
+        return None
+    if not control.value:
+        raise ValueError('no bucket size selected: select one or more in "buckets tried"')
     return tuple(control.value)
 
 # %% ../../nbs/80_widgets_autotune_widget.ipynb #c019
 class MemoryPlanner:
     "Stage, micro-batch and world size in; the predicted per-rank memory breakdown out"
-    def __init__(self, estimate, # `estimate(stage, micro_batch, world_size)` -> an object with `.peak_bytes`, `.breakdown`
-                 budget=lambda: None, # () -> the per-rank budget in bytes, or None
-                 stage:int=2, micro_batch:int=8, world_size:int=8): # initial values
+
+    def __init__(
+        self,
+        estimate,  # `estimate(stage, micro_batch, world_size)` -> an object with `.peak_bytes`, `.breakdown`
+        budget=lambda: None,  # () -> the per-rank budget in bytes, or None
+        stage: int = 2,
+        micro_batch: int = 8,
+        world_size: int = 8,  # initial values
+    ):
         self.estimate, self.budget, self.error, self.last = estimate, budget, None, None
         self.stage = W.Dropdown(options=[0, 1, 2, 3], value=stage, description='stage', layout=W.Layout(width='140px'))
-        self.micro_batch = W.BoundedIntText(value=micro_batch, min=1, max=1 << 20, description='micro-batch', layout=W.Layout(width='190px'))
-        self.world_size = W.BoundedIntText(value=world_size, min=1, max=1024, description='world size', layout=W.Layout(width='190px'))
-        self.button, self.output = W.Button(description='Estimate', icon='calculator'), W.HTML('<i>pick, then Estimate</i>')
+        self.micro_batch = W.BoundedIntText(
+            value=micro_batch, min=1, max=1 << 20, description='micro-batch', layout=W.Layout(width='190px')
+        )
+        self.world_size = W.BoundedIntText(
+            value=world_size, min=1, max=1024, description='world size', layout=W.Layout(width='190px')
+        )
+        self.button, self.output = (
+            W.Button(description='Estimate', icon='calculator'),
+            W.HTML('<i>pick, then Estimate</i>'),
+        )
         self.button.on_click(lambda _: self.show())
-        self.widget = W.VBox([W.HTML('<b>Memory planner</b> (predicted, no training; any world size up to 1024)'),
-                              W.HBox([self.stage, self.micro_batch, self.world_size, self.button]), self.output])
+        self.widget = W.VBox(
+            [
+                W.HTML('<b>Memory planner</b> (predicted, no training; any world size up to 1024)'),
+                W.HBox([self.stage, self.micro_batch, self.world_size, self.button]),
+                self.output,
+            ]
+        )
 
-    def show(self): # the estimate, or None after an error (shown, and kept on `.error`)
+    def show(self):  # the estimate, or None after an error (shown, and kept on `.error`)
         "Estimate the picked configuration and show its breakdown"
         try:
             self.last = self.estimate(self.stage.value, self.micro_batch.value, self.world_size.value)
             self.output.value = breakdown_html(self.last.breakdown, self.last.peak_bytes, self.budget())
-        except Exception as e: self.error, self.last, self.output.value = e, None, error_html(e)
+        except Exception as e:
+            self.error, self.last, self.output.value = e, None, error_html(e)
         return self.last
 
 # %% ../../nbs/80_widgets_autotune_widget.ipynb #c022
-def search_main(model_fn, train_step, config:dict, kwargs:dict):
+def search_main(model_fn, train_step, config: dict, kwargs: dict):
     "On each launched rank: `autotune_main(model_fn, train_step, config, kwargs)` inside the launch's process group"
     from flexrt import comm
     from flexrt.autotuner.runner import autotune_main
+
     joined = not comm.is_initialized()
-    if joined: comm.init_distributed()
-    try: autotune_main(model_fn, train_step, config, kwargs)
+    if joined:
+        comm.init_distributed()
+    try:
+        autotune_main(model_fn, train_step, config, kwargs)
     finally:
-        if joined: comm.destroy_process_group()
+        if joined:
+            comm.destroy_process_group()
 
 # %% ../../nbs/80_widgets_autotune_widget.ipynb #c024
 class AutotuneWidget(SearchPanel):
-    "The interactive ZeRO stage x micro-batch x bucket search: controls, Run/Stop, live trials and plots, planner, best config"
-    def __init__(self, model_fn=None, # builds a fresh model (importable if ranks may be spawned); None: browse only
-                 train_step=None, # `train_step(engine)`: one micro-step, as `flexrt.autotune` takes it
-                 config:dict|None=None, # the DeepSpeed-style config to tune
-                 num_processes:int=2, # ranks to launch
-                 memory_budget=None, # per-rank budget, bytes or '2GiB' (trials above it are `over_budget`)
-                 results_dir:str='autotuning_results', # the search's files; an interrupted search resumes from them
-                 dataset=None, # for `autotune(dataset=...)`
-                 view:SearchView|None=None, # the records shown; default: a new one that the ranks' records fill
-                 interval:float=0.25, # seconds between table updates while records arrive (a trial shows within about this)
-                 cpu_share:float=0.1, # share of one core the plots may use on average
-                 train=None): # `train(config)`: a training function (importable) that "Train with this" launches with the best config
+    """The interactive ZeRO stage x micro-batch x bucket search: controls, Run/Stop, live trials and plots, planner,
+    best config"""
+
+    def __init__(
+        self,
+        model_fn=None,  # builds a fresh model (importable if ranks may be spawned); None: browse only
+        train_step=None,  # `train_step(engine)`: one micro-step, as `flexrt.autotune` takes it
+        config: dict | None = None,  # the DeepSpeed-style config to tune
+        num_processes: int = 2,  # ranks to launch
+        memory_budget=None,  # per-rank budget, bytes or '2GiB' (trials above it are `over_budget`)
+        results_dir: str = 'autotuning_results',  # the search's files; an interrupted search resumes from them
+        dataset=None,  # for `autotune(dataset=...)`
+        view: SearchView | None = None,  # the records shown; default: a new one that the ranks' records fill
+        interval: float = 0.25,  # seconds between table updates while records arrive (a trial shows within about this)
+        cpu_share: float = 0.1,  # share of one core the plots may use on average
+        # `train(config)`: a training function (importable) that "Train with this" launches with the best config
+        train=None,
+    ):
         self.train, self.training_run, self.dashboard = train, None, None
-        self.model_fn, self.train_step, self.config, self.dataset = model_fn, train_step, copy.deepcopy(config or {}), dataset
-        self.results_dir, self.launched, self._stop_asked, self._shown, self._profile = results_dir, None, False, None, None
+        self.model_fn, self.train_step, self.config, self.dataset = (
+            model_fn,
+            train_step,
+            copy.deepcopy(config or {}),
+            dataset,
+        )
+        self.results_dir, self.launched, self._stop_asked, self._shown, self._profile = (
+            results_dir,
+            None,
+            False,
+            None,
+            None,
+        )
         self._initial = dict(num_processes=num_processes, memory_budget=memory_budget)
         super().__init__(view=view, interval=interval, cpu_share=cpu_share)
-        if model_fn is not None: monitor.serve(); monitor.add_listener(self.view); self.attached = True
+        if model_fn is not None:
+            monitor.serve()
+            monitor.add_listener(self.view)
+            self.attached = True
 
-    def build(self)->W.Widget:
-        self.controls = search_controls(self.config, num_parameters(self.model_fn) if self.model_fn else None, **self._initial)
-        self.run_button = W.Button(description='Run', button_style='success', icon='play', disabled=self.model_fn is None)
+    def build(self) -> W.Widget:
+        self.controls = search_controls(
+            self.config, num_parameters(self.model_fn) if self.model_fn else None, **self._initial
+        )
+        self.run_button = W.Button(
+            description='Run', button_style='success', icon='play', disabled=self.model_fn is None
+        )
         self.stop_button = W.Button(description='Stop', button_style='danger', icon='stop', disabled=True)
-        self.run_button.on_click(lambda _: self._act(self.run)); self.stop_button.on_click(lambda _: self._act(self.stop))
-        self.train_button = W.Button(description='Train with this', icon='rocket', disabled=True,
-                                     tooltip='launch the training function with the best configuration, watched by a dashboard below',
-                                     layout=W.Layout(display='' if self.train is not None else 'none'))
+        self.run_button.on_click(lambda _: self._act(self.run))
+        self.stop_button.on_click(lambda _: self._act(self.stop))
+        self.train_button = W.Button(
+            description='Train with this',
+            icon='rocket',
+            disabled=True,
+            tooltip='launch the training function with the best configuration, watched by a dashboard below',
+            layout=W.Layout(display='' if self.train is not None else 'none'),
+        )
         self.train_button.on_click(lambda _: self._act(self.train_with_best))
-        self.training_area = W.VBox()   # the training run's dashboard, in this same output area
-        self.planner = MemoryPlanner(self.plan, lambda: parse_bytes(self.controls['memory_budget'].value or None),
-                                     micro_batch=int(self.config.get('train_micro_batch_size_per_gpu', 8)))
+        self.training_area = W.VBox()  # the training run's dashboard, in this same output area
+        self.planner = MemoryPlanner(
+            self.plan,
+            lambda: parse_bytes(self.controls['memory_budget'].value or None),
+            micro_batch=int(self.config.get('train_micro_batch_size_per_gpu', 8)),
+        )
         names, panel = list(self.controls), super().build()
-        return W.VBox([W.HTML('<b>Autotune: ZeRO stage &times; micro-batch &times; buckets</b>'),
-                       W.HBox([W.VBox([self.controls[n] for n in names[:4]]), W.VBox([self.controls[n] for n in names[4:]])]),
-                       W.HBox([self.run_button, self.stop_button, self.train_button]), panel, self.planner.widget, self.training_area])
+        return W.VBox(
+            [
+                W.HTML('<b>Autotune: ZeRO stage &times; micro-batch &times; buckets</b>'),
+                W.HBox([W.VBox([self.controls[n] for n in names[:4]]), W.VBox([self.controls[n] for n in names[4:]])]),
+                W.HBox([self.run_button, self.stop_button, self.train_button]),
+                panel,
+                self.planner.widget,
+                self.training_area,
+            ]
+        )
 
-    def settings(self)->SearchSettings: return settings_from_controls(self.controls)   # what the controls ask now
+    def settings(self) -> SearchSettings:
+        return settings_from_controls(self.controls)  # what the controls ask now
+
     @property
-    def result(self): return self.view.result   # the `AutotuneResult` shown (after a search ended: its folder's)
+    def result(self):
+        return self.view.result  # the `AutotuneResult` shown (after a search ended: its folder's)
 
-    def run(self, resume:bool=True)->AutotuneWidget: # False: start afresh even if `results_dir` holds a search
+    def run(self, resume: bool = True) -> AutotuneWidget:  # False: start afresh even if `results_dir` holds a search
         "Start the search in the background and return at once"
         if self.model_fn is None or self.train_step is None:
-            raise ValueError('this widget only browses a result: give AutotuneWidget(model_fn, train_step, config) to search')
-        if self.running: raise RuntimeError('a search is running: stop() it or wait() for it first')
+            raise ValueError(
+                'this widget only browses a result: give AutotuneWidget(model_fn, train_step, config) to search'
+            )
+        if self.running:
+            raise RuntimeError('a search is running: stop() it or wait() for it first')
         from flexrt.launch.launcher import launch
+
         settings = self.settings()
         config, kwargs = search_arguments(settings, self.config)
-        kwargs.update(results_dir=self.results_dir, resume=resume, **({} if self.dataset is None else {'dataset': self.dataset}))
-        with self._draw_lock: self.view.clear(); self._live, self._stop_asked = None, False
-        if resume: self._show_stored()
-        self.launched = launch(search_main, (self.model_fn, self.train_step, config, kwargs),
-                               num_processes=settings.num_processes, background=True)
+        kwargs.update(
+            results_dir=self.results_dir, resume=resume, **({} if self.dataset is None else {'dataset': self.dataset})
+        )
+        with self._draw_lock:
+            self.view.clear()
+            self._live, self._stop_asked = None, False
+        if resume:
+            self._show_stored()
+        self.launched = launch(
+            search_main,
+            (self.model_fn, self.train_step, config, kwargs),
+            num_processes=settings.num_processes,
+            background=True,
+        )
         self.refresh(plots=False)
         return self
 
     def _show_stored(self):
         "The trials an interrupted search left in `results_dir` (it resumes from them)"
         from flexrt.autotuner.results import AutotuneResult
-        if not os.path.exists(os.path.join(self.results_dir, 'study.db')): return
+
+        if not os.path.exists(os.path.join(self.results_dir, 'study.db')):
+            return
         for record in AutotuneResult.load(self.results_dir).trials.to_dict('records'):
             self.view({**record, 'kind': 'experiment', 'event': 'trial'})
 
     @property
-    def running(self)->bool: return self.launched is not None and not self.launched.done   # whether ranks are searching
+    def running(self) -> bool:
+        return self.launched is not None and not self.launched.done  # whether ranks are searching
 
     def stop(self):
         "Ask the search to stop after the current trial (the best so far is kept)"
-        if not self.running: return 'no search is running'
-        self.launched.stop(); self._stop_asked = True
+        if not self.running:
+            return 'no search is running'
+        self.launched.stop()
+        self._stop_asked = True
         self.refresh(plots=False)
 
-    def wait(self, timeout:float|None=None)->bool: # False if still running after `timeout` seconds
+    def wait(self, timeout: float | None = None) -> bool:  # False if still running after `timeout` seconds
         "Wait for the search to end, show everything, and raise what the ranks raised"
-        if self.launched is None: return True
+        if self.launched is None:
+            return True
         try:
-            if not self.launched.wait(timeout): return False
-        finally: self.refresh()
+            if not self.launched.wait(timeout):
+                return False
+        finally:
+            self.refresh()
         return True
 
     @property
-    def state(self)->str:
+    def state(self) -> str:
         "'idle', 'running', 'stopping', 'finished', 'stopped' or 'failed'"
-        if self.launched is None: return 'idle'
-        if not self.launched.done: return 'stopping' if self._stop_asked else 'running'
+        if self.launched is None:
+            return 'idle'
+        if not self.launched.done:
+            return 'stopping' if self._stop_asked else 'running'
         return 'failed' if self.launched.error is not None else 'stopped' if self._stop_asked else 'finished'
 
-    def pending(self)->bool: return self.state != self._shown   # the buttons must change although no record arrived
+    def pending(self) -> bool:
+        return self.state != self._shown  # the buttons must change although no record arrived
 
-    def can_train(self)->bool:
+    def can_train(self) -> bool:
         "Whether 'Train with this' can start: a training function, a best configuration, no search or training running"
         training = self.training_run is not None and not self.training_run.done
         return self.train is not None and self.best_config is not None and not self.running and not training
 
     def draw_text(self):
         state = self.state
-        if state != self._shown: self._show_state(state)
+        if state != self._shown:
+            self._show_state(state)
         self.train_button.disabled = not self.can_train()
         super().draw_text()
 
-    def status_html(self)->str:
+    def status_html(self) -> str:
         "The search's state, its summary and, after a failure, the error"
         state = self.state
         error = self.launched.error if state == 'failed' else None
-        return f'<b>{state}</b> &middot; {super().status_html()}' + (f'<br>{error_html(error).splitlines()[0]}' if error is not None else '')
+        return f'<b>{state}</b> &middot; {super().status_html()}' + (
+            f'<br>{error_html(error).splitlines()[0]}' if error is not None else ''
+        )
 
-    def _show_state(self, state:str):
+    def _show_state(self, state: str):
         "Buttons for `state`; after a search, its folder's result (the planner then uses its calibrated profile)"
         self.run_button.disabled = self.model_fn is None or state in ('running', 'stopping')
         self.stop_button.disabled = state != 'running'
         self.stop_button.description = {'stopping': 'Stopping', 'stopped': 'Stopped'}.get(state, 'Stop')
         if state in ('finished', 'stopped') and os.path.exists(os.path.join(self.results_dir, 'study.db')):
             from flexrt.autotuner.results import AutotuneResult
+
             self.view.result = AutotuneResult.load(self.results_dir)
         self._shown = state
 
     @property
-    def profile(self): # a `flexrt.autotuner.memory.ModelProfile`
-        "The memory model's profile: the search's (calibrated on its trials) when a result holds one, else measured here once"
-        if getattr(self.result, 'profile', None) is not None: return self.result.profile
+    def profile(self):  # a `flexrt.autotuner.memory.ModelProfile`
+        """The memory model's profile: the search's (calibrated on its trials) when a result holds one, else measured
+        here once"""
+        if getattr(self.result, 'profile', None) is not None:
+            return self.result.profile
         if self._profile is None:
-            if self.model_fn is None: raise ValueError('the planner needs the model: AutotuneWidget(model_fn, train_step, config), '
-                                                       'or a result that holds its profile')
+            if self.model_fn is None:
+                raise ValueError(
+                    'the planner needs the model: AutotuneWidget(model_fn, train_step, config), '
+                    'or a result that holds its profile'
+                )
             import torch
             from flexrt.autotuner.memory.model import profile_model
+
             # on CUDA, running steps here would give the kernel a CUDA context that forked ranks cannot inherit
-            self._profile = profile_model(self.model_fn, self.config, train_step=None if torch.cuda.is_available() else self.train_step)
+            self._profile = profile_model(
+                self.model_fn, self.config, train_step=None if torch.cuda.is_available() else self.train_step
+            )
         return self._profile
 
-    def plan(self, stage:int, micro_batch:int, world_size:int): # -> `MemoryEstimate` (`.peak_bytes`, `.breakdown`)
+    def plan(self, stage: int, micro_batch: int, world_size: int):  # -> `MemoryEstimate` (`.peak_bytes`, `.breakdown`)
         "The predicted per-rank memory of a configuration, without training (`estimate_memory`, any world size)"
         from flexrt.autotuner.memory.model import estimate_memory
+
         config = {k: v for k, v in self.config.items() if k not in ('train_batch_size', 'autotuning')}
         config['train_micro_batch_size_per_gpu'] = micro_batch
         config['zero_optimization'] = {**config.get('zero_optimization', {}), 'stage': stage}
         return estimate_memory(self.profile, config, world_size=world_size, micro_batch=micro_batch)
 
+    def train_with_best(self, num_processes: int | None = None):  # ranks; default: the search's
+        """Launch `train(best_config)` in the background under a new `TrainingDashboard` shown in `training_area`;
+        returns the dashboard"""
+        if self.train is None:
+            raise ValueError(
+                'no training function: give AutotuneWidget(..., train=train_fn), train_fn(config) training with it'
+            )
+        if self.best_config is None:
+            raise ValueError('no configuration fits yet: run the search (or wait for a trial to succeed) first')
+        if not self.can_train():
+            raise RuntimeError('a search or a training run is still running: wait for it (or stop it) first')
+        from flexrt.launch.launcher import launch
+        from flexrt.widgets.dashboard import TrainingDashboard
+
+        config = copy.deepcopy(self.best_config)
+        if self.dashboard is not None:
+            self.dashboard.close()
+        self.dashboard = TrainingDashboard(clip=config.get('gradient_clipping'))
+        self.training_area.children = [W.HTML('<b>Training with the best configuration</b>'), self.dashboard.widget]
+        self.training_run = launch(
+            self.train, (config,), num_processes=num_processes or self.settings().num_processes, background=True
+        )
+        self.train_button.disabled = True
+        return self.dashboard
+
 # %% ../../nbs/80_widgets_autotune_widget.ipynb #w282bb25
 from fastcore.basics import patch
-
-@patch
-def train_with_best(self:AutotuneWidget, num_processes:int|None=None): # ranks; default: the search's
-    "Launch `train(best_config)` in the background under a new `TrainingDashboard` shown in `training_area`; returns the dashboard"
-    if self.train is None: raise ValueError('no training function: give AutotuneWidget(..., train=train_fn), train_fn(config) training with it')
-    if self.best_config is None: raise ValueError('no configuration fits yet: run the search (or wait for a trial to succeed) first')
-    if not self.can_train(): raise RuntimeError('a search or a training run is still running: wait for it (or stop it) first')
-    from flexrt.launch.launcher import launch
-    from flexrt.widgets.dashboard import TrainingDashboard
-    config = copy.deepcopy(self.best_config)
-    if self.dashboard is not None: self.dashboard.close()
-    self.dashboard = TrainingDashboard(clip=config.get('gradient_clipping'))
-    self.training_area.children = [W.HTML('<b>Training with the best configuration</b>'), self.dashboard.widget]
-    self.training_run = launch(self.train, (config,), num_processes=num_processes or self.settings().num_processes, background=True)
-    self.train_button.disabled = True
-    return self.dashboard

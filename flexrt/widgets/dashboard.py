@@ -7,7 +7,6 @@ from __future__ import annotations
 import html
 import pandas as pd
 import ipywidgets as W
-from fastcore.basics import patch
 from .. import monitor
 from ..launch.launcher import request_stop, prepare_stop
 from ..utils.threads import ThreadPlan
@@ -24,161 +23,206 @@ __all__ = ['LOG_LINES', 'TrainingDashboard', 'run_threads', 'progress_text']
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c005
 class TrainingDashboard(LiveView):
-    "Progress, gradient norms (and the first non-finite one named), ranks (the straggler named), layer norms, memory, comm table, log and Stop"
-    def __init__(self, total_steps:int|None=None, # steps the run will take, for the bar and ETA (a 'comm' record may tell)
-                 clip:float|None=None, # clip threshold to draw
-                 interval:float=0.5, # seconds between text updates; the plots' shortest gap
-                 cpu_share:float=0.05, # share of one core the plots may use on average (less while the ranks leave no core idle)
-                 redraw:bool=True): # redraw from a thread of its own (False: you call `refresh()`)
+    """Progress, gradient norms (and the first non-finite one named), ranks (the straggler named), layer norms, memory,
+    comm table, log and Stop"""
+
+    def __init__(
+        self,
+        total_steps: int | None = None,  # steps the run will take, for the bar and ETA (a 'comm' record may tell)
+        clip: float | None = None,  # clip threshold to draw
+        interval: float = 0.5,  # seconds between text updates; the plots' shortest gap
+        # share of one core the plots may use on average (less while the ranks leave no core idle)
+        cpu_share: float = 0.05,
+        redraw: bool = True,  # redraw from a thread of its own (False: you call `refresh()`)
+    ):
         self.total_steps, self.clip, self._comm_drawn, self._log_drawn, self._watching = total_steps, clip, 0, 0, False
         super().__init__(interval=interval, cpu_share=cpu_share, redraw=redraw)
-        if self.attached: monitor.hold_watch(); self._watching = True   # ranks launched from now on: layer norms, blocked time, a quiet cell
+        if self.attached:
+            monitor.hold_watch()
+            self._watching = True  # ranks launched from now on: layer norms, blocked time, a quiet cell
 
     def build(self):
-        self.memory = MemoryMonitor(records=self.records, redraw=False)     # drawn by the dashboard's own thread
+        self.memory = MemoryMonitor(records=self.records, redraw=False)  # drawn by the dashboard's own thread
         self.grad_norm = GradNormTrace(clip=self.clip, records=self.records, redraw=False)
-        self.ranks = RankPanel(records=self.records, redraw=False)            # shown once two ranks report blocked times
-        self.layers = LayerNormHeatmap(records=self.records, redraw=False)    # shown once 'layer_norms' records arrive
+        self.ranks = RankPanel(records=self.records, redraw=False)  # shown once two ranks report blocked times
+        self.layers = LayerNormHeatmap(records=self.records, redraw=False)  # shown once 'layer_norms' records arrive
         self.log = W.HTML()
-        self.log_section = W.VBox([W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none'))
+        self.log_section = W.VBox(
+            [W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none')
+        )
         self.progress, self.status = W.IntProgress(0, 0, self.total_steps or 1), W.HTML('waiting for the ranks...')
-        if not self.total_steps: self.progress.layout.display = 'none'   # shown once a total is known
+        if not self.total_steps:
+            self.progress.layout.display = 'none'  # shown once a total is known
         self.steps_seen = W.IntText(0, description='step events', disabled=True)
         self.comm = W.HTML()
         self.comm_section = W.VBox([W.HTML('<b>Communication</b>'), self.comm], layout=W.Layout(display='none'))
         self.stop_button = W.Button(description='Stop', button_style='danger', icon='stop')
         self.stop_button.on_click(lambda _: self.stop())
-        return W.VBox([W.HBox([self.progress, self.status]), W.HBox([self.steps_seen, self.stop_button]),
-                       self.grad_norm.widget, self.ranks.widget, self.layers.widget, self.memory.widget, self.comm_section,
-                       self.log_section])
+        return W.VBox(
+            [
+                W.HBox([self.progress, self.status]),
+                W.HBox([self.steps_seen, self.stop_button]),
+                self.grad_norm.widget,
+                self.ranks.widget,
+                self.layers.widget,
+                self.memory.widget,
+                self.comm_section,
+                self.log_section,
+            ]
+        )
 
     def stop(self):
         "Ask every rank to stop at the next `should_stop()`"
-        request_stop(); self.stop_button.disabled, self.stop_button.description = True, 'Stopping'
+        request_stop()
+        self.stop_button.disabled, self.stop_button.description = True, 'Stopping'
 
     def close(self):
         "Stop redrawing and listening, the views too; runs launched later are no longer watched"
-        for view in self.views(): view.close()
-        if self._watching: monitor.release_watch(); self._watching = False
+        for view in self.views():
+            view.close()
+        if self._watching:
+            monitor.release_watch()
+            self._watching = False
         LiveView.close(self)
 
-    def views(self)->list: return [self.grad_norm, self.ranks, self.layers, self.memory]   # drawn in this order
+    def views(self) -> list:
+        return [self.grad_norm, self.ranks, self.layers, self.memory]  # drawn in this order
 
-# %% ../../nbs/80_widgets_dashboard.ipynb #c006
-@patch
-def pending(self:TrainingDashboard)->bool:
-    "Whether the Stop button's state must change: the ranks ended after a stop, or a new run's ranks connected"
-    running, label = monitor.ranks_connected() > 0, self.stop_button.description
-    return (label == 'Stopping' and not running) or (label == 'Stopped' and running)
+    def pending(self) -> bool:
+        "Whether the Stop button's state must change: the ranks ended after a stop, or a new run's ranks connected"
+        running, label = monitor.ranks_connected() > 0, self.stop_button.description
+        return (label == 'Stopping' and not running) or (label == 'Stopped' and running)
 
-@patch
-def _stop_state(self:TrainingDashboard):
-    "`Stopping` becomes `Stopped` once no rank is connected; `Stopped` becomes `Stop` when ranks connect again"
-    if not self.pending(): return
-    button = self.stop_button
-    if button.description == 'Stopping':
-        prepare_stop(fresh=True)                        # the request is done: the next run must not stop at once
-        button.description, button.icon = 'Stopped', 'check'
-    else:
-        button.disabled, button.description, button.icon = False, 'Stop', 'stop'
+    def _stop_state(self):
+        "`Stopping` becomes `Stopped` once no rank is connected; `Stopped` becomes `Stop` when ranks connect again"
+        if not self.pending():
+            return
+        button = self.stop_button
+        if button.description == 'Stopping':
+            prepare_stop(fresh=True)  # the request is done: the next run must not stop at once
+            button.description, button.icon = 'Stopped', 'check'
+        else:
+            button.disabled, button.description, button.icon = False, 'Stop', 'stop'
+
+    def _comm_text(self):
+        "The newest comm table, shown with its section once one arrived"
+        comm = self.records.last('comm')
+        if comm is None or self.records.counts['comm'] == self._comm_drawn:
+            return
+        self._comm_drawn = self.records.counts['comm']
+        if 'total_steps' in comm and not self.total_steps:
+            self.total_steps = self.progress.max = int(comm['total_steps'])
+            self.progress.layout.display = ''
+        if comm.get('rows'):
+            self.comm.value = pd.DataFrame(comm['rows']).to_html(index=False, float_format='%.3g')
+            self.comm_section.layout.display = ''
+
+    def _log_text(self):
+        "The ranks' progress lines ('console' records), newest last, shown with their section once one arrived"
+        if self.records.counts['console'] == self._log_drawn:
+            return
+        self._log_drawn = self.records.counts['console']
+        lines = self.records._frame('console')['text'].tail(LOG_LINES)
+        self.log.value = (
+            '<pre class="flexrt-log" style="max-height:200px;overflow:auto;font-size:11px">'
+            + html.escape('\n'.join(lines))
+            + '</pre>'
+        )
+        self.log_section.layout.display = ''
+
+    def draw_text(self):
+        "Progress, counter, comm table, Stop button, then the two views' texts"
+        self._stop_state()
+        self._comm_text()
+        self._log_text()
+        self.steps_seen.value = self.records.counts['step']
+        steps = self.records.lowest_rank('step')  # rank 0's newest records: the text's cost does not grow with the run
+        if steps:
+            last, done = steps[-1], int(steps[-1]['step'])
+            self.progress.value = min(done, self.progress.max)
+            per_step = (last['time'] - steps[0]['time']) / max(len(steps) - 1, 1)  # the recent pace
+            threads = run_threads(self.records)
+            self.status.value = progress_text(done, self.total_steps, last['samples_per_s'], per_step, threads)
+        for view in self.views():
+            view.draw_text()
+
+    def plot_stale(self) -> bool:
+        return any(view.plot_stale() for view in self.views())
+
+    def first_drawn(self) -> bool:
+        return self.grad_norm.first_drawn() and self.memory.first_drawn()
+
+    def plot_due(self) -> bool:
+        "As a view's plots are due, and at once for a panel's first data (its first look: the heatmap's at step 10)"
+        return any(view.has_data() and not view.first_drawn() for view in self.views()) or LiveView.plot_due(self)
+
+    def prepare_plot(self):
+        for view in (self.grad_norm, self.memory):
+            view.prepare_plot()  # the other views are hidden until their records come
+
+    def _plot_if_stale(self) -> bool:
+        "Redraw the views whose records changed, the gradient norm first"
+        drew = [view._plot_if_stale() for view in self.views()]
+        return any(drew)
+
+    def plotted_views(self) -> list:
+        return self.views()
+
+    def save_html(self, path) -> str:  # the file written
+        "Write the dashboard (texts, tables, every plot with data, config, versions) as one self-contained HTML file"
+        with self._draw_lock:
+            self.draw_text()
+        sections = [
+            ('Progress', self.status.value),
+            ('Gradient norm', self.grad_norm.text.value),
+            (
+                'Ranks',
+                self.ranks.straggler.value + self.ranks.silent.value + self.ranks.table.value
+                if self.ranks.widget.layout.display == ''
+                else '',
+            ),
+            ('Gradient norm by layer', self.layers.text.value if self.layers.has_data() else ''),
+            ('Memory', self.memory.text.value),
+        ]
+        sections += [
+            (f'Plot: {view.png_name[:-4]}', figure_png(view.figure())) for view in self.views() if view.has_data()
+        ]
+        sections += [('Communication', self.comm.value), ('Log', self.log.value)]
+        return save_html(path, 'flexrt training run', sections, _run_config(self.records))
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c006t
-def run_threads(records)->ThreadPlan|None:
+def run_threads(records) -> ThreadPlan | None:
     "The ranks' threads from the engine's 'run' record (flattened by the store: its 'threads.' keys), or None"
     run = records.last('run')
-    if run is None or 'threads.threads' not in run: return None
+    if run is None or 'threads.threads' not in run:
+        return None
     return ThreadPlan(*(int(run[f'threads.{k}']) for k in ('threads', 'local_ranks', 'cores')), run['threads.source'])
 
-def progress_text(done:int, # optimizer steps done
-                  total:int|None, # steps the run will take; None: not known
-                  samples_per_s:float, # the newest throughput
-                  per_step:float, # recent seconds per step, for the ETA
-                  threads:ThreadPlan|None=None, # the ranks' threads
-                 )->str:
+
+def progress_text(
+    done: int,  # optimizer steps done
+    total: int | None,  # steps the run will take; None: not known
+    samples_per_s: float,  # the newest throughput
+    per_step: float,  # recent seconds per step, for the ETA
+    threads: ThreadPlan | None = None,  # the ranks' threads
+) -> str:
     "The progress line: a total and an ETA only when the total is known, then the ranks' threads"
     parts = [f'step {done}/{total}' if total else f'step {done}', f'{samples_per_s:.1f} samples/s']
-    if total: parts.append(f'ETA {max(total - done, 0) * per_step:.0f} s')
+    if total:
+        parts.append(f'ETA {max(total - done, 0) * per_step:.0f} s')
     if threads is not None:
         parts.append(threads.describe() + ('' if threads.source == 'sized' else f' ({threads.source})'))
     return ' &middot; '.join(parts)
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c007
-@patch
-def _comm_text(self:TrainingDashboard):
-    "The newest comm table, shown with its section once one arrived"
-    comm = self.records.last('comm')
-    if comm is None or self.records.counts['comm'] == self._comm_drawn: return
-    self._comm_drawn = self.records.counts['comm']
-    if 'total_steps' in comm and not self.total_steps:
-        self.total_steps = self.progress.max = int(comm['total_steps'])
-        self.progress.layout.display = ''
-    if comm.get('rows'):
-        self.comm.value = pd.DataFrame(comm['rows']).to_html(index=False, float_format='%.3g')
-        self.comm_section.layout.display = ''
-
-LOG_LINES = 200   # progress lines the log area keeps
-
-@patch
-def _log_text(self:TrainingDashboard):
-    "The ranks' progress lines ('console' records), newest last, shown with their section once one arrived"
-    if self.records.counts['console'] == self._log_drawn: return
-    self._log_drawn = self.records.counts['console']
-    lines = self.records._frame('console')['text'].tail(LOG_LINES)
-    self.log.value = '<pre class="flexrt-log" style="max-height:200px;overflow:auto;font-size:11px">' + html.escape('\n'.join(lines)) + '</pre>'
-    self.log_section.layout.display = ''
-
-@patch
-def draw_text(self:TrainingDashboard):
-    "Progress, counter, comm table, Stop button, then the two views' texts"
-    self._stop_state(); self._comm_text(); self._log_text()
-    self.steps_seen.value = self.records.counts['step']
-    steps = self.records.lowest_rank('step')   # rank 0's newest records: the text's cost does not grow with the run
-    if steps:
-        last, done = steps[-1], int(steps[-1]['step'])
-        self.progress.value = min(done, self.progress.max)
-        per_step = (last['time'] - steps[0]['time']) / max(len(steps) - 1, 1)   # the recent pace
-        threads = run_threads(self.records)
-        self.status.value = progress_text(done, self.total_steps, last['samples_per_s'], per_step, threads)
-    for view in self.views(): view.draw_text()
-
-# %% ../../nbs/80_widgets_dashboard.ipynb #c008
-@patch
-def plot_stale(self:TrainingDashboard)->bool: return any(view.plot_stale() for view in self.views())
-@patch
-def first_drawn(self:TrainingDashboard)->bool: return self.grad_norm.first_drawn() and self.memory.first_drawn()
-@patch
-def plot_due(self:TrainingDashboard)->bool:
-    "As a view's plots are due, and at once for a panel's first data (its first look: the heatmap's at step 10)"
-    return any(view.has_data() and not view.first_drawn() for view in self.views()) or LiveView.plot_due(self)
-@patch
-def prepare_plot(self:TrainingDashboard):
-    for view in (self.grad_norm, self.memory): view.prepare_plot()   # the other views are hidden until their records come
-
-@patch
-def _plot_if_stale(self:TrainingDashboard)->bool:
-    "Redraw the views whose records changed, the gradient norm first"
-    drew = [view._plot_if_stale() for view in self.views()]
-    return any(drew)
-
-@patch
-def plotted_views(self:TrainingDashboard)->list: return self.views()
+LOG_LINES = 200  # progress lines the log area keeps
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #w2864a30
-def _run_config(records)->dict|None:
+def _run_config(records) -> dict | None:
     "The config of the engine's 'run' record (flattened by the store: its 'config.' keys), or None"
     run = records.last('run')
-    if run is None: return None
-    return {k[len('config.'):]: v for k, v in run.items() if k.startswith('config.')} | {
-        k: run[k] for k in ('world_size', 'zero_stage', 'precision') if k in run}
-
-@patch
-def save_html(self:TrainingDashboard, path)->str: # the file written
-    "Write the dashboard (texts, tables, every plot with data, config, versions) as one self-contained HTML file"
-    with self._draw_lock: self.draw_text()
-    sections = [('Progress', self.status.value), ('Gradient norm', self.grad_norm.text.value),
-                ('Ranks', self.ranks.straggler.value + self.ranks.silent.value + self.ranks.table.value if self.ranks.widget.layout.display == '' else ''),
-                ('Gradient norm by layer', self.layers.text.value if self.layers.has_data() else ''),
-                ('Memory', self.memory.text.value)]
-    sections += [(f'Plot: {view.png_name[:-4]}', figure_png(view.figure())) for view in self.views() if view.has_data()]
-    sections += [('Communication', self.comm.value), ('Log', self.log.value)]
-    return save_html(path, 'flexrt training run', sections, _run_config(self.records))
+    if run is None:
+        return None
+    return {k[len('config.') :]: v for k, v in run.items() if k.startswith('config.')} | {
+        k: run[k] for k in ('world_size', 'zero_stage', 'precision') if k in run
+    }

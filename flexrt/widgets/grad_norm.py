@@ -8,7 +8,6 @@ import html
 from math import nan
 import pandas as pd
 import ipywidgets as W
-from fastcore.basics import patch
 from .. import monitor
 from .records import RecordStore, rank0_steps
 from .plots import Plot, thin
@@ -19,59 +18,98 @@ from ..engine.watch import nonfinite_message
 __all__ = ['GradNormTrace']
 
 # %% ../../nbs/80_widgets_grad_norm.ipynb #c019
-def _first_lr(lr)->float: return float(lr[0] if isinstance(lr, (list, tuple)) else lr)
+def _first_lr(lr) -> float:
+    return float(lr[0] if isinstance(lr, (list, tuple)) else lr)
+
 
 class GradNormTrace(LiveView):
-    "Per-step gradient norm before/after clipping, clip threshold, loss, learning rate, loss scale; skipped steps marked"
+    """Per-step gradient norm before/after clipping, clip threshold, loss, learning rate, loss scale; skipped steps
+    marked"""
+
     kinds, png_name = ('step', 'nonfinite'), 'grad_norm.png'
-    def __init__(self, clip:float|None=None, # the clip threshold to draw (the config's gradient_clipping)
-                 **kwargs):
-        self.clip, self._seen, self._skipped = clip, 0, {}   # step records counted so far; skipped steps per rank
+
+    def __init__(
+        self,
+        clip: float | None = None,  # the clip threshold to draw (the config's gradient_clipping)
+        **kwargs,
+    ):
+        self.clip, self._seen, self._skipped = clip, 0, {}  # step records counted so far; skipped steps per rank
         super().__init__(**kwargs)
 
     def build(self):
         self.text, self.plot = W.HTML('waiting for step records...'), W.HTML()
         return W.VBox([W.HTML('<b>Gradient norm</b>'), self.text, self.plot])
 
-    def layout(self)->bool: # whether a loss scale is in use: its panel is drawn
+    def layout(self) -> bool:  # whether a loss scale is in use: its panel is drawn
         steps = self.records._frame('step')
         return 'loss_scale' in steps and bool((steps['loss_scale'].dropna() != 1.0).any())
 
-    def new_plot(self, scaled:bool|None=None)->Plot: # False: no loss-scale panel (fp32, bf16: it would say nothing)
-        if not scaled: return Plot([('gradient norm', 'step', ''), ('loss', 'step', ''), ('learning rate', 'step', '')], (1, 3), (9, 2.8))
-        return Plot([('gradient norm', 'step', ''), ('loss', 'step', ''), ('learning rate', 'step', ''),
-                     ('loss scale', 'step', '')], (2, 2), (8, 5))
+    def new_plot(
+        self, scaled: bool | None = None
+    ) -> Plot:  # False: no loss-scale panel (fp32, bf16: it would say nothing)
+        if not scaled:
+            return Plot(
+                [('gradient norm', 'step', ''), ('loss', 'step', ''), ('learning rate', 'step', '')], (1, 3), (9, 2.8)
+            )
+        return Plot(
+            [
+                ('gradient norm', 'step', ''),
+                ('loss', 'step', ''),
+                ('learning rate', 'step', ''),
+                ('loss scale', 'step', ''),
+            ],
+            (2, 2),
+            (8, 5),
+        )
 
-# %% ../../nbs/80_widgets_grad_norm.ipynb #c020
-@patch
-def draw_text(self:GradNormTrace):
-    "The latest step's numbers"
-    new, self._seen = self.records.since('step', self._seen)     # only what arrived: the cost does not grow with the run
-    for row in new:
-        if row.get('skipped') is True or row.get('skipped') == 1: self._skipped[row.get('rank')] = self._skipped.get(row.get('rank'), 0) + 1
-    steps = self.records.lowest_rank('step', 1)
-    if not steps: return
-    last = {'grad_norm_post_clip': nan, 'loss': nan, 'lr': nan, 'loss_scale': nan} | steps[-1]
-    self.text.value = (f"step {int(last['step'])}: grad norm {last['grad_norm']:.4g} &rarr; {last['grad_norm_post_clip']:.4g}"
-                       f", loss {last['loss']:.4g}, lr {_first_lr(last['lr']):.3g}, loss scale {last['loss_scale']:g}"
-                       f", skipped {self._skipped.get(last.get('rank'), 0)}")
-    found = self.records.last('nonfinite')
-    if found is not None:
-        self.text.value += f'<br><span class="flexrt-nonfinite" style="color:#b00020"><b>{html.escape(nonfinite_message(found))}</b></span>'
+    def draw_text(self):
+        "The latest step's numbers"
+        new, self._seen = self.records.since(
+            'step', self._seen
+        )  # only what arrived: the cost does not grow with the run
+        for row in new:
+            if row.get('skipped') is True or row.get('skipped') == 1:
+                self._skipped[row.get('rank')] = self._skipped.get(row.get('rank'), 0) + 1
+        steps = self.records.lowest_rank('step', 1)
+        if not steps:
+            return
+        last = {'grad_norm_post_clip': nan, 'loss': nan, 'lr': nan, 'loss_scale': nan} | steps[-1]
+        self.text.value = (
+            f"step {int(last['step'])}: grad norm {last['grad_norm']:.4g} &rarr; {last['grad_norm_post_clip']:.4g}"
+            f", loss {last['loss']:.4g}, lr {_first_lr(last['lr']):.3g}, loss scale {last['loss_scale']:g}"
+            f", skipped {self._skipped.get(last.get('rank'), 0)}"
+        )
+        found = self.records.last('nonfinite')
+        if found is not None:
+            self.text.value += (
+                '<br><span class="flexrt-nonfinite" '
+                f'style="color:#b00020"><b>{html.escape(nonfinite_message(found))}</b></span>'
+            )
 
-@patch
-def fill(self:GradNormTrace, plot:Plot)->Plot:
-    "The four panels: grad norm (with clip and skipped steps), loss, lr, loss scale"
-    steps = rank0_steps(self.records._frame('step'))
-    if steps.empty: return plot
-    shown, x = thin(steps), thin(steps)['step']
-    plot.line(0, 'before clipping', x, shown['grad_norm']); plot.line(0, 'after clipping', x, shown['grad_norm_post_clip'])
-    if self.clip: plot.line(0, f'clip {self.clip:g}', [x.iloc[0], x.iloc[-1]], [self.clip] * 2, ':')
-    skipped = steps[steps['skipped'].astype(bool)]
-    if len(skipped): plot.line(0, 'skipped (overflow)', skipped['step'], skipped['grad_norm'].fillna(0), 'rx')
-    plot.line(1, '_loss', x, shown['loss'])
-    if len(plot.axes) > 3: plot.line(3, '_loss scale', x, shown['loss_scale'])
-    found = self.records.last('nonfinite')   # the steps before it stay drawn; the step itself marked
-    if found is not None: plot.line(0, f"non-finite (step {found['step']})", [found['step']] * 2, [0, shown['grad_norm'].replace([float('inf')], float('nan')).max()], 'r:')
-    plot.line(2, '_lr', x, [_first_lr(v) for v in shown['lr']])
-    return plot
+    def fill(self, plot: Plot) -> Plot:
+        "The four panels: grad norm (with clip and skipped steps), loss, lr, loss scale"
+        steps = rank0_steps(self.records._frame('step'))
+        if steps.empty:
+            return plot
+        shown, x = thin(steps), thin(steps)['step']
+        plot.line(0, 'before clipping', x, shown['grad_norm'])
+        plot.line(0, 'after clipping', x, shown['grad_norm_post_clip'])
+        if self.clip:
+            plot.line(0, f'clip {self.clip:g}', [x.iloc[0], x.iloc[-1]], [self.clip] * 2, ':')
+        skipped = steps[steps['skipped'].astype(bool)]
+        if len(skipped):
+            plot.line(0, 'skipped (overflow)', skipped['step'], skipped['grad_norm'].fillna(0), 'rx')
+        plot.line(1, '_loss', x, shown['loss'])
+        if len(plot.axes) > 3:
+            plot.line(3, '_loss scale', x, shown['loss_scale'])
+        found = self.records.last('nonfinite')  # the steps before it stay drawn; the step itself marked
+        if found is not None:
+            plot.line(
+                0,
+                f"non-finite (step {found['step']})",
+                [found['step']] * 2,
+                [0, shown['grad_norm'].replace([float('inf')], float('nan')).max()],
+                'r:',
+            )
+        plot.line(2, '_lr', x, [_first_lr(v) for v in shown['lr']])
+        return plot

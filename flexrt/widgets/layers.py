@@ -8,7 +8,6 @@ import html, math
 import numpy as np
 import pandas as pd
 import ipywidgets as W
-from fastcore.basics import patch
 from .records import RecordStore, rank0_steps
 from .plots import Plot, thin
 from .live import LiveView
@@ -17,25 +16,42 @@ from .live import LiveView
 __all__ = ['PREFIX', 'layer_matrix', 'LayerNormHeatmap']
 
 # %% ../../nbs/80_widgets_layers.ipynb #w2851486
-PREFIX = 'norms.'   # a 'layer_norms' record's norms, flattened by the RecordStore: 'norms.blocks.0.attn'
+PREFIX = 'norms.'  # a 'layer_norms' record's norms, flattened by the RecordStore: 'norms.blocks.0.attn'
 
-def layer_matrix(frame:pd.DataFrame, # 'layer_norms' records, flattened
-                 max_layers:int=24)->pd.DataFrame: # rows kept: the layers with the largest latest norms
-    "Layers × steps of gradient norms (NaN where a record left a layer out, inf where it was non-finite), the largest latest norm on top"
+
+def layer_matrix(
+    frame: pd.DataFrame,  # 'layer_norms' records, flattened
+    max_layers: int = 24,
+) -> pd.DataFrame:  # rows kept: the layers with the largest latest norms
+    """Layers × steps of gradient norms (NaN where a record left a layer out, inf where it was non-finite), the largest
+    latest norm on top"""
     columns = [c for c in frame if c.startswith(PREFIX)]
-    if frame.empty or not columns: return pd.DataFrame()
-    table = frame.set_index('step')[columns].rename(columns=lambda c: c[len(PREFIX):]).T
-    for step, bad in zip(frame['step'], frame.get('nonfinite_layers', [()] * len(frame))):   # NaN in a record, not absent
-        for layer in bad if isinstance(bad, (list, tuple)) else (): table.loc[layer, step] = np.inf
+    if frame.empty or not columns:
+        return pd.DataFrame()
+    table = frame.set_index('step')[columns].rename(columns=lambda c: c[len(PREFIX) :]).T
+    for step, bad in zip(
+        frame['step'], frame.get('nonfinite_layers', [()] * len(frame))
+    ):  # NaN in a record, not absent
+        for layer in bad if isinstance(bad, (list, tuple)) else ():
+            table.loc[layer, step] = np.inf
     latest = table.apply(lambda row: row.dropna().iloc[-1] if row.notna().any() else -np.inf, axis=1)
-    order = sorted(table.index, key=lambda l: (math.isfinite(latest[l]) or latest[l] == -np.inf, -latest[l] if math.isfinite(latest[l]) else 0.))
+    order = sorted(
+        table.index,
+        key=lambda l: (
+            math.isfinite(latest[l]) or latest[l] == -np.inf,
+            -latest[l] if math.isfinite(latest[l]) else 0.0,
+        ),
+    )
     return table.loc[order[:max_layers]]
 
 # %% ../../nbs/80_widgets_layers.ipynb #w287b3cc
 class LayerNormHeatmap(LiveView):
-    "Per-layer gradient norms as a heatmap (layers × steps, log10) next to the global norm; hidden without 'layer_norms' records"
+    """Per-layer gradient norms as a heatmap (layers × steps, log10) next to the global norm; hidden without
+    'layer_norms' records"""
+
     kinds, png_name = ('layer_norms',), 'layer_norms.png'
-    def __init__(self, max_layers:int=24, **kwargs): # rows of the heatmap
+
+    def __init__(self, max_layers: int = 24, **kwargs):  # rows of the heatmap
         self.max_layers = max_layers
         super().__init__(**kwargs)
 
@@ -43,48 +59,73 @@ class LayerNormHeatmap(LiveView):
         self.text, self.plot = W.HTML(), W.HTML()
         return W.VBox([W.HTML('<b>Gradient norm by layer</b>'), self.text, self.plot], layout=W.Layout(display='none'))
 
-    def matrix(self)->pd.DataFrame: return layer_matrix(self.records._frame('layer_norms'), self.max_layers)
-    def new_plot(self, layout=None)->Plot:
-        return Plot([('gradient norm by layer (log10)', 'step', ''), ('global gradient norm', 'step', '')], (1, 2), (9, 3.4))
+    def matrix(self) -> pd.DataFrame:
+        return layer_matrix(self.records._frame('layer_norms'), self.max_layers)
 
-# %% ../../nbs/80_widgets_layers.ipynb #w28ba6e8
-@patch
-def draw_text(self:LayerNormHeatmap):
-    "The latest record's largest and smallest layers"
-    last = self.records.last('layer_norms')   # that record alone, in plain Python: the text is redrawn twice a second
-    if last is None: return
-    norms = {k[len(PREFIX):]: v for k, v in last.items() if k.startswith(PREFIX) and v is not None and v == v}
-    bad_layers = last.get('nonfinite_layers')
-    for layer in bad_layers if isinstance(bad_layers, (list, tuple)) else (): norms[layer] = math.inf   # NaN in a record, not absent
-    if not norms: return
-    latest = sorted(norms.items(), key=lambda kv: (math.isfinite(kv[1]), -kv[1] if math.isfinite(kv[1]) else 0.))[:self.max_layers]
-    bad = [l for l, v in latest if not math.isfinite(v)]   # inf: the record said non-finite
-    shown = lambda items: ', '.join(f'{html.escape(l)} {v:.3g}' for l, v in items)
-    finite = [(l, v) for l, v in latest if math.isfinite(v)]
-    self.text.value = (f"step {last['step']}: largest {shown(finite[:3])}"
-                       + (f'; smallest {shown(finite[-2:])}' if len(finite) > 3 else '')
-                       + (f' &middot; <span style="color:#b00020">non-finite: {", ".join(map(html.escape, bad))}</span>' if bad else ''))
-    self.widget.layout.display = ''
+    def new_plot(self, layout=None) -> Plot:
+        return Plot(
+            [('gradient norm by layer (log10)', 'step', ''), ('global gradient norm', 'step', '')], (1, 2), (9, 3.4)
+        )
 
-@patch
-def fill(self:LayerNormHeatmap, plot:Plot)->Plot:
-    "The heatmap (an image updated in place) and rank 0's global norm"
-    m = self.matrix()
-    if m.empty: return plot
-    ax, steps = plot.axes[0], [float(s) for s in m.columns]
-    with np.errstate(divide='ignore', invalid='ignore'): values = np.log10(m.to_numpy(dtype=float))
-    values[~np.isfinite(values)] = np.nan
-    half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5
-    extent = (steps[0] - half, steps[-1] + half, len(m) - 0.5, -0.5)
-    image = getattr(plot, 'image', None)
-    if image is None:
-        plot.image = image = ax.imshow(values, aspect='auto', interpolation='nearest', cmap='viridis', extent=extent)
-        plot.figure.colorbar(image, ax=ax, fraction=0.05); ax.set_autoscale_on(False)
-    else: image.set_data(values); image.set_extent(extent)
-    if np.isfinite(values).any(): image.set_clim(np.nanmin(values), np.nanmax(values))
-    ax.set_xlim(extent[0], extent[1]); ax.set_ylim(extent[2], extent[3])
-    ax.set_yticks(range(len(m))); ax.set_yticklabels([str(l)[-24:] for l in m.index], fontsize=8)
-    steps_frame = rank0_steps(self.records._frame('step'))
-    if len(steps_frame) and 'grad_norm' in steps_frame:
-        shown = thin(steps_frame); plot.line(1, '_global', shown['step'], shown['grad_norm'])
-    return plot
+    def draw_text(self):
+        "The latest record's largest and smallest layers"
+        last = self.records.last(
+            'layer_norms'
+        )  # that record alone, in plain Python: the text is redrawn twice a second
+        if last is None:
+            return
+        norms = {k[len(PREFIX) :]: v for k, v in last.items() if k.startswith(PREFIX) and v is not None and v == v}
+        bad_layers = last.get('nonfinite_layers')
+        for layer in bad_layers if isinstance(bad_layers, (list, tuple)) else ():
+            norms[layer] = math.inf  # NaN in a record, not absent
+        if not norms:
+            return
+        latest = sorted(norms.items(), key=lambda kv: (math.isfinite(kv[1]), -kv[1] if math.isfinite(kv[1]) else 0.0))[
+            : self.max_layers
+        ]
+        bad = [l for l, v in latest if not math.isfinite(v)]  # inf: the record said non-finite
+        shown = lambda items: ', '.join(f'{html.escape(l)} {v:.3g}' for l, v in items)
+        finite = [(l, v) for l, v in latest if math.isfinite(v)]
+        self.text.value = (
+            f"step {last['step']}: largest {shown(finite[:3])}"
+            + (f'; smallest {shown(finite[-2:])}' if len(finite) > 3 else '')
+            + (
+                f' &middot; <span style="color:#b00020">non-finite: {", ".join(map(html.escape, bad))}</span>'
+                if bad
+                else ''
+            )
+        )
+        self.widget.layout.display = ''
+
+    def fill(self, plot: Plot) -> Plot:
+        "The heatmap (an image updated in place) and rank 0's global norm"
+        m = self.matrix()
+        if m.empty:
+            return plot
+        ax, steps = plot.axes[0], [float(s) for s in m.columns]
+        with np.errstate(divide='ignore', invalid='ignore'):
+            values = np.log10(m.to_numpy(dtype=float))
+        values[~np.isfinite(values)] = np.nan
+        half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5
+        extent = (steps[0] - half, steps[-1] + half, len(m) - 0.5, -0.5)
+        image = getattr(plot, 'image', None)
+        if image is None:
+            plot.image = image = ax.imshow(
+                values, aspect='auto', interpolation='nearest', cmap='viridis', extent=extent
+            )
+            plot.figure.colorbar(image, ax=ax, fraction=0.05)
+            ax.set_autoscale_on(False)
+        else:
+            image.set_data(values)
+            image.set_extent(extent)
+        if np.isfinite(values).any():
+            image.set_clim(np.nanmin(values), np.nanmax(values))
+        ax.set_xlim(extent[0], extent[1])
+        ax.set_ylim(extent[2], extent[3])
+        ax.set_yticks(range(len(m)))
+        ax.set_yticklabels([str(l)[-24:] for l in m.index], fontsize=8)
+        steps_frame = rank0_steps(self.records._frame('step'))
+        if len(steps_frame) and 'grad_norm' in steps_frame:
+            shown = thin(steps_frame)
+            plot.line(1, '_global', shown['step'], shown['grad_norm'])
+        return plot

@@ -8,158 +8,199 @@ import atexit, os, threading, time, weakref
 import pandas as pd
 import psutil
 import ipywidgets as W
-from fastcore.basics import patch
 from matplotlib.figure import Figure
 from .. import monitor
 from ..launch.launcher import prepare_stop
 from .records import RecordStore
 from .plots import Plot, figure_html, thin
 
-History = RecordStore   # the name this store had before 0.2
+History = RecordStore  # the name this store had before 0.2
 
 # %% auto #0
 __all__ = ['History', 'FIRST_POLL', 'BUSY_SHARE', 'idle_seconds', 'LiveView']
 
 # %% ../../nbs/80_widgets_live.ipynb #c006
-_views = weakref.WeakSet()   # live views, stopped at interpreter exit
-FIRST_POLL = 0.05            # seconds between looks for the first records
-BUSY_SHARE = 0.2             # the least fraction of `cpu_share` the plots keep when no core is idle
+_views = weakref.WeakSet()  # live views, stopped at interpreter exit
+FIRST_POLL = 0.05  # seconds between looks for the first records
+BUSY_SHARE = 0.2  # the least fraction of `cpu_share` the plots keep when no core is idle
 
-def idle_seconds()->float:
+
+def idle_seconds() -> float:
     "CPU-seconds the machine's cores have spent idle (or waiting for I/O) so far, all cores together"
     times = psutil.cpu_times()
-    return times.idle + getattr(times, 'iowait', 0.)
+    return times.idle + getattr(times, 'iowait', 0.0)
+
 
 class LiveView:
     "Base of the views: a RecordStore, a redraw thread, `refresh()`, `save()`, `close()`"
-    kinds, png_name = (), 'plot.png'   # the record kinds the plot is drawn from; its file name in `save()`
-    clock, cpu_clock, idle_clock = staticmethod(time.monotonic), staticmethod(time.thread_time), staticmethod(idle_seconds)   # tests set fake ones per view
-    def __init__(self, records:RecordStore|None=None, # share one with other views; default: a new one, attached here
-                 interval:float=0.5, # seconds between text updates while records arrive; the plots' shortest gap
-                 cpu_share:float=0.05, # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds (less while no core is idle)
-                 redraw:bool=True): # redraw from a thread of its own (False: its owner calls `refresh()`)
-        self.attached, self.records, self.interval, self.cpu_share = records is None, records or RecordStore(), interval, cpu_share
+
+    kinds, png_name = (), 'plot.png'  # the record kinds the plot is drawn from; its file name in `save()`
+    clock, cpu_clock, idle_clock = (
+        staticmethod(time.monotonic),
+        staticmethod(time.thread_time),
+        staticmethod(idle_seconds),
+    )  # tests set fake ones per view
+
+    def __init__(
+        self,
+        records: RecordStore | None = None,  # share one with other views; default: a new one, attached here
+        interval: float = 0.5,  # seconds between text updates while records arrive; the plots' shortest gap
+        # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds (less while no core is idle)
+        cpu_share: float = 0.05,
+        redraw: bool = True,  # redraw from a thread of its own (False: its owner calls `refresh()`)
+    ):
+        self.attached, self.records, self.interval, self.cpu_share = (
+            records is None,
+            records or RecordStore(),
+            interval,
+            cpu_share,
+        )
         self._drawn, self._plotted, self._plotted_at, self.plot_cost, self.error = -1, None, -float('inf'), 0.0, None
-        self._idle_at = None   # `idle_clock()` when the last plot was drawn
-        self.num_plots, self._live, self._layout = 0, None, None   # plots drawn so far; the live figure and its layout
+        self._idle_at = None  # `idle_clock()` when the last plot was drawn
+        self.num_plots, self._live, self._layout = 0, None, None  # plots drawn so far; the live figure and its layout
         self._draw_lock, self._closed = threading.Lock(), threading.Event()
         self.widget = self.build()
         if self.attached:
-            monitor.serve(); prepare_stop(); monitor.add_listener(self.records)
+            monitor.serve()
+            prepare_stop()
+            monitor.add_listener(self.records)
         _views.add(self)
-        if redraw: threading.Thread(target=self._redraw_loop, daemon=True, name='flexrt-widget-redraw').start()
+        if redraw:
+            threading.Thread(target=self._redraw_loop, daemon=True, name='flexrt-widget-redraw').start()
 
-    def _repr_mimebundle_(self, **kwargs): return self.widget._repr_mimebundle_(**kwargs)
-    def pending(self)->bool: return False   # whether the texts must be redrawn although no record arrived
-    def layout(self): return None           # what decides the figure's panels; a change builds a new figure
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    def pending(self) -> bool:
+        return False  # whether the texts must be redrawn although no record arrived
+
+    def layout(self):
+        return None  # what decides the figure's panels; a change builds a new figure
 
     @property
-    def history(self)->pd.DataFrame:
+    def history(self) -> pd.DataFrame:
         "Every record the view holds, one row each, as a DataFrame (a copy)"
         return self.records.frame()
 
-# %% ../../nbs/80_widgets_live.ipynb #c007
-@patch
-def _plot_key(self:LiveView)->tuple: return tuple(self.records.counts[k] for k in self.kinds)
-@patch
-def has_data(self:LiveView)->bool: return any(self._plot_key())
-@patch
-def plot_stale(self:LiveView)->bool: return self.has_data() and self._plot_key() != self._plotted
-@patch
-def first_drawn(self:LiveView)->bool: return self.num_plots > 0   # whether the first plot is on screen
+    def _plot_key(self) -> tuple:
+        return tuple(self.records.counts[k] for k in self.kinds)
 
-@patch
-def _plot_if_stale(self:LiveView)->bool: # whether it drew
-    "Redraw the plot if its records changed"
-    key = self._plot_key()
-    if key == self._plotted or not any(key): return False
-    self.draw_plot(); self._plotted, self.num_plots = key, self.num_plots + 1
-    return True
+    def has_data(self) -> bool:
+        return any(self._plot_key())
 
-@patch
-def plot_due(self:LiveView)->bool:
-    "Whether the plots' CPU budget allows a redraw now (the first plot is always due)"
-    if not self.first_drawn(): return True
-    waited = self.clock() - self._plotted_at
-    return waited >= max(self.interval, self.plot_cost / self.budget(waited))
+    def plot_stale(self) -> bool:
+        return self.has_data() and self._plot_key() != self._plotted
 
-@patch
-def budget(self:LiveView, waited:float)->float: # the share of one core the plots may use now
-    "`cpu_share` while a core or more was idle since the last plot; with less, that fraction of it (the ranks keep the machine busy), `BUSY_SHARE` of it at least"
-    if self._idle_at is None or waited <= 0: return self.cpu_share
-    idle = (self.idle_clock() - self._idle_at) / waited   # cores idle on average
-    return self.cpu_share * min(1., max(BUSY_SHARE, idle))
+    def first_drawn(self) -> bool:
+        return self.num_plots > 0  # whether the first plot is on screen
+
+    def _plot_if_stale(self) -> bool:  # whether it drew
+        "Redraw the plot if its records changed"
+        key = self._plot_key()
+        if key == self._plotted or not any(key):
+            return False
+        self.draw_plot()
+        self._plotted, self.num_plots = key, self.num_plots + 1
+        return True
+
+    def plot_due(self) -> bool:
+        "Whether the plots' CPU budget allows a redraw now (the first plot is always due)"
+        if not self.first_drawn():
+            return True
+        waited = self.clock() - self._plotted_at
+        return waited >= max(self.interval, self.plot_cost / self.budget(waited))
+
+    def budget(self, waited: float) -> float:  # the share of one core the plots may use now
+        """`cpu_share` while a core or more was idle since the last plot; with less, that fraction of it (the ranks keep
+        the machine busy), `BUSY_SHARE` of it at least"""
+        if self._idle_at is None or waited <= 0:
+            return self.cpu_share
+        idle = (self.idle_clock() - self._idle_at) / waited  # cores idle on average
+        return self.cpu_share * min(1.0, max(BUSY_SHARE, idle))
+
+    def refresh(self, plots: bool = True):  # False: the texts only
+        "Redraw from the records now"
+        with self._draw_lock:
+            first, self._drawn = not self.first_drawn(), self.records.version
+            if not first:
+                self.draw_text()  # the first plot comes with the first texts, not after them
+            if plots:
+                start = self.cpu_clock()
+                if self._plot_if_stale():
+                    self.plot_cost, self._plotted_at, self._idle_at = (
+                        self.cpu_clock() - start,
+                        self.clock(),
+                        self.idle_clock(),
+                    )
+            if first:
+                self.draw_text()
+
+    def _redraw_loop(self):
+        "Texts when records arrived; plots when stale and due; errors kept on `.error`, never raised"
+        with self._draw_lock:
+            self.prepare_plot()  # build and lay out the figure before the first record needs it
+        lowered = False
+        while not self._closed.wait(self.interval if self.first_drawn() else FIRST_POLL):
+            try:
+                if self.first_drawn() and not lowered:
+                    lowered = monitor.lower_thread_priority() or True
+                plots = self.plot_stale() and self.plot_due()
+                if plots or self.records.version != self._drawn or self.pending():
+                    self.refresh(plots=plots)
+            except Exception as e:
+                self.error = e
+
+    def close(self):
+        "Stop redrawing and listening"
+        self._closed.set()
+        if self.attached:
+            monitor.remove_listener(self.records)
+
+    def prepare_plot(self):
+        "Build the live figure for the present layout and lay it out, before its data (unless one was drawn already)"
+        if self._live is not None:
+            return
+        self._layout = self.layout()
+        self._live = self.new_plot(self._layout)
+        self._live.prepare()
+
+    def draw_plot(self):
+        "Update the live figure and show it"
+        layout = self.layout()
+        if self._live is None or layout != self._layout:
+            self._live, self._layout = self.new_plot(layout), layout
+        self.plot.value = figure_html(self.fill(self._live).render())
+
+    @property
+    def live_figure(self) -> Figure | None:
+        "The figure the plot's PNG was last drawn from; None before the first plot"
+        return self._live.figure if self.num_plots else None
+
+    def figure(self) -> Figure:
+        "The plot of the whole history, as a new figure"
+        return self.fill(self.new_plot(self.layout())).render()
+
+    def plotted_views(self) -> list:
+        return [self]  # the views whose plots `save()` writes
+
+    def save(self, path) -> list:  # the files written
+        "Write the plots as PNG and the records as CSV (`history.csv`) into the folder `path`"
+        os.makedirs(path, exist_ok=True)
+        frame, written = self.history, []
+        for view in self.plotted_views():
+            if view.has_data():
+                view.figure().savefig(os.path.join(path, view.png_name), dpi=100)
+                written.append(view.png_name)
+        frame.drop(columns=[c for c in ('rows', 'traceback') if c in frame]).to_csv(
+            os.path.join(path, 'history.csv'), index=False
+        )
+        return written + ['history.csv']
 
 # %% ../../nbs/80_widgets_live.ipynb #c008
-@patch
-def refresh(self:LiveView, plots:bool=True): # False: the texts only
-    "Redraw from the records now"
-    with self._draw_lock:
-        first, self._drawn = not self.first_drawn(), self.records.version
-        if not first: self.draw_text()           # the first plot comes with the first texts, not after them
-        if plots:
-            start = self.cpu_clock()
-            if self._plot_if_stale():
-                self.plot_cost, self._plotted_at, self._idle_at = self.cpu_clock() - start, self.clock(), self.idle_clock()
-        if first: self.draw_text()
-
-@patch
-def _redraw_loop(self:LiveView):
-    "Texts when records arrived; plots when stale and due; errors kept on `.error`, never raised"
-    with self._draw_lock: self.prepare_plot()   # build and lay out the figure before the first record needs it
-    lowered = False
-    while not self._closed.wait(self.interval if self.first_drawn() else FIRST_POLL):
-        try:
-            if self.first_drawn() and not lowered: lowered = monitor.lower_thread_priority() or True
-            plots = self.plot_stale() and self.plot_due()
-            if plots or self.records.version != self._drawn or self.pending(): self.refresh(plots=plots)
-        except Exception as e: self.error = e
-
-@patch
-def close(self:LiveView):
-    "Stop redrawing and listening"
-    self._closed.set()
-    if self.attached: monitor.remove_listener(self.records)
-
 @atexit.register
 def _stop_views():
     "At exit: stop every redraw thread and wait for a drawing in progress (drawing during shutdown can abort)"
     for view in list(_views):
         view._closed.set()
-        if view._draw_lock.acquire(timeout=5): view._draw_lock.release()
-
-# %% ../../nbs/80_widgets_live.ipynb #c010
-@patch
-def prepare_plot(self:LiveView):
-    "Build the live figure for the present layout and lay it out, before its data (unless one was drawn already)"
-    if self._live is not None: return
-    self._layout = self.layout(); self._live = self.new_plot(self._layout); self._live.prepare()
-
-@patch
-def draw_plot(self:LiveView):
-    "Update the live figure and show it"
-    layout = self.layout()
-    if self._live is None or layout != self._layout: self._live, self._layout = self.new_plot(layout), layout
-    self.plot.value = figure_html(self.fill(self._live).render())
-
-@patch(as_prop=True)
-def live_figure(self:LiveView)->Figure|None:
-    "The figure the plot's PNG was last drawn from; None before the first plot"
-    return self._live.figure if self.num_plots else None
-
-@patch
-def figure(self:LiveView)->Figure:
-    "The plot of the whole history, as a new figure"
-    return self.fill(self.new_plot(self.layout())).render()
-
-@patch
-def plotted_views(self:LiveView)->list: return [self]   # the views whose plots `save()` writes
-
-@patch
-def save(self:LiveView, path)->list: # the files written
-    "Write the plots as PNG and the records as CSV (`history.csv`) into the folder `path`"
-    os.makedirs(path, exist_ok=True); frame, written = self.history, []
-    for view in self.plotted_views():
-        if view.has_data(): view.figure().savefig(os.path.join(path, view.png_name), dpi=100); written.append(view.png_name)
-    frame.drop(columns=[c for c in ('rows', 'traceback') if c in frame]).to_csv(os.path.join(path, 'history.csv'), index=False)
-    return written + ['history.csv']
+        if view._draw_lock.acquire(timeout=5):
+            view._draw_lock.release()

@@ -6,7 +6,6 @@
 from __future__ import annotations
 import pandas as pd
 import ipywidgets as W
-from fastcore.basics import patch
 from .. import monitor
 from .records import RecordStore
 from .plots import Plot, thin
@@ -16,67 +15,99 @@ from .live import LiveView
 __all__ = ['MiB', 'UNTRACKED_HINT', 'MemoryMonitor']
 
 # %% ../../nbs/80_widgets_memory_monitor.ipynb #c012
-MiB = 2 ** 20
-_MEMORY = ['time', 'rank', 'memory.allocated_bytes', 'memory.max_allocated_bytes', 'memory.process_rss_bytes', 'memory.tracked']
-UNTRACKED_HINT = ('tensor bytes are not measured on CPU ranks: run a <code>flexrt.memory.tracker.TensorMemoryTracker()'
-                  '</code> in the training function to see them here')
+MiB = 2**20
+_MEMORY = [
+    'time',
+    'rank',
+    'memory.allocated_bytes',
+    'memory.max_allocated_bytes',
+    'memory.process_rss_bytes',
+    'memory.tracked',
+]
+UNTRACKED_HINT = (
+    'tensor bytes are not measured on CPU ranks: run a <code>flexrt.memory.tracker.TensorMemoryTracker()'
+    '</code> in the training function to see them here'
+)
 
-def _memory_frame(records:RecordStore)->pd.DataFrame:
+
+def _memory_frame(records: RecordStore) -> pd.DataFrame:
     "Memory numbers of step and memory records, by time"
     parts = [f for f in (records._frame('step'), records._frame('memory')) if 'memory.allocated_bytes' in f]
-    if not parts: return pd.DataFrame(columns=_MEMORY)
+    if not parts:
+        return pd.DataFrame(columns=_MEMORY)
     columns = [c for c in _MEMORY if any(c in p for p in parts)]
-    frame = parts[0][columns] if len(parts) == 1 else pd.concat([p.reindex(columns=columns) for p in parts], ignore_index=True)
+    frame = (
+        parts[0][columns]
+        if len(parts) == 1
+        else pd.concat([p.reindex(columns=columns) for p in parts], ignore_index=True)
+    )
     frame = frame.dropna(subset=['memory.allocated_bytes']).sort_values('time', kind='stable')
     tracked = frame['memory.tracked'] if 'memory.tracked' in frame else pd.Series(True, index=frame.index)
     return frame.assign(**{'memory.tracked': tracked.map(lambda v: v is not False and v == v and v != 0)})
 
 # %% ../../nbs/80_widgets_memory_monitor.ipynb #c013
 class MemoryMonitor(LiveView):
-    "Live per-rank plot of tensor memory (allocated, peak, where measured) and process RSS, with the current values as text"
+    """Live per-rank plot of tensor memory (allocated, peak, where measured) and process RSS, with the current values as
+    text"""
+
     kinds, png_name = ('step', 'memory'), 'memory.png'
+
     def build(self):
         self.text, self.hint, self.plot = W.HTML('waiting for memory records...'), W.HTML(), W.HTML()
         return W.VBox([W.HTML('<b>Memory</b>'), self.text, self.hint, self.plot])
 
-    def layout(self)->bool: return bool(_memory_frame(self.records)['memory.tracked'].any())   # a tensor panel?
+    def layout(self) -> bool:
+        return bool(_memory_frame(self.records)['memory.tracked'].any())  # a tensor panel?
 
-    def new_plot(self, tracked:bool)->Plot: # whether tensor bytes are measured: a panel for them
-        if tracked: return Plot([('tensor memory', 's', 'MiB'), ('process RSS', 's', 'MiB')], (1, 2), (8, 3), 'lower right')
+    def new_plot(self, tracked: bool) -> Plot:  # whether tensor bytes are measured: a panel for them
+        if tracked:
+            return Plot([('tensor memory', 's', 'MiB'), ('process RSS', 's', 'MiB')], (1, 2), (8, 3), 'lower right')
         return Plot([('process RSS', 's', 'MiB')], (1, 1), (4.5, 3), 'lower right')
 
+    def draw_text(self):
+        latest = _latest(self.records)  # not a frame of every record: the texts' cost does not grow with the run
+        if not latest:
+            return
+        self.text.value = ' &nbsp; '.join(_rank_text(r, row) for r, row in latest.items())
+        self.hint.value = (
+            '' if all(row['memory.tracked'] for row in latest.values()) else f'<small>{UNTRACKED_HINT}</small>'
+        )
+
+    def fill(self, plot: Plot) -> Plot:
+        "Put the records' memory lines into `plot`"
+        frame = _memory_frame(self.records)
+        start, rss_panel = frame['time'].min(), len(plot.axes) - 1
+        for rank, rows in frame.groupby('rank'):
+            rows = thin(rows)
+            t = rows['time'] - start
+            if rss_panel and rows['memory.tracked'].any():
+                plot.line(0, f'rank {rank} allocated', t, rows['memory.allocated_bytes'] / MiB)
+                plot.line(0, f'rank {rank} peak', t, rows['memory.max_allocated_bytes'] / MiB, '--')
+            plot.line(rss_panel, f'rank {rank}', t, rows['memory.process_rss_bytes'] / MiB)
+        return plot
+
 # %% ../../nbs/80_widgets_memory_monitor.ipynb #c014
-def _rank_text(rank, row)->str:
+def _rank_text(rank, row) -> str:
     "One rank's current numbers"
-    tensors = f"{row['memory.allocated_bytes'] / MiB:.1f} MiB (peak {row['memory.max_allocated_bytes'] / MiB:.1f}), " if row['memory.tracked'] else ''
+    tensors = (
+        f"{row['memory.allocated_bytes'] / MiB:.1f} MiB (peak {row['memory.max_allocated_bytes'] / MiB:.1f}), "
+        if row['memory.tracked']
+        else ''
+    )
     return f"rank {rank}: {tensors}RSS {row['memory.process_rss_bytes'] / MiB:.0f} MiB"
 
-def _latest(records:RecordStore)->dict:
-    "{rank: its newest record with memory numbers (step or memory record), 'memory.tracked' made a bool}, from the recent records only"
+
+def _latest(records: RecordStore) -> dict:
+    """{rank: its newest record with memory numbers (step or memory record), 'memory.tracked' made a bool}, from the
+    recent records only"""
     latest = {}
     for kind in ('step', 'memory'):
         for rank, rows in records.recent(kind).items():
             row = next((r for r in reversed(rows) if r.get('memory.allocated_bytes') is not None), None)
-            if row is not None and (rank not in latest or row['time'] >= latest[rank]['time']): latest[rank] = row
+            if row is not None and (rank not in latest or row['time'] >= latest[rank]['time']):
+                latest[rank] = row
     tracked = lambda v: v is not None and v is not False and v == v and v != 0
-    return {r: row | {'memory.tracked': tracked(row.get('memory.tracked', True))} for r, row in sorted(latest.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))}
-
-@patch
-def draw_text(self:MemoryMonitor):
-    latest = _latest(self.records)   # not a frame of every record: the texts' cost does not grow with the run
-    if not latest: return
-    self.text.value = ' &nbsp; '.join(_rank_text(r, row) for r, row in latest.items())
-    self.hint.value = '' if all(row['memory.tracked'] for row in latest.values()) else f'<small>{UNTRACKED_HINT}</small>'
-
-@patch
-def fill(self:MemoryMonitor, plot:Plot)->Plot:
-    "Put the records' memory lines into `plot`"
-    frame = _memory_frame(self.records)
-    start, rss_panel = frame['time'].min(), len(plot.axes) - 1
-    for rank, rows in frame.groupby('rank'):
-        rows = thin(rows); t = rows['time'] - start
-        if rss_panel and rows['memory.tracked'].any():
-            plot.line(0, f'rank {rank} allocated', t, rows['memory.allocated_bytes'] / MiB)
-            plot.line(0, f'rank {rank} peak', t, rows['memory.max_allocated_bytes'] / MiB, '--')
-        plot.line(rss_panel, f'rank {rank}', t, rows['memory.process_rss_bytes'] / MiB)
-    return plot
+    return {
+        r: row | {'memory.tracked': tracked(row.get('memory.tracked', True))}
+        for r, row in sorted(latest.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+    }

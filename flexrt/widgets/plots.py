@@ -13,59 +13,76 @@ from matplotlib.layout_engine import TightLayoutEngine
 __all__ = ['figure_html', 'Plot', 'thin']
 
 # %% ../../nbs/80_widgets_plots.ipynb #c006
-def figure_html(fig:Figure)->str:
+def figure_html(fig: Figure) -> str:
     "An Agg figure as an HTML <img> with an embedded PNG"
-    buffer = io.BytesIO(); fig.savefig(buffer, format='png', dpi=72, pil_kwargs={'compress_level': 1})
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format='png', dpi=72, pil_kwargs={'compress_level': 1})
     return '<img src="data:image/png;base64,%s"/>' % base64.b64encode(buffer.getvalue()).decode()
 
 # %% ../../nbs/80_widgets_plots.ipynb #c009
 class Plot:
     "A matplotlib figure (Agg, no pyplot) whose lines are updated in place"
-    def __init__(self, panels:list, # (title, xlabel, ylabel) per panel
-                 shape:tuple, # rows, columns of panels
-                 figsize:tuple, # inches
-                 legend_loc:str='upper right'): # fixed: 'best' searches the data at every draw
+
+    def __init__(
+        self,
+        panels: list,  # (title, xlabel, ylabel) per panel
+        shape: tuple,  # rows, columns of panels
+        figsize: tuple,  # inches
+        legend_loc: str = 'upper right',  # fixed: 'best' searches the data at every draw
+    ):
         self.figure = Figure(figsize=figsize)
         self.axes, self.lines, self.legend_loc = self.figure.subplots(*shape, squeeze=False).ravel(), {}, legend_loc
         self._new_lines, self._layout_due, self._prepared = False, True, False
         for ax, (title, xlabel, ylabel) in zip(self.axes, panels):
-            ax.set_title(title, y=1.0, fontsize=9)    # a fixed position spares measuring the tick labels at each draw
-            ax.set(xlabel=xlabel, ylabel=ylabel); ax.tick_params(labelsize=7); ax.locator_params(nbins=4)
+            ax.set_title(title, y=1.0, fontsize=9)  # a fixed position spares measuring the tick labels at each draw
+            ax.set(xlabel=xlabel, ylabel=ylabel)
+            ax.tick_params(labelsize=7)
+            ax.locator_params(nbins=4)
 
-    def line(self, panel:int, name:str, x, y, style:str='-'):
+    def line(self, panel: int, name: str, x, y, style: str = '-'):
         "Set the data of line `name` in `panel`, creating it the first time"
         line = self.lines.get((panel, name))
         if line is None:
-            self.lines[(panel, name)], = self.axes[panel].plot(x, y, style, label=name); self._new_lines = True
+            (self.lines[(panel, name)],) = self.axes[panel].plot(x, y, style, label=name)
+            self._new_lines = True
             line = self.lines[(panel, name)]
-        else: line.set_data(x, y)
-        if '-' in style or ':' in style: line.set_marker('o' if len(line.get_xdata()) <= 2 else '')   # visible from one point
+        else:
+            line.set_data(x, y)
+        if '-' in style or ':' in style:
+            line.set_marker('o' if len(line.get_xdata()) <= 2 else '')  # visible from one point
+
+    def render(self) -> Figure:
+        "Rescale the axes; after a new line, redo legends, and the layout (after a `prepare()`: at the next render)"
+        for ax in self.axes:
+            ax.relim()
+            ax.autoscale_view()
+        if self._new_lines:
+            for ax in self.axes:
+                if any(not l.get_label().startswith('_') for l in ax.get_lines()):
+                    ax.legend(fontsize=7, loc=self.legend_loc)
+            self._new_lines, self._layout_due = False, True
+        if self._layout_due and self._prepared:
+            self._prepared = False  # shown at once, laid out anew next time
+        elif self._layout_due:
+            TightLayoutEngine().execute(self.figure)
+            self._layout_due = False
+        return self.figure
+
+    def prepare(self):
+        "Lay the figure out now, before its data: the first render with data then skips the layout, a third of its cost"
+        TightLayoutEngine().execute(self.figure)
+        self._prepared, self._layout_due = True, False
 
 # %% ../../nbs/80_widgets_plots.ipynb #c010
 from fastcore.basics import patch
 
-@patch
-def render(self:Plot)->Figure:
-    "Rescale the axes; after a new line, redo legends, and the layout (after a `prepare()`: at the next render)"
-    for ax in self.axes: ax.relim(); ax.autoscale_view()
-    if self._new_lines:
-        for ax in self.axes:
-            if any(not l.get_label().startswith('_') for l in ax.get_lines()): ax.legend(fontsize=7, loc=self.legend_loc)
-        self._new_lines, self._layout_due = False, True
-    if self._layout_due and self._prepared: self._prepared = False     # shown at once, laid out anew next time
-    elif self._layout_due: TightLayoutEngine().execute(self.figure); self._layout_due = False
-    return self.figure
-
-@patch
-def prepare(self:Plot):
-    "Lay the figure out now, before its data: the first render with data then skips the layout, a third of its cost"
-    TightLayoutEngine().execute(self.figure); self._prepared, self._layout_due = True, False
-
 # %% ../../nbs/80_widgets_plots.ipynb #c015
-def thin(frame:pd.DataFrame, max_points:int=300)->pd.DataFrame:
+def thin(frame: pd.DataFrame, max_points: int = 300) -> pd.DataFrame:
     "About `max_points` evenly spaced rows of `frame`, the last one included"
-    if len(frame) <= max_points: return frame
+    if len(frame) <= max_points:
+        return frame
     stride = -(-len(frame) // max_points)
     keep = list(range(0, len(frame), stride))
-    if keep[-1] != len(frame) - 1: keep.append(len(frame) - 1)
+    if keep[-1] != len(frame) - 1:
+        keep.append(len(frame) - 1)
     return frame.iloc[keep]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import html, math, statistics, time
 import pandas as pd
 import ipywidgets as W
-from fastcore.basics import patch
 from .records import RecordStore
 from .plots import Plot, thin
 from .live import LiveView
@@ -17,126 +16,211 @@ __all__ = ['LAG_NOTED', 'informative', 'rank_table', 'straggler', 'straggler_tex
            'RankPanel', 'table_html']
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w2800de9
-def informative(steps:pd.DataFrame)->bool:
+def informative(steps: pd.DataFrame) -> bool:
     "Whether the step records say anything per rank: two ranks or more, with blocked times"
     return 'comm_wait' in steps and 'rank' in steps and steps['rank'].nunique() > 1
 
-def _median(values)->float:
+
+def _median(values) -> float:
     "The median of the numbers that are there (None and NaN left out); NaN when none is"
     values = [v for v in values if v is not None and v == v]
     return statistics.median(values) if values else math.nan
 
-def rank_table(steps:pd.DataFrame|dict, # step records: a DataFrame (a row per rank and step) or {rank: [record, ...]} (`RecordStore.recent`)
-               window:int=20)->pd.DataFrame: # latest steps each rank is judged by
-    "Per rank, medians over its latest `window` steps: period, blocked and busy seconds, the share blocked, the op most waited in"
-    if isinstance(steps, pd.DataFrame): steps = {r: mine.to_dict('records') for r, mine in steps.groupby('rank')}
+
+def rank_table(
+    steps: pd.DataFrame
+    | dict,  # step records: a DataFrame (a row per rank and step) or {rank: [record, ...]} (`RecordStore.recent`)
+    window: int = 20,
+) -> pd.DataFrame:  # latest steps each rank is judged by
+    """Per rank, medians over its latest `window` steps: period, blocked and busy seconds, the share blocked, the op
+    most waited in"""
+    if isinstance(steps, pd.DataFrame):
+        steps = {r: mine.to_dict('records') for r, mine in steps.groupby('rank')}
     rows = []
-    for rank, mine in steps.items():   # plain Python over a few rows: the panel's text is redrawn twice a second
-        if rank is None or rank != rank or not mine: continue
+    for rank, mine in steps.items():  # plain Python over a few rows: the panel's text is redrawn twice a second
+        if rank is None or rank != rank or not mine:
+            continue
         tail = mine[-window:]
         period = _median(r.get('step_period') for r in tail)
-        if period != period: period = _median(r.get('step_time') for r in tail)
-        wait, ops = _median(r.get('comm_wait') for r in tail), [r['comm_wait_op'] for r in tail if isinstance(r.get('comm_wait_op'), str)]
-        rows.append(dict(rank=int(rank), step=int(tail[-1]['step']), period=period, wait=wait, busy=period - wait,
-                         wait_share=wait / period if period > 0 else math.nan,
-                         wait_op=max(sorted(set(ops)), key=ops.count) if ops else None, last_time=float(mine[-1]['time'])))
+        if period != period:
+            period = _median(r.get('step_time') for r in tail)
+        wait, ops = (
+            _median(r.get('comm_wait') for r in tail),
+            [r['comm_wait_op'] for r in tail if isinstance(r.get('comm_wait_op'), str)],
+        )
+        rows.append(
+            dict(
+                rank=int(rank),
+                step=int(tail[-1]['step']),
+                period=period,
+                wait=wait,
+                busy=period - wait,
+                wait_share=wait / period if period > 0 else math.nan,
+                wait_op=max(sorted(set(ops)), key=ops.count) if ops else None,
+                last_time=float(mine[-1]['time']),
+            )
+        )
     return pd.DataFrame(rows).set_index('rank')
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w289fd01
-LAG_NOTED = 1.15   # a rank this much busier than the median is named as the straggler
+LAG_NOTED = 1.15  # a rank this much busier than the median is named as the straggler
 
-def straggler(table:pd.DataFrame)->dict|None: # rank, lag, busy, median_busy, waiter, waiter_share, waiter_op; None with < 2 ranks
+
+def straggler(
+    table: pd.DataFrame,
+) -> dict | None:  # rank, lag, busy, median_busy, waiter, waiter_share, waiter_op; None with < 2 ranks
     "The busiest rank, its lag over the median busy time, and the rank that waits most for it"
     table = table.dropna(subset=['busy'])
-    if len(table) < 2: return None
+    if len(table) < 2:
+        return None
     rank, median = int(table['busy'].idxmax()), float(table['busy'].median())
     others = table.drop(index=rank)
     waiter = int(others['wait_share'].idxmax()) if others['wait_share'].notna().any() else None
-    return dict(rank=rank, lag=float(table.loc[rank, 'busy']) / median if median > 0 else math.inf, busy=float(table.loc[rank, 'busy']),
-                median_busy=median, waiter=waiter, waiter_share=None if waiter is None else float(table.loc[waiter, 'wait_share']),
-                waiter_op=None if waiter is None else table.loc[waiter, 'wait_op'])
+    return dict(
+        rank=rank,
+        lag=float(table.loc[rank, 'busy']) / median if median > 0 else math.inf,
+        busy=float(table.loc[rank, 'busy']),
+        median_busy=median,
+        waiter=waiter,
+        waiter_share=None if waiter is None else float(table.loc[waiter, 'wait_share']),
+        waiter_op=None if waiter is None else table.loc[waiter, 'wait_op'],
+    )
 
-def straggler_text(found:dict|None)->str:
+
+def straggler_text(found: dict | None) -> str:
     "`rank 1: 1.8x the median step's work (96 ms vs 53 ms); rank 0 waits 62% of its step in all_reduce`"
-    if found is None: return ''
-    lag = f"rank {found['rank']}: {found['lag']:.1f}× the median step's work ({found['busy'] * 1e3:.0f} ms vs {found['median_busy'] * 1e3:.0f} ms)"
-    if found['lag'] < LAG_NOTED: return f"ranks even: the busiest, {lag}"
-    if found['waiter'] is None or not found['waiter_share'] or found['waiter_share'] != found['waiter_share']: return lag
-    return lag + f"; rank {found['waiter']} waits {found['waiter_share']:.0%} of its step in {found['waiter_op'] or 'collectives'}"
+    if found is None:
+        return ''
+    lag = (
+        f"rank {found['rank']}: {found['lag']:.1f}× the median step's work ({found['busy'] * 1e3:.0f} ms vs "
+        f"{found['median_busy'] * 1e3:.0f} ms)"
+    )
+    if found['lag'] < LAG_NOTED:
+        return f"ranks even: the busiest, {lag}"
+    if found['waiter'] is None or not found['waiter_share'] or found['waiter_share'] != found['waiter_share']:
+        return lag
+    return lag + (
+        f"; rank {found['waiter']} waits {found['waiter_share']:.0%} of its step in "
+        f"{found['waiter_op'] or 'collectives'}"
+    )
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w2816838
-def busy_by_step(steps:pd.DataFrame)->pd.DataFrame: # index step, one column per rank: seconds of work
+def busy_by_step(steps: pd.DataFrame) -> pd.DataFrame:  # index step, one column per rank: seconds of work
     "Each rank's work per step (period minus blocked time)"
     period = steps['step_period'].fillna(steps['step_time']) if 'step_period' in steps else steps['step_time']
     return steps.assign(busy=period - steps['comm_wait']).pivot_table(index='step', columns='rank', values='busy')
 
-def skew(steps:pd.DataFrame)->pd.Series:
+
+def skew(steps: pd.DataFrame) -> pd.Series:
     "Per step: the busiest rank's work over the median rank's (steps every rank reported)"
     busy = busy_by_step(steps).dropna()
     return busy.max(axis=1) / busy.median(axis=1)
 
-def silent_ranks(table:pd.DataFrame, # `rank_table`
-                 now:float, # the time now (seconds since the epoch, like the records' `time`)
-                 after:float=10.)->dict: # seconds without a record that make a rank silent
+
+def silent_ranks(
+    table: pd.DataFrame,  # `rank_table`
+    now: float,  # the time now (seconds since the epoch, like the records' `time`)
+    after: float = 10.0,
+) -> dict:  # seconds without a record that make a rank silent
     "{rank: seconds since its last record} of the ranks that fell silent while another went on; every rank when all did"
     newest = table['last_time'].max()
     behind = {int(r): now - t for r, t in table['last_time'].items() if newest - t > after}
-    if behind: return behind
+    if behind:
+        return behind
     return {int(r): now - t for r, t in table['last_time'].items()} if now - newest > after else {}
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w28a63e8
 class RankPanel(LiveView):
     "Per rank: work and blocked time per step, the straggler named with its lag, the skew over time, silent ranks"
+
     kinds, png_name = ('step',), 'ranks.png'
-    def __init__(self, silent_after:float=10., # seconds without a record that make a rank silent
-                 **kwargs):
+
+    def __init__(
+        self,
+        silent_after: float = 10.0,  # seconds without a record that make a rank silent
+        **kwargs,
+    ):
         self.silent_after = silent_after
         super().__init__(**kwargs)
 
     def build(self):
         self.straggler, self.silent, self.table, self.plot = W.HTML(), W.HTML(), W.HTML(), W.HTML()
-        return W.VBox([W.HTML('<b>Ranks</b>'), self.straggler, self.silent, self.table, self.plot], layout=W.Layout(display='none'))
+        return W.VBox(
+            [W.HTML('<b>Ranks</b>'), self.straggler, self.silent, self.table, self.plot],
+            layout=W.Layout(display='none'),
+        )
 
-    def steps(self)->pd.DataFrame: return self.records._frame('step')   # every step record: for the plots
-    def recent_steps(self)->dict: return self.records.recent('step')   # {rank: its newest step records}: for the texts
-    def informative(self)->bool: # two ranks or more, with blocked times (`informative`, from the newest records only)
+    def steps(self) -> pd.DataFrame:
+        return self.records._frame('step')  # every step record: for the plots
+
+    def recent_steps(self) -> dict:
+        return self.records.recent('step')  # {rank: its newest step records}: for the texts
+
+    def informative(
+        self,
+    ) -> bool:  # two ranks or more, with blocked times (`informative`, from the newest records only)
         newest = [rows[-1] for rank, rows in self.records.recent('step', 1).items() if rank is not None]
         return len(newest) > 1 and any('comm_wait' in row for row in newest)
-    def _plot_key(self)->tuple: return (self.records.counts['step'],) if self.informative() else (0,)
-    def new_plot(self, layout=None)->Plot:
-        return Plot([('work per step', 'step', 'ms'), ('blocked in collectives', 'step', 'ms'), ('skew (busiest / median)', 'step', '')],
-                    (1, 3), (9, 2.6))
+
+    def _plot_key(self) -> tuple:
+        return (self.records.counts['step'],) if self.informative() else (0,)
+
+    def new_plot(self, layout=None) -> Plot:
+        return Plot(
+            [
+                ('work per step', 'step', 'ms'),
+                ('blocked in collectives', 'step', 'ms'),
+                ('skew (busiest / median)', 'step', ''),
+            ],
+            (1, 3),
+            (9, 2.6),
+        )
+
+    def draw_text(self, now: float | None = None):  # the time now (default: the clock's)
+        "The straggler line, silent ranks and the per-rank table (shown once the records say something per rank)"
+        if not self.informative():
+            return
+        table = rank_table(self.recent_steps())  # each rank's newest steps: the text's cost does not grow with the run
+        silent = silent_ranks(table, time.time() if now is None else now, self.silent_after)
+        self.straggler.value = html.escape(straggler_text(straggler(table)))
+        self.silent.value = (
+            (
+                '<span style="color:#b00020">'
+                + ', '.join(f'rank {r} silent for {s:.0f} s' for r, s in silent.items())
+                + '</span>'
+            )
+            if silent
+            else ''
+        )
+        self.table.value = table_html(table, silent)
+        self.widget.layout.display = ''
+
+    def fill(self, plot: Plot) -> Plot:
+        "Work and blocked time per step by rank; the skew"
+        steps = self.steps()
+        if not informative(steps):
+            return plot
+        busy = thin(busy_by_step(steps))
+        wait = thin(steps.pivot_table(index='step', columns='rank', values='comm_wait'))
+        for rank in busy.columns:
+            plot.line(0, f'rank {rank}', busy.index, busy[rank] * 1e3)
+        for rank in wait.columns:
+            plot.line(1, f'rank {rank}', wait.index, wait[rank] * 1e3)
+        ratio = thin(skew(steps).to_frame('skew'))
+        plot.line(2, '_skew', ratio.index, ratio['skew'])
+        return plot
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w286c64c
-def table_html(table:pd.DataFrame, silent:dict)->str:
+def table_html(table: pd.DataFrame, silent: dict) -> str:
     "One row per rank: step, period, work, blocked (share, op), and how long it has been silent"
-    head = ''.join(f'<th>{h}</th>' for h in ('rank', 'step', 'ms / step', 'work ms', 'blocked ms', 'blocked', 'waits in', 'silent'))
-    rows = ''.join(f'<tr class="flexrt-rank"><td>{r}</td><td>{row.step}</td><td>{row.period * 1e3:.1f}</td><td>{row.busy * 1e3:.1f}</td>'
-                   f'<td>{row.wait * 1e3:.1f}</td><td>{row.wait_share:.0%}</td><td>{html.escape(str(row.wait_op or ""))}</td>'
-                   f'<td>{f"{silent[r]:.0f} s" if r in silent else ""}</td></tr>' for r, row in table.iterrows())
+    head = ''.join(
+        f'<th>{h}</th>' for h in ('rank', 'step', 'ms / step', 'work ms', 'blocked ms', 'blocked', 'waits in', 'silent')
+    )
+    rows = ''.join(
+        f'<tr class="flexrt-rank"><td>{r}</td><td>{row.step}</td><td>{row.period * 1e3:.1f}</td><td>'
+        f'{row.busy * 1e3:.1f}</td>'
+        f'<td>{row.wait * 1e3:.1f}</td><td>{row.wait_share:.0%}</td><td>{html.escape(str(row.wait_op or ""))}</td>'
+        f'<td>{f"{silent[r]:.0f} s" if r in silent else ""}</td></tr>'
+        for r, row in table.iterrows()
+    )
     return f'<table class="flexrt-ranks" style="font-size:12px"><tr>{head}</tr>{rows}</table>'
-
-@patch
-def draw_text(self:RankPanel, now:float|None=None): # the time now (default: the clock's)
-    "The straggler line, silent ranks and the per-rank table (shown once the records say something per rank)"
-    if not self.informative(): return
-    table = rank_table(self.recent_steps())   # each rank's newest steps: the text's cost does not grow with the run
-    silent = silent_ranks(table, time.time() if now is None else now, self.silent_after)
-    self.straggler.value = html.escape(straggler_text(straggler(table)))
-    self.silent.value = ('<span style="color:#b00020">' + ', '.join(f'rank {r} silent for {s:.0f} s' for r, s in silent.items())
-                         + '</span>') if silent else ''
-    self.table.value = table_html(table, silent)
-    self.widget.layout.display = ''
-
-@patch
-def fill(self:RankPanel, plot:Plot)->Plot:
-    "Work and blocked time per step by rank; the skew"
-    steps = self.steps()
-    if not informative(steps): return plot
-    busy = thin(busy_by_step(steps))
-    wait = thin(steps.pivot_table(index='step', columns='rank', values='comm_wait'))
-    for rank in busy.columns: plot.line(0, f'rank {rank}', busy.index, busy[rank] * 1e3)
-    for rank in wait.columns: plot.line(1, f'rank {rank}', wait.index, wait[rank] * 1e3)
-    ratio = thin(skew(steps).to_frame('skew'))
-    plot.line(2, '_skew', ratio.index, ratio['skew'])
-    return plot

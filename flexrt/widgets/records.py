@@ -14,90 +14,109 @@ from ..monitor.sinks import flatten_record
 __all__ = ['RECENT', 'RecordStore', 'rank0_steps']
 
 # %% ../../nbs/80_widgets_records.ipynb #c006
-RECENT = 64   # newest records of each kind kept per rank for the views' texts (`RecordStore.recent`)
+RECENT = 64  # newest records of each kind kept per rank for the views' texts (`RecordStore.recent`)
+
 
 class RecordStore:
     "Listener that keeps a run's records; `.frame(kind)` is a DataFrame of them, one row per record"
-    def __init__(self, capacity:int=200_000): # records of each kind kept before the oldest are dropped
-        self.capacity, self.version, self.counts = capacity, 0, Counter()   # counts: records that arrived, per kind
-        self._rows, self._frames, self._lock = {None: []}, {}, threading.Lock()   # rows[None]: every kind, in order
-        self._recent = {}   # {kind: {rank: deque of its newest RECENT rows}}: what the texts read, at a cost independent of the run's length
 
-    def __call__(self, record:dict):
+    def __init__(self, capacity: int = 200_000):  # records of each kind kept before the oldest are dropped
+        self.capacity, self.version, self.counts = capacity, 0, Counter()  # counts: records that arrived, per kind
+        self._rows, self._frames, self._lock = {None: []}, {}, threading.Lock()  # rows[None]: every kind, in order
+        # {kind: {rank: deque of its newest RECENT rows}}: what the texts read, at a cost independent of the run's
+        # length
+        self._recent = {}
+
+    def __call__(self, record: dict):
         kind = record.get('kind')
         if kind == 'memory':
             record = {k: record[k] for k in ('kind', 'time', 'rank') if k in record} | {
-                'memory': {k: v for k, v in record.items() if k not in ('kind', 'time', 'rank')}}
+                'memory': {k: v for k, v in record.items() if k not in ('kind', 'time', 'rank')}
+            }
         flat = flatten_record(record)
         with self._lock:
             for rows in (self._rows[None], self._rows.setdefault(kind, [])):
                 rows.append(flat)
-                if len(rows) > self.capacity + self.capacity // 8: del rows[:-self.capacity]   # trim now and then
+                if len(rows) > self.capacity + self.capacity // 8:
+                    del rows[: -self.capacity]  # trim now and then
             by_rank = self._recent.setdefault(kind, {})
-            if flat.get('rank') not in by_rank: by_rank[flat.get('rank')] = deque(maxlen=RECENT)
+            if flat.get('rank') not in by_rank:
+                by_rank[flat.get('rank')] = deque(maxlen=RECENT)
             by_rank[flat.get('rank')].append(flat)
-            self.counts[kind] += 1; self.version += 1
+            self.counts[kind] += 1
+            self.version += 1
+
+    def _frame(self, kind: str | None = None) -> pd.DataFrame:
+        """The records of `kind` (None: all) as a DataFrame, extending the one built last time (callers must not modify
+        it)"""
+        with self._lock:
+            rows, count, cached = (
+                self._rows.get(kind, []),
+                self.version if kind is None else self.counts[kind],
+                self._frames.get(kind),
+            )
+            first = count - len(rows)  # arrival number of rows[0]
+            if cached is not None and cached[1] == count:
+                return cached[2].iloc[-self.capacity :]
+            new = rows[cached[1] - first :] if cached is not None and cached[0] == first else None
+            if new is None:
+                rows = list(rows)
+        frame = None
+        if new is not None:
+            added = pd.DataFrame.from_records(new)
+            if set(added.columns) == set(cached[2].columns):
+                frame = pd.concat([cached[2], added], ignore_index=True)
+        if frame is None:
+            frame = pd.DataFrame.from_records(rows)
+        with self._lock:
+            self._frames[kind] = (first, count, frame)
+        return frame.iloc[-self.capacity :]
+
+    def frame(self, kind: str | None = None) -> pd.DataFrame:  # records of this kind only, if given
+        "The records as a DataFrame (a copy: yours to change)"
+        return self._frame(kind).copy()
+
+    def last(self, kind: str) -> dict | None:
+        "The newest record of `kind`, flattened, or None"
+        with self._lock:
+            rows = self._rows.get(kind)
+        return rows[-1] if rows else None
+
+    def recent(
+        self,
+        kind: str,  # a record kind
+        n: int = RECENT,
+    ) -> dict:  # newest records per rank (at most RECENT)
+        "{rank: its newest `n` records of `kind`, oldest first} (rank None: records without one), ranks in order"
+        with self._lock:
+            by_rank = {r: list(rows)[-n:] for r, rows in self._recent.get(kind, {}).items()}
+        return dict(sorted(by_rank.items(), key=lambda kv: (kv[0] is None, kv[0] if kv[0] is not None else 0)))
+
+    def recent_frame(self, kind: str, n: int = RECENT) -> pd.DataFrame:
+        "`recent(kind, n)` as one DataFrame, rank by rank"
+        return pd.DataFrame.from_records([row for rows in self.recent(kind, n).values() for row in rows])
+
+    def since(
+        self,
+        kind: str,  # a record kind
+        seen: int,
+    ) -> tuple:  # (records of `kind` that arrived after the first `seen`, oldest first; how many arrived in all)
+        "The records a reader has not seen yet: pass back the count it returned last time (those trimmed away are gone)"
+        with self._lock:
+            rows, count = self._rows.get(kind, []), self.counts[kind]
+            return rows[max(seen - (count - len(rows)), 0) :], count
+
+    def lowest_rank(self, kind: str, n: int = RECENT) -> list:
+        "The newest `n` records of `kind` of rank 0 (or the lowest rank that sent any), oldest first; [] when none came"
+        recent = self.recent(kind, n)
+        return next(iter(recent.values()), [])
 
 # %% ../../nbs/80_widgets_records.ipynb #c009
 from fastcore.basics import patch
 
-@patch
-def _frame(self:RecordStore, kind:str|None=None)->pd.DataFrame:
-    "The records of `kind` (None: all) as a DataFrame, extending the one built last time (callers must not modify it)"
-    with self._lock:
-        rows, count, cached = self._rows.get(kind, []), self.version if kind is None else self.counts[kind], self._frames.get(kind)
-        first = count - len(rows)                                          # arrival number of rows[0]
-        if cached is not None and cached[1] == count: return cached[2].iloc[-self.capacity:]
-        new = rows[cached[1] - first:] if cached is not None and cached[0] == first else None
-        if new is None: rows = list(rows)
-    frame = None
-    if new is not None:
-        added = pd.DataFrame.from_records(new)
-        if set(added.columns) == set(cached[2].columns): frame = pd.concat([cached[2], added], ignore_index=True)
-    if frame is None: frame = pd.DataFrame.from_records(rows)
-    with self._lock: self._frames[kind] = (first, count, frame)
-    return frame.iloc[-self.capacity:]
-
-# %% ../../nbs/80_widgets_records.ipynb #c011
-@patch
-def frame(self:RecordStore, kind:str|None=None)->pd.DataFrame: # records of this kind only, if given
-    "The records as a DataFrame (a copy: yours to change)"
-    return self._frame(kind).copy()
-
-@patch
-def last(self:RecordStore, kind:str)->dict|None:
-    "The newest record of `kind`, flattened, or None"
-    with self._lock: rows = self._rows.get(kind)
-    return rows[-1] if rows else None
-
-@patch
-def recent(self:RecordStore, kind:str, # a record kind
-           n:int=RECENT)->dict: # newest records per rank (at most RECENT)
-    "{rank: its newest `n` records of `kind`, oldest first} (rank None: records without one), ranks in order"
-    with self._lock: by_rank = {r: list(rows)[-n:] for r, rows in self._recent.get(kind, {}).items()}
-    return dict(sorted(by_rank.items(), key=lambda kv: (kv[0] is None, kv[0] if kv[0] is not None else 0)))
-
-@patch
-def recent_frame(self:RecordStore, kind:str, n:int=RECENT)->pd.DataFrame:
-    "`recent(kind, n)` as one DataFrame, rank by rank"
-    return pd.DataFrame.from_records([row for rows in self.recent(kind, n).values() for row in rows])
-
-@patch
-def since(self:RecordStore, kind:str, # a record kind
-          seen:int)->tuple: # (records of `kind` that arrived after the first `seen`, oldest first; how many arrived in all)
-    "The records a reader has not seen yet: pass back the count it returned last time (those trimmed away are gone)"
-    with self._lock:
-        rows, count = self._rows.get(kind, []), self.counts[kind]
-        return rows[max(seen - (count - len(rows)), 0):], count
-
-@patch
-def lowest_rank(self:RecordStore, kind:str, n:int=RECENT)->list:
-    "The newest `n` records of `kind` of rank 0 (or the lowest rank that sent any), oldest first; [] when none came"
-    recent = self.recent(kind, n)
-    return next(iter(recent.values()), [])
-
 # %% ../../nbs/80_widgets_records.ipynb #c014
-def rank0_steps(frame:pd.DataFrame)->pd.DataFrame:
+def rank0_steps(frame: pd.DataFrame) -> pd.DataFrame:
     "Rank 0's (or the lowest rank's) step records"
-    if 'rank' not in frame: return frame
+    if 'rank' not in frame:
+        return frame
     return frame[frame['rank'] == frame['rank'].min()]

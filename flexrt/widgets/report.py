@@ -11,37 +11,63 @@ from matplotlib.figure import Figure
 __all__ = ['figure_png', 'versions', 'html_report', 'save_html']
 
 # %% ../../nbs/80_widgets_report.ipynb #w2895c7a
-def figure_png(fig:Figure, # an Agg figure
-               dpi:int=100)->str: # an <img> with the PNG embedded
+def figure_png(
+    fig: Figure,  # an Agg figure
+    dpi: int = 100,
+) -> str:  # an <img> with the PNG embedded
     "The figure as an HTML <img> whose PNG is inside the page"
-    buffer = io.BytesIO(); fig.savefig(buffer, format='png', dpi=dpi)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format='png', dpi=dpi)
     return '<img class="flexrt-plot" src="data:image/png;base64,%s"/>' % base64.b64encode(buffer.getvalue()).decode()
 
-def versions()->dict:
+
+def versions() -> dict:
     "flexrt, torch and Python versions (what the report was made with)"
     import torch
     from flexrt import __version__
+
     return {'flexrt': __version__, 'torch': torch.__version__, 'python': platform.python_version()}
 
 # %% ../../nbs/80_widgets_report.ipynb #w28c78b0
-_STYLE = ('body{font-family:sans-serif;margin:24px;max-width:1100px} table{border-collapse:collapse} td,th{padding:2px 8px;'
-          'border-bottom:1px solid #ddd;text-align:right} pre{background:#f6f6f6;padding:8px;overflow:auto} h2{margin-top:28px}')
+_STYLE = (
+    'body{font-family:sans-serif;margin:24px;max-width:1100px} table{border-collapse:collapse} td,th{padding:2px 8px;'
+    'border-bottom:1px solid #ddd;text-align:right} pre{background:#f6f6f6;padding:8px;overflow:auto} '
+    'h2{margin-top:28px}'
+)
 
-def html_report(title:str, # the page's title
-                sections:list, # (heading, HTML fragment) pairs, in order; empty fragments are left out
-                config:dict|None=None)->str: # the run's configuration, shown as JSON
+
+def html_report(
+    title: str,  # the page's title
+    sections: list,  # (heading, HTML fragment) pairs, in order; empty fragments are left out
+    config: dict | None = None,
+) -> str:  # the run's configuration, shown as JSON
     "One self-contained HTML page: the sections, the config, and the versions it was made with"
     made = ', '.join(f'{k} {v}' for k, v in versions().items())
     body = ''.join(f'<section><h2>{html.escape(h)}</h2>{fragment}</section>' for h, fragment in sections if fragment)
-    if config: body += f'<section><h2>Configuration</h2><pre class="flexrt-config">{html.escape(json.dumps(config, indent=2, default=str))}</pre></section>'
+    if config:
+        body += (
+            '<section><h2>Configuration</h2><pre '
+            f'class="flexrt-config">{html.escape(json.dumps(config, indent=2, default=str))}</pre></section>'
+        )
     stamp = datetime.datetime.now().isoformat(timespec='seconds')
-    return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{_STYLE}</style></head>'
-            f'<body><h1>{html.escape(title)}</h1><p class="flexrt-versions">saved {stamp} with {made}</p>{body}</body></html>')
+    return (
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>'
+        f'{_STYLE}</style></head>'
+        f'<body><h1>{html.escape(title)}</h1><p class="flexrt-versions">saved {stamp} with {made}</p>'
+        f'{body}</body></html>'
+    )
 
-def save_html(path, # the file to write
-              title:str, sections:list, config:dict|None=None)->str: # see `html_report`
+
+def save_html(
+    path,  # the file to write
+    title: str,
+    sections: list,
+    config: dict | None = None,
+) -> str:  # see `html_report`
     "Write `html_report(...)` to `path`; returns the path"
     path = os.fspath(path)
-    if os.path.isdir(path): raise ValueError(f'save_html needs a file name, {path!r} is a folder: e.g. {os.path.join(path, "run.html")!r}')
-    with open(path, 'w', encoding='utf-8') as f: f.write(html_report(title, sections, config))
+    if os.path.isdir(path):
+        raise ValueError(f'save_html needs a file name, {path!r} is a folder: e.g. {os.path.join(path, "run.html")!r}')
+    with open(path, 'w', encoding='utf-8') as f:
+        f.write(html_report(title, sections, config))
     return path

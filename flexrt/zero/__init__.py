@@ -15,5 +15,27 @@ from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroStage1
 from .shard_reducer import ShardReducer
 from .stage2 import ZeroStage2, Stage2Reducer
-from .stage3 import Stage3Optimizer, GatheredParameters, register_external_parameter, Init
-_all_ = ['SlotArgs', 'STAGE_SLOTS', 'build_optimizer_slot', 'OptimizerSlot', 'Fragment', 'Piece', 'consecutive', 'check_slot', 'FlatPartition', 'ReplicatedOptimizer', 'ZeroStage1', 'ShardReducer', 'ZeroStage2', 'Stage2Reducer', 'Stage3Optimizer', 'GatheredParameters', 'register_external_parameter', 'Init']
+from .stage3.optimizer import Stage3Optimizer
+from .stage3.gathered import GatheredParameters, register_external_parameter
+from .stage3.partitioned_init import Init
+
+_all_ = [
+    'SlotArgs',
+    'STAGE_SLOTS',
+    'build_optimizer_slot',
+    'OptimizerSlot',
+    'Fragment',
+    'Piece',
+    'consecutive',
+    'check_slot',
+    'FlatPartition',
+    'ReplicatedOptimizer',
+    'ZeroStage1',
+    'ShardReducer',
+    'ZeroStage2',
+    'Stage2Reducer',
+    'Stage3Optimizer',
+    'GatheredParameters',
+    'register_external_parameter',
+    'Init',
+]

@@ -15,106 +15,158 @@ __all__ = ['REQUIRED', 'Piece', 'Fragment', 'consecutive', 'gradient_pieces', 'z
 # %% ../../nbs/50_zero_base.ipynb #c006
 class Piece(NamedTuple):
     "Elements [start, start + numel) of `param`'s flattened full value, held at `offset` of a master's flat view"
+
     param: torch.Tensor
     start: int
     numel: int
     offset: int
 
+
 class Fragment(NamedTuple):
     "A master tensor the torch optimizer steps on this rank, and the `Piece`s of model parameters it holds"
+
     master: torch.Tensor
     pieces: list
-    replicated: bool = False # every data-parallel rank holds the same fragment
+    replicated: bool = False  # every data-parallel rank holds the same fragment
 
-def consecutive(master:torch.Tensor, # a master holding `params` whole, end to end
-                params:list, # model parameters, in the master's order
-                replicated:bool=False)->Fragment:
+
+def consecutive(
+    master: torch.Tensor,  # a master holding `params` whole, end to end
+    params: list,  # model parameters, in the master's order
+    replicated: bool = False,
+) -> Fragment:
     "The fragment of a master that holds whole parameters one after another"
     pieces, offset = [], 0
-    for p in params: pieces.append(Piece(p, 0, p.numel(), offset)); offset += p.numel()
+    for p in params:
+        pieces.append(Piece(p, 0, p.numel(), offset))
+        offset += p.numel()
     return Fragment(master, pieces, replicated)
 
-def gradient_pieces(fragments:list): # `Fragment`s (an optimizer slot's `fragments()`)
+
+def gradient_pieces(fragments: list):  # `Fragment`s (an optimizer slot's `fragments()`)
     "(fragment, piece, the piece's elements of the master's gradient) for every piece whose master has a gradient"
     for fragment in fragments:
-        if fragment.master.grad is None: continue
+        if fragment.master.grad is None:
+            continue
         flat = fragment.master.grad.reshape(-1)
-        for piece in fragment.pieces: yield fragment, piece, flat[piece.offset:piece.offset + piece.numel]
+        for piece in fragment.pieces:
+            yield fragment, piece, flat[piece.offset : piece.offset + piece.numel]
 
 # %% ../../nbs/50_zero_base.ipynb #3ed9fe1e
 def zero_stale(holders):
-    "Zero the `grad_shard` of each holder still marked `grad_stale` (no reduction wrote it since `zero_grad`), and clear the mark"
+    """Zero the `grad_shard` of each holder still marked `grad_stale` (no reduction wrote it since `zero_grad`), and
+    clear the mark"""
     stale = [h for h in holders if h.grad_stale]
-    if stale: torch._foreach_zero_([h.grad_shard for h in stale if h.grad_shard is not None])
-    for h in stale: h.grad_stale = False
+    if stale:
+        torch._foreach_zero_([h.grad_shard for h in stale if h.grad_shard is not None])
+    for h in stale:
+        h.grad_stale = False
 
 # %% ../../nbs/50_zero_base.ipynb #c009
 class OptimizerSlot:
     "What the engine and the checkpoint call on the owner of the optimizer step (see the list above)"
-    stage = None   # informational: the ZeRO stage this slot implements (recorded, never branched on)
-    supports_no_sync = True   # `engine.no_sync()` works: backward can accumulate without communicating
-    optimizer = None   # the torch optimizer whose param groups hold every fragment's master (None: no step)
-    comm_bytes = 0   # bytes of gradients (and parameters) this rank has communicated so far
 
-    def set_boundary(self, is_boundary:bool): "Before a backward: reduce its gradients (True) or only accumulate (False)"
-    def reduced_gradients(self)->list: "At the boundary: the (loss-scaled) gradients the optimizer steps with, this rank's"
-    def clip_grad_norm(self, max_norm:float)->tuple: "(global norm before clipping, after); gradients scaled to `max_norm` (0: never)"
-    def step(self): "Apply the optimizer to the masters and bring the model's parameters up to date"
-    def zero_grad(self, set_to_none:bool=True): "Drop or zero the accumulated gradients"
-    def memory_breakdown(self)->dict: "Bytes this rank holds: params, grads, optimizer_state, total"
-    def close(self): "Remove hooks, free buffers; the model keeps usable parameters"
-    def fragments(self)->list: "[Fragment] the masters this rank steps and the parameter pieces each one holds"
-    def stepped_params(self)->list: "Every model parameter the slot steps, on any rank (the masters hold their values)"
-    def sync_model(self): "The masters or partitioned values were overwritten (a load): make the model's parameters consistent"
+    stage = None  # informational: the ZeRO stage this slot implements (recorded, never branched on)
+    supports_no_sync = True  # `engine.no_sync()` works: backward can accumulate without communicating
+    optimizer = None  # the torch optimizer whose param groups hold every fragment's master (None: no step)
+    comm_bytes = 0  # bytes of gradients (and parameters) this rank has communicated so far
 
-REQUIRED = ('set_boundary', 'reduced_gradients', 'clip_grad_norm', 'step', 'zero_grad', 'memory_breakdown', 'close',
-            'fragments', 'stepped_params', 'sync_model')   # what every slot implements (in its class body or with @patch)
+    def set_boundary(self, is_boundary: bool):
+        "Before a backward: reduce its gradients (True) or only accumulate (False)"
 
-def check_slot(slot)->OptimizerSlot:
-    "`slot`, after checking it is an `OptimizerSlot` implementing every method of `REQUIRED`; TypeError naming what lacks"
+    def reduced_gradients(self) -> list:
+        "At the boundary: the (loss-scaled) gradients the optimizer steps with, this rank's"
+
+    def clip_grad_norm(self, max_norm: float) -> tuple:
+        "(global norm before clipping, after); gradients scaled to `max_norm` (0: never)"
+
+    def step(self):
+        "Apply the optimizer to the masters and bring the model's parameters up to date"
+
+    def zero_grad(self, set_to_none: bool = True):
+        "Drop or zero the accumulated gradients"
+
+    def memory_breakdown(self) -> dict:
+        "Bytes this rank holds: params, grads, optimizer_state, total"
+
+    def close(self):
+        "Remove hooks, free buffers; the model keeps usable parameters"
+
+    def fragments(self) -> list:
+        "[Fragment] the masters this rank steps and the parameter pieces each one holds"
+
+    def stepped_params(self) -> list:
+        "Every model parameter the slot steps, on any rank (the masters hold their values)"
+
+    def sync_model(self):
+        "The masters or partitioned values were overwritten (a load): make the model's parameters consistent"
+
+    def master_state(self, master: torch.Tensor) -> dict:
+        "The torch optimizer's state of one master (elementwise tensors shaped like it, and scalars)"
+        return {} if self.optimizer is None else self.optimizer.state.get(master, {})
+
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        "The shape of the model's `tensor` as the user sees it (a partitioned parameter's is not its `.shape`)"
+        return tensor.shape
+
+    def owned_value(self, tensor: torch.Tensor) -> tuple | None:  # (flat view of this rank's elements, start) or None
+        """This rank's piece of a model tensor the slot keeps partitioned but does not step; None: the tensor is whole
+        here"""
+        return None
+
+    def gathered(
+        self,
+        tensors: list,  # model parameters
+        modifier_rank: int | None = None,  # the rank whose changes are kept (None: read only)
+    ):
+        "A context in which `tensors` hold their full values (nothing to do when the slot never partitions them)"
+        return contextlib.nullcontext()
+
+    def quiesce(self):
+        "Finish work in flight on the model's parameters before a load overwrites the slot's tensors"
+
+    def refresh(self):
+        """After a save: whole again what `quiesce` released and the forward keeps whole (stage 3's persistent
+        parameters); nothing elsewhere"""
+
+    def wait_for_params(self):
+        """Finish updates of the model's parameters left in flight (stages 1-2 defer their all-gathers): reads see the
+        new values"""
+
+    @property
+    def param_groups(self) -> list:
+        return [] if self.optimizer is None else self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return {} if self.optimizer is None else self.optimizer.state
+
+
+REQUIRED = (
+    'set_boundary',
+    'reduced_gradients',
+    'clip_grad_norm',
+    'step',
+    'zero_grad',
+    'memory_breakdown',
+    'close',
+    'fragments',
+    'stepped_params',
+    'sync_model',
+)  # what every slot implements (in its class body or with @patch)
+
+
+def check_slot(slot) -> OptimizerSlot:
+    """`slot`, after checking it is an `OptimizerSlot` implementing every method of `REQUIRED`; TypeError naming what
+    lacks"""
     if not isinstance(slot, OptimizerSlot):
-        raise TypeError(f"the optimizer slot is a {type(slot).__name__}: it must be a flexrt.zero.base.OptimizerSlot "
-                        "(subclass it and implement its methods)")
+        raise TypeError(
+            f"the optimizer slot is a {type(slot).__name__}: it must be a flexrt.zero.base.OptimizerSlot "
+            "(subclass it and implement its methods)"
+        )
     missing = [n for n in REQUIRED if getattr(type(slot), n) is getattr(OptimizerSlot, n)]
-    if missing: raise TypeError(f"{type(slot).__name__} does not implement {', '.join(missing)} of flexrt.zero.base.OptimizerSlot")
+    if missing:
+        raise TypeError(
+            f"{type(slot).__name__} does not implement {', '.join(missing)} of flexrt.zero.base.OptimizerSlot"
+        )
     return slot
-
-# %% ../../nbs/50_zero_base.ipynb #c012
-@patch
-def master_state(self:OptimizerSlot, master:torch.Tensor)->dict:
-    "The torch optimizer's state of one master (elementwise tensors shaped like it, and scalars)"
-    return {} if self.optimizer is None else self.optimizer.state.get(master, {})
-
-@patch
-def full_shape(self:OptimizerSlot, tensor:torch.Tensor)->torch.Size:
-    "The shape of the model's `tensor` as the user sees it (a partitioned parameter's is not its `.shape`)"
-    return tensor.shape
-
-@patch
-def owned_value(self:OptimizerSlot, tensor:torch.Tensor)->tuple|None: # (flat view of this rank's elements, start) or None
-    "This rank's piece of a model tensor the slot keeps partitioned but does not step; None: the tensor is whole here"
-    return None
-
-# %% ../../nbs/50_zero_base.ipynb #c013
-@patch
-def gathered(self:OptimizerSlot, tensors:list, # model parameters
-             modifier_rank:int|None=None): # the rank whose changes are kept (None: read only)
-    "A context in which `tensors` hold their full values (nothing to do when the slot never partitions them)"
-    return contextlib.nullcontext()
-
-@patch
-def quiesce(self:OptimizerSlot):
-    "Finish work in flight on the model's parameters before a load overwrites the slot's tensors"
-
-@patch
-def refresh(self:OptimizerSlot):
-    "After a save: whole again what `quiesce` released and the forward keeps whole (stage 3's persistent parameters); nothing elsewhere"
-
-@patch
-def wait_for_params(self:OptimizerSlot):
-    "Finish updates of the model's parameters left in flight (stages 1-2 defer their all-gathers): reads see the new values"
-
-@patch(as_prop=True)
-def param_groups(self:OptimizerSlot)->list: return [] if self.optimizer is None else self.optimizer.param_groups
-@patch(as_prop=True)
-def state(self:OptimizerSlot): return {} if self.optimizer is None else self.optimizer.state

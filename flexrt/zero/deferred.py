@@ -16,144 +16,222 @@ __all__ = ['WatchedDict', 'WatchedParams', 'DeferredGathers', 'piece_bounds', 'p
 # %% ../../nbs/50_zero_deferred.ipynb #c005
 class WatchedDict(dict):
     "A module's `_modules`: reading it calls `owner.before_read()` first"
+
     __slots__ = ('owner',)
-    def __getitem__(self, key): self.owner.before_read(); return dict.__getitem__(self, key)
-    def items(self): self.owner.before_read(); return dict.items(self)
-    def values(self): self.owner.before_read(); return dict.values(self)
-    def __reduce__(self): return (dict, (dict(self),))   # a pickled or copied model holds plain dicts
-    def __deepcopy__(self, memo): return copy.deepcopy(dict(self), memo)
+
+    def __getitem__(self, key):
+        self.owner.before_read()
+        return dict.__getitem__(self, key)
+
+    def items(self):
+        self.owner.before_read()
+        return dict.items(self)
+
+    def values(self):
+        self.owner.before_read()
+        return dict.values(self)
+
+    def __reduce__(self):
+        return (dict, (dict(self),))  # a pickled or copied model holds plain dicts
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(dict(self), memo)
+
 
 class WatchedParams(WatchedDict):
     "A module's `_parameters`: reading parameters calls `owner.before_params(them)` first, during a forward too"
+
     __slots__ = ()
-    def __getitem__(self, key): p = dict.__getitem__(self, key); self.owner.before_params((p,)); return p
-    def get(self, key, default=None): p = dict.get(self, key, default); self.owner.before_params((p,)); return p
-    def items(self): self.owner.before_params(dict.values(self)); return dict.items(self)
-    def values(self): self.owner.before_params(dict.values(self)); return dict.values(self)
+
+    def __getitem__(self, key):
+        p = dict.__getitem__(self, key)
+        self.owner.before_params((p,))
+        return p
+
+    def get(self, key, default=None):
+        p = dict.get(self, key, default)
+        self.owner.before_params((p,))
+        return p
+
+    def items(self):
+        self.owner.before_params(dict.values(self))
+        return dict.items(self)
+
+    def values(self):
+        self.owner.before_params(dict.values(self))
+        return dict.values(self)
+
 
 def _watch(module, owner):
     for name, cls in (('_parameters', WatchedParams), ('_modules', WatchedDict)):
         if type(module.__dict__[name]) is dict:
-            module.__dict__[name] = d = cls(module.__dict__[name]); d.owner = owner
+            module.__dict__[name] = d = cls(module.__dict__[name])
+            d.owner = owner
+
 
 def _unwatch(module):
     for name in ('_parameters', '_modules'):
-        if isinstance(module.__dict__[name], WatchedDict): module.__dict__[name] = dict(module.__dict__[name])
+        if isinstance(module.__dict__[name], WatchedDict):
+            module.__dict__[name] = dict(module.__dict__[name])
 
 # %% ../../nbs/50_zero_deferred.ipynb #c007
 class DeferredGathers:
-    "Handles of parameter all-gathers in flight, each waited on by the forward pre-hook of the first module that needs it"
-    def __init__(self, module:torch.nn.Module, # the model whose forward the gathers overlap with
-                 params_of:list): # per gather (a bucket, or a piece of one), the model parameters it writes (some maybe in several)
+    """Handles of parameter all-gathers in flight, each waited on by the forward pre-hook of the first module that needs
+    it"""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,  # the model whose forward the gathers overlap with
+        # per gather (a bucket, or a piece of one), the model parameters it writes (some maybe in several)
+        params_of: list,
+    ):
         self.module, self.params_of, self.pending, self.num_waits, self.in_forward = module, params_of, {}, 0, False
-        self._buckets_of = owner = {}   # id(parameter) -> the gathers that write it
+        self._buckets_of = owner = {}  # id(parameter) -> the gathers that write it
         for i, ps in enumerate(params_of):
-            for p in ps: owner.setdefault(id(p), set()).add(i)
-        self._needs, self._ran, self.root_buckets = {}, set(), None   # None: no forward recorded yet, the root waits for all
+            for p in ps:
+                owner.setdefault(id(p), set()).add(i)
+        self._needs, self._ran, self.root_buckets = (
+            {},
+            set(),
+            None,
+        )  # None: no forward recorded yet, the root waits for all
         for m in module.modules():
             need = sorted({i for p in m.parameters(recurse=False) for i in owner.get(id(p), ())})
-            if need: self._needs[m] = need
-        self._hooks = [m.register_forward_pre_hook(partial(self._before, m)) for m in module.modules()
-                       if m in self._needs or m is module]
+            if need:
+                self._needs[m] = need
+        self._hooks = [
+            m.register_forward_pre_hook(partial(self._before, m))
+            for m in module.modules()
+            if m in self._needs or m is module
+        ]
         self._hooks.append(module.register_forward_hook(self._after, always_call=True))
-        for m in module.modules(): _watch(m, self)
+        for m in module.modules():
+            _watch(m, self)
 
-# %% ../../nbs/50_zero_deferred.ipynb #c008
-@patch
-def _wait(self:DeferredGathers, buckets):
-    "Wait for the gathers of `buckets` still in flight"
-    for i in buckets:
-        work = self.pending.pop(i, None)
-        if work is not None: work.wait(); self.num_waits += 1
+    def _wait(self, buckets):
+        "Wait for the gathers of `buckets` still in flight"
+        for i in buckets:
+            work = self.pending.pop(i, None)
+            if work is not None:
+                work.wait()
+                self.num_waits += 1
 
-@patch
-def _before(self:DeferredGathers, m, module, args):
-    "Pre-hook of `m`: record that it ran; the root first waits for the buckets no module that ran claims"
-    if self.root_buckets is None: self._ran.add(m)
-    if m is self.module: self.in_forward = True
-    if not self.pending: return
-    if m is self.module: self._wait(range(len(self.params_of)) if self.root_buckets is None else self.root_buckets)
-    self._wait(self._needs.get(m, ()))
+    def _before(self, m, module, args):
+        "Pre-hook of `m`: record that it ran; the root first waits for the buckets no module that ran claims"
+        if self.root_buckets is None:
+            self._ran.add(m)
+        if m is self.module:
+            self.in_forward = True
+        if not self.pending:
+            return
+        if m is self.module:
+            self._wait(range(len(self.params_of)) if self.root_buckets is None else self.root_buckets)
+        self._wait(self._needs.get(m, ()))
 
-@patch
-def _after(self:DeferredGathers, module, args, output): self.in_forward = False   # the root's forward ended (or raised)
+    def _after(self, module, args, output):
+        self.in_forward = False  # the root's forward ended (or raised)
 
-@patch
-def before_read(self:DeferredGathers):
-    "The model is read outside a forward: finish every gather in flight"
-    if self.pending and not self.in_forward: self.wait_all()
+    def before_read(self):
+        "The model is read outside a forward: finish every gather in flight"
+        if self.pending and not self.in_forward:
+            self.wait_all()
 
-@patch
-def before_params(self:DeferredGathers, ps):
-    "Parameters `ps` are read: outside a forward finish every gather, during one the gathers that write `ps`"
-    if not self.pending: return
-    if not self.in_forward: return self.wait_all()
-    self._wait([i for p in ps for i in self._buckets_of.get(id(p), ())])
+    def before_params(self, ps):
+        "Parameters `ps` are read: outside a forward finish every gather, during one the gathers that write `ps`"
+        if not self.pending:
+            return
+        if not self.in_forward:
+            return self.wait_all()
+        self._wait([i for p in ps for i in self._buckets_of.get(id(p), ())])
 
-# %% ../../nbs/50_zero_deferred.ipynb #c009
-@patch
-def launch(self:DeferredGathers, bucket:int, # the bucket's index
-           work): # the handle of its all-gather (None: nothing in flight)
-    "Leave bucket `bucket`'s gather in flight; the first launch after a recorded forward fixes the root's buckets"
-    if self.root_buckets is None and self._ran:
-        claimed = {id(p) for m in self._ran for p in m.parameters(recurse=False)}
-        self.root_buckets = [i for i, ps in enumerate(self.params_of) if any(id(p) not in claimed for p in ps)]
-        self._ran = set()
-    assert bucket not in self.pending, "a bucket's previous gather is still in flight: wait_all() before the step"
-    self.in_forward = False
-    if work is not None: self.pending[bucket] = work
+    def launch(
+        self,
+        bucket: int,  # the bucket's index
+        work,  # the handle of its all-gather (None: nothing in flight)
+    ):
+        "Leave bucket `bucket`'s gather in flight; the first launch after a recorded forward fixes the root's buckets"
+        if self.root_buckets is None and self._ran:
+            claimed = {id(p) for m in self._ran for p in m.parameters(recurse=False)}
+            self.root_buckets = [i for i, ps in enumerate(self.params_of) if any(id(p) not in claimed for p in ps)]
+            self._ran = set()
+        assert bucket not in self.pending, "a bucket's previous gather is still in flight: wait_all() before the step"
+        self.in_forward = False
+        if work is not None:
+            self.pending[bucket] = work
 
-@patch
-def wait_all(self:DeferredGathers):
-    "Finish every gather in flight (the parameters are whole afterwards)"
-    self._wait(list(self.pending))
+    def wait_all(self):
+        "Finish every gather in flight (the parameters are whole afterwards)"
+        self._wait(list(self.pending))
 
-@patch
-def close(self:DeferredGathers):
-    "Finish the gathers in flight, remove the hooks, give the modules plain dicts again"
-    self.wait_all()
-    for h in self._hooks: h.remove()
-    for m in self.module.modules(): _unwatch(m)
-    self._hooks = []
+    def close(self):
+        "Finish the gathers in flight, remove the hooks, give the modules plain dicts again"
+        self.wait_all()
+        for h in self._hooks:
+            h.remove()
+        for m in self.module.modules():
+            _unwatch(m)
+        self._hooks = []
 
 # %% ../../nbs/50_zero_deferred.ipynb #c014
-def piece_bounds(bk, pieces:int)->list: # [(start, end)] in a chunk, its end first
-    "Split each rank's chunk of `bk` into up to `pieces` ranges, last first (forward reaches a bucket's end first: buckets are in backward order)"
+def piece_bounds(bk, pieces: int) -> list:  # [(start, end)] in a chunk, its end first
+    """Split each rank's chunk of `bk` into up to `pieces` ranges, last first (forward reaches a bucket's end first:
+    buckets are in backward order)"""
     C = bk.partition.shard_numel
     n = max(1, min(pieces, len(bk.params), C)) if bk.world_size > 1 else 1
     step = -(-C // n)
     return [(a, min(a + step, C)) for a in reversed(range(0, C, step))] or [(0, C)]
 
-def piece_params(part, a:int, b:int)->list:
+
+def piece_params(part, a: int, b: int) -> list:
     "The parameters with elements in `[a, b)` of some rank's chunk: those a gather of that piece writes"
     C, ranks = part.shard_numel, range(part.world_size)
-    return [p for p, s, e in zip(part.params, part.offsets, part.offsets[1:]) if any(max(s, r * C + a) < min(e, r * C + b) for r in ranks)]
+    return [
+        p
+        for p, s, e in zip(part.params, part.offsets, part.offsets[1:])
+        if any(max(s, r * C + a) < min(e, r * C + b) for r in ranks)
+    ]
 
 # %% ../../nbs/50_zero_deferred.ipynb #c017
 @torch.no_grad()
-def gather_bucket(bk, # a ZeRO 1/2 bucket: `master` (its chunk), `param_buffer`, `pieces`, `dtype`, `group`, `world_size`
-                   collectives:str)->list: # 'native', 'p2p' or 'all_reduce'; returns a handle per piece (None: nothing in flight)
+def gather_bucket(
+    bk,  # a ZeRO 1/2 bucket: `master` (its chunk), `param_buffer`, `pieces`, `dtype`, `group`, `world_size`
+    collectives: str,
+) -> list:  # 'native', 'p2p' or 'all_reduce'; returns a handle per piece (None: nothing in flight)
     "Start the all-gather of one bucket's parameter buffer (its chunk from the master), piece by piece (`bk.pieces`)"
-    if bk.world_size == 1: _own_chunk(bk); return [None]
-    if collectives == 'all_reduce': return [_gather_via_all_reduce(bk)]
-    if collectives == 'native':   # the backend's own op gets an input of its own
-        return [dist.all_gather_into_tensor(bk.param_buffer, bk.master.detach().to(bk.dtype, copy=True), group=bk.group, async_op=True)]
-    send = _own_chunk(bk)   # p2p: the slot of this rank is the input itself, so nothing is copied
-    if len(bk.pieces) > 1:   # each piece lands in its columns of the (ranks x chunk) buffer
+    if bk.world_size == 1:
+        _own_chunk(bk)
+        return [None]
+    if collectives == 'all_reduce':
+        return [_gather_via_all_reduce(bk)]
+    if collectives == 'native':  # the backend's own op gets an input of its own
+        return [
+            dist.all_gather_into_tensor(
+                bk.param_buffer, bk.master.detach().to(bk.dtype, copy=True), group=bk.group, async_op=True
+            )
+        ]
+    send = _own_chunk(bk)  # p2p: the slot of this rank is the input itself, so nothing is copied
+    if len(bk.pieces) > 1:  # each piece lands in its columns of the (ranks x chunk) buffer
         rows = bk.param_buffer.view(bk.world_size, -1)
-        return [dist.all_gather_into_tensor_p2p(rows[:, a:b], send[a:b], group=bk.group, async_op=True) for a, b in bk.pieces]
+        return [
+            dist.all_gather_into_tensor_p2p(rows[:, a:b], send[a:b], group=bk.group, async_op=True)
+            for a, b in bk.pieces
+        ]
     return [dist.all_gather_into_tensor_p2p(bk.param_buffer, send, group=bk.group, async_op=True)]
 
-def _own_chunk(bk)->torch.Tensor:
+
+def _own_chunk(bk) -> torch.Tensor:
     "This rank's chunk of the parameter buffer, holding the master's value (cast to the working dtype)"
     start, end = bk.partition.shard_range() if bk.world_size > 1 else (0, bk.param_buffer.numel())
     own, master = bk.param_buffer[start:end], bk.master.detach()
-    if master.data_ptr() != own.data_ptr(): own.copy_(master)   # fp32 masters alias their chunk
+    if master.data_ptr() != own.data_ptr():
+        own.copy_(master)  # fp32 masters alias their chunk
     return own
+
 
 def _gather_via_all_reduce(bk):
     "All-gather as a sum: the buffer zeroed but for this rank's chunk (x + 0 is exact), then all-reduced"
     buf, (start, end) = bk.param_buffer, bk.partition.shard_range()
-    buf[:start].zero_(); buf[end:].zero_()
+    buf[:start].zero_()
+    buf[end:].zero_()
     _own_chunk(bk)
     return dist.all_reduce(buf, group=bk.group, async_op=True, log_name='all_gather_via_all_reduce')

@@ -16,91 +16,108 @@ __all__ = ['FlatPartition', 'shard_grad_norm', 'clip_shards']
 # %% ../../nbs/50_zero_partition.ipynb #c005
 class FlatPartition:
     "The layout of `params` in one flat buffer padded to a multiple of `world_size`; rank r owns chunk r"
-    def __init__(self, params:list, # tensors, in buffer order
-                 world_size:int=1, # ranks the buffer is split over
-                 rank:int=0): # this rank: the chunk `shard` returns by default
-        if not isinstance(world_size, int) or world_size < 1: raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if not 0 <= rank < world_size: raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+
+    def __init__(
+        self,
+        params: list,  # tensors, in buffer order
+        world_size: int = 1,  # ranks the buffer is split over
+        rank: int = 0,  # this rank: the chunk `shard` returns by default
+    ):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
         self.params, self.world_size, self.rank = list(params), world_size, rank
         self.offsets = list(itertools.accumulate((p.numel() for p in self.params), initial=0))
         self.numel = self.offsets[-1]
         self.shard_numel = -(-self.numel // world_size)
         self.padded_numel = self.shard_numel * world_size
 
-    def shard_range(self, rank:int|None=None)->tuple: # (start, end) of `rank`'s chunk in the flat buffer
+    def shard_range(self, rank: int | None = None) -> tuple:  # (start, end) of `rank`'s chunk in the flat buffer
         "Where rank `rank` (default: this rank)'s chunk lies"
         r = self.rank if rank is None else rank
         return r * self.shard_numel, (r + 1) * self.shard_numel
 
     def __repr__(self):
-        return f"FlatPartition({len(self.params)} params, {self.numel} -> {self.padded_numel} = {self.world_size} x {self.shard_numel})"
+        return (
+            f"FlatPartition({len(self.params)} params, {self.numel} -> {self.padded_numel} = {self.world_size} x "
+            f"{self.shard_numel})"
+        )
 
-# %% ../../nbs/50_zero_partition.ipynb #c008
-@patch
-@torch.no_grad()
-def flatten(self:FlatPartition, tensors:list|None=None, # values in parameter order (default: the parameters)
-             dtype:torch.dtype|None=None, # of the buffer (default: the first parameter's)
-             device=None)->torch.Tensor: # a new flat buffer of `padded_numel` elements, padding zeroed
-    "A new flat buffer holding `tensors` end to end, zero-padded"
-    tensors = self.params if tensors is None else list(tensors)
-    dtype, device = dtype or tensors[0].dtype, device or tensors[0].device
-    flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
-    if tensors: torch._foreach_copy_(self.views(flat), [t.detach() for t in tensors])
-    flat[self.numel:].zero_()
-    return flat
+    @torch.no_grad()
+    def flatten(
+        self,
+        tensors: list | None = None,  # values in parameter order (default: the parameters)
+        dtype: torch.dtype | None = None,  # of the buffer (default: the first parameter's)
+        device=None,
+    ) -> torch.Tensor:  # a new flat buffer of `padded_numel` elements, padding zeroed
+        "A new flat buffer holding `tensors` end to end, zero-padded"
+        tensors = self.params if tensors is None else list(tensors)
+        dtype, device = dtype or tensors[0].dtype, device or tensors[0].device
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        if tensors:
+            torch._foreach_copy_(self.views(flat), [t.detach() for t in tensors])
+        flat[self.numel :].zero_()
+        return flat
 
-@patch
-def views(self:FlatPartition, flat:torch.Tensor)->list: # views of `flat`, shaped like the parameters
-    "The parameters' slots in a flat buffer"
-    assert flat.numel() == self.padded_numel, f"buffer has {flat.numel()} elements, the layout {self.padded_numel}"
-    return [flat[a:b].view(p.shape) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
+    def views(self, flat: torch.Tensor) -> list:  # views of `flat`, shaped like the parameters
+        "The parameters' slots in a flat buffer"
+        assert flat.numel() == self.padded_numel, f"buffer has {flat.numel()} elements, the layout {self.padded_numel}"
+        return [flat[a:b].view(p.shape) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
 
-@patch
-def shard(self:FlatPartition, flat:torch.Tensor, rank:int|None=None)->torch.Tensor: # a view of `flat`
-    "Rank `rank` (default: this rank)'s chunk of a flat buffer"
-    start, end = self.shard_range(rank)
-    return flat[start:end]
+    def shard(self, flat: torch.Tensor, rank: int | None = None) -> torch.Tensor:  # a view of `flat`
+        "Rank `rank` (default: this rank)'s chunk of a flat buffer"
+        start, end = self.shard_range(rank)
+        return flat[start:end]
 
-@patch
-@torch.no_grad()
-def bind(self:FlatPartition, flat:torch.Tensor):
-    "Make every parameter a view of its slot in `flat` (the buffer must already hold their values)"
-    for p, view in zip(self.params, self.views(flat)): p.data = view
+    @torch.no_grad()
+    def bind(self, flat: torch.Tensor):
+        "Make every parameter a view of its slot in `flat` (the buffer must already hold their values)"
+        for p, view in zip(self.params, self.views(flat)):
+            p.data = view
 
-# %% ../../nbs/50_zero_partition.ipynb #c011
-@patch
-def param_shards(self:FlatPartition, rank:int|None=None)->list: # [(param index, start, end, offset in the chunk)]
-    "The pieces of the parameters that lie in rank `rank`'s chunk"
-    lo, hi = self.shard_range(rank)
-    out = []
-    for i, (a, b) in enumerate(zip(self.offsets, self.offsets[1:])):
-        s, e = max(a, lo), min(b, hi)
-        if s < e: out.append((i, s - a, e - a, s - lo))
-    return out
+    def param_shards(self, rank: int | None = None) -> list:  # [(param index, start, end, offset in the chunk)]
+        "The pieces of the parameters that lie in rank `rank`'s chunk"
+        lo, hi = self.shard_range(rank)
+        out = []
+        for i, (a, b) in enumerate(zip(self.offsets, self.offsets[1:])):
+            s, e = max(a, lo), min(b, hi)
+            if s < e:
+                out.append((i, s - a, e - a, s - lo))
+        return out
 
-@patch
-def layout(self:FlatPartition)->dict:
-    "Plain metadata describing the layout (for checkpoints)"
-    return {'world_size': self.world_size, 'numel': self.numel, 'padded_numel': self.padded_numel,
-            'shapes': [tuple(p.shape) for p in self.params]}
+    def layout(self) -> dict:
+        "Plain metadata describing the layout (for checkpoints)"
+        return {
+            'world_size': self.world_size,
+            'numel': self.numel,
+            'padded_numel': self.padded_numel,
+            'shapes': [tuple(p.shape) for p in self.params],
+        }
 
 # %% ../../nbs/50_zero_partition.ipynb #c014
-def shard_grad_norm(dense:list, # this rank's shards of the dense gradients
-                    experts:list, # this rank's shards of the expert gradients
-                    group=None, # the data-parallel group the dense gradients are sharded over (None: all ranks)
-                    mpu=None)->float: # Megatron-style model-parallel unit, or None
+def shard_grad_norm(
+    dense: list,  # this rank's shards of the dense gradients
+    experts: list,  # this rank's shards of the expert gradients
+    group=None,  # the data-parallel group the dense gradients are sharded over (None: all ranks)
+    mpu=None,
+) -> float:  # Megatron-style model-parallel unit, or None
     "The global L2 norm of gradients sharded over the ranks; inf if it is not finite"
     extra = (group if group is not None else dist.group.WORLD) if dist.get_world_size(group) > 1 else None
-    total = get_global_norm_of_tensors(dense, 2, mpu, moe_ep_group=extra) if dense else 0.
+    total = get_global_norm_of_tensors(dense, 2, mpu, moe_ep_group=extra) if dense else 0.0
     if experts and total != -1:
         sq = torch.stack(torch._foreach_norm(experts)).float().square().sum().reshape(1)
-        if dist.get_world_size() > 1: dist.all_reduce(sq)
-        total = math.sqrt(total ** 2 + float(sq))
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+        total = math.sqrt(total**2 + float(sq))
     return math.inf if total == -1 or not math.isfinite(total) else total
 
-def clip_shards(grads:list, # this rank's gradient shards
-                max_norm:float, # the clip threshold (0: never clip)
-                norm:float)->tuple: # (norm before clipping, norm after)
+
+def clip_shards(
+    grads: list,  # this rank's gradient shards
+    max_norm: float,  # the clip threshold (0: never clip)
+    norm: float,
+) -> tuple:  # (norm before clipping, norm after)
     "Scale the shards down to `max_norm` when the global `norm` is above it"
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         clip_tensors_by_global_norm(grads, max_norm, global_norm=norm)

@@ -18,9 +18,13 @@ __all__ = ['Bucket', 'plan_buckets', 'reduction_group', 'BucketReducer', 'Gradie
 # %% ../../nbs/50_zero_reducer.ipynb #c006
 class Bucket:
     "Parameters of one (device, dtype, process group) whose gradients travel in one flat buffer"
-    def __init__(self, params:list, # parameters, in buffer order; all of one device and dtype
-                 group=None, # process group the bucket is reduced over (None: the default group)
-                 align:int=1): # the buffer's length is padded up to a multiple of this
+
+    def __init__(
+        self,
+        params: list,  # parameters, in buffer order; all of one device and dtype
+        group=None,  # process group the bucket is reduced over (None: the default group)
+        align: int = 1,  # the buffer's length is padded up to a multiple of this
+    ):
         self.params, self.group = params, group
         self.device, self.dtype = params[0].device, params[0].dtype
         self.offsets = list(itertools.accumulate((p.numel() for p in params), initial=0))
@@ -35,25 +39,34 @@ class Bucket:
         self.ready, self.num_ready, self.work = [False] * len(self.params), 0, None
 
     @property
-    def nbytes(self)->int: return self.numel * self.buffer.element_size()
-    def __repr__(self): return f"Bucket({len(self.params)} params, {self.numel} x {self.dtype}, {self.device})"
+    def nbytes(self) -> int:
+        return self.numel * self.buffer.element_size()
+
+    def __repr__(self):
+        return f"Bucket({len(self.params)} params, {self.numel} x {self.dtype}, {self.device})"
 
 # %% ../../nbs/50_zero_reducer.ipynb #c009
-def plan_buckets(params, # parameters in the order their gradients are expected to be ready
-                 bucket_bytes:int, # most bytes per bucket (a larger parameter gets a bucket to itself)
-                 group_of=lambda p: None, # the process group a parameter is reduced over
-                 align:int=1, # pad each buffer to a multiple of this many elements
-                 first_bucket_bytes:int|None=None, # most bytes of the first bucket of each kind (None: bucket_bytes)
-                )->list: # buckets, ordered by the position of their last parameter
+def plan_buckets(
+    params,  # parameters in the order their gradients are expected to be ready
+    bucket_bytes: int,  # most bytes per bucket (a larger parameter gets a bucket to itself)
+    group_of=lambda p: None,  # the process group a parameter is reduced over
+    align: int = 1,  # pad each buffer to a multiple of this many elements
+    first_bucket_bytes: int | None = None,  # most bytes of the first bucket of each kind (None: bucket_bytes)
+) -> list:  # buckets, ordered by the position of their last parameter
     "Pack parameters into flat buckets of at most `bucket_bytes`, one open bucket per (device, dtype, group)"
     first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
-    open_buckets, closed, seen = {}, [], set()   # key -> (last position, params, bytes, group); closed: (last position, params, group)
+    open_buckets, closed, seen = (
+        {},
+        [],
+        set(),
+    )  # key -> (last position, params, bytes, group); closed: (last position, params, group)
     for i, p in enumerate(params):
         group, size = group_of(p), p.numel() * p.element_size()
         key = (p.device, p.dtype, id(group))
         last, members, total, _ = open_buckets.get(key, (i, [], 0, group))
         if members and total + size > (bucket_bytes if key in seen else first):
-            closed.append((last, members, group)); seen.add(key)
+            closed.append((last, members, group))
+            seen.add(key)
             members, total = [], 0
         members.append(p)
         open_buckets[key] = (i, members, total + size, group)
@@ -61,29 +74,38 @@ def plan_buckets(params, # parameters in the order their gradients are expected 
     return [Bucket(members, group, align) for _, members, group in sorted(closed, key=lambda c: c[0])]
 
 # %% ../../nbs/50_zero_reducer.ipynb #c014
-def _trainable(params)->list:
+def _trainable(params) -> list:
     "The distinct leaf tensors of `params` (tensors or optimizer-style param groups) that require a gradient"
-    if isinstance(params, torch.Tensor): params = [params]
+    if isinstance(params, torch.Tensor):
+        params = [params]
     flat = [p for item in params for p in (item['params'] if isinstance(item, Mapping) else [item])]
     out, seen = [], set()
     for i, p in enumerate(flat):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"params[{i}] is a {type(p).__name__}, expected a tensor: pass model.parameters()")
-        if not p.requires_grad or id(p) in seen: continue
-        if not p.is_leaf: raise ValueError(f"params[{i}] is not a leaf tensor: autograd never accumulates its gradient")
-        seen.add(id(p)); out.append(p)
+        if not p.requires_grad or id(p) in seen:
+            continue
+        if not p.is_leaf:
+            raise ValueError(f"params[{i}] is not a leaf tensor: autograd never accumulates its gradient")
+        seen.add(id(p))
+        out.append(p)
     return out
 
 # %% ../../nbs/50_zero_reducer.ipynb #c017
 def reduction_group(p, group=None, expert_groups=None):
     "The process group `p`'s gradient is averaged over"
-    if getattr(p, 'allreduce', True) is not False: return group
+    if getattr(p, 'allreduce', True) is not False:
+        return group
     name = getattr(p, 'group_name', None)
     if expert_groups is None:
-        if dist.get_world_size(group) == 1: return group
-        raise ValueError(f"expert parameter (allreduce=False, group_name={name!r}) but no expert_groups given: pass "
-                         f"expert_groups={{{name!r}: <the process group of the ranks that hold the same expert>}}")
-    if not isinstance(expert_groups, Mapping): return expert_groups
+        if dist.get_world_size(group) == 1:
+            return group
+        raise ValueError(
+            f"expert parameter (allreduce=False, group_name={name!r}) but no expert_groups given: pass "
+            f"expert_groups={{{name!r}: <the process group of the ranks that hold the same expert>}}"
+        )
+    if not isinstance(expert_groups, Mapping):
+        return expert_groups
     if name not in expert_groups:
         raise ValueError(f"no expert group for group_name={name!r}: expert_groups has {list(expert_groups)}")
     return expert_groups[name]
@@ -91,145 +113,189 @@ def reduction_group(p, group=None, expert_groups=None):
 # %% ../../nbs/50_zero_reducer.ipynb #c020
 class BucketReducer:
     "Reduce gradients bucket by bucket as backward produces them; subclasses define `_launch` and `_finish`"
-    grads_in_buckets = True   # the buckets keep their buffers and each p.grad lives in its slot (stage 2 copies at launch instead)
-    def __init__(self, buckets:list): # from `plan_buckets`; every rank of a group must build the same list
+
+    grads_in_buckets = (
+        True  # the buckets keep their buffers and each p.grad lives in its slot (stage 2 copies at launch instead)
+    )
+
+    def __init__(self, buckets: list):  # from `plan_buckets`; every rank of a group must build the same list
         self.buckets, self._boundary = buckets, True
-        self.before_reduction = []   # callables given each bucket whose buffer holds this rank's own gradients, before its collective
-        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, bk, i))
-                       for bk in buckets for i, p in enumerate(bk.params)]
+        # callables given each bucket whose buffer holds this rank's own gradients, before its collective
+        self.before_reduction = []
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, bk, i))
+            for bk in buckets
+            for i, p in enumerate(bk.params)
+        ]
         self._reset()
 
     def _reset(self):
         "Start a new round: every bucket queued, none launched"
-        for bk in self.buckets: bk.reset()
+        for bk in self.buckets:
+            bk.reset()
         self._queue, self._launched, self._started = deque(self.buckets), [], False
 
-    def _launch(self, bucket)->object: raise NotImplementedError("a BucketReducer subclass starts the collective here")
-    def _finish(self, bucket): raise NotImplementedError("a BucketReducer subclass waits and writes results here")
+    def _launch(self, bucket) -> object:
+        raise NotImplementedError("a BucketReducer subclass starts the collective here")
+
+    def _finish(self, bucket):
+        raise NotImplementedError("a BucketReducer subclass waits and writes results here")
+
+    def _on_grad(self, bucket: Bucket, index: int, param):
+        """Hook: move a new gradient into its slot; on a boundary backward, mark it ready and launch the complete
+        buckets at the head of the queue"""
+        if self._boundary and bucket.work is not None:
+            raise RuntimeError(
+                "a gradient arrived for a bucket that is already being reduced: a second backward in the "
+                "same micro-step needs set_boundary(...) before it (Engine.backward calls it); a parameter "
+                "used both inside and outside torch.utils.checkpoint(..., use_reentrant=True) gets two: use "
+                "use_reentrant=False or flexrt.checkpointing.checkpoint (ZeRO stage 3 accepts both)"
+            )
+        if self.grads_in_buckets:
+            _adopt(param, bucket.views[index])
+        if not self._boundary:
+            return
+        self._started = True
+        if not bucket.ready[index]:
+            bucket.ready[index], bucket.num_ready = True, bucket.num_ready + 1
+        while self._queue and self._queue[0].num_ready == len(self._queue[0].params):
+            self._start(self._queue.popleft())
+
+    @torch.no_grad()
+    def _start(self, bucket: Bucket):
+        "Gather `bucket`'s gradients into its buffer and launch its reduction"
+        targets, sources, moved = [], [], []
+        for p, view in zip(bucket.params, bucket.views):
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == view.data_ptr():
+                continue  # accumulated in place: nothing to do
+            if grad is None:
+                view.zero_()
+            else:
+                targets.append(view)
+                sources.append(grad)
+            moved.append((p, view))
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        for p, view in moved:
+            p.grad = view
+        for look in self.before_reduction:
+            look(bucket)  # e.g. the engine's watch: this rank's gradients, before any other's
+        bucket.work = self._launch(bucket)
+        self._launched.append(bucket)
+
+    def set_boundary(self, is_boundary: bool):  # True: the next backward ends an accumulation window
+        "Say whether the next backward reduces (True) or only accumulates (False); finishes a round left open"
+        if self._started:
+            self.wait()  # another backward follows a boundary one: average first, then add to it
+        self._boundary = bool(is_boundary)
+
+    def wait(self):
+        "Launch the buckets backward did not complete (missing gradients count as zeros), then finish every bucket"
+        if not self._boundary or not self.buckets:
+            return
+        while self._queue:
+            self._start(self._queue.popleft())
+        for bucket in self._launched:
+            self._finish(bucket)
+        self._reset()
+
+    def close(self):
+        "Remove the hooks, wait for reductions in flight and let go of the buckets; gradients stay where they are"
+        for h in self._hooks:
+            h.remove()
+        for bucket in self._launched:
+            self._finish(bucket)
+        self._hooks, self.buckets = [], []
+        self._reset()
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True):  # False: torch's other contract, zeros in place
+        """Drop the gradients (the buffers keep stale values: the next backward copies each new gradient into its slot);
+        `set_to_none=False`: zero the buffers, each `p.grad` its slot"""
+        if not set_to_none and self.buckets:
+            torch._foreach_zero_([bk.buffer for bk in self.buckets])
+        for bk in self.buckets:
+            for p, view in zip(bk.params, bk.views):
+                p.grad = None if set_to_none else view
+
+    def flat_gradients(self, params) -> list | None:  # the buckets' buffers, or None
+        """The bucket buffers if they hold exactly the gradients of `params` (each `p.grad` is its bucket slot), else
+        None"""
+        with_grad = {id(p) for p in params if p.grad is not None}
+        if not self.buckets or len(with_grad) != sum(len(bk.params) for bk in self.buckets):
+            return None
+        for bk in self.buckets:
+            for p, view in zip(bk.params, bk.views):
+                if id(p) not in with_grad or p.grad.data_ptr() != view.data_ptr():
+                    return None
+        return [bk.buffer for bk in self.buckets]
 
 # %% ../../nbs/50_zero_reducer.ipynb #c021
 @torch.no_grad()
 def _adopt(param, view):
     "Make `param.grad` the view of its slot, copying a gradient that lives elsewhere (a new one, after `zero_grad`)"
     grad = param.grad
-    if grad is None or grad.requires_grad or grad.data_ptr() == view.data_ptr(): return   # create_graph: keep its graph until launch
-    view.copy_(grad); param.grad = view
-
-@patch
-def _on_grad(self:BucketReducer, bucket:Bucket, index:int, param):
-    "Hook: move a new gradient into its slot; on a boundary backward, mark it ready and launch the complete buckets at the head of the queue"
-    if self._boundary and bucket.work is not None:
-        raise RuntimeError("a gradient arrived for a bucket that is already being reduced: a second backward in the "
-                           "same micro-step needs set_boundary(...) before it (Engine.backward calls it); a parameter "
-                           "used both inside and outside torch.utils.checkpoint(..., use_reentrant=True) gets two: use "
-                           "use_reentrant=False or flexrt.checkpointing.checkpoint (ZeRO stage 3 accepts both)")
-    if self.grads_in_buckets: _adopt(param, bucket.views[index])
-    if not self._boundary: return
-    self._started = True
-    if not bucket.ready[index]: bucket.ready[index], bucket.num_ready = True, bucket.num_ready + 1
-    while self._queue and self._queue[0].num_ready == len(self._queue[0].params): self._start(self._queue.popleft())
-
-# %% ../../nbs/50_zero_reducer.ipynb #c023
-@patch
-@torch.no_grad()
-def _start(self:BucketReducer, bucket:Bucket):
-    "Gather `bucket`'s gradients into its buffer and launch its reduction"
-    targets, sources, moved = [], [], []
-    for p, view in zip(bucket.params, bucket.views):
-        grad = p.grad
-        if grad is not None and grad.data_ptr() == view.data_ptr(): continue   # accumulated in place: nothing to do
-        if grad is None: view.zero_()
-        else: targets.append(view); sources.append(grad)
-        moved.append((p, view))
-    if targets: torch._foreach_copy_(targets, sources)
-    for p, view in moved: p.grad = view
-    for look in self.before_reduction: look(bucket)   # e.g. the engine's watch: this rank's gradients, before any other's
-    bucket.work = self._launch(bucket)
-    self._launched.append(bucket)
-
-# %% ../../nbs/50_zero_reducer.ipynb #c025
-@patch
-def set_boundary(self:BucketReducer, is_boundary:bool): # True: the next backward ends an accumulation window
-    "Say whether the next backward reduces (True) or only accumulates (False); finishes a round left open"
-    if self._started: self.wait()   # another backward follows a boundary one: average first, then add to it
-    self._boundary = bool(is_boundary)
-
-@patch
-def wait(self:BucketReducer):
-    "Launch the buckets backward did not complete (missing gradients count as zeros), then finish every bucket"
-    if not self._boundary or not self.buckets: return
-    while self._queue: self._start(self._queue.popleft())
-    for bucket in self._launched: self._finish(bucket)
-    self._reset()
-
-@patch
-def close(self:BucketReducer):
-    "Remove the hooks, wait for reductions in flight and let go of the buckets; gradients stay where they are"
-    for h in self._hooks: h.remove()
-    for bucket in self._launched: self._finish(bucket)
-    self._hooks, self.buckets = [], []
-    self._reset()
-
-# %% ../../nbs/50_zero_reducer.ipynb #c027
-@patch
-@torch.no_grad()
-def zero_grad(self:BucketReducer, set_to_none:bool=True): # False: torch's other contract, zeros in place
-    "Drop the gradients (the buffers keep stale values: the next backward copies each new gradient into its slot); `set_to_none=False`: zero the buffers, each `p.grad` its slot"
-    if not set_to_none and self.buckets: torch._foreach_zero_([bk.buffer for bk in self.buckets])
-    for bk in self.buckets:
-        for p, view in zip(bk.params, bk.views): p.grad = None if set_to_none else view
-
-# %% ../../nbs/50_zero_reducer.ipynb #c029
-@patch
-def flat_gradients(self:BucketReducer, params)->list|None: # the buckets' buffers, or None
-    "The bucket buffers if they hold exactly the gradients of `params` (each `p.grad` is its bucket slot), else None"
-    with_grad = {id(p) for p in params if p.grad is not None}
-    if not self.buckets or len(with_grad) != sum(len(bk.params) for bk in self.buckets): return None
-    for bk in self.buckets:
-        for p, view in zip(bk.params, bk.views):
-            if id(p) not in with_grad or p.grad.data_ptr() != view.data_ptr(): return None
-    return [bk.buffer for bk in self.buckets]
+    if grad is None or grad.requires_grad or grad.data_ptr() == view.data_ptr():
+        return  # create_graph: keep its graph until launch
+    view.copy_(grad)
+    param.grad = view
 
 # %% ../../nbs/50_zero_reducer.ipynb #c038
 class _Finished:
     "The handle of a bucket that needs no collective (its group is this rank alone)"
-    def wait(self): pass
+
+    def wait(self):
+        pass
+
 
 _LOCAL = _Finished()
 
+
 class GradientReducer(BucketReducer):
-    "Gradients summed over their process group and divided by the data-parallel world size (or not: `gradient_average=False`), in async buckets overlapping backward"
-    def __init__(self, params, # parameters to reduce (those that require a gradient), or param groups
-                 bucket_bytes:int=25 * 2**20, # most bytes per bucket
-                 group=None, # process group of the data-parallel ranks (None: all)
-                 expert_groups=None, # {group_name: group} or one group, for params with `allreduce == False`
-                 gradient_predivide_factor:float=1.0, # divide by this before the all-reduce, the rest after
-                 first_bucket_bytes:int=2**20, # most bytes of the first bucket (DDP's 1 MiB): its reduction starts early
-                 gradient_average:bool=True): # False: gradients summed over the ranks, not averaged
+    """Gradients summed over their process group and divided by the data-parallel world size (or not:
+    `gradient_average=False`), in async buckets overlapping backward"""
+
+    def __init__(
+        self,
+        params,  # parameters to reduce (those that require a gradient), or param groups
+        bucket_bytes: int = 25 * 2**20,  # most bytes per bucket
+        group=None,  # process group of the data-parallel ranks (None: all)
+        expert_groups=None,  # {group_name: group} or one group, for params with `allreduce == False`
+        gradient_predivide_factor: float = 1.0,  # divide by this before the all-reduce, the rest after
+        first_bucket_bytes: int = 2**20,  # most bytes of the first bucket (DDP's 1 MiB): its reduction starts early
+        gradient_average: bool = True,  # False: gradients summed over the ranks, not averaged
+    ):
         for name, value in (('bucket_bytes', bucket_bytes), ('first_bucket_bytes', first_bucket_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer (bytes per bucket), got {value!r}")
         if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}")
         self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.world_size = dist.get_world_size(group)   # the data-parallel world size
-        self.divisor = self.world_size if gradient_average else 1   # every bucket's sum is divided by this in all
+        self.world_size = dist.get_world_size(group)  # the data-parallel world size
+        self.divisor = self.world_size if gradient_average else 1  # every bucket's sum is divided by this in all
         params = _trainable(params)
         groups = {id(p): reduction_group(p, group, expert_groups) for p in params}
         shared = list(reversed(params)) if self.world_size > 1 else []
-        super().__init__(plan_buckets(shared, bucket_bytes, lambda p: groups[id(p)], first_bucket_bytes=first_bucket_bytes))
+        super().__init__(
+            plan_buckets(shared, bucket_bytes, lambda p: groups[id(p)], first_bucket_bytes=first_bucket_bytes)
+        )
 
-    def _launch(self, bucket:Bucket):
+    def _launch(self, bucket: Bucket):
         "Start the sum over the bucket's group (nothing to start for a group of one)"
-        if self.gradient_predivide_factor != 1: bucket.buffer.div_(self.gradient_predivide_factor)
-        if bucket.world_size == 1: return _LOCAL
+        if self.gradient_predivide_factor != 1:
+            bucket.buffer.div_(self.gradient_predivide_factor)
+        if bucket.world_size == 1:
+            return _LOCAL
         return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
 
-    def _finish(self, bucket:Bucket):
+    def _finish(self, bucket: Bucket):
         "Wait for the sum and divide it by what the predivision left of `divisor`"
         bucket.work.wait()
         rest = self.divisor / self.gradient_predivide_factor
-        if rest != 1: bucket.buffer.div_(rest)
+        if rest != 1:
+            bucket.buffer.div_(rest)
 
     @property
-    def comm_bytes(self)->int: return sum(b.nbytes for b in self.buckets if b.world_size > 1)   # all-reduced per round
+    def comm_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets if b.world_size > 1)  # all-reduced per round

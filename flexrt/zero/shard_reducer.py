@@ -14,33 +14,48 @@ __all__ = ['ALGORITHMS', 'ShardReducer']
 # %% ../../nbs/50_zero_shard_reducer.ipynb #1c964589
 class _Done:
     "The handle of a reduction that needed no collective (a group of one rank)"
-    def wait(self): pass
+
+    def wait(self):
+        pass
+
 
 _FINISHED = _Done()
 
 ALGORITHMS = ('native', 'p2p', 'all_reduce')
 
+
 class ShardReducer(BucketReducer):
-    "Gradients reduce-scattered bucket by bucket: each rank keeps the average (or, `gradient_average=False`, the sum) of its chunk in `bucket.grad_shard`"
-    accumulate = False   # stage 1 overwrites the chunk of the whole buffer; stage 2 adds to a separate shard
-    def __init__(self, buckets:list, # from `plan_buckets(..., align=world size)`, each with `.partition` and `.grad_shard`
-                 world_size:int, # the data-parallel world size: the divisor of every bucket when averaging
-                 gradient_predivide_factor:float=1., # divide by this before the reduction, the rest after
-                 reduce_scatter:bool=True, # False: all-reduce the bucket and keep the chunk (DeepSpeed's switch; 3Ψ)
-                 algorithm:str='native', # 'native', 'p2p' (direct messages) or 'all_reduce' (see above)
-                 gradient_average:bool=True): # False: keep the sum over the ranks (the total divisor is 1)
-        if algorithm not in ALGORITHMS: raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    """Gradients reduce-scattered bucket by bucket: each rank keeps the average (or, `gradient_average=False`, the sum)
+    of its chunk in `bucket.grad_shard`"""
+
+    accumulate = False  # stage 1 overwrites the chunk of the whole buffer; stage 2 adds to a separate shard
+
+    def __init__(
+        self,
+        buckets: list,  # from `plan_buckets(..., align=world size)`, each with `.partition` and `.grad_shard`
+        world_size: int,  # the data-parallel world size: the divisor of every bucket when averaging
+        gradient_predivide_factor: float = 1.0,  # divide by this before the reduction, the rest after
+        reduce_scatter: bool = True,  # False: all-reduce the bucket and keep the chunk (DeepSpeed's switch; 3Ψ)
+        algorithm: str = 'native',  # 'native', 'p2p' (direct messages) or 'all_reduce' (see above)
+        gradient_average: bool = True,  # False: keep the sum over the ranks (the total divisor is 1)
+    ):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.world_size, self.predivide = world_size, float(gradient_predivide_factor)
-        self.divisor = world_size if gradient_average else 1   # what each reduced chunk is divided by in all
+        self.divisor = world_size if gradient_average else 1  # what each reduced chunk is divided by in all
         self.reduce_scatter, self.algorithm = bool(reduce_scatter), algorithm
-        for bk in buckets: bk.grad_stale = False   # stage 2's zero_grad marks it: the next reduction overwrites the shard
+        for bk in buckets:
+            bk.grad_stale = False  # stage 2's zero_grad marks it: the next reduction overwrites the shard
         super().__init__(buckets)
 
     def _launch(self, bucket):
         "Start the reduce-scatter of the bucket's buffer into a fresh chunk-sized tensor"
-        if self.predivide != 1: bucket.buffer.div_(self.predivide)
+        if self.predivide != 1:
+            bucket.buffer.div_(self.predivide)
         chunk = bucket.partition.shard(bucket.buffer)
-        if bucket.world_size == 1: bucket.received = chunk.clone(); return _Done()
+        if bucket.world_size == 1:
+            bucket.received = chunk.clone()
+            return _Done()
         if not self.reduce_scatter or self.algorithm == 'all_reduce':
             bucket.received = chunk
             name = 'reduce_scatter_via_all_reduce' if self.reduce_scatter else None
@@ -49,18 +64,25 @@ class ShardReducer(BucketReducer):
         op = dist.reduce_scatter_tensor_p2p if self.algorithm == 'p2p' else dist.reduce_scatter_tensor
         return op(bucket.received, bucket.buffer, group=bucket.group, async_op=True)
 
-    def _output(self, bucket, chunk)->torch.Tensor: return torch.empty_like(chunk)   # where the reduce-scatter writes this rank's chunk
+    def _output(self, bucket, chunk) -> torch.Tensor:
+        return torch.empty_like(chunk)  # where the reduce-scatter writes this rank's chunk
 
     @torch.no_grad()
     def _finish(self, bucket):
-        "Wait for the chunk, divide it by what the predivision left of `divisor`, and store it in `bucket.grad_shard` (a bucket already finished is skipped)"
-        if getattr(bucket, 'received', None) is None: return
+        """Wait for the chunk, divide it by what the predivision left of `divisor`, and store it in `bucket.grad_shard`
+        (a bucket already finished is skipped)"""
+        if getattr(bucket, 'received', None) is None:
+            return
         bucket.work.wait()
-        bucket.work = _FINISHED   # the handle may hold the buffers it sent and received: drop it now, not at the round's end
+        bucket.work = (
+            _FINISHED  # the handle may hold the buffers it sent and received: drop it now, not at the round's end
+        )
         received, bucket.received = bucket.received, None
         rest, shard = self.divisor / self.predivide, bucket.grad_shard
         if self.accumulate and not bucket.grad_stale:
             shard.add_(received.div_(rest) if rest != 1 else received)
-        elif rest != 1: torch.div(received, rest, out=shard)   # the same division, written where it is kept
-        else: shard.copy_(received)
+        elif rest != 1:
+            torch.div(received, rest, out=shard)  # the same division, written where it is kept
+        else:
+            shard.copy_(received)
         bucket.grad_stale = False

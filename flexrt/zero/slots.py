@@ -20,58 +20,96 @@ __all__ = ['STAGE_SLOTS', 'SlotArgs', 'build_optimizer_slot']
 @dataclasses.dataclass
 class SlotArgs:
     "What the engine hands the builder of its optimizer slot"
-    config:ZeroConfig # the validated `zero_optimization` block
-    module:torch.nn.Module # the model, on its device, equal on every rank
-    optimizer:torch.optim.Optimizer|None # the torch optimizer over the model's parameters (None: no step)
-    precision:object # a flexrt.precision.Precision
-    group:object=None # the data-parallel process group (None: all ranks)
-    expert_groups:object=None # an `ExpertGroups` (MoE), or None
-    mpu:object=None # Megatron-style model-parallel unit, or None
-    gradient_predivide_factor:float=1. # stages 0-2: divide before the reduction, the rest after
-    gradient_average:bool=True # every stage: average gradients over the data-parallel ranks (False: sum them)
+
+    config: ZeroConfig  # the validated `zero_optimization` block
+    module: torch.nn.Module  # the model, on its device, equal on every rank
+    optimizer: torch.optim.Optimizer | None  # the torch optimizer over the model's parameters (None: no step)
+    precision: object  # a flexrt.precision.Precision
+    group: object = None  # the data-parallel process group (None: all ranks)
+    expert_groups: object = None  # an `ExpertGroups` (MoE), or None
+    mpu: object = None  # Megatron-style model-parallel unit, or None
+    gradient_predivide_factor: float = 1.0  # stages 0-2: divide before the reduction, the rest after
+    gradient_average: bool = True  # every stage: average gradients over the data-parallel ranks (False: sum them)
 
 # %% ../../nbs/53_zero_slots.ipynb #c005b
-def _check_zero12(config:ZeroConfig):
+def _check_zero12(config: ZeroConfig):
     "Refuse what stages 1/2 here cannot do; warn once about settings they ignore"
-    for name in ('offload_optimizer',):   # offload_param has no effect below stage 3: the config warned
+    for name in ('offload_optimizer',):  # offload_param has no effect below stage 3: the config warned
         if getattr(config, name).device != 'none':
-            raise NotImplementedError(f"zero_optimization.{name}.device={getattr(config, name).device!r} is not supported: "
-                                      "remove the offload block (optimizer state stays on the device)")
+            raise NotImplementedError(
+                f"zero_optimization.{name}.device={getattr(config, name).device!r} is not supported: "
+                "remove the offload block (optimizer state stays on the device)"
+            )
     if not config.contiguous_gradients:
-        warnings.warn("zero_optimization contiguous_gradients=false is ignored: stages 1/2 always reduce gradients out "
-                      "of one flat bucket buffer")
+        warnings.warn(
+            "zero_optimization contiguous_gradients=false is ignored: stages 1/2 always reduce gradients out "
+            "of one flat bucket buffer"
+        )
 
-def _refuse_partitioned(a:SlotArgs):
+
+def _refuse_partitioned(a: SlotArgs):
     "Stages 0-2 need whole parameters: refuse a model `zero.Init` (or a stage-3 engine) left partitioned"
     name = next((n for n, p in a.module.named_parameters() if getattr(p, '_zero3', None) is not None), None)
-    if name is not None: raise ValueError(f"parameter {name} is partitioned (the model was built inside flexrt.zero.Init) but "
-        f"zero_optimization.stage={a.config.stage}: use stage 3, or build the model outside zero.Init")
+    if name is not None:
+        raise ValueError(
+            f"parameter {name} is partitioned (the model was built inside flexrt.zero.Init) but "
+            f"zero_optimization.stage={a.config.stage}: use stage 3, or build the model outside zero.Init"
+        )
 
-def _stage0(a:SlotArgs)->ReplicatedOptimizer:
+
+def _stage0(a: SlotArgs) -> ReplicatedOptimizer:
     _refuse_partitioned(a)
-    return ReplicatedOptimizer(a.module, a.optimizer, a.precision, a.group, a.expert_groups, a.mpu,
-                               gradient_predivide_factor=a.gradient_predivide_factor, gradient_average=a.gradient_average)
+    return ReplicatedOptimizer(
+        a.module,
+        a.optimizer,
+        a.precision,
+        a.group,
+        a.expert_groups,
+        a.mpu,
+        gradient_predivide_factor=a.gradient_predivide_factor,
+        gradient_average=a.gradient_average,
+    )
 
-def _stage12(a:SlotArgs)->ZeroStage1:
-    _check_zero12(a.config); _refuse_partitioned(a)
+
+def _stage12(a: SlotArgs) -> ZeroStage1:
+    _check_zero12(a.config)
+    _refuse_partitioned(a)
     cls = ZeroStage1 if a.config.stage == 1 else ZeroStage2
-    return cls(a.module, a.optimizer, a.precision, a.group, a.expert_groups, a.mpu,
-               bucket_bytes=a.config.reduce_bucket_size * a.precision.dtype.itemsize,
-               gradient_predivide_factor=a.gradient_predivide_factor, gradient_average=a.gradient_average,
-               overlap_comm=bool(a.config.overlap_comm),
-               reduce_scatter=a.config.reduce_scatter, defer_gather=True)   # forward follows: it waits bucket by bucket
+    return cls(
+        a.module,
+        a.optimizer,
+        a.precision,
+        a.group,
+        a.expert_groups,
+        a.mpu,
+        bucket_bytes=a.config.reduce_bucket_size * a.precision.dtype.itemsize,
+        gradient_predivide_factor=a.gradient_predivide_factor,
+        gradient_average=a.gradient_average,
+        overlap_comm=bool(a.config.overlap_comm),
+        reduce_scatter=a.config.reduce_scatter,
+        defer_gather=True,
+    )  # forward follows: it waits bucket by bucket
 
-def _stage3(a:SlotArgs)->OptimizerSlot:
-    slot = Stage3Optimizer(a.module, a.optimizer, a.precision, a.config, group=a.group, expert_groups=a.expert_groups, mpu=a.mpu)
-    slot.partitioner.grads.divisor = slot.world_size if a.gradient_average else 1   # the gradient reduce-scatters' divisor
+
+def _stage3(a: SlotArgs) -> OptimizerSlot:
+    slot = Stage3Optimizer(
+        a.module, a.optimizer, a.precision, a.config, group=a.group, expert_groups=a.expert_groups, mpu=a.mpu
+    )
+    slot.partitioner.grads.divisor = (
+        slot.world_size if a.gradient_average else 1
+    )  # the gradient reduce-scatters' divisor
     return slot
 
 # %% ../../nbs/53_zero_slots.ipynb #c005c
-STAGE_SLOTS = {0: _stage0, 1: _stage12, 2: _stage12, 3: _stage3}   # zero_optimization.stage -> builder(SlotArgs)
+STAGE_SLOTS = {0: _stage0, 1: _stage12, 2: _stage12, 3: _stage3}  # zero_optimization.stage -> builder(SlotArgs)
 
-def build_optimizer_slot(args:SlotArgs, # what the slot is built from
-                         builder=None)->OptimizerSlot: # a callable(SlotArgs) -> OptimizerSlot; None: the config's stage
+
+def build_optimizer_slot(
+    args: SlotArgs,  # what the slot is built from
+    builder=None,
+) -> OptimizerSlot:  # a callable(SlotArgs) -> OptimizerSlot; None: the config's stage
     "The engine's optimizer slot: `builder(args)` when given, else the ZeRO stage `args.config.stage` names"
     build = builder if builder is not None else STAGE_SLOTS.get(args.config.stage)
-    if build is None: raise ValueError(f"zero_optimization.stage must be one of {sorted(STAGE_SLOTS)}, got {args.config.stage!r}")
+    if build is None:
+        raise ValueError(f"zero_optimization.stage must be one of {sorted(STAGE_SLOTS)}, got {args.config.stage!r}")
     return check_slot(build(args))

@@ -6,7 +6,6 @@
 from __future__ import annotations
 import math
 import torch
-from fastcore.basics import patch
 from .reducer import GradientReducer
 from ..utils import clip_grad_norm_
 from ..memory.reports import storage_bytes
@@ -18,113 +17,136 @@ __all__ = ['ReplicatedOptimizer', 'clip_flat_']
 # %% ../../nbs/50_zero_stage0.ipynb #c005
 class ReplicatedOptimizer(OptimizerSlot):
     "ZeRO stage 0: every data-parallel rank holds whole weights, gradients and optimizer state; gradients all-reduced"
+
     stage, supports_no_sync = 0, True
-    def __init__(self, module:torch.nn.Module, # the model, already on its device
-                 optimizer:torch.optim.Optimizer|None, # the torch optimizer over the model's parameters (None: no step)
-                 precision, # a flexrt.precision.Precision: casts the model and makes master weights
-                 group=None, # the data-parallel process group (None: all ranks)
-                 expert_groups=None, # an `ExpertGroups` (MoE), or None
-                 mpu=None, # Megatron-style model-parallel unit for the global norm, or None
-                 bucket_bytes:int=25 * 2**20, # gradient bucket size of the all-reduce
-                 gradient_predivide_factor:float=1., # divide gradients by this before the all-reduce, the rest after
-                 gradient_average:bool=True): # False: gradients summed over the data-parallel ranks, not averaged
+
+    def __init__(
+        self,
+        module: torch.nn.Module,  # the model, already on its device
+        optimizer: torch.optim.Optimizer | None,  # the torch optimizer over the model's parameters (None: no step)
+        precision,  # a flexrt.precision.Precision: casts the model and makes master weights
+        group=None,  # the data-parallel process group (None: all ranks)
+        expert_groups=None,  # an `ExpertGroups` (MoE), or None
+        mpu=None,  # Megatron-style model-parallel unit for the global norm, or None
+        bucket_bytes: int = 25 * 2**20,  # gradient bucket size of the all-reduce
+        gradient_predivide_factor: float = 1.0,  # divide gradients by this before the all-reduce, the rest after
+        gradient_average: bool = True,  # False: gradients summed over the data-parallel ranks, not averaged
+    ):
         self.module, self.optimizer, self.precision, self.group, self.mpu = module, optimizer, precision, group, mpu
         self.expert_groups = expert_groups
-        self.weights = precision.setup(module, optimizer)   # fp32 masters (with the expert marks) when needed; model cast
-        self.reducer = GradientReducer(module.parameters(), bucket_bytes, group,
-                                       expert_groups.data_parallel if expert_groups else None, gradient_predivide_factor,
-                                       gradient_average=gradient_average)
+        self.weights = precision.setup(
+            module, optimizer
+        )  # fp32 masters (with the expert marks) when needed; model cast
+        self.reducer = GradientReducer(
+            module.parameters(),
+            bucket_bytes,
+            group,
+            expert_groups.data_parallel if expert_groups else None,
+            gradient_predivide_factor,
+            gradient_average=gradient_average,
+        )
         self._norm_groups = expert_groups.parallel if expert_groups else None
-        self.comm_bytes = 0   # bytes of gradients this rank has all-reduced so far
+        self.comm_bytes = 0  # bytes of gradients this rank has all-reduced so far
 
-    def __repr__(self): return f'ReplicatedOptimizer(stage=0, {type(self.optimizer).__name__}, {self.precision.name})'
+    def __repr__(self):
+        return f'ReplicatedOptimizer(stage=0, {type(self.optimizer).__name__}, {self.precision.name})'
 
-# %% ../../nbs/50_zero_stage0.ipynb #c008
-@patch
-def set_boundary(self:ReplicatedOptimizer, is_boundary:bool):
-    "Before a backward: reduce its gradients (True) or only accumulate them (False)"
-    self.reducer.set_boundary(is_boundary)
+    def set_boundary(self, is_boundary: bool):
+        "Before a backward: reduce its gradients (True) or only accumulate them (False)"
+        self.reducer.set_boundary(is_boundary)
 
-@patch
-@torch.no_grad()
-def reduced_gradients(self:ReplicatedOptimizer)->list: # the (still scaled) gradients the optimizer will use
-    "At the boundary: wait for the averaged gradients and hand them to the weights the optimizer steps"
-    self.reducer.wait()
-    self.comm_bytes += self.reducer.comm_bytes
-    return self.weights.collect_grads()
+    @torch.no_grad()
+    def reduced_gradients(self) -> list:  # the (still scaled) gradients the optimizer will use
+        "At the boundary: wait for the averaged gradients and hand them to the weights the optimizer steps"
+        self.reducer.wait()
+        self.comm_bytes += self.reducer.comm_bytes
+        return self.weights.collect_grads()
+
+    def _flat_gradients(self) -> list | None:  # the reducer's buffers, or None
+        "The reducer's buffers when the global norm over them is the norm over the optimizer's gradients"
+        if self.mpu is not None or self._norm_groups:
+            return None
+        flat = self.reducer.flat_gradients(self.weights.params)
+        if (
+            not flat
+            or len({(b.device, b.dtype) for b in flat}) > 1
+            or flat[0].dtype not in (torch.float32, torch.float64)
+        ):
+            return None
+        return flat
+
+    def clip_grad_norm(self, max_norm: float) -> tuple:  # (norm before clipping, norm after)
+        """Global gradient norm over every rank and param group; gradients scaled down to `max_norm` when above it (0:
+        never)"""
+        limit, flat = max_norm if max_norm > 0 else math.inf, self._flat_gradients()
+        if flat:
+            pre = float(clip_flat_(flat, limit))
+        else:
+            pre = float(clip_grad_norm_(self.weights.params, limit, mpu=self.mpu, expert_groups=self._norm_groups))
+        post = pre * limit / (pre + 1e-6) if math.isfinite(pre) and pre > limit else pre
+        return pre, post
+
+    def step(self):
+        "Apply the optimizer to the masters (or the model's parameters) and write the result into the model"
+        if self.optimizer is None:
+            raise ValueError(
+                "engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the "
+                "config"
+            )
+        self.optimizer.step()
+        self.weights.copy_to_model()
+
+    def zero_grad(self, set_to_none: bool = True):
+        "Drop the gradients (`set_to_none=False`: zero them in place, the reducer's buffers included)"
+        self.weights.zero_grad(set_to_none)
+        self.reducer.zero_grad(set_to_none)
+
+    def close(self):
+        "Remove the reducer's hooks and drop every gradient, so its buffers can be freed"
+        self.reducer.close()
+        self.weights.zero_grad(set_to_none=True)
+
+    def memory_breakdown(self) -> dict:  # bytes: params, grads, optimizer_state, total
+        "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
+        seen, model = set(), list(self.module.parameters())
+        params = storage_bytes(model, seen)
+        grads = storage_bytes(
+            [bk.buffer for bk in self.reducer.buckets]
+            + [p.grad for p in model]
+            + [m.grad for m in self.weights.params],
+            seen,
+        )
+        state = (
+            []
+            if self.optimizer is None
+            else [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        )
+        state = storage_bytes(list(self.weights.params) + state, seen)
+        return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}
+
+    def fragments(self) -> list:  # [Fragment], each replicated over the data-parallel ranks
+        "Every master the optimizer steps, and the model parameters it holds end to end"
+        if self.optimizer is None:
+            return []
+        return [consecutive(m, ps, replicated=True) for m, ps in zip(self.weights.params, self.weights.members)]
+
+    def stepped_params(self) -> list:
+        return [p.param for f in self.fragments() for p in f.pieces]
+
+    def sync_model(self):
+        "Write the (loaded) masters into the model's parameters"
+        self.weights.copy_to_model()
 
 # %% ../../nbs/50_zero_stage0.ipynb #c011
 @torch.no_grad()
-def clip_flat_(buffers:list, # flat gradient buffers of one device and dtype
-               max_norm:float, # largest allowed 2-norm (inf: never clip)
-               eps:float=1e-6)->torch.Tensor: # added to the norm in the scaling coefficient, as torch does
+def clip_flat_(
+    buffers: list,  # flat gradient buffers of one device and dtype
+    max_norm: float,  # largest allowed 2-norm (inf: never clip)
+    eps: float = 1e-6,
+) -> torch.Tensor:  # added to the norm in the scaling coefficient, as torch does
     "2-norm of `buffers` as a 0-d tensor; buffers scaled in place to `max_norm` when the norm is finite and above it"
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(buffers)))
     value = float(total)
-    if math.isfinite(value) and value > max_norm: torch._foreach_mul_(buffers, max_norm / (total + eps))
+    if math.isfinite(value) and value > max_norm:
+        torch._foreach_mul_(buffers, max_norm / (total + eps))
     return total
-
-# %% ../../nbs/50_zero_stage0.ipynb #c013
-@patch
-def _flat_gradients(self:ReplicatedOptimizer)->list|None: # the reducer's buffers, or None
-    "The reducer's buffers when the global norm over them is the norm over the optimizer's gradients"
-    if self.mpu is not None or self._norm_groups: return None
-    flat = self.reducer.flat_gradients(self.weights.params)
-    if not flat or len({(b.device, b.dtype) for b in flat}) > 1 or flat[0].dtype not in (torch.float32, torch.float64): return None
-    return flat
-
-@patch
-def clip_grad_norm(self:ReplicatedOptimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
-    "Global gradient norm over every rank and param group; gradients scaled down to `max_norm` when above it (0: never)"
-    limit, flat = max_norm if max_norm > 0 else math.inf, self._flat_gradients()
-    if flat: pre = float(clip_flat_(flat, limit))
-    else: pre = float(clip_grad_norm_(self.weights.params, limit, mpu=self.mpu, expert_groups=self._norm_groups))
-    post = pre * limit / (pre + 1e-6) if math.isfinite(pre) and pre > limit else pre
-    return pre, post
-
-# %% ../../nbs/50_zero_stage0.ipynb #c015
-@patch
-def step(self:ReplicatedOptimizer):
-    "Apply the optimizer to the masters (or the model's parameters) and write the result into the model"
-    if self.optimizer is None: raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
-    self.optimizer.step()
-    self.weights.copy_to_model()
-
-@patch
-def zero_grad(self:ReplicatedOptimizer, set_to_none:bool=True):
-    "Drop the gradients (`set_to_none=False`: zero them in place, the reducer's buffers included)"
-    self.weights.zero_grad(set_to_none)
-    self.reducer.zero_grad(set_to_none)
-
-@patch
-def close(self:ReplicatedOptimizer):
-    "Remove the reducer's hooks and drop every gradient, so its buffers can be freed"
-    self.reducer.close()
-    self.weights.zero_grad(set_to_none=True)
-
-# %% ../../nbs/50_zero_stage0.ipynb #c021
-@patch
-def memory_breakdown(self:ReplicatedOptimizer)->dict: # bytes: params, grads, optimizer_state, total
-    "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
-    seen, model = set(), list(self.module.parameters())
-    params = storage_bytes(model, seen)
-    grads = storage_bytes([bk.buffer for bk in self.reducer.buckets] + [p.grad for p in model] +
-                          [m.grad for m in self.weights.params], seen)
-    state = [] if self.optimizer is None else [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    state = storage_bytes(list(self.weights.params) + state, seen)
-    return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}
-
-# %% ../../nbs/50_zero_stage0.ipynb #c025
-@patch
-def fragments(self:ReplicatedOptimizer)->list: # [Fragment], each replicated over the data-parallel ranks
-    "Every master the optimizer steps, and the model parameters it holds end to end"
-    if self.optimizer is None: return []
-    return [consecutive(m, ps, replicated=True) for m, ps in zip(self.weights.params, self.weights.members)]
-
-@patch
-def stepped_params(self:ReplicatedOptimizer)->list: return [p.param for f in self.fragments() for p in f.pieces]
-
-@patch
-def sync_model(self:ReplicatedOptimizer):
-    "Write the (loaded) masters into the model's parameters"
-    self.weights.copy_to_model()

@@ -19,7 +19,7 @@ from fastcore.basics import patch
 __all__ = ['PER_PARAMETER', 'ZeroStage1']
 
 # %% ../../nbs/50_zero_stage1.ipynb #c009
-def _trainable_groups(optimizer)->list: # per param group, its distinct parameters that require a gradient
+def _trainable_groups(optimizer) -> list:  # per param group, its distinct parameters that require a gradient
     "The parameters each param group trains"
     if any(s for s in optimizer.state.values()):
         raise ValueError("the optimizer already holds state: build the ZeRO optimizer before the first optimizer step")
@@ -27,13 +27,23 @@ def _trainable_groups(optimizer)->list: # per param group, its distinct paramete
     for gi, group in enumerate(optimizer.param_groups):
         params = []
         for p in group['params']:
-            if not p.requires_grad: continue
-            if id(p) in seen: raise ValueError(f"a parameter of shape {tuple(p.shape)} appears twice in the optimizer's param groups (group {gi}): list each parameter once")
-            seen.add(id(p)); params.append(p)
+            if not p.requires_grad:
+                continue
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} appears twice in the optimizer's param groups (group "
+                    f"{gi}): "
+                    "list each parameter once"
+                )
+            seen.add(id(p))
+            params.append(p)
         out.append(params)
     return out
 
-def _plan(groups:list, bucket_bytes:int, dp_group, expert_groups)->list: # buckets, in backward order, with `.param_group`
+
+def _plan(
+    groups: list, bucket_bytes: int, dp_group, expert_groups
+) -> list:  # buckets, in backward order, with `.param_group`
     "Buckets of at most `bucket_bytes` per (param group, process group), padded to their group's size"
     order = {id(p): i for i, p in enumerate(reversed([p for g in groups for p in g]))}
     buckets = []
@@ -44,19 +54,23 @@ def _plan(groups:list, bucket_bytes:int, dp_group, expert_groups)->list: # bucke
             by_group.setdefault(id(g), (g, []))[1].append(p)
         for g, ps in by_group.values():
             for bk in plan_buckets(ps, bucket_bytes, lambda p, g=g: g, align=dist.get_world_size(g)):
-                bk.param_group = gi; buckets.append(bk)
+                bk.param_group = gi
+                buckets.append(bk)
     return sorted(buckets, key=lambda bk: max(order[id(p)] for p in bk.params))
 
 # %% ../../nbs/50_zero_stage1.ipynb #c010
 @torch.no_grad()
-def _build_bucket(bucket, values:dict, master_weights:bool):
+def _build_bucket(bucket, values: dict, master_weights: bool):
     "Give `bucket` its partition, flat parameter buffer (the parameters become views of it) and master chunk"
     part = bucket.partition = FlatPartition(bucket.params, bucket.world_size, dist.get_rank(bucket.group))
-    full = part.flatten([values.get(id(p), p) for p in bucket.params], torch.float32 if master_weights else bucket.dtype)
+    full = part.flatten(
+        [values.get(id(p), p) for p in bucket.params], torch.float32 if master_weights else bucket.dtype
+    )
     chunk = part.shard(full)
     bucket.master = torch.nn.Parameter(chunk.clone() if master_weights else chunk)
     for mark in ('allreduce', 'group_name'):
-        if hasattr(bucket.params[0], mark): setattr(bucket.master, mark, getattr(bucket.params[0], mark))
+        if hasattr(bucket.params[0], mark):
+            setattr(bucket.master, mark, getattr(bucket.params[0], mark))
     bucket.param_buffer = full.to(bucket.dtype) if master_weights else full
     part.bind(bucket.param_buffer)
     bucket.is_expert = getattr(bucket.params[0], 'allreduce', True) is False
@@ -64,189 +78,230 @@ def _build_bucket(bucket, values:dict, master_weights:bool):
 # %% ../../nbs/50_zero_stage1.ipynb #c012
 class ZeroStage1(OptimizerSlot):
     "ZeRO stage 1: optimizer state and fp32 master weights partitioned over the data-parallel ranks"
+
     stage, supports_no_sync = 1, True
-    def __init__(self, module:torch.nn.Module, # the model, already on its device
-                 optimizer:torch.optim.Optimizer, # a torch optimizer over the model's parameters, before its first step
-                 precision, # a flexrt.precision.Precision: working dtype, master weights, loss scaling
-                 group=None, # the data-parallel process group (None: all ranks)
-                 expert_groups=None, # an `ExpertGroups` (MoE), or None
-                 mpu=None, # Megatron-style model-parallel unit for the global norm, or None
-                 bucket_bytes:int=25 * 2**20, # most bytes per gradient bucket (`reduce_bucket_size` x element size)
-                 gradient_predivide_factor:float=1., # divide gradients by this before the reduction, the rest after
-                 gradient_average:bool=True, # False: gradients summed over the data-parallel ranks, not averaged
-                 overlap_comm:bool=True, # stage 2: reduce buckets while backward runs (stage 1 always does)
-                 reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk (3Ψ, not 2Ψ)
-                 collectives:str='auto', # 'native', 'p2p', 'all_reduce' (see `ShardReducer`), 'auto': p2p on gloo
-                 defer_gather:bool=False, # leave the parameter all-gathers in flight until forward needs them (the engine does)
-                 gather_pieces:int=4): # deferred p2p gathers: split each bucket's into this many (at most), waited piece by piece
+
+    def __init__(
+        self,
+        module: torch.nn.Module,  # the model, already on its device
+        optimizer: torch.optim.Optimizer,  # a torch optimizer over the model's parameters, before its first step
+        precision,  # a flexrt.precision.Precision: working dtype, master weights, loss scaling
+        group=None,  # the data-parallel process group (None: all ranks)
+        expert_groups=None,  # an `ExpertGroups` (MoE), or None
+        mpu=None,  # Megatron-style model-parallel unit for the global norm, or None
+        bucket_bytes: int = 25 * 2**20,  # most bytes per gradient bucket (`reduce_bucket_size` x element size)
+        gradient_predivide_factor: float = 1.0,  # divide gradients by this before the reduction, the rest after
+        gradient_average: bool = True,  # False: gradients summed over the data-parallel ranks, not averaged
+        overlap_comm: bool = True,  # stage 2: reduce buckets while backward runs (stage 1 always does)
+        reduce_scatter: bool = True,  # False: all-reduce each bucket and keep this rank's chunk (3Ψ, not 2Ψ)
+        collectives: str = 'auto',  # 'native', 'p2p', 'all_reduce' (see `ShardReducer`), 'auto': p2p on gloo
+        # leave the parameter all-gathers in flight until forward needs them (the engine does)
+        defer_gather: bool = False,
+        # deferred p2p gathers: split each bucket's into this many (at most), waited piece by piece
+        gather_pieces: int = 4,
+    ):
         if collectives not in ('auto', *ALGORITHMS):
             raise ValueError(f"collectives must be 'auto' or one of {ALGORITHMS}, got {collectives!r}")
-        if optimizer is None: raise ValueError(f"ZeRO stage {self.stage} partitions an optimizer's state: pass optimizer= to initialize() or add an 'optimizer' block")
+        if optimizer is None:
+            raise ValueError(
+                f"ZeRO stage {self.stage} partitions an optimizer's state: pass optimizer= to initialize() or add an "
+                "'optimizer' block"
+            )
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
         self.module, self.optimizer, self.precision, self.group, self.mpu = module, optimizer, precision, group, mpu
-        self.master_weights, self.overlap_comm, self.reduce_scatter = precision.master_weights, overlap_comm, reduce_scatter
+        self.master_weights, self.overlap_comm, self.reduce_scatter = (
+            precision.master_weights,
+            overlap_comm,
+            reduce_scatter,
+        )
         self.gradient_average = bool(gradient_average)
         self.comm_bytes = 0
         self.world_size = dist.get_world_size(group)
-        if collectives == 'auto': collectives = 'p2p' if dist.prefers_p2p(group) else 'native'
+        if collectives == 'auto':
+            collectives = 'p2p' if dist.prefers_p2p(group) else 'native'
         self.collectives = collectives
         groups = _trainable_groups(optimizer)
         values = {id(p): p.detach().float() for g in groups for p in g} if self.master_weights else {}
-        precision.cast_model(module)   # the fp32 values above become the masters, as in stage 0
+        precision.cast_model(module)  # the fp32 values above become the masters, as in stage 0
         data_parallel = getattr(expert_groups, 'data_parallel', expert_groups) or None
         self.buckets = _plan(groups, bucket_bytes, group, data_parallel)
-        for bk in self.buckets: _build_bucket(bk, values, self.master_weights)
-        for gi, group_ in enumerate(optimizer.param_groups): group_['params'] = [bk.master for bk in self.buckets if bk.param_group == gi]
+        for bk in self.buckets:
+            _build_bucket(bk, values, self.master_weights)
+        for gi, group_ in enumerate(optimizer.param_groups):
+            group_['params'] = [bk.master for bk in self.buckets if bk.param_group == gi]
         self._setup_gradients()
         self.reducer = self._make_reducer(gradient_predivide_factor)
-        for bk in self.buckets: bk.pieces = piece_bounds(bk, gather_pieces if defer_gather and collectives == 'p2p' else 1)
-        self.deferred = DeferredGathers(module, [piece_params(bk.partition, *ab) for bk in self.buckets for ab in bk.pieces]) if defer_gather else None
+        for bk in self.buckets:
+            bk.pieces = piece_bounds(bk, gather_pieces if defer_gather and collectives == 'p2p' else 1)
+        self.deferred = (
+            DeferredGathers(module, [piece_params(bk.partition, *ab) for bk in self.buckets for ab in bk.pieces])
+            if defer_gather
+            else None
+        )
 
-    def __repr__(self): return (f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
-                                f'{len(self.buckets)} buckets over {self.world_size} ranks)')
+    def __repr__(self):
+        return (
+            f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
+            f'{len(self.buckets)} buckets over {self.world_size} ranks)'
+        )
 
-# %% ../../nbs/50_zero_stage1.ipynb #c014
-@patch
-def _setup_gradients(self:ZeroStage1):
-    "Stage 1: the whole gradient buffers stay; the rank's chunk of each holds the reduced gradient"
-    for bk in self.buckets: bk.grad_shard = bk.partition.shard(bk.buffer)
+    def _setup_gradients(self):
+        "Stage 1: the whole gradient buffers stay; the rank's chunk of each holds the reduced gradient"
+        for bk in self.buckets:
+            bk.grad_shard = bk.partition.shard(bk.buffer)
 
-@patch
-def _make_reducer(self:ZeroStage1, gradient_predivide_factor:float)->ShardReducer:
-    "The reducer that fills `grad_shard` (stage 2 overrides it)"
-    return ShardReducer(self.buckets, self.world_size, gradient_predivide_factor, self.reduce_scatter, self.collectives,
-                        self.gradient_average)
+    def _make_reducer(self, gradient_predivide_factor: float) -> ShardReducer:
+        "The reducer that fills `grad_shard` (stage 2 overrides it)"
+        return ShardReducer(
+            self.buckets,
+            self.world_size,
+            gradient_predivide_factor,
+            self.reduce_scatter,
+            self.collectives,
+            self.gradient_average,
+        )
 
-# %% ../../nbs/50_zero_stage1.ipynb #c017
-@patch
-def set_boundary(self:ZeroStage1, is_boundary:bool):
-    "Before a backward: reduce-scatter its gradients (True) or only accumulate them (False)"
-    self.reducer.set_boundary(is_boundary)
+    def set_boundary(self, is_boundary: bool):
+        "Before a backward: reduce-scatter its gradients (True) or only accumulate them (False)"
+        self.reducer.set_boundary(is_boundary)
 
-@patch
-@torch.no_grad()
-def reduced_gradients(self:ZeroStage1)->list: # this rank's gradient chunks, one per bucket (fp32 with master weights)
-    "At the boundary: wait for the reduce-scatters and hand this rank's averaged chunks to the masters"
-    self.reducer.wait()
-    zero_stale(self.buckets)   # stage 2: shards no boundary backward wrote since zero_grad
-    self.comm_bytes += sum(bk.partition.padded_numel * bk.dtype.itemsize for bk in self.buckets if bk.world_size > 1)
-    for bk in self.buckets: bk.master.grad = bk.grad_shard.float() if self.master_weights else bk.grad_shard
-    return [bk.master.grad for bk in self.buckets]
+    @torch.no_grad()
+    def reduced_gradients(self) -> list:  # this rank's gradient chunks, one per bucket (fp32 with master weights)
+        "At the boundary: wait for the reduce-scatters and hand this rank's averaged chunks to the masters"
+        self.reducer.wait()
+        zero_stale(self.buckets)  # stage 2: shards no boundary backward wrote since zero_grad
+        self.comm_bytes += sum(
+            bk.partition.padded_numel * bk.dtype.itemsize for bk in self.buckets if bk.world_size > 1
+        )
+        for bk in self.buckets:
+            bk.master.grad = bk.grad_shard.float() if self.master_weights else bk.grad_shard
+        return [bk.master.grad for bk in self.buckets]
 
-# %% ../../nbs/50_zero_stage1.ipynb #c019
-@patch
-def clip_grad_norm(self:ZeroStage1, max_norm:float)->tuple: # (norm before clipping, norm after)
-    "Global gradient norm over every rank's shards; the shards scaled down to `max_norm` when above it (0: never)"
-    norm = shard_grad_norm([bk.master.grad for bk in self.buckets if not bk.is_expert],
-                           [bk.master.grad for bk in self.buckets if bk.is_expert], self.group, self.mpu)
-    return clip_shards([bk.master.grad for bk in self.buckets], max_norm, norm)
+    def clip_grad_norm(self, max_norm: float) -> tuple:  # (norm before clipping, norm after)
+        "Global gradient norm over every rank's shards; the shards scaled down to `max_norm` when above it (0: never)"
+        norm = shard_grad_norm(
+            [bk.master.grad for bk in self.buckets if not bk.is_expert],
+            [bk.master.grad for bk in self.buckets if bk.is_expert],
+            self.group,
+            self.mpu,
+        )
+        return clip_shards([bk.master.grad for bk in self.buckets], max_norm, norm)
 
-# %% ../../nbs/50_zero_stage1.ipynb #c020
-@patch
-def _launch_gather(self:ZeroStage1, bk)->list: # a handle per piece (None: nothing in flight)
-    "Start the all-gather of one bucket's parameter buffer (`gather_bucket`) and count the bytes it moves"
-    works = gather_bucket(bk, self.collectives)
-    if bk.world_size > 1: self.comm_bytes += bk.param_buffer.nbytes
-    return works
+    def _launch_gather(self, bk) -> list:  # a handle per piece (None: nothing in flight)
+        "Start the all-gather of one bucket's parameter buffer (`gather_bucket`) and count the bytes it moves"
+        works = gather_bucket(bk, self.collectives)
+        if bk.world_size > 1:
+            self.comm_bytes += bk.param_buffer.nbytes
+        return works
 
-@patch
-def wait_for_params(self:ZeroStage1):
-    "Finish the parameter all-gathers left in flight: the model's parameters are whole afterwards"
-    if self.deferred is not None: self.deferred.wait_all()
+    def wait_for_params(self):
+        "Finish the parameter all-gathers left in flight: the model's parameters are whole afterwards"
+        if self.deferred is not None:
+            self.deferred.wait_all()
 
-@patch
-def quiesce(self:ZeroStage1): self.wait_for_params()
+    def quiesce(self):
+        self.wait_for_params()
 
-@patch
-def gathered(self:ZeroStage1, tensors:list, modifier_rank:int|None=None):
-    "The parameters are whole here once the gathers in flight finished (nothing is partitioned)"
-    self.wait_for_params()
-    return contextlib.nullcontext()
+    def gathered(self, tensors: list, modifier_rank: int | None = None):
+        "The parameters are whole here once the gathers in flight finished (nothing is partitioned)"
+        self.wait_for_params()
+        return contextlib.nullcontext()
 
-@patch
-def _gather_params(self:ZeroStage1):
-    "Write the masters into this rank's chunk and all-gather every bucket's parameter buffer (waits for them)"
-    self.wait_for_params()
-    works = [w for bk in self.buckets for w in self._launch_gather(bk)]
-    for w in works:
-        if w is not None: w.wait()
+    def _gather_params(self):
+        "Write the masters into this rank's chunk and all-gather every bucket's parameter buffer (waits for them)"
+        self.wait_for_params()
+        works = [w for bk in self.buckets for w in self._launch_gather(bk)]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def step(self):
+        """The optimizer step on this rank's masters, then the all-gathers of the updated parameters (left in flight if
+        deferred)"""
+        self.wait_for_params()
+        if len(self.buckets) < 2 or type(self.optimizer).__name__ not in PER_PARAMETER:
+            self.optimizer.step()
+            works = [w for bk in self.buckets for w in self._launch_gather(bk)]
+        else:
+            works = []
+            for bk in self.buckets:
+                _step_bucket(self.optimizer, bk)
+                works += self._launch_gather(bk)
+        if self.deferred is None:
+            works = [w.wait() for w in works if w is not None]
+        else:
+            for i, w in enumerate(works):
+                self.deferred.launch(i, w)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Drop the gradients (the buffers stay: the next reduction overwrites them); `set_to_none=False`: zero them in
+        place"""
+        self.reducer.zero_grad(set_to_none)
+        for bk in self.buckets:
+            bk.master.grad = None if set_to_none or self.master_weights else bk.grad_shard
+
+    def close(self):
+        """Finish the gathers in flight, remove the hooks and drop every gradient (the model keeps its parameters); each
+        part runs even when one before it raised (a peer failed mid-step)"""
+
+        def drop_gradients():
+            for bk in self.buckets:
+                bk.master.grad = None
+                for p in bk.params:
+                    p.grad = None
+                bk.buffer = bk.grad_shard = None
+
+        with contextlib.ExitStack() as parts:  # run last-in first: gathers, reducer, direct-message threads, gradients
+            parts.callback(drop_gradients)
+            parts.callback(dist.join_p2p_threads)  # none outlives the slot
+            parts.callback(self.reducer.close)
+            if self.deferred is not None:
+                parts.callback(self.deferred.close)
+
+    def memory_breakdown(self) -> dict:  # bytes: params, grads, optimizer_state, total
+        "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
+        seen, model = set(), list(self.module.parameters())
+        params = storage_bytes([bk.param_buffer for bk in self.buckets] + model, seen)
+        grads = storage_bytes(
+            [t for bk in self.buckets for t in (bk.buffer, bk.grad_shard, bk.master.grad)]
+            + [p.grad for p in model]
+            + list(getattr(self.reducer, 'spare_buffers', ())),
+            seen,
+        )  # stage 2 keeps bucket buffers
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        state = storage_bytes([bk.master for bk in self.buckets] + state, seen)
+        return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}
+
+    def fragments(self) -> list:  # [Fragment] one per bucket: this rank's master chunk
+        "Each bucket's master and the pieces of parameters its chunk holds (after the gathers in flight finished)"
+        self.wait_for_params()
+        out = []
+        for bk in self.buckets:
+            part = bk.partition
+            out.append(
+                Fragment(bk.master, [Piece(part.params[i], s, e - s, off) for i, s, e, off in part.param_shards()])
+            )
+        return out
+
+    def stepped_params(self) -> list:
+        return [p for bk in self.buckets for p in bk.partition.params]
+
+    def sync_model(self):
+        "All-gather the (loaded) masters into every bucket's parameter buffer (collective)"
+        self._gather_params()
 
 # %% ../../nbs/50_zero_stage1.ipynb #c022
 PER_PARAMETER = ('Adam', 'AdamW', 'SGD', 'Adagrad', 'Adamax', 'RMSprop', 'NAdam', 'RAdam', 'Lamb')
+
 
 def _step_bucket(optimizer, bk):
     "One optimizer step over this bucket's master alone"
     saved = [g['params'] for g in optimizer.param_groups]
     try:
-        for gi, g in enumerate(optimizer.param_groups): g['params'] = [bk.master] if gi == bk.param_group else []
+        for gi, g in enumerate(optimizer.param_groups):
+            g['params'] = [bk.master] if gi == bk.param_group else []
         optimizer.step()
     finally:
-        for g, params in zip(optimizer.param_groups, saved): g['params'] = params
-
-@patch
-def step(self:ZeroStage1):
-    "The optimizer step on this rank's masters, then the all-gathers of the updated parameters (left in flight if deferred)"
-    self.wait_for_params()
-    if len(self.buckets) < 2 or type(self.optimizer).__name__ not in PER_PARAMETER:
-        self.optimizer.step(); works = [w for bk in self.buckets for w in self._launch_gather(bk)]
-    else:
-        works = []
-        for bk in self.buckets:
-            _step_bucket(self.optimizer, bk)
-            works += self._launch_gather(bk)
-    if self.deferred is None: works = [w.wait() for w in works if w is not None]
-    else:
-        for i, w in enumerate(works): self.deferred.launch(i, w)
-
-# %% ../../nbs/50_zero_stage1.ipynb #c023
-@patch
-def zero_grad(self:ZeroStage1, set_to_none:bool=True):
-    "Drop the gradients (the buffers stay: the next reduction overwrites them); `set_to_none=False`: zero them in place"
-    self.reducer.zero_grad(set_to_none)
-    for bk in self.buckets: bk.master.grad = None if set_to_none or self.master_weights else bk.grad_shard
-
-@patch
-def close(self:ZeroStage1):
-    "Finish the gathers in flight, remove the hooks and drop every gradient (the model keeps its parameters); each part runs even when one before it raised (a peer failed mid-step)"
-    def drop_gradients():
-        for bk in self.buckets:
-            bk.master.grad = None
-            for p in bk.params: p.grad = None
-            bk.buffer = bk.grad_shard = None
-    with contextlib.ExitStack() as parts:   # run last-in first: gathers, reducer, direct-message threads, gradients
-        parts.callback(drop_gradients)
-        parts.callback(dist.join_p2p_threads)   # none outlives the slot
-        parts.callback(self.reducer.close)
-        if self.deferred is not None: parts.callback(self.deferred.close)
-
-# %% ../../nbs/50_zero_stage1.ipynb #c027
-@patch
-def memory_breakdown(self:ZeroStage1)->dict: # bytes: params, grads, optimizer_state, total
-    "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
-    seen, model = set(), list(self.module.parameters())
-    params = storage_bytes([bk.param_buffer for bk in self.buckets] + model, seen)
-    grads = storage_bytes([t for bk in self.buckets for t in (bk.buffer, bk.grad_shard, bk.master.grad)] +
-                           [p.grad for p in model] + list(getattr(self.reducer, 'spare_buffers', ())), seen)   # stage 2 keeps bucket buffers
-    state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    state = storage_bytes([bk.master for bk in self.buckets] + state, seen)
-    return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}
-
-# %% ../../nbs/50_zero_stage1.ipynb #c030
-@patch
-def fragments(self:ZeroStage1)->list: # [Fragment] one per bucket: this rank's master chunk
-    "Each bucket's master and the pieces of parameters its chunk holds (after the gathers in flight finished)"
-    self.wait_for_params()
-    out = []
-    for bk in self.buckets:
-        part = bk.partition
-        out.append(Fragment(bk.master, [Piece(part.params[i], s, e - s, off) for i, s, e, off in part.param_shards()]))
-    return out
-
-@patch
-def stepped_params(self:ZeroStage1)->list: return [p for bk in self.buckets for p in bk.partition.params]
-
-@patch
-def sync_model(self:ZeroStage1):
-    "All-gather the (loaded) masters into every bucket's parameter buffer (collective)"
-    self._gather_params()
+        for g, params in zip(optimizer.param_groups, saved):
+            g['params'] = params

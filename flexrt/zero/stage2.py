@@ -16,19 +16,30 @@ __all__ = ['Stage2Reducer', 'ZeroStage2']
 
 # %% ../../nbs/50_zero_stage2.ipynb #c006
 class Stage2Reducer(ShardReducer):
-    "Reduce-scatter buckets into per-rank gradient shards, through at most `max_in_flight` bucket buffers, kept between reductions"
-    accumulate, grads_in_buckets = True, False   # gradients stay in `p.grad` until their bucket launches
-    def __init__(self, buckets:list, # from `plan_buckets(..., align=world size)`, with `.partition` and `.grad_shard`
-                 world_size:int, # the data-parallel world size
-                 gradient_predivide_factor:float=1., # divide by this before the reduction, the rest after
-                 overlap_comm:bool=True, # reduce while backward runs
-                 reduce_scatter:bool=True, # False: all-reduce each bucket and keep this rank's chunk
-                 max_in_flight:int=2, # buckets being reduced at once (each holds its buffer)
-                 algorithm:str='native', # how each reduce-scatter runs (see `ShardReducer`)
-                 gradient_average:bool=True): # False: the shards hold the sum over the ranks
-        for bk in buckets: bk.buffer = bk.views = bk.whole = None
+    """Reduce-scatter buckets into per-rank gradient shards, through at most `max_in_flight` bucket buffers, kept
+    between reductions"""
+
+    accumulate, grads_in_buckets = True, False  # gradients stay in `p.grad` until their bucket launches
+
+    def __init__(
+        self,
+        buckets: list,  # from `plan_buckets(..., align=world size)`, with `.partition` and `.grad_shard`
+        world_size: int,  # the data-parallel world size
+        gradient_predivide_factor: float = 1.0,  # divide by this before the reduction, the rest after
+        overlap_comm: bool = True,  # reduce while backward runs
+        reduce_scatter: bool = True,  # False: all-reduce each bucket and keep this rank's chunk
+        max_in_flight: int = 2,  # buckets being reduced at once (each holds its buffer)
+        algorithm: str = 'native',  # how each reduce-scatter runs (see `ShardReducer`)
+        gradient_average: bool = True,  # False: the shards hold the sum over the ranks
+    ):
+        for bk in buckets:
+            bk.buffer = bk.views = bk.whole = None
         self.overlap_comm, self.max_in_flight, self._in_flight = bool(overlap_comm), max(1, max_in_flight), deque()
-        self._spare, self._head, self._tail = {}, {}, {}   # per (dtype, device): the buffers not in use; the largest bucket, and chunk
+        self._spare, self._head, self._tail = (
+            {},
+            {},
+            {},
+        )  # per (dtype, device): the buffers not in use; the largest bucket, and chunk
         for bk in buckets:
             key = bk.dtype, bk.device
             self._head[key] = max(self._head.get(key, 0), bk.partition.padded_numel)
@@ -36,58 +47,69 @@ class Stage2Reducer(ShardReducer):
         super().__init__(buckets, world_size, gradient_predivide_factor, reduce_scatter, algorithm, gradient_average)
 
     def _start(self, bucket):
-        "Copy the bucket's gradients into a buffer (a spare one, else a new one), drop `p.grad`, launch the reduce-scatter"
-        while len(self._in_flight) >= self.max_in_flight: self._finish(self._in_flight.popleft())
+        """Copy the bucket's gradients into a buffer (a spare one, else a new one), drop `p.grad`, launch the
+        reduce-scatter"""
+        while len(self._in_flight) >= self.max_in_flight:
+            self._finish(self._in_flight.popleft())
         key = bucket.dtype, bucket.device
         spare = self._spare.setdefault(key, [])
-        bucket.whole = spare.pop() if spare else torch.empty(self._head[key] + self._tail[key], dtype=bucket.dtype, device=bucket.device)
-        bucket.buffer = bucket.whole[:bucket.partition.padded_numel]
-        bucket.buffer[bucket.numel:].zero_()
+        bucket.whole = (
+            spare.pop()
+            if spare
+            else torch.empty(self._head[key] + self._tail[key], dtype=bucket.dtype, device=bucket.device)
+        )
+        bucket.buffer = bucket.whole[: bucket.partition.padded_numel]
+        bucket.buffer[bucket.numel :].zero_()
         bucket.views = bucket.partition.views(bucket.buffer)
         BucketReducer._start(self, bucket)
-        for p in bucket.params: p.grad = None
-        if self.overlap_comm: self._in_flight.append(bucket)
-        else: self._finish(bucket)
+        for p in bucket.params:
+            p.grad = None
+        if self.overlap_comm:
+            self._in_flight.append(bucket)
+        else:
+            self._finish(bucket)
 
-    def _output(self, bucket, chunk)->torch.Tensor:
+    def _output(self, bucket, chunk) -> torch.Tensor:
         "The reduce-scatter's output: the part of the bucket's buffer after the largest bucket"
         head = self._head[bucket.dtype, bucket.device]
-        return bucket.whole[head:head + chunk.numel()].view_as(chunk)
+        return bucket.whole[head : head + chunk.numel()].view_as(chunk)
 
     def _finish(self, bucket):
         "Add the averaged chunk to the shard; keep the bucket buffer as a spare"
         ShardReducer._finish(self, bucket)
-        if bucket.whole is not None: self._spare[bucket.dtype, bucket.device].append(bucket.whole)
+        if bucket.whole is not None:
+            self._spare[bucket.dtype, bucket.device].append(bucket.whole)
         bucket.buffer = bucket.views = bucket.whole = None
 
-# %% ../../nbs/50_zero_stage2.ipynb #c007
-@patch
-def wait(self:Stage2Reducer):
-    "Finish the round (see `BucketReducer.wait`); nothing stays in flight"
-    BucketReducer.wait(self)
-    self._in_flight.clear()
+    def wait(self):
+        "Finish the round (see `BucketReducer.wait`); nothing stays in flight"
+        BucketReducer.wait(self)
+        self._in_flight.clear()
 
-@patch(as_prop=True)
-def spare_buffers(self:Stage2Reducer)->list: return [b for bs in self._spare.values() for b in bs]   # bucket buffers not in use
+    @property
+    def spare_buffers(self) -> list:
+        return [b for bs in self._spare.values() for b in bs]  # bucket buffers not in use
 
-@patch
-def close(self:Stage2Reducer):
-    "Finish what is in flight (see `BucketReducer.close`) and let the spare bucket buffers go"
-    BucketReducer.close(self)
-    self._spare = {}
+    def close(self):
+        "Finish what is in flight (see `BucketReducer.close`) and let the spare bucket buffers go"
+        BucketReducer.close(self)
+        self._spare = {}
 
-@patch
-@torch.no_grad()
-def zero_grad(self:Stage2Reducer, set_to_none:bool=True): # False: zero the shards in place now
-    "Mark the gradient shards stale (the next reduction overwrites them; `reduced_gradients` zeroes those none wrote); drop any accumulated `p.grad`"
-    if not set_to_none and self.buckets: torch._foreach_zero_([bk.grad_shard for bk in self.buckets])
-    for bk in self.buckets:
-        bk.grad_stale = set_to_none
-        for p in bk.params: p.grad = None
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True):  # False: zero the shards in place now
+        """Mark the gradient shards stale (the next reduction overwrites them; `reduced_gradients` zeroes those none
+        wrote); drop any accumulated `p.grad`"""
+        if not set_to_none and self.buckets:
+            torch._foreach_zero_([bk.grad_shard for bk in self.buckets])
+        for bk in self.buckets:
+            bk.grad_stale = set_to_none
+            for p in bk.params:
+                p.grad = None
 
 # %% ../../nbs/50_zero_stage2.ipynb #c009
 class ZeroStage2(ZeroStage1):
     "ZeRO stage 2: optimizer state, fp32 masters and gradients partitioned over the data-parallel ranks"
+
     stage, supports_no_sync = 2, True
 
     def _setup_gradients(self):
@@ -95,6 +117,13 @@ class ZeroStage2(ZeroStage1):
         for bk in self.buckets:
             bk.grad_shard = torch.zeros(bk.partition.shard_numel, dtype=bk.dtype, device=bk.device)
 
-    def _make_reducer(self, gradient_predivide_factor:float)->Stage2Reducer:
-        return Stage2Reducer(self.buckets, self.world_size, gradient_predivide_factor, self.overlap_comm, self.reduce_scatter,
-                             algorithm=self.collectives, gradient_average=self.gradient_average)
+    def _make_reducer(self, gradient_predivide_factor: float) -> Stage2Reducer:
+        return Stage2Reducer(
+            self.buckets,
+            self.world_size,
+            gradient_predivide_factor,
+            self.overlap_comm,
+            self.reduce_scatter,
+            algorithm=self.collectives,
+            gradient_average=self.gradient_average,
+        )

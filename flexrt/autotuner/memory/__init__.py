@@ -11,16 +11,63 @@ __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_S
            'estimate_zero3_model_states_mem_needs_all_cold', 'estimate_zero3_model_states_mem_needs_all_live']
 
 # %% ../../../nbs/71_autotuner_memory.ipynb #c003
-from .stages import (STATE_TENSORS, STEP_TEMPORARIES, STATE_SCALAR_BYTES, FOREACH_STEP,
-                                            FOREACH_TEMPORARIES, Line,
-                                            ModelProfile, Setting, setting, pad, plan_buckets, Tally, levels, stage0,
-                                            stage12)
+from flexrt.autotuner.memory.stages import (
+    STATE_TENSORS,
+    STEP_TEMPORARIES,
+    STATE_SCALAR_BYTES,
+    FOREACH_STEP,
+    FOREACH_TEMPORARIES,
+    Line,
+    ModelProfile,
+    Setting,
+    setting,
+    pad,
+    plan_buckets,
+    Tally,
+    levels,
+    stage0,
+    stage12,
+)
 from .stage3 import stage3, replay
-from .model import (profile_model, MemoryEstimate, estimate_memory, calibrate,
-                                           estimate_zero2_model_states_mem_needs,
-                                           estimate_zero2_model_states_mem_needs_all_cold,
-                                           estimate_zero2_model_states_mem_needs_all_live,
-                                           estimate_zero3_model_states_mem_needs,
-                                           estimate_zero3_model_states_mem_needs_all_cold,
-                                           estimate_zero3_model_states_mem_needs_all_live)
-_all_ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'FOREACH_TEMPORARIES', 'Line', 'ModelProfile', 'Setting', 'setting', 'pad', 'plan_buckets', 'Tally', 'levels', 'stage0', 'stage12', 'stage3', 'replay', 'profile_model', 'MemoryEstimate', 'estimate_memory', 'calibrate', 'estimate_zero2_model_states_mem_needs', 'estimate_zero2_model_states_mem_needs_all_cold', 'estimate_zero2_model_states_mem_needs_all_live', 'estimate_zero3_model_states_mem_needs', 'estimate_zero3_model_states_mem_needs_all_cold', 'estimate_zero3_model_states_mem_needs_all_live']
+from flexrt.autotuner.memory.model import (
+    profile_model,
+    MemoryEstimate,
+    estimate_memory,
+    calibrate,
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
+
+_all_ = [
+    'STATE_TENSORS',
+    'STEP_TEMPORARIES',
+    'STATE_SCALAR_BYTES',
+    'FOREACH_STEP',
+    'FOREACH_TEMPORARIES',
+    'Line',
+    'ModelProfile',
+    'Setting',
+    'setting',
+    'pad',
+    'plan_buckets',
+    'Tally',
+    'levels',
+    'stage0',
+    'stage12',
+    'stage3',
+    'replay',
+    'profile_model',
+    'MemoryEstimate',
+    'estimate_memory',
+    'calibrate',
+    'estimate_zero2_model_states_mem_needs',
+    'estimate_zero2_model_states_mem_needs_all_cold',
+    'estimate_zero2_model_states_mem_needs_all_live',
+    'estimate_zero3_model_states_mem_needs',
+    'estimate_zero3_model_states_mem_needs_all_cold',
+    'estimate_zero3_model_states_mem_needs_all_live',
+]

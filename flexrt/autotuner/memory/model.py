@@ -7,11 +7,20 @@ from __future__ import annotations
 import dataclasses, math
 from dataclasses import dataclass, field
 import torch
-from ...config import FlexConfig, load_config
-from .stages import (Line, ModelProfile, STATE_TENSORS, STEP_TEMPORARIES, FOREACH_TEMPORARIES, STATE_SCALAR_BYTES, setting,
-                                            levels)
+from ...config.flex_config import FlexConfig, load_config
+from flexrt.autotuner.memory.stages import (
+    Line,
+    ModelProfile,
+    STATE_TENSORS,
+    STEP_TEMPORARIES,
+    FOREACH_TEMPORARIES,
+    STATE_SCALAR_BYTES,
+    setting,
+    levels,
+)
 from .stage3 import replay
 from .record import ActivationRecorder, record_activations
+
 _all_ = ['Line', 'ModelProfile']
 
 # %% auto #0
@@ -21,239 +30,378 @@ __all__ = ['profile_model', 'MemoryEstimate', 'estimate_memory', 'calibrate', 'e
            'estimate_zero3_model_states_mem_needs_all_live', 'Line', 'ModelProfile']
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c006
-def _optimizer_state(name:str, params:dict)->dict: # ModelProfile's optimizer fields
+def _optimizer_state(name: str, params: dict) -> dict:  # ModelProfile's optimizer fields
     "State tensors, step temporaries and scalar state bytes of the torch optimizer `name` with `params`"
     state = STATE_TENSORS.get(name, 2)
-    if name == 'SGD': state = int(params.get('momentum', 0) != 0)
-    if name == 'RMSprop': state += int(params.get('momentum', 0) != 0) + int(bool(params.get('centered', False)))
-    return dict(optimizer=name, state_tensors=state, step_temporaries=STEP_TEMPORARIES.get(name, 2),
-                foreach_temporaries=FOREACH_TEMPORARIES.get(name, STEP_TEMPORARIES.get(name, 2)),
-                state_scalar_bytes=STATE_SCALAR_BYTES.get(name, 4))
+    if name == 'SGD':
+        state = int(params.get('momentum', 0) != 0)
+    if name == 'RMSprop':
+        state += int(params.get('momentum', 0) != 0) + int(bool(params.get('centered', False)))
+    return dict(
+        optimizer=name,
+        state_tensors=state,
+        step_temporaries=STEP_TEMPORARIES.get(name, 2),
+        foreach_temporaries=FOREACH_TEMPORARIES.get(name, STEP_TEMPORARIES.get(name, 2)),
+        state_scalar_bytes=STATE_SCALAR_BYTES.get(name, 4),
+    )
 
-def _optimizer_name(cfg)->str:
+
+def _optimizer_name(cfg) -> str:
     "The torch optimizer class the config builds (DeepSpeed's Adam is AdamW unless adam_w_mode is false)"
-    if cfg.optimizer is None: return 'AdamW'
+    if cfg.optimizer is None:
+        return 'AdamW'
     name = cfg.optimizer.type
     return 'AdamW' if name == 'Adam' and cfg.optimizer.params.get('adam_w_mode', True) else name
 
-def _structure(model:torch.nn.Module)->dict:
+
+def _structure(model: torch.nn.Module) -> dict:
     "Element counts, trainable flags and the modules owning each parameter"
     params = list(dict.fromkeys(model.parameters()))
     index = {id(p): i for i, p in enumerate(params)}
-    units = [[index[id(p)] for p in dict.fromkeys(m._parameters.values()) if p is not None and p.numel()]
-             for m in dict.fromkeys(model.modules())]
-    return dict(num_params=sum(p.numel() for p in params), num_trainable=sum(p.numel() for p in params if p.requires_grad),
-                numels=[p.numel() for p in params], trainable=[p.requires_grad for p in params], units=[u for u in units if u],
-                buffer_numel=sum(b.numel() for b in model.buffers() if b.is_floating_point()))
+    units = [
+        [index[id(p)] for p in dict.fromkeys(m._parameters.values()) if p is not None and p.numel()]
+        for m in dict.fromkeys(model.modules())
+    ]
+    return dict(
+        num_params=sum(p.numel() for p in params),
+        num_trainable=sum(p.numel() for p in params if p.requires_grad),
+        numels=[p.numel() for p in params],
+        trainable=[p.requires_grad for p in params],
+        units=[u for u in units if u],
+        buffer_numel=sum(b.numel() for b in model.buffers() if b.is_floating_point()),
+    )
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c013
-def _timeline(r1:ActivationRecorder, m1:int, r2:ActivationRecorder, m2:int)->dict:
+def _timeline(r1: ActivationRecorder, m1: int, r2: ActivationRecorder, m2: int) -> dict:
     "Each level of the two recordings as a line in the micro-batch size"
     if [e[0] for e in r1.events] != [e[0] for e in r2.events]:
-        raise RuntimeError('gradients arrived in a different order at micro-batch sizes '
-                           f'{m1} and {m2}: the memory model needs one backward order (is the model data-dependent?)')
+        raise RuntimeError(
+            'gradients arrived in a different order at micro-batch sizes '
+            f'{m1} and {m2}: the memory model needs one backward order (is the model data-dependent?)'
+        )
     fit = lambda a, b: dataclasses.astuple(Line.fit(m1, a, m2, b))
     first = lambda r: r.events[0][1] if r.events else r.tail
-    return dict(fwd=fit(first(r1), first(r2)), tail=fit(r1.tail, r2.tail), hold=fit(r1.hold, r2.hold),
-                events=[(i, fit(a1, a2), fit(b1, b2)) for (i, a1, b1), (_, a2, b2) in zip(r1.events, r2.events)])
+    return dict(
+        fwd=fit(first(r1), first(r2)),
+        tail=fit(r1.tail, r2.tail),
+        hold=fit(r1.hold, r2.hold),
+        events=[(i, fit(a1, a2), fit(b1, b2)) for (i, a1, b1), (_, a2, b2) in zip(r1.events, r2.events)],
+    )
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c014
-def profile_model(model_fn, # builds a fresh model (called once, or once per micro-batch with `train_step`)
-                  config:dict|None=None, # the DeepSpeed-style config (its optimizer and precision)
-                  *, train_step=None, # train_step(engine): one micro-step; given, the activations are measured
-                  micro_batches:tuple=(2, 8), # the two micro-batch sizes the activations are measured at (bracket those you plan)
-                 )->ModelProfile:
+def profile_model(
+    model_fn,  # builds a fresh model (called once, or once per micro-batch with `train_step`)
+    config: dict | None = None,  # the DeepSpeed-style config (its optimizer and precision)
+    *,
+    train_step=None,  # train_step(engine): one micro-step; given, the activations are measured
+    micro_batches: tuple = (2, 8),  # the two micro-batch sizes the activations are measured at (bracket those you plan)
+) -> ModelProfile:
     "What the memory model needs to know about the model: parameters, optimizer, and (with `train_step`) activations"
     config = dict(config or {})
     return _profile(model_fn, config, load_config(config), train_step, micro_batches)
 
-def _profile(model_fn, config:dict, cfg:FlexConfig, train_step, micro_batches:tuple)->ModelProfile:
+
+def _profile(model_fn, config: dict, cfg: FlexConfig, train_step, micro_batches: tuple) -> ModelProfile:
     "`profile_model` with `config` parsed already (`cfg`); the measuring engines are built from the dict"
     name = _optimizer_name(cfg)
-    pr = ModelProfile(**_structure(model_fn()), **_optimizer_state(name, cfg.optimizer.params if cfg.optimizer else {}),
-                      profile_itemsize=2 if cfg.fp16.enabled or cfg.bf16.enabled else 4)
-    if train_step is None: return pr
+    pr = ModelProfile(
+        **_structure(model_fn()),
+        **_optimizer_state(name, cfg.optimizer.params if cfg.optimizer else {}),
+        profile_itemsize=2 if cfg.fp16.enabled or cfg.bf16.enabled else 4,
+    )
+    if train_step is None:
+        return pr
     (m1, m2), recs = micro_batches, [record_activations(model_fn, train_step, config, m) for m in micro_batches]
     peak = lambda r: max([r.tail] + [e[1] for e in r.events])
     line = Line.fit(m1, peak(recs[0]), m2, peak(recs[1]))
-    return dataclasses.replace(pr, timeline=_timeline(recs[0], m1, recs[1], m2), activation_slope=line.slope,
-                               activation_intercept=line.intercept)
+    return dataclasses.replace(
+        pr,
+        timeline=_timeline(recs[0], m1, recs[1], m2),
+        activation_slope=line.slope,
+        activation_intercept=line.intercept,
+    )
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c018
 @dataclass
 class MemoryEstimate:
     "The predicted per-rank peak of one configuration, and what it is made of"
-    peak_bytes: int               # predicted per-rank peak (headroom included)
-    breakdown: dict               # bytes at the peak: parameters, gradients, optimizer_state, fp32_masters, activations,
-                                  # buckets (reduction and gather buffers, held gradients), temporaries, headroom
+
+    peak_bytes: int  # predicted per-rank peak (headroom included)
+    breakdown: dict  # bytes at the peak: parameters, gradients, optimizer_state, fp32_masters, activations,
+    # buckets (reduction and gather buffers, held gradients), temporaries, headroom
     stage: int
     world_size: int
     micro_batch: int
     precision: str
-    moment: str = ''              # when the peak happens: 'init', 'backward' (forward included) or 'step'
-    phases: dict = field(default_factory=dict)   # the peak of each moment, before headroom
+    moment: str = ''  # when the peak happens: 'init', 'backward' (forward included) or 'step'
+    phases: dict = field(default_factory=dict)  # the peak of each moment, before headroom
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c019
-def _offset(pr:ModelProfile, m:float)->float:
+def _offset(pr: ModelProfile, m: float) -> float:
     "The calibrated correction of a measured timeline at micro-batch `m`"
-    return Line(*pr.timeline['offset'])(m) if pr.timeline and 'offset' in pr.timeline else 0.
+    return Line(*pr.timeline['offset'])(m) if pr.timeline and 'offset' in pr.timeline else 0.0
 
-def _replay(pr:ModelProfile, cfg:FlexConfig, world_size:int, m:int, device:str, offset:float=0.)->tuple: # (Setting, static breakdown, {phase: Tally})
+
+def _replay(
+    pr: ModelProfile, cfg: FlexConfig, world_size: int, m: int, device: str, offset: float = 0.0
+) -> tuple:  # (Setting, static breakdown, {phase: Tally})
     s, _ = setting(cfg, world_size, device)
     return s, *replay(pr, s, levels(pr, m, _offset(pr, m) + offset, s.itemsize / pr.profile_itemsize))
 
-def _precision(cfg:FlexConfig)->str: return 'fp16' if cfg.fp16.enabled else 'bf16' if cfg.bf16.enabled else 'fp32'
 
-def _micro_batch(cfg:FlexConfig, world_size:int)->int:
+def _precision(cfg: FlexConfig) -> str:
+    return 'fp16' if cfg.fp16.enabled else 'bf16' if cfg.bf16.enabled else 'fp32'
+
+
+def _micro_batch(cfg: FlexConfig, world_size: int) -> int:
     "The config's micro-batch size on `world_size` ranks (1 when it gives no batch size)"
-    if cfg.batch.train_micro_batch_size_per_gpu: return cfg.batch.train_micro_batch_size_per_gpu
-    if cfg.batch.train_batch_size is None: return 1
+    if cfg.batch.train_micro_batch_size_per_gpu:
+        return cfg.batch.train_micro_batch_size_per_gpu
+    if cfg.batch.train_batch_size is None:
+        return 1
     return cfg.resolve_batch(world_size).batch.train_micro_batch_size_per_gpu
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c020
 def _check_sizes(world_size, micro_batch):
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1 (ranks in the data-parallel group), got {world_size!r}")
-    if micro_batch is not None and (isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1):
+    if micro_batch is not None and (
+        isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1
+    ):
         raise ValueError(f"micro_batch must be an int >= 1 (samples per rank per micro-step), got {micro_batch!r}")
 
-def _profile_for(model_fn_or_profile, config:dict, cfg:FlexConfig, m:int, train_step)->ModelProfile:
+
+def _profile_for(model_fn_or_profile, config: dict, cfg: FlexConfig, m: int, train_step) -> ModelProfile:
     "The profile given, or one measured from the model function"
     if isinstance(model_fn_or_profile, ModelProfile):
-        if train_step is not None: raise ValueError("train_step= needs a model function to profile, not a ModelProfile: "
-                                                    "pass model_fn, or profile_model(model_fn, config, train_step=...) once")
+        if train_step is not None:
+            raise ValueError(
+                "train_step= needs a model function to profile, not a ModelProfile: "
+                "pass model_fn, or profile_model(model_fn, config, train_step=...) once"
+            )
         return model_fn_or_profile
-    if not callable(model_fn_or_profile): raise TypeError(f"expected a model function or a ModelProfile, got {type(model_fn_or_profile).__name__}")
-    return _profile(model_fn_or_profile, dict(config), cfg, train_step, (max(1, m // 2), m) if m > 1 else (1, 2))   # the size asked for, and half
+    if not callable(model_fn_or_profile):
+        raise TypeError(f"expected a model function or a ModelProfile, got {type(model_fn_or_profile).__name__}")
+    return _profile(
+        model_fn_or_profile, dict(config), cfg, train_step, (max(1, m // 2), m) if m > 1 else (1, 2)
+    )  # the size asked for, and half
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c021
-def estimate_memory(model_fn_or_profile, # a model function (builds a fresh model) or a `ModelProfile`
-                    config:dict, # the DeepSpeed-style config of the candidate (stage, precision, buckets)
-                    world_size:int=1, # ranks in the data-parallel group (any: nothing runs at this size)
-                    micro_batch:int|None=None, # samples per rank per micro-step (default: the config's, else 1)
-                    *, train_step=None, # with a model function: measure the activations by running it here
-                    device:str|None=None, # 'cuda' (NCCL) or 'cpu' (gloo, point-to-point); default: this process's
-                    margin:float=0.005, # headroom added to the peak, as a fraction
-                   )->MemoryEstimate:
+def estimate_memory(
+    model_fn_or_profile,  # a model function (builds a fresh model) or a `ModelProfile`
+    config: dict,  # the DeepSpeed-style config of the candidate (stage, precision, buckets)
+    world_size: int = 1,  # ranks in the data-parallel group (any: nothing runs at this size)
+    micro_batch: int | None = None,  # samples per rank per micro-step (default: the config's, else 1)
+    *,
+    train_step=None,  # with a model function: measure the activations by running it here
+    device: str | None = None,  # 'cuda' (NCCL) or 'cpu' (gloo, point-to-point); default: this process's
+    margin: float = 0.005,  # headroom added to the peak, as a fraction
+) -> MemoryEstimate:
     "The predicted per-rank peak bytes of `config` on `world_size` ranks, and its breakdown"
     _check_sizes(world_size, micro_batch)
-    cfg = load_config(config)   # parsed once: the micro-batch, the profile and the replay all read this
+    cfg = load_config(config)  # parsed once: the micro-batch, the profile and the replay all read this
     m = micro_batch or _micro_batch(cfg, world_size)
     pr = _profile_for(model_fn_or_profile, config, cfg, m, train_step)
     device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     s, static, phases = _replay(pr, cfg, world_size, m, device)
     moment = max(phases, key=lambda k: phases[k].peak)
     t = phases[moment]
-    extra, level, temporary = t.parts if moment != 'init' else (0., 0., t.peak - sum(static.values()))
+    extra, level, temporary = t.parts if moment != 'init' else (0.0, 0.0, t.peak - sum(static.values()))
     bd = {**static, 'activations': level, 'buckets': extra, 'temporaries': temporary, 'headroom': t.peak * margin}
     bd = {k: int(math.ceil(v)) for k, v in bd.items()}
-    return MemoryEstimate(sum(bd.values()), bd, s.stage, world_size, m, _precision(cfg), moment,
-                          {k: int(math.ceil(v.peak)) for k, v in phases.items()})
+    return MemoryEstimate(
+        sum(bd.values()),
+        bd,
+        s.stage,
+        world_size,
+        m,
+        _precision(cfg),
+        moment,
+        {k: int(math.ceil(v.peak)) for k, v in phases.items()},
+    )
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c029
-def _solve(predict, peak:float, tolerance:float)->float|None:
+def _solve(predict, peak: float, tolerance: float) -> float | None:
     "The offset nearest 0 at which the non-decreasing `predict` meets `peak` (0 if it already does; None if none can)"
-    p0 = predict(0.)
-    if abs(p0 - peak) <= tolerance * peak: return 0.
-    if p0 > peak and predict(-float(peak)) > peak: return None
-    lo, hi = (0., float(peak)) if p0 < peak else (-float(peak), 0.)
+    p0 = predict(0.0)
+    if abs(p0 - peak) <= tolerance * peak:
+        return 0.0
+    if p0 > peak and predict(-float(peak)) > peak:
+        return None
+    lo, hi = (0.0, float(peak)) if p0 < peak else (-float(peak), 0.0)
     for _ in range(50):
         mid = (lo + hi) / 2
-        if predict(mid) < peak: lo = mid
-        else: hi = mid
+        if predict(mid) < peak:
+            lo = mid
+        else:
+            hi = mid
     return hi if p0 < peak else lo
 
-def _fit(points:list)->Line:
+
+def _fit(points: list) -> Line:
     "Least-squares line through (micro_batch, offset) points (flat with one micro-batch size)"
     ms, ds = [p[0] for p in points], [p[1] for p in points]
     mm, md = sum(ms) / len(ms), sum(ds) / len(ds)
-    if len(set(ms)) == 1: return Line(0., md)
+    if len(set(ms)) == 1:
+        return Line(0.0, md)
     slope = sum((a - mm) * (b - md) for a, b in zip(ms, ds)) / sum((a - mm) ** 2 for a in ms)
     return Line(slope, md - slope * mm)
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c030
-def calibrate(profile:ModelProfile, # from `profile_model`
-              measurements:list, # [(ds_config dict, world_size, measured peak bytes per rank), ...]
-              tolerance:float=0.002, # a measurement already met within this fraction teaches nothing
-              device:str|None=None)->ModelProfile: # as in `estimate_memory`
+def calibrate(
+    profile: ModelProfile,  # from `profile_model`
+    measurements: list,  # [(ds_config dict, world_size, measured peak bytes per rank), ...]
+    tolerance: float = 0.002,  # a measurement already met within this fraction teaches nothing
+    device: str | None = None,
+) -> ModelProfile:  # as in `estimate_memory`
     "A profile whose activation terms meet the measured peaks"
     device, points = device or ('cuda' if torch.cuda.is_available() else 'cpu'), []
     for config, world_size, peak in measurements:
-        cfg = load_config(config)   # once per measurement, not once per guess of the solver
+        cfg = load_config(config)  # once per measurement, not once per guess of the solver
         m = _micro_batch(cfg, world_size)
         predict = lambda d: max(t.peak for t in _replay(profile, cfg, world_size, m, device, d)[2].values())
         d = _solve(predict, peak, tolerance)
-        if d is not None: points.append((m, d))
-    if not points: return profile
+        if d is not None:
+            points.append((m, d))
+    if not points:
+        return profile
     line = _fit(points)
     if profile.timeline is not None:
-        old = Line(*profile.timeline.get('offset', (0., 0.)))
-        return dataclasses.replace(profile, timeline={**profile.timeline, 'offset': (old.slope + line.slope, old.intercept + line.intercept)})
-    return dataclasses.replace(profile, activation_slope=(profile.activation_slope or 0.) + line.slope,
-                               activation_intercept=(profile.activation_intercept or 0.) + line.intercept)
+        old = Line(*profile.timeline.get('offset', (0.0, 0.0)))
+        return dataclasses.replace(
+            profile, timeline={**profile.timeline, 'offset': (old.slope + line.slope, old.intercept + line.intercept)}
+        )
+    return dataclasses.replace(
+        profile,
+        activation_slope=(profile.activation_slope or 0.0) + line.slope,
+        activation_intercept=(profile.activation_intercept or 0.0) + line.intercept,
+    )
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c033
-def estimate_zero2_model_states_mem_needs(total_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
-                                          cpu_offload:bool=True, additional_buffer_factor:float=1.5)->tuple: # (cpu, gpu) bytes
+def estimate_zero2_model_states_mem_needs(
+    total_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple:  # (cpu, gpu) bytes
     "DeepSpeed's ZeRO-2 model-state estimate (16-bit params and grads, fp32 master and Adam state)"
     total_gpus = num_nodes * num_gpus_per_node
-    if cpu_offload: gpu_mem, cpu_mem = 2 * total_params, total_params * max(4 * total_gpus, 16) * additional_buffer_factor
-    else: gpu_mem, cpu_mem = 2 * total_params + int(18 * total_params / total_gpus), total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    if cpu_offload:
+        gpu_mem, cpu_mem = 2 * total_params, total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem, cpu_mem = (
+            2 * total_params + int(18 * total_params / total_gpus),
+            total_params * 4 * num_gpus_per_node * additional_buffer_factor,
+        )
     return int(cpu_mem), int(gpu_mem)
 
-def _setup_lines(total_params:int, num_gpus_per_node:int, num_nodes:int, extra:str=''):
-    print("Estimated memory needed for params, optim states and gradients for a:\n"
-          f"HW: Setup with {num_nodes} {'nodes' if num_nodes > 1 else 'node'}, {num_gpus_per_node} "
-          f"{'GPUs' if num_gpus_per_node > 1 else 'GPU'} per node.\nSW: Model with {int(total_params / 1e6)}M total params{extra}.")
+
+def _setup_lines(total_params: int, num_gpus_per_node: int, num_nodes: int, extra: str = ''):
+    print(
+        "Estimated memory needed for params, optim states and gradients for a:\n"
+        f"HW: Setup with {num_nodes} {'nodes' if num_nodes > 1 else 'node'}, {num_gpus_per_node} "
+        f"{'GPUs' if num_gpus_per_node > 1 else 'GPU'} per node.\nSW: Model with {int(total_params / 1e6)}M total "
+        f"params{extra}."
+    )
     print("  per CPU  |  per GPU |   Options")
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c034
-def estimate_zero2_model_states_mem_needs_all_cold(total_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
-                                                   additional_buffer_factor:float=1.5):
+def estimate_zero2_model_states_mem_needs_all_cold(
+    total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
+):
     "Print DeepSpeed's ZeRO-2 table for a model of `total_params` parameters"
     _setup_lines(total_params, num_gpus_per_node, num_nodes)
     for offload in (True, False):
-        cpu, gpu = estimate_zero2_model_states_mem_needs(total_params, num_gpus_per_node, num_nodes, offload, additional_buffer_factor)
+        cpu, gpu = estimate_zero2_model_states_mem_needs(
+            total_params, num_gpus_per_node, num_nodes, offload, additional_buffer_factor
+        )
         print(f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | offload_optimizer={'cpu ' if offload else 'none'}")
 
-def _total_params(model)->int: return sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())   # tied once
 
-def estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node:int=1, num_nodes:int=1, additional_buffer_factor:float=1.5):
+def _total_params(model) -> int:
+    return sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())  # tied once
+
+
+def estimate_zero2_model_states_mem_needs_all_live(
+    model, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
+):
     "Print DeepSpeed's ZeRO-2 table for `model`"
-    estimate_zero2_model_states_mem_needs_all_cold(_total_params(model), num_gpus_per_node, num_nodes, additional_buffer_factor)
+    estimate_zero2_model_states_mem_needs_all_cold(
+        _total_params(model), num_gpus_per_node, num_nodes, additional_buffer_factor
+    )
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c036
-def estimate_zero3_model_states_mem_needs(total_params:int, largest_layer_params:int, num_gpus_per_node:int=1, num_nodes:int=1,
-                                          cpu_offload:bool=True, cpu_offload_params:bool=True, zero_init:bool=True,
-                                          additional_buffer_factor:float=1.5)->tuple: # (cpu, gpu, largest layer) bytes
+def estimate_zero3_model_states_mem_needs(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple:  # (cpu, gpu, largest layer) bytes
     "DeepSpeed's ZeRO-3 model-state estimate"
     total_gpus, gpus_factor, largest = num_nodes * num_gpus_per_node, 1 / num_nodes, 4 * largest_layer_params
     if cpu_offload and cpu_offload_params:
         gpu = largest
-        cpu = total_params * (18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor)) * additional_buffer_factor
+        cpu = (
+            total_params
+            * (18 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 18 * gpus_factor))
+            * additional_buffer_factor
+        )
     elif cpu_offload:
         gpu = largest + int(2 * total_params / total_gpus)
-        cpu = total_params * (16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor)) * additional_buffer_factor
+        cpu = (
+            total_params
+            * (16 * gpus_factor if zero_init else max(4 * num_gpus_per_node, 16 * gpus_factor))
+            * additional_buffer_factor
+        )
     else:
         gpu = largest + int(18 * total_params / total_gpus)
         cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
     return int(cpu), int(gpu), largest
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c037
-def estimate_zero3_model_states_mem_needs_all_cold(total_params:int, largest_layer_params:int, num_gpus_per_node:int=1,
-                                                   num_nodes:int=1, additional_buffer_factor:float=1.5):
+def estimate_zero3_model_states_mem_needs_all_cold(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    additional_buffer_factor: float = 1.5,
+):
     "Print DeepSpeed's ZeRO-3 table"
-    _setup_lines(total_params, num_gpus_per_node, num_nodes, f", {int(largest_layer_params / 1e6)}M largest layer params")
+    _setup_lines(
+        total_params, num_gpus_per_node, num_nodes, f", {int(largest_layer_params / 1e6)}M largest layer params"
+    )
     for offload in (True, False):
         for offload_params in (True, False):
-            if not offload and offload_params: continue
+            if not offload and offload_params:
+                continue
             for zero_init in (True, False):
-                cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total_params, largest_layer_params, num_gpus_per_node, num_nodes,
-                                                                    offload, offload_params, zero_init, additional_buffer_factor)
-                options = f"offload_param={'cpu ' if offload_params else 'none'}, offload_optimizer={'cpu ' if offload else 'none'}, zero_init={int(zero_init)}"
+                cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                    total_params,
+                    largest_layer_params,
+                    num_gpus_per_node,
+                    num_nodes,
+                    offload,
+                    offload_params,
+                    zero_init,
+                    additional_buffer_factor,
+                )
+                options = (
+                    f"offload_param={'cpu ' if offload_params else 'none'}, "
+                    f"offload_optimizer={'cpu ' if offload else 'none'}, zero_init={int(zero_init)}"
+                )
                 print(f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | {options}")
 
-def estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node:int=1, num_nodes:int=1, additional_buffer_factor:float=1.5):
+
+def estimate_zero3_model_states_mem_needs_all_live(
+    model, num_gpus_per_node: int = 1, num_nodes: int = 1, additional_buffer_factor: float = 1.5
+):
     "Print DeepSpeed's ZeRO-3 table for `model`"
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    estimate_zero3_model_states_mem_needs_all_cold(_total_params(model), largest, num_gpus_per_node, num_nodes, additional_buffer_factor)
+    estimate_zero3_model_states_mem_needs_all_cold(
+        _total_params(model), largest, num_gpus_per_node, num_nodes, additional_buffer_factor
+    )

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import torch
 from ... import comm as dist
-from ...engine import initialize
+from ...engine.build import initialize
 from ...memory.tracker import CudaBytes, TensorMemoryTracker, active_tracker
 from ...monitor.ds_sinks import without_monitors
 
@@ -16,39 +16,60 @@ __all__ = ['ActivationRecorder', 'record_activations']
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c009
 class ActivationRecorder:
     "Activation levels of one micro-step around each gradient's arrival (exact tensor bytes)"
-    def __init__(self, tracker, index:dict): self.t, self.index, self.on = tracker, index, False
+
+    def __init__(self, tracker, index: dict):
+        self.t, self.index, self.on = tracker, index, False
+
     def start(self):
         self.on, self.events, self.grads = True, [], 0
-        self.t.reset_peak(); self.start_bytes = self.t.allocated_bytes
+        self.t.reset_peak()
+        self.start_bytes = self.t.allocated_bytes
+
     def grad(self, p):
-        if not self.on: return
+        if not self.on:
+            return
         now, peak, g = self.t.allocated_bytes, self.t.peak_bytes, p.grad.untyped_storage().nbytes()
-        self.events.append((self.index[id(p)], peak - self.start_bytes - self.grads, now - self.start_bytes - self.grads - g))
-        self.grads += g; self.t.reset_peak()
+        self.events.append(
+            (self.index[id(p)], peak - self.start_bytes - self.grads, now - self.start_bytes - self.grads - g)
+        )
+        self.grads += g
+        self.t.reset_peak()
+
     def step(self):
-        if not self.on: return
+        if not self.on:
+            return
         self.tail = self.t.peak_bytes - self.start_bytes - self.grads
         self.hold, self.on = self.t.allocated_bytes - self.start_bytes - self.grads, False
 
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c010
 def _solo_unit():
     "In a launched group: a unit whose data-parallel group is this rank alone (None when there is one rank)"
-    if not dist.is_initialized() or dist.get_world_size() == 1: return None
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
     from flexrt.autotuner.measure import GroupUnit
+
     unit = GroupUnit(None)
     unit.group = unit.alone
     return unit
 
-def _stage0_config(config:dict, micro:int)->dict:
+
+def _stage0_config(config: dict, micro: int) -> dict:
     "`config` at stage 0, one micro-batch of `micro` per step, quiet"
-    out = {k: v for k, v in without_monitors(config).items() if k not in ('train_batch_size', 'autotuning')}   # no run logs
-    return {**out, 'train_micro_batch_size_per_gpu': micro, 'gradient_accumulation_steps': 1,
-            'zero_optimization': {'stage': 0}, 'steps_per_print': 10**9}
+    out = {
+        k: v for k, v in without_monitors(config).items() if k not in ('train_batch_size', 'autotuning')
+    }  # no run logs
+    return {
+        **out,
+        'train_micro_batch_size_per_gpu': micro,
+        'gradient_accumulation_steps': 1,
+        'zero_optimization': {'stage': 0},
+        'steps_per_print': 10**9,
+    }
 
 # %% ../../../nbs/71_autotuner_memory_record.ipynb #c011
-def record_activations(model_fn, train_step, config:dict, micro:int, steps:int=3)->ActivationRecorder:
+def record_activations(model_fn, train_step, config: dict, micro: int, steps: int = 3) -> ActivationRecorder:
     "Run `steps` micro-steps of a stage-0 engine on this rank alone; the last one recorded"
-    cuda = torch.cuda.is_available()   # the engine runs on the GPU when there is one: the allocator counts its bytes
+    cuda = torch.cuda.is_available()  # the engine runs on the GPU when there is one: the allocator counts its bytes
     unit, own = _solo_unit(), not cuda and active_tracker() is None
     tracker = CudaBytes() if cuda else TensorMemoryTracker(count_existing=False).enable() if own else active_tracker()
     engine, hooks = None, []
@@ -57,18 +78,25 @@ def record_activations(model_fn, train_step, config:dict, micro:int, steps:int=3
         params = list(dict.fromkeys(model.parameters()))
         rec = ActivationRecorder(tracker, {id(p): i for i, p in enumerate(params)})
         engine, *_ = initialize(model=model, config=_stage0_config(config, micro), mpu=unit)
-        if cuda: tracker.device = engine.device
+        if cuda:
+            tracker.device = engine.device
         hooks = [p.register_post_accumulate_grad_hook(rec.grad) for p in params if p.requires_grad]
         step = engine.step
         engine.step = lambda *a, **k: (rec.step(), step(*a, **k))[1]
         for k in range(steps):
-            if k == steps - 1: rec.start()
+            if k == steps - 1:
+                rec.start()
             train_step(engine)
-            rec.step()            # a train_step that leaves engine.step to its caller ends its micro-step here,
-            engine.zero_grad()    # and the next one starts without gradients, as after a step
+            rec.step()  # a train_step that leaves engine.step to its caller ends its micro-step here,
+            engine.zero_grad()  # and the next one starts without gradients, as after a step
         return rec
     finally:
-        for h in hooks: h.remove()
-        if engine is not None: engine.__dict__.pop('step', None); engine.close()   # no cycle (engine -> wrapper -> engine) keeps its tensors
-        if own: tracker.disable()
-        if unit is not None: unit.close()
+        for h in hooks:
+            h.remove()
+        if engine is not None:
+            engine.__dict__.pop('step', None)
+            engine.close()  # no cycle (engine -> wrapper -> engine) keeps its tensors
+        if own:
+            tracker.disable()
+        if unit is not None:
+            unit.close()

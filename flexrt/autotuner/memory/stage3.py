@@ -4,7 +4,15 @@
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c002
 from __future__ import annotations
-from .stages import ModelProfile, Setting, Tally, optimizer_state_bytes, step_temporaries, stage0, stage12
+from flexrt.autotuner.memory.stages import (
+    ModelProfile,
+    Setting,
+    Tally,
+    optimizer_state_bytes,
+    step_temporaries,
+    stage0,
+    stage12,
+)
 from itertools import accumulate
 from ...zero.stage3.plan import COALESCE_NUMEL, plan_keep, plan_chunks, chunk_ends, plan_ahead, split_buckets
 
@@ -12,76 +20,118 @@ from ...zero.stage3.plan import COALESCE_NUMEL, plan_keep, plan_chunks, chunk_en
 __all__ = ['stage3', 'replay']
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c028
-def _gather_bytes(shards:list, world_size:int, itemsize:int)->int:
+def _gather_bytes(shards: list, world_size: int, itemsize: int) -> int:
     "The buffer one gather of these shards makes: N x their sum (one rank: their concatenation, if more than one)"
-    if world_size > 1: return world_size * sum(shards) * itemsize
+    if world_size > 1:
+        return world_size * sum(shards) * itemsize
     return sum(shards) * itemsize if len(shards) > 1 else 0
 
-def _resident_bytes(shards:list, world_size:int, itemsize:int)->int:
-    "What a finished gather of these shards keeps (`_Gather.finish`): a copy of each parameter whose rows are not contiguous, and the buffer while one parameter is still a view of it"
-    if len(shards) < 2 or world_size == 1: return _gather_bytes(shards, world_size, itemsize)   # views of the buffer
-    return _copies(shards, world_size, itemsize) + (_gather_bytes(shards, world_size, itemsize) if min(shards) == 1 else 0)   # a 1-element shard views the buffer
 
-def _copies(shards:list, world_size:int, itemsize:int)->int:
+def _resident_bytes(shards: list, world_size: int, itemsize: int) -> int:
+    """What a finished gather of these shards keeps (`_Gather.finish`): a copy of each parameter whose rows are not
+    contiguous, and the buffer while one parameter is still a view of it"""
+    if len(shards) < 2 or world_size == 1:
+        return _gather_bytes(shards, world_size, itemsize)  # views of the buffer
+    return _copies(shards, world_size, itemsize) + (
+        _gather_bytes(shards, world_size, itemsize) if min(shards) == 1 else 0
+    )  # a 1-element shard views the buffer
+
+
+def _copies(shards: list, world_size: int, itemsize: int) -> int:
     "The copies `_Gather.finish` makes of several parameters gathered together: N rows of k elements each, for k > 1"
     return sum(world_size * k * itemsize for k in shards if k > 1) if len(shards) > 1 and world_size > 1 else 0
 
-def _chunk_bytes(shards:list, world_size:int, itemsize:int)->tuple: # (buffer, resident, during)
-    "A chunk's gather: its buffer while in flight, what stays after `_Gather.finish`, and the most held while it finishes"
+
+def _chunk_bytes(shards: list, world_size: int, itemsize: int) -> tuple:  # (buffer, resident, during)
+    """A chunk's gather: its buffer while in flight, what stays after `_Gather.finish`, and the most held while it
+    finishes"""
     G = _gather_bytes(shards, world_size, itemsize)
     return G, _resident_bytes(shards, world_size, itemsize), G + _copies(shards, world_size, itemsize)
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c029a
-def _buckets3(pr:ModelProfile, s:Setting, events:list)->list: # lists of parameter indices
+def _buckets3(pr: ModelProfile, s: Setting, events: list) -> list:  # lists of parameter indices
     "The partitioner's gradient buckets (`split_buckets`) on the order the gradients arrive"
     order = [i for i in dict.fromkeys([e[0] for e in events] + list(range(len(pr.numels)))) if pr.trainable[i]]
-    return [[order[j] for j in b] for b in split_buckets([pr.numels[i] for i in order], min(s.reduce_bucket_size, COALESCE_NUMEL))]
+    return [
+        [order[j] for j in b]
+        for b in split_buckets([pr.numels[i] for i in order], min(s.reduce_bucket_size, COALESCE_NUMEL))
+    ]
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c029b
-def _backward3(pr:ModelProfile, s:Setting, t:Tally, events:list, chunks:list, gathered:list, kept:set, shard:list, persistent:list,
-               ends:list): # `chunk_ends` of the chunks
-    "Gradients land in bucket reduce-scatter buffers held to the end of backward; a chunk is gathered on entering it (those before it within the prefetch gathering) and goes with its last gradient"
+def _backward3(
+    pr: ModelProfile,
+    s: Setting,
+    t: Tally,
+    events: list,
+    chunks: list,
+    gathered: list,
+    kept: set,
+    shard: list,
+    persistent: list,
+    ends: list,  # `chunk_ends` of the chunks
+):
+    """Gradients land in bucket reduce-scatter buffers held to the end of backward; a chunk is gathered on entering it
+    (those before it within the prefetch gathering) and goes with its last gradient"""
     n, W, w = pr.numels, s.world_size, s.itemsize
     chunk_of = {}
     for c, us in enumerate(chunks):
         for u in us:
-            for i in pr.units[u]: chunk_of.setdefault(i, c)
+            for i in pr.units[u]:
+                chunk_of.setdefault(i, c)
     state = ['whole' if chunks[c][0] in kept else 'none' for c in range(len(chunks))]
-    own = [list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks]   # what each gathers
-    left, ahead = [len(o) for o in own], None   # ahead: the farthest chunk started (`ParameterPartitioner._prefetch`)
-    copying = [W > 1 and len(o) > 1 for o in own]   # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
-    views = [sum(not copying[c] or shard[i] == 1 for i in o) for c, o in enumerate(own)]   # what keeps the buffer alive
+    own = [
+        list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks
+    ]  # what each gathers
+    left, ahead = [len(o) for o in own], None  # ahead: the farthest chunk started (`ParameterPartitioner._prefetch`)
+    copying = [
+        W > 1 and len(o) > 1 for o in own
+    ]  # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
+    views = [sum(not copying[c] or shard[i] == 1 for i in o) for c, o in enumerate(own)]  # what keeps the buffer alive
     buckets = _buckets3(pr, s, events)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     pending, width = [len(b) for b in buckets], [sum(shard[j] for j in b) for b in buckets]
     for i, before, after in events:
         c = chunk_of[i]
-        if state[c] in ('none', 'flight'):   # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
+        if state[c] in (
+            'none',
+            'flight',
+        ):  # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
             # ('gone': every parameter it gathers is released; what comes later in it is persistent)
             G, R, D = gathered[c]
             t.add(-G if state[c] == 'flight' else 0).see(before, D).add(R)
             state[c] = 'whole'
-        for p in plan_ahead(ends, c, -1, s.prefetch, ahead):   # the chunks before it, gathering ahead
-            if state[p] == 'none': t.add(gathered[p][0]); state[p] = 'flight'
+        for p in plan_ahead(ends, c, -1, s.prefetch, ahead):  # the chunks before it, gathering ahead
+            if state[p] == 'none':
+                t.add(gathered[p][0])
+                state[p] = 'flight'
             ahead = p
         t.see(before)
         b = bucket_of[i]
         L = width[b]
-        if pending[b] == len(buckets[b]): t.add(W * L * w).see(after + n[i] * w)
+        if pending[b] == len(buckets[b]):
+            t.add(W * L * w).see(after + n[i] * w)
         pending[b] -= 1
-        if pending[b] == 0 and W > 1: t.add(L * w + ((W - 1) * L * w if s.p2p and W > 2 else 0)).see(after + n[i] * w)   # output (+ p2p receives: 2 ranks receive into it)
-        if not persistent[i] and state[c] == 'whole':   # released: its own copy goes; the buffer with the last view of it
+        if pending[b] == 0 and W > 1:
+            t.add(L * w + ((W - 1) * L * w if s.p2p and W > 2 else 0)).see(
+                after + n[i] * w
+            )  # output (+ p2p receives: 2 ranks receive into it)
+        if (
+            not persistent[i] and state[c] == 'whole'
+        ):  # released: its own copy goes; the buffer with the last view of it
             left[c] -= 1
             views[c] -= not copying[c] or shard[i] == 1
             mine = W * shard[i] * w if copying[c] and shard[i] > 1 else 0
-            if views[c] == 0: mine += gathered[c][1] - (gathered[c][2] - gathered[c][0]); views[c] = -1   # the buffer (resident less copies), once
+            if views[c] == 0:
+                mine += gathered[c][1] - (gathered[c][2] - gathered[c][0])
+                views[c] = -1  # the buffer (resident less copies), once
             t.add(-mine)
-            if left[c] == 0: state[c] = 'gone'
+            if left[c] == 0:
+                state[c] = 'gone'
         t.see(after)
     return t
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c030
-def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {phase: Tally})
+def stage3(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdown, {phase: Tally})
     fwd, events, tail, hold = lv
     n, W, w = pr.numels, s.world_size, s.itemsize
     shard = [-(-k // W) for k in n]
@@ -89,33 +139,43 @@ def stage3(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {p
     St = sum(shard[i] for i in range(len(n)) if pr.trainable[i])
     frozen = sum(shard[i] for i in range(len(n)) if not pr.trainable[i])
     kept_whole = [i for i in range(len(n)) if persistent[i] and n[i]]
-    whole = _gather_bytes([shard[i] for i in kept_whole], W, w)   # the persistent ones, gathered together
-    held = _resident_bytes([shard[i] for i in kept_whole], W, w)   # what that gather leaves behind
-    bd = dict(parameters=(St + frozen + pr.buffer_numel) * w + held, gradients=St * 4,
-              fp32_masters=St * 4 if w != 4 else 0, optimizer_state=optimizer_state_bytes(pr, [St], 4))
+    whole = _gather_bytes([shard[i] for i in kept_whole], W, w)  # the persistent ones, gathered together
+    held = _resident_bytes([shard[i] for i in kept_whole], W, w)  # what that gather leaves behind
+    bd = dict(
+        parameters=(St + frozen + pr.buffer_numel) * w + held,
+        gradients=St * 4,
+        fp32_masters=St * 4 if w != 4 else 0,
+        optimizer_state=optimizer_state_bytes(pr, [St], 4),
+    )
     units = [[i for i in u if not persistent[i]] for u in pr.units]
     numel = [sum(n[i] for i in u) for u in units]
-    kept = plan_keep(numel, s.reuse, s.live)   # the partitioner's own plans, on the units in registration order
+    kept = plan_keep(numel, s.reuse, s.live)  # the partitioner's own plans, on the units in registration order
     bounds = plan_chunks(numel, kept, s.prefetch)
     chunks, ends = [list(range(*c)) for c in bounds], chunk_ends(numel, bounds)
-    gathered = [_chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]   # (G, R, D)
+    gathered = [
+        _chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks
+    ]  # (G, R, D)
     t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept))
-    flying = [0, *accumulate(0 if us[0] in kept else g[0] for us, g in zip(chunks, gathered))]   # buffers of chunks gathering ahead (kept ones: counted)
+    flying = [
+        0,
+        *accumulate(0 if us[0] in kept else g[0] for us, g in zip(chunks, gathered)),
+    ]  # buffers of chunks gathering ahead (kept ones: counted)
     peak, j = 0, 0
     for c, (us, g) in enumerate(zip(chunks, gathered)):
-        before = flying[max(j, c) + 1] - flying[c + 1]   # started ahead by the chunks before it
-        j = max([j, c, *plan_ahead(ends, c, +1, s.prefetch, j)])   # the farthest started (c itself: none ahead)
+        before = flying[max(j, c) + 1] - flying[c + 1]  # started ahead by the chunks before it
+        j = max([j, c, *plan_ahead(ends, c, +1, s.prefetch, j)])  # the farthest started (c itself: none ahead)
         mine = g[1] if us[0] in kept else 0
         peak = max(peak, g[2] - mine + before, g[1] - mine + flying[j + 1] - flying[c + 1])
-    t.see(fwd, peak)   # a chunk being finished (buffer and copies), or held, with the chunks ahead in flight
+    t.see(fwd, peak)  # a chunk being finished (buffer and copies), or held, with the chunks ahead in flight
     _backward3(pr, s, t, events, chunks, gathered, kept, shard, persistent, ends).see(tail)
     step = Tally(sum(bd.values())).see(hold, step_temporaries(pr, s) * St * 4)
-    if W > 1: step.see(hold, whole + whole // W)   # the persistent parameters gathered again
+    if W > 1:
+        step.see(hold, whole + whole // W)  # the persistent parameters gathered again
     P = (sum(n) + pr.buffer_numel) * 4
-    init = Tally(0.).see(0., max(P, P + St * 8 + (St * w if w != 4 else 0)))
+    init = Tally(0.0).see(0.0, max(P, P + St * 8 + (St * w if w != 4 else 0)))
     return bd, dict(init=init, backward=t, step=step)
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c033
-def replay(profile:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {phase: Tally})
+def replay(profile: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdown, {phase: Tally})
     "Replay a micro-step and an optimizer step of stage `s.stage` over the activation levels `lv`"
     return {0: stage0, 1: stage12, 2: stage12, 3: stage3}[s.stage](profile, s, lv)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from ...config import FlexConfig, load_config
+from ...config.flex_config import FlexConfig, load_config
 
 # %% auto #0
 __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'FOREACH_TEMPORARIES', 'Line',
@@ -18,165 +18,274 @@ __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_S
 @dataclass
 class Line:
     "bytes = slope * micro_batch + intercept"
-    slope: float = 0.
-    intercept: float = 0.
-    def __call__(self, micro_batch:float)->float: return self.slope * micro_batch + self.intercept
+
+    slope: float = 0.0
+    intercept: float = 0.0
+
+    def __call__(self, micro_batch: float) -> float:
+        return self.slope * micro_batch + self.intercept
 
     @classmethod
-    def fit(cls, m1:float, y1:float, m2:float, y2:float)->'Line':
+    def fit(cls, m1: float, y1: float, m2: float, y2: float) -> 'Line':
         "The line through (m1, y1) and (m2, y2) (flat when m1 == m2)"
-        slope = (y2 - y1) / (m2 - m1) if m2 != m1 else 0.
+        slope = (y2 - y1) / (m2 - m1) if m2 != m1 else 0.0
         return cls(slope, y1 - slope * m1)
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c007
-STATE_TENSORS = {'Adam': 2, 'AdamW': 2, 'Lamb': 2, 'Adamax': 2, 'NAdam': 2, 'RAdam': 2, 'Adadelta': 2, 'Adagrad': 1,
-                 'RMSprop': 1, 'SGD': 0}   # state tensors the size of a parameter (SGD: 1 with momentum; RMSprop: more options)
-STEP_TEMPORARIES = {'Adam': 2, 'AdamW': 2, 'Lamb': 2, 'Adamax': 1, 'NAdam': 2, 'RAdam': 2, 'Adadelta': 2, 'Adagrad': 1,
-                    'RMSprop': 1, 'SGD': 0}   # parameter-sized temporaries of torch's per-tensor step (measured on CPU)
-STATE_SCALAR_BYTES = {'Lamb': 0, 'SGD': 0, 'NAdam': 8}   # others: torch's 4-byte step counter per tensor
-FOREACH_STEP = {'Lamb'}   # steps all its tensors at once: temporaries for all of them (torch's own do so on CUDA)
-FOREACH_TEMPORARIES = {'Adam': 1, 'AdamW': 1, 'Adamax': 1, 'NAdam': 1, 'RAdam': 1, 'RMSprop': 1, 'Adagrad': 2,
-                       'Adadelta': 2, 'SGD': 0}   # parameter-sized temporaries of torch's foreach step, CUDA's default (measured on an H200, torch 2.11), for all tensors stepped together
+STATE_TENSORS = {
+    'Adam': 2,
+    'AdamW': 2,
+    'Lamb': 2,
+    'Adamax': 2,
+    'NAdam': 2,
+    'RAdam': 2,
+    'Adadelta': 2,
+    'Adagrad': 1,
+    'RMSprop': 1,
+    'SGD': 0,
+}  # state tensors the size of a parameter (SGD: 1 with momentum; RMSprop: more options)
+STEP_TEMPORARIES = {
+    'Adam': 2,
+    'AdamW': 2,
+    'Lamb': 2,
+    'Adamax': 1,
+    'NAdam': 2,
+    'RAdam': 2,
+    'Adadelta': 2,
+    'Adagrad': 1,
+    'RMSprop': 1,
+    'SGD': 0,
+}  # parameter-sized temporaries of torch's per-tensor step (measured on CPU)
+STATE_SCALAR_BYTES = {'Lamb': 0, 'SGD': 0, 'NAdam': 8}  # others: torch's 4-byte step counter per tensor
+FOREACH_STEP = {'Lamb'}  # steps all its tensors at once: temporaries for all of them (torch's own do so on CUDA)
+FOREACH_TEMPORARIES = {
+    'Adam': 1,
+    'AdamW': 1,
+    'Adamax': 1,
+    'NAdam': 1,
+    'RAdam': 1,
+    'RMSprop': 1,
+    'Adagrad': 2,
+    'Adadelta': 2,
+    'SGD': 0,
+    # parameter-sized temporaries of torch's foreach step, CUDA's default (measured on an H200, torch 2.11), for all
+    # tensors
+    # stepped together
+}
+
 
 @dataclass
 class ModelProfile:
     "What the memory model knows about a model; measured once"
-    num_params: int                  # every parameter counted once (tied weights once)
+
+    num_params: int  # every parameter counted once (tied weights once)
     num_trainable: int
-    numels: list                     # elements per parameter, in `model.parameters()` order
-    trainable: list                  # per parameter: requires_grad
-    units: list                      # per module owning parameters (stage 3 gathers per module): parameter indices
-    buffer_numel: int = 0            # floating-point module buffers (broadcast and cast like the parameters)
-    optimizer: str = 'AdamW'         # the torch optimizer the config builds
-    state_tensors: int = 2           # its state tensors per parameter
-    step_temporaries: int = 2        # parameter-sized temporaries of its step, per tensor stepped
-    state_scalar_bytes: int = 4      # its per-tensor scalar state (the step counter)
-    activation_slope: float|None = None      # bytes per sample (per rank), backward temporaries included
-    activation_intercept: float|None = None  # bytes independent of the micro-batch
-    timeline: dict|None = None       # the measured activation timeline (see `profile_model(..., train_step=)`)
-    profile_itemsize: int = 4        # bytes per element of the dtype the timeline was measured in
-    foreach_temporaries: int = 1     # parameter-sized temporaries of its foreach step (on CUDA), for all tensors at once
+    numels: list  # elements per parameter, in `model.parameters()` order
+    trainable: list  # per parameter: requires_grad
+    units: list  # per module owning parameters (stage 3 gathers per module): parameter indices
+    buffer_numel: int = 0  # floating-point module buffers (broadcast and cast like the parameters)
+    optimizer: str = 'AdamW'  # the torch optimizer the config builds
+    state_tensors: int = 2  # its state tensors per parameter
+    step_temporaries: int = 2  # parameter-sized temporaries of its step, per tensor stepped
+    state_scalar_bytes: int = 4  # its per-tensor scalar state (the step counter)
+    activation_slope: float | None = None  # bytes per sample (per rank), backward temporaries included
+    activation_intercept: float | None = None  # bytes independent of the micro-batch
+    timeline: dict | None = None  # the measured activation timeline (see `profile_model(..., train_step=)`)
+    profile_itemsize: int = 4  # bytes per element of the dtype the timeline was measured in
+    foreach_temporaries: int = 1  # parameter-sized temporaries of its foreach step (on CUDA), for all tensors at once
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c009
 @dataclass
 class Setting:
     "What the memory replay needs from a config, a world size and a device"
-    stage: int; world_size: int; itemsize: int; masters: bool; p2p: bool
-    reduce_bucket_size: int; prefetch: int; persistence: int; reuse: int; live: int
-    accumulation: int = 1   # micro-steps per optimizer step
-    cuda: bool = False      # torch's optimizers step every tensor at once (foreach) on CUDA
-    overlap: bool = False   # stage 2: up to two buckets' reductions in flight (overlap_comm); else each waited at once
 
-def setting(config:dict|FlexConfig, world_size:int, device:str='cpu')->tuple: # (Setting, the validated FlexConfig)
+    stage: int
+    world_size: int
+    itemsize: int
+    masters: bool
+    p2p: bool
+    reduce_bucket_size: int
+    prefetch: int
+    persistence: int
+    reuse: int
+    live: int
+    accumulation: int = 1  # micro-steps per optimizer step
+    cuda: bool = False  # torch's optimizers step every tensor at once (foreach) on CUDA
+    overlap: bool = False  # stage 2: up to two buckets' reductions in flight (overlap_comm); else each waited at once
+
+
+def setting(
+    config: dict | FlexConfig, world_size: int, device: str = 'cpu'
+) -> tuple:  # (Setting, the validated FlexConfig)
     "The memory-relevant settings of `config` on `world_size` ranks of `device` (gloo on CPU runs point-to-point)"
-    cfg = load_config(config)   # a FlexConfig (as `estimate_memory` passes) is taken as it is
+    cfg = load_config(config)  # a FlexConfig (as `estimate_memory` passes) is taken as it is
     z, half = cfg.zero_optimization, cfg.fp16.enabled or cfg.bf16.enabled
     masters = half and not (cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads)
     gas = cfg.batch.gradient_accumulation_steps
-    if gas is None and cfg.batch.train_batch_size is not None: gas = cfg.resolve_batch(world_size).batch.gradient_accumulation_steps
-    return Setting(z.stage, world_size, 2 if half else 4, masters, device == 'cpu' and world_size > 1, z.reduce_bucket_size,
-                   z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, z.stage3_max_reuse_distance,
-                   z.stage3_max_live_parameters, gas or 1, device == 'cuda', bool(z.overlap_comm)), cfg
+    if gas is None and cfg.batch.train_batch_size is not None:
+        gas = cfg.resolve_batch(world_size).batch.gradient_accumulation_steps
+    return Setting(
+        z.stage,
+        world_size,
+        2 if half else 4,
+        masters,
+        device == 'cpu' and world_size > 1,
+        z.reduce_bucket_size,
+        z.stage3_prefetch_bucket_size,
+        z.stage3_param_persistence_threshold,
+        z.stage3_max_reuse_distance,
+        z.stage3_max_live_parameters,
+        gas or 1,
+        device == 'cuda',
+        bool(z.overlap_comm),
+    ), cfg
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c012
-def pad(numel:int, world_size:int)->int: return -(-numel // world_size) * world_size
+def pad(numel: int, world_size: int) -> int:
+    return -(-numel // world_size) * world_size
 
-def plan_buckets(numels:list, # elements per parameter
-                 order:list, # parameter indices in the order their gradients arrive
-                 bucket_bytes:int, # most bytes per bucket
-                 itemsize:int)->list: # lists of parameter indices, in the order the buckets fill
+
+def plan_buckets(
+    numels: list,  # elements per parameter
+    order: list,  # parameter indices in the order their gradients arrive
+    bucket_bytes: int,  # most bytes per bucket
+    itemsize: int,
+) -> list:  # lists of parameter indices, in the order the buckets fill
     "`flexrt.zero.reducer.plan_buckets` on element counts (one device, dtype and group)"
     buckets, current, total = [], [], 0
     for i in order:
         size = numels[i] * itemsize
-        if current and total + size > bucket_bytes: buckets.append(current); current, total = [], 0
-        current.append(i); total += size
+        if current and total + size > bucket_bytes:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += size
     return buckets + ([current] if current else [])
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c015
 class Tally:
     "Bytes held beyond `base`, and the highest total seen with its parts (extra, level, temporary)"
-    def __init__(self, base:float): self.base, self.extra, self.peak, self.parts = base, 0., base, (0., 0., 0.)
-    def add(self, nbytes:float)->'Tally': self.extra += nbytes; return self
-    def see(self, level:float=0., temporary:float=0.)->'Tally':
+
+    def __init__(self, base: float):
+        self.base, self.extra, self.peak, self.parts = base, 0.0, base, (0.0, 0.0, 0.0)
+
+    def add(self, nbytes: float) -> 'Tally':
+        self.extra += nbytes
+        return self
+
+    def see(self, level: float = 0.0, temporary: float = 0.0) -> 'Tally':
         total = self.base + self.extra + level + temporary
-        if total > self.peak: self.peak, self.parts = total, (self.extra, level, temporary)
+        if total > self.peak:
+            self.peak, self.parts = total, (self.extra, level, temporary)
         return self
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c018
-def levels(profile:ModelProfile, m:float, offset:float=0., scale:float=1.)->tuple: # (forward, [(i, before, after)], tail, hold)
-    "Activation bytes at each moment of a micro-step: forward peak, around each gradient's arrival, after, during the step"
+def levels(
+    profile: ModelProfile, m: float, offset: float = 0.0, scale: float = 1.0
+) -> tuple:  # (forward, [(i, before, after)], tail, hold)
+    """Activation bytes at each moment of a micro-step: forward peak, around each gradient's arrival, after, during the
+    step"""
     tl, n = profile.timeline, profile.numels
     if tl is None:
-        flat = (Line(profile.activation_slope or 0., profile.activation_intercept or 0.)(m) if profile.activation_slope is not None else 0.) + offset
+        flat = (
+            Line(profile.activation_slope or 0.0, profile.activation_intercept or 0.0)(m)
+            if profile.activation_slope is not None
+            else 0.0
+        ) + offset
         return flat, [(i, flat, flat) for i in reversed(range(len(n))) if profile.trainable[i]], flat, flat
-    f = lambda line: max(0., Line(*line)(m) * scale) + offset
+    f = lambda line: max(0.0, Line(*line)(m) * scale) + offset
     return f(tl['fwd']), [(i, f(a), f(b)) for i, a, b in tl['events']], f(tl['tail']), f(tl['hold'])
 
-def step_temporaries(profile:ModelProfile, s:Setting)->int:
+
+def step_temporaries(profile: ModelProfile, s: Setting) -> int:
     "Parameter-sized temporaries of one optimizer step: torch's foreach step on CUDA, its per-tensor step on the CPU"
     return profile.foreach_temporaries if s.cuda and profile.optimizer not in FOREACH_STEP else profile.step_temporaries
 
-def optimizer_state_bytes(profile:ModelProfile, numels:list, itemsize:int)->int:
+
+def optimizer_state_bytes(profile: ModelProfile, numels: list, itemsize: int) -> int:
     "Optimizer state of tensors of `numels` elements (plus torch's 4-byte step counter per tensor)"
     return profile.state_tensors * sum(numels) * itemsize + profile.state_scalar_bytes * len(numels)
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c020
-def stage0(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {phase: Tally})
+def stage0(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdown, {phase: Tally})
     fwd, events, tail, hold = lv
     n, T = pr.numels, [i for i in range(len(pr.numels)) if pr.trainable[i]]
     P, Pt, w, sd = sum(n) + pr.buffer_numel, sum(n[i] for i in T), s.itemsize, 4 if s.masters else s.itemsize
-    bd = dict(parameters=P * w, gradients=Pt * w if s.world_size > 1 else 0, fp32_masters=Pt * 4 if s.masters else 0,
-              optimizer_state=optimizer_state_bytes(pr, [n[i] for i in T], sd))
-    static, held = sum(bd.values()), s.world_size == 1 and s.accumulation > 1   # accumulated gradients from the start
+    bd = dict(
+        parameters=P * w,
+        gradients=Pt * w if s.world_size > 1 else 0,
+        fp32_masters=Pt * 4 if s.masters else 0,
+        optimizer_state=optimizer_state_bytes(pr, [n[i] for i in T], sd),
+    )
+    static, held = sum(bd.values()), s.world_size == 1 and s.accumulation > 1  # accumulated gradients from the start
     bwd = Tally(static).add(Pt * w if held else 0).see(fwd)
     for i, before, after in events:
         bwd.see(before)
-        if s.world_size == 1 and not held: bwd.add(n[i] * w)   # autograd's gradient stays until the step
+        if s.world_size == 1 and not held:
+            bwd.add(n[i] * w)  # autograd's gradient stays until the step
         bwd.see(after)
     bwd.see(tail)
     step = Tally(static).add(bwd.extra + (Pt * 4 if s.masters else 0))
     stepped = sum(n[i] for i in T) if pr.optimizer in FOREACH_STEP or s.cuda else max((n[i] for i in T), default=0)
     step.see(hold, step_temporaries(pr, s) * stepped * sd)
-    init = Tally(0.).see(0., max(P * 4, P * w + bd['fp32_masters'] + bd['gradients'],
-                                 P * 4 + bd['fp32_masters'] + max(n, default=0) * w if s.masters else 0))   # casting
+    init = Tally(0.0).see(
+        0.0,
+        max(
+            P * 4,
+            P * w + bd['fp32_masters'] + bd['gradients'],
+            P * 4 + bd['fp32_masters'] + max(n, default=0) * w if s.masters else 0,
+        ),
+    )  # casting
     return bd, dict(init=init, backward=bwd, step=step)
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c023
-def _launch(t:Tally, s:Setting, members:list, padded:int, received:int, n:list, level:float, flight:deque):
-    "A bucket's reduction starts; stage 2 first finishes the oldest of two in flight, copies its gradients into a spare bucket buffer (they live until the launch returns)"
-    if s.stage == 1: t.add(received); return
-    while len(flight) >= 2: t.add(-flight.popleft())   # `Stage2Reducer._start`: the oldest reduction finishes, its output goes (its buffer is a spare)
-    t.add(received).see(level)   # the bucket buffers are held throughout (`stage12` counts them with the gradients)
+def _launch(t: Tally, s: Setting, members: list, padded: int, received: int, n: list, level: float, flight: deque):
+    """A bucket's reduction starts; stage 2 first finishes the oldest of two in flight, copies its gradients into a
+    spare bucket buffer (they live until the launch returns)"""
+    if s.stage == 1:
+        t.add(received)
+        return
+    while len(flight) >= 2:
+        t.add(
+            -flight.popleft()
+        )  # `Stage2Reducer._start`: the oldest reduction finishes, its output goes (its buffer is a spare)
+    t.add(received).see(level)  # the bucket buffers are held throughout (`stage12` counts them with the gradients)
     t.add(-sum(n[i] for i in members) * s.itemsize)
-    if s.overlap: flight.append(received)
-    else: t.add(-received)   # waited at once: output and receives go
+    if s.overlap:
+        flight.append(received)
+    else:
+        t.add(-received)  # waited at once: output and receives go
 
-def _step12(pr:ModelProfile, s:Setting, static:float, hold:float, shards:list, sd:int)->Tally:
-    "The optimizer steps each bucket's chunk; the backend's own all-gather holds a copy of it until all finish (direct messages send the chunk itself)"
+
+def _step12(pr: ModelProfile, s: Setting, static: float, hold: float, shards: list, sd: int) -> Tally:
+    """The optimizer steps each bucket's chunk; the backend's own all-gather holds a copy of it until all finish (direct
+    messages send the chunk itself)"""
     t = Tally(static).add(sum(shards) * 4 if s.masters else 0)
     for sh in shards:
         t.see(hold, step_temporaries(pr, s) * sh * sd)
-        if s.world_size > 1 and not s.p2p: t.add(sh * s.itemsize)   # `gather_bucket`: 'native' copies the master, 'p2p' sends the buffer's own chunk
+        if s.world_size > 1 and not s.p2p:
+            t.add(sh * s.itemsize)  # `gather_bucket`: 'native' copies the master, 'p2p' sends the buffer's own chunk
     return t.see(hold)
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c024
-def _init12(pr:ModelProfile, s:Setting, buckets:list, padded:list, shards:list)->Tally:
-    "Building the flat buffers: all gradient buffers first, then bucket by bucket, the model's own storage freed as it binds"
+def _init12(pr: ModelProfile, s: Setting, buckets: list, padded: list, shards: list) -> Tally:
+    """Building the flat buffers: all gradient buffers first, then bucket by bucket, the model's own storage freed as it
+    binds"""
     n, w = pr.numels, s.itemsize
     model, built = (sum(n) + pr.buffer_numel) * w, 0
     values = sum(n[i] for b in buckets for i in b) * 4 if s.masters else 0
-    t = Tally(0.).see(0., (sum(n) + pr.buffer_numel) * 4)   # the fp32 model (broadcast in place)
+    t = Tally(0.0).see(0.0, (sum(n) + pr.buffer_numel) * 4)  # the fp32 model (broadcast in place)
     for b, members in enumerate(buckets):
         flat = padded[b] * (4 if s.masters else w) + ((shards[b] * 4 + padded[b] * w) if s.masters else 0)
-        t.see(0., model + values + sum(padded) * w + built + flat)
+        t.see(0.0, model + values + sum(padded) * w + built + flat)
         model -= sum(n[i] for i in members) * w
         built += padded[b] * w + (shards[b] * 4 if s.masters else 0)
-    if s.stage == 2: t.see(0., model + values + sum(padded) * w + built + sum(shards) * w)
+    if s.stage == 2:
+        t.see(0.0, model + values + sum(padded) * w + built + sum(shards) * w)
     return t
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c025
-def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {phase: Tally})
+def stage12(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdown, {phase: Tally})
     fwd, events, tail, hold = lv
     n, W, w, sd = pr.numels, s.world_size, s.itemsize, 4 if s.masters else s.itemsize
     T = [i for i in range(len(n)) if pr.trainable[i]]
@@ -184,13 +293,23 @@ def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {
     padded = [pad(sum(n[i] for i in b), W) for b in buckets]
     shards = [p // W for p in padded]
     frozen = sum(n) - sum(n[i] for i in T) + pr.buffer_numel
-    spares = (min(2, len(buckets)) if s.overlap else 1) * (max(padded, default=0) + max(shards, default=0))   # stage 2's bucket buffers (and outputs), kept between backwards
-    bd = dict(parameters=(sum(padded) + frozen) * w, gradients=(sum(padded) if s.stage == 1 else sum(shards) + spares) * w,
-              fp32_masters=sum(shards) * 4 if s.masters else 0, optimizer_state=optimizer_state_bytes(pr, shards, sd))
-    extra = (W - 1 if s.p2p and W > 2 else 0)   # p2p receives besides the output (2 ranks: the one peer's chunk lands in the output)
-    received = [((sh if s.stage == 1 or W == 1 else 0) + extra * sh) * w for sh in shards]   # what a launch allocates: stage 1's output chunk (stage 2's is in its buffer)
+    spares = (min(2, len(buckets)) if s.overlap else 1) * (
+        max(padded, default=0) + max(shards, default=0)
+    )  # stage 2's bucket buffers (and outputs), kept between backwards
+    bd = dict(
+        parameters=(sum(padded) + frozen) * w,
+        gradients=(sum(padded) if s.stage == 1 else sum(shards) + spares) * w,
+        fp32_masters=sum(shards) * 4 if s.masters else 0,
+        optimizer_state=optimizer_state_bytes(pr, shards, sd),
+    )
+    extra = (
+        W - 1 if s.p2p and W > 2 else 0
+    )  # p2p receives besides the output (2 ranks: the one peer's chunk lands in the output)
+    received = [
+        ((sh if s.stage == 1 or W == 1 else 0) + extra * sh) * w for sh in shards
+    ]  # what a launch allocates: stage 1's output chunk (stage 2's is in its buffer)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
-    held = s.stage == 2 and s.accumulation > 1   # the last micro-step starts with the accumulated gradients in p.grad
+    held = s.stage == 2 and s.accumulation > 1  # the last micro-step starts with the accumulated gradients in p.grad
     arrived, nxt, flight = [0] * len(buckets), 0, deque()
     t = Tally(sum(bd.values())).add(sum(n[i] for i in T) * w if held else 0).see(fwd)
     for i, before, after in events:
@@ -198,9 +317,15 @@ def stage12(pr:ModelProfile, s:Setting, lv:tuple)->tuple: # (static breakdown, {
         b = bucket_of.get(i)
         if b is not None:
             arrived[b] += 1
-            if s.stage == 2 and not held: t.add(n[i] * w)   # autograd's gradient waits for its bucket
+            if s.stage == 2 and not held:
+                t.add(n[i] * w)  # autograd's gradient waits for its bucket
             while nxt < len(buckets) and arrived[nxt] == len(buckets[nxt]):
-                _launch(t, s, buckets[nxt], padded[nxt], received[nxt], n, after, flight); nxt += 1
+                _launch(t, s, buckets[nxt], padded[nxt], received[nxt], n, after, flight)
+                nxt += 1
         t.see(after)
     t.see(tail)
-    return bd, dict(init=_init12(pr, s, buckets, padded, shards), backward=t, step=_step12(pr, s, sum(bd.values()), hold, shards, sd))
+    return bd, dict(
+        init=_init12(pr, s, buckets, padded, shards),
+        backward=t,
+        step=_step12(pr, s, sum(bd.values()), hold, shards, sd),
+    )

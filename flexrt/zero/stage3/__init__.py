@@ -10,8 +10,13 @@ __all__ = ['ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_rec
            'GatheredParameters', 'Init', 'module_classes', 'outside_init', 'Stage3Optimizer']
 
 # %% ../../../nbs/52_zero_stage3.ipynb #c003
-from .records import (ParamRecord, set_ds_attributes, drop_ds_attributes, gather_records,
-                                        release_records)
+from flexrt.zero.stage3.records import (
+    ParamRecord,
+    set_ds_attributes,
+    drop_ds_attributes,
+    gather_records,
+    release_records,
+)
 from .plan import COALESCE_NUMEL, plan_keep, plan_chunks, split_buckets, chunk_ends, plan_ahead
 from .access import TrackedParameters, track_parameters, untrack_parameters
 from .saved import saved_as_views, enter_saved_views, exit_saved_views
@@ -20,4 +25,34 @@ from .params import Unit, ParameterPartitioner
 from .gathered import register_external_parameter, GatheredParameters
 from .partitioned_init import Init, module_classes, outside_init
 from .optimizer import Stage3Optimizer
-_all_ = ['ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records', 'COALESCE_NUMEL', 'plan_keep', 'plan_chunks', 'split_buckets', 'chunk_ends', 'plan_ahead', 'TrackedParameters', 'track_parameters', 'untrack_parameters', 'saved_as_views', 'enter_saved_views', 'exit_saved_views', 'Bucket', 'plan_buckets', 'GradBuckets', 'Unit', 'ParameterPartitioner', 'register_external_parameter', 'GatheredParameters', 'Init', 'module_classes', 'outside_init', 'Stage3Optimizer']
+
+_all_ = [
+    'ParamRecord',
+    'set_ds_attributes',
+    'drop_ds_attributes',
+    'gather_records',
+    'release_records',
+    'COALESCE_NUMEL',
+    'plan_keep',
+    'plan_chunks',
+    'split_buckets',
+    'chunk_ends',
+    'plan_ahead',
+    'TrackedParameters',
+    'track_parameters',
+    'untrack_parameters',
+    'saved_as_views',
+    'enter_saved_views',
+    'exit_saved_views',
+    'Bucket',
+    'plan_buckets',
+    'GradBuckets',
+    'Unit',
+    'ParameterPartitioner',
+    'register_external_parameter',
+    'GatheredParameters',
+    'Init',
+    'module_classes',
+    'outside_init',
+    'Stage3Optimizer',
+]

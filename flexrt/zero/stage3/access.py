@@ -12,23 +12,29 @@ __all__ = ['TrackedParameters', 'track_parameters', 'untrack_parameters']
 # %% ../../../nbs/52_zero_stage3_access.ipynb #c005
 class TrackedParameters(dict):
     "A module's `_parameters`: looking up a parameter whose record is not whole and in use calls `on_access(record)`"
+
     __slots__ = ('records', 'on_access')
-    def __getitem__(self, name:str):
+
+    def __getitem__(self, name: str):
         p = dict.__getitem__(self, name)
         r = self.records.get(name)
-        if r is not None and not (r.full and r.active): self.on_access(r)
+        if r is not None and not (r.full and r.active):
+            self.on_access(r)
         return p
 
 # %% ../../../nbs/52_zero_stage3_access.ipynb #c008
-def track_parameters(module:torch.nn.Module, # the module whose lookups to watch
-                     records:dict, # {parameter name: its record (with `full` and `active`)}
-                     on_access)->TrackedParameters: # on_access(record): called on a lookup that needs the parameter
+def track_parameters(
+    module: torch.nn.Module,  # the module whose lookups to watch
+    records: dict,  # {parameter name: its record (with `full` and `active`)}
+    on_access,
+) -> TrackedParameters:  # on_access(record): called on a lookup that needs the parameter
     "Swap `module._parameters` for a `TrackedParameters` holding the same entries"
     tracked = TrackedParameters(module._parameters)
     tracked.records, tracked.on_access = records, on_access
     module.__dict__['_parameters'] = tracked
     return tracked
 
-def untrack_parameters(module:torch.nn.Module):
+
+def untrack_parameters(module: torch.nn.Module):
     "Give `module` a plain `_parameters` dict again"
     module.__dict__['_parameters'] = dict(module._parameters)

@@ -12,27 +12,35 @@ from .records import gather_records, release_records
 __all__ = ['register_external_parameter', 'GatheredParameters']
 
 # %% ../../../nbs/52_zero_stage3_gathered.ipynb #c024
-def register_external_parameter(module:torch.nn.Module, # the module whose forward uses `param`
-                                param:torch.nn.Parameter): # a parameter owned by another module
+def register_external_parameter(
+    module: torch.nn.Module,  # the module whose forward uses `param`
+    param: torch.nn.Parameter,  # a parameter owned by another module
+):
     "Declare that `module`'s forward reads `param` (optional: reads are detected; call before building the optimizer)"
     ext = module.__dict__.setdefault('_zero3_external', [])
-    if not any(p is param for p in ext): ext.append(param)
+    if not any(p is param for p in ext):
+        ext.append(param)
 
 # %% ../../../nbs/52_zero_stage3_gathered.ipynb #c036
 @contextlib.contextmanager
-def GatheredParameters(params, # a parameter or an iterable of them (e.g. `module.parameters()`)
-                       modifier_rank:int|None=None, # the rank whose changes are kept (None: read only)
-                       fwd_module=None, # accepted for DeepSpeed compatibility
-                       enabled:bool=True): # False: do nothing
+def GatheredParameters(
+    params,  # a parameter or an iterable of them (e.g. `module.parameters()`)
+    modifier_rank: int | None = None,  # the rank whose changes are kept (None: read only)
+    fwd_module=None,  # accepted for DeepSpeed compatibility
+    enabled: bool = True,  # False: do nothing
+):
     "Gather the ZeRO-3 parameters in `params` for the block; with `modifier_rank`, keep that rank's changes"
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     owned = [getattr(p, '_zero3', None) for p in params] if enabled else []
     owned = [o for o in dict.fromkeys(owned) if o is not None]
-    for part, r in owned: r.active += 1
+    for part, r in owned:
+        r.active += 1
     gather_records([r for _, r in owned])
-    try: yield
+    try:
+        yield
     finally:
         for part, r in owned:
-            if modifier_rank is not None: part.write_back(r, modifier_rank)
+            if modifier_rank is not None:
+                part.write_back(r, modifier_rank)
             r.active -= 1
             release_records([r])

@@ -15,75 +15,109 @@ __all__ = ['Bucket', 'plan_buckets', 'GradBuckets']
 # %% ../../../nbs/52_zero_stage3_grads.ipynb #c005
 class Bucket:
     "Trainable records of one process group whose gradients are reduce-scattered together"
-    def __init__(self, records:list):
+
+    def __init__(self, records: list):
         self.records, self.slot = records, {id(r): i for i, r in enumerate(records)}
-        self.reduce, self.launched, self.num_ready = None, False, 0   # this backward's `GradientReduceScatter`; gradients in so far
-        self.late = []   # reduce-scatters of gradients that arrived after the bucket was launched (see `GradBuckets.add`)
+        self.reduce, self.launched, self.num_ready = (
+            None,
+            False,
+            0,
+        )  # this backward's `GradientReduceScatter`; gradients in so far
+        # reduce-scatters of gradients that arrived after the bucket was launched (see `GradBuckets.add`)
+        self.late = []
+
     @property
-    def numel(self)->int: return sum(r.numel for r in self.records)
-    def __repr__(self): return f"Bucket({[r.name for r in self.records]})"
+    def numel(self) -> int:
+        return sum(r.numel for r in self.records)
+
+    def __repr__(self):
+        return f"Bucket({[r.name for r in self.records]})"
 
 # %% ../../../nbs/52_zero_stage3_grads.ipynb #c006
-def plan_buckets(records:list, # trainable ParamRecords, in the order their gradients are expected
-                 bucket_numel:int)->list: # a bucket is closed once it holds at least this many elements
-    "Consecutive records of each process group in buckets of at least `bucket_numel` elements (`split_buckets`; the last may hold fewer)"
+def plan_buckets(
+    records: list,  # trainable ParamRecords, in the order their gradients are expected
+    bucket_numel: int,
+) -> list:  # a bucket is closed once it holds at least this many elements
+    """Consecutive records of each process group in buckets of at least `bucket_numel` elements (`split_buckets`; the
+    last may hold fewer)"""
     groups = {}
-    for r in dict.fromkeys(records): groups.setdefault(id(r.group), []).append(r)   # each record once
-    return [Bucket([same[i] for i in b]) for same in groups.values() for b in split_buckets([r.numel for r in same], bucket_numel)]
+    for r in dict.fromkeys(records):
+        groups.setdefault(id(r.group), []).append(r)  # each record once
+    return [
+        Bucket([same[i] for i in b])
+        for same in groups.values()
+        for b in split_buckets([r.numel for r in same], bucket_numel)
+    ]
 
 # %% ../../../nbs/52_zero_stage3_grads.ipynb #c008
 class GradBuckets:
     "The reduce-scatters of a backward: each bucket launched when its last gradient arrives, all finished by `end`"
-    def __init__(self, records:list, # trainable ParamRecords in their expected gradient order (`plan` changes it)
-                 bucket_numel:int, # `reduce_bucket_size`: elements per bucket (at most `COALESCE_NUMEL` are used)
-                 world_size:int, # the data-parallel size: gradients are averaged over it
-                 owner=None, # counts the bytes sent in its `comm_bytes`
-                 gradient_average:bool=True): # False: the shards get the sum over the ranks
+
+    def __init__(
+        self,
+        records: list,  # trainable ParamRecords in their expected gradient order (`plan` changes it)
+        bucket_numel: int,  # `reduce_bucket_size`: elements per bucket (at most `COALESCE_NUMEL` are used)
+        world_size: int,  # the data-parallel size: gradients are averaged over it
+        owner=None,  # counts the bytes sent in its `comm_bytes`
+        gradient_average: bool = True,  # False: the shards get the sum over the ranks
+    ):
         self.bucket_numel, self.world_size, self.owner = min(bucket_numel, COALESCE_NUMEL), world_size, owner
-        self.divisor = world_size if gradient_average else 1   # every reduced gradient is divided by this (the optimizer may set it)
+        self.divisor = (
+            world_size if gradient_average else 1
+        )  # every reduced gradient is divided by this (the optimizer may set it)
         self.plan(records)
 
-    def plan(self, records:list):
+    def plan(self, records: list):
         "Bucket `records` (their expected gradient order); between backwards only"
         self.buckets, self.order = plan_buckets(records, self.bucket_numel), list(records)
         self.bucket_of = {id(r): b for b in self.buckets for r in b.records}
 
-    def bucket(self, r:ParamRecord)->Bucket|None: return self.bucket_of.get(id(r))   # None: not trainable here
+    def bucket(self, r: ParamRecord) -> Bucket | None:
+        return self.bucket_of.get(id(r))  # None: not trainable here
 
-# %% ../../../nbs/52_zero_stage3_grads.ipynb #c009
-@patch
-def _new_reduce(self:GradBuckets, b:Bucket, like:torch.Tensor)->GradientReduceScatter:
-    return GradientReduceScatter(b.records, like.dtype, like.device, self.divisor)
+    def _new_reduce(self, b: Bucket, like: torch.Tensor) -> GradientReduceScatter:
+        return GradientReduceScatter(b.records, like.dtype, like.device, self.divisor)
 
-@patch
-def add(self:GradBuckets, r:ParamRecord, # a record whose gradient is complete
-         grad:torch.Tensor):
-    "Add `grad` into its bucket; launch the bucket when it was the last one missing"
-    b = self.bucket(r)
-    if b is None or r.grad_shard is None: return
-    if b.launched: return self._add_late(b, r, grad)
-    if b.reduce is None: b.reduce = self._new_reduce(b, grad)
-    b.reduce.add(b.slot[id(r)], grad)
-    b.num_ready += 1
-    if b.num_ready == len(b.records): b.reduce.launch(self.owner); b.launched = True
+    def add(
+        self,
+        r: ParamRecord,  # a record whose gradient is complete
+        grad: torch.Tensor,
+    ):
+        "Add `grad` into its bucket; launch the bucket when it was the last one missing"
+        b = self.bucket(r)
+        if b is None or r.grad_shard is None:
+            return
+        if b.launched:
+            return self._add_late(b, r, grad)
+        if b.reduce is None:
+            b.reduce = self._new_reduce(b, grad)
+        b.reduce.add(b.slot[id(r)], grad)
+        b.num_ready += 1
+        if b.num_ready == len(b.records):
+            b.reduce.launch(self.owner)
+            b.launched = True
 
-@patch
-def _add_late(self:GradBuckets, b:Bucket, r:ParamRecord, grad:torch.Tensor):
-    "`r`'s gradient arrived after its bucket was launched (a parameter shared across a reentrant checkpoint): reduce-scatter it on its own, zeros for the rest"
-    late = self._new_reduce(b, grad)
-    late.add(b.slot[id(r)], grad)
-    late.launch(self.owner)
-    b.late.append(late)
+    def _add_late(self, b: Bucket, r: ParamRecord, grad: torch.Tensor):
+        """`r`'s gradient arrived after its bucket was launched (a parameter shared across a reentrant checkpoint):
+        reduce-scatter it on its own, zeros for the rest"""
+        late = self._new_reduce(b, grad)
+        late.add(b.slot[id(r)], grad)
+        late.launch(self.owner)
+        b.late.append(late)
 
-# %% ../../../nbs/52_zero_stage3_grads.ipynb #c010
-@patch
-def end(self:GradBuckets):
-    "After backward: launch the buckets not launched (missing gradients are zeros), then finish every reduce-scatter into the shards"
-    for b in self.buckets:
-        first = b.records[0]
-        if first.grad_shard is None: continue
-        if b.reduce is None: b.reduce = self._new_reduce(b, first.shard)
-        if not b.launched: b.reduce.launch(self.owner); b.launched = True
-    for b in self.buckets:
-        for reduce in ([b.reduce] if b.reduce is not None else []) + b.late: reduce.finish()
-        b.reduce, b.launched, b.num_ready, b.late = None, False, 0, []
+    def end(self):
+        """After backward: launch the buckets not launched (missing gradients are zeros), then finish every
+        reduce-scatter into the shards"""
+        for b in self.buckets:
+            first = b.records[0]
+            if first.grad_shard is None:
+                continue
+            if b.reduce is None:
+                b.reduce = self._new_reduce(b, first.shard)
+            if not b.launched:
+                b.reduce.launch(self.owner)
+                b.launched = True
+        for b in self.buckets:
+            for reduce in ([b.reduce] if b.reduce is not None else []) + b.late:
+                reduce.finish()
+            b.reduce, b.launched, b.num_ready, b.late = None, False, 0, []

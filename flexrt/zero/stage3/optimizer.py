@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from ... import comm as dist
-from ...config import ZeroConfig
+from ...config.blocks import ZeroConfig
 from ..base import OptimizerSlot, Fragment, Piece, zero_stale
 from ..partition import shard_grad_norm, clip_shards
 from .params import ParameterPartitioner
@@ -18,243 +18,304 @@ from fastcore.basics import patch
 __all__ = ['Stage3Optimizer']
 
 # %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c005
-def _check_params(module:torch.nn.Module, optimizer):
+def _check_params(module: torch.nn.Module, optimizer):
     "Refuse what stage 3 cannot run: optimizer parameters outside the module, optimizer state"
-    if optimizer is None: return
+    if optimizer is None:
+        return
     owned = {id(p) for p in module.parameters()}
     for i, g in enumerate(optimizer.param_groups):
         for p in g['params']:
-            if id(p) not in owned: raise ValueError(f"param group {i} holds a tensor of shape {tuple(p.shape)} that is not a parameter of the module: ZeRO-3 can only partition the module's parameters")
-            if optimizer.state.get(p): raise ValueError("the optimizer already holds state: build Stage3Optimizer before the first optimizer step")
+            if id(p) not in owned:
+                raise ValueError(
+                    f"param group {i} holds a tensor of shape {tuple(p.shape)} that is not a parameter of the module: "
+                    "ZeRO-3 can only partition the module's parameters"
+                )
+            if optimizer.state.get(p):
+                raise ValueError(
+                    "the optimizer already holds state: build Stage3Optimizer before the first optimizer step"
+                )
 
 # %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c006
 class Stage3Optimizer(OptimizerSlot):
-    "ZeRO stage 3: each rank holds 1/N of the parameters, gradients and optimizer state; the module is gathered per submodule"
+    """ZeRO stage 3: each rank holds 1/N of the parameters, gradients and optimizer state; the module is gathered per
+    submodule"""
+
     stage, supports_no_sync = 3, False
-    def __init__(self, module:torch.nn.Module, # the model, on its device, equal on every rank, in fp32 (cast here)
-                 optimizer:torch.optim.Optimizer|None, # a torch optimizer over the module's (full) parameters; None: no step
-                 precision, # a flexrt.precision.Precision (fp32, bf16 or fp16)
-                 config:ZeroConfig|None=None, # the `zero_optimization` block (stage3_* keys)
-                 group=None, # the data-parallel process group (None: all ranks)
-                 expert_groups=None, # an `ExpertGroups` or {group_name: expert data-parallel group} (MoE), or None
-                 mpu=None): # Megatron-style model-parallel unit for the global norm, or None
+
+    def __init__(
+        self,
+        module: torch.nn.Module,  # the model, on its device, equal on every rank, in fp32 (cast here)
+        optimizer: torch.optim.Optimizer | None,  # a torch optimizer over the module's (full) parameters; None: no step
+        precision,  # a flexrt.precision.Precision (fp32, bf16 or fp16)
+        config: ZeroConfig | None = None,  # the `zero_optimization` block (stage3_* keys)
+        group=None,  # the data-parallel process group (None: all ranks)
+        expert_groups=None,  # an `ExpertGroups` or {group_name: expert data-parallel group} (MoE), or None
+        mpu=None,  # Megatron-style model-parallel unit for the global norm, or None
+    ):
         _check_params(module, optimizer)
         if precision.dtype != torch.float32 and not precision.master_weights:
-            raise NotImplementedError("ZeRO stage 3 keeps fp32 master shards: fp16_master_weights_and_grads=true is not supported")
+            raise NotImplementedError(
+                "ZeRO stage 3 keeps fp32 master shards: fp16_master_weights_and_grads=true is not supported"
+            )
         cfg = config if config is not None else ZeroConfig(stage=3)
         for name in ('offload_param', 'offload_optimizer'):
-            if getattr(cfg, name).enabled: raise NotImplementedError(f"zero_optimization.{name} is not supported at stage 3 yet: remove the block (everything stays on the device)")
+            if getattr(cfg, name).enabled:
+                raise NotImplementedError(
+                    f"zero_optimization.{name} is not supported at stage 3 yet: remove the block (everything stays on "
+                    "the device)"
+                )
         self.module, self.optimizer, self.precision, self.group, self.mpu = module, optimizer, precision, group, mpu
         self.world_size = dist.get_world_size(group)
         trainable = [p for g in (optimizer.param_groups if optimizer else []) for p in g['params'] if p.requires_grad]
-        self.partitioner = ParameterPartitioner(module, group, cfg.stage3_param_persistence_threshold,
-                                                cfg.stage3_model_persistence_threshold, cfg.stage3_prefetch_bucket_size, trainable,
-                                                cfg.stage3_max_reuse_distance, cfg.stage3_max_live_parameters,
-                                                getattr(expert_groups, 'data_parallel', expert_groups) or None,
-                                                reduce_bucket_numel=cfg.reduce_bucket_size)
+        self.partitioner = ParameterPartitioner(
+            module,
+            group,
+            cfg.stage3_param_persistence_threshold,
+            cfg.stage3_model_persistence_threshold,
+            cfg.stage3_prefetch_bucket_size,
+            trainable,
+            cfg.stage3_max_reuse_distance,
+            cfg.stage3_max_live_parameters,
+            getattr(expert_groups, 'data_parallel', expert_groups) or None,
+            reduce_bucket_numel=cfg.reduce_bucket_size,
+        )
         self._build_shards()
         self.partitioner.on_modified = lambda record: self._on_modified(record)
 
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c008
-@patch
-@torch.no_grad()
-def _build_shards(self:Stage3Optimizer):
-    "Per param group: fp32 master (stepped), working shard (model dtype), fp32 gradient shard; then cast and partition"
-    recs, dtype = self.partitioner.records, self.precision.dtype
-    self.groups, shards, grads, self._master_of, self._working_of = [], {}, {}, {}, {}
-    for g in (self.optimizer.param_groups if self.optimizer else []):
-        original = list(g['params'])
-        params = [p for p in dict.fromkeys(original) if p.requires_grad]   # frozen ones are never stepped
-        experts = [p for p in params if getattr(p, 'allreduce', True) is False]
-        dense = [p for p in params if getattr(p, 'allreduce', True) is not False]
-        params = [p for p in dense if not recs[p].persistent] + [p for p in dense if recs[p].persistent] + experts   # experts last
-        # the gathered (non-persistent) shards lie end to end in model order: a chunk of consecutive ones is sent as one view
-        sizes = [recs[p].shard_numel for p in params]
-        device = next(iter(original), torch.empty(0)).device
-        master = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-        for p, m in zip(params, master.split(sizes)): recs[p].copy_shard(m)   # whole, or zero.Init's shard
-        working = master if dtype == torch.float32 else master.to(dtype)
-        grad = torch.zeros_like(master)
-        for p, w, gr, m in zip(params, working.split(sizes), grad.split(sizes), master.split(sizes)):
-            shards[p], self._master_of[p], self._working_of[p] = w, m, w.view(-1)   # the last: where the shard belongs
-            grads[p] = gr
-        flat = torch.nn.Parameter(master, requires_grad=True); flat.grad = grad
-        num_dense = sum(sizes[:len(params) - len(experts)])
-        self.groups.append(dict(params=params, original=original, master=flat, working=working, grad=grad, shared=working is master,
-                                num_dense=num_dense))
-        g['params'] = [flat]
-    self.precision.cast_model(self.module)
-    self.partitioner.partition(shards, grads)
+    @torch.no_grad()
+    def _build_shards(self):
+        """Per param group: fp32 master (stepped), working shard (model dtype), fp32 gradient shard; then cast and
+        partition"""
+        recs, dtype = self.partitioner.records, self.precision.dtype
+        self.groups, shards, grads, self._master_of, self._working_of = [], {}, {}, {}, {}
+        for g in self.optimizer.param_groups if self.optimizer else []:
+            original = list(g['params'])
+            params = [p for p in dict.fromkeys(original) if p.requires_grad]  # frozen ones are never stepped
+            experts = [p for p in params if getattr(p, 'allreduce', True) is False]
+            dense = [p for p in params if getattr(p, 'allreduce', True) is not False]
+            params = (
+                [p for p in dense if not recs[p].persistent] + [p for p in dense if recs[p].persistent] + experts
+            )  # experts last
+            # the gathered (non-persistent) shards lie end to end in model order: a chunk of consecutive ones is sent as
+            # one view
+            sizes = [recs[p].shard_numel for p in params]
+            device = next(iter(original), torch.empty(0)).device
+            master = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+            for p, m in zip(params, master.split(sizes)):
+                recs[p].copy_shard(m)  # whole, or zero.Init's shard
+            working = master if dtype == torch.float32 else master.to(dtype)
+            grad = torch.zeros_like(master)
+            for p, w, gr, m in zip(params, working.split(sizes), grad.split(sizes), master.split(sizes)):
+                shards[p], self._master_of[p], self._working_of[p] = (
+                    w,
+                    m,
+                    w.view(-1),
+                )  # the last: where the shard belongs
+                grads[p] = gr
+            flat = torch.nn.Parameter(master, requires_grad=True)
+            flat.grad = grad
+            num_dense = sum(sizes[: len(params) - len(experts)])
+            self.groups.append(
+                dict(
+                    params=params,
+                    original=original,
+                    master=flat,
+                    working=working,
+                    grad=grad,
+                    shared=working is master,
+                    num_dense=num_dense,
+                )
+            )
+            g['params'] = [flat]
+        self.precision.cast_model(self.module)
+        self.partitioner.partition(shards, grads)
 
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c011
-@patch
-def set_boundary(self:Stage3Optimizer, is_boundary:bool):
-    "Nothing to choose: every backward reduce-scatters into the fp32 gradient shards (full gradients are never kept)"
-    self.boundary = bool(is_boundary)
+    def set_boundary(self, is_boundary: bool):
+        """Nothing to choose: every backward reduce-scatters into the fp32 gradient shards (full gradients are never
+        kept)"""
+        self.boundary = bool(is_boundary)
 
-@patch
-def reduced_gradients(self:Stage3Optimizer)->list: # this rank's fp32 gradient shard, one flat tensor per param group
-    "The gradient shards the optimizer will step with (backward already reduce-scattered them; shards no backward wrote since `zero_grad` are zeros)"
-    self.partitioner.release_all()
-    zero_stale(self.partitioner.records.values())
-    return [g['grad'] for g in self.groups]
+    def reduced_gradients(self) -> list:  # this rank's fp32 gradient shard, one flat tensor per param group
+        """The gradient shards the optimizer will step with (backward already reduce-scattered them; shards no backward
+        wrote since `zero_grad` are zeros)"""
+        self.partitioner.release_all()
+        zero_stale(self.partitioner.records.values())
+        return [g['grad'] for g in self.groups]
 
-@patch
-def _grad_norm(self:Stage3Optimizer)->float:
-    "The global gradient norm from the shards (experts follow the dense part of each group's buffer)"
-    return shard_grad_norm([g['grad'][:g['num_dense']] for g in self.groups],
-                           [g['grad'][g['num_dense']:] for g in self.groups if g['grad'].numel() > g['num_dense']], self.group, self.mpu)
+    def _grad_norm(self) -> float:
+        "The global gradient norm from the shards (experts follow the dense part of each group's buffer)"
+        return shard_grad_norm(
+            [g['grad'][: g['num_dense']] for g in self.groups],
+            [g['grad'][g['num_dense'] :] for g in self.groups if g['grad'].numel() > g['num_dense']],
+            self.group,
+            self.mpu,
+        )
 
-@patch
-def clip_grad_norm(self:Stage3Optimizer, max_norm:float)->tuple: # (norm before clipping, norm after)
-    "Global gradient norm from the shards; shards clipped to `max_norm` (0: never)"
-    self._step_norm = norm = self._grad_norm()   # the coming step's `_global_grad_norm`
-    return clip_shards([g['grad'] for g in self.groups], max_norm, norm)
+    def clip_grad_norm(self, max_norm: float) -> tuple:  # (norm before clipping, norm after)
+        "Global gradient norm from the shards; shards clipped to `max_norm` (0: never)"
+        self._step_norm = norm = self._grad_norm()  # the coming step's `_global_grad_norm`
+        return clip_shards([g['grad'] for g in self.groups], max_norm, norm)
 
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c012
-@patch
-@torch.no_grad()
-def _write_working(self:Stage3Optimizer):
-    "Copy the fp32 masters into the working shards (model dtype), then re-gather the persistent parameters"
-    for g in self.groups:
-        if not g['shared']: g['working'].copy_(g['master'])
-    recs = self.partitioner.records
-    for p, view in self._working_of.items():   # a shard given new storage (`param.ds_tensor.data = t`) returns to the buffer
-        if recs[p].shard.data_ptr() != view.data_ptr(): recs[p].shard.data = view
-    self.partitioner.refresh_persistent()
+    @torch.no_grad()
+    def _write_working(self):
+        "Copy the fp32 masters into the working shards (model dtype), then re-gather the persistent parameters"
+        for g in self.groups:
+            if not g['shared']:
+                g['working'].copy_(g['master'])
+        recs = self.partitioner.records
+        for (
+            p,
+            view,
+        ) in self._working_of.items():  # a shard given new storage (`param.ds_tensor.data = t`) returns to the buffer
+            if recs[p].shard.data_ptr() != view.data_ptr():
+                recs[p].shard.data = view
+        self.partitioner.refresh_persistent()
 
-@patch
-@torch.no_grad()
-def step(self:Stage3Optimizer):
-    "Step the fp32 master shards, write them into the working shards, re-gather the persistent parameters"
-    if self.optimizer is None: raise ValueError("engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the config")
-    norm = self.__dict__.pop('_step_norm', None)   # called without `clip_grad_norm` (DeepSpeed's `optimizer.step()`): the norm here
-    self._global_grad_norm = self._grad_norm() if norm is None else norm
-    self.partitioner.release_all()   # gathered copies are about to be stale
-    self.optimizer.step()
-    self._write_working()
+    @torch.no_grad()
+    def step(self):
+        "Step the fp32 master shards, write them into the working shards, re-gather the persistent parameters"
+        if self.optimizer is None:
+            raise ValueError(
+                "engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the "
+                "config"
+            )
+        norm = self.__dict__.pop(
+            '_step_norm', None
+        )  # called without `clip_grad_norm` (DeepSpeed's `optimizer.step()`): the norm here
+        self._global_grad_norm = self._grad_norm() if norm is None else norm
+        self.partitioner.release_all()  # gathered copies are about to be stale
+        self.optimizer.step()
+        self._write_working()
 
-@patch
-def zero_grad(self:Stage3Optimizer, set_to_none:bool=True): # False: zero the shards in place now
-    "Mark the gradient shards stale (they stay allocated: the memory model counts them); the next reduction overwrites them"
-    if not set_to_none and self.groups: torch._foreach_zero_([g['grad'] for g in self.groups])
-    self.__dict__.pop('_step_norm', None)
-    for p, r in self.partitioner.records.items(): p.grad, r.grad_stale = None, set_to_none and r.grad_shard is not None
+    def zero_grad(self, set_to_none: bool = True):  # False: zero the shards in place now
+        """Mark the gradient shards stale (they stay allocated: the memory model counts them); the next reduction
+        overwrites them"""
+        if not set_to_none and self.groups:
+            torch._foreach_zero_([g['grad'] for g in self.groups])
+        self.__dict__.pop('_step_norm', None)
+        for p, r in self.partitioner.records.items():
+            p.grad, r.grad_stale = None, set_to_none and r.grad_shard is not None
 
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c013b
-@patch(as_prop=True)
-def averaged_gradients(self:Stage3Optimizer)->dict: # {param group index: [fp32 gradient shard of each trainable parameter]}
-    "DeepSpeed's `optimizer.averaged_gradients`: this rank's gradient shards so far (stale ones, after `zero_grad`, read as zeros)"
-    zero_stale(self.partitioner.records.values())
-    recs = self.partitioner.records
-    return {i: [recs[p].grad_shard for p in dict.fromkeys(g['original']) if p.requires_grad] for i, g in enumerate(self.groups)}
+    @property
+    def averaged_gradients(self) -> dict:  # {param group index: [fp32 gradient shard of each trainable parameter]}
+        """DeepSpeed's `optimizer.averaged_gradients`: this rank's gradient shards so far (stale ones, after
+        `zero_grad`, read as zeros)"""
+        zero_stale(self.partitioner.records.values())
+        recs = self.partitioner.records
+        return {
+            i: [recs[p].grad_shard for p in dict.fromkeys(g['original']) if p.requires_grad]
+            for i, g in enumerate(self.groups)
+        }
 
-@patch
-def get_fp32_grad_partitions(self:Stage3Optimizer)->dict: # {param group index: {parameter index: fp32 gradient shard}}
-    "DeepSpeed's `optimizer.get_fp32_grad_partitions()`: `averaged_gradients` as nested dicts"
-    return {i: dict(enumerate(shards)) for i, shards in self.averaged_gradients.items()}
+    def get_fp32_grad_partitions(self) -> dict:  # {param group index: {parameter index: fp32 gradient shard}}
+        "DeepSpeed's `optimizer.get_fp32_grad_partitions()`: `averaged_gradients` as nested dicts"
+        return {i: dict(enumerate(shards)) for i, shards in self.averaged_gradients.items()}
+
+    def memory_breakdown(self) -> dict:  # bytes per kind, and their total
+        "Bytes this rank holds for parameters, gradients and optimizer state"
+        recs = self.partitioner.records.values()
+        in_groups = {id(p) for g in self.groups for p in g['params']}
+        params = sum(_nbytes(g['working']) for g in self.groups)
+        params += sum(_nbytes(r.shard) for r in recs if id(r.param) not in in_groups)  # frozen, not optimized
+        persistent = sum(
+            r.param.data.untyped_storage().nbytes()
+            for r in recs  # a gather buffer's padding included
+            if r.persistent and r.param.data.untyped_storage().data_ptr() != r.shard.untyped_storage().data_ptr()
+        )
+        grads = sum(_nbytes(g['grad']) for g in self.groups)
+        state = sum(
+            _nbytes(t)
+            for s in (self.optimizer.state.values() if self.optimizer else [])
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim()
+        )
+        masters = sum(_nbytes(g['master']) for g in self.groups if not g['shared'])
+        out = dict(params=params + persistent, grads=grads, optimizer_state=state + masters, persistent=persistent)
+        out['total'] = out['params'] + grads + out['optimizer_state']
+        return out
+
+    @property
+    def comm_bytes(self) -> int:
+        "Bytes this rank has gathered and reduce-scattered for its parameters and gradients so far"
+        return self.partitioner.comm_bytes
+
+    @torch.no_grad()
+    def _on_modified(self, record):
+        "A `GatheredParameters(..., modifier_rank=r)` block changed a parameter: bring its fp32 master along"
+        m = self._master_of.get(record.param)
+        if m is not None and m.data_ptr() != record.shard.data_ptr():
+            m.copy_(record.shard)
+
+    def fragments(self) -> list:  # [Fragment] one per param group
+        "Each param group's fp32 master buffer and this rank's shard of each parameter in it"
+        recs, out = self.partitioner.records, []
+        for g in self.groups:
+            pieces, off = [], 0
+            for p in g['params']:
+                start, numel = _piece(recs[p])
+                if numel > 0:
+                    pieces.append(Piece(p, start, numel, off))
+                off += recs[p].shard_numel
+            out.append(Fragment(g['master'], pieces))
+        return out
+
+    def stepped_params(self) -> list:
+        return [p for g in self.groups for p in g['params']]
+
+    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
+        "The parameter's full shape (a partitioned one holds an empty placeholder between uses)"
+        r = self.partitioner.records.get(tensor)
+        return tensor.shape if r is None else r.shape
+
+    def owned_value(self, tensor: torch.Tensor) -> tuple | None:  # (flat view of this rank's shard, start) or None
+        "This rank's shard of a partitioned parameter (None for a buffer, which every rank holds whole)"
+        r = self.partitioner.records.get(tensor)
+        if r is None:
+            return None
+        start, numel = _piece(r)
+        return r.shard[:numel], start
+
+    def gathered(self, tensors: list, modifier_rank: int | None = None):
+        "`GatheredParameters(tensors, modifier_rank)`: the parameters whole for the block"
+        return GatheredParameters(tensors, modifier_rank)
+
+    def quiesce(self):
+        """Finish the gathers in flight and release every parameter no forward holds, persistent ones too (DeepSpeed's
+        `empty_partition_cache`)"""
+        self.partitioner.release_all(persistent=True)
+
+    def refresh(self):
+        """The persistent parameters `quiesce` released whole again (collective), as DeepSpeed leaves them after
+        `save_checkpoint`"""
+        self.partitioner.refresh_persistent(released_only=True)  # those still whole are current: no second gather
+
+    def sync_model(self):
+        "After the masters or shards were overwritten: the working shards and persistent parameters follow (collective)"
+        self._write_working()
+
+    def close(self):
+        """Remove the hooks, give the module its full parameters (current values) and the torch optimizer its own; drops
+        its state"""
+        self.partitioner.close()
+        dist.join_p2p_threads()  # the direct-message threads ran their last ops: none outlives the slot
+        if self.optimizer is not None:
+            for g, mine in zip(self.optimizer.param_groups, self.groups):
+                self.optimizer.state.pop(mine['master'], None)
+                g['params'] = mine['original']
+        for p in self.partitioner.records:
+            p.grad = None
+        self.groups, self._master_of, self._working_of = [], {}, {}
+
+    def __repr__(self):
+        return (
+            f'Stage3Optimizer(stage=3, {type(self.optimizer).__name__}, {self.precision.name}, world={self.world_size})'
+        )
 
 # %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c017
-def _nbytes(t): return t.numel() * t.element_size()
-
-@patch
-def memory_breakdown(self:Stage3Optimizer)->dict: # bytes per kind, and their total
-    "Bytes this rank holds for parameters, gradients and optimizer state"
-    recs = self.partitioner.records.values()
-    in_groups = {id(p) for g in self.groups for p in g['params']}
-    params = sum(_nbytes(g['working']) for g in self.groups)
-    params += sum(_nbytes(r.shard) for r in recs if id(r.param) not in in_groups)   # frozen, not optimized
-    persistent = sum(r.param.data.untyped_storage().nbytes() for r in recs   # a gather buffer's padding included
-                     if r.persistent and r.param.data.untyped_storage().data_ptr() != r.shard.untyped_storage().data_ptr())
-    grads = sum(_nbytes(g['grad']) for g in self.groups)
-    state = sum(_nbytes(t) for s in (self.optimizer.state.values() if self.optimizer else []) for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
-    masters = sum(_nbytes(g['master']) for g in self.groups if not g['shared'])
-    out = dict(params=params + persistent, grads=grads, optimizer_state=state + masters, persistent=persistent)
-    out['total'] = out['params'] + grads + out['optimizer_state']
-    return out
-
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c019
-@patch(as_prop=True)
-def comm_bytes(self:Stage3Optimizer)->int:
-    "Bytes this rank has gathered and reduce-scattered for its parameters and gradients so far"
-    return self.partitioner.comm_bytes
-
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c020
-@patch
-@torch.no_grad()
-def _on_modified(self:Stage3Optimizer, record):
-    "A `GatheredParameters(..., modifier_rank=r)` block changed a parameter: bring its fp32 master along"
-    m = self._master_of.get(record.param)
-    if m is not None and m.data_ptr() != record.shard.data_ptr(): m.copy_(record.shard)
+def _nbytes(t):
+    return t.numel() * t.element_size()
 
 # %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c025
-def _piece(r)->tuple: # (start, numel) of this rank's elements of the record's flat parameter
+def _piece(r) -> tuple:  # (start, numel) of this rank's elements of the record's flat parameter
     start = min(r.rank * r.shard_numel, r.numel)
     return start, min(r.shard_numel, r.numel - start)
-
-@patch
-def fragments(self:Stage3Optimizer)->list: # [Fragment] one per param group
-    "Each param group's fp32 master buffer and this rank's shard of each parameter in it"
-    recs, out = self.partitioner.records, []
-    for g in self.groups:
-        pieces, off = [], 0
-        for p in g['params']:
-            start, numel = _piece(recs[p])
-            if numel > 0: pieces.append(Piece(p, start, numel, off))
-            off += recs[p].shard_numel
-        out.append(Fragment(g['master'], pieces))
-    return out
-
-@patch
-def stepped_params(self:Stage3Optimizer)->list: return [p for g in self.groups for p in g['params']]
-
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c026a
-@patch
-def full_shape(self:Stage3Optimizer, tensor:torch.Tensor)->torch.Size:
-    "The parameter's full shape (a partitioned one holds an empty placeholder between uses)"
-    r = self.partitioner.records.get(tensor)
-    return tensor.shape if r is None else r.shape
-
-@patch
-def owned_value(self:Stage3Optimizer, tensor:torch.Tensor)->tuple|None: # (flat view of this rank's shard, start) or None
-    "This rank's shard of a partitioned parameter (None for a buffer, which every rank holds whole)"
-    r = self.partitioner.records.get(tensor)
-    if r is None: return None
-    start, numel = _piece(r)
-    return r.shard[:numel], start
-
-@patch
-def gathered(self:Stage3Optimizer, tensors:list, modifier_rank:int|None=None):
-    "`GatheredParameters(tensors, modifier_rank)`: the parameters whole for the block"
-    return GatheredParameters(tensors, modifier_rank)
-
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c026c
-@patch
-def quiesce(self:Stage3Optimizer):
-    "Finish the gathers in flight and release every parameter no forward holds, persistent ones too (DeepSpeed's `empty_partition_cache`)"
-    self.partitioner.release_all(persistent=True)
-
-@patch
-def refresh(self:Stage3Optimizer):
-    "The persistent parameters `quiesce` released whole again (collective), as DeepSpeed leaves them after `save_checkpoint`"
-    self.partitioner.refresh_persistent(released_only=True)   # those still whole are current: no second gather
-
-@patch
-def sync_model(self:Stage3Optimizer):
-    "After the masters or shards were overwritten: the working shards and persistent parameters follow (collective)"
-    self._write_working()
-
-# %% ../../../nbs/52_zero_stage3_optimizer.ipynb #c027
-@patch
-def close(self:Stage3Optimizer):
-    "Remove the hooks, give the module its full parameters (current values) and the torch optimizer its own; drops its state"
-    self.partitioner.close()
-    dist.join_p2p_threads()   # the direct-message threads ran their last ops: none outlives the slot
-    if self.optimizer is not None:
-        for g, mine in zip(self.optimizer.param_groups, self.groups):
-            self.optimizer.state.pop(mine['master'], None); g['params'] = mine['original']
-    for p in self.partitioner.records: p.grad = None
-    self.groups, self._master_of, self._working_of = [], {}, {}
-
-@patch
-def __repr__(self:Stage3Optimizer): return f'Stage3Optimizer(stage=3, {type(self.optimizer).__name__}, {self.precision.name}, world={self.world_size})'

@@ -10,7 +10,13 @@ from torch.utils._pytree import tree_flatten
 from ... import comm as dist
 from ..reducer import reduction_group
 from .access import track_parameters, untrack_parameters
-from .records import ParamRecord, gather_records, release_records, set_ds_attributes, drop_ds_attributes
+from flexrt.zero.stage3.records import (
+    ParamRecord,
+    gather_records,
+    release_records,
+    set_ds_attributes,
+    drop_ds_attributes,
+)
 from .plan import plan_keep, plan_chunks, chunk_ends, plan_ahead
 from .grads import GradBuckets
 from .saved import enter_saved_views, exit_saved_views
@@ -22,281 +28,359 @@ __all__ = ['Unit', 'ParameterPartitioner']
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c020
 class Unit:
     "A module and the parameters its hooks gather: those it owns directly, and those its forward reads"
-    def __init__(self, index:int, module:torch.nn.Module, records:list):
+
+    def __init__(self, index: int, module: torch.nn.Module, records: list):
         self.index, self.module, self.records = index, module, records
+
     @property
-    def numel(self)->int: return sum(r.numel for r in self.records if not r.persistent)
-    def __repr__(self): return f"Unit({self.index}, {type(self.module).__name__}, {len(self.records)} params)"
+    def numel(self) -> int:
+        return sum(r.numel for r in self.records if not r.persistent)
+
+    def __repr__(self):
+        return f"Unit({self.index}, {type(self.module).__name__}, {len(self.records)} params)"
 
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c021b
-def _record(p:torch.nn.Parameter, name:str, group)->ParamRecord:
-    "A new record for a whole parameter; for one `zero.Init` partitioned, its record, renamed and checked against `group`"
+def _record(p: torch.nn.Parameter, name: str, group) -> ParamRecord:
+    """A new record for a whole parameter; for one `zero.Init` partitioned, its record, renamed and checked against
+    `group`"""
     ws, rank = dist.get_world_size(group), dist.get_rank(group)
     owner, r = getattr(p, '_zero3', (None, None))
-    if r is None: return ParamRecord(p, name, ws, rank, False, group)
+    if r is None:
+        return ParamRecord(p, name, ws, rank, False, group)
     if isinstance(owner, ParameterPartitioner):
         raise ValueError(f"parameter {name} is partitioned by another stage-3 engine: close() that engine first")
     if (r.world_size, r.rank) != (ws, rank):
-        raise ValueError(f"parameter {name} was partitioned by flexrt.zero.Init over {r.world_size} ranks (rank {r.rank} here) but "
-                         f"stage 3 partitions it over {ws} (rank {rank}): give zero.Init the data-parallel group initialize uses")
+        raise ValueError(
+            f"parameter {name} was partitioned by flexrt.zero.Init over {r.world_size} ranks (rank {r.rank} here) but "
+            f"stage 3 partitions it over {ws} (rank {rank}): give zero.Init the data-parallel group initialize uses"
+        )
     r.name, r.group = name, group
     return r
 
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c022
 class ParameterPartitioner:
     "ZeRO-3's model side: partition `module`'s parameters and install the hooks that gather and release them"
-    def __init__(self, module:torch.nn.Module, # the model, already cast to its working dtype and on its device
-                 group=None, # the data-parallel process group (None: all ranks)
-                 persistence_threshold:int=100_000, # parameters with fewer elements stay whole
-                 model_persistence_threshold:int=2**63 - 1, # at most this many elements stay whole in all
-                 prefetch_numel:int=50_000_000, # gather consecutive units of at most this many elements in one collective, and the chunks ahead while they hold at most this many (0: one unit at a time, no prefetch)
-                 trainable=None, # the parameters whose gradients are reduce-scattered (default: those requiring grad)
-                 max_reuse_distance:int=0, # keep a unit gathered from forward to backward if fewer elements are gathered in between
-                 max_live_numel:int=1_000_000_000, # ... and the units kept so hold at most this many elements
-                 expert_groups=None, # {group_name: expert data-parallel group} for MoE parameters (allreduce=False)
-                 reduce_bucket_numel:int=500_000_000): # gradients are reduce-scattered in buckets of this many elements
-        self.module, self.group, self.prefetch_numel, self.reduce_bucket_numel = module, group, prefetch_numel, reduce_bucket_numel
+
+    def __init__(
+        self,
+        module: torch.nn.Module,  # the model, already cast to its working dtype and on its device
+        group=None,  # the data-parallel process group (None: all ranks)
+        persistence_threshold: int = 100_000,  # parameters with fewer elements stay whole
+        model_persistence_threshold: int = 2**63 - 1,  # at most this many elements stay whole in all
+        # gather consecutive units of at most this many elements in one collective, and the chunks ahead while they hold
+        # at most this many (0: one unit at a time, no prefetch)
+        prefetch_numel: int = 50_000_000,
+        trainable=None,  # the parameters whose gradients are reduce-scattered (default: those requiring grad)
+        # keep a unit gathered from forward to backward if fewer elements are gathered in between
+        max_reuse_distance: int = 0,
+        max_live_numel: int = 1_000_000_000,  # ... and the units kept so hold at most this many elements
+        expert_groups=None,  # {group_name: expert data-parallel group} for MoE parameters (allreduce=False)
+        reduce_bucket_numel: int = 500_000_000,  # gradients are reduce-scattered in buckets of this many elements
+    ):
+        self.module, self.group, self.prefetch_numel, self.reduce_bucket_numel = (
+            module,
+            group,
+            prefetch_numel,
+            reduce_bucket_numel,
+        )
         self.max_reuse_distance, self.max_live_numel, self._keep = max_reuse_distance, max_live_numel, set()
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.records, kept = {}, 0
         for name, p in module.named_parameters():
-            r = self.records[p] = _record(p, name, reduction_group(p, group, expert_groups))   # an expert's own group, else `group`
-            r.persistent = r.numel == 0 or r.numel < persistence_threshold and kept + r.numel <= model_persistence_threshold
+            r = self.records[p] = _record(
+                p, name, reduction_group(p, group, expert_groups)
+            )  # an expert's own group, else `group`
+            r.persistent = (
+                r.numel == 0 or r.numel < persistence_threshold and kept + r.numel <= model_persistence_threshold
+            )
             kept += r.numel if r.persistent else 0
         trainable = [p for p in module.parameters() if p.requires_grad] if trainable is None else list(trainable)
         self._trainable = {p for p in trainable}
         self._build_units()
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
-        self._bounds, self._chunk_of, self._ends, self._ahead = [], [], [0], -1   # chunks; each position's; `chunk_ends`; the farthest started
-        self._order, self.num_retraces, self._arrived = {}, 0, {}   # this forward's units that gather something, in order; times the trace changed; this backward's gradients, in order
-        self._in_backward, self.partitioned, self.comm_bytes, self._saving = False, False, 0, []   # comm_bytes: gathered + reduce-scattered
-        self.on_modified = None   # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
+        self._bounds, self._chunk_of, self._ends, self._ahead = (
+            [],
+            [],
+            [0],
+            -1,
+        )  # chunks; each position's; `chunk_ends`; the farthest started
+        self._order, self.num_retraces, self._arrived = (
+            {},
+            0,
+            {},
+            # this forward's units that gather something, in order; times the trace changed; this backward's gradients,
+            # in
+            # order
+        )
+        self._in_backward, self.partitioned, self.comm_bytes, self._saving = (
+            False,
+            False,
+            0,
+            [],
+        )  # comm_bytes: gathered + reduce-scattered
+        self.on_modified = (
+            None  # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
+        )
 
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c023
-@patch
-def _build_units(self:ParameterPartitioner):
-    "A unit per module; gradient buckets in reverse module order (until a backward shows the real order)"
-    self.units, self._all_units = [], []
-    for m in dict.fromkeys(self.module.modules()):
-        own = [self.records[p] for p in dict.fromkeys(m._parameters.values()) if p is not None and self.records[p].numel]   # empty: nothing to do
-        own += [self.records[p] for p in getattr(m, '_zero3_external', []) if self.records[p] not in own]
-        unit = Unit(len(self._all_units), m, own)
-        self._all_units.append(unit)
-        if own: self.units.append(unit)
-    self.grads = GradBuckets(self._gradient_order(self.units), self.reduce_bucket_numel, self.world_size, owner=self)
+    def _build_units(self):
+        "A unit per module; gradient buckets in reverse module order (until a backward shows the real order)"
+        self.units, self._all_units = [], []
+        for m in dict.fromkeys(self.module.modules()):
+            own = [
+                self.records[p]
+                for p in dict.fromkeys(m._parameters.values())
+                if p is not None and self.records[p].numel
+            ]  # empty: nothing to do
+            own += [self.records[p] for p in getattr(m, '_zero3_external', []) if self.records[p] not in own]
+            unit = Unit(len(self._all_units), m, own)
+            self._all_units.append(unit)
+            if own:
+                self.units.append(unit)
+        self.grads = GradBuckets(
+            self._gradient_order(self.units), self.reduce_bucket_numel, self.world_size, owner=self
+        )
 
-@patch
-def _gradient_order(self:ParameterPartitioner, units:list)->list:
-    "The trainable records in the order a backward through `units` (listed in forward order) produces their gradients"
-    order = [r for u in reversed(units) for r in reversed(u.records)] + list(self.records.values())
-    return [r for r in dict.fromkeys(order) if r.param in self._trainable]
+    def _gradient_order(self, units: list) -> list:
+        """The trainable records in the order a backward through `units` (listed in forward order) produces their
+        gradients"""
+        order = [r for u in reversed(units) for r in reversed(u.records)] + list(self.records.values())
+        return [r for r in dict.fromkeys(order) if r.param in self._trainable]
 
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c026
-@patch
-def _track(self:ParameterPartitioner, module:torch.nn.Module):
-    "Watch lookups of `module`'s parameters (see `flexrt.zero.stage3.access`)"
-    track_parameters(module, {n: self.records[p] for n, p in module._parameters.items() if p is not None}, self._on_access)
-    self._tracked.append(module)
+    def _track(self, module: torch.nn.Module):
+        "Watch lookups of `module`'s parameters (see `flexrt.zero.stage3.access`)"
+        track_parameters(
+            module, {n: self.records[p] for n, p in module._parameters.items() if p is not None}, self._on_access
+        )
+        self._tracked.append(module)
 
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c027
-@patch
-def _on_access(self:ParameterPartitioner, r:ParamRecord):
-    "A read of a parameter no forward holds: in a forward the innermost module claims it (unless persistent); either way it is gathered"
-    if r.persistent and r.full: return   # whole between uses (unless `release_all(persistent=True)` released it)
-    if self._stack and not r.persistent: self._claim(self._stack[-1], r)
-    gather_records([r], owner=self)
+    def _on_access(self, r: ParamRecord):
+        """A read of a parameter no forward holds: in a forward the innermost module claims it (unless persistent);
+        either way it is gathered"""
+        if r.persistent and r.full:
+            return  # whole between uses (unless `release_all(persistent=True)` released it)
+        if self._stack and not r.persistent:
+            self._claim(self._stack[-1], r)
+        gather_records([r], owner=self)
 
-@patch
-def _claim(self:ParameterPartitioner, unit:Unit, r:ParamRecord):
-    "From now on `unit` gathers `r` before its forward and backward and releases it after; it is in its forward now"
-    if any(x is r for x in unit.records): return
-    if not unit.records: self.units.append(unit)
-    unit.records.append(r)
-    r.active += 1   # as its pre-hook would have counted it: the post-hook releases it
+    def _claim(self, unit: Unit, r: ParamRecord):
+        "From now on `unit` gathers `r` before its forward and backward and releases it after; it is in its forward now"
+        if any(x is r for x in unit.records):
+            return
+        if not unit.records:
+            self.units.append(unit)
+        unit.records.append(r)
+        r.active += 1  # as its pre-hook would have counted it: the post-hook releases it
 
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c028
-@patch
-def partition(self:ParameterPartitioner, shards:dict|None=None, # {param: flat tensor of shard_numel} to keep its shard in
-               grad_shards:dict|None=None): # {param: flat tensor} its gradient shard is added into
-    "Fill every shard, release the non-persistent parameters and install the hooks"
-    shards, grad_shards = shards or {}, grad_shards or {}
-    for p, r in self.records.items():
-        shard = shards.get(p)
-        if shard is None: shard = p.data.new_empty(r.shard_numel)
-        r.copy_shard(shard)   # from the whole parameter, or from the shard `zero.Init` left
-        r.shard, r.grad_shard = shard, grad_shards.get(p)
-        p._zero3 = (self, r)
-        set_ds_attributes(r)
-    release_records(list(self.records.values()))
-    gather_records([r for r in self.records.values() if r.persistent and not r.full], owner=self)   # zero.Init's small ones
-    self._install_hooks()
-    self.partitioned = True
+    def partition(
+        self,
+        shards: dict | None = None,  # {param: flat tensor of shard_numel} to keep its shard in
+        grad_shards: dict | None = None,  # {param: flat tensor} its gradient shard is added into
+    ):
+        "Fill every shard, release the non-persistent parameters and install the hooks"
+        shards, grad_shards = shards or {}, grad_shards or {}
+        for p, r in self.records.items():
+            shard = shards.get(p)
+            if shard is None:
+                shard = p.data.new_empty(r.shard_numel)
+            r.copy_shard(shard)  # from the whole parameter, or from the shard `zero.Init` left
+            r.shard, r.grad_shard = shard, grad_shards.get(p)
+            p._zero3 = (self, r)
+            set_ds_attributes(r)
+        release_records(list(self.records.values()))
+        gather_records(
+            [r for r in self.records.values() if r.persistent and not r.full], owner=self
+        )  # zero.Init's small ones
+        self._install_hooks()
+        self.partitioned = True
+
+    def _install_hooks(self):
+        for u in self._all_units:
+            if next(u.module.parameters(), None) is None:
+                continue  # nothing below it to gather or claim
+            self._hooks.append(u.module.register_forward_pre_hook(partial(self._pre_forward, u), prepend=True))
+            self._hooks.append(u.module.register_forward_hook(partial(self._post_forward, u), always_call=True))
+            if u.module._parameters:
+                self._track(u.module)
+        for p in self.records:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _pre_forward(self, unit: Unit, module, args):
+        self._stack.append(unit)
+        if unit.module is self.module:
+            enter_saved_views(self._saving)
+            self._ahead = -1  # views of parameters are saved as such; nothing gathered ahead yet
+        again = _recomputing()
+        if again:
+            self._begin_backward()  # on the outer backward (a reentrant checkpoint runs its own inside)
+        else:
+            self._note_order(unit)  # a recomputation is not the model's order
+        if not unit.records:
+            return
+        for r in unit.records:
+            r.active += 1
+        if again:
+            gather_records(unit.records, owner=self)
+        else:
+            self._fetch(unit, +1)
+
+    def _note_order(self, unit: Unit):
+        """The order of the last forward of the whole model (a reentrant checkpoint's no-grad part included): the trace
+        at the first backward, compared with it at the later ones"""
+        if unit.module is self.module:
+            self._order = {}  # a new forward of the model
+        self._order.setdefault(unit.index, unit)
+
+    def _post_forward(self, unit: Unit, module, args, output):
+        self._stack.pop()
+        if unit.module is self.module:
+            exit_saved_views(self._saving)
+        if not unit.records:
+            return
+        for r in unit.records:
+            r.active -= 1
+        keep = torch.is_grad_enabled() and (unit.index in self._keep or _recomputing())  # its backward comes next
+        if not keep:
+            release_records(unit.records)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, unit))
+
+    def _fetch(self, unit: Unit, step: int):  # +1: in forward, -1: in backward
+        """Gather `unit` with the rest of its chunk ahead (one collective), then keep the chunks after it gathering, up
+        to `prefetch_numel` elements"""
+        i = self._position.get(unit.index) if self._traced else None
+        if i is None:
+            return gather_records(unit.records, owner=self)  # not in the trace: alone
+        a, b = self._bounds[self._chunk_of[i]]
+        if any(not r.full and r.pending is None for r in unit.records):
+            gather_records(
+                self._chunk_records(i, b) if step > 0 else self._chunk_records(a, i + 1), async_op=True, owner=self
+            )
+        gather_records(unit.records, owner=self)
+        self._prefetch(self._chunk_of[i], step)
+
+    def _prefetch(self, k: int, step: int):  # k: the chunk entered; step: +1 forward, -1 backward
+        """Start gathering the chunks `plan_ahead` says should be under way once chunk `k` is entered (those not started
+        yet)"""
+        for c in plan_ahead(self._ends, k, step, self.prefetch_numel, self._ahead):
+            gather_records(self._chunk_records(*self._bounds[c]), async_op=True, owner=self)
+            self._ahead = c
+
+    def _chunk_records(self, a: int, b: int) -> list:  # trace positions a..b-1
+        return list(dict.fromkeys(r for u in self.trace[a:b] for r in u.records))
+
+    def _pre_backward(self, unit: Unit, grad):
+        "Gradient hook on the unit's outputs: gather its parameters before autograd enters it"
+        self._begin_backward()
+        self._fetch(unit, -1)
+
+    def _begin_backward(self):
+        "Once per backward: ask autograd to call `_end_backward` when it is done"
+        if self._in_backward:
+            return
+        self._retrace()
+        self._in_backward, self._traced, self._ahead = (
+            True,
+            True,
+            len(self._bounds),
+        )  # nothing gathered ahead in this direction yet
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _plan_keep(self):
+        "The units whose backward comes soon after their forward (`plan_keep` on the trace)"
+        kept = plan_keep([u.numel for u in self.trace], self.max_reuse_distance, self.max_live_numel)
+        self._keep = {self.trace[i].index for i in kept}
+
+    def _plan_chunks(self):
+        """Cut the trace into chunks (`plan_chunks`; `_chunk_of[i]`: position i's), for `plan_ahead`; bucket gradients
+        in its order"""
+        kept, numels = {i for i, u in enumerate(self.trace) if u.index in self._keep}, [u.numel for u in self.trace]
+        self._bounds = plan_chunks(numels, kept, self.prefetch_numel)
+        self._chunk_of, self._ends = (
+            [k for k, c in enumerate(self._bounds) for _ in range(*c)],
+            chunk_ends(numels, self._bounds),
+        )
+        self.grads.plan(self._gradient_order(self.trace))
+
+    def _retrace(self):
+        """The order the forward just run used its units that gather something in becomes the trace, the first time or
+        when it changed (prefetch and keep follow)"""
+        order = [u for u in self._order.values() if u.records]
+        if self._traced and (not order or [u.index for u in order] == [u.index for u in self.trace]):
+            return
+        self.num_retraces += self._traced
+        self.trace, self._position = order, {u.index: i for i, u in enumerate(order)}
+        self._plan_keep()
+        self._plan_chunks()
+
+    def _on_grad(self, p: torch.nn.Parameter):
+        """A parameter's gradient is complete: into its bucket (launched once the bucket is full), dropped, the
+        parameter released"""
+        self._begin_backward()
+        r = self.records[p]
+        self._arrived[r] = None  # the order gradients arrive in: the next backward's buckets follow it
+        self.grads.add(r, p.grad)
+        p.grad = None
+        release_records([r])
+
+    def _end_backward(self):
+        "After backward: every bucket's reduce-scatter launched and finished into the shards; everything released"
+        self.grads.end()
+        arrived = [r for r in self._arrived if r.param in self._trainable]
+        if arrived != self.grads.order[: len(arrived)]:
+            self.grads.plan(list(dict.fromkeys(arrived + self.grads.order)))
+        self._arrived = {}
+        self.release_all()
+        self._in_backward = False
+
+    def release_all(self, persistent: bool = False):  # True: the persistent ones too (the next use gathers them)
+        """Finish gathers in flight and release every parameter not in use (persistent ones stay whole unless
+        `persistent`)"""
+        release_records(list(self.records.values()), keep_persistent=not persistent)
+
+    @torch.no_grad()
+    def refresh_persistent(
+        self, released_only: bool = False
+    ):  # True: only those released (`quiesce`), none that are whole
+        "After the shards changed (an optimizer step): all-gather the persistent parameters again"
+        persistent = [r for r in self.records.values() if r.persistent and r.numel and not (released_only and r.full)]
+        for r in persistent:
+            r.full = False
+        if persistent:
+            gather_records(persistent, owner=self)
+
+    @torch.no_grad()
+    def write_back(self, r: ParamRecord, src: int):
+        """Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's
+        shard"""
+        r.write_back(src)
+        if self.on_modified is not None:
+            self.on_modified(r)
+
+    @torch.no_grad()
+    def close(self):
+        "Remove every hook and lookup check, give each parameter its full data back and forget the shards"
+        for h in self._hooks:
+            h.remove()
+        for m in self._tracked:
+            untrack_parameters(m)
+        self._hooks, self._tracked, self._stack = [], [], []
+        if not self.partitioned:
+            return
+        records = list(self.records.values())
+        for r in records:
+            r.active = 0
+        gather_records(records)
+        for r in records:
+            r.param.data = r.param.data.clone()  # its own storage, not a view of a gather buffer or a shard
+            del r.param._zero3
+            drop_ds_attributes(r.param)
+            r.shard = r.grad_shard = None
+        self.partitioned = False
 
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c030
-@patch
-def _install_hooks(self:ParameterPartitioner):
-    for u in self._all_units:
-        if next(u.module.parameters(), None) is None: continue   # nothing below it to gather or claim
-        self._hooks.append(u.module.register_forward_pre_hook(partial(self._pre_forward, u), prepend=True))
-        self._hooks.append(u.module.register_forward_hook(partial(self._post_forward, u), always_call=True))
-        if u.module._parameters: self._track(u.module)
-    for p in self.records:
-        if p.requires_grad: self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-
-def _recomputing()->bool:
+def _recomputing() -> bool:
     "A forward running inside backward: activation checkpointing recomputing a block"
     return torch._C._current_graph_task_id() != -1
-
-@patch
-def _pre_forward(self:ParameterPartitioner, unit:Unit, module, args):
-    self._stack.append(unit)
-    if unit.module is self.module: enter_saved_views(self._saving); self._ahead = -1   # views of parameters are saved as such; nothing gathered ahead yet
-    again = _recomputing()
-    if again: self._begin_backward()   # on the outer backward (a reentrant checkpoint runs its own inside)
-    else: self._note_order(unit)       # a recomputation is not the model's order
-    if not unit.records: return
-    for r in unit.records: r.active += 1
-    if again: gather_records(unit.records, owner=self)
-    else: self._fetch(unit, +1)
-
-@patch
-def _note_order(self:ParameterPartitioner, unit:Unit):
-    "The order of the last forward of the whole model (a reentrant checkpoint's no-grad part included): the trace at the first backward, compared with it at the later ones"
-    if unit.module is self.module: self._order = {}   # a new forward of the model
-    self._order.setdefault(unit.index, unit)
-
-@patch
-def _post_forward(self:ParameterPartitioner, unit:Unit, module, args, output):
-    self._stack.pop()
-    if unit.module is self.module: exit_saved_views(self._saving)
-    if not unit.records: return
-    for r in unit.records: r.active -= 1
-    keep = torch.is_grad_enabled() and (unit.index in self._keep or _recomputing())   # its backward comes next
-    if not keep: release_records(unit.records)
-    if torch.is_grad_enabled():
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad: t.register_hook(partial(self._pre_backward, unit))
-
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c031
-@patch
-def _fetch(self:ParameterPartitioner, unit:Unit, step:int): # +1: in forward, -1: in backward
-    "Gather `unit` with the rest of its chunk ahead (one collective), then keep the chunks after it gathering, up to `prefetch_numel` elements"
-    i = self._position.get(unit.index) if self._traced else None
-    if i is None: return gather_records(unit.records, owner=self)   # not in the trace: alone
-    a, b = self._bounds[self._chunk_of[i]]
-    if any(not r.full and r.pending is None for r in unit.records):
-        gather_records(self._chunk_records(i, b) if step > 0 else self._chunk_records(a, i + 1), async_op=True, owner=self)
-    gather_records(unit.records, owner=self)
-    self._prefetch(self._chunk_of[i], step)
-
-@patch
-def _prefetch(self:ParameterPartitioner, k:int, step:int): # k: the chunk entered; step: +1 forward, -1 backward
-    "Start gathering the chunks `plan_ahead` says should be under way once chunk `k` is entered (those not started yet)"
-    for c in plan_ahead(self._ends, k, step, self.prefetch_numel, self._ahead):
-        gather_records(self._chunk_records(*self._bounds[c]), async_op=True, owner=self)
-        self._ahead = c
-
-@patch
-def _chunk_records(self:ParameterPartitioner, a:int, b:int)->list: # trace positions a..b-1
-    return list(dict.fromkeys(r for u in self.trace[a:b] for r in u.records))
-
-@patch
-def _pre_backward(self:ParameterPartitioner, unit:Unit, grad):
-    "Gradient hook on the unit's outputs: gather its parameters before autograd enters it"
-    self._begin_backward()
-    self._fetch(unit, -1)
-
-@patch
-def _begin_backward(self:ParameterPartitioner):
-    "Once per backward: ask autograd to call `_end_backward` when it is done"
-    if self._in_backward: return
-    self._retrace()
-    self._in_backward, self._traced, self._ahead = True, True, len(self._bounds)   # nothing gathered ahead in this direction yet
-    torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-@patch
-def _plan_keep(self:ParameterPartitioner):
-    "The units whose backward comes soon after their forward (`plan_keep` on the trace)"
-    kept = plan_keep([u.numel for u in self.trace], self.max_reuse_distance, self.max_live_numel)
-    self._keep = {self.trace[i].index for i in kept}
-
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c031q
-@patch
-def _plan_chunks(self:ParameterPartitioner):
-    "Cut the trace into chunks (`plan_chunks`; `_chunk_of[i]`: position i's), for `plan_ahead`; bucket gradients in its order"
-    kept, numels = {i for i, u in enumerate(self.trace) if u.index in self._keep}, [u.numel for u in self.trace]
-    self._bounds = plan_chunks(numels, kept, self.prefetch_numel)
-    self._chunk_of, self._ends = [k for k, c in enumerate(self._bounds) for _ in range(*c)], chunk_ends(numels, self._bounds)
-    self.grads.plan(self._gradient_order(self.trace))
-
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c031r
-@patch
-def _retrace(self:ParameterPartitioner):
-    "The order the forward just run used its units that gather something in becomes the trace, the first time or when it changed (prefetch and keep follow)"
-    order = [u for u in self._order.values() if u.records]
-    if self._traced and (not order or [u.index for u in order] == [u.index for u in self.trace]): return
-    self.num_retraces += self._traced
-    self.trace, self._position = order, {u.index: i for i, u in enumerate(order)}
-    self._plan_keep(); self._plan_chunks()
-
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c032
-@patch
-def _on_grad(self:ParameterPartitioner, p:torch.nn.Parameter):
-    "A parameter's gradient is complete: into its bucket (launched once the bucket is full), dropped, the parameter released"
-    self._begin_backward()
-    r = self.records[p]
-    self._arrived[r] = None   # the order gradients arrive in: the next backward's buckets follow it
-    self.grads.add(r, p.grad)
-    p.grad = None
-    release_records([r])
-
-@patch
-def _end_backward(self:ParameterPartitioner):
-    "After backward: every bucket's reduce-scatter launched and finished into the shards; everything released"
-    self.grads.end()
-    arrived = [r for r in self._arrived if r.param in self._trainable]
-    if arrived != self.grads.order[:len(arrived)]: self.grads.plan(list(dict.fromkeys(arrived + self.grads.order)))
-    self._arrived = {}
-    self.release_all()
-    self._in_backward = False
-
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c033
-@patch
-def release_all(self:ParameterPartitioner, persistent:bool=False): # True: the persistent ones too (the next use gathers them)
-    "Finish gathers in flight and release every parameter not in use (persistent ones stay whole unless `persistent`)"
-    release_records(list(self.records.values()), keep_persistent=not persistent)
-
-@patch
-@torch.no_grad()
-def refresh_persistent(self:ParameterPartitioner, released_only:bool=False): # True: only those released (`quiesce`), none that are whole
-    "After the shards changed (an optimizer step): all-gather the persistent parameters again"
-    persistent = [r for r in self.records.values() if r.persistent and r.numel and not (released_only and r.full)]
-    for r in persistent: r.full = False
-    if persistent: gather_records(persistent, owner=self)
-
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c033x
-@patch
-@torch.no_grad()
-def write_back(self:ParameterPartitioner, r:ParamRecord, src:int):
-    "Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's shard"
-    r.write_back(src)
-    if self.on_modified is not None: self.on_modified(r)
-
-# %% ../../../nbs/52_zero_stage3_params.ipynb #c034
-@patch
-@torch.no_grad()
-def close(self:ParameterPartitioner):
-    "Remove every hook and lookup check, give each parameter its full data back and forget the shards"
-    for h in self._hooks: h.remove()
-    for m in self._tracked: untrack_parameters(m)
-    self._hooks, self._tracked, self._stack = [], [], []
-    if not self.partitioned: return
-    records = list(self.records.values())
-    for r in records: r.active = 0
-    gather_records(records)
-    for r in records:
-        r.param.data = r.param.data.clone()   # its own storage, not a view of a gather buffer or a shard
-        del r.param._zero3
-        drop_ds_attributes(r.param)
-        r.shard = r.grad_shard = None
-    self.partitioned = False

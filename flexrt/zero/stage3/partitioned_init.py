@@ -17,7 +17,7 @@ from fastcore.basics import patch
 __all__ = ['zero_wrapper_for_fp_tensor_constructor', 'Init', 'module_classes', 'outside_init']
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c006
-_NO_EFFECT = {   # DeepSpeed's Init argument: (its default, why it changes nothing here)
+_NO_EFFECT = {  # DeepSpeed's Init argument: (its default, why it changes nothing here)
     'mem_efficient_linear': (True, "flexrt runs torch's own linear"),
     'remote_device': (None, "flexrt has no parameter offload: shards stay on this rank's device"),
     'pin_memory': (False, 'flexrt has no parameter offload'),
@@ -28,277 +28,363 @@ _NO_EFFECT = {   # DeepSpeed's Init argument: (its default, why it changes nothi
     'param_swapper': (None, 'flexrt has no NVMe parameter swapping'),
     'tensor_overrides': (None, "layers are built where torch builds them, then partitioned onto this rank's device"),
 }
-_warned = set()   # the names warned about in this process
+_warned = set()  # the names warned about in this process
 
-def _warn_no_effect(given:dict): # {argument name: the value passed}
+
+def _warn_no_effect(given: dict):  # {argument name: the value passed}
     "Warn once per process about each argument set to something other than its default"
     for name, value in given.items():
         default, why = _NO_EFFECT[name]
-        if value is default or name in _warned or (name == 'remote_device' and value in ('none', 'None')): continue
-        if not isinstance(value, (list, tuple, torch.Tensor)) and value == default: continue
+        if value is default or name in _warned or (name == 'remote_device' and value in ('none', 'None')):
+            continue
+        if not isinstance(value, (list, tuple, torch.Tensor)) and value == default:
+            continue
         _warned.add(name)
         warnings.warn(f"zero.Init({name}={value!r}) has no effect in flexrt: {why}")
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c009
-def _given(block, key:str, default, tp, path:str):
+def _given(block, key: str, default, tp, path: str):
     "`block[key]` checked as `tp`; absent, null or Hugging Face's 'auto' (not filled in yet): `default`"
     value = block.get(key) if isinstance(block, Mapping) else None
     return default if value is None or value == 'auto' else coerce(value, tp, path)
 
-def _init_settings(config_dict_or_path, config)->tuple: # (ZeRO stage, dtype); (None, None) without a config
+
+def _init_settings(config_dict_or_path, config) -> tuple:  # (ZeRO stage, dtype); (None, None) without a config
     "What `zero.Init` reads from its config: the ZeRO stage and the training dtype, nothing else"
     if config_dict_or_path is not None and config is not None:
         raise ValueError("zero.Init got both config_dict_or_path and config (its older name): pass one")
     source = config if config_dict_or_path is None else config_dict_or_path
-    if source is None: return None, None
+    if source is None:
+        return None, None
     if isinstance(source, (str, os.PathLike)):
-        if not Path(source).is_file(): raise FileNotFoundError(f"zero.Init: config file {source} not found")
+        if not Path(source).is_file():
+            raise FileNotFoundError(f"zero.Init: config file {source} not found")
         source = json.loads(Path(source).read_text())
-    if not isinstance(source, Mapping): raise TypeError(f"zero.Init: config must be a dict or a JSON file path, got {type(source).__name__}")
+    if not isinstance(source, Mapping):
+        raise TypeError(f"zero.Init: config must be a dict or a JSON file path, got {type(source).__name__}")
     stage = _given(source.get('zero_optimization'), 'stage', 0, int, 'zero_optimization.stage')
     fp16 = _given(source.get('fp16'), 'enabled', False, bool, 'fp16.enabled')
     bf16 = _given(source.get('bf16', source.get('bfloat16')), 'enabled', False, bool, 'bf16.enabled')
-    if fp16 and bf16: raise ValueError("zero.Init: fp16.enabled and bf16.enabled are both true; enable one of them")
+    if fp16 and bf16:
+        raise ValueError("zero.Init: fp16.enabled and bf16.enabled are both true; enable one of them")
     return stage, torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
 
-def _partitions(stage:int|None)->bool: # the config's ZeRO stage (None: no config)
-    "Whether `Init` partitions under this stage: without a config or at stage 3; at another stage it warns once and builds whole"
-    if stage is None or stage == 3: return True
+
+def _partitions(stage: int | None) -> bool:  # the config's ZeRO stage (None: no config)
+    """Whether `Init` partitions under this stage: without a config or at stage 3; at another stage it warns once and
+    builds whole"""
+    if stage is None or stage == 3:
+        return True
     if 'stage' not in _warned:
         _warned.add('stage')
-        warnings.warn(f"zero.Init has no effect with zero_optimization.stage={stage}: only stage 3 trains partitioned parameters, "
-                      "so the model is built whole (set the stage to 3 to build it partitioned)")
+        warnings.warn(
+            f"zero.Init has no effect with zero_optimization.stage={stage}: only stage 3 trains partitioned "
+            "parameters, "
+            "so the model is built whole (set the stage to 3 to build it partitioned)"
+        )
     return False
 
-def _device()->torch.device:
+
+def _device() -> torch.device:
     "This rank's device as the engine picks it: its GPU when CUDA is present, else the CPU"
-    if not torch.cuda.is_available(): return torch.device('cpu')
+    if not torch.cuda.is_available():
+        return torch.device('cpu')
     return torch.device('cuda', dist.get_local_rank() % torch.cuda.device_count())
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c010b
-_orig_torch_arange = torch.arange   # DeepSpeed's name for torch's own arange (Transformers compares against it)
+_orig_torch_arange = torch.arange  # DeepSpeed's name for torch's own arange (Transformers compares against it)
 
-def zero_wrapper_for_fp_tensor_constructor(fn, # a tensor constructor: torch.empty, torch.zeros, torch.arange ...
-                                           target_fp_dtype:torch.dtype|None, # floating-point results in this dtype (None: as made)
-                                           target_device:torch.device|None=None, # the device when the call names none
-                                          ):
-    "`fn` making its tensors on `target_device` (unless the call names one), floating-point ones cast to `target_fp_dtype`"
+
+def zero_wrapper_for_fp_tensor_constructor(
+    fn,  # a tensor constructor: torch.empty, torch.zeros, torch.arange ...
+    target_fp_dtype: torch.dtype | None,  # floating-point results in this dtype (None: as made)
+    target_device: torch.device | None = None,  # the device when the call names none
+):
+    """`fn` making its tensors on `target_device` (unless the call names one), floating-point ones cast to
+    `target_fp_dtype`"""
+
     def wrapped(*args, **kwargs):
-        if kwargs.get('device') is None and target_device is not None: kwargs['device'] = target_device
+        if kwargs.get('device') is None and target_device is not None:
+            kwargs['device'] = target_device
         tensor = fn(*args, **kwargs)
-        if target_fp_dtype is not None and tensor.is_floating_point(): tensor.data = tensor.data.to(target_fp_dtype)   # a leaf stays a leaf
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(target_fp_dtype)  # a leaf stays a leaf
         return tensor
+
     return wrapped
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c012
-_active = None   # the Init whose block is running (of nested blocks, the outermost does the work)
+_active = None  # the Init whose block is running (of nested blocks, the outermost does the work)
 _ABSENT = object()
 
+
 class Init:
-    "Build a model already partitioned for ZeRO stage 3: each module's parameters are split over the ranks when its `__init__` returns"
-    def __init__(self, module:torch.nn.Module|None=None, # a model built already: partition it now
-                 data_parallel_group=None, # the ranks parameters are split over (None: the mpu's, else all)
-                 mem_efficient_linear:bool=True, remote_device=None, pin_memory:bool=False, # DeepSpeed's; no effect here
-                 config_dict_or_path=None, # a DeepSpeed/flexrt config (dict or JSON path); a stage other than 3: no effect
-                 config=None, # DeepSpeed's older name for `config_dict_or_path`
-                 enabled:bool=True, # False: the block builds the model as usual
-                 dtype:torch.dtype|None=None, # floating-point shards in this dtype (None: the config's; without one, as built)
-                 mpu=None, # Megatron-style model-parallel unit: its data-parallel group is used
-                 zero_param_parallel_group=None, zero_quantized_weights:bool=False, zero_quantized_nontrainable_weights:bool=False,
-                 sequence_data_parallel_group=None, param_swapper=None, tensor_overrides=None): # DeepSpeed's; no effect here
-        _warn_no_effect(dict(mem_efficient_linear=mem_efficient_linear, remote_device=remote_device, pin_memory=pin_memory,
-            zero_param_parallel_group=zero_param_parallel_group, zero_quantized_weights=zero_quantized_weights,
-            zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights, param_swapper=param_swapper,
-            sequence_data_parallel_group=sequence_data_parallel_group, tensor_overrides=tensor_overrides))
+    """Build a model already partitioned for ZeRO stage 3: each module's parameters are split over the ranks when its
+    `__init__` returns"""
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,  # a model built already: partition it now
+        data_parallel_group=None,  # the ranks parameters are split over (None: the mpu's, else all)
+        mem_efficient_linear: bool = True,
+        remote_device=None,
+        pin_memory: bool = False,  # DeepSpeed's; no effect here
+        config_dict_or_path=None,  # a DeepSpeed/flexrt config (dict or JSON path); a stage other than 3: no effect
+        config=None,  # DeepSpeed's older name for `config_dict_or_path`
+        enabled: bool = True,  # False: the block builds the model as usual
+        dtype: torch.dtype
+        | None = None,  # floating-point shards in this dtype (None: the config's; without one, as built)
+        mpu=None,  # Megatron-style model-parallel unit: its data-parallel group is used
+        zero_param_parallel_group=None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group=None,
+        param_swapper=None,
+        tensor_overrides=None,  # DeepSpeed's; no effect here
+    ):
+        _warn_no_effect(
+            dict(
+                mem_efficient_linear=mem_efficient_linear,
+                remote_device=remote_device,
+                pin_memory=pin_memory,
+                zero_param_parallel_group=zero_param_parallel_group,
+                zero_quantized_weights=zero_quantized_weights,
+                zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
+                param_swapper=param_swapper,
+                sequence_data_parallel_group=sequence_data_parallel_group,
+                tensor_overrides=tensor_overrides,
+            )
+        )
         stage, config_dtype = _init_settings(config_dict_or_path, config)
         self.enabled = bool(enabled) and _partitions(stage)
         self.dtype, self._nested, self._patched = dtype or config_dtype, False, {}
         self._depth, self._building, self._touched, self._tracked, self.comm_bytes = {}, [], {}, [], 0
-        if not self.enabled: return
-        if not dist.is_initialized(): dist.init_distributed()
-        if data_parallel_group is None and mpu is not None: data_parallel_group = mpu.get_data_parallel_group()
+        if not self.enabled:
+            return
+        if not dist.is_initialized():
+            dist.init_distributed()
+        if data_parallel_group is None and mpu is not None:
+            data_parallel_group = mpu.get_data_parallel_group()
         self.group, self.device = data_parallel_group, _device()
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if module is not None: self._partition_tree(module)
+        if module is not None:
+            self._partition_tree(module)
 
-    def __repr__(self): return f"zero.Init({'on' if self.enabled else 'off'}, world={getattr(self, 'world_size', 1)})"
+    def __repr__(self):
+        return f"zero.Init({'on' if self.enabled else 'off'}, world={getattr(self, 'world_size', 1)})"
 
-# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c014
-@patch
-@torch.no_grad()
-def _partition(self:Init, p:torch.nn.Parameter, name:str):
-    "Keep rank 0's value of a new parameter: this rank's piece of it in a shard; release the whole"
-    dtype = self.dtype if self.dtype is not None and p.is_floating_point() else p.dtype
-    p.data = p.data.to(self.device, dtype)
-    r = ParamRecord(p, name, self.world_size, self.rank, False, self.group)
-    r.shard = p.data.new_empty(r.shard_numel)
-    r.write_back(0)
-    p._zero3 = (self, r)
-    set_ds_attributes(r)
-    release_records([r])
+    @torch.no_grad()
+    def _partition(self, p: torch.nn.Parameter, name: str):
+        "Keep rank 0's value of a new parameter: this rank's piece of it in a shard; release the whole"
+        dtype = self.dtype if self.dtype is not None and p.is_floating_point() else p.dtype
+        p.data = p.data.to(self.device, dtype)
+        r = ParamRecord(p, name, self.world_size, self.rank, False, self.group)
+        r.shard = p.data.new_empty(r.shard_numel)
+        r.write_back(0)
+        p._zero3 = (self, r)
+        set_ds_attributes(r)
+        release_records([r])
 
-@patch
-def _partition_module(self:Init, m:torch.nn.Module):
-    "Partition `m`'s own parameters not partitioned yet (empty ones, and ones on the meta device, stay as they are)"
-    for name, p in dict.items(m._parameters):   # a plain dict's items: iterating a watched one gathers
-        if p is not None and getattr(p, '_zero3', None) is None and p.numel() and not p.is_meta: self._partition(p, f'{type(m).__name__}.{name}')
+    def _partition_module(self, m: torch.nn.Module):
+        "Partition `m`'s own parameters not partitioned yet (empty ones, and ones on the meta device, stay as they are)"
+        for name, p in dict.items(m._parameters):  # a plain dict's items: iterating a watched one gathers
+            if p is not None and getattr(p, '_zero3', None) is None and p.numel() and not p.is_meta:
+                self._partition(p, f'{type(m).__name__}.{name}')
 
-@patch
-def _partition_tree(self:Init, module:torch.nn.Module):
-    "Partition every parameter in `module`'s tree not partitioned yet"
-    for m in module.modules(): self._partition_module(m)
+    def _partition_tree(self, module: torch.nn.Module):
+        "Partition every parameter in `module`'s tree not partitioned yet"
+        for m in module.modules():
+            self._partition_module(m)
 
-# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c017
-@patch
-def write_back(self:Init, r:ParamRecord, src:int):
-    "A `GatheredParameters(..., modifier_rank=src)` block ends: keep rank `src`'s value in every rank's shard"
-    r.write_back(src)
+    def write_back(self, r: ParamRecord, src: int):
+        "A `GatheredParameters(..., modifier_rank=src)` block ends: keep rank `src`'s value in every rank's shard"
+        r.write_back(src)
+
+    def _on_access(self, p):
+        "Gather a parameter this block partitioned, and remember it with the module being built (None: the block)"
+        owner, r = getattr(p, '_zero3', (None, None))
+        if owner is not self or r.full:
+            return
+        gather_records([r], owner=self)
+        self._touched.setdefault(id(self._building[-1]) if self._building else None, []).append(r)
+
+    def _track(self, module: torch.nn.Module):
+        "Give a built module a watched `_parameters` (undone when the block ends)"
+        watched = _Watched(module._parameters)
+        watched.init = self
+        module.__dict__['_parameters'] = watched
+        self._tracked.append(module)
+
+    def _finish(self, key):
+        "Keep rank 0's value of the parameters gathered while `key` was built (None: in the block), and release them"
+        for r in self._touched.pop(key, []):
+            if r.full:
+                r.write_back(0)
+            release_records([r])
+
+    def _wrap(self, cls: type):
+        "Make `cls.__init__` hand the module to `_built` when the outermost construction of it returns"
+        init = cls.__dict__.get('__init__')
+        if cls in self._patched or not inspect.isfunction(init):
+            return
+        cls.__init__ = self._wrapped(init)
+        self._patched[cls] = init  # recorded once replaced: _unpatch restores only what was replaced
+
+    def _wrapped(self, init):
+        @functools.wraps(init)
+        def __init__(module, *args, **kwargs):
+            key = id(module)
+            depth = self._depth.get(key, 0)
+            self._depth[key] = depth + 1
+            if not depth:
+                self._building.append(module)
+            try:
+                init(module, *args, **kwargs)
+            finally:
+                if depth:
+                    self._depth[key] = depth
+                else:
+                    del self._depth[key]
+                    self._building.pop()
+            if not depth:
+                self._built(module)
+
+        return __init__
+
+    def _built(self, module: torch.nn.Module):
+        """`module`'s `__init__` returned: keep rank 0's value of what it read, partition what is new in its tree, watch
+        it"""
+        self._finish(id(module))
+        self._partition_tree(module)
+        for m in module.modules():
+            if type(m.__dict__.get('_parameters')) is dict and m._parameters:
+                self._track(m)
+
+    @torch.no_grad()
+    def _deepcopy_parameter(self, p: torch.nn.Parameter, memo: dict):
+        "`copy.deepcopy(p)` inside the block: a copy of a partitioned parameter holds a copy of its shard"
+        owner, r = getattr(p, '_zero3', (None, None))
+        if owner is not self:
+            return self._parameter_deepcopy(p, memo)
+        out = memo[id(p)] = type(p)(p.data.clone(), p.requires_grad)
+        record = copy.copy(r)
+        record.param, record.shard, record.pending, record.active, record.grad_shard = (
+            out,
+            r.shard.clone(),
+            None,
+            0,
+            None,
+        )
+        out._zero3 = (self, record)
+        set_ds_attributes(record)
+        if record.full:
+            self._touched.setdefault(id(self._building[-1]) if self._building else None, []).append(record)
+        return out
+
+    def _patch(self):
+        """Wrap the `__init__` of every module class, and of every one defined while the block runs (all undone if a
+        step fails)"""
+        self._init_subclass = before = torch.nn.Module.__dict__.get('__init_subclass__', _ABSENT)
+        self._parameter_deepcopy = torch.nn.Parameter.__dict__['__deepcopy__']
+        wrap = self._wrap
+
+        def __init_subclass__(cls, **kwargs):
+            if before is _ABSENT:
+                super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            else:
+                before.__get__(None, cls)(**kwargs)
+            wrap(cls)
+
+        try:
+            for cls in module_classes():
+                self._wrap(cls)
+            torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+            torch.nn.Parameter.__deepcopy__ = lambda p, memo: self._deepcopy_parameter(p, memo)
+        except BaseException:
+            self._unpatch()
+            raise
+
+    def _unpatch(self):
+        "Give every class its own `__init__` back and Module its `__init_subclass__`; modules get plain `_parameters`"
+        for cls, init in self._patched.items():
+            cls.__init__ = init
+        if self._init_subclass is not _ABSENT:
+            torch.nn.Module.__init_subclass__ = self._init_subclass
+        elif '__init_subclass__' in torch.nn.Module.__dict__:
+            del torch.nn.Module.__init_subclass__
+        torch.nn.Parameter.__deepcopy__ = self._parameter_deepcopy
+        for m in self._tracked:
+            if type(m.__dict__.get('_parameters')) is _Watched:
+                m.__dict__['_parameters'] = dict(dict.items(m._parameters))
+        self._patched, self._tracked = {}, []
+
+    def __enter__(self):
+        global _active
+        if not self.enabled:
+            return self
+        if _active is not None:
+            self._nested = True
+            return self  # the outer block partitions what this one builds
+        self._patch()
+        _active = self
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        global _active
+        if not self.enabled or self._nested:
+            self._nested = False
+            return
+        try:
+            if kind is None:
+                for key in list(self._touched):
+                    self._finish(key)
+                for m in self._tracked:
+                    self._partition_module(m)  # built on the meta device, given storage later (`skip_init`)
+            else:
+                release_records([r for rs in self._touched.values() for r in rs])
+        finally:
+            self._touched, self._depth, self._building = {}, {}, []
+            self._unpatch()
+            _active = None
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c020
 class _Watched(dict):
-    "A built module's `_parameters` inside `zero.Init`: looking up a partitioned parameter gathers it; iterating too, within an `__init__`"
+    """A built module's `_parameters` inside `zero.Init`: looking up a partitioned parameter gathers it; iterating too,
+    within an `__init__`"""
+
     __slots__ = ('init',)
-    def __getitem__(self, name:str):
+
+    def __getitem__(self, name: str):
         p = dict.__getitem__(self, name)
         self.init._on_access(p)
         return p
-    def items(self): self._gather(); return dict.items(self)
-    def values(self): self._gather(); return dict.values(self)
-    def __reduce_ex__(self, protocol): return dict, (dict(dict.items(self)),)   # a copy (deepcopy of a module) is plain
+
+    def items(self):
+        self._gather()
+        return dict.items(self)
+
+    def values(self):
+        self._gather()
+        return dict.values(self)
+
+    def __reduce_ex__(self, protocol):
+        return dict, (dict(dict.items(self)),)  # a copy (deepcopy of a module) is plain
+
     def _gather(self):
         if self.init._building:
-            for p in dict.values(self): self.init._on_access(p)
-
-# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c021
-@patch
-def _on_access(self:Init, p):
-    "Gather a parameter this block partitioned, and remember it with the module being built (None: the block)"
-    owner, r = getattr(p, '_zero3', (None, None))
-    if owner is not self or r.full: return
-    gather_records([r], owner=self)
-    self._touched.setdefault(id(self._building[-1]) if self._building else None, []).append(r)
-
-@patch
-def _track(self:Init, module:torch.nn.Module):
-    "Give a built module a watched `_parameters` (undone when the block ends)"
-    watched = _Watched(module._parameters); watched.init = self
-    module.__dict__['_parameters'] = watched
-    self._tracked.append(module)
-
-@patch
-def _finish(self:Init, key):
-    "Keep rank 0's value of the parameters gathered while `key` was built (None: in the block), and release them"
-    for r in self._touched.pop(key, []):
-        if r.full: r.write_back(0)
-        release_records([r])
+            for p in dict.values(self):
+                self.init._on_access(p)
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c023
-def module_classes()->list:
+def module_classes() -> list:
     "Every subclass of `torch.nn.Module` defined so far (not Module itself)"
     seen, todo = {}, [torch.nn.Module]
     while todo:
         for c in type.__subclasses__(todo.pop()):
-            if c not in seen: seen[c] = None; todo.append(c)
+            if c not in seen:
+                seen[c] = None
+                todo.append(c)
     return list(seen)
-
-# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c025
-@patch
-def _wrap(self:Init, cls:type):
-    "Make `cls.__init__` hand the module to `_built` when the outermost construction of it returns"
-    init = cls.__dict__.get('__init__')
-    if cls in self._patched or not inspect.isfunction(init): return
-    cls.__init__ = self._wrapped(init)
-    self._patched[cls] = init   # recorded once replaced: _unpatch restores only what was replaced
-
-@patch
-def _wrapped(self:Init, init):
-    @functools.wraps(init)
-    def __init__(module, *args, **kwargs):
-        key = id(module)
-        depth = self._depth.get(key, 0)
-        self._depth[key] = depth + 1
-        if not depth: self._building.append(module)
-        try: init(module, *args, **kwargs)
-        finally:
-            if depth: self._depth[key] = depth
-            else: del self._depth[key]; self._building.pop()
-        if not depth: self._built(module)
-    return __init__
-
-# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c026
-@patch
-def _built(self:Init, module:torch.nn.Module):
-    "`module`'s `__init__` returned: keep rank 0's value of what it read, partition what is new in its tree, watch it"
-    self._finish(id(module))
-    self._partition_tree(module)
-    for m in module.modules():
-        if type(m.__dict__.get('_parameters')) is dict and m._parameters: self._track(m)
-
-# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c026b
-@patch
-@torch.no_grad()
-def _deepcopy_parameter(self:Init, p:torch.nn.Parameter, memo:dict):
-    "`copy.deepcopy(p)` inside the block: a copy of a partitioned parameter holds a copy of its shard"
-    owner, r = getattr(p, '_zero3', (None, None))
-    if owner is not self: return self._parameter_deepcopy(p, memo)
-    out = memo[id(p)] = type(p)(p.data.clone(), p.requires_grad)
-    record = copy.copy(r)
-    record.param, record.shard, record.pending, record.active, record.grad_shard = out, r.shard.clone(), None, 0, None
-    out._zero3 = (self, record)
-    set_ds_attributes(record)
-    if record.full: self._touched.setdefault(id(self._building[-1]) if self._building else None, []).append(record)
-    return out
-
-# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c028
-@patch
-def _patch(self:Init):
-    "Wrap the `__init__` of every module class, and of every one defined while the block runs (all undone if a step fails)"
-    self._init_subclass = before = torch.nn.Module.__dict__.get('__init_subclass__', _ABSENT)
-    self._parameter_deepcopy = torch.nn.Parameter.__dict__['__deepcopy__']
-    wrap = self._wrap
-    def __init_subclass__(cls, **kwargs):
-        if before is _ABSENT: super(torch.nn.Module, cls).__init_subclass__(**kwargs)
-        else: before.__get__(None, cls)(**kwargs)
-        wrap(cls)
-    try:
-        for cls in module_classes(): self._wrap(cls)
-        torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
-        torch.nn.Parameter.__deepcopy__ = lambda p, memo: self._deepcopy_parameter(p, memo)
-    except BaseException:
-        self._unpatch(); raise
-
-@patch
-def _unpatch(self:Init):
-    "Give every class its own `__init__` back and Module its `__init_subclass__`; modules get plain `_parameters`"
-    for cls, init in self._patched.items(): cls.__init__ = init
-    if self._init_subclass is not _ABSENT: torch.nn.Module.__init_subclass__ = self._init_subclass
-    elif '__init_subclass__' in torch.nn.Module.__dict__: del torch.nn.Module.__init_subclass__
-    torch.nn.Parameter.__deepcopy__ = self._parameter_deepcopy
-    for m in self._tracked:
-        if type(m.__dict__.get('_parameters')) is _Watched: m.__dict__['_parameters'] = dict(dict.items(m._parameters))
-    self._patched, self._tracked = {}, []
-
-# %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c029
-@patch
-def __enter__(self:Init):
-    global _active
-    if not self.enabled: return self
-    if _active is not None: self._nested = True; return self   # the outer block partitions what this one builds
-    self._patch(); _active = self
-    return self
-
-@patch
-def __exit__(self:Init, kind, exc, tb):
-    global _active
-    if not self.enabled or self._nested: self._nested = False; return
-    try:
-        if kind is None:
-            for key in list(self._touched): self._finish(key)
-            for m in self._tracked: self._partition_module(m)   # built on the meta device, given storage later (`skip_init`)
-        else: release_records([r for rs in self._touched.values() for r in rs])
-    finally:
-        self._touched, self._depth, self._building = {}, {}, []
-        self._unpatch(); _active = None
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c029b
 @contextlib.contextmanager
@@ -306,10 +392,17 @@ def outside_init():
     "Run the block as if no `zero.Init` were active (`initialize` does): collective when one is"
     global _active
     init = _active
-    if init is None: yield; return
-    for key in list(init._touched): init._finish(key)
+    if init is None:
+        yield
+        return
+    for key in list(init._touched):
+        init._finish(key)
     init._unpatch()
-    try: yield
+    try:
+        yield
     finally:
-        try: init._patch()
-        except BaseException: _active = None; raise   # nothing stays patched: the block is over
+        try:
+            init._patch()
+        except BaseException:
+            _active = None
+            raise  # nothing stays patched: the block is over

@@ -10,52 +10,85 @@ from itertools import accumulate
 __all__ = ['COALESCE_NUMEL', 'plan_keep', 'plan_chunks', 'split_buckets', 'chunk_ends', 'plan_ahead']
 
 # %% ../../../nbs/52_zero_stage3_plan.ipynb #c005
-COALESCE_NUMEL = 2 ** 20   # elements (4 MiB of fp32): stage 3 gathers and reduce-scatters at least this many together (when not limited otherwise)
+COALESCE_NUMEL = (
+    2**20
+    # elements (4 MiB of fp32): stage 3 gathers and reduce-scatters at least this many together (when not limited
+    # otherwise)
+)
 
-def plan_keep(numels:list, # elements gathered by each unit, in trace order
-              max_reuse_distance:int, # keep a unit if fewer elements are gathered between its forward and its backward
-              max_live_numel:int)->set: # ... and the kept units hold at most this many elements in all
-    "The trace positions kept gathered from forward to backward: from the end, while the reuse distance and live size allow"
-    keep, between, live = set(), 0, 0   # elements gathered between a unit's forward and its backward: twice those after it
+
+def plan_keep(
+    numels: list,  # elements gathered by each unit, in trace order
+    max_reuse_distance: int,  # keep a unit if fewer elements are gathered between its forward and its backward
+    max_live_numel: int,
+) -> set:  # ... and the kept units hold at most this many elements in all
+    """The trace positions kept gathered from forward to backward: from the end, while the reuse distance and live size
+    allow"""
+    keep, between, live = (
+        set(),
+        0,
+        0,
+    )  # elements gathered between a unit's forward and its backward: twice those after it
     for i in reversed(range(len(numels))):
-        if 2 * between >= max_reuse_distance or live + numels[i] > max_live_numel: break
-        keep.add(i); live += numels[i]; between += numels[i]
+        if 2 * between >= max_reuse_distance or live + numels[i] > max_live_numel:
+            break
+        keep.add(i)
+        live += numels[i]
+        between += numels[i]
     return keep
 
 # %% ../../../nbs/52_zero_stage3_plan.ipynb #c007
-def plan_chunks(numels:list, # elements gathered by each unit, in trace order
-                kept:set, # positions kept from forward to backward (`plan_keep`): they get chunks of their own
-                prefetch_numel:int)->list: # a chunk holds at most this many elements (a larger unit is a chunk alone)
+def plan_chunks(
+    numels: list,  # elements gathered by each unit, in trace order
+    kept: set,  # positions kept from forward to backward (`plan_keep`): they get chunks of their own
+    prefetch_numel: int,
+) -> list:  # a chunk holds at most this many elements (a larger unit is a chunk alone)
     "Consecutive positions as chunks `(start, end)`, each closed once it holds `COALESCE_NUMEL` elements"
     bounds, start, size = [], 0, 0
     for i, k in enumerate(numels):
         if i > start and (size >= COALESCE_NUMEL or size + k > prefetch_numel or (i in kept) != (start in kept)):
-            bounds.append((start, i)); start, size = i, 0
+            bounds.append((start, i))
+            start, size = i, 0
         size += k
     return bounds + ([(start, len(numels))] if numels else [])
 
-def split_buckets(numels:list, # elements of each gradient, in arrival order
-                  bucket_numel:int)->list: # a bucket is closed once it holds at least this many elements
+
+def split_buckets(
+    numels: list,  # elements of each gradient, in arrival order
+    bucket_numel: int,
+) -> list:  # a bucket is closed once it holds at least this many elements
     "Consecutive positions as buckets (lists of positions), the last one maybe smaller"
-    if bucket_numel < 1: raise ValueError(f'reduce_bucket_size must be at least 1 element, got {bucket_numel}')
+    if bucket_numel < 1:
+        raise ValueError(f'reduce_bucket_size must be at least 1 element, got {bucket_numel}')
     done, cur, size = [], [], 0
     for i, k in enumerate(numels):
-        cur.append(i); size += k
-        if size >= bucket_numel: done.append(cur); cur, size = [], 0
+        cur.append(i)
+        size += k
+        if size >= bucket_numel:
+            done.append(cur)
+            cur, size = [], 0
     return done + ([cur] if cur else [])
 
-def chunk_ends(numels:list, # elements gathered by each unit, in trace order
-               bounds:list)->list: # `plan_chunks`' chunks
+
+def chunk_ends(
+    numels: list,  # elements gathered by each unit, in trace order
+    bounds: list,
+) -> list:  # `plan_chunks`' chunks
     "Elements in the chunks before each chunk, and in all of them (`plan_ahead`'s `ends`)"
     return [0, *accumulate(sum(numels[a:b]) for a, b in bounds)]
 
-def plan_ahead(ends:list, # `chunk_ends`: ends[c] elements in the chunks before chunk c
-               k:int, # the chunk being entered
-               step:int, # +1: in forward (the chunks after it); -1: in backward (the ones before it)
-               limit:int, # at most this many elements gathered ahead (`stage3_prefetch_bucket_size`)
-               started:int|None=None)->range: # the farthest chunk started so far (counts only if past `k` in direction `step`)
-    "The chunks to start gathering on entering chunk `k`: the next ones in direction `step` while they hold at most `limit` elements together, less those started"
+
+def plan_ahead(
+    ends: list,  # `chunk_ends`: ends[c] elements in the chunks before chunk c
+    k: int,  # the chunk being entered
+    step: int,  # +1: in forward (the chunks after it); -1: in backward (the ones before it)
+    limit: int,  # at most this many elements gathered ahead (`stage3_prefetch_bucket_size`)
+    started: int | None = None,
+) -> range:  # the farthest chunk started so far (counts only if past `k` in direction `step`)
+    """The chunks to start gathering on entering chunk `k`: the next ones in direction `step` while they hold at most
+    `limit` elements together, less those started"""
     j = started if started is not None and (started - k) * step > 0 else k
     first, n = j + step, len(ends) - 1
-    while 0 <= j + step < n and (ends[j + step + 1] - ends[k + 1] if step > 0 else ends[k] - ends[j + step]) <= limit: j += step
+    while 0 <= j + step < n and (ends[j + step + 1] - ends[k + 1] if step > 0 else ends[k] - ends[j + step]) <= limit:
+        j += step
     return range(first, j + step, step)

@@ -16,271 +16,423 @@ __all__ = ['ZeroParamStatus', 'ParamRecord', 'gather_records', 'release_records'
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c006
 class ZeroParamStatus(enum.Enum):
     "DeepSpeed's `ds_status` of a ZeRO-3 parameter: whole, partitioned (only the shard is here), or being gathered"
+
     AVAILABLE, NOT_AVAILABLE, INFLIGHT = 1, 2, 3
 
+
 class ParamRecord:
-    "One parameter under ZeRO-3: its full shape, this rank's shard of `ceil(numel / N)` elements, and whether it is gathered"
-    def __init__(self, param:torch.nn.Parameter, # the model's parameter
-                 name:str, # its name in the model
-                 world_size:int, rank:int, # the size of the group it is partitioned over, and this rank's place in it
-                 persistent:bool, # kept whole on every rank
-                 group=None): # that process group (the data-parallel one; an expert's own for MoE experts)
+    """One parameter under ZeRO-3: its full shape, this rank's shard of `ceil(numel / N)` elements, and whether it is
+    gathered"""
+
+    def __init__(
+        self,
+        param: torch.nn.Parameter,  # the model's parameter
+        name: str,  # its name in the model
+        world_size: int,
+        rank: int,  # the size of the group it is partitioned over, and this rank's place in it
+        persistent: bool,  # kept whole on every rank
+        group=None,  # that process group (the data-parallel one; an expert's own for MoE experts)
+    ):
         self.param, self.name, self.persistent, self.group = param, name, persistent, group
         self.shape, self.numel, self.world_size, self.rank = param.shape, param.numel(), world_size, rank
         self.shard_numel = -(-self.numel // world_size)
-        self.shard, self.grad_shard = None, None   # flat tensors of shard_numel; the optimizer may give views of its buffers
-        self.grad_stale = False   # grad_shard holds an old step's value: the next reduction overwrites it instead of adding
-        self.full, self.pending, self.active = True, None, 0   # full data present; gather in flight; forwards using it
+        self.shard, self.grad_shard = (
+            None,
+            None,
+        )  # flat tensors of shard_numel; the optimizer may give views of its buffers
+        self.grad_stale = (
+            False  # grad_shard holds an old step's value: the next reduction overwrites it instead of adding
+        )
+        self.full, self.pending, self.active = True, None, 0  # full data present; gather in flight; forwards using it
 
     @property
-    def full(self)->bool: return self._full
+    def full(self) -> bool:
+        return self._full
+
     @full.setter
-    def full(self, value:bool): self._full = value; self._show_status()
-    @property
-    def pending(self): return self._pending
-    @pending.setter
-    def pending(self, gather): self._pending = gather; self._show_status()
-    @property
-    def shard(self)->torch.Tensor|None: return self._shard
-    @shard.setter
-    def shard(self, t): self._shard = t; self._show('ds_tensor', t)
-    @property
-    def persistent(self)->bool: return self._persistent
-    @persistent.setter
-    def persistent(self, value:bool): self._persistent = value; self._show('ds_persist', value)
+    def full(self, value: bool):
+        self._full = value
+        self._show_status()
 
-    def _show(self, name:str, value):
+    @property
+    def pending(self):
+        return self._pending
+
+    @pending.setter
+    def pending(self, gather):
+        self._pending = gather
+        self._show_status()
+
+    @property
+    def shard(self) -> torch.Tensor | None:
+        return self._shard
+
+    @shard.setter
+    def shard(self, t):
+        self._shard = t
+        self._show('ds_tensor', t)
+
+    @property
+    def persistent(self) -> bool:
+        return self._persistent
+
+    @persistent.setter
+    def persistent(self, value: bool):
+        self._persistent = value
+        self._show('ds_persist', value)
+
+    def _show(self, name: str, value):
         "Mirror a fact onto the parameter while it carries DeepSpeed's attributes (`set_ds_attributes`)"
-        if 'ds_id' in self.param.__dict__: setattr(self.param, name, value)
+        if 'ds_id' in self.param.__dict__:
+            setattr(self.param, name, value)
+
     def _show_status(self):
         "DeepSpeed's `ds_status`: being gathered, whole, or only the shard here"
         pending, full = getattr(self, '_pending', None), getattr(self, '_full', True)
-        self._show('ds_status', ZeroParamStatus.INFLIGHT if pending is not None else ZeroParamStatus.AVAILABLE if full else ZeroParamStatus.NOT_AVAILABLE)
+        self._show(
+            'ds_status',
+            ZeroParamStatus.INFLIGHT
+            if pending is not None
+            else ZeroParamStatus.AVAILABLE
+            if full
+            else ZeroParamStatus.NOT_AVAILABLE,
+        )
 
-    def __repr__(self): return f"ParamRecord({self.name}, {tuple(self.shape)}, shard={self.shard_numel}{', persistent' if self.persistent else ''})"
+    def __repr__(self):
+        return (
+            f"ParamRecord({self.name}, {tuple(self.shape)}, "
+            f"shard={self.shard_numel}{', persistent' if self.persistent else ''})"
+        )
 
-# %% ../../../nbs/52_zero_stage3_records.ipynb #c007
-@patch
-@torch.no_grad()
-def fill_shard(self:ParamRecord, full:torch.Tensor, # the whole parameter
-                out:torch.Tensor|None=None): # where to write (default: `shard`)
-    "Copy this rank's piece of `full` into `out`, zeros past the parameter's end"
-    out = self.shard if out is None else out
-    start = min(self.rank * self.shard_numel, self.numel)
-    piece = full.reshape(-1)[start:start + self.shard_numel]
-    out[:piece.numel()].copy_(piece)
-    out[piece.numel():].zero_()
+    @torch.no_grad()
+    def fill_shard(
+        self,
+        full: torch.Tensor,  # the whole parameter
+        out: torch.Tensor | None = None,  # where to write (default: `shard`)
+    ):
+        "Copy this rank's piece of `full` into `out`, zeros past the parameter's end"
+        out = self.shard if out is None else out
+        start = min(self.rank * self.shard_numel, self.numel)
+        piece = full.reshape(-1)[start : start + self.shard_numel]
+        out[: piece.numel()].copy_(piece)
+        out[piece.numel() :].zero_()
 
-# %% ../../../nbs/52_zero_stage3_records.ipynb #c008a
-@patch
-@torch.no_grad()
-def copy_shard(self:ParamRecord, out:torch.Tensor): # a flat tensor of `shard_numel` elements
-    "Copy this rank's piece of the parameter into `out`: from its full data when whole, else from its shard"
-    if self.full: self.fill_shard(self.param.data, out)
-    else: out.copy_(self.shard)
+    @torch.no_grad()
+    def copy_shard(self, out: torch.Tensor):  # a flat tensor of `shard_numel` elements
+        "Copy this rank's piece of the parameter into `out`: from its full data when whole, else from its shard"
+        if self.full:
+            self.fill_shard(self.param.data, out)
+        else:
+            out.copy_(self.shard)
 
-@patch
-@torch.no_grad()
-def write_back(self:ParamRecord, src:int): # the rank, in the record's group, whose value is kept
-    "Broadcast the whole parameter from rank `src` of its group and keep this rank's piece of it in the shard"
-    if self.world_size > 1: dist.broadcast(self.param.data, src=dist.get_global_rank(self.group, src), group=self.group)
-    self.fill_shard(self.param.data)
+    @torch.no_grad()
+    def write_back(self, src: int):  # the rank, in the record's group, whose value is kept
+        "Broadcast the whole parameter from rank `src` of its group and keep this rank's piece of it in the shard"
+        if self.world_size > 1:
+            dist.broadcast(self.param.data, src=dist.get_global_rank(self.group, src), group=self.group)
+        self.fill_shard(self.param.data)
+
+    def ds_all_gather(
+        self,
+        param_list=None,  # ZeRO-3 parameters to make whole (default: this one)
+        async_op: bool = False,  # only start the gathers: `wait()` on the result finishes them
+        hierarchy: int = 0,  # DeepSpeed's log indentation; unused
+    ):
+        """DeepSpeed's `param.all_gather()`: the parameters whole until released (by `partition()`, or after the forward
+        that uses them)"""
+        records = _records_of(self, param_list)
+        gather_records(records, async_op=async_op, owner=_owner(self))
+        return _Gathering(records)
+
+    @torch.no_grad()
+    def ds_partition(
+        self,
+        param_list=None,  # ZeRO-3 parameters to release (default: this one)
+        hierarchy: int = 0,  # DeepSpeed's log indentation; unused
+        has_been_updated: bool = False,  # the whole value changed here: keep this rank's piece of it first
+        free_data: bool = True,  # DeepSpeed's; the data is always freed (as there)
+    ):
+        "DeepSpeed's `param.partition()`: release the parameters, persistent ones too"
+        records = _records_of(self, param_list)
+        for r in records:
+            if r.pending is not None:
+                r.pending.finish()
+            if not (has_been_updated and r.full):
+                continue
+            r.fill_shard(r.param.data)
+            hook = getattr(_owner(r), 'on_modified', None)
+            if hook is not None:
+                hook(r)
+        release_records(records, keep_persistent=False)
+
+    def ds_partition_numel(self) -> int:
+        return self.shard_numel  # elements in each rank's shard
+
+    def ds_aligned_size(self) -> int:
+        return self.shard_numel * self.world_size  # the parameter padded to N shards
+
+    def ds_padding_size(self) -> int:
+        return self.ds_aligned_size() - self.numel  # the padding in the last shards
+
+    def ds_summary(self, use_debug_name: bool = False) -> dict:  # use_debug_name: the name instead of `ds_id`
+        "DeepSpeed's `param.ds_summary()` (`active_sub_modules`: the number of running forwards using it)"
+        p = self.param
+        return {
+            'id': self.name if use_debug_name else p.ds_id,
+            'status': p.ds_status.name,
+            'numel': p.numel(),
+            'ds_numel': self.numel,
+            'shape': tuple(p.shape),
+            'ds_shape': tuple(self.shape),
+            'requires_grad': p.requires_grad,
+            'grad_shape': None if p.grad is None else tuple(p.grad.shape),
+            'persist': self.persistent,
+            'active_sub_modules': self.active,
+            'ds_tensor.shape': None if self.shard is None else tuple(self.shard.shape),
+        }
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c011
-def _all_gather(group): return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
-def _reduce_scatter(group): return dist.reduce_scatter_tensor_p2p if dist.prefers_p2p(group) else dist.reduce_scatter_tensor
+def _all_gather(group):
+    return dist.all_gather_into_tensor_p2p if dist.prefers_p2p(group) else dist.all_gather_into_tensor
+
+
+def _reduce_scatter(group):
+    return dist.reduce_scatter_tensor_p2p if dist.prefers_p2p(group) else dist.reduce_scatter_tensor
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c012
-def _adjacent(ts:list)->torch.Tensor|None:
-    "One flat view of the contiguous tensors `ts` when they lie end to end in one storage (shards of one optimizer buffer, in order), else None"
+def _adjacent(ts: list) -> torch.Tensor | None:
+    """One flat view of the contiguous tensors `ts` when they lie end to end in one storage (shards of one optimizer
+    buffer, in order), else None"""
     first, end, storage = ts[0], ts[0].data_ptr(), ts[0].untyped_storage().data_ptr()
     for t in ts:
-        if t.data_ptr() != end or t.dtype != first.dtype or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage: return None
+        if (
+            t.data_ptr() != end
+            or t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
         end += t.numel() * t.element_size()
     return first.as_strided(((end - first.data_ptr()) // first.element_size(),), (1,))
 
-def _send_buffer(shards:list, n:int)->torch.Tensor:
-    "The shards end to end: one alone, a view of the buffer they lie in (n > 1: it is only read while in flight), else a copy"
-    if len(shards) == 1: return shards[0]
-    joined = _adjacent(shards) if n > 1 else None   # one rank gathers nothing: the parameters would alias the shards
+
+def _send_buffer(shards: list, n: int) -> torch.Tensor:
+    """The shards end to end: one alone, a view of the buffer they lie in (n > 1: it is only read while in flight), else
+    a copy"""
+    if len(shards) == 1:
+        return shards[0]
+    joined = _adjacent(shards) if n > 1 else None  # one rank gathers nothing: the parameters would alias the shards
     return torch.cat(shards) if joined is None else joined
+
 
 class _Gather:
     "An all-gather of several parameters' shards, maybe still in flight"
-    def __init__(self, records:list, owner=None): # records of one process group; owner: counts the bytes in its `comm_bytes`
+
+    def __init__(
+        self, records: list, owner=None
+    ):  # records of one process group; owner: counts the bytes in its `comm_bytes`
         self.records, n, group = records, records[0].world_size, records[0].group
         self.length = sum(r.shard_numel for r in records)
         shards = _send_buffer([r.shard for r in records], n)
         self.out = shards.new_empty(n * self.length) if n > 1 else shards
         self.work = _all_gather(group)(self.out, shards, group=group, async_op=True) if n > 1 else None
-        for r in records: r.pending = self
-        if self.work is not None and owner is not None: owner.comm_bytes += self.out.numel() * self.out.element_size()
+        for r in records:
+            r.pending = self
+        if self.work is not None and owner is not None:
+            owner.comm_bytes += self.out.numel() * self.out.element_size()
 
     @torch.no_grad()
     def finish(self):
         "Wait for the data and point every parameter's `.data` at its full value"
-        if self.work is not None: self.work.wait(); self.work = None
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
         rows, off = self.out.view(-1, self.length), 0
         for r in self.records:
             if r.pending is self:
-                block = rows[:, off:off + r.shard_numel]
-                r.param.data = (block if len(self.records) > 1 else block.reshape(-1)).reshape(-1)[:r.numel].view(r.shape)
+                block = rows[:, off : off + r.shard_numel]
+                r.param.data = (
+                    (block if len(self.records) > 1 else block.reshape(-1)).reshape(-1)[: r.numel].view(r.shape)
+                )
                 r.full, r.pending = True, None
             off += r.shard_numel
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c013
-def gather_records(records:list, # ParamRecords to make whole
-                   async_op:bool=False, # only start the gathers
-                   owner=None): # an object whose `comm_bytes` counts the bytes gathered
-    "Start (and unless `async_op`, finish) the gathers of the records neither whole nor in flight, one per process group; finish those in flight"
+def gather_records(
+    records: list,  # ParamRecords to make whole
+    async_op: bool = False,  # only start the gathers
+    owner=None,  # an object whose `comm_bytes` counts the bytes gathered
+):
+    """Start (and unless `async_op`, finish) the gathers of the records neither whole nor in flight, one per process
+    group; finish those in flight"""
     todo = [r for r in records if not r.full and r.pending is None]
     if todo:
         by_group = {}
-        for r in todo: by_group.setdefault(id(r.group), []).append(r)
-        for same in by_group.values(): _Gather(same, owner)
-    if async_op: return
-    for g in {id(r.pending): r.pending for r in records if r.pending is not None}.values(): g.finish()
+        for r in todo:
+            by_group.setdefault(id(r.group), []).append(r)
+        for same in by_group.values():
+            _Gather(same, owner)
+    if async_op:
+        return
+    for g in {id(r.pending): r.pending for r in records if r.pending is not None}.values():
+        g.finish()
+
 
 _EMPTY = {}
-def _placeholder(t:torch.Tensor)->torch.Tensor:
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
     "A shared empty tensor of `t`'s dtype and device"
     key = (t.dtype, t.device)
-    if key not in _EMPTY: _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
     return _EMPTY[key]
 
-def release_records(records:list,
-                    keep_persistent:bool=True): # False: release the persistent ones too
-    "Drop the full data of the records that are whole, not used by a running forward and (unless told otherwise) not persistent"
+
+def release_records(
+    records: list,
+    keep_persistent: bool = True,  # False: release the persistent ones too
+):
+    """Drop the full data of the records that are whole, not used by a running forward and (unless told otherwise) not
+    persistent"""
     for r in records:
-        if r.pending is not None: r.pending.finish()
+        if r.pending is not None:
+            r.pending.finish()
         if r.full and r.active == 0 and not (keep_persistent and r.persistent):
             r.param.data, r.full = _placeholder(r.shard), False
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c008g
 class _Gathering:
     "What `param.all_gather(async_op=True)` returns: `wait()` finishes the gathers"
-    def __init__(self, records:list): self.records = records
-    def wait(self): gather_records(self.records)
 
-def _owner(r:ParamRecord): return getattr(r.param, '_zero3', (None, None))[0]   # Init or ParameterPartitioner
+    def __init__(self, records: list):
+        self.records = records
 
-def _records_of(r:ParamRecord, params)->list:
+    def wait(self):
+        gather_records(self.records)
+
+
+def _owner(r: ParamRecord):
+    return getattr(r.param, '_zero3', (None, None))[0]  # Init or ParameterPartitioner
+
+
+def _records_of(r: ParamRecord, params) -> list:
     "The records of `params` (None: `r`'s alone); each must be a ZeRO-3 parameter"
-    if params is None: return [r]
+    if params is None:
+        return [r]
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     out = [getattr(p, '_zero3', (None, None))[1] for p in params]
     bad = next((p for p, x in zip(params, out) if x is None), None)
-    if bad is not None: raise ValueError(f"a parameter of shape {tuple(bad.shape)} is not partitioned by ZeRO-3: all_gather() and partition() take ZeRO-3 parameters only")
+    if bad is not None:
+        raise ValueError(
+            f"a parameter of shape {tuple(bad.shape)} is not partitioned by ZeRO-3: all_gather() and partition() take "
+            "ZeRO-3 parameters only"
+        )
     return out
-
-# %% ../../../nbs/52_zero_stage3_records.ipynb #c008h
-@patch
-def ds_all_gather(self:ParamRecord, param_list=None, # ZeRO-3 parameters to make whole (default: this one)
-                  async_op:bool=False, # only start the gathers: `wait()` on the result finishes them
-                  hierarchy:int=0): # DeepSpeed's log indentation; unused
-    "DeepSpeed's `param.all_gather()`: the parameters whole until released (by `partition()`, or after the forward that uses them)"
-    records = _records_of(self, param_list)
-    gather_records(records, async_op=async_op, owner=_owner(self))
-    return _Gathering(records)
-
-@patch
-@torch.no_grad()
-def ds_partition(self:ParamRecord, param_list=None, # ZeRO-3 parameters to release (default: this one)
-                 hierarchy:int=0, # DeepSpeed's log indentation; unused
-                 has_been_updated:bool=False, # the whole value changed here: keep this rank's piece of it first
-                 free_data:bool=True): # DeepSpeed's; the data is always freed (as there)
-    "DeepSpeed's `param.partition()`: release the parameters, persistent ones too"
-    records = _records_of(self, param_list)
-    for r in records:
-        if r.pending is not None: r.pending.finish()
-        if not (has_been_updated and r.full): continue
-        r.fill_shard(r.param.data)
-        hook = getattr(_owner(r), 'on_modified', None)
-        if hook is not None: hook(r)
-    release_records(records, keep_persistent=False)
-
-# %% ../../../nbs/52_zero_stage3_records.ipynb #c008i
-@patch
-def ds_partition_numel(self:ParamRecord)->int: return self.shard_numel   # elements in each rank's shard
-@patch
-def ds_aligned_size(self:ParamRecord)->int: return self.shard_numel * self.world_size   # the parameter padded to N shards
-@patch
-def ds_padding_size(self:ParamRecord)->int: return self.ds_aligned_size() - self.numel   # the padding in the last shards
-
-@patch
-def ds_summary(self:ParamRecord, use_debug_name:bool=False)->dict: # use_debug_name: the name instead of `ds_id`
-    "DeepSpeed's `param.ds_summary()` (`active_sub_modules`: the number of running forwards using it)"
-    p = self.param
-    return {'id': self.name if use_debug_name else p.ds_id, 'status': p.ds_status.name, 'numel': p.numel(), 'ds_numel': self.numel,
-            'shape': tuple(p.shape), 'ds_shape': tuple(self.shape), 'requires_grad': p.requires_grad,
-            'grad_shape': None if p.grad is None else tuple(p.grad.shape), 'persist': self.persistent,
-            'active_sub_modules': self.active, 'ds_tensor.shape': None if self.shard is None else tuple(self.shard.shape)}
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c008d
 _ds_ids = itertools.count()
-_DS_METHODS = {'all_gather': 'ds_all_gather', 'partition': 'ds_partition', 'partition_numel': 'ds_partition_numel',   # on the
-               'padding_size': 'ds_padding_size', 'aligned_size': 'ds_aligned_size', 'ds_summary': 'ds_summary'}    # parameter: the record's
+_DS_METHODS = {
+    'all_gather': 'ds_all_gather',
+    'partition': 'ds_partition',
+    'partition_numel': 'ds_partition_numel',  # on the
+    'padding_size': 'ds_padding_size',
+    'aligned_size': 'ds_aligned_size',
+    'ds_summary': 'ds_summary',
+}  # parameter: the record's
 _DS_NAMES = ('ds_id', 'ds_shape', 'ds_numel', 'ds_status', 'ds_tensor', 'ds_persist', *_DS_METHODS)
 
-def set_ds_attributes(r:ParamRecord):
-    "Give the record's parameter DeepSpeed's attributes (`ds_id` kept if it has one) and methods, read from and acting on the record"
+
+def set_ds_attributes(r: ParamRecord):
+    """Give the record's parameter DeepSpeed's attributes (`ds_id` kept if it has one) and methods, read from and acting
+    on the record"""
     p = r.param
-    if not hasattr(p, 'ds_id'): p.ds_id = next(_ds_ids)
+    if not hasattr(p, 'ds_id'):
+        p.ds_id = next(_ds_ids)
     p.ds_shape, p.ds_numel, p.ds_tensor, p.ds_persist = r.shape, r.numel, r.shard, r.persistent
-    for name, method in _DS_METHODS.items(): setattr(p, name, getattr(r, method))
+    for name, method in _DS_METHODS.items():
+        setattr(p, name, getattr(r, method))
     r._show_status()
 
-def drop_ds_attributes(p:torch.nn.Parameter):
+
+def drop_ds_attributes(p: torch.nn.Parameter):
     "The parameter is whole again: remove DeepSpeed's attributes and methods"
-    for name in _DS_NAMES: p.__dict__.pop(name, None)
+    for name in _DS_NAMES:
+        p.__dict__.pop(name, None)
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c016
 @torch.no_grad()
-def _copy_rows(rows:torch.Tensor, off:int, record:ParamRecord, grad:torch.Tensor,
-               first:bool=False): # the columns hold nothing yet: copy, and zero the padding
-    "Add (`first`: copy) `grad` into columns off:off+s of `rows` (N x L), row by row; the padding past the parameter's end is zero"
+def _copy_rows(
+    rows: torch.Tensor,
+    off: int,
+    record: ParamRecord,
+    grad: torch.Tensor,
+    first: bool = False,  # the columns hold nothing yet: copy, and zero the padding
+):
+    """Add (`first`: copy) `grad` into columns off:off+s of `rows` (N x L), row by row; the padding past the parameter's
+    end is zero"""
     s, flat = record.shard_numel, grad.reshape(-1)
     whole, rest = record.numel // s, record.numel % s
-    if whole: (rows[:whole, off:off + s].copy_ if first else rows[:whole, off:off + s].add_)(flat[:whole * s].view(whole, s))
-    if rest: (rows[whole, off:off + rest].copy_ if first else rows[whole, off:off + rest].add_)(flat[whole * s:])
-    if first and whole < rows.shape[0]:   # the padding: the end of the row the parameter ends in, and the rows after it
-        rows[whole, off + rest:off + s].zero_(); rows[whole + 1:, off:off + s].zero_()
+    if whole:
+        (rows[:whole, off : off + s].copy_ if first else rows[:whole, off : off + s].add_)(
+            flat[: whole * s].view(whole, s)
+        )
+    if rest:
+        (rows[whole, off : off + rest].copy_ if first else rows[whole, off : off + rest].add_)(flat[whole * s :])
+    if first and whole < rows.shape[0]:  # the padding: the end of the row the parameter ends in, and the rows after it
+        rows[whole, off + rest : off + s].zero_()
+        rows[whole + 1 :, off : off + s].zero_()
+
 
 class GradientReduceScatter:
     "The gradient reduce-scatter of records of one process group: filled as gradients arrive, launched when complete"
-    def __init__(self, records:list, dtype, device, divisor:int): # divisor: the data-parallel size (gradients are averaged over it)
+
+    def __init__(
+        self, records: list, dtype, device, divisor: int
+    ):  # divisor: the data-parallel size (gradients are averaged over it)
         self.records, self.n, self.group, self.divisor = records, records[0].world_size, records[0].group, divisor
         self.offsets = [0]
-        for r in records: self.offsets.append(self.offsets[-1] + r.shard_numel)
-        self.buffer = torch.empty(self.n, self.offsets[-1], dtype=dtype, device=device)   # each record's columns: written by its first gradient, else zeroed at launch
+        for r in records:
+            self.offsets.append(self.offsets[-1] + r.shard_numel)
+        self.buffer = torch.empty(
+            self.n, self.offsets[-1], dtype=dtype, device=device
+        )  # each record's columns: written by its first gradient, else zeroed at launch
         self.out, self.work, self.written = None, None, [False] * len(records)
 
-    def add(self, index:int, grad:torch.Tensor):
+    def add(self, index: int, grad: torch.Tensor):
         _copy_rows(self.buffer, self.offsets[index], self.records[index], grad, first=not self.written[index])
         self.written[index] = True
 
-# %% ../../../nbs/52_zero_stage3_records.ipynb #c017
-@patch
-def launch(self:GradientReduceScatter, owner=None): # owner: counts the bytes in its `comm_bytes`
-    "Start the reduce-scatter over the records' group (nothing to start in a group of one); a record without a gradient counts as zeros"
-    for i, done in enumerate(self.written):
-        if not done: self.buffer[:, self.offsets[i]:self.offsets[i + 1]].zero_()
-    if self.n == 1: self.out = self.buffer.view(-1); return
-    self.out = self.buffer.new_empty(self.offsets[-1])
-    self.work = _reduce_scatter(self.group)(self.out, self.buffer.view(-1), group=self.group, async_op=True)
-    if owner is not None: owner.comm_bytes += self.buffer.numel() * self.buffer.element_size()
+    def launch(self, owner=None):  # owner: counts the bytes in its `comm_bytes`
+        """Start the reduce-scatter over the records' group (nothing to start in a group of one); a record without a
+        gradient counts as zeros"""
+        for i, done in enumerate(self.written):
+            if not done:
+                self.buffer[:, self.offsets[i] : self.offsets[i + 1]].zero_()
+        if self.n == 1:
+            self.out = self.buffer.view(-1)
+            return
+        self.out = self.buffer.new_empty(self.offsets[-1])
+        self.work = _reduce_scatter(self.group)(self.out, self.buffer.view(-1), group=self.group, async_op=True)
+        if owner is not None:
+            owner.comm_bytes += self.buffer.numel() * self.buffer.element_size()
 
-@patch
-@torch.no_grad()
-def finish(self:GradientReduceScatter):
-    "Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard` (copy it into a stale one)"
-    if self.work is not None: self.work.wait()
-    if self.divisor != 1: self.out.div_(self.divisor)
-    add, copy = ([], []), ([], [])
-    for r, a, b in zip(self.records, self.offsets, self.offsets[1:]):
-        dst, src = copy if r.grad_stale else add
-        dst.append(r.grad_shard); src.append(self.out[a:b])
-        r.grad_stale = False
-    if add[0]: torch._foreach_add_(add[0], [s.to(d.dtype) for d, s in zip(*add)])
-    if copy[0]: torch._foreach_copy_(*copy)
-    self.buffer = self.out = self.work = None
+    @torch.no_grad()
+    def finish(self):
+        """Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard` (copy it into a
+        stale one)"""
+        if self.work is not None:
+            self.work.wait()
+        if self.divisor != 1:
+            self.out.div_(self.divisor)
+        add, copy = ([], []), ([], [])
+        for r, a, b in zip(self.records, self.offsets, self.offsets[1:]):
+            dst, src = copy if r.grad_stale else add
+            dst.append(r.grad_shard)
+            src.append(self.out[a:b])
+            r.grad_stale = False
+        if add[0]:
+            torch._foreach_add_(add[0], [s.to(d.dtype) for d, s in zip(*add)])
+        if copy[0]:
+            torch._foreach_copy_(*copy)
+        self.buffer = self.out = self.work = None

@@ -13,35 +13,49 @@ __all__ = ['saved_as_views', 'enter_saved_views', 'exit_saved_views']
 # %% ../../../nbs/52_zero_stage3_saved.ipynb #c005
 class _ParamView:
     "A saved view of a partitioned parameter: the parameter and where the view lies in its data"
-    __slots__ = ('param', 'size', 'stride', 'offset')
-    def __init__(self, param, size, stride, offset): self.param, self.size, self.stride, self.offset = param, size, stride, offset
 
-def _pack(t:torch.Tensor):
+    __slots__ = ('param', 'size', 'stride', 'offset')
+
+    def __init__(self, param, size, stride, offset):
+        self.param, self.size, self.stride, self.offset = param, size, stride, offset
+
+
+def _pack(t: torch.Tensor):
     "Autograd saves `t`: a view of a partitioned, non-persistent parameter becomes a `_ParamView`; anything else stays"
     base = t._base
-    if base is None or not isinstance(base, torch.nn.Parameter): return t
+    if base is None or not isinstance(base, torch.nn.Parameter):
+        return t
     owned = getattr(base, '_zero3', None)
-    if owned is None or owned[1].persistent: return t
+    if owned is None or owned[1].persistent:
+        return t
     return _ParamView(base, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
+
 
 def _unpack(saved):
     "Backward needs it: the same view of the parameter's data now (gathered on the spot if it is not whole)"
-    if not isinstance(saved, _ParamView): return saved
+    if not isinstance(saved, _ParamView):
+        return saved
     owned = getattr(saved.param, '_zero3', None)
-    if owned is not None and not owned[1].full: gather_records([owned[1]], owner=owned[0])
+    if owned is not None and not owned[1].full:
+        gather_records([owned[1]], owner=owned[0])
     data = saved.param.data
     return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
-def saved_as_views(): return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)   # around a stage-3 model's forward
+
+def saved_as_views():
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)  # around a stage-3 model's forward
 
 # %% ../../../nbs/52_zero_stage3_saved.ipynb #c008
-def enter_saved_views(stack:list):
+def enter_saved_views(stack: list):
     "A stage-3 model's forward begins: hook its saved tensors if autograd records (the context goes on `stack`)"
     ctx = saved_as_views() if torch.is_grad_enabled() else None
-    if ctx is not None: ctx.__enter__()
+    if ctx is not None:
+        ctx.__enter__()
     stack.append(ctx)
 
-def exit_saved_views(stack:list):
+
+def exit_saved_views(stack: list):
     "The forward ended (also by an exception): undo its `enter_saved_views`"
     ctx = stack.pop() if stack else None
-    if ctx is not None: ctx.__exit__(None, None, None)
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
