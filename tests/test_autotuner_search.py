@@ -197,3 +197,14 @@ def test_a_far_ahead_winner_names_the_phase_that_got_faster():
     s = new_search(budget)
     rec, best = drive(s, budget=budget)   # the plain surface: phases timed, the winner 1.2x the baseline: the ratio alone
     assert 1 < s.margin['baseline']['ratio'] < 1.5 and s.margin['why'] == '' and 'against the baseline' not in s.margin['verdict'], s.margin
+
+def test_one_disturbed_round_does_not_change_the_playoff_winner():
+    "The playoff ranks by the median of paired ratios: one round read 3x off (a neighbour's burst) moves no winner"
+    from flexrt.autotuner.playoff import Playoff
+    a, b = Candidate(1, 64, 1), Candidate(0, 64, 1)
+    playoff = Playoff([a, b], min_rounds=8, max_rounds=8)
+    for r in range(8):   # a is 5 % faster every round, except round 3, where its reading came out 3x low
+        playoff.add_round({a.key: 1050.0 / (3 if r == 3 else 1), b.key: 1000.0})
+    assert playoff.compare(a, b)['ratio'] == pytest.approx(1.05)   # the mean of the ratios would be 0.96
+    assert playoff.winner() == a
+    assert playoff.standings()[0]['key'] == a.key

@@ -150,6 +150,13 @@ def patch_problems(mods)->list:
         if b < MIN_BODY_SHARE * (b + p): out.append(f'{name}: {b} of {b + p} methods in its body (at least 2/3)')
     return out
 
+def _assigned(targets):
+    "The expressions an assignment binds: unpacked tuples and lists, not the objects an attribute is set on"
+    for t in targets:
+        if isinstance(t, (ast.Tuple, ast.List)): yield from _assigned(t.elts)
+        elif isinstance(t, ast.Starred): yield from _assigned([t.value])
+        else: yield t
+
 def late_attributes(mods)->list:
     "Attributes a method sets on `self` that `__init__` (or the class body) does not: a reader of `__init__` misses them"
     out = []
@@ -163,10 +170,9 @@ def late_attributes(mods)->list:
             for f in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
                 for node in ast.walk(f):
                     if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)): continue
-                    for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
-                        for t in ast.walk(target):
-                            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == 'self':
-                                (in_init.add(t.attr) if f.name in INIT_METHODS else later[t.attr].add(f.name))
+                    for t in _assigned(node.targets if isinstance(node, ast.Assign) else [node.target]):
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == 'self':
+                            (in_init.add(t.attr) if f.name in INIT_METHODS else later[t.attr].add(f.name))
             out += [f'{m}: {cls.name}.{a} (first set in {", ".join(sorted(fs))})'
                     for a, fs in sorted(later.items()) if a not in in_init and a not in declared]
     return out

@@ -93,8 +93,8 @@ class Playoff:
         self,
         metrics: dict,  # key -> metric, or None when the run failed
         reasons: dict | None = None,  # key -> why it failed
-        phases: dict | None = None,
-    ):  # key -> the run's `phases_ms` (None where it timed none)
+        phases: dict | None = None,  # key -> the run's `phases_ms` (None where it timed none)
+    ):
         "Record one round; an entrant whose run failed leaves the playoff"
         for key, m in metrics.items():
             if m is None or not math.isfinite(m) or m <= 0:

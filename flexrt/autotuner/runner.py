@@ -257,6 +257,7 @@ class Tuner:
         self.world = experiment_world_size or _world() // self.num_groups  # ranks of one experiment
         self.experiment_world_size, self.threads = experiment_world_size, None  # threads: `thread_choice`, in `start`
         self.search = self.store = self.gen = None
+        self.pruned_seen = set()  # (candidate key, phase) of the stored prunings, filled by `start`: not stored again
         self.start_time, self.emitted, self.flops_memo, self.rounds_emitted, self.study = (
             time.perf_counter(),
             0,

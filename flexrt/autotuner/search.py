@@ -28,6 +28,17 @@ __all__ = ['Search', 'make_sampler', 'FITS', 'Experiment', 'SearchDone']
 class Search(SearchRuns):
     "The autotuner's strategy over one model; `plan()` yields lists of experiments and is sent their results"
 
+    def __init__(self, *args, **kwargs):  # those of `SearchRuns`: the settings, the memory model, the budget ...
+        super().__init__(*args, **kwargs)
+        # what the phases find, each filled as its phase runs
+        self.max_micro_batch, self.max_micro_batch_runs = {}, {}  # stage -> largest micro-batch that ran; runs spent
+        self.stage_best = {}  # stage -> (score, candidate): the best of its throughput sweep
+        self.baseline = None  # (score, candidate): stage 0 at the largest micro-batch that runs
+        self.thread_rival = None  # the other thread count at the best point that the thread sweep could not tell apart
+        self.playoff_state, self.margin = None, None  # the decision (`flexrt.autotuner.playoff`), once it runs
+        self.best = None  # (record, candidate) chosen by `decide`
+        self.stopped = ''  # why the search ended early ('' when it ran to the end)
+
     def predicted_max_micro_batch(self, stage: int, low: int, high: int) -> int | None:
         """The largest micro-batch in [low, high] (of `micro_batches` when given) predicted to fit (bisection over the
         model, no runs); None if none does"""
@@ -353,8 +364,8 @@ class Search(SearchRuns):
 def make_sampler(
     tuner_type: str,  # 'tpe', 'gp', 'random' or 'grid'
     seed: int,
-    space: dict,
-):  # knob -> choices (the grid)
+    space: dict,  # knob -> choices (the grid)
+):
     "The Optuna sampler `tuner_type` names"
     import optuna
 

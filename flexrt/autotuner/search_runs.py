@@ -50,17 +50,8 @@ class SearchRuns:
         self.micro_batches, self.plateau, self.max_trials = micro_batches, plateau, max_trials
         self.storage, self.seed, self.parallel, self.first_trial = storage, seed, max(1, parallel), first_trial
         self.threads_per_rank, self.thread_counts = threads_per_rank, tuple(thread_counts)
-        self.measured, self.records, self.runs, self.stopped = dict(measured or {}), [], 0, ''
+        self.measured, self.records, self.runs = dict(measured or {}), [], 0
         self.candidates, self.record_of = {}, {}  # key -> Candidate, key -> its record (runs of this plan)
-        self.max_micro_batch, self.max_micro_batch_runs, self.stage_best, self.baseline, self.best = (
-            {},
-            {},
-            {},
-            None,
-            None,
-        )
-        self.playoff_state, self.margin = None, None  # the decision (`flexrt.autotuner.playoff`), once it runs
-        self.thread_rival = None  # the other thread count at the best point that the thread sweep could not tell apart
 
     def score(self, result) -> float:  # higher is better
         return -result.metric if self.s.lower_is_better else result.metric

@@ -18,7 +18,34 @@ __all__ = ['REQUIRED', 'CheckpointEngine', 'check_engine']
 
 # %% ../../nbs/60_checkpoint_engine_surface.ipynb #c006
 class CheckpointEngine(Protocol):
-    "What `flexrt.checkpoint` reads and restores on an engine (see the table above); a flexrt `Engine` has all of it"
+    """What `flexrt.checkpoint` reads and restores on an engine. A flexrt `Engine` has all of it; `check_engine`
+    checks any other object (an engine of your own, a test's stand-in) before a save or load.
+
+    - `module`: its tensors, named as `state_dict()` names them, are the checkpoint's entries; `save_16bit_model`
+      writes its `state_dict`
+    - `optimizer`: the optimizer slot (`flexrt.zero.base.OptimizerSlot`): the fragments, masters' state and values
+      each rank writes and loads, full shapes, `gathered()` for whole parameters; `stage` in the manifest; on load
+      `quiesce()`, `sync_model()`, `zero_grad()`
+    - `basic_optimizer`: the torch optimizer (or None): its class name and param-group hyperparameters are saved,
+      its state loaded
+    - `lr_scheduler`: the schedule (or None): `state_dict()` saved and restored
+    - `precision`: `flexrt.precision.Precision`: `name` in the manifest; its `state_dict()` (the loss scaler) saved
+      and restored
+    - `counter`: `flexrt.engine.parts.StepCounter`: `state_dict()` saved and restored; `window_micro_steps()` and
+      `boundary_override` warn of a save or load inside an accumulation window; `start_window()` after a load
+    - `layer_drop`: progressive layer drop: `state_dict()` saved and restored
+    - `config`: the `FlexConfig`: `to_dict()` saved; `checkpoint.tag_validation` decides how the ranks agree on a
+      tag
+    - `device`: where the tensor of the tag agreement lives
+    - `dp_group`: the data-parallel group (None: all ranks): the ranks replicating a tensor take turns writing it
+    - `expert_groups`: `flexrt.utils.groups.ExpertGroups`: each expert tensor's data-parallel group, and its key's
+      expert rank
+    - `mpu`: the model-parallel unit (or None): the model-parallel rank in each key
+    - `dp_world_size`, `mp_world_size`: recorded in `model_states.pt`; with `mp_world_size > 1` the keys carry the
+      model-parallel rank
+    - `global_steps`: the default tag `global_step<N>`, and the manifest's record
+    - `gradient_accumulation_steps()`: named in the warning about a save or load inside an accumulation window
+    """
 
     module: torch.nn.Module  # the model: its tensors are the checkpoint's entries
     optimizer: OptimizerSlot  # the optimizer slot: fragments, values, `stage`, `gathered`, `sync_model`
@@ -37,7 +64,7 @@ class CheckpointEngine(Protocol):
     global_steps: int  # the default tag and the manifest's record
 
     def gradient_accumulation_steps(self) -> int:
-        "Micro-batches per optimizer step"
+        "Micro-batches per optimizer step: named in the warning about a save or load inside an accumulation window"
 
 
 REQUIRED = (

@@ -175,8 +175,17 @@ class CommsLogger:
         self.world_size_of = lambda group: 1  # set by flexrt.comm to its get_world_size
         self.rank = lambda: 0  # set by flexrt.comm to its get_rank
         self.blocked, self.blocked_watchers, self._blocked_lock = {}, 0, threading.Lock()  # see `watch_blocked`
-        self.apply(config or CommsLoggerConfig())
-        self.reset()
+        # the settings (`apply` replaces them): the config, whether it logs, the op names it profiles
+        self.config = config or CommsLoggerConfig()
+        self.enabled, self._prof_ops = self.config.enabled, _prof_ops(self.config)
+        self.active = self.enabled  # logging, or someone counting blocked time: the one flag the unprofiled path checks
+        # the records (`reset` forgets them)
+        self.timeline = collections.deque(maxlen=TIMELINE_LENGTH)  # the latest calls' `CommInterval`s, in issue order
+        self.latencies = {}  # (log name, op, size, world size, caller) -> [seconds]
+        self._pending, self._lock = [], threading.Lock()  # CUDA event pairs not turned into latencies yet (`flush`)
+        # TimedWorks of ops that complete only when waited on (direct-message collectives); weak: a dropped handle is
+        # not kept alive
+        self._unreported = weakref.WeakSet()
 
     def apply(self, config: CommsLoggerConfig):
         "Use `config` from now on"
@@ -186,10 +195,8 @@ class CommsLogger:
 
     def reset(self):
         "Forget every record"
-        self.timeline = collections.deque(maxlen=TIMELINE_LENGTH)  # the latest calls' `CommInterval`s, in issue order
+        self.timeline = collections.deque(maxlen=TIMELINE_LENGTH)
         self.latencies, self._pending, self._lock = {}, [], threading.Lock()
-        # TimedWorks of ops that complete only when waited on (direct-message collectives); weak: a dropped handle is
-        # not kept alive
         self._unreported = weakref.WeakSet()
 
     def wants(self, log_name: str, prof: bool) -> bool:

@@ -6,7 +6,7 @@
 __all__ = ['BATCH_KEYS', 'BatchConfig', 'FlexConfig', 'load_config']
 
 # %% ../../nbs/00_config_flex_config.ipynb #c003
-import dataclasses, json, os, sys, warnings
+import dataclasses, functools, json, os, sys, warnings
 from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
@@ -183,20 +183,20 @@ class FlexConfig(Block):
         "A copy with all three batch sizes set for `dp_world_size` ranks (see `BatchConfig.resolve`)"
         return dataclasses.replace(self, batch=self.batch.resolve(dp_world_size))
 
-    def _json(self) -> dict:
-        "The DeepSpeed JSON of this config (`to_dict()`), computed on first use and kept"
-        if '_json_view' not in self.__dict__:
-            self.__dict__['_json_view'] = self.to_dict()  # frozen: the view never goes stale
-        return self.__dict__['_json_view']
+    @functools.cached_property
+    def _json_view(self) -> dict:
+        """The DeepSpeed JSON of this config (`to_dict()`), computed on first use and kept: frozen, it never goes stale
+        (`cached_property` keeps it in the instance's `__dict__`, past the frozen dataclass's `__setattr__`)"""
+        return self.to_dict()
 
     def __getitem__(self, key: str):
-        return self._json()[key]
+        return self._json_view[key]
 
     def __iter__(self):
-        return iter(self._json())
+        return iter(self._json_view)
 
     def __len__(self) -> int:
-        return len(self._json())
+        return len(self._json_view)
 
 # %% ../../nbs/00_config_flex_config.ipynb #c015c
 for _name in ('get', 'keys', 'items', 'values', '__contains__'):

@@ -320,11 +320,7 @@ class CheckOverflow(_CheckOverflow):
         local, group = super().check_using_norm(norm_group, reduce_overflow), max_expert_parallel_group()
         if group is None or not any(getattr(p, 'allreduce', True) is False for p in self.params):
             return local
-        saved, self.group = self.group, group
-        try:
-            return self._agree(local)
-        finally:
-            self.group = saved
+        return _CheckOverflow(group=group)._agree(local)  # a checker of the expert group's ranks: they agree too
 
 
 def inference_all_reduce(tensor: torch.Tensor, op=None, group=None):

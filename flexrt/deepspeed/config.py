@@ -141,46 +141,44 @@ class DeepSpeedConfig(_Attrs):
         if mpu is not None:
             world //= mpu.get_model_parallel_world_size()
         r = cfg.resolve_batch(world)
-        super().__init__(
-            dict(
-                _param_dict=r.to_dict(),
-                flexrt_config=r,
-                world_size=world,
-                train_batch_size=r.batch.train_batch_size,
-                train_micro_batch_size_per_gpu=r.batch.train_micro_batch_size_per_gpu,
-                gradient_accumulation_steps=r.batch.gradient_accumulation_steps,
-                steps_per_print=r.steps_per_print,
-                dump_state=r.dump_state,
-                prescale_gradients=r.prescale_gradients,
-                gradient_predivide_factor=r.gradient_predivide_factor,
-                gradient_allreduce_op=r.gradient_allreduce_op,
-                communication_data_type=r.communication_data_type,
-                gradient_clipping=r.gradient_clipping,
-                zero_config=DeepSpeedZeroConfig(**r.zero_optimization.to_dict()),
-                zero_optimization_stage=r.zero_optimization.stage,
-                zero_enabled=r.zero_optimization.stage > 0,
-                fp16_enabled=r.fp16.enabled,
-                bfloat16_enabled=r.bf16.enabled,
-                fp16_auto_cast=r.fp16.auto_cast,
-                loss_scale=r.fp16.loss_scale,
-                initial_dynamic_scale=r.fp16.initial_scale,
-                optimizer_name=r.optimizer and r.optimizer.type,
-                optimizer_params=r.optimizer and r.optimizer.params,
-                scheduler_name=r.scheduler and r.scheduler.type,
-                scheduler_params=r.scheduler and r.scheduler.params,
-                zero_allow_untested_optimizer=r.zero_allow_untested_optimizer,
-                wall_clock_breakdown=r.wall_clock_breakdown,
-                memory_breakdown=r.memory_breakdown,
-                dataloader_drop_last=r.dataloader_drop_last,
-                sparse_gradients_enabled=r.sparse_gradients,
-                checkpoint_tag_validation_enabled=r.checkpoint.tag_validation != 'Ignore',
-                checkpoint_tag_validation_fail=r.checkpoint.tag_validation == 'Fail',
-                load_universal_checkpoint=r.checkpoint.load_universal,
-                use_node_local_storage=r.checkpoint.use_node_local_storage,
-                grad_accum_dtype=r.data_types.grad_accum_dtype,
-                monitor_config=DeepSpeedMonitorConfig.from_flexrt(r),
-            )
-        )
+        # DeepSpeed's attributes, set here one by one (not handed to `_Attrs.__init__` as a dict) so that a reader and
+        # go-to-definition find them; `_configure_train_batch_size` resolves the three batch sizes again
+        self._param_dict = r.to_dict()
+        self.flexrt_config = r
+        self.world_size = world
+        self.train_batch_size = r.batch.train_batch_size
+        self.train_micro_batch_size_per_gpu = r.batch.train_micro_batch_size_per_gpu
+        self.gradient_accumulation_steps = r.batch.gradient_accumulation_steps
+        self.steps_per_print = r.steps_per_print
+        self.dump_state = r.dump_state
+        self.prescale_gradients = r.prescale_gradients
+        self.gradient_predivide_factor = r.gradient_predivide_factor
+        self.gradient_allreduce_op = r.gradient_allreduce_op
+        self.communication_data_type = r.communication_data_type
+        self.gradient_clipping = r.gradient_clipping
+        self.zero_config = DeepSpeedZeroConfig(**r.zero_optimization.to_dict())
+        self.zero_optimization_stage = r.zero_optimization.stage
+        self.zero_enabled = r.zero_optimization.stage > 0
+        self.fp16_enabled = r.fp16.enabled
+        self.bfloat16_enabled = r.bf16.enabled
+        self.fp16_auto_cast = r.fp16.auto_cast
+        self.loss_scale = r.fp16.loss_scale
+        self.initial_dynamic_scale = r.fp16.initial_scale
+        self.optimizer_name = r.optimizer and r.optimizer.type
+        self.optimizer_params = r.optimizer and r.optimizer.params
+        self.scheduler_name = r.scheduler and r.scheduler.type
+        self.scheduler_params = r.scheduler and r.scheduler.params
+        self.zero_allow_untested_optimizer = r.zero_allow_untested_optimizer
+        self.wall_clock_breakdown = r.wall_clock_breakdown
+        self.memory_breakdown = r.memory_breakdown
+        self.dataloader_drop_last = r.dataloader_drop_last
+        self.sparse_gradients_enabled = r.sparse_gradients
+        self.checkpoint_tag_validation_enabled = r.checkpoint.tag_validation != 'Ignore'
+        self.checkpoint_tag_validation_fail = r.checkpoint.tag_validation == 'Fail'
+        self.load_universal_checkpoint = r.checkpoint.load_universal
+        self.use_node_local_storage = r.checkpoint.use_node_local_storage
+        self.grad_accum_dtype = r.data_types.grad_accum_dtype
+        self.monitor_config = DeepSpeedMonitorConfig.from_flexrt(r)
 
     def _configure_train_batch_size(self):
         """Resolve the batch triangle again from the (assigned) `train_batch_size`, `train_micro_batch_size_per_gpu`,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses, operator
 import torch
 from .. import comm as dist
-from ..config.flex_config import BatchConfig
+from ..config.flex_config import BatchConfig, FlexConfig
+from .parts import StepCounter
 from ..checkpoint import save_load
 from ..checkpoint.deepspeed_view import optimizer_state_file, make_executable
 
@@ -34,6 +35,11 @@ def _read_config(engine, path: str):
 class DeepSpeedAccessors:
     """DeepSpeed's engine methods over what `Engine` provides (`config`, `optimizer`, `counter`, `module`, the parallel
     groups); `Engine` inherits them"""
+
+    # the host's attributes these methods write (`Engine.__init__` sets them): the batch setters replace `config`
+    # and change the counter's accumulation steps
+    config: FlexConfig
+    counter: StepCounter
 
     def get_mom(self) -> list:
         "Each param group's momentum, as DeepSpeed reports it: Adam's `betas` pair, or SGD's `momentum`"

@@ -61,8 +61,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         collate_fn=None,  # the default collate function of `deepspeed_io`
         expert_groups: Mapping | None = None,  # {group_name: (expert parallel group, expert data-parallel group)}
         dont_change_device: bool = False,  # leave the model where it is
-        optimizer_slot=None,
-    ):  # a callable(`flexrt.zero.SlotArgs`) -> OptimizerSlot; None: the ZeRO stage's
+        optimizer_slot=None,  # a callable(`flexrt.zero.SlotArgs`) -> OptimizerSlot; None: the ZeRO stage's
+    ):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -70,13 +70,62 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             raise TypeError(f"config must be a FlexConfig (use flexrt.config.load_config), got {type(config).__name__}")
         check_stage(config)
         check_packages(config)  # before anything is built: a missing package stops every rank alike
-        self._closed, self._in_no_sync, self._grad_norm, self.collate_fn = False, False, None, collate_fn
-        self._place(mpu, config.threads_per_rank)
-        self.config = config.resolve_batch(self.dp_world_size)
+        # where this process sits: ranks, process groups, device, torch threads
+        self.mpu = mpu  # Megatron-style model-parallel unit, or None
+        self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
+        self.local_rank = dist.get_local_rank()
+        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None  # None: all ranks
+        self.dp_world_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self.mp_world_size = self.world_size // self.dp_world_size
+        cuda = torch.cuda.is_available()
+        self.device = torch.device('cuda', self.local_rank % torch.cuda.device_count()) if cuda else torch.device('cpu')
+        if not cuda:
+            tune_cpu_malloc()  # CPU buffers freed every step are reused, not faulted in anew (see flexrt.memory)
+        # torch threads: cores ÷ ranks on the node unless you chose (flexrt.utils.threads)
+        self.threads = size_threads(config.threads_per_rank)
+        # the model: on the device, its expert groups found, every replica equal
+        self.config = config.resolve_batch(self.dp_world_size)  # every batch size known
         self.module = model
-        self._setup_model(dont_change_device, expert_groups)
-        self._setup_optimizer(optimizer, model_parameters, lr_scheduler, optimizer_slot)
-        self._setup_parts()
+        if not dont_change_device:
+            model.to(self.device)
+        self.expert_groups = ExpertGroups(list(model.parameters()), expert_groups)  # MoE parameters' process groups
+        self._broadcast_replicas()
+        # the optimizer path: precision, the torch optimizer, the optimizer slot (the owner of the step), the schedule
+        self.precision = Precision.from_config(self.config.fp16, self.config.bf16)
+        params = model_parameters if model_parameters is not None else model.parameters()
+        self.basic_optimizer = client_optimizer(optimizer, self.config.optimizer, params)  # None: no optimizer
+        groups = self.basic_optimizer.param_groups if self.basic_optimizer is not None else []
+        # the parameters each group trains, listed before the slot swaps in its masters
+        self.trained_param_groups = [[p for p in g['params'] if p.requires_grad] for g in groups]
+        self.optimizer = build_optimizer_slot(self._slot_args(), optimizer_slot)
+        self.lr_scheduler = client_lr_scheduler(lr_scheduler, self.config.scheduler, self.basic_optimizer)
+        # the step parts
+        cfg = self.config
+        self.counter = StepCounter(cfg.batch.gradient_accumulation_steps)
+        self.timers, self.clock = Timers(cfg.wall_clock_breakdown, self.device), StepClock()
+        self.layer_drop = layer_drop(cfg.progressive_layer_drop)
+        # tensorboard / csv_monitor / wandb, on rank 0 (DeepSpeed's name)
+        self.monitor = DeepSpeedMonitors.from_config(cfg, self.global_rank)
+        self.reporter = StepReporter(
+            cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank, sinks=[self.monitor]
+        )
+        self.watch = StepWatch(
+            cfg.diagnostics, self.module, self.optimizer, self.reporter.peek_loss, self.dp_group, self.device
+        )
+        # the state between calls
+        self.collate_fn = collate_fn  # the default collate function of `deepspeed_io`
+        self._closed, self._in_no_sync = False, False
+        self._grad_norm = None  # the last optimizer step's global norm before clipping (None before the first)
+        self._comm_bytes_seen = 0  # the slot's `comm_bytes` at the last report
+        self._comms_before = None  # the comms logger's settings to restore at close(), when this engine changed them
+        # then: the run announced, the config's comms logger switched on, settings without effect named
+        self._announce_run()
+        if cfg.comms_logger != CommsLoggerConfig():  # a default block changes nothing the script set itself
+            self._comms_before = dist.comms_logger.config
+            dist.configure(cfg)
+        unused = unused_settings(cfg)
+        if unused and self.global_rank == 0:
+            warnings.warn(f"these config settings have no effect in this engine yet: {', '.join(unused)}")
 
     def __getattr__(self, name: str):
         """Attributes the engine lacks come from the model, as in DeepSpeed; the model's parameters are whole when one
@@ -99,27 +148,9 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
     def __exit__(self, *exc):
         self.close()
 
-    def _place(self, mpu, threads_per_rank: int | None = None):
-        """Ranks, process groups, device and torch threads of this process (on CPU, glibc's malloc keeps freed buffers
-        for reuse: `tune_cpu_malloc`)"""
-        self.mpu, self.world_size, self.global_rank = mpu, dist.get_world_size(), dist.get_rank()
-        self.local_rank = dist.get_local_rank()
-        self.dp_group = mpu.get_data_parallel_group() if mpu is not None else None
-        self.dp_world_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
-        self.mp_world_size = self.world_size // self.dp_world_size
-        cuda = torch.cuda.is_available()
-        self.device = torch.device('cuda', self.local_rank % torch.cuda.device_count()) if cuda else torch.device('cpu')
-        if not cuda:
-            tune_cpu_malloc()  # CPU buffers freed every step are reused, not faulted in anew (see flexrt.memory)
-        self.threads = size_threads(
-            threads_per_rank
-        )  # cores ÷ ranks on the node unless you chose (flexrt.utils.threads)
-
-    def _setup_model(self, dont_change_device: bool, expert_groups: Mapping | None):
-        "Move the model to the device, find its expert groups, and make every replica equal"
-        if not dont_change_device:
-            self.module.to(self.device)
-        self.expert_groups = ExpertGroups(list(self.module.parameters()), expert_groups)
+    def _broadcast_replicas(self):
+        """Make every replica equal: each parameter and buffer comes from the first rank of the group it is replicated
+        over (expert parameters: their expert data-parallel group)"""
         tensors = [*self.module.parameters(), *self.module.buffers()]
         experts = {id(p) for p in tensors if getattr(p, 'allreduce', True) is False}
         broadcast_tensors([t for t in tensors if id(t) not in experts], self.dp_group)
@@ -128,18 +159,11 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                 [p for p in tensors if id(p) in experts and getattr(p, 'group_name', None) == name], group
             )
 
-    def _setup_optimizer(self, optimizer, model_parameters, lr_scheduler, optimizer_slot=None):
-        "Precision, the torch optimizer, the optimizer slot (the owner of the step), and the learning-rate schedule"
+    def _slot_args(self) -> SlotArgs:
+        "What the optimizer slot is built from: the ZeRO settings, the model, the torch optimizer, precision, groups"
         cfg = self.config
-        self.precision = Precision.from_config(cfg.fp16, cfg.bf16)
-        params = model_parameters if model_parameters is not None else self.module.parameters()
-        self.basic_optimizer = client_optimizer(optimizer, cfg.optimizer, params)
-        groups = self.basic_optimizer.param_groups if self.basic_optimizer is not None else []
-        self.trained_param_groups = [
-            [p for p in g['params'] if p.requires_grad] for g in groups
-        ]  # before the slot swaps in its masters
         predivide = self.dp_world_size if cfg.prescale_gradients else cfg.gradient_predivide_factor
-        args = SlotArgs(
+        return SlotArgs(
             cfg.zero_optimization,
             self.module,
             self.basic_optimizer,
@@ -150,33 +174,6 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             predivide,
             gradient_average=cfg.gradient_allreduce_op == 'mean',
         )
-        self.optimizer = build_optimizer_slot(args, optimizer_slot)
-        self.lr_scheduler = client_lr_scheduler(lr_scheduler, cfg.scheduler, self.basic_optimizer)
-
-    def _setup_parts(self):
-        """Counters, timers, the step clock, layer drop, the config's monitors, the reporter and the step watch; the
-        comms logger when the config sets it"""
-        cfg = self.config
-        self.counter = StepCounter(cfg.batch.gradient_accumulation_steps)
-        self.timers, self.clock = Timers(cfg.wall_clock_breakdown, self.device), StepClock()
-        self.layer_drop = layer_drop(cfg.progressive_layer_drop)
-        self.monitor = DeepSpeedMonitors.from_config(
-            cfg, self.global_rank
-        )  # tensorboard / csv_monitor / wandb, on rank 0 (DeepSpeed's name)
-        self.reporter = StepReporter(
-            cfg.steps_per_print, self.timers, cfg.memory_breakdown, self.global_rank, sinks=[self.monitor]
-        )
-        self.watch = StepWatch(
-            cfg.diagnostics, self.module, self.optimizer, self.reporter.peek_loss, self.dp_group, self.device
-        )
-        self._announce_run()
-        self._comm_bytes_seen, self._comms_before = 0, None
-        if cfg.comms_logger != CommsLoggerConfig():  # a default block changes nothing the script set itself
-            self._comms_before = dist.comms_logger.config
-            dist.configure(cfg)
-        unused = unused_settings(cfg)
-        if unused and self.global_rank == 0:
-            warnings.warn(f"these config settings have no effect in this engine yet: {', '.join(unused)}")
 
     def _announce_run(self):
         """A `'run'` record from rank 0 when anyone listens: the config, world size and versions (what a saved report

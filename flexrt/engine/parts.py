@@ -82,6 +82,7 @@ TIMER_INTERVALS = 4096  # phases `Timers.intervals` keeps; the oldest go first
 class _Timer:
     def __init__(self, timers, name):
         self.timers, self.name = timers, name
+        self.start = None  # perf_counter seconds when the phase began: set by __enter__
 
     def __enter__(self):
         self.timers.synchronize()

@@ -81,6 +81,10 @@ def set_group_value(group: dict, key: str, value):
 class BatchLRScheduler(LRScheduler):
     "A torch LR scheduler that counts batches as DeepSpeed's do: `last_batch_iteration` is -1 before the first `step()`"
 
+    # torch's own attributes, which `_apply` keeps in step with `last_batch_iteration`
+    last_epoch: int  # torch's counter (its constructor sets it): steps taken since construction
+    _last_lr: list  # what torch's `get_last_lr()` returns: the learning rates set last
+
     def __init__(self, optimizer: Optimizer, last_batch_iteration: int = -1):
         self._built = False
         super().__init__(torch_optimizer(optimizer))

@@ -50,13 +50,22 @@ class OneCycle(BatchLRScheduler):
         last_batch_iteration: int = -1,
     ):
         torch_opt = torch_optimizer(optimizer)
-        self._shape(
-            cycle_first_step_size,
-            cycle_second_step_size,
-            cycle_first_stair_count,
-            cycle_second_stair_count,
-            decay_step_size,
+        # the cycle's lengths (batches) and stair counts
+        self.first_step_size = check_positive('cycle_first_step_size', cycle_first_step_size)
+        self.second_step_size = (
+            self.first_step_size
+            if cycle_second_step_size is None
+            else float(check_number('cycle_second_step_size', cycle_second_step_size))
         )
+        self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size  # the rising share of the cycle
+        self.first_stair_count = check_number('cycle_first_stair_count', cycle_first_stair_count, integer=True)
+        self.second_stair_count = (
+            self.first_stair_count
+            if cycle_second_stair_count is None
+            else check_number('cycle_second_stair_count', cycle_second_stair_count, integer=True)
+        )
+        self.decay_step_size = float(check_number('decay_step_size', decay_step_size))
         self.min_lrs, self.max_lrs = (
             per_group_values(torch_opt, cycle_min_lr, 'cycle_min_lr'),
             per_group_values(torch_opt, cycle_max_lr, 'cycle_max_lr'),
@@ -82,22 +91,6 @@ class OneCycle(BatchLRScheduler):
         super().__init__(torch_opt, last_batch_iteration)
         if self.cycle_momentum and last_batch_iteration == -1:
             self._set_momentum(self.min_moms)  # DeepSpeed's start
-
-    def _shape(self, first, second, first_stairs, second_stairs, decay_step_size):
-        "Check and store the cycle's lengths and stair counts"
-        self.first_step_size = check_positive('cycle_first_step_size', first)
-        self.second_step_size = (
-            self.first_step_size if second is None else float(check_number('cycle_second_step_size', second))
-        )
-        self.total_size = self.first_step_size + self.second_step_size
-        self.step_ratio = self.first_step_size / self.total_size  # the rising share of the cycle
-        self.first_stair_count = check_number('cycle_first_stair_count', first_stairs, integer=True)
-        self.second_stair_count = (
-            self.first_stair_count
-            if second_stairs is None
-            else check_number('cycle_second_stair_count', second_stairs, integer=True)
-        )
-        self.decay_step_size = float(check_number('decay_step_size', decay_step_size))
 
     def _cycle_fraction(self) -> float:
         "Where the lr is between `cycle_min_lr` (0) and `cycle_max_lr` (1) at `last_batch_iteration`"

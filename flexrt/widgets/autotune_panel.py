@@ -144,22 +144,11 @@ class SearchPanel(LiveView):
         interval: float = 0.25,  # seconds between table updates while records arrive (a trial shows within about this)
         cpu_share: float = 0.1,  # share of one core the plots may use on average
     ):
-        super().__init__(records=view if view is not None else SearchView(), interval=interval, cpu_share=cpu_share)
-        self.view = self.records
-
-    def build(self) -> W.Widget:
-        self.status, self.notice, self.table, self.plot, self.best_json = (
-            W.HTML(),
-            W.HTML(),
-            W.HTML(),
-            W.HTML(),
-            W.HTML(),
-        )
-        self.standings, self.drawn = (
-            W.HTML(),
-            threading.Condition(),
-        )  # the playoff; notified after each drawing of the texts
-        self._live = None  # the live figure (a `Plot`), made at the first draw
+        self.view = view if view is not None else SearchView()  # the records shown (LiveView's `records`)
+        self.status, self.notice, self.table = W.HTML(), W.HTML(), W.HTML()  # summary; a button's outcome; trials
+        self.plot, self.best_json = W.HTML(), W.HTML()
+        # the playoff's standings; notified after each drawing of the texts
+        self.standings, self.drawn = W.HTML(), threading.Condition()
         self.sort = W.Dropdown(options=TABLE, value='trial', description='sort by', layout=W.Layout(width='240px'))
         self.descending = W.Checkbox(value=False, description='descending', indent=False)
         for control in (self.sort, self.descending):
@@ -168,6 +157,9 @@ class SearchPanel(LiveView):
             description='write ds_config_optimal.json', icon='save', layout=W.Layout(width='240px')
         )
         self.write_button.on_click(lambda _: self._act(self.write_config))
+        super().__init__(records=self.view, interval=interval, cpu_share=cpu_share)
+
+    def build(self) -> W.Widget:
         return W.VBox(
             [
                 self.status,
@@ -185,7 +177,8 @@ class SearchPanel(LiveView):
         try:
             self.notice.value = html.escape(str(action() or ''))
         except Exception as e:
-            self.error, self.notice.value = e, error_html(e)
+            self.keep_error(e)
+            self.notice.value = error_html(e)
 
     def draw_text(self):
         view = self.view

@@ -427,6 +427,12 @@ class SearchView:
             self.counts['experiment'] += 1
             self.version += 1
 
+    def load_result(self, results_dir: str):  # a finished search's folder
+        "Keep the search's `AutotuneResult` from its folder as `.result` (its calibrated profile, its memory budget)"
+        from flexrt.autotuner.results import AutotuneResult
+
+        self.result = AutotuneResult.load(results_dir)
+
     @property
     def trials(self) -> pd.DataFrame:
         "One row per trial, in trial order (a copy: yours to change)"

@@ -183,20 +183,13 @@ class AutotuneWidget(SearchPanel):
             None,
             None,
         )
-        self._initial = dict(num_processes=num_processes, memory_budget=memory_budget)
-        super().__init__(view=view, interval=interval, cpu_share=cpu_share)
-        if model_fn is not None:
-            monitor.serve()
-            monitor.add_listener(self.view)
-            self.attached = True
-
-    def build(self) -> W.Widget:
-        self.controls = search_controls(
-            self.config, num_parameters(self.model_fn) if self.model_fn else None, **self._initial
+        self.controls = search_controls(  # a bad budget fails here
+            self.config,
+            num_parameters(model_fn) if model_fn else None,
+            num_processes=num_processes,
+            memory_budget=memory_budget,
         )
-        self.run_button = W.Button(
-            description='Run', button_style='success', icon='play', disabled=self.model_fn is None
-        )
+        self.run_button = W.Button(description='Run', button_style='success', icon='play', disabled=model_fn is None)
         self.stop_button = W.Button(description='Stop', button_style='danger', icon='stop', disabled=True)
         self.run_button.on_click(lambda _: self._act(self.run))
         self.stop_button.on_click(lambda _: self._act(self.stop))
@@ -214,6 +207,13 @@ class AutotuneWidget(SearchPanel):
             lambda: parse_bytes(self.controls['memory_budget'].value or None),
             micro_batch=int(self.config.get('train_micro_batch_size_per_gpu', 8)),
         )
+        super().__init__(view=view, interval=interval, cpu_share=cpu_share)
+        if model_fn is not None:
+            monitor.serve()
+            monitor.add_listener(self.view)
+            self.attached = True
+
+    def build(self) -> W.Widget:
         names, panel = list(self.controls), super().build()
         return W.VBox(
             [
@@ -250,7 +250,8 @@ class AutotuneWidget(SearchPanel):
         )
         with self._draw_lock:
             self.view.clear()
-            self._live, self._stop_asked = None, False
+            self.forget_figure()
+            self._stop_asked = False
         if resume:
             self._show_stored()
         self.launched = launch(
@@ -332,9 +333,7 @@ class AutotuneWidget(SearchPanel):
         self.stop_button.disabled = state != 'running'
         self.stop_button.description = {'stopping': 'Stopping', 'stopped': 'Stopped'}.get(state, 'Stop')
         if state in ('finished', 'stopped') and os.path.exists(os.path.join(self.results_dir, 'study.db')):
-            from flexrt.autotuner.results import AutotuneResult
-
-            self.view.result = AutotuneResult.load(self.results_dir)
+            self.view.load_result(self.results_dir)
         self._shown = state
 
     @property

@@ -13,7 +13,7 @@ from ..utils.threads import ThreadPlan
 from .live import LiveView
 from .memory_monitor import MemoryMonitor
 from .grad_norm import GradNormTrace
-from .records import rank0_steps
+from .records import RecordStore, rank0_steps
 from .ranks import RankPanel
 from .layers import LayerNormHeatmap
 from .report import save_html, figure_png
@@ -36,28 +36,29 @@ class TrainingDashboard(LiveView):
         redraw: bool = True,  # redraw from a thread of its own (False: you call `refresh()`)
     ):
         self.total_steps, self.clip, self._comm_drawn, self._log_drawn, self._watching = total_steps, clip, 0, 0, False
-        super().__init__(interval=interval, cpu_share=cpu_share, redraw=redraw)
-        if self.attached:
-            monitor.hold_watch()
-            self._watching = True  # ranks launched from now on: layer norms, blocked time, a quiet cell
-
-    def build(self):
-        self.memory = MemoryMonitor(records=self.records, redraw=False)  # drawn by the dashboard's own thread
-        self.grad_norm = GradNormTrace(clip=self.clip, records=self.records, redraw=False)
-        self.ranks = RankPanel(records=self.records, redraw=False)  # shown once two ranks report blocked times
-        self.layers = LayerNormHeatmap(records=self.records, redraw=False)  # shown once 'layer_norms' records arrive
+        records = RecordStore()  # the views' one store; `attach=True` below: the dashboard listens for them all
+        self.memory = MemoryMonitor(records=records, redraw=False)  # drawn by the dashboard's own thread
+        self.grad_norm = GradNormTrace(clip=clip, records=records, redraw=False)
+        self.ranks = RankPanel(records=records, redraw=False)  # shown once two ranks report blocked times
+        self.layers = LayerNormHeatmap(records=records, redraw=False)  # shown once 'layer_norms' records arrive
         self.log = W.HTML()
         self.log_section = W.VBox(
             [W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none')
         )
-        self.progress, self.status = W.IntProgress(0, 0, self.total_steps or 1), W.HTML('waiting for the ranks...')
-        if not self.total_steps:
+        self.progress, self.status = W.IntProgress(0, 0, total_steps or 1), W.HTML('waiting for the ranks...')
+        if not total_steps:
             self.progress.layout.display = 'none'  # shown once a total is known
         self.steps_seen = W.IntText(0, description='step events', disabled=True)
         self.comm = W.HTML()
         self.comm_section = W.VBox([W.HTML('<b>Communication</b>'), self.comm], layout=W.Layout(display='none'))
         self.stop_button = W.Button(description='Stop', button_style='danger', icon='stop')
         self.stop_button.on_click(lambda _: self.stop())
+        super().__init__(records=records, interval=interval, cpu_share=cpu_share, redraw=redraw, attach=True)
+        if self.attached:
+            monitor.hold_watch()
+            self._watching = True  # ranks launched from now on: layer norms, blocked time, a quiet cell
+
+    def build(self):
         return W.VBox(
             [
                 W.HBox([self.progress, self.status]),

@@ -34,10 +34,10 @@ class GradNormTrace(LiveView):
         **kwargs,
     ):
         self.clip, self._seen, self._skipped = clip, 0, {}  # step records counted so far; skipped steps per rank
+        self.text, self.plot = W.HTML('waiting for step records...'), W.HTML()
         super().__init__(**kwargs)
 
     def build(self):
-        self.text, self.plot = W.HTML('waiting for step records...'), W.HTML()
         return W.VBox([W.HTML('<b>Gradient norm</b>'), self.text, self.plot])
 
     def layout(self) -> bool:  # whether a loss scale is in use: its panel is drawn

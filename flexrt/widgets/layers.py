@@ -53,10 +53,10 @@ class LayerNormHeatmap(LiveView):
 
     def __init__(self, max_layers: int = 24, **kwargs):  # rows of the heatmap
         self.max_layers = max_layers
+        self.text, self.plot = W.HTML(), W.HTML()
         super().__init__(**kwargs)
 
     def build(self):
-        self.text, self.plot = W.HTML(), W.HTML()
         return W.VBox([W.HTML('<b>Gradient norm by layer</b>'), self.text, self.plot], layout=W.Layout(display='none'))
 
     def matrix(self) -> pd.DataFrame:
@@ -95,7 +95,7 @@ class LayerNormHeatmap(LiveView):
                 else ''
             )
         )
-        self.widget.layout.display = ''
+        self.reveal()
 
     def fill(self, plot: Plot) -> Plot:
         "The heatmap (an image updated in place) and rank 0's global norm"

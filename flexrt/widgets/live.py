@@ -40,6 +40,7 @@ class LiveView:
         staticmethod(time.thread_time),
         staticmethod(idle_seconds),
     )  # tests set fake ones per view
+    plot: W.HTML  # where `draw_plot` shows the live figure (a PNG); each view makes it in its `__init__`
 
     def __init__(
         self,
@@ -48,9 +49,10 @@ class LiveView:
         # plots wait `cost / cpu_share` after a redraw that took `cost` CPU seconds (less while no core is idle)
         cpu_share: float = 0.05,
         redraw: bool = True,  # redraw from a thread of its own (False: its owner calls `refresh()`)
+        attach: bool | None = None,  # listen to the monitor's records; default: when `records` is None
     ):
         self.attached, self.records, self.interval, self.cpu_share = (
-            records is None,
+            records is None if attach is None else attach,
             records or RecordStore(),
             interval,
             cpu_share,
@@ -59,7 +61,7 @@ class LiveView:
         self._idle_at = None  # `idle_clock()` when the last plot was drawn
         self.num_plots, self._live, self._layout = 0, None, None  # plots drawn so far; the live figure and its layout
         self._draw_lock, self._closed = threading.Lock(), threading.Event()
-        self.widget = self.build()
+        self.widget = self.build()  # the parts the subclass's `__init__` made, laid out
         if self.attached:
             monitor.serve()
             prepare_stop()
@@ -70,6 +72,9 @@ class LiveView:
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def reveal(self):
+        self.widget.layout.display = ''  # show a view built hidden, once its records say something
 
     def pending(self) -> bool:
         return False  # whether the texts must be redrawn although no record arrived
@@ -148,7 +153,11 @@ class LiveView:
                 if plots or self.records.version != self._drawn or self.pending():
                     self.refresh(plots=plots)
             except Exception as e:
-                self.error = e
+                self.keep_error(e)
+
+    def keep_error(self, error: Exception):
+        "Keep `error` on `.error` (the redraw thread's or a button's), where a test or a user looks; never raised"
+        self.error = error
 
     def close(self):
         "Stop redrawing and listening"
@@ -163,6 +172,10 @@ class LiveView:
         self._layout = self.layout()
         self._live = self.new_plot(self._layout)
         self._live.prepare()
+
+    def forget_figure(self):
+        "Drop the live figure: the next drawing builds a new one (after the records were cleared for a new run)"
+        self._live = None
 
     def draw_plot(self):
         "Update the live figure and show it"

@@ -52,8 +52,12 @@ class MemoryMonitor(LiveView):
 
     kinds, png_name = ('step', 'memory'), 'memory.png'
 
-    def build(self):
+    def __init__(self, **kwargs):  # LiveView's arguments
+        # the current numbers, the line on how to measure tensor bytes (when they are not), the plot
         self.text, self.hint, self.plot = W.HTML('waiting for memory records...'), W.HTML(), W.HTML()
+        super().__init__(**kwargs)
+
+    def build(self):
         return W.VBox([W.HTML('<b>Memory</b>'), self.text, self.hint, self.plot])
 
     def layout(self) -> bool:

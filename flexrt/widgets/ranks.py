@@ -141,10 +141,10 @@ class RankPanel(LiveView):
         **kwargs,
     ):
         self.silent_after = silent_after
+        self.straggler, self.silent, self.table, self.plot = W.HTML(), W.HTML(), W.HTML(), W.HTML()
         super().__init__(**kwargs)
 
     def build(self):
-        self.straggler, self.silent, self.table, self.plot = W.HTML(), W.HTML(), W.HTML(), W.HTML()
         return W.VBox(
             [W.HTML('<b>Ranks</b>'), self.straggler, self.silent, self.table, self.plot],
             layout=W.Layout(display='none'),
@@ -193,7 +193,7 @@ class RankPanel(LiveView):
             else ''
         )
         self.table.value = table_html(table, silent)
-        self.widget.layout.display = ''
+        self.reveal()
 
     def fill(self, plot: Plot) -> Plot:
         "Work and blocked time per step by rank; the skew"

@@ -32,7 +32,8 @@ class Bucket:
         self.buffer = torch.zeros(-(-self.numel // align) * align, device=self.device, dtype=self.dtype)
         self.views = [self.buffer[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
         self.world_size = dist.get_world_size(group)
-        self.reset()
+        # this round: which gradients are in, how many, the collective in flight (`reset` starts a new round)
+        self.ready, self.num_ready, self.work = [False] * len(params), 0, None
 
     def reset(self):
         "Forget the last round: no gradient ready, nothing in flight"
@@ -127,7 +128,9 @@ class BucketReducer:
             for bk in buckets
             for i, p in enumerate(bk.params)
         ]
-        self._reset()
+        # this round (`_reset` starts the next): buckets not launched yet, in order; those launched; whether a
+        # boundary backward has delivered a gradient
+        self._queue, self._launched, self._started = deque(buckets), [], False
 
     def _reset(self):
         "Start a new round: every bucket queued, none launched"

@@ -19,6 +19,10 @@ class ActivationRecorder:
 
     def __init__(self, tracker, index: dict):
         self.t, self.index, self.on = tracker, index, False
+        # the micro-step `start` begins: at each gradient's arrival (parameter index, activation bytes at the peak
+        # before it, activation bytes after it); the gradients' bytes so far; the bytes allocated at the start
+        self.events, self.grads, self.start_bytes = [], 0, 0
+        self.tail, self.hold = None, None  # set by `step`: the peak after the last gradient, the bytes still held
 
     def start(self):
         self.on, self.events, self.grads = True, [], 0

@@ -94,8 +94,8 @@ def _backward3(
         c = chunk_of[i]
         if state[c] in (
             'none',
-            'flight',
-        ):  # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
+            'flight',  # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
+        ):
             # ('gone': every parameter it gathers is released; what comes later in it is persistent)
             G, R, D = gathered[c]
             t.add(-G if state[c] == 'flight' else 0).see(before, D).add(R)

@@ -65,6 +65,9 @@ class GradBuckets:
         self.divisor = (
             world_size if gradient_average else 1
         )  # every reduced gradient is divided by this (the optimizer may set it)
+        # `plan` fills these, now and again when a backward shows the real gradient order: the buckets, the records in
+        # that order, and each record's bucket (by id)
+        self.buckets, self.order, self.bucket_of = [], [], {}
         self.plan(records)
 
     def plan(self, records: list):

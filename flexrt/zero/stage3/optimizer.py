@@ -79,15 +79,20 @@ class Stage3Optimizer(OptimizerSlot):
             getattr(expert_groups, 'data_parallel', expert_groups) or None,
             reduce_bucket_numel=cfg.reduce_bucket_size,
         )
-        self._build_shards()
+        # per param group: its parameters, fp32 master, working and gradient shards; each parameter's master and working
+        # shard (`close` empties them)
+        self.groups, self._master_of, self._working_of = self._build_shards()
         self.partitioner.on_modified = lambda record: self._on_modified(record)
+        self.boundary = True  # what the last `set_boundary` said (recorded only: every backward reduce-scatters)
+        self._step_norm = None  # the norm `clip_grad_norm` computed for the coming step (None: `step` computes it)
+        self._global_grad_norm = None  # the last step's gradient norm, before clipping (DeepSpeed's name)
 
     @torch.no_grad()
-    def _build_shards(self):
+    def _build_shards(self) -> tuple:  # (param groups, {param: master shard}, {param: working shard, flat})
         """Per param group: fp32 master (stepped), working shard (model dtype), fp32 gradient shard; then cast and
         partition"""
         recs, dtype = self.partitioner.records, self.precision.dtype
-        self.groups, shards, grads, self._master_of, self._working_of = [], {}, {}, {}, {}
+        groups, shards, grads, master_of, working_of = [], {}, {}, {}, {}
         for g in self.optimizer.param_groups if self.optimizer else []:
             original = list(g['params'])
             params = [p for p in dict.fromkeys(original) if p.requires_grad]  # frozen ones are never stepped
@@ -106,7 +111,7 @@ class Stage3Optimizer(OptimizerSlot):
             working = master if dtype == torch.float32 else master.to(dtype)
             grad = torch.zeros_like(master)
             for p, w, gr, m in zip(params, working.split(sizes), grad.split(sizes), master.split(sizes)):
-                shards[p], self._master_of[p], self._working_of[p] = (
+                shards[p], master_of[p], working_of[p] = (
                     w,
                     m,
                     w.view(-1),
@@ -115,7 +120,7 @@ class Stage3Optimizer(OptimizerSlot):
             flat = torch.nn.Parameter(master, requires_grad=True)
             flat.grad = grad
             num_dense = sum(sizes[: len(params) - len(experts)])
-            self.groups.append(
+            groups.append(
                 dict(
                     params=params,
                     original=original,
@@ -129,6 +134,7 @@ class Stage3Optimizer(OptimizerSlot):
             g['params'] = [flat]
         self.precision.cast_model(self.module)
         self.partitioner.partition(shards, grads)
+        return groups, master_of, working_of
 
     def set_boundary(self, is_boundary: bool):
         """Nothing to choose: every backward reduce-scatters into the fp32 gradient shards (full gradients are never
@@ -153,7 +159,7 @@ class Stage3Optimizer(OptimizerSlot):
 
     def clip_grad_norm(self, max_norm: float) -> tuple:  # (norm before clipping, norm after)
         "Global gradient norm from the shards; shards clipped to `max_norm` (0: never)"
-        self._step_norm = norm = self._grad_norm()  # the coming step's `_global_grad_norm`
+        self._step_norm = norm = self._grad_norm()
         return clip_shards([g['grad'] for g in self.groups], max_norm, norm)
 
     @torch.no_grad()
@@ -179,9 +185,8 @@ class Stage3Optimizer(OptimizerSlot):
                 "engine.step() needs an optimizer: pass optimizer= to initialize() or add an 'optimizer' block to the "
                 "config"
             )
-        norm = self.__dict__.pop(
-            '_step_norm', None
-        )  # called without `clip_grad_norm` (DeepSpeed's `optimizer.step()`): the norm here
+        # the norm `clip_grad_norm` computed; without one (DeepSpeed's `optimizer.step()`), the norm here
+        norm, self._step_norm = self._step_norm, None
         self._global_grad_norm = self._grad_norm() if norm is None else norm
         self.partitioner.release_all()  # gathered copies are about to be stale
         self.optimizer.step()
@@ -192,7 +197,7 @@ class Stage3Optimizer(OptimizerSlot):
         overwrites them"""
         if not set_to_none and self.groups:
             torch._foreach_zero_([g['grad'] for g in self.groups])
-        self.__dict__.pop('_step_norm', None)
+        self._step_norm = None
         for p, r in self.partitioner.records.items():
             p.grad, r.grad_stale = None, set_to_none and r.grad_shard is not None
 

@@ -96,7 +96,11 @@ class ParameterPartitioner:
             kept += r.numel if r.persistent else 0
         trainable = [p for p in module.parameters() if p.requires_grad] if trainable is None else list(trainable)
         self._trainable = {p for p in trainable}
-        self._build_units()
+        self.units, self._all_units = self._build_units()  # the units that gather something; a unit per module
+        # gradient buckets in reverse module order, until a backward shows the real order
+        self.grads = GradBuckets(
+            self._gradient_order(self.units), self.reduce_bucket_numel, self.world_size, owner=self
+        )
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
         self._bounds, self._chunk_of, self._ends, self._ahead = (
             [],
@@ -122,9 +126,9 @@ class ParameterPartitioner:
             None  # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
         )
 
-    def _build_units(self):
-        "A unit per module; gradient buckets in reverse module order (until a backward shows the real order)"
-        self.units, self._all_units = [], []
+    def _build_units(self) -> tuple:  # (the units with parameters to gather, every unit), in module order
+        "A unit per module, holding the parameters it owns directly (and those `register_external_parameter` gave it)"
+        units, all_units = [], []
         for m in dict.fromkeys(self.module.modules()):
             own = [
                 self.records[p]
@@ -132,13 +136,11 @@ class ParameterPartitioner:
                 if p is not None and self.records[p].numel
             ]  # empty: nothing to do
             own += [self.records[p] for p in getattr(m, '_zero3_external', []) if self.records[p] not in own]
-            unit = Unit(len(self._all_units), m, own)
-            self._all_units.append(unit)
+            unit = Unit(len(all_units), m, own)
+            all_units.append(unit)
             if own:
-                self.units.append(unit)
-        self.grads = GradBuckets(
-            self._gradient_order(self.units), self.reduce_bucket_numel, self.world_size, owner=self
-        )
+                units.append(unit)
+        return units, all_units
 
     def _gradient_order(self, units: list) -> list:
         """The trainable records in the order a backward through `units` (listed in forward order) produces their

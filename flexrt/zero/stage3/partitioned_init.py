@@ -159,6 +159,9 @@ class Init:
         self.enabled = bool(enabled) and _partitions(stage)
         self.dtype, self._nested, self._patched = dtype or config_dtype, False, {}
         self._depth, self._building, self._touched, self._tracked, self.comm_bytes = {}, [], {}, [], 0
+        # torch's own `Module.__init_subclass__` (or `_ABSENT`) and `Parameter.__deepcopy__`, kept by `_patch` for
+        # `_unpatch` to restore
+        self._init_subclass, self._parameter_deepcopy = _ABSENT, None
         if not self.enabled:
             return
         if not dist.is_initialized():

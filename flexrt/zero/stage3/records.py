@@ -33,17 +33,17 @@ class ParamRecord:
         persistent: bool,  # kept whole on every rank
         group=None,  # that process group (the data-parallel one; an expert's own for MoE experts)
     ):
-        self.param, self.name, self.persistent, self.group = param, name, persistent, group
+        self.param, self.name, self.group = param, name, group
         self.shape, self.numel, self.world_size, self.rank = param.shape, param.numel(), world_size, rank
         self.shard_numel = -(-self.numel // world_size)
-        self.shard, self.grad_shard = (
-            None,
-            None,
-        )  # flat tensors of shard_numel; the optimizer may give views of its buffers
+        # behind the properties `persistent`, `shard`, `full` and `pending`, whose setters also mirror a change onto the
+        # parameter once `set_ds_attributes` has given it DeepSpeed's attributes (a new record's parameter has none)
+        self._persistent = persistent
+        self._shard, self.grad_shard = None, None  # flat, shard_numel each; the optimizer may give views of its buffers
         self.grad_stale = (
             False  # grad_shard holds an old step's value: the next reduction overwrites it instead of adding
         )
-        self.full, self.pending, self.active = True, None, 0  # full data present; gather in flight; forwards using it
+        self._full, self._pending, self.active = True, None, 0  # full data present; gather in flight; forwards using it
 
     @property
     def full(self) -> bool:
@@ -88,13 +88,12 @@ class ParamRecord:
 
     def _show_status(self):
         "DeepSpeed's `ds_status`: being gathered, whole, or only the shard here"
-        pending, full = getattr(self, '_pending', None), getattr(self, '_full', True)
         self._show(
             'ds_status',
             ZeroParamStatus.INFLIGHT
-            if pending is not None
+            if self._pending is not None
             else ZeroParamStatus.AVAILABLE
-            if full
+            if self._full
             else ZeroParamStatus.NOT_AVAILABLE,
         )
 
