@@ -72,7 +72,7 @@ def grid_points(num_params, micro_batches, stages=(0, 1, 2, 3)):
 # ---- phase 1 and 2 run on the ranks --------------------------------------------------------------------------------
 def rank_surface(workload, micro_batches, reps, out):
     from flexrt import comm
-    from flexrt.autotuner.measure import run_trial, Precision
+    from flexrt.autotuner.measure import run_trial, TimingRule
     from flexrt.autotuner import memory
     model_fn, step = WORKLOADS[workload]
     comm.init_distributed()
@@ -82,7 +82,7 @@ def rank_surface(workload, micro_batches, reps, out):
         cfg = c.to_config(CONFIG, comm.get_world_size())
         pred = memory.estimate_memory(prof, cfg, world_size=comm.get_world_size(), micro_batch=c.micro_batch).peak_bytes
         for rep in range(reps):
-            r = run_trial(model_fn, step, cfg, warmup_steps=2, profile_steps=3, precision=Precision())   # as the search measures
+            r = run_trial(model_fn, step, cfg, warmup_steps=2, profile_steps=3, timing=TimingRule())   # as the search measures
             rows.append(dict(stage=c.stage, micro_batch=c.micro_batch, reduce=c.reduce_bucket_size, other=c.allgather_bucket_size,
                              rep=rep, status=r.status, metric=r.metric, peak=r.peak_bytes, predicted=pred,
                              seconds=r.seconds, steps_seconds=r.steps_seconds))
@@ -248,7 +248,7 @@ def _micro_batch(point:dict)->int: return point['config']['train_micro_batch_siz
 
 def sweep(model_fn, step, grid:dict, keep:set, budget:int, rounds:int, cull:float)->dict:
     "Every point of `grid` in `rounds` interleaved rounds (rotated orders); each one's median ratio to stage 0's"
-    from flexrt.autotuner.measure import run_trial, Precision
+    from flexrt.autotuner.measure import run_trial, TimingRule
     keys = sorted(grid)
     alive, ratios, status, threads, culled, reference = list(keys), {k: [] for k in keys}, {}, {}, set(), None
     for r in range(rounds):
@@ -256,7 +256,7 @@ def sweep(model_fn, step, grid:dict, keep:set, budget:int, rounds:int, cull:floa
         got = {}
         for k in order:   # timed as the playoff times its readings: to 3 % or 1 s
             got[k] = run_trial(model_fn, step, grid[k]['config'], warmup_steps=2, profile_steps=5,
-                               precision=Precision(max_seconds=1.0), memory_budget=budget)
+                               timing=TimingRule(max_seconds=1.0), memory_budget=budget)
             threads[k] = torch.get_num_threads()   # what the trial ran with (flexrt.initialize sizes it)
             if got[k].status != 'ok': status[k] = got[k].status   # over the budget (or failed): measured once
         alive = [k for k in alive if k not in status]

@@ -27,6 +27,7 @@ _ENTRY_POINTS = {
     'load_config': 'flexrt.config',
 }
 _ENTRY_POINTS.update(autotune='flexrt.autotuner', estimate_memory='flexrt.autotuner')
+# the wings, and activation checkpointing
 _SUBMODULES = (
     'autotuner',
     'checkpoint',
@@ -42,7 +43,7 @@ _SUBMODULES = (
     'utils',
     'widgets',
     'zero',
-)  # the wings, and activation checkpointing
+)
 
 
 def __getattr__(name: str):
@@ -88,9 +89,7 @@ def init_distributed(
     )
 
 # %% ../nbs/69_flexrt.ipynb #c900
-_ENTRY_POINTS['AutotuneWidget'] = (
-    'flexrt.widgets.autotune_widget'  # the interactive autotuner (also flexrt.widgets.AutotuneWidget)
-)
-_ENTRY_POINTS['use_as_deepspeed'] = (
-    'flexrt.deepspeed'  # flexrt under DeepSpeed's module paths (`python -m flexrt.deepspeed script.py`)
-)
+# the interactive autotuner (also flexrt.widgets.AutotuneWidget)
+_ENTRY_POINTS['AutotuneWidget'] = 'flexrt.widgets.autotune_widget'
+# flexrt under DeepSpeed's module paths (`python -m flexrt.deepspeed script.py`)
+_ENTRY_POINTS['use_as_deepspeed'] = 'flexrt.deepspeed'

@@ -13,14 +13,12 @@ __all__ = ['SETTINGS', 'NO_EFFECT', 'non_reentrant_checkpoint', 'is_configured',
            'checkpoint', 'partition_activations_in_checkpoint', 'set_num_layers']
 
 # %% ../nbs/45_checkpointing.ipynb #c006
-SETTINGS = {
-    'configured': False,
-    'cpu': False,
-    'synchronize': False,
-}  # what `configure` set; read it, change it with `configure`/`unconfigure`
+# what `configure` set; read it, change it with `configure`/`unconfigure`
+SETTINGS = {'configured': False, 'cpu': False, 'synchronize': False}
 _WARNED: set = set()  # the ignored keys already warned about in this process
 
-NO_EFFECT = {  # activation_checkpointing key -> why it has no effect in flexrt
+# activation_checkpointing key -> why it has no effect in flexrt
+NO_EFFECT = {
     'partition_activations': 'it splits saved activations across model-parallel ranks, '
     'and flexrt has no model parallelism',
     'contiguous_memory_optimization': (

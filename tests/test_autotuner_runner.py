@@ -48,7 +48,7 @@ def test_two_ranks_agree_and_best_config_initializes(tmp_path):
 
 def is_playoff(kw)->bool:
     "Whether `measure` was called for a playoff round: those time a quarter of a search trial's seconds (1 s by default)"
-    return kw['precision'].max_seconds < 4.0
+    return kw['timing'].max_seconds < 4.0
 
 def _subgroups(rank, world, results_dir):
     ran = []

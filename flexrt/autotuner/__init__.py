@@ -8,9 +8,9 @@ __all__ = ['estimate_memory']
 # %% ../../nbs/72_autotuner.ipynb #c002
 from .space import Candidate, TuneSettings, tune_settings, parse_bytes, knob_choices
 from .search import Search, Experiment
-from .results import AutotuneResult, AutotuneError, TrialStore, COLUMNS
+from .results import AutotuneResult, AutotuneError, TrialStore, TRIAL_COLUMNS
 from .playoff import Playoff
-from .measure import Precision
+from .measure import TimingRule
 from .runner import autotune, autotune_main
 
 # %% ../../nbs/72_autotuner.ipynb #c003

@@ -211,7 +211,7 @@ class LaunchMeasure:
         memory_budget: int | None = None,
         timeout: float | None = None,
         dataset=None,
-        precision=None,
+        timing=None,
     ):
         from flexrt.autotuner.measure import TrialResult
 

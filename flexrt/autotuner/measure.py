@@ -15,7 +15,7 @@ from ..monitor.ds_sinks import without_monitors
 from ..utils.threads import size_threads
 
 # %% auto #0
-__all__ = ['STATUSES', 'METRICS', 'TrialResult', 'median_interval', 'spread', 'Precision', 'TrialTimeout', 'PeerFailed',
+__all__ = ['STATUSES', 'METRICS', 'TrialResult', 'median_interval', 'spread', 'TimingRule', 'TrialTimeout', 'PeerFailed',
            'classify', 'PeakMeter', 'agree_flags', 'GroupUnit', 'median_phases', 'run_trial']
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c005
@@ -39,7 +39,7 @@ class TrialResult:
     steps_seconds: float = 0.0  # time inside the timed steps (overhead = seconds - steps_seconds)
     flops_per_micro_step: int | None = None  # FLOPs one rank runs in one micro-step
     micro_steps: int = 0  # micro-steps run (warm-up and timed)
-    steps_measured: int = 0  # optimizer steps timed (more when `precision` asked for them)
+    steps_measured: int = 0  # optimizer steps timed (more when `timing` asked for them)
     metric_low: float | None = None  # the metric's interval, from the median step time's (see `median_interval`)
     metric_high: float | None = None
     noise: float | None = None  # the step times' spread: median absolute deviation / median
@@ -80,7 +80,7 @@ def spread(xs: list) -> float:
 
 
 @dataclass(frozen=True)
-class Precision:
+class TimingRule:
     "When a trial has timed enough steps: the median's interval within `tolerance` of it, or a cap"
 
     tolerance: float = 0.03  # the interval's half-width, relative to the median
@@ -287,7 +287,7 @@ def _experiment(
     start,
     trace,
     flops_memo,
-    precision=None,
+    timing=None,
 ) -> dict:
     """Build, warm up, time and close one engine; this rank's measurements (`trace`: weak references to what it built,
     the steps)"""
@@ -312,7 +312,7 @@ def _experiment(
             steps.optimizer_step()
         engine.timers.read()  # the warm-up's phase times are not the window's
         times = [steps.timed_step() for _ in range(profile_steps)]
-        while precision is not None and agree_flags([not precision.enough(times)], group)[0]:
+        while timing is not None and agree_flags([not timing.enough(times)], group)[0]:
             times.append(steps.timed_step())
         if flops_memo is not None and steps.flops is not None:
             flops_memo[mb] = steps.flops
@@ -361,7 +361,7 @@ def _summary(local: dict, metric: str) -> dict:
     )
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c026
-def _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, precision=None):
+def _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, timing=None):
     if not isinstance(ds_config, dict):
         raise TypeError(f'ds_config must be a dict (a DeepSpeed-style config), got {type(ds_config).__name__}')
     if metric not in METRICS:
@@ -374,8 +374,8 @@ def _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budg
         raise ValueError("metric='flops' counts FLOPs on the first warm-up micro-step: give warmup_steps >= 1")
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
         raise ValueError(f'memory_budget must be a positive int (bytes per rank), got {memory_budget!r}')
-    if precision is not None and not isinstance(precision, Precision):
-        raise TypeError(f'precision must be a flexrt.autotuner.measure.Precision or None, got {precision!r}')
+    if timing is not None and not isinstance(timing, TimingRule):
+        raise TypeError(f'timing must be a flexrt.autotuner.measure.TimingRule or None, got {timing!r}')
     if timeout is not None and not timeout > 0:
         raise ValueError(f'timeout must be seconds > 0, got {timeout!r}')
 
@@ -413,20 +413,19 @@ def run_trial(
     *,
     group=None,  # the ranks running this trial (None: all)
     warmup_steps: int = 2,  # optimizer steps before the timed window (the first micro-step counts FLOPs)
-    profile_steps: int = 3,  # optimizer steps timed (at least, with `precision`)
+    profile_steps: int = 3,  # optimizer steps timed (at least, with `timing`)
     metric: str = 'throughput',  # 'throughput' (samples/s), 'latency' (s per step) or 'flops' (FLOP/s)
     memory_budget: int | None = None,  # bytes per rank; a larger measured peak is `over_budget`
     timeout: float | None = None,  # seconds; checked between micro-steps, a late trial stops early
     dataset=None,  # a torch Dataset fed through `engine.deepspeed_io`, or None
-    flops_memo: dict
     # FLOPs per micro-step by micro-batch, kept by the caller across trials of the same model_fn and train_step: counted
     # once per micro-batch
-    | None = None,
-    precision: Precision
-    | None = None,  # time more steps until the median is this precise (None: exactly `profile_steps`)
+    flops_memo: dict | None = None,
+    # time more steps until the median is this precise (None: exactly `profile_steps`)
+    timing: TimingRule | None = None,
 ) -> TrialResult:
     "Run one experiment on the calling ranks; every rank of `group` gets the same result"
-    _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, precision)
+    _check_arguments(ds_config, warmup_steps, profile_steps, metric, memory_budget, timeout, timing)
     start, freeze = time.perf_counter(), gc.get_freeze_count() == 0  # someone else's frozen objects stay as they are
     if _device().type == 'cuda':
         gc.collect()  # the allocator counts every tensor: garbage freed mid-trial would fall below the base
@@ -448,7 +447,7 @@ def run_trial(
                     start,
                     trace,
                     flops_memo,
-                    precision,
+                    timing,
                 ),
                 metric,
             )

@@ -138,9 +138,8 @@ class Playoff:
         if not live:
             return None
         if self.baseline is not None and self.baseline in live:
-            beyond = lambda r: (
-                r['coverage'] >= self.confidence and (r['low'] or 0) > 1
-            )  # the interval above 1, with the coverage asked
+            # the interval above 1, with the coverage asked
+            beyond = lambda r: r['coverage'] >= self.confidence and (r['low'] or 0) > 1
             better = [
                 (self.compare(c, ref)['ratio'], i, c)
                 for i, c in enumerate(live)
@@ -160,9 +159,8 @@ class Playoff:
         for c in self.running:  # clearly beaten: it cannot win, and the rounds go to the pairs still open
             if c not in (w, self.baseline) and (self.compare(w, c)['low'] or 0) > 1:
                 self.beaten.add(c.key)
-        futile = lambda c, r: (
-            self.baseline not in (w, c) and _futile(r, self.tolerance, self.max_rounds)
-        )  # never for the baseline's pair
+        # never for the baseline's pair
+        futile = lambda c, r: self.baseline not in (w, c) and _futile(r, self.tolerance, self.max_rounds)
         return all(
             _settled(r, self.tolerance, self.confidence) or futile(c, r)
             for c, r in ((c, self.compare(w, c)) for c in self.running if c != w)
@@ -231,12 +229,13 @@ class Playoff:
 from fastcore.basics import patch
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p010b
+# the engine's timers (`flexrt.engine.parts.PHASES`), in words
 PHASE_WORDS = {
     'forward': 'forward',
     'backward': 'backward',
     'allreduce': 'the wait for reduced gradients',
     'step': 'the optimizer step',
-}  # the engine's timers (`flexrt.engine.parts.PHASES`), in words
+}
 
 
 def _ms(x: float) -> str:

@@ -11,11 +11,11 @@ import pandas as pd
 from .space import Candidate, KNOBS, format_bytes
 
 # %% auto #0
-__all__ = ['COLUMNS', 'STATUSES', 'REPEATS', 'record_candidate', 'trials_frame', 'TrialStore', 'study_fingerprint', 'open_store',
-           'AutotuneResult', 'AutotuneError', 'no_winner', 'threads_line', 'summary_text']
+__all__ = ['TRIAL_COLUMNS', 'STATUSES', 'REPEATS', 'record_candidate', 'trials_frame', 'TrialStore', 'study_fingerprint',
+           'open_store', 'AutotuneResult', 'AutotuneError', 'no_winner', 'threads_line', 'summary_text']
 
 # %% ../../nbs/72_autotuner_results.ipynb #c005
-COLUMNS = [
+TRIAL_COLUMNS = [
     'trial',
     'phase',
     'stage',
@@ -42,10 +42,8 @@ COLUMNS = [
     'config',
 ]
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error', 'pruned')
-REPEATS = (
-    'playoff',
-    'remeasure',
-)  # phases that run searched candidates again ('remeasure': results written before the playoff)
+# phases that run searched candidates again ('remeasure': results written before the playoff)
+REPEATS = ('playoff', 'remeasure')
 
 
 def _count(value) -> int | None:
@@ -61,12 +59,12 @@ def record_candidate(record: dict) -> Candidate:
 
 
 def trials_frame(records: list) -> pd.DataFrame:
-    "The records as a DataFrame with `COLUMNS` first (extra fields after them)"
+    "The records as a DataFrame with `TRIAL_COLUMNS` first (extra fields after them)"
     df = pd.DataFrame(records)
-    for c in COLUMNS:
+    for c in TRIAL_COLUMNS:
         if c not in df:
             df[c] = None
-    return df[COLUMNS + [c for c in df.columns if c not in COLUMNS]]
+    return df[TRIAL_COLUMNS + [c for c in df.columns if c not in TRIAL_COLUMNS]]
 
 # %% ../../nbs/72_autotuner_results.ipynb #c008
 class TrialStore:
@@ -230,9 +228,8 @@ class AutotuneResult:
     seconds: float = 0.0
     margin: dict | None = None
     study: str = ''  # the playoff's margin; whether the search resumed a stored one, or why not
-    threads: dict | None = (
-        None  # threads_per_rank, counts searched, source, cores, local_ranks, device (`threads_line`)
-    )
+    # threads_per_rank, counts searched, source, cores, local_ranks, device (`threads_line`)
+    threads: dict | None = None
 
     @property
     def verdict(self) -> str:  # the margin in one sentence

@@ -32,7 +32,7 @@ from flexrt.autotuner.results import (
     study_fingerprint,
     open_store,
 )
-from .measure import Precision
+from .measure import TimingRule
 from .playoff import short
 
 # %% auto #0
@@ -355,7 +355,7 @@ class Tuner:
             warmup_steps=s.warmup_steps,
             profile_steps=s.profile_steps,
             metric=s.metric,
-            precision=Precision(s.tolerance, s.max_profile_steps, s.max_profile_seconds),
+            timing=TimingRule(s.tolerance, s.max_profile_steps, s.max_profile_seconds),
         )
 
     def record_new(self):
@@ -417,7 +417,7 @@ class Tuner:
             from flexrt.autotuner.measure import run_trial
 
             fn = partial(run_trial, flops_memo=self.flops_memo)  # FLOPs counted once per micro-batch
-        p = settings['precision']
+        p = settings['timing']
         if phase == 'playoff':
             p = dataclasses.replace(p, max_seconds=p.max_seconds / 4)  # a quarter of a search trial's time per round
         return fn(
@@ -431,7 +431,7 @@ class Tuner:
             memory_budget=self.budget,
             timeout=self.trial_timeout,
             dataset=self.dataset,
-            precision=p,
+            timing=p,
         )
 
     def warm(self):
@@ -519,8 +519,8 @@ def autotune(
     memory_budget=None,  # per-rank bytes or a string like '2GiB'; a trial over it is `over_budget`
     ranks_per_experiment: int | None = None,  # ranks per experiment; W/k experiments run at once (None: all ranks)
     results_dir: str | None = None,  # where files go (default: autotuning.results_dir, 'autotuning_results')
-    max_trials: int
-    | None = None,  # most search runs (the playoff's rounds come on top: up to (playoff_size + 1) x playoff_rounds)
+    # most search runs (the playoff's rounds come on top: up to (playoff_size + 1) x playoff_rounds)
+    max_trials: int | None = None,
     time_budget: float | None = None,  # seconds; the search stops between trials once spent
     stages=None,  # stage scope (overrides zero_optimization.stage)
     micro_batches=None,  # micro-batch sizes the sweep considers (default: powers of two within the bounds)
@@ -531,8 +531,8 @@ def autotune(
     trial_timeout: float | None = None,  # seconds per experiment; a later one is `timeout`
     profile=None,  # a memory-model profile to use instead of profiling model_fn
     predict=None,  # callable(Candidate) -> per-rank peak bytes, instead of the memory model
-    experiment_world_size: int
-    | None = None,  # ranks of one experiment when `measure` starts its own (the CLI's torchrun)
+    # ranks of one experiment when `measure` starts its own (the CLI's torchrun)
+    experiment_world_size: int | None = None,
     mode: str = 'in-process',
     mode_reason: str = '',  # how experiments run (the CLI's launch-per-experiment sets these)
     bucket_sizes=None,  # bucket sizes (elements) the knob search tries; None: scaled to the model (P/16, P/4, P)
@@ -540,9 +540,8 @@ def autotune(
     "Find the fastest ZeRO stage × micro-batch × knob (× threads per rank on CPU) configuration that fits, in the ranks"
     if measure is None and not callable(train_step):
         raise TypeError(f'train_step must be a callable train_step(engine), got {train_step!r}')
-    dist.init_distributed(
-        dist_init_required=None
-    )  # as flexrt.initialize: the launcher's world, when none is running yet
+    # as flexrt.initialize: the launcher's world, when none is running yet
+    dist.init_distributed(dist_init_required=None)
     size_threads(config.get('threads_per_rank'))  # the profile and the model builds run at the count the trials run
     try:
         return _tune(

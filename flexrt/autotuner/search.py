@@ -337,9 +337,8 @@ class Search(SearchRuns):
                 break  # not better beyond the noise: fewer threads will not be
             best = c
         close = [c for c, res in ran.items() if c != best and not self.clearly_worse(res, ran[best])]
-        self.thread_rival = (
-            max(close, key=lambda c: self.score(ran[c])) if close else None
-        )  # the playoff tells them apart
+        # the playoff tells them apart
+        self.thread_rival = max(close, key=lambda c: self.score(ran[c])) if close else None
         return self.score(ran[best]), best
 
     def plan(self):

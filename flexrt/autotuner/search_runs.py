@@ -85,15 +85,13 @@ class SearchRuns:
         threads = dict(threads_per_rank=self.threads_per_rank)
         if stage == 0:
             return Candidate(0, micro_batch, gas, **{**threads, **knobs})
-        base = default_knobs(
-            self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes
-        )  # within the knob search's choices
+        # within the knob search's choices
+        base = default_knobs(self.num_params, stage, self.tensor_sizes, self.s.bucket_sizes)
         c = Candidate(stage, micro_batch, gas, **{**base, **threads, **knobs})
         if knobs or self.feasible(c):
             return c
-        buckets = [
-            k for k in base if k.endswith('bucket_size')
-        ]  # one bucket does not fit: the largest smaller one that does
+        # one bucket does not fit: the largest smaller one that does
+        buckets = [k for k in base if k.endswith('bucket_size')]
         for size in reversed(
             knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)['reduce_bucket_size'][:-1]
         ):

@@ -82,9 +82,8 @@ class TuneSettings:
     max_profile_seconds: float = 4.0  # how precisely a trial measures
     playoff_size: int = 3
     playoff_rounds: int = 15  # the decision: top candidates (and the baseline), most rounds
-    train_batch: int | None = (
-        None  # the config's train_batch_size: a fixed global batch (None: accumulation as the bounds say)
-    )
+    # the config's train_batch_size: a fixed global batch (None: accumulation as the bounds say)
+    train_batch: int | None = None
 
     @property
     def lower_is_better(self) -> bool:
@@ -176,9 +175,8 @@ class Candidate:
     stage3_prefetch_bucket_size: int = DEEPSPEED_DEFAULT_KNOBS['stage3_prefetch_bucket_size']
     stage3_param_persistence_threshold: int = DEEPSPEED_DEFAULT_KNOBS['stage3_param_persistence_threshold']
     overlap_comm: bool = False
-    threads_per_rank: int | None = (
-        None  # torch intra-op threads of each rank (the config key); None: the engine's own plan
-    )
+    # torch intra-op threads of each rank (the config key); None: the engine's own plan
+    threads_per_rank: int | None = None
 
     @property
     def key(self) -> str:
@@ -279,10 +277,8 @@ def knob_choices(
         if bucket_sizes
         else sorted({max(P // 16, 1024), max(P // 4, 1024), max(P, 1024)})
     )
-    choices = {
-        'reduce_bucket_size': buckets,
-        'overlap_comm': [False, True],
-    }  # no allgather_bucket_size: flexrt's stages 1-2 gather each bucket whole
+    # no allgather_bucket_size: flexrt's stages 1-2 gather each bucket whole
+    choices = {'reduce_bucket_size': buckets, 'overlap_comm': [False, True]}
     if stage == 3:
         sizes = sorted(tensor_sizes or [P])
         choices['stage3_prefetch_bucket_size'] = buckets

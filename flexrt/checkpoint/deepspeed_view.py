@@ -63,13 +63,14 @@ def deepspeed_model_states(
     state = {n: t for n, t in engine.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     counters, sched = engine.counter.state_dict(), engine.lr_scheduler
+    # no DeepSpeed optimizer files
     return {
         'module': _cpu_copies({n: t for n, t in state.items() if n not in frozen}),
         'buffer_names': [n for n, t in state.items() if not isinstance(t, torch.nn.Parameter)],
         'optimizer': None,
         'param_shapes': None,
         'frozen_param_shapes': None,
-        'shared_params': None,  # no DeepSpeed optimizer files
+        'shared_params': None,
         'frozen_param_fragments': None,
         'lr_scheduler': None if sched is None else sched.state_dict(),
         'data_sampler': None,
@@ -99,9 +100,8 @@ def write_deepspeed_model(
     return {name: save_torch(deepspeed_model_states(engine, client_state, exclude_frozen), Path(directory, name))}
 
 # %% ../../nbs/60_checkpoint_deepspeed_view.ipynb #c010
-RECOVERY_SCRIPT = (
-    'zero_to_fp32.py'  # DeepSpeed's name: its users run `python zero_to_fp32.py . OUT` in a save directory
-)
+# DeepSpeed's name: its users run `python zero_to_fp32.py . OUT` in a save directory
+RECOVERY_SCRIPT = 'zero_to_fp32.py'
 RECOVERY_TEXT = '''#!/usr/bin/env python3
 """The full fp32 weights of the flexrt (or DeepSpeed) checkpoint in this directory, in one file. flexrt wrote this
 script where DeepSpeed writes its zero_to_fp32.py, and it takes the same arguments:

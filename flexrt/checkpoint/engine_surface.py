@@ -67,6 +67,7 @@ class CheckpointEngine(Protocol):
         "Micro-batches per optimizer step: named in the warning about a save or load inside an accumulation window"
 
 
+# every attribute of `CheckpointEngine`
 REQUIRED = (
     'module',
     'optimizer',
@@ -84,7 +85,7 @@ REQUIRED = (
     'mp_world_size',
     'global_steps',
     'gradient_accumulation_steps',
-)  # every attribute of `CheckpointEngine`
+)
 
 # %% ../../nbs/60_checkpoint_engine_surface.ipynb #c009
 def check_engine(engine) -> CheckpointEngine:

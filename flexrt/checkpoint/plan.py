@@ -107,9 +107,8 @@ class LoadPlan:
             for key, s, n, off in todo:
                 self.index.copy_into(t.view(-1)[off : off + n], key, k, s)
             state[k] = t
-        scalars = next(
-            (sc for key, s, *_ in todo if (sc := self.index.scalars_at(key, s))), {}
-        )  # the first piece that has any
+        # the first piece that has any
+        scalars = next((sc for key, s, *_ in todo if (sc := self.index.scalars_at(key, s))), {})
         for k, v in scalars.items():
             state[k] = v.clone() if isinstance(v, torch.Tensor) else v
         return state

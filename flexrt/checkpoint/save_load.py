@@ -182,9 +182,8 @@ def _write_files(
         files[MODEL_STATES] = save_torch(
             model_states(engine, entries, client_state, [n for n, _ in frozen]), staging / MODEL_STATES
         )
-    return files | write_deepspeed_model(
-        engine, staging, client_state, exclude_frozen
-    )  # DeepSpeed's view of the module
+    # DeepSpeed's view of the module
+    return files | write_deepspeed_model(engine, staging, client_state, exclude_frozen)
 
 
 def _finish(engine, save_dir: Path, tag: str, files: dict, save_latest: bool):

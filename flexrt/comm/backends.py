@@ -41,10 +41,8 @@ __all__ = ['TorchBackend', 'ExplainedWork', 'NATIVE_NAMES', 'is_transport_failur
            'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError', 'CommTimeoutError']
 
 # %% ../../nbs/10_comm_backends.ipynb #c012t
-_NEWER_NEW_GROUP_ARGS = {
-    'device_id': None,
-    'sort_ranks': True,
-}  # torch.distributed.new_group keywords torch 2.4 lacks, and their defaults
+# torch.distributed.new_group keywords torch 2.4 lacks, and their defaults
+_NEWER_NEW_GROUP_ARGS = {'device_id': None, 'sort_ranks': True}
 
 
 def _new_group_kwargs(kwargs: dict) -> dict:

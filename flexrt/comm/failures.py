@@ -27,7 +27,8 @@ def is_transport_failure(error: BaseException) -> bool:
     return isinstance(error, getattr(tdist, 'DistNetworkError', ())) or any(s in msg for s in _TRANSPORT_SIGNS)
 
 # %% ../../nbs/10_comm_failures.ipynb #c009
-NATIVE_NAMES = {  # our op -> c10d's names for it, as they appear in "Backend X does not support <name>"
+# our op -> c10d's names for it, as they appear in "Backend X does not support <name>"
+NATIVE_NAMES = {
     'all_gather_into_tensor': ('_allgather_base', 'allgather_into_tensor_coalesced'),
     'reduce_scatter_tensor': ('_reduce_scatter_base', 'reduce_scatter_tensor_coalesced'),
     'reduce_scatter': ('reduce_scatter',),

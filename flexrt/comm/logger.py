@@ -56,7 +56,8 @@ def _first(ts):
     return next(iter(ts), None)
 
 
-_SIZE = {  # op -> f(bound args, world size) -> (S in bytes, a tensor of the call or None)
+# op -> f(bound args, world size) -> (S in bytes, a tensor of the call or None)
+_SIZE = {
     'all_gather': lambda a, n: (sum(map(_nbytes, a['tensor_list'])), a['tensor']),
     'all_gather_into_tensor': lambda a, n: (_nbytes(a['output_tensor']), a['output_tensor']),
     'reduce_scatter': lambda a, n: (sum(map(_nbytes, a['input_list'])), a['output']),
@@ -147,9 +148,8 @@ class CommInterval:
     wait_thread: int | None = None  # the thread that waited
     wait_end: float | None = None  # when that wait returned (after `end`: the waiter's wake-up)
     end: float | None = None  # when it finished; None: in flight
-    finished_by: str | None = (
-        None  # what saw it finish: 'call' (synchronous), 'future' (its completion), 'wait' or 'poll' (no earlier sign)
-    )
+    # what saw it finish: 'call' (synchronous), 'future' (its completion), 'wait' or 'poll' (no earlier sign)
+    finished_by: str | None = None
 
     def waited(self, now: float):
         "Note a wait beginning at `now` on this thread (only the first one counts)"
@@ -349,10 +349,8 @@ class TimedWork:
         interval: CommInterval | None = None,  # the call's entry in `logger.timeline` (shared by a batch's works)
     ):
         self._work, self._logger, self._key, self._start, self._cuda = work, logger, key, start, cuda
-        self._batch, self._interval = (
-            batch,
-            interval,
-        )  # batch: shared [number of works left] when several works make one logged call
+        # batch: shared [number of works left] when several works make one logged call
+        self._batch, self._interval = (batch, interval)
         self._done, self._lock = False, threading.Lock()
         try:
             work.get_future().then(self._on_future)

@@ -91,8 +91,8 @@ class P2PWork:
         works: list,
         finish=None,
         name: str = 'a direct-message op',
-        peers: list
-        | None = None,  # the group rank each of `works` exchanges with; None: they are not messages (a `ThreadedOp`)
+        # the group rank each of `works` exchanges with; None: they are not messages (a `ThreadedOp`)
+        peers: list | None = None,
         group=None,  # the group the messages go over
     ):
         self._works, self._finish, self._done, self._lock, self.name = works, finish, False, threading.Lock(), name
@@ -310,9 +310,8 @@ def reduce_scatter_tensor_p2p(output, input, op=ReduceOp.SUM, group=None, async_
     o, i = output.data_ptr(), input.data_ptr()
     apart = o + output.nbytes <= i or i + input.nbytes <= o  # output is not (a part of) input
     direct = n == 2 and output.is_contiguous() and apart
-    received = {
-        j: output if direct else torch.empty_like(output) for j in range(n) if j != me
-    }  # direct: the one peer's chunk lands in `output`
+    # direct: the one peer's chunk lands in `output`
+    received = {j: output if direct else torch.empty_like(output) for j in range(n) if j != me}
 
     def finish():
         if direct:

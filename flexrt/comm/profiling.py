@@ -85,9 +85,8 @@ def _as_deepspeed_dict(df, b: CommBackend) -> dict:
     summary, straggler = {}, {}
     for (op, size), rows in df.groupby(['op', 'size_bytes'], sort=True):
         count, total = int(rows['count'].sum()), float(rows.total_latency_ms.sum())
-        mean = lambda col: float(
-            (rows[col] * rows['count']).sum() / count
-        )  # rows of one op and size: weighted by count
+        # rows of one op and size: weighted by count
+        mean = lambda col: float((rows[col] * rows['count']).sum() / count)
         summary.setdefault(op, {})[int(size)] = dict(
             count=count,
             total_latency_ms=total,

@@ -20,9 +20,8 @@ class CommState:
     counters"""
 
     def __init__(self):
-        self.backend: CommBackend | None = (
-            None  # set explicitly (init_distributed, set_comm_backend); None: follow torch
-        )
+        # set explicitly (init_distributed, set_comm_backend); None: follow torch
+        self.backend: CommBackend | None = None
         self.env: DistEnv | None = None  # what init_distributed found; None before it runs
         self.p2p_tags: dict = {}  # per group: how many direct-message ops it has started
         # per group: the P2PThread running its direct-message ops (gloo) while some are queued
@@ -81,9 +80,8 @@ class CommState:
 # %% ../../nbs/10_comm_state.ipynb #c018
 comm_state = CommState()
 os.register_at_fork(after_in_child=comm_state.forget_single_process)
-os.register_at_fork(
-    after_in_child=comm_state.p2p_threads.clear
-)  # threads do not survive a fork: a child starts its own
+# threads do not survive a fork: a child starts its own
+os.register_at_fork(after_in_child=comm_state.p2p_threads.clear)
 
 # %% ../../nbs/10_comm_state.ipynb #c020
 def get_comm_backend() -> CommBackend:

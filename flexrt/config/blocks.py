@@ -26,12 +26,10 @@ class FP16Config(Block):
     key = 'fp16'
     enabled: bool = False  # train in fp16 with fp32 master weights
     auto_cast: bool = False  # cast floating-point inputs of forward to fp16
-    loss_scale: float = setting(
-        0.0, ge=0, le=65504
-    )  # a static scale, at most fp16's largest value; 0 scales dynamically
-    initial_scale_power: int = setting(
-        16, ge=0, le=127
-    )  # dynamic: the first scale is 2**initial_scale_power (finite in fp32)
+    # a static scale, at most fp16's largest value; 0 scales dynamically
+    loss_scale: float = setting(0.0, ge=0, le=65504)
+    # dynamic: the first scale is 2**initial_scale_power (finite in fp32)
+    initial_scale_power: int = setting(16, ge=0, le=127)
     loss_scale_window: int = setting(1000, ge=1)  # dynamic: clean steps before the scale doubles
     hysteresis: int = setting(2, ge=1)  # dynamic: overflows absorbed before the scale halves
     consecutive_hysteresis: bool = False  # dynamic: refill hysteresis after every clean step
@@ -82,10 +80,11 @@ LAMB_PARAMS = (
     'amsgrad',
 )
 ADAM_EXTRA_PARAMS = ('torch_adam', 'adam_w_mode', 'bias_correction')
+# DeepSpeed's Adam/Lamb
 EXTRA_PARAM_KINDS = {
     'torch_adam': (bool, False),
     'adam_w_mode': (bool, False),
-    'bias_correction': (bool, False),  # DeepSpeed's Adam/Lamb
+    'bias_correction': (bool, False),
     'eps_inside_sqrt': (bool, False),
     'max_grad_norm': (float, False),
     'max_coeff': (float, False),
@@ -163,7 +162,8 @@ class OptimizerConfig(Block):
 
 # %% ../../nbs/00_config_blocks.ipynb #c020
 _WARMUP = ('warmup_min_lr', 'warmup_max_lr', 'warmup_num_steps', 'warmup_type', 'last_batch_iteration')
-DEEPSPEED_SCHEDULERS = {  # name -> (accepted params, required params)
+# name -> (accepted params, required params)
+DEEPSPEED_SCHEDULERS = {
     'WarmupLR': (_WARMUP, ()),
     'WarmupDecayLR': (_WARMUP + ('total_num_steps',), ('total_num_steps',)),
     'WarmupCosineLR': (
@@ -319,12 +319,10 @@ class ZeroConfig(Block):
     overlap_comm: bool | None = None  # overlap gradient reduction with backward; null: on for stage 3 only
     load_from_fp32_weights: bool = True  # restore fp32 master weights from the checkpoint's fp32 copies
     elastic_checkpoint: bool = False  # load stage 1/2 optimizer state saved with another data-parallel size
-    sub_group_size: int = setting(
-        1_000_000_000, ge=1, clamp=MAX_BUCKET_SIZE
-    )  # elements per optimizer-step tile (offload)
-    offload_optimizer: OffloadOptimizerConfig = field(
-        default_factory=OffloadOptimizerConfig
-    )  # optimizer state on CPU/NVMe
+    # elements per optimizer-step tile (offload)
+    sub_group_size: int = setting(1_000_000_000, ge=1, clamp=MAX_BUCKET_SIZE)
+    # optimizer state on CPU/NVMe
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)  # parameters on CPU/NVMe (stage 3)
     stage3_prefetch_bucket_size: int = setting(50_000_000, ge=0, clamp=MAX_BUCKET_SIZE)  # elements fetched ahead of use
     stage3_param_persistence_threshold: int = setting(100_000, ge=0)  # parameters smaller than this stay whole

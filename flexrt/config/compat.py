@@ -17,24 +17,22 @@ class ActivationCheckpointingConfig(Block):
     what it needs for recomputation"""
 
     key = 'activation_checkpointing'
-    partition_activations: bool = (
-        False  # split saved activations across model-parallel ranks (no model parallelism here: warned)
-    )
+    # split saved activations across model-parallel ranks (no model parallelism here: warned)
+    partition_activations: bool = False
     contiguous_memory_optimization: bool = False  # copy saved activations into one buffer (warned: torch allocates)
     cpu_checkpointing: bool = False  # keep the saved inputs on the CPU until backward
-    number_checkpoints: int | None = setting(
-        None, ge=1
-    )  # checkpoints per forward (sizes DeepSpeed's contiguous buffer; warned)
-    synchronize_checkpoint_boundary: bool = (
-        False  # synchronise the accelerator before and after each checkpointed block
-    )
+    # checkpoints per forward (sizes DeepSpeed's contiguous buffer; warned)
+    number_checkpoints: int | None = setting(None, ge=1)
+    # synchronise the accelerator before and after each checkpointed block
+    synchronize_checkpoint_boundary: bool = False
     profile: bool = False  # time the checkpointed forward and backward (warned)
 
 # %% ../../nbs/00_config_compat.ipynb #c009
 _TP, _NVME = 'flexrt has no tensor parallelism', 'flexrt has no NVMe offload'
 _ZPP = 'ZeRO++ (hierarchical partitions, quantised weights and gradients) is not in flexrt; ZeRO 1-3 run unquantised'
 _MICS = 'MiCS shard groups are not in flexrt; ZeRO partitions over the whole data-parallel group'
-NO_EFFECT = {  # key path (a block covers its keys) -> why it has no effect in flexrt
+# key path (a block covers its keys) -> why it has no effect in flexrt
+NO_EFFECT = {
     'amp': 'Apex AMP is not supported; use the bf16 or fp16 block',
     'torch_autocast': 'use the bf16 block, or fp16 with auto_cast',
     'comet': 'flexrt has no Comet sink; use tensorboard, csv_monitor or wandb',
@@ -102,9 +100,8 @@ NO_EFFECT |= {
         'offload_optimizer.super_offload': 'no SuperOffload',
     }.items()
 }
-NO_EFFECT |= {
-    'bfloat16' + k[4:]: why for k, why in NO_EFFECT.items() if k.startswith('bf16.')
-}  # the legacy name of the bf16 block
+# the legacy name of the bf16 block
+NO_EFFECT |= {'bfloat16' + k[4:]: why for k, why in NO_EFFECT.items() if k.startswith('bf16.')}
 
 # %% ../../nbs/00_config_compat.ipynb #c012
 def no_effect_entry(path: str) -> str | None:

@@ -97,9 +97,8 @@ class FlexConfig(Block):
     "A whole training configuration: DeepSpeed's JSON keys as typed blocks, validated once at construction"
 
     renamed = {'bfloat16': 'bf16'}
-    legacy = tuple(
-        k for k in NO_EFFECT if '.' not in k
-    )  # DeepSpeed blocks without effect here: warned, kept in not_applied
+    # DeepSpeed blocks without effect here: warned, kept in not_applied
+    legacy = tuple(k for k in NO_EFFECT if '.' not in k)
     batch: BatchConfig = field(default_factory=BatchConfig)  # the three batch sizes (top-level keys in the JSON)
     fp16: FP16Config = field(default_factory=FP16Config)  # fp16 with loss scaling
     bf16: BF16Config = field(default_factory=BF16Config)  # bf16
@@ -113,35 +112,25 @@ class FlexConfig(Block):
     memory_breakdown: bool = False  # report memory use around each phase
     dump_state: bool = False  # print the engine's configuration at start
     prescale_gradients: bool = False  # divide gradients before the all-reduce instead of after
-    gradient_predivide_factor: float = setting(
-        1.0, gt=0
-    )  # with prescale_gradients: divide by this before, the rest after
-    gradient_allreduce_op: Literal['mean', 'sum'] = (
-        'mean'  # 'mean': gradients averaged over the data-parallel ranks; 'sum': summed
-    )
-    activation_checkpointing: ActivationCheckpointingConfig = field(
-        default_factory=ActivationCheckpointingConfig
-    )  # deepspeed.checkpointing settings
-    communication_data_type: Literal['fp32', 'fp16', 'bf16'] | None = (
-        None  # dtype of gradient all-reduce; null: the training dtype
-    )
+    # with prescale_gradients: divide by this before, the rest after
+    gradient_predivide_factor: float = setting(1.0, gt=0)
+    # 'mean': gradients averaged over the data-parallel ranks; 'sum': summed
+    gradient_allreduce_op: Literal['mean', 'sum'] = 'mean'
+    # deepspeed.checkpointing settings
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    # dtype of gradient all-reduce; null: the training dtype
+    communication_data_type: Literal['fp32', 'fp16', 'bf16'] | None = None
     dataloader_drop_last: bool = False  # drop the last incomplete batch in `deepspeed_io`
     sparse_gradients: bool = False  # reduce embedding gradients as sparse tensors
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)  # accumulation dtype
-    progressive_layer_drop: ProgressiveLayerDropConfig = field(
-        default_factory=ProgressiveLayerDropConfig
-    )  # layer-drop schedule
+    # layer-drop schedule
+    progressive_layer_drop: ProgressiveLayerDropConfig = field(default_factory=ProgressiveLayerDropConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)  # collective timing
-    diagnostics: DiagnosticsConfig = field(
-        default_factory=DiagnosticsConfig
-    )  # flexrt's step watch: non-finite values, layer norms, blocked time
-    threads_per_rank: int | None = setting(
-        None,
-        ge=1,
-        # flexrt: torch intra-op threads per rank; null: yours (OMP_NUM_THREADS, torch.set_num_threads), else cores ÷
-        # ranks
-        # on the node
-    )
+    # flexrt's step watch: non-finite values, layer norms, blocked time
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    # flexrt: torch intra-op threads per rank; null: yours (OMP_NUM_THREADS, torch.set_num_threads), else cores ÷ ranks
+    # on the node
+    threads_per_rank: int | None = setting(None, ge=1)
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)  # FLOPs profile
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)  # TensorBoard sink
     csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig)  # CSV sink

@@ -11,7 +11,8 @@ import torch
 from .schema import short_repr, describe
 
 # %% ../../nbs/00_config_params.ipynb #c005
-RANGES = {  # parameter name -> bounds: ge (>=), gt (>), lt (<), le (<=); for a tuple, of each element
+# parameter name -> bounds: ge (>=), gt (>), lt (<), le (<=); for a tuple, of each element
+RANGES = {
     'lr': {'ge': 0},
     'eps': {'ge': 0},
     'weight_decay': {'ge': 0},

@@ -30,9 +30,8 @@ class FlopsProfilerConfig(Block):
 
     key = 'flops_profiler'
     enabled: bool = False  # run the profiler
-    recompute_fwd_factor: float = setting(
-        0.0, ge=0
-    )  # extra forward passes from activation recomputation (0 to 1 per pass)
+    # extra forward passes from activation recomputation (0 to 1 per pass)
+    recompute_fwd_factor: float = setting(0.0, ge=0)
     profile_step: int = setting(1, ge=1)  # the training step to profile
     module_depth: int = setting(-1, ge=-1)  # deepest module level to report; -1 all
     top_modules: int = setting(1, ge=1)  # modules listed per level in the summary
@@ -47,13 +46,11 @@ class DiagnosticsConfig(Block):
 
     key = 'diagnostics'
     stop_on_nonfinite: bool = False  # raise `NonFiniteError` on every rank at the first non-finite loss or gradient
-    layer_norms_every: int | None = setting(
-        None, ge=0
-    )  # per-layer gradient norms every this many optimizer steps; 0 never; null: 10 while watched
+    # per-layer gradient norms every this many optimizer steps; 0 never; null: 10 while watched
+    layer_norms_every: int | None = setting(None, ge=0)
     layer_norms_top: int = setting(16, ge=1)  # layers in each 'layer_norms' record, largest norm first
-    comm_wait: bool | None = (
-        None  # time each rank spends blocked in collectives, in its step records; null: while watched
-    )
+    # time each rank spends blocked in collectives, in its step records; null: while watched
+    comm_wait: bool | None = None
 
 # %% ../../nbs/00_config_services.ipynb #c010
 @block
@@ -134,9 +131,8 @@ class AutotuningConfig(Block):
     metric: Literal['throughput', 'latency', 'flops'] = 'throughput'  # what the search optimises
     metric_path: str | None = None  # where an experiment writes its metrics
     model_info_path: str | None = None  # where the profiling run writes model info
-    tuner_type: Literal['gridsearch', 'random', 'model_based', 'tpe', 'gp', 'grid'] = (
-        'gridsearch'  # search strategy (flexrt's autotuner: model_based = tpe, gridsearch = grid)
-    )
+    # search strategy (flexrt's autotuner: model_based = tpe, gridsearch = grid)
+    tuner_type: Literal['gridsearch', 'random', 'model_based', 'tpe', 'gp', 'grid'] = 'gridsearch'
     tuner_early_stopping: int = setting(5, ge=1)  # experiments past the best without improvement before stopping
     tuner_num_trials: int = setting(50, ge=1)  # most experiments per tuning space
     arg_mappings: dict[str, str] | None = None  # config key -> script argument that carries it
@@ -146,17 +142,14 @@ class AutotuningConfig(Block):
     min_train_micro_batch_size_per_gpu: int = setting(1, ge=1)  # lower bound on the micro-batch size
     num_tuning_micro_batch_sizes: int = setting(3, ge=1)  # micro-batch sizes tried per stage
     mp_size: int = setting(1, ge=1)  # model-parallel size
-    tolerance: float = setting(
-        0.03, gt=0, le=1
-    )  # flexrt: a trial times steps until its median step time's 95% interval is within this of it
+    # flexrt: a trial times steps until its median step time's 95% interval is within this of it
+    tolerance: float = setting(0.03, gt=0, le=1)
     max_profile_steps: int = setting(40, ge=1)  # flexrt: timed steps per trial at most
     max_profile_seconds: float = setting(4.0, gt=0)  # flexrt: seconds of timed steps per trial at most
-    playoff_size: int = setting(
-        3, ge=1
-    )  # flexrt: top candidates re-measured against the baseline, in interleaved rounds, to decide
-    playoff_rounds: int = setting(
-        15, ge=6
-    )  # flexrt: most playoff rounds (6 at least: the fewest whose interval covers 95%)
+    # flexrt: top candidates re-measured against the baseline, in interleaved rounds, to decide
+    playoff_size: int = setting(3, ge=1)
+    # flexrt: most playoff rounds (6 at least: the fewest whose interval covers 95%)
+    playoff_rounds: int = setting(15, ge=6)
     model_info: ModelInfoConfig = field(default_factory=ModelInfoConfig)  # model facts
 
     def validate(self):

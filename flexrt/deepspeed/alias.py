@@ -57,10 +57,8 @@ class ShimModule(types.ModuleType):
 
     def __init__(self, name: str, sources: tuple = (), names: dict | None = None, unavailable: dict | None = None):
         super().__init__(name)
-        self.__path__, self.__file__ = (
-            [],
-            f'<flexrt shim for {name}>',
-        )  # a package: submodules can be registered under it
+        # a package: submodules can be registered under it
+        self.__path__, self.__file__ = ([], f'<flexrt shim for {name}>')
         self.__spec__, self.__loader__ = shim_spec(name), LOADER  # importlib.util.find_spec(name) finds it
         self._sources, self._names, self._unavailable = tuple(sources), dict(names or {}), dict(unavailable or {})
 
@@ -145,7 +143,8 @@ _OWN_OPT = (
     "flexrt's engine wraps the optimizer in its own precision/ZeRO optimizer, not DeepSpeed's class (isinstance is "
     "False)"
 )
-TREE = {  # DeepSpeed path: (flexrt modules answering for it, extra names, {unavailable name: why})
+# DeepSpeed path: (flexrt modules answering for it, extra names, {unavailable name: why})
+TREE = {
     'deepspeed': (
         ('flexrt',),
         {
@@ -298,14 +297,16 @@ def _extend_tree(extra: dict):
         )
 
 
+# the paths DeepSpeed's unit tests (tools/ds_tests.py) import, see flexrt.deepspeed.surface no DeepSpeed build
+# DeepSpeed's record book (flexrt.comm has its own CommsLogger)
 _extend_tree(
-    {  # the paths DeepSpeed's unit tests (tools/ds_tests.py) import, see flexrt.deepspeed.surface
+    {
         'deepspeed': (
             (),
             {
                 'DeepSpeedConfigError': _Lazy(f'{_S}:DeepSpeedConfigError'),
                 '__git_hash__': None,
-                '__git_branch__': None,  # no DeepSpeed build
+                '__git_branch__': None,
                 '__version_major__': 0,
                 '__version_minor__': 19,
                 '__version_patch__': 8,
@@ -325,7 +326,7 @@ _extend_tree(
             (_S,),
             {'CommsLogger': _Lazy(f'{_S}:DeepSpeedCommsLogger')},
             {},
-        ),  # DeepSpeed's record book (flexrt.comm has its own CommsLogger)
+        ),
         'deepspeed.utils.timer': (
             (_S,),
             {},
@@ -392,9 +393,8 @@ def stop_using_as_deepspeed():
             del sys.modules[path]
 
 # %% ../../nbs/90_deepspeed_alias.ipynb #c017
-ENV_SWITCH = (
-    'FLEXRT_DEEPSPEED_ALIAS'  # "0" in a process's environment: the installed alias leaves `deepspeed` alone there
-)
+# "0" in a process's environment: the installed alias leaves `deepspeed` alone there
+ENV_SWITCH = 'FLEXRT_DEEPSPEED_ALIAS'
 
 
 class AliasHook(importlib.abc.MetaPathFinder):

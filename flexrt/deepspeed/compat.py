@@ -198,9 +198,10 @@ def _major_minor(version) -> str:
     return '.'.join(str(version).split('.')[:2]) if version else '0.0'
 
 
+# DeepSpeed's git_version_info
 torch_info = {
     'version': _major_minor(torch.__version__),
-    'cuda_version': _major_minor(torch.version.cuda),  # DeepSpeed's git_version_info
+    'cuda_version': _major_minor(torch.version.cuda),
     'hip_version': _major_minor(getattr(torch.version, 'hip', None)),
     'nccl_version': '.'.join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else '0.0',
     'bf16_support': torch.cuda.is_available() and torch.cuda.is_bf16_supported(),

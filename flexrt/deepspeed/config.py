@@ -73,9 +73,8 @@ class DeepSpeedZeroConfig(_Attrs):
     optional offload blocks"""
 
     def __init__(self, **kwargs):
-        kwargs = {
-            k: v for k, v in kwargs.items() if not (k in ('offload_param', 'offload_optimizer') and v is None)
-        }  # null: no offload
+        # null: no offload
+        kwargs = {k: v for k, v in kwargs.items() if not (k in ('offload_param', 'offload_optimizer') and v is None)}
         stage = FlexConfig.from_dict({'zero_optimization': {'stage': kwargs.get('stage', 0)}}).zero_optimization.stage
         # which stage an offload needs is checked when an engine loads the config, as in DeepSpeed; here every other
         # value is

@@ -19,8 +19,12 @@ class DeepSpeedMonitorConfig:
     "DeepSpeed's monitor config: the `tensorboard`, `wandb` and `csv_monitor` blocks, and `enabled` when any is"
 
     def __init__(
-        self, tensorboard=None, wandb=None, csv_monitor=None, comet=None
-    ):  # each a dict or flexrt's block; `comet` is not kept (warned at load)
+        self,
+        tensorboard=None,
+        wandb=None,
+        csv_monitor=None,
+        comet=None,  # each a dict or flexrt's block; `comet` is not kept (warned at load)
+    ):
         self.tensorboard, self.wandb = _block(TensorBoardConfig, tensorboard), _block(WandbConfig, wandb)
         self.csv_monitor = _block(CSVMonitorConfig, csv_monitor)
         self.enabled = self.tensorboard.enabled or self.wandb.enabled or self.csv_monitor.enabled

@@ -239,6 +239,5 @@ class ZeRORuntimeException(Exception):
     this name lets `except` clauses import)"""
 
 
-DeepSpeedConfigError = (
-    ValueError  # flexrt's config raises ValueError naming the key and the fix: `except DeepSpeedConfigError` catches it
-)
+# flexrt's config raises ValueError naming the key and the fix: `except DeepSpeedConfigError` catches it
+DeepSpeedConfigError = ValueError

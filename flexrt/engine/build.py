@@ -89,8 +89,7 @@ def initialize(
             optimizer_slot=optimizer_slot,
         )
     if cfg.activation_checkpointing != ActivationCheckpointingConfig() and not checkpointing.is_configured():
-        checkpointing.configure(
-            deepspeed_config=cfg
-        )  # the block sets flexrt.checkpointing up, unless you called configure()
+        # the block sets flexrt.checkpointing up, unless you called configure()
+        checkpointing.configure(deepspeed_config=cfg)
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     return engine, engine.basic_optimizer, loader, engine.lr_scheduler

@@ -197,9 +197,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.clock.start()
         cast = self.precision.cast_inputs
         with self.timers('forward'):
-            model = self._modules[
-                'module'
-            ]  # not `self.module`, which waits for every gather in flight: forward's hooks wait
+            # not `self.module`, which waits for every gather in flight: forward's hooks wait
+            model = self._modules['module']
             return model(*cast(inputs), **self.layer_drop.forward_kwargs(cast(kwargs)))
 
     def backward(
@@ -292,8 +291,9 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         return self.counter.is_boundary()
 
     def set_gradient_accumulation_boundary(
-        self, is_boundary: bool | None
-    ):  # True/False to force it, None to count again
+        self,
+        is_boundary: bool | None,  # True/False to force it, None to count again
+    ):
         "Override the accumulation boundary (pipeline schedules do)"
         self.counter.boundary_override = None if is_boundary is None else bool(is_boundary)
 

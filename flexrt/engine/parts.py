@@ -29,9 +29,8 @@ class StepCounter:
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self.boundary_override = None  # True/False set by the script; None: count
         self.window_start = 0  # the micro-step the accumulation windows are counted from (a load restarts them)
-        self.last_step_applied = (
-            False  # whether the last `step()` call updated the weights (DeepSpeed's was_step_applied)
-        )
+        # whether the last `step()` call updated the weights (DeepSpeed's was_step_applied)
+        self.last_step_applied = False
 
     def is_boundary(self) -> bool:
         "Whether the current micro-step ends an accumulation window"
@@ -106,9 +105,8 @@ class Timers:
         device: torch.device | None = None,  # CUDA devices are synchronised around each phase
     ):
         self.enabled, self.totals, self.window = enabled, {}, {}  # totals: until `read`; window: until `take_window`
-        self.intervals = collections.deque(
-            maxlen=TIMER_INTERVALS
-        )  # the latest phases as (name, start, end), perf_counter seconds
+        # the latest phases as (name, start, end), perf_counter seconds
+        self.intervals = collections.deque(maxlen=TIMER_INTERVALS)
         self._cuda = device is not None and torch.device(device).type == 'cuda'
         self._off = contextlib.nullcontext()
 
@@ -263,9 +261,8 @@ class StepReporter:
         if self.sinks:
             self.write_sinks(record)
         if monitor.listening():
-            monitor.emit(
-                'step', **record, memory=memory_record(rank=self.rank, max_age=0.1)
-            )  # resident bytes read at most 10 times a second
+            # resident bytes read at most 10 times a second
+            monitor.emit('step', **record, memory=memory_record(rank=self.rank, max_age=0.1))
         if printing:
             self.print_line(record)
 

@@ -219,9 +219,8 @@ class CommWait:
             dist.comms_logger.watch_blocked(False)
 
 # %% ../../nbs/65_engine_watch.ipynb #w28b0d70
-WATCHED_LAYER_NORMS_EVERY = (
-    10  # optimizer steps between layer-norm records while a dashboard watches (`layer_norms_every: null`)
-)
+# optimizer steps between layer-norm records while a dashboard watches (`layer_norms_every: null`)
+WATCHED_LAYER_NORMS_EVERY = 10
 
 
 class StepWatch:
@@ -259,6 +258,7 @@ class StepWatch:
         if self.rank != 0:
             return
         shown = top_layers(norms, self.layer_norms.top)
+        # NaN would read as absent
         monitor.emit(
             'layer_norms',
             step=step,
@@ -266,7 +266,7 @@ class StepWatch:
             norms=shown,
             num_layers=len(norms),
             nonfinite_layers=[l for l, v in shown.items() if not math.isfinite(v)],
-        )  # NaN would read as absent
+        )
 
     def after_norm(self, step: int, grad_norm: float, overflow: bool = False):
         self.nonfinite.check(step, grad_norm, overflow)

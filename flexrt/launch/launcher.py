@@ -59,12 +59,13 @@ def _failure(error: BaseException) -> dict:
     if not isinstance(error, dist.CommError):
         return {'comm': False}
     said = str(error)
+    # direct messages know their peers (flexrt.comm.p2p)
     return {
         'comm': True,
         'timed_out': isinstance(error, dist.CommTimeoutError),
         'op': said.split(' did not complete', 1)[0] if ' did not complete' in said else None,
         'peers': list(getattr(error, 'peers', ())),
-    }  # direct messages know their peers (flexrt.comm.p2p)
+    }
 
 # %% ../../nbs/35_launch_launcher.ipynb #c012
 class RankMain:
@@ -209,9 +210,10 @@ def _blame(
         return RankError(r['rank'], r['error'], r['traceback'])
     reported = {r['rank'] for r in reports}
     ended = {**{r: (code, bool(reports)) for r, code in _exit_codes(error).items()}, **exits}
+    # SIGTERM after a failure: the launcher's clean-up
     died = {
         r: code
-        for r, (code, late) in sorted(ended.items())  # SIGTERM after a failure: the launcher's clean-up
+        for r, (code, late) in sorted(ended.items())
         if r not in reported and code and not (late and code == -signal.SIGTERM)
     }
     if died:
@@ -419,9 +421,8 @@ def launch(
             f"num_nodes={kwargs['num_nodes']}: pass results=None"
         )
     monitor.serve()
-    print(
-        describe_launch(num_processes), flush=True
-    )  # from the cell itself: a background thread's print may never show
+    # from the cell itself: a background thread's print may never show
+    print(describe_launch(num_processes), flush=True)
     results_dir = None if results is None else tempfile.mkdtemp(prefix='flexrt-results-')  # removed when the run ends
     ranks = {'all': range(num_processes), 'rank0': [0], None: []}[results]
     run = Run(tempfile.mktemp(prefix='flexrt-stop-'), results_dir, ranks)

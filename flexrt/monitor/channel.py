@@ -49,10 +49,8 @@ class Hub:
         self.max_message_bytes, self.closed, self._lock = max_message_bytes, False, threading.Lock()
         self.num_received = self.num_connections = self.num_open = self.num_refused = 0
         self.num_malformed = self.num_oversized = 0
-        self._dropped, self._pending = (
-            {},
-            collections.OrderedDict(),
-        )  # sender -> records it dropped; peers to authenticate
+        # sender -> records it dropped; peers to authenticate
+        self._dropped, self._pending = ({}, collections.OrderedDict())
         self._server = socket.create_server(('127.0.0.1', 0), backlog=1024)
         self._server.setblocking(False)
         self.address = '%s:%d' % self._server.getsockname()

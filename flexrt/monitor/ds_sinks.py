@@ -13,12 +13,8 @@ __all__ = ['PREFIX', 'TIMER_NAMES', 'MONITOR_BLOCKS', 'step_events', 'job_dir', 
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c006
 PREFIX = 'Train/Samples/'
-TIMER_NAMES = {
-    'forward': 'forward',
-    'backward': 'backward',
-    'allreduce': 'backward_allreduce',
-    'step': 'step',
-}  # flexrt phase -> DeepSpeed timer
+# flexrt phase -> DeepSpeed timer
+TIMER_NAMES = {'forward': 'forward', 'backward': 'backward', 'allreduce': 'backward_allreduce', 'step': 'step'}
 
 
 def step_events(
@@ -142,8 +138,8 @@ class DeepSpeedMonitors:
         self,
         sinks: list = (),  # objects with `write_events(events)` and `close()`
         loss_scale: bool = False,  # write `Train/Samples/loss_scale` (fp16)
-        enabled: bool
-        | None = None,  # whether the config enables any block (DeepSpeed's `monitor.enabled`; default: sinks given)
+        # whether the config enables any block (DeepSpeed's `monitor.enabled`; default: sinks given)
+        enabled: bool | None = None,
     ):
         self.sinks, self.loss_scale = list(sinks), loss_scale
         self.enabled = bool(self.sinks) if enabled is None else enabled

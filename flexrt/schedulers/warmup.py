@@ -35,9 +35,8 @@ def _warmup_type(value) -> str:
 def _warmup_fraction(i: int, num_steps: int, kind: str) -> float:
     "How far warmup has come at batch `i` (< `num_steps`): 0 at the start"
     i = max(i, 0)
-    return (
-        (1.0 / math.log(num_steps)) * math.log(i + 1) if kind == 'log' else i / num_steps
-    )  # DeepSpeed's order: the same bits
+    # DeepSpeed's order: the same bits
+    return (1.0 / math.log(num_steps)) * math.log(i + 1) if kind == 'log' else i / num_steps
 
 # %% ../../nbs/42_schedulers_warmup.ipynb #c008
 class WarmupLR(BatchLRScheduler):

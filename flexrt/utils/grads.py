@@ -117,9 +117,8 @@ def _split_parameters(parameters, mp: MpuAdapter, use_grad=True, skip_pipe_repli
     "Buckets of (all tensors, dense tensors counted here), and {declared expert group name: buckets counted here}"
     every, dense, experts = {}, {}, {}
     for p in as_tensor_list(parameters):
-        target = (
-            experts.setdefault(getattr(p, 'group_name', None), {}) if _is_expert(p) else dense
-        )  # declared even without a grad
+        # declared even without a grad
+        target = experts.setdefault(getattr(p, 'group_name', None), {}) if _is_expert(p) else dense
         t = p.grad if use_grad else p.detach()
         if t is None or not t.numel():
             continue
@@ -246,9 +245,8 @@ def get_grad_zeros(parameters, mpu=None) -> int:  # number of gradient elements 
     zeros = sum(int(g.numel() - torch.count_nonzero(g)) for g in grads)
     if mp.mpu is None or not _spans_ranks(mp.group):
         return zeros
-    total = torch.tensor(
-        [zeros], dtype=torch.float64, device=_reduction_device(mp.group)
-    )  # every rank joins, grads or not
+    # every rank joins, grads or not
+    total = torch.tensor([zeros], dtype=torch.float64, device=_reduction_device(mp.group))
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mp.group)
     return int(total.item())
 

@@ -10,7 +10,8 @@ __all__ = ['RecordStore', 'rank0_steps', 'Plot', 'figure_html', 'thin', 'LiveVie
 # %% ../../nbs/80_widgets.ipynb #c003
 import importlib
 
-_MODULES = {  # module -> the names the face hands on from it
+# module -> the names the face hands on from it
+_MODULES = {
     'records': ('RecordStore', 'rank0_steps'),
     'plots': ('Plot', 'figure_html', 'thin'),
     'live': ('LiveView', 'History', 'FIRST_POLL'),

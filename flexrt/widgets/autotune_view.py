@@ -13,9 +13,9 @@ from ..autotuner.space import parse_bytes, format_bytes, check_bucket_sizes
 from ..autotuner.results import REPEATS  # phases that run searched candidates again: not search points
 
 # %% auto #0
-__all__ = ['METRICS', 'COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'search_rows', 'search_points',
-           'best_trial', 'table_html', 'search_plot', 'stage_color', 'interval_bars', 'fill_metric', 'memory_axis',
-           'mark_budget', 'pareto_front', 'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result',
+__all__ = ['METRICS', 'TABLE_COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'search_rows',
+           'search_points', 'best_trial', 'table_html', 'search_plot', 'stage_color', 'interval_bars', 'fill_metric',
+           'memory_axis', 'mark_budget', 'pareto_front', 'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result',
            'breakdown_html']
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c006
@@ -33,9 +33,8 @@ class SearchSettings:
     num_processes: int = 2  # ranks to launch
     max_trials: int | None = None  # stop after this many trials; None: no limit
     time_budget: float | None = None  # seconds; None: no limit
-    bucket_sizes: tuple | None = (
-        None  # bucket sizes (elements) the knob search tries; None: the autotuner's, scaled to the model
-    )
+    # bucket sizes (elements) the knob search tries; None: the autotuner's, scaled to the model
+    bucket_sizes: tuple | None = None
 
     def __post_init__(self):
         self.stages = tuple(sorted(set(int(s) for s in self.stages)))
@@ -82,7 +81,7 @@ def search_arguments(
     return config, kwargs
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c010
-COLUMNS = [
+TABLE_COLUMNS = [
     'trial',
     'phase',
     'stage',
@@ -115,7 +114,7 @@ COLUMNS = [
 def trials_frame(records: list) -> pd.DataFrame:  # trial records (dicts)
     "One row per record, the agreed columns first (those an older record lacks: empty)"
     frame = pd.DataFrame.from_records(records)
-    return frame.reindex(columns=COLUMNS + [c for c in frame.columns if c not in COLUMNS])
+    return frame.reindex(columns=TABLE_COLUMNS + [c for c in frame.columns if c not in TABLE_COLUMNS])
 
 
 def search_rows(trials: pd.DataFrame) -> pd.DataFrame:
@@ -494,10 +493,8 @@ def view_of_result(result) -> SearchView:  # an `AutotuneResult`
     )
     for record in trials.to_dict('records'):
         view({**record, 'kind': 'experiment', 'event': 'trial'})
-    margin, verdict = (
-        getattr(result, 'margin', None),
-        getattr(result, 'verdict', ''),
-    )  # results from before the playoff: none
+    # results from before the playoff: none
+    margin, verdict = (getattr(result, 'margin', None), getattr(result, 'verdict', ''))
     if getattr(result, 'best_config', None) or margin:
         view(
             {

@@ -33,9 +33,8 @@ def search_controls(
     "The search's controls, by name"
     parse_bytes(memory_budget)
     micro = int(config.get('train_micro_batch_size_per_gpu', 1))  # a bad budget fails here
-    buckets = (
-        knob_choices(num_params)['reduce_bucket_size'] if num_params else []
-    )  # the autotuner's, scaled to the model
+    # the autotuner's, scaled to the model
+    buckets = knob_choices(num_params)['reduce_bucket_size'] if num_params else []
     style = dict(style={'description_width': '110px'})
     return dict(
         stages=W.SelectMultiple(options=[0, 1, 2, 3], value=[0, 1, 2, 3], rows=4, description='ZeRO stages', **style),
@@ -183,7 +182,8 @@ class AutotuneWidget(SearchPanel):
             None,
             None,
         )
-        self.controls = search_controls(  # a bad budget fails here
+        # a bad budget fails here
+        self.controls = search_controls(
             self.config,
             num_parameters(model_fn) if model_fn else None,
             num_processes=num_processes,

@@ -64,9 +64,8 @@ class GradNormTrace(LiveView):
 
     def draw_text(self):
         "The latest step's numbers"
-        new, self._seen = self.records.since(
-            'step', self._seen
-        )  # only what arrived: the cost does not grow with the run
+        # only what arrived: the cost does not grow with the run
+        new, self._seen = self.records.since('step', self._seen)
         for row in new:
             if row.get('skipped') is True or row.get('skipped') == 1:
                 self._skipped[row.get('rank')] = self._skipped.get(row.get('rank'), 0) + 1

@@ -69,9 +69,8 @@ class LayerNormHeatmap(LiveView):
 
     def draw_text(self):
         "The latest record's largest and smallest layers"
-        last = self.records.last(
-            'layer_norms'
-        )  # that record alone, in plain Python: the text is redrawn twice a second
+        # that record alone, in plain Python: the text is redrawn twice a second
+        last = self.records.last('layer_norms')
         if last is None:
             return
         norms = {k[len(PREFIX) :]: v for k, v in last.items() if k.startswith(PREFIX) and v is not None and v == v}

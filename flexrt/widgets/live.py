@@ -35,11 +35,12 @@ class LiveView:
     "Base of the views: a RecordStore, a redraw thread, `refresh()`, `save()`, `close()`"
 
     kinds, png_name = (), 'plot.png'  # the record kinds the plot is drawn from; its file name in `save()`
+    # tests set fake ones per view
     clock, cpu_clock, idle_clock = (
         staticmethod(time.monotonic),
         staticmethod(time.thread_time),
         staticmethod(idle_seconds),
-    )  # tests set fake ones per view
+    )
     plot: W.HTML  # where `draw_plot` shows the live figure (a PNG); each view makes it in its `__init__`
 
     def __init__(

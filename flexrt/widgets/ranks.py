@@ -28,8 +28,8 @@ def _median(values) -> float:
 
 
 def rank_table(
-    steps: pd.DataFrame
-    | dict,  # step records: a DataFrame (a row per rank and step) or {rank: [record, ...]} (`RecordStore.recent`)
+    # step records: a DataFrame (a row per rank and step) or {rank: [record, ...]} (`RecordStore.recent`)
+    steps: pd.DataFrame | dict,
     window: int = 20,
 ) -> pd.DataFrame:  # latest steps each rank is judged by
     """Per rank, medians over its latest `window` steps: period, blocked and busy seconds, the share blocked, the op

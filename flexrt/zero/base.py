@@ -142,6 +142,7 @@ class OptimizerSlot:
         return {} if self.optimizer is None else self.optimizer.state
 
 
+# what every slot implements (in its class body or with @patch)
 REQUIRED = (
     'set_boundary',
     'reduced_gradients',
@@ -153,7 +154,7 @@ REQUIRED = (
     'fragments',
     'stepped_params',
     'sync_model',
-)  # what every slot implements (in its class body or with @patch)
+)
 
 
 def check_slot(slot) -> OptimizerSlot:

@@ -90,11 +90,8 @@ class DeferredGathers:
         for i, ps in enumerate(params_of):
             for p in ps:
                 owner.setdefault(id(p), set()).add(i)
-        self._needs, self._ran, self.root_buckets = (
-            {},
-            set(),
-            None,
-        )  # None: no forward recorded yet, the root waits for all
+        # None: no forward recorded yet, the root waits for all
+        self._needs, self._ran, self.root_buckets = ({}, set(), None)
         for m in module.modules():
             need = sorted({i for p in m.parameters(recurse=False) for i in owner.get(id(p), ())})
             if need:

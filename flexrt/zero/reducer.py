@@ -56,11 +56,8 @@ def plan_buckets(
 ) -> list:  # buckets, ordered by the position of their last parameter
     "Pack parameters into flat buckets of at most `bucket_bytes`, one open bucket per (device, dtype, group)"
     first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
-    open_buckets, closed, seen = (
-        {},
-        [],
-        set(),
-    )  # key -> (last position, params, bytes, group); closed: (last position, params, group)
+    # key -> (last position, params, bytes, group); closed: (last position, params, group)
+    open_buckets, closed, seen = ({}, [], set())
     for i, p in enumerate(params):
         group, size = group_of(p), p.numel() * p.element_size()
         key = (p.device, p.dtype, id(group))
@@ -115,9 +112,8 @@ def reduction_group(p, group=None, expert_groups=None):
 class BucketReducer:
     "Reduce gradients bucket by bucket as backward produces them; subclasses define `_launch` and `_finish`"
 
-    grads_in_buckets = (
-        True  # the buckets keep their buffers and each p.grad lives in its slot (stage 2 copies at launch instead)
-    )
+    # the buckets keep their buffers and each p.grad lives in its slot (stage 2 copies at launch instead)
+    grads_in_buckets = True
 
     def __init__(self, buckets: list):  # from `plan_buckets`; every rank of a group must build the same list
         self.buckets, self._boundary = buckets, True

@@ -74,9 +74,8 @@ class ShardReducer(BucketReducer):
         if getattr(bucket, 'received', None) is None:
             return
         bucket.work.wait()
-        bucket.work = (
-            _FINISHED  # the handle may hold the buffers it sent and received: drop it now, not at the round's end
-        )
+        # the handle may hold the buffers it sent and received: drop it now, not at the round's end
+        bucket.work = _FINISHED
         received, bucket.received = bucket.received, None
         rest, shard = self.divisor / self.predivide, bucket.grad_shard
         if self.accumulate and not bucket.grad_stale:

@@ -75,6 +75,7 @@ def _stage12(a: SlotArgs) -> ZeroStage1:
     _check_zero12(a.config)
     _refuse_partitioned(a)
     cls = ZeroStage1 if a.config.stage == 1 else ZeroStage2
+    # forward follows: it waits bucket by bucket
     return cls(
         a.module,
         a.optimizer,
@@ -88,16 +89,15 @@ def _stage12(a: SlotArgs) -> ZeroStage1:
         overlap_comm=bool(a.config.overlap_comm),
         reduce_scatter=a.config.reduce_scatter,
         defer_gather=True,
-    )  # forward follows: it waits bucket by bucket
+    )
 
 
 def _stage3(a: SlotArgs) -> OptimizerSlot:
     slot = Stage3Optimizer(
         a.module, a.optimizer, a.precision, a.config, group=a.group, expert_groups=a.expert_groups, mpu=a.mpu
     )
-    slot.partitioner.grads.divisor = (
-        slot.world_size if a.gradient_average else 1
-    )  # the gradient reduce-scatters' divisor
+    # the gradient reduce-scatters' divisor
+    slot.partitioner.grads.divisor = slot.world_size if a.gradient_average else 1
     return slot
 
 # %% ../../nbs/53_zero_slots.ipynb #c005c

@@ -34,9 +34,8 @@ class ReplicatedOptimizer(OptimizerSlot):
     ):
         self.module, self.optimizer, self.precision, self.group, self.mpu = module, optimizer, precision, group, mpu
         self.expert_groups = expert_groups
-        self.weights = precision.setup(
-            module, optimizer
-        )  # fp32 masters (with the expert marks) when needed; model cast
+        # fp32 masters (with the expert marks) when needed; model cast
+        self.weights = precision.setup(module, optimizer)
         self.reducer = GradientReducer(
             module.parameters(),
             bucket_bytes,

@@ -263,12 +263,13 @@ class ZeroStage1(OptimizerSlot):
         "Bytes this rank holds for parameters, gradients and optimizer state (each storage counted once)"
         seen, model = set(), list(self.module.parameters())
         params = storage_bytes([bk.param_buffer for bk in self.buckets] + model, seen)
+        # stage 2 keeps bucket buffers
         grads = storage_bytes(
             [t for bk in self.buckets for t in (bk.buffer, bk.grad_shard, bk.master.grad)]
             + [p.grad for p in model]
             + list(getattr(self.reducer, 'spare_buffers', ())),
             seen,
-        )  # stage 2 keeps bucket buffers
+        )
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         state = storage_bytes([bk.master for bk in self.buckets] + state, seen)
         return {'params': params, 'grads': grads, 'optimizer_state': state, 'total': params + grads + state}

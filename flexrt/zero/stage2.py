@@ -35,11 +35,8 @@ class Stage2Reducer(ShardReducer):
         for bk in buckets:
             bk.buffer = bk.views = bk.whole = None
         self.overlap_comm, self.max_in_flight, self._in_flight = bool(overlap_comm), max(1, max_in_flight), deque()
-        self._spare, self._head, self._tail = (
-            {},
-            {},
-            {},
-        )  # per (dtype, device): the buffers not in use; the largest bucket, and chunk
+        # per (dtype, device): the buffers not in use; the largest bucket, and chunk
+        self._spare, self._head, self._tail = ({}, {}, {})
         for bk in buckets:
             key = bk.dtype, bk.device
             self._head[key] = max(self._head.get(key, 0), bk.partition.padded_numel)

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'FOREACH_TEMPORARIES', 'Line',
-           'ModelProfile', 'Setting', 'setting', 'pad', 'plan_buckets', 'Tally', 'levels', 'stage0', 'stage12',
-           'stage3', 'replay', 'profile_model', 'MemoryEstimate', 'estimate_memory', 'calibrate',
+           'ModelProfile', 'Setting', 'setting', 'pad', 'bucket_plan', 'Tally', 'levels', 'stage0', 'stage12', 'stage3',
+           'replay', 'profile_model', 'MemoryEstimate', 'estimate_memory', 'calibrate',
            'estimate_zero2_model_states_mem_needs', 'estimate_zero2_model_states_mem_needs_all_cold',
            'estimate_zero2_model_states_mem_needs_all_live', 'estimate_zero3_model_states_mem_needs',
            'estimate_zero3_model_states_mem_needs_all_cold', 'estimate_zero3_model_states_mem_needs_all_live']
@@ -22,7 +22,7 @@ from flexrt.autotuner.memory.stages import (
     Setting,
     setting,
     pad,
-    plan_buckets,
+    bucket_plan,
     Tally,
     levels,
     stage0,
@@ -53,7 +53,7 @@ _all_ = [
     'Setting',
     'setting',
     'pad',
-    'plan_buckets',
+    'bucket_plan',
     'Tally',
     'levels',
     'stage0',

@@ -182,9 +182,8 @@ def _profile_for(model_fn_or_profile, config: dict, cfg: FlexConfig, m: int, tra
         return model_fn_or_profile
     if not callable(model_fn_or_profile):
         raise TypeError(f"expected a model function or a ModelProfile, got {type(model_fn_or_profile).__name__}")
-    return _profile(
-        model_fn_or_profile, dict(config), cfg, train_step, (max(1, m // 2), m) if m > 1 else (1, 2)
-    )  # the size asked for, and half
+    # the size asked for, and half
+    return _profile(model_fn_or_profile, dict(config), cfg, train_step, (max(1, m // 2), m) if m > 1 else (1, 2))
 
 # %% ../../../nbs/71_autotuner_memory_model.ipynb #c021
 def estimate_memory(

@@ -59,9 +59,8 @@ def _solo_unit():
 
 def _stage0_config(config: dict, micro: int) -> dict:
     "`config` at stage 0, one micro-batch of `micro` per step, quiet"
-    out = {
-        k: v for k, v in without_monitors(config).items() if k not in ('train_batch_size', 'autotuning')
-    }  # no run logs
+    # no run logs
+    out = {k: v for k, v in without_monitors(config).items() if k not in ('train_batch_size', 'autotuning')}
     return {
         **out,
         'train_micro_batch_size_per_gpu': micro,

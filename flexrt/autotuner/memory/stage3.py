@@ -32,9 +32,10 @@ def _resident_bytes(shards: list, world_size: int, itemsize: int) -> int:
     contiguous, and the buffer while one parameter is still a view of it"""
     if len(shards) < 2 or world_size == 1:
         return _gather_bytes(shards, world_size, itemsize)  # views of the buffer
+    # a 1-element shard views the buffer
     return _copies(shards, world_size, itemsize) + (
         _gather_bytes(shards, world_size, itemsize) if min(shards) == 1 else 0
-    )  # a 1-element shard views the buffer
+    )
 
 
 def _copies(shards: list, world_size: int, itemsize: int) -> int:
@@ -79,13 +80,11 @@ def _backward3(
             for i in pr.units[u]:
                 chunk_of.setdefault(i, c)
     state = ['whole' if chunks[c][0] in kept else 'none' for c in range(len(chunks))]
-    own = [
-        list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks
-    ]  # what each gathers
+    # what each gathers
+    own = [list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks]
     left, ahead = [len(o) for o in own], None  # ahead: the farthest chunk started (`ParameterPartitioner._prefetch`)
-    copying = [
-        W > 1 and len(o) > 1 for o in own
-    ]  # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
+    # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
+    copying = [W > 1 and len(o) > 1 for o in own]
     views = [sum(not copying[c] or shard[i] == 1 for i in o) for c, o in enumerate(own)]  # what keeps the buffer alive
     buckets = _buckets3(pr, s, events)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
@@ -112,9 +111,8 @@ def _backward3(
             t.add(W * L * w).see(after + n[i] * w)
         pending[b] -= 1
         if pending[b] == 0 and W > 1:
-            t.add(L * w + ((W - 1) * L * w if s.p2p and W > 2 else 0)).see(
-                after + n[i] * w
-            )  # output (+ p2p receives: 2 ranks receive into it)
+            # output (+ p2p receives: 2 ranks receive into it)
+            t.add(L * w + ((W - 1) * L * w if s.p2p and W > 2 else 0)).see(after + n[i] * w)
         if (
             not persistent[i] and state[c] == 'whole'
         ):  # released: its own copy goes; the buffer with the last view of it
@@ -152,14 +150,11 @@ def stage3(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdo
     kept = plan_keep(numel, s.reuse, s.live)  # the partitioner's own plans, on the units in registration order
     bounds = plan_chunks(numel, kept, s.prefetch)
     chunks, ends = [list(range(*c)) for c in bounds], chunk_ends(numel, bounds)
-    gathered = [
-        _chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks
-    ]  # (G, R, D)
+    # (G, R, D)
+    gathered = [_chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]
     t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept))
-    flying = [
-        0,
-        *accumulate(0 if us[0] in kept else g[0] for us, g in zip(chunks, gathered)),
-    ]  # buffers of chunks gathering ahead (kept ones: counted)
+    # buffers of chunks gathering ahead (kept ones: counted)
+    flying = [0, *accumulate(0 if us[0] in kept else g[0] for us, g in zip(chunks, gathered))]
     peak, j = 0, 0
     for c, (us, g) in enumerate(zip(chunks, gathered)):
         before = flying[max(j, c) + 1] - flying[c + 1]  # started ahead by the chunks before it

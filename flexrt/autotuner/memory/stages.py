@@ -11,7 +11,7 @@ from ...config.flex_config import FlexConfig, load_config
 
 # %% auto #0
 __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'FOREACH_TEMPORARIES', 'Line',
-           'ModelProfile', 'Setting', 'setting', 'pad', 'plan_buckets', 'Tally', 'levels', 'step_temporaries',
+           'ModelProfile', 'Setting', 'setting', 'pad', 'bucket_plan', 'Tally', 'levels', 'step_temporaries',
            'optimizer_state_bytes', 'stage0', 'stage12']
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c005
@@ -32,6 +32,7 @@ class Line:
         return cls(slope, y1 - slope * m1)
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c007
+# state tensors the size of a parameter (SGD: 1 with momentum; RMSprop: more options)
 STATE_TENSORS = {
     'Adam': 2,
     'AdamW': 2,
@@ -43,7 +44,8 @@ STATE_TENSORS = {
     'Adagrad': 1,
     'RMSprop': 1,
     'SGD': 0,
-}  # state tensors the size of a parameter (SGD: 1 with momentum; RMSprop: more options)
+}
+# parameter-sized temporaries of torch's per-tensor step (measured on CPU)
 STEP_TEMPORARIES = {
     'Adam': 2,
     'AdamW': 2,
@@ -55,9 +57,11 @@ STEP_TEMPORARIES = {
     'Adagrad': 1,
     'RMSprop': 1,
     'SGD': 0,
-}  # parameter-sized temporaries of torch's per-tensor step (measured on CPU)
+}
 STATE_SCALAR_BYTES = {'Lamb': 0, 'SGD': 0, 'NAdam': 8}  # others: torch's 4-byte step counter per tensor
 FOREACH_STEP = {'Lamb'}  # steps all its tensors at once: temporaries for all of them (torch's own do so on CUDA)
+# parameter-sized temporaries of torch's foreach step, CUDA's default (measured on an H200, torch 2.11), for all tensors
+# stepped together
 FOREACH_TEMPORARIES = {
     'Adam': 1,
     'AdamW': 1,
@@ -68,9 +72,6 @@ FOREACH_TEMPORARIES = {
     'Adagrad': 2,
     'Adadelta': 2,
     'SGD': 0,
-    # parameter-sized temporaries of torch's foreach step, CUDA's default (measured on an H200, torch 2.11), for all
-    # tensors
-    # stepped together
 }
 
 
@@ -145,7 +146,7 @@ def pad(numel: int, world_size: int) -> int:
     return -(-numel // world_size) * world_size
 
 
-def plan_buckets(
+def bucket_plan(
     numels: list,  # elements per parameter
     order: list,  # parameter indices in the order their gradients arrive
     bucket_bytes: int,  # most bytes per bucket
@@ -228,6 +229,7 @@ def stage0(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdo
     step = Tally(static).add(bwd.extra + (Pt * 4 if s.masters else 0))
     stepped = sum(n[i] for i in T) if pr.optimizer in FOREACH_STEP or s.cuda else max((n[i] for i in T), default=0)
     step.see(hold, step_temporaries(pr, s) * stepped * sd)
+    # casting
     init = Tally(0.0).see(
         0.0,
         max(
@@ -235,7 +237,7 @@ def stage0(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdo
             P * w + bd['fp32_masters'] + bd['gradients'],
             P * 4 + bd['fp32_masters'] + max(n, default=0) * w if s.masters else 0,
         ),
-    )  # casting
+    )
     return bd, dict(init=init, backward=bwd, step=step)
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c023
@@ -246,9 +248,8 @@ def _launch(t: Tally, s: Setting, members: list, padded: int, received: int, n: 
         t.add(received)
         return
     while len(flight) >= 2:
-        t.add(
-            -flight.popleft()
-        )  # `Stage2Reducer._start`: the oldest reduction finishes, its output goes (its buffer is a spare)
+        # `Stage2Reducer._start`: the oldest reduction finishes, its output goes (its buffer is a spare)
+        t.add(-flight.popleft())
     t.add(received).see(level)  # the bucket buffers are held throughout (`stage12` counts them with the gradients)
     t.add(-sum(n[i] for i in members) * s.itemsize)
     if s.overlap:
@@ -289,25 +290,22 @@ def stage12(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakd
     fwd, events, tail, hold = lv
     n, W, w, sd = pr.numels, s.world_size, s.itemsize, 4 if s.masters else s.itemsize
     T = [i for i in range(len(n)) if pr.trainable[i]]
-    buckets = plan_buckets(n, list(reversed(T)), s.reduce_bucket_size * w, w)
+    buckets = bucket_plan(n, list(reversed(T)), s.reduce_bucket_size * w, w)
     padded = [pad(sum(n[i] for i in b), W) for b in buckets]
     shards = [p // W for p in padded]
     frozen = sum(n) - sum(n[i] for i in T) + pr.buffer_numel
-    spares = (min(2, len(buckets)) if s.overlap else 1) * (
-        max(padded, default=0) + max(shards, default=0)
-    )  # stage 2's bucket buffers (and outputs), kept between backwards
+    # stage 2's bucket buffers (and outputs), kept between backwards
+    spares = (min(2, len(buckets)) if s.overlap else 1) * (max(padded, default=0) + max(shards, default=0))
     bd = dict(
         parameters=(sum(padded) + frozen) * w,
         gradients=(sum(padded) if s.stage == 1 else sum(shards) + spares) * w,
         fp32_masters=sum(shards) * 4 if s.masters else 0,
         optimizer_state=optimizer_state_bytes(pr, shards, sd),
     )
-    extra = (
-        W - 1 if s.p2p and W > 2 else 0
-    )  # p2p receives besides the output (2 ranks: the one peer's chunk lands in the output)
-    received = [
-        ((sh if s.stage == 1 or W == 1 else 0) + extra * sh) * w for sh in shards
-    ]  # what a launch allocates: stage 1's output chunk (stage 2's is in its buffer)
+    # p2p receives besides the output (2 ranks: the one peer's chunk lands in the output)
+    extra = W - 1 if s.p2p and W > 2 else 0
+    # what a launch allocates: stage 1's output chunk (stage 2's is in its buffer)
+    received = [((sh if s.stage == 1 or W == 1 else 0) + extra * sh) * w for sh in shards]
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     held = s.stage == 2 and s.accumulation > 1  # the last micro-step starts with the accumulated gradients in p.grad
     arrived, nxt, flight = [0] * len(buckets), 0, deque()

@@ -6,8 +6,9 @@
 __all__ = ['ParamRecord', 'set_ds_attributes', 'drop_ds_attributes', 'gather_records', 'release_records', 'COALESCE_NUMEL',
            'plan_keep', 'plan_chunks', 'split_buckets', 'chunk_ends', 'plan_ahead', 'TrackedParameters',
            'track_parameters', 'untrack_parameters', 'saved_as_views', 'enter_saved_views', 'exit_saved_views',
-           'Bucket', 'plan_buckets', 'GradBuckets', 'Unit', 'ParameterPartitioner', 'register_external_parameter',
-           'GatheredParameters', 'Init', 'module_classes', 'outside_init', 'Stage3Optimizer']
+           'GradBucket', 'plan_grad_buckets', 'GradBuckets', 'Unit', 'ParameterPartitioner',
+           'register_external_parameter', 'GatheredParameters', 'Init', 'module_classes', 'outside_init',
+           'Stage3Optimizer']
 
 # %% ../../../nbs/52_zero_stage3.ipynb #c003
 from flexrt.zero.stage3.records import (
@@ -20,7 +21,7 @@ from flexrt.zero.stage3.records import (
 from .plan import COALESCE_NUMEL, plan_keep, plan_chunks, split_buckets, chunk_ends, plan_ahead
 from .access import TrackedParameters, track_parameters, untrack_parameters
 from .saved import saved_as_views, enter_saved_views, exit_saved_views
-from .grads import Bucket, plan_buckets, GradBuckets
+from .grads import GradBucket, plan_grad_buckets, GradBuckets
 from .params import Unit, ParameterPartitioner
 from .gathered import register_external_parameter, GatheredParameters
 from .partitioned_init import Init, module_classes, outside_init
@@ -44,8 +45,8 @@ _all_ = [
     'saved_as_views',
     'enter_saved_views',
     'exit_saved_views',
-    'Bucket',
-    'plan_buckets',
+    'GradBucket',
+    'plan_grad_buckets',
     'GradBuckets',
     'Unit',
     'ParameterPartitioner',

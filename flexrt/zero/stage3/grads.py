@@ -10,19 +10,16 @@ from .plan import COALESCE_NUMEL, split_buckets
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Bucket', 'plan_buckets', 'GradBuckets']
+__all__ = ['GradBucket', 'plan_grad_buckets', 'GradBuckets']
 
 # %% ../../../nbs/52_zero_stage3_grads.ipynb #c005
-class Bucket:
+class GradBucket:
     "Trainable records of one process group whose gradients are reduce-scattered together"
 
     def __init__(self, records: list):
         self.records, self.slot = records, {id(r): i for i, r in enumerate(records)}
-        self.reduce, self.launched, self.num_ready = (
-            None,
-            False,
-            0,
-        )  # this backward's `GradientReduceScatter`; gradients in so far
+        # this backward's `GradientReduceScatter`; gradients in so far
+        self.reduce, self.launched, self.num_ready = (None, False, 0)
         # reduce-scatters of gradients that arrived after the bucket was launched (see `GradBuckets.add`)
         self.late = []
 
@@ -31,10 +28,10 @@ class Bucket:
         return sum(r.numel for r in self.records)
 
     def __repr__(self):
-        return f"Bucket({[r.name for r in self.records]})"
+        return f"GradBucket({[r.name for r in self.records]})"
 
 # %% ../../../nbs/52_zero_stage3_grads.ipynb #c006
-def plan_buckets(
+def plan_grad_buckets(
     records: list,  # trainable ParamRecords, in the order their gradients are expected
     bucket_numel: int,
 ) -> list:  # a bucket is closed once it holds at least this many elements
@@ -44,7 +41,7 @@ def plan_buckets(
     for r in dict.fromkeys(records):
         groups.setdefault(id(r.group), []).append(r)  # each record once
     return [
-        Bucket([same[i] for i in b])
+        GradBucket([same[i] for i in b])
         for same in groups.values()
         for b in split_buckets([r.numel for r in same], bucket_numel)
     ]
@@ -62,23 +59,22 @@ class GradBuckets:
         gradient_average: bool = True,  # False: the shards get the sum over the ranks
     ):
         self.bucket_numel, self.world_size, self.owner = min(bucket_numel, COALESCE_NUMEL), world_size, owner
-        self.divisor = (
-            world_size if gradient_average else 1
-        )  # every reduced gradient is divided by this (the optimizer may set it)
+        # every reduced gradient is divided by this (the optimizer may set it)
+        self.divisor = world_size if gradient_average else 1
         # `plan` fills these, now and again when a backward shows the real gradient order: the buckets, the records in
         # that order, and each record's bucket (by id)
         self.buckets, self.order, self.bucket_of = [], [], {}
         self.plan(records)
 
     def plan(self, records: list):
-        "Bucket `records` (their expected gradient order); between backwards only"
-        self.buckets, self.order = plan_buckets(records, self.bucket_numel), list(records)
+        "GradBucket `records` (their expected gradient order); between backwards only"
+        self.buckets, self.order = plan_grad_buckets(records, self.bucket_numel), list(records)
         self.bucket_of = {id(r): b for b in self.buckets for r in b.records}
 
-    def bucket(self, r: ParamRecord) -> Bucket | None:
+    def bucket(self, r: ParamRecord) -> GradBucket | None:
         return self.bucket_of.get(id(r))  # None: not trainable here
 
-    def _new_reduce(self, b: Bucket, like: torch.Tensor) -> GradientReduceScatter:
+    def _new_reduce(self, b: GradBucket, like: torch.Tensor) -> GradientReduceScatter:
         return GradientReduceScatter(b.records, like.dtype, like.device, self.divisor)
 
     def add(
@@ -100,7 +96,7 @@ class GradBuckets:
             b.reduce.launch(self.owner)
             b.launched = True
 
-    def _add_late(self, b: Bucket, r: ParamRecord, grad: torch.Tensor):
+    def _add_late(self, b: GradBucket, r: ParamRecord, grad: torch.Tensor):
         """`r`'s gradient arrived after its bucket was launched (a parameter shared across a reentrant checkpoint):
         reduce-scatter it on its own, zeros for the rest"""
         late = self._new_reduce(b, grad)

@@ -98,9 +98,8 @@ class Stage3Optimizer(OptimizerSlot):
             params = [p for p in dict.fromkeys(original) if p.requires_grad]  # frozen ones are never stepped
             experts = [p for p in params if getattr(p, 'allreduce', True) is False]
             dense = [p for p in params if getattr(p, 'allreduce', True) is not False]
-            params = (
-                [p for p in dense if not recs[p].persistent] + [p for p in dense if recs[p].persistent] + experts
-            )  # experts last
+            # experts last
+            params = [p for p in dense if not recs[p].persistent] + [p for p in dense if recs[p].persistent] + experts
             # the gathered (non-persistent) shards lie end to end in model order: a chunk of consecutive ones is sent as
             # one view
             sizes = [recs[p].shard_numel for p in params]
@@ -111,11 +110,8 @@ class Stage3Optimizer(OptimizerSlot):
             working = master if dtype == torch.float32 else master.to(dtype)
             grad = torch.zeros_like(master)
             for p, w, gr, m in zip(params, working.split(sizes), grad.split(sizes), master.split(sizes)):
-                shards[p], master_of[p], working_of[p] = (
-                    w,
-                    m,
-                    w.view(-1),
-                )  # the last: where the shard belongs
+                # the last: where the shard belongs
+                shards[p], master_of[p], working_of[p] = (w, m, w.view(-1))
                 grads[p] = gr
             flat = torch.nn.Parameter(master, requires_grad=True)
             flat.grad = grad
@@ -222,9 +218,10 @@ class Stage3Optimizer(OptimizerSlot):
         in_groups = {id(p) for g in self.groups for p in g['params']}
         params = sum(_nbytes(g['working']) for g in self.groups)
         params += sum(_nbytes(r.shard) for r in recs if id(r.param) not in in_groups)  # frozen, not optimized
+        # a gather buffer's padding included
         persistent = sum(
             r.param.data.untyped_storage().nbytes()
-            for r in recs  # a gather buffer's padding included
+            for r in recs
             if r.persistent and r.param.data.untyped_storage().data_ptr() != r.shard.untyped_storage().data_ptr()
         )
         grads = sum(_nbytes(g['grad']) for g in self.groups)

@@ -87,9 +87,8 @@ class ParameterPartitioner:
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.records, kept = {}, 0
         for name, p in module.named_parameters():
-            r = self.records[p] = _record(
-                p, name, reduction_group(p, group, expert_groups)
-            )  # an expert's own group, else `group`
+            # an expert's own group, else `group`
+            r = self.records[p] = _record(p, name, reduction_group(p, group, expert_groups))
             r.persistent = (
                 r.numel == 0 or r.numel < persistence_threshold and kept + r.numel <= model_persistence_threshold
             )
@@ -102,39 +101,26 @@ class ParameterPartitioner:
             self._gradient_order(self.units), self.reduce_bucket_numel, self.world_size, owner=self
         )
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
-        self._bounds, self._chunk_of, self._ends, self._ahead = (
-            [],
-            [],
-            [0],
-            -1,
-        )  # chunks; each position's; `chunk_ends`; the farthest started
-        self._order, self.num_retraces, self._arrived = (
-            {},
-            0,
-            {},
-            # this forward's units that gather something, in order; times the trace changed; this backward's gradients,
-            # in
-            # order
-        )
-        self._in_backward, self.partitioned, self.comm_bytes, self._saving = (
-            False,
-            False,
-            0,
-            [],
-        )  # comm_bytes: gathered + reduce-scattered
-        self.on_modified = (
-            None  # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
-        )
+        # chunks; each position's; `chunk_ends`; the farthest started
+        self._bounds, self._chunk_of, self._ends, self._ahead = ([], [], [0], -1)
+        # this forward's units that gather something, in order; times the trace changed; this backward's gradients, in
+        # order
+        self._order, self.num_retraces, self._arrived = ({}, 0, {})
+        # comm_bytes: gathered + reduce-scattered
+        self._in_backward, self.partitioned, self.comm_bytes, self._saving = (False, False, 0, [])
+        # on_modified(record): called after a `GatheredParameters(..., modifier_rank=r)` block changed it
+        self.on_modified = None
 
     def _build_units(self) -> tuple:  # (the units with parameters to gather, every unit), in module order
         "A unit per module, holding the parameters it owns directly (and those `register_external_parameter` gave it)"
         units, all_units = [], []
         for m in dict.fromkeys(self.module.modules()):
+            # empty: nothing to do
             own = [
                 self.records[p]
                 for p in dict.fromkeys(m._parameters.values())
                 if p is not None and self.records[p].numel
-            ]  # empty: nothing to do
+            ]
             own += [self.records[p] for p in getattr(m, '_zero3_external', []) if self.records[p] not in own]
             unit = Unit(len(all_units), m, own)
             all_units.append(unit)
@@ -189,9 +175,8 @@ class ParameterPartitioner:
             p._zero3 = (self, r)
             set_ds_attributes(r)
         release_records(list(self.records.values()))
-        gather_records(
-            [r for r in self.records.values() if r.persistent and not r.full], owner=self
-        )  # zero.Init's small ones
+        # zero.Init's small ones
+        gather_records([r for r in self.records.values() if r.persistent and not r.full], owner=self)
         self._install_hooks()
         self.partitioned = True
 
@@ -283,11 +268,8 @@ class ParameterPartitioner:
         if self._in_backward:
             return
         self._retrace()
-        self._in_backward, self._traced, self._ahead = (
-            True,
-            True,
-            len(self._bounds),
-        )  # nothing gathered ahead in this direction yet
+        # nothing gathered ahead in this direction yet
+        self._in_backward, self._traced, self._ahead = (True, True, len(self._bounds))
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _plan_keep(self):
@@ -344,8 +326,9 @@ class ParameterPartitioner:
 
     @torch.no_grad()
     def refresh_persistent(
-        self, released_only: bool = False
-    ):  # True: only those released (`quiesce`), none that are whole
+        self,
+        released_only: bool = False,  # True: only those released (`quiesce`), none that are whole
+    ):
         "After the shards changed (an optimizer step): all-gather the persistent parameters again"
         persistent = [r for r in self.records.values() if r.persistent and r.numel and not (released_only and r.full)]
         for r in persistent:

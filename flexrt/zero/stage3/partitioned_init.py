@@ -17,7 +17,8 @@ from fastcore.basics import patch
 __all__ = ['zero_wrapper_for_fp_tensor_constructor', 'Init', 'module_classes', 'outside_init']
 
 # %% ../../../nbs/52_zero_stage3_partitioned_init.ipynb #c006
-_NO_EFFECT = {  # DeepSpeed's Init argument: (its default, why it changes nothing here)
+# DeepSpeed's Init argument: (its default, why it changes nothing here)
+_NO_EFFECT = {
     'mem_efficient_linear': (True, "flexrt runs torch's own linear"),
     'remote_device': (None, "flexrt has no parameter offload: shards stay on this rank's device"),
     'pin_memory': (False, 'flexrt has no parameter offload'),
@@ -132,8 +133,8 @@ class Init:
         config_dict_or_path=None,  # a DeepSpeed/flexrt config (dict or JSON path); a stage other than 3: no effect
         config=None,  # DeepSpeed's older name for `config_dict_or_path`
         enabled: bool = True,  # False: the block builds the model as usual
-        dtype: torch.dtype
-        | None = None,  # floating-point shards in this dtype (None: the config's; without one, as built)
+        # floating-point shards in this dtype (None: the config's; without one, as built)
+        dtype: torch.dtype | None = None,
         mpu=None,  # Megatron-style model-parallel unit: its data-parallel group is used
         zero_param_parallel_group=None,
         zero_quantized_weights: bool = False,

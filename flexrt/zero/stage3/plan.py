@@ -10,11 +10,8 @@ from itertools import accumulate
 __all__ = ['COALESCE_NUMEL', 'plan_keep', 'plan_chunks', 'split_buckets', 'chunk_ends', 'plan_ahead']
 
 # %% ../../../nbs/52_zero_stage3_plan.ipynb #c005
-COALESCE_NUMEL = (
-    2**20
-    # elements (4 MiB of fp32): stage 3 gathers and reduce-scatters at least this many together (when not limited
-    # otherwise)
-)
+# elements (4 MiB of fp32): stage 3 gathers and reduce-scatters at least this many together (when not limited otherwise)
+COALESCE_NUMEL = 2**20
 
 
 def plan_keep(
@@ -24,11 +21,8 @@ def plan_keep(
 ) -> set:  # ... and the kept units hold at most this many elements in all
     """The trace positions kept gathered from forward to backward: from the end, while the reuse distance and live size
     allow"""
-    keep, between, live = (
-        set(),
-        0,
-        0,
-    )  # elements gathered between a unit's forward and its backward: twice those after it
+    # elements gathered between a unit's forward and its backward: twice those after it
+    keep, between, live = (set(), 0, 0)
     for i in reversed(range(len(numels))):
         if 2 * between >= max_reuse_distance or live + numels[i] > max_live_numel:
             break

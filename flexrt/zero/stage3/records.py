@@ -40,9 +40,8 @@ class ParamRecord:
         # parameter once `set_ds_attributes` has given it DeepSpeed's attributes (a new record's parameter has none)
         self._persistent = persistent
         self._shard, self.grad_shard = None, None  # flat, shard_numel each; the optimizer may give views of its buffers
-        self.grad_stale = (
-            False  # grad_shard holds an old step's value: the next reduction overwrites it instead of adding
-        )
+        # grad_shard holds an old step's value: the next reduction overwrites it instead of adding
+        self.grad_stale = False
         self._full, self._pending, self.active = True, None, 0  # full data present; gather in flight; forwards using it
 
     @property
@@ -228,8 +227,10 @@ class _Gather:
     "An all-gather of several parameters' shards, maybe still in flight"
 
     def __init__(
-        self, records: list, owner=None
-    ):  # records of one process group; owner: counts the bytes in its `comm_bytes`
+        self,
+        records: list,
+        owner=None,  # records of one process group; owner: counts the bytes in its `comm_bytes`
+    ):
         self.records, n, group = records, records[0].world_size, records[0].group
         self.length = sum(r.shard_numel for r in records)
         shards = _send_buffer([r.shard for r in records], n)
@@ -331,14 +332,15 @@ def _records_of(r: ParamRecord, params) -> list:
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c008d
 _ds_ids = itertools.count()
+# on the parameter: the record's
 _DS_METHODS = {
     'all_gather': 'ds_all_gather',
     'partition': 'ds_partition',
-    'partition_numel': 'ds_partition_numel',  # on the
+    'partition_numel': 'ds_partition_numel',
     'padding_size': 'ds_padding_size',
     'aligned_size': 'ds_aligned_size',
     'ds_summary': 'ds_summary',
-}  # parameter: the record's
+}
 _DS_NAMES = ('ds_id', 'ds_shape', 'ds_numel', 'ds_status', 'ds_tensor', 'ds_persist', *_DS_METHODS)
 
 
@@ -387,15 +389,18 @@ class GradientReduceScatter:
     "The gradient reduce-scatter of records of one process group: filled as gradients arrive, launched when complete"
 
     def __init__(
-        self, records: list, dtype, device, divisor: int
-    ):  # divisor: the data-parallel size (gradients are averaged over it)
+        self,
+        records: list,
+        dtype,
+        device,
+        divisor: int,  # divisor: the data-parallel size (gradients are averaged over it)
+    ):
         self.records, self.n, self.group, self.divisor = records, records[0].world_size, records[0].group, divisor
         self.offsets = [0]
         for r in records:
             self.offsets.append(self.offsets[-1] + r.shard_numel)
-        self.buffer = torch.empty(
-            self.n, self.offsets[-1], dtype=dtype, device=device
-        )  # each record's columns: written by its first gradient, else zeroed at launch
+        # each record's columns: written by its first gradient, else zeroed at launch
+        self.buffer = torch.empty(self.n, self.offsets[-1], dtype=dtype, device=device)
         self.out, self.work, self.written = None, None, [False] * len(records)
 
     def add(self, index: int, grad: torch.Tensor):
