@@ -51,9 +51,13 @@ def set_watch(engine, on: bool):
     from flexrt import comm as dist
     w = engine.watch
     w.layer_norms.every = w._every if on else 0
-    probes, probe = w.nonfinite._reducer.before_reduction if w.nonfinite._reducer is not None else [], w.nonfinite._probe
-    if on and probe not in probes and w.nonfinite._reducer is not None: probes.append(probe)
-    if not on and probe in probes: probes.remove(probe)
+    nf = w.nonfinite
+    if on and not nf.probing:
+        nf.slot.add_reduction_hook(nf._probe)
+        nf.probing = True
+    if not on and nf.probing:
+        nf.slot.remove_reduction_hook(nf._probe)
+        nf.probing = False
     if on != w.comm_wait.on: dist.comms_logger.watch_blocked(on); w.comm_wait.on = on
 
 def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer_norms_every: int | None = None,

@@ -180,19 +180,18 @@ def _flexrt_methods(cls)->dict: # public name -> (file, line) of the flexrt clas
 
 def test_go_to_definition_finds_every_public_method():
     "jedi, as an editor runs it, takes `Class.method` to the `def` in the class's own file: no method is attached elsewhere"
-    import importlib, inspect, jedi
+    import importlib, jedi
     project = jedi.Project(path=ROOT, added_sys_path=[str(ROOT)], smart_sys_path=False)
-    lines, expected = [], []
-    for module, name in GOTO_CLASSES:
+    missed, expected = [], []
+    for module, name in GOTO_CLASSES:   # a script per class, as an editor holds one file open
         cls = getattr(importlib.import_module(module), name)
         methods = _flexrt_methods(cls)
         assert len(methods) >= 3, (name, methods)
-        lines.append(f'from {module} import {name}')
-        for method, where in sorted(methods.items()):
-            lines.append(f'{name}.{method}'); expected.append((len(lines), len(name) + 1, f'{name}.{method}', where))
-    script, missed = jedi.Script('\n'.join(lines), path=ROOT / 'goto_probe.py', project=project), []
-    for line, column, label, (path, first) in expected:
-        found = script.goto(line, column, follow_imports=True)
-        if not found or str(found[0].module_path) != path or not (first <= found[0].line <= first + 3):
-            missed.append(f'{label}: {[(str(d.module_path), d.line) for d in found]} (defined at {path}:{first})')
+        lines = [f'from {module} import {name}'] + [f'{name}.{method}' for method in sorted(methods)]
+        script = jedi.Script('\n'.join(lines), path=ROOT / 'goto_probe.py', project=project)
+        for line, (method, (path, first)) in enumerate(sorted(methods.items()), 2):
+            expected.append(method)
+            found = script.goto(line, len(name) + 1, follow_imports=True)
+            if not found or str(found[0].module_path) != path or not (first <= found[0].line <= first + 3):
+                missed.append(f'{name}.{method}: {[(str(d.module_path), d.line) for d in found]} (defined at {path}:{first})')
     assert not missed, f'{len(missed)} of {len(expected)} not found where defined:\n' + '\n'.join(missed)

@@ -87,8 +87,35 @@ def test_a_slot_missing_a_method_or_of_the_wrong_type_is_refused():
     class Partial(OptimizerSlot):
         def step(self): pass
     import flexrt
-    with pytest.raises(TypeError, match='Partial does not implement set_boundary, reduced_gradients'):
+    # an abc.ABC: a slot lacking a method cannot be built, and the error names what lacks
+    with pytest.raises(TypeError, match="Can't instantiate abstract class Partial.*set_boundary"):
         flexrt.initialize(model=make_model(), config=config(0, gas=1), optimizer_slot=lambda args: Partial(), dist_init_required=False)
     with pytest.raises(TypeError, match='must be a flexrt.zero.base.OptimizerSlot'):
         flexrt.initialize(model=make_model(), config=config(0, gas=1), optimizer_slot=lambda args: args.optimizer,
                           dist_init_required=False)
+
+def explicit_reduction_rank(rank, world):
+    "Per stage: the weights after 2 steps with `engine.allreduce_gradients()` (twice) before each `step()`, and without"
+    import flexrt
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for explicit in (False, True):
+            torch.manual_seed(0)
+            e = flexrt.initialize(model=torch.nn.Linear(3, 2), config={
+                'train_batch_size': 8, 'zero_optimization': {'stage': stage},
+                'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})[0]
+            torch.manual_seed(rank)
+            for _ in range(2):
+                e.backward(e(torch.randn(4, 3)).pow(2).mean())
+                if explicit:
+                    e.allreduce_gradients()   # the slot's wait_for_reduction()
+                    e.allreduce_gradients()   # the round is finished: nothing is reduced again
+                e.step()
+            out[stage, explicit] = e.module_state_dict()['weight']
+            e.close()
+    return out
+
+def test_wait_for_reduction_finishes_the_round_once_at_every_stage():
+    for result in run_distributed(explicit_reduction_rank, 2, timeout=120):
+        for stage in (0, 1, 2, 3):
+            torch.testing.assert_close(result[stage, True], result[stage, False], msg=f'stage {stage}')

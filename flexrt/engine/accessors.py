@@ -207,9 +207,7 @@ class DeepSpeedAccessors:
     def allreduce_gradients(self, bucket_size=None):
         """Wait until the boundary's gradient reduction (started by backward) is done; nothing inside an accumulation
         window"""
-        reducer = getattr(self.optimizer, 'reducer', None)
-        if reducer is not None and hasattr(reducer, 'wait'):
-            reducer.wait()
+        self.optimizer.wait_for_reduction()
 
     # DeepSpeed's configuration accessors (ACCESSORS): one method each, reading `config`
 

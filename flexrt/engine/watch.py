@@ -133,24 +133,24 @@ class NonFiniteWatch:
     def __init__(
         self,
         module: torch.nn.Module,  # the model, for parameter names
-        slot,  # the optimizer slot (`fragments()`; `.reducer.before_reduction` where it reduces in buckets)
+        slot,  # the optimizer slot (`OptimizerSlot`: `fragments()`, `add_reduction_hook`)
         peek_loss,  # () -> this rank's mean loss of the step (read only on a non-finite step)
         stop: bool = False,  # raise `NonFiniteError` at the first non-finite step
         probe: bool = True,  # sum each bucket before its reduction, so a rank can be named for a gradient
     ):
         self.slot, self.peek_loss, self.stop, self.found = slot, peek_loss, stop, None
         self._index = {id(p): (i, n) for i, (n, p) in enumerate(module.named_parameters())}
-        self._sums, reducer = [], getattr(slot, 'reducer', None)
-        self._reducer = reducer if probe and hasattr(reducer, 'before_reduction') else None
-        if self._reducer is not None:
-            self._reducer.before_reduction.append(self._probe)
+        self._sums, self.probing = [], probe  # the bucket sums since the last check; whether the probe is hooked
+        if probe:
+            slot.add_reduction_hook(self._probe)
 
-    def _probe(self, bucket):
-        self._sums.append(bucket.buffer.sum(dtype=torch.float32))  # no sync: read only when needed
+    def _probe(self, gradients: torch.Tensor):  # this rank's gradients of one bucket, before the reduction
+        self._sums.append(gradients.sum(dtype=torch.float32))  # no sync: read only when needed
 
     def close(self):
-        if self._reducer is not None and self._probe in self._reducer.before_reduction:
-            self._reducer.before_reduction.remove(self._probe)
+        if self.probing:
+            self.slot.remove_reduction_hook(self._probe)
+            self.probing = False
 
     @torch.no_grad()
     def _first_nonfinite(self) -> tuple | None:  # (index in model order, name, 'nan' or 'inf')

@@ -4,6 +4,7 @@
 
 # %% ../../nbs/50_zero_base.ipynb #c003
 from __future__ import annotations
+import abc
 import contextlib
 from typing import NamedTuple
 import torch
@@ -63,86 +64,173 @@ def zero_stale(holders):
         h.grad_stale = False
 
 # %% ../../nbs/50_zero_base.ipynb #c009
-class OptimizerSlot:
-    "What the engine and the checkpoint call on the owner of the optimizer step (see the list above)"
+class OptimizerSlot(abc.ABC):
+    """What the engine and the checkpoint call on the owner of the optimizer step, and all they call.
+
+    A subclass implements every abstract method (`REQUIRED`) in its class body; the others have defaults that fit a slot
+    which keeps the model's parameters whole. `stage` is information (recorded in checkpoints and messages), never
+    branched on outside the slot.
+
+    **The engine's step** calls, in order:
+
+    - `set_boundary(b)` before each backward;
+    - at the accumulation boundary: `reduced_gradients()` (whose result `precision.unscale_and_check` unscales and
+      checks for overflow on every rank), `clip_grad_norm(max_norm)`, `step()` unless the step overflowed, then
+      `zero_grad()`;
+    - `comm_bytes` after each optimizer step, `memory_breakdown()` when asked, `close()` when the engine closes;
+    - `add_reduction_hook(fn)` / `remove_reduction_hook(fn)` for its diagnostics (which rank's gradient was
+      non-finite), `wait_for_reduction()` for `engine.allreduce_gradients()`, `wait_for_params()` before the model's
+      attributes are read.
+
+    **The checkpoint** speaks in the format's terms:
+
+    - `fragments()`: the masters this rank owns (tensors the torch optimizer steps) and the pieces of model parameters
+      laid in each; `master_state(master)`: the optimizer state of one master;
+    - `stepped_params()`: every parameter the slot steps, on any rank;
+    - `full_shape(tensor)` and `owned_value(tensor)`: the full shape and this rank's piece of a partitioned tensor;
+    - `gathered(tensors, modifier_rank)`: a context in which parameters hold their full values;
+    - `quiesce()` before a load overwrites the slot's tensors, then `sync_model()`: "the masters were overwritten: make
+      the model consistent"; `refresh()` after a save.
+    """
 
     stage = None  # informational: the ZeRO stage this slot implements (recorded, never branched on)
     supports_no_sync = True  # `engine.no_sync()` works: backward can accumulate without communicating
     optimizer = None  # the torch optimizer whose param groups hold every fragment's master (None: no step)
     comm_bytes = 0  # bytes of gradients (and parameters) this rank has communicated so far
 
-    def set_boundary(self, is_boundary: bool):
-        "Before a backward: reduce its gradients (True) or only accumulate (False)"
+    @abc.abstractmethod
+    def set_boundary(
+        self,
+        is_boundary: bool,  # True: the coming backward ends an accumulation window
+    ):
+        """Called by `engine.backward` before each backward: reduce the gradients it produces (True) or only accumulate
+        them (False: inside an accumulation window or `engine.no_sync()`)"""
 
-    def reduced_gradients(self) -> list:
-        "At the boundary: the (loss-scaled) gradients the optimizer steps with, this rank's"
+    @abc.abstractmethod
+    def reduced_gradients(self) -> list:  # the tensors the optimizer steps with, this rank's, still loss-scaled
+        """First call of `engine.step` at the accumulation boundary: finish the reduction and hand the gradients to the
+        masters; the engine unscales them in place and checks them for overflow"""
 
-    def clip_grad_norm(self, max_norm: float) -> tuple:
-        "(global norm before clipping, after); gradients scaled to `max_norm` (0: never)"
+    @abc.abstractmethod
+    def clip_grad_norm(
+        self,
+        max_norm: float,  # the largest global norm allowed (0: never clip)
+    ) -> tuple:  # (global norm before clipping, global norm after)
+        """At the boundary, after `reduced_gradients`: the global gradient norm over every rank (a collective where
+        gradients are sharded); the gradients scaled down in place when it is above `max_norm`"""
 
+    @abc.abstractmethod
     def step(self):
-        "Apply the optimizer to the masters and bring the model's parameters up to date"
+        """At the boundary, after `clip_grad_norm`, unless the step overflowed: apply the optimizer to the masters and
+        bring the model's parameters up to date (`ValueError` when there is no optimizer)"""
 
-    def zero_grad(self, set_to_none: bool = True):
-        "Drop or zero the accumulated gradients"
+    @abc.abstractmethod
+    def zero_grad(
+        self,
+        set_to_none: bool = True,  # False: zero the gradients in place instead of dropping them
+    ):
+        """At the end of every boundary step, on `engine.zero_grad()` and before a load: drop (or zero) the
+        accumulated gradients"""
 
-    def memory_breakdown(self) -> dict:
-        "Bytes this rank holds: params, grads, optimizer_state, total"
+    @abc.abstractmethod
+    def memory_breakdown(self) -> dict:  # bytes: params, grads, optimizer_state, total (a slot may add keys)
+        "On `engine.memory_breakdown()`: the bytes this rank holds for the model's state, each storage counted once"
 
+    @abc.abstractmethod
     def close(self):
-        "Remove hooks, free buffers; the model keeps usable parameters"
+        """On `engine.close()`: remove hooks and free buffers; the model keeps usable parameters (each part runs even
+        when one before it raised)"""
 
-    def fragments(self) -> list:
-        "[Fragment] the masters this rank steps and the parameter pieces each one holds"
+    @abc.abstractmethod
+    def fragments(self) -> list:  # [Fragment], one per master this rank steps
+        """For checkpoints and the engine's gradient diagnostics: the masters this rank steps and the parameter pieces
+        each one holds (their `.grad`, after `reduced_gradients`, is what the optimizer steps with)"""
 
-    def stepped_params(self) -> list:
-        "Every model parameter the slot steps, on any rank (the masters hold their values)"
+    @abc.abstractmethod
+    def stepped_params(self) -> list:  # model parameters
+        """For checkpoints: every model parameter the slot steps, on any rank (the masters hold their values; the
+        checkpoint saves the other tensors as model values)"""
 
+    @abc.abstractmethod
     def sync_model(self):
-        "The masters or partitioned values were overwritten (a load): make the model's parameters consistent"
+        """After a load wrote the masters or partitioned values: make the model's parameters consistent with them (a
+        collective where the slot partitions)"""
 
-    def master_state(self, master: torch.Tensor) -> dict:
-        "The torch optimizer's state of one master (elementwise tensors shaped like it, and scalars)"
+    def master_state(
+        self,
+        master: torch.Tensor,  # a master of `fragments()`
+    ) -> dict:  # {name: tensor shaped like `master`, or scalar}
+        "For checkpoints: the torch optimizer's state of one master; default: `optimizer.state[master]`"
         return {} if self.optimizer is None else self.optimizer.state.get(master, {})
 
-    def full_shape(self, tensor: torch.Tensor) -> torch.Size:
-        "The shape of the model's `tensor` as the user sees it (a partitioned parameter's is not its `.shape`)"
+    def full_shape(
+        self,
+        tensor: torch.Tensor,  # a parameter or buffer of the model
+    ) -> torch.Size:
+        """For checkpoints: the shape of `tensor` as the user sees it (a partitioned parameter's is not its `.shape`);
+        default: `.shape`"""
         return tensor.shape
 
-    def owned_value(self, tensor: torch.Tensor) -> tuple | None:  # (flat view of this rank's elements, start) or None
-        """This rank's piece of a model tensor the slot keeps partitioned but does not step; None: the tensor is whole
-        here"""
+    def owned_value(
+        self,
+        tensor: torch.Tensor,  # a parameter or buffer of the model
+    ) -> tuple | None:  # (flat view of this rank's elements, start) or None
+        """For checkpoints: this rank's piece of a model tensor the slot keeps partitioned but does not step; None (the
+        default): the tensor is whole here"""
         return None
 
     def gathered(
         self,
         tensors: list,  # model parameters
         modifier_rank: int | None = None,  # the rank whose changes are kept (None: read only)
-    ):
-        "A context in which `tensors` hold their full values (nothing to do when the slot never partitions them)"
+    ):  # a context manager
+        """For checkpoints and `engine.module_state_dict()`: a context in which `tensors` hold their full values;
+        default: nothing to do (the slot never partitions them)"""
         return contextlib.nullcontext()
 
     def quiesce(self):
-        "Finish work in flight on the model's parameters before a load overwrites the slot's tensors"
+        """Before a load overwrites the slot's tensors, and on `engine.empty_partition_cache()`: finish work in flight
+        on the model's parameters; default: nothing"""
 
     def refresh(self):
         """After a save: whole again what `quiesce` released and the forward keeps whole (stage 3's persistent
-        parameters); nothing elsewhere"""
+        parameters); default: nothing"""
 
     def wait_for_params(self):
-        """Finish updates of the model's parameters left in flight (stages 1-2 defer their all-gathers): reads see the
-        new values"""
+        """Before the engine hands out an attribute of the model: finish updates of its parameters left in flight
+        (stages 1-2 defer their all-gathers to the next forward), so reads see the new values; default: nothing"""
+
+    def add_reduction_hook(
+        self,
+        fn,  # called as `fn(gradients)`: a tensor of this rank's gradients of one bucket
+    ):
+        """Call `fn` with each bucket's gradients just before they are reduced: this rank's own, before any other
+        rank's are added (padding zeros; `fn` reads them and must not change them). The engine's non-finite watch sums
+        them to name the rank whose gradient was not finite. Default: `fn` is never called (no bucketed reduction)"""
+
+    def remove_reduction_hook(
+        self,
+        fn,  # a callable given to `add_reduction_hook`
+    ):
+        "On `engine.close()`: stop calling `fn`; nothing when it is not registered"
+
+    def wait_for_reduction(self):
+        """On `engine.allreduce_gradients()`: finish the gradient reductions backward started, so the reduced gradients
+        can be read before `step()`; nothing when none is in flight (a second call, inside an accumulation window).
+        Default: nothing (the slot reduces in `reduced_gradients`)"""
 
     @property
     def param_groups(self) -> list:
+        "The torch optimizer's param groups: to a script, a slot looks like an optimizer (as DeepSpeed's wrappers do)"
         return [] if self.optimizer is None else self.optimizer.param_groups
 
     @property
     def state(self):
+        "The torch optimizer's state, by master"
         return {} if self.optimizer is None else self.optimizer.state
 
 
-# what every slot implements (in its class body or with @patch)
+# the abstract methods: what every slot implements in its class body
 REQUIRED = (
     'set_boundary',
     'reduced_gradients',

@@ -117,7 +117,7 @@ class BucketReducer:
 
     def __init__(self, buckets: list):  # from `plan_buckets`; every rank of a group must build the same list
         self.buckets, self._boundary = buckets, True
-        # callables given each bucket whose buffer holds this rank's own gradients, before its collective
+        # callables given each bucket's buffer while it holds this rank's own gradients, just before its collective
         self.before_reduction = []
         self._hooks = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, bk, i))
@@ -127,6 +127,8 @@ class BucketReducer:
         # this round (`_reset` starts the next): buckets not launched yet, in order; those launched; whether a
         # boundary backward has delivered a gradient
         self._queue, self._launched, self._started = deque(buckets), [], False
+        # `wait` finished a round and no gradient, `set_boundary` or `zero_grad` came since: nothing left to reduce
+        self._reduced = False
 
     def _reset(self):
         "Start a new round: every bucket queued, none launched"
@@ -154,7 +156,7 @@ class BucketReducer:
             _adopt(param, bucket.views[index])
         if not self._boundary:
             return
-        self._started = True
+        self._started, self._reduced = True, False
         if not bucket.ready[index]:
             bucket.ready[index], bucket.num_ready = True, bucket.num_ready + 1
         while self._queue and self._queue[0].num_ready == len(self._queue[0].params):
@@ -179,7 +181,7 @@ class BucketReducer:
         for p, view in moved:
             p.grad = view
         for look in self.before_reduction:
-            look(bucket)  # e.g. the engine's watch: this rank's gradients, before any other's
+            look(bucket.buffer)  # e.g. the engine's watch: this rank's gradients, before any other's
         bucket.work = self._launch(bucket)
         self._launched.append(bucket)
 
@@ -187,17 +189,19 @@ class BucketReducer:
         "Say whether the next backward reduces (True) or only accumulates (False); finishes a round left open"
         if self._started:
             self.wait()  # another backward follows a boundary one: average first, then add to it
-        self._boundary = bool(is_boundary)
+        self._boundary, self._reduced = bool(is_boundary), False
 
     def wait(self):
-        "Launch the buckets backward did not complete (missing gradients count as zeros), then finish every bucket"
-        if not self._boundary or not self.buckets:
+        """Launch the buckets backward did not complete (missing gradients count as zeros), then finish every bucket;
+        nothing when the round is already finished"""
+        if not self._boundary or not self.buckets or self._reduced:
             return
         while self._queue:
             self._start(self._queue.popleft())
         for bucket in self._launched:
             self._finish(bucket)
         self._reset()
+        self._reduced = True
 
     def close(self):
         "Remove the hooks, wait for reductions in flight and let go of the buckets; gradients stay where they are"
@@ -214,6 +218,7 @@ class BucketReducer:
         `set_to_none=False`: zero the buffers, each `p.grad` its slot"""
         if not set_to_none and self.buckets:
             torch._foreach_zero_([bk.buffer for bk in self.buckets])
+        self._reduced = False  # a step without a backward reduces zeros
         for bk in self.buckets:
             for p, view in zip(bk.params, bk.views):
                 p.grad = None if set_to_none else view

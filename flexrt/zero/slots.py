@@ -92,13 +92,17 @@ def _stage12(a: SlotArgs) -> ZeroStage1:
     )
 
 
-def _stage3(a: SlotArgs) -> OptimizerSlot:
-    slot = Stage3Optimizer(
-        a.module, a.optimizer, a.precision, a.config, group=a.group, expert_groups=a.expert_groups, mpu=a.mpu
+def _stage3(a: SlotArgs) -> Stage3Optimizer:
+    return Stage3Optimizer(
+        a.module,
+        a.optimizer,
+        a.precision,
+        a.config,
+        group=a.group,
+        expert_groups=a.expert_groups,
+        mpu=a.mpu,
+        gradient_average=a.gradient_average,
     )
-    # the gradient reduce-scatters' divisor
-    slot.partitioner.grads.divisor = slot.world_size if a.gradient_average else 1
-    return slot
 
 # %% ../../nbs/53_zero_slots.ipynb #c005c
 STAGE_SLOTS = {0: _stage0, 1: _stage12, 2: _stage12, 3: _stage3}  # zero_optimization.stage -> builder(SlotArgs)

@@ -61,6 +61,18 @@ class ReplicatedOptimizer(OptimizerSlot):
         self.comm_bytes += self.reducer.comm_bytes
         return self.weights.collect_grads()
 
+    def wait_for_reduction(self):
+        "Finish the all-reduces backward started (nothing when the round is finished or inside a window)"
+        self.reducer.wait()
+
+    def add_reduction_hook(self, fn):  # fn(gradients): one bucket's flat buffer
+        "Call `fn` with each bucket's buffer, this rank's own gradients, just before its all-reduce"
+        self.reducer.before_reduction.append(fn)
+
+    def remove_reduction_hook(self, fn):
+        if fn in self.reducer.before_reduction:
+            self.reducer.before_reduction.remove(fn)
+
     def _flat_gradients(self) -> list | None:  # the reducer's buffers, or None
         "The reducer's buffers when the global norm over them is the norm over the optimizer's gradients"
         if self.mpu is not None or self._norm_groups:

@@ -178,6 +178,18 @@ class ZeroStage1(OptimizerSlot):
             bk.master.grad = bk.grad_shard.float() if self.master_weights else bk.grad_shard
         return [bk.master.grad for bk in self.buckets]
 
+    def wait_for_reduction(self):
+        "Finish the reduce-scatters backward started (nothing when the round is finished or inside a window)"
+        self.reducer.wait()
+
+    def add_reduction_hook(self, fn):  # fn(gradients): one bucket's flat buffer
+        "Call `fn` with each bucket's buffer, this rank's own gradients, just before its reduce-scatter"
+        self.reducer.before_reduction.append(fn)
+
+    def remove_reduction_hook(self, fn):
+        if fn in self.reducer.before_reduction:
+            self.reducer.before_reduction.remove(fn)
+
     def clip_grad_norm(self, max_norm: float) -> tuple:  # (norm before clipping, norm after)
         "Global gradient norm over every rank's shards; the shards scaled down to `max_norm` when above it (0: never)"
         norm = shard_grad_norm(

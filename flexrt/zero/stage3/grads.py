@@ -59,8 +59,9 @@ class GradBuckets:
         gradient_average: bool = True,  # False: the shards get the sum over the ranks
     ):
         self.bucket_numel, self.world_size, self.owner = min(bucket_numel, COALESCE_NUMEL), world_size, owner
-        # every reduced gradient is divided by this (the optimizer may set it)
-        self.divisor = world_size if gradient_average else 1
+        self.divisor = world_size if gradient_average else 1  # every reduced gradient is divided by this
+        # callables given each reduce-scatter's buffer (this rank's gradients, N x L rows) just before it is launched
+        self.before_reduction = []
         # `plan` fills these, now and again when a backward shows the real gradient order: the buckets, the records in
         # that order, and each record's bucket (by id)
         self.buckets, self.order, self.bucket_of = [], [], {}
@@ -76,6 +77,18 @@ class GradBuckets:
 
     def _new_reduce(self, b: GradBucket, like: torch.Tensor) -> GradientReduceScatter:
         return GradientReduceScatter(b.records, like.dtype, like.device, self.divisor)
+
+    @torch.no_grad()
+    def _launch(self, reduce: GradientReduceScatter):
+        "Hand `before_reduction` this rank's gradients in `reduce`'s buffer (unwritten columns zeroed), then launch it"
+        if self.before_reduction:
+            for i, written in enumerate(reduce.written):
+                if not written:  # zeros, as the launch would write them: the hooks never see uninitialised memory
+                    reduce.buffer[:, reduce.offsets[i] : reduce.offsets[i + 1]].zero_()
+                    reduce.written[i] = True
+            for look in self.before_reduction:
+                look(reduce.buffer)  # e.g. the engine's watch: this rank's gradients, before any other's
+        reduce.launch(self.owner)
 
     def add(
         self,
@@ -93,7 +106,7 @@ class GradBuckets:
         b.reduce.add(b.slot[id(r)], grad)
         b.num_ready += 1
         if b.num_ready == len(b.records):
-            b.reduce.launch(self.owner)
+            self._launch(b.reduce)
             b.launched = True
 
     def _add_late(self, b: GradBucket, r: ParamRecord, grad: torch.Tensor):
@@ -101,7 +114,7 @@ class GradBuckets:
         reduce-scatter it on its own, zeros for the rest"""
         late = self._new_reduce(b, grad)
         late.add(b.slot[id(r)], grad)
-        late.launch(self.owner)
+        self._launch(late)
         b.late.append(late)
 
     def end(self):
@@ -114,7 +127,7 @@ class GradBuckets:
             if b.reduce is None:
                 b.reduce = self._new_reduce(b, first.shard)
             if not b.launched:
-                b.reduce.launch(self.owner)
+                self._launch(b.reduce)
                 b.launched = True
         for b in self.buckets:
             for reduce in ([b.reduce] if b.reduce is not None else []) + b.late:

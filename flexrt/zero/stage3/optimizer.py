@@ -51,6 +51,7 @@ class Stage3Optimizer(OptimizerSlot):
         group=None,  # the data-parallel process group (None: all ranks)
         expert_groups=None,  # an `ExpertGroups` or {group_name: expert data-parallel group} (MoE), or None
         mpu=None,  # Megatron-style model-parallel unit for the global norm, or None
+        gradient_average: bool = True,  # False: the gradient shards get the sum over the data-parallel ranks
     ):
         _check_params(module, optimizer)
         if precision.dtype != torch.float32 and not precision.master_weights:
@@ -78,6 +79,7 @@ class Stage3Optimizer(OptimizerSlot):
             cfg.stage3_max_live_parameters,
             getattr(expert_groups, 'data_parallel', expert_groups) or None,
             reduce_bucket_numel=cfg.reduce_bucket_size,
+            gradient_average=gradient_average,
         )
         # per param group: its parameters, fp32 master, working and gradient shards; each parameter's master and working
         # shard (`close` empties them)
@@ -143,6 +145,16 @@ class Stage3Optimizer(OptimizerSlot):
         self.partitioner.release_all()
         zero_stale(self.partitioner.records.values())
         return [g['grad'] for g in self.groups]
+
+    def add_reduction_hook(self, fn):  # fn(gradients): one bucket's N x L reduce-scatter buffer
+        """Call `fn` with each gradient bucket's buffer, this rank's own gradients, just before its reduce-scatter
+        (every backward: stage 3 reduces each one)"""
+        self.partitioner.grads.before_reduction.append(fn)
+
+    def remove_reduction_hook(self, fn):
+        hooks = self.partitioner.grads.before_reduction
+        if fn in hooks:
+            hooks.remove(fn)
 
     def _grad_norm(self) -> float:
         "The global gradient norm from the shards (experts follow the dense part of each group's buffer)"

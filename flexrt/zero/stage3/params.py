@@ -76,6 +76,7 @@ class ParameterPartitioner:
         max_live_numel: int = 1_000_000_000,  # ... and the units kept so hold at most this many elements
         expert_groups=None,  # {group_name: expert data-parallel group} for MoE parameters (allreduce=False)
         reduce_bucket_numel: int = 500_000_000,  # gradients are reduce-scattered in buckets of this many elements
+        gradient_average: bool = True,  # False: the gradient shards get the sum over the ranks, not the average
     ):
         self.module, self.group, self.prefetch_numel, self.reduce_bucket_numel = (
             module,
@@ -98,7 +99,11 @@ class ParameterPartitioner:
         self.units, self._all_units = self._build_units()  # the units that gather something; a unit per module
         # gradient buckets in reverse module order, until a backward shows the real order
         self.grads = GradBuckets(
-            self._gradient_order(self.units), self.reduce_bucket_numel, self.world_size, owner=self
+            self._gradient_order(self.units),
+            self.reduce_bucket_numel,
+            self.world_size,
+            owner=self,
+            gradient_average=gradient_average,
         )
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
         # chunks; each position's; `chunk_ends`; the farthest started
