@@ -90,8 +90,9 @@ def _search_path(rank, world_size, results_dir):
     "autotune's own trials, one stage scope at a time (knobs searched): each trial's prediction and measured peak"
     from flexrt.autotuner import autotune
     cfg = {'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
-           'autotuning': {'fast': False, 'tuner_num_trials': 6, 'start_profile_step': 1, 'end_profile_step': 2,
-                          'max_train_micro_batch_size_per_gpu': 64}}
+           'autotuning': {'fast': False, 'tuner_num_trials': 4, 'start_profile_step': 1, 'end_profile_step': 2,
+                          'max_train_micro_batch_size_per_gpu': 64,
+                          'playoff_size': 1}}   # the playoff re-measures points the search ran: no new predictions
     rows = []
     for stage in (0, 1, 2, 3):
         res = autotune(head1_fn, head1_step, cfg, stages=[stage], micro_batches=[4, 64], results_dir=f'{results_dir}/z{stage}', resume=False)
