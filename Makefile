@@ -64,6 +64,18 @@ gpu-check: install
 screenshots: install
 	FLEXRT_ARTIFACTS=docs/images $(PY) -m pytest tests/test_browser.py tests/test_browser_autotune.py -q -p no:cacheprovider
 
+# The documentation site, built into _docs/ without Quarto (tools/docs.py: nbdev's processors, then nbconvert; of the
+# cells, only exported ones, show_doc calls and imports run): a page per notebook with its API entries and folded
+# tests, getting started, architecture, contents by wing. Open _docs/index.html. Fails naming notebook and cell.
+.PHONY: docs format
+docs: install
+	$(PY) tools/docs.py
+
+# Notebooks are formatted with ruff (ruff.toml: 120 columns, one statement per line); run it after editing, then export.
+format: install
+	$(BIN)/ruff format nbs
+	$(BIN)/nbdev_export
+
 # The peers (DeepSpeed) come with the `bench` extra; each script prints ratios measured in one run.
 bench: install
 	$(PY) -m pip install -q -e ".[bench]"

@@ -289,6 +289,10 @@ class StepReporter:
 class DataLoader(torch.utils.data.DataLoader):
     "torch's DataLoader, with DeepSpeed's name for its sampler (`loader.data_sampler.set_epoch(epoch)`)"
 
+    def __init__(self, dataset, *args, **kwargs):  # torch.utils.data.DataLoader's arguments
+        # written out so the docs read this signature, not torch's (whose annotations name types torch does not export)
+        super().__init__(dataset, *args, **kwargs)
+
     @property
     def data_sampler(self):
         return self.sampler
