@@ -319,8 +319,8 @@ def _median(xs): xs = sorted(xs); return (xs[(len(xs) - 1) // 2] + xs[len(xs) //
 def test_the_widgets_stage_0_and_stage_1_readings_agree_at_micro_batch_32(tmp_path):
     """The example's GPT at micro-batch 32, stages 0 and 1, searched from the widget in a fresh process as a kernel starts
     it (no OMP_NUM_THREADS, torch's default threads): each stage's reading, the medians of its trials' intervals (the
-    search's and the playoff's interleaved rounds), overlap the other's. With every rank at torch's default threads (as
-    many as the cores: before flexrt sized them) stage 0 read 3-20x slower than stage 1 and this fails."""
+    search's and the playoff's interleaved rounds), within 2x of the other's. With every rank at torch's default threads
+    (as many as the cores: before flexrt sized them) stage 0 read 3-20x slower than stage 1 and this fails."""
     out = tmp_path / 'search.json'
     script = WIDGET_SEARCH.format(examples=str(ROOT / 'examples'), results=str(tmp_path / 'autotuning_results'), out=str(out))
     env = {k: v for k, v in os.environ.items() if k not in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS')}
@@ -335,8 +335,12 @@ def test_the_widgets_stage_0_and_stage_1_readings_agree_at_micro_batch_32(tmp_pa
                for s in (0, 1)}
     assert all(len(r) >= 6 for r in reading.values()), reading                 # the search's reading and the playoff's rounds
     (low0, high0), (low1, high1) = [(_median([l for l, _ in reading[s]]), _median([h for _, h in reading[s]])) for s in (0, 1)]
-    assert max(low0, low1) <= min(high0, high1), (f'stage 0 [{low0:.0f}-{high0:.0f}], stage 1 [{low1:.0f}-{high1:.0f}] '
-                                                  f'samples/s do not overlap; verdict: {found["verdict"]}')
+    # On a quiet machine the two intervals overlap. A busy one (another process on a core) moves single readings by up
+    # to 1.5x (seen: stage 0 [1360-1604], stage 1 [813-1135] while a docs build ran), so the check is the artefact's
+    # size: oversubscribed ranks read 3-20x apart, sized ones within 2x even under load.
+    ratio = (low0 + high0) / (low1 + high1)
+    assert 1 / 2 <= ratio <= 2, (f'stage 0 [{low0:.0f}-{high0:.0f}], stage 1 [{low1:.0f}-{high1:.0f}] samples/s: '
+                                 f'{ratio:.2f}x apart; verdict: {found["verdict"]}')
 
 def train_with_threads(config):
     "What 'Train with this' launches: the MLP with the search's best configuration, a few steps; each rank notes its threads"

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/10_comm_backends.ipynb #c003
 from __future__ import annotations
-import weakref
+import time, weakref
 from datetime import timedelta
 import torch
 import torch.distributed as tdist
@@ -36,9 +36,20 @@ _all_ = [
     'CommTimeoutError',
 ]
 
+GLOO_DRAIN_SECONDS = 0.05  # what gloo's workers get before a group is destroyed (TorchBackend.destroy_process_group)
+
+
+def _backend_name(group) -> str | None:
+    "The backend of `group` (None: the default group), or None when torch no longer knows the group"
+    try:
+        return tdist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return None
+
 # %% auto #0
-__all__ = ['TorchBackend', 'ExplainedWork', 'NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'OPS', 'CompletedWork',
-           'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError', 'CommTimeoutError']
+__all__ = ['GLOO_DRAIN_SECONDS', 'TorchBackend', 'ExplainedWork', 'NATIVE_NAMES', 'is_transport_failure', 'is_unsupported', 'OPS',
+           'CompletedWork', 'P2POp', 'CommBackend', 'SingleProcessGroup', 'SingleProcessBackend', 'CommError',
+           'CommTimeoutError']
 
 # %% ../../nbs/10_comm_backends.ipynb #c012t
 # torch.distributed.new_group keywords torch 2.4 lacks, and their defaults
@@ -81,6 +92,12 @@ class TorchBackend(CommBackend):
         return tdist.new_group(ranks, **_new_group_kwargs(kwargs))
 
     def destroy_process_group(self, group=None):
+        if tdist.is_initialized() and _backend_name(group) == 'gloo':
+            # gloo's workers drop a finished op's tensors after its waiter has moved on, and take the GIL to do it. A
+            # group destroyed later with the GIL held (DDP's reducer freed as a function returns) joins those workers:
+            # one still waiting for the GIL deadlocks the process. Seen in 1 of 3 runs of examples/plain_ddp_train.py
+            # under torchrun with a core busy; 0 of 9 once the workers get this pause (the GIL and a core) first.
+            time.sleep(GLOO_DRAIN_SECONDS)
         tdist.destroy_process_group(group)
         if group is None:
             self._learned.clear()
