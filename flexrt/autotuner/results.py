@@ -11,8 +11,9 @@ import pandas as pd
 from .space import Candidate, KNOBS, format_bytes
 
 # %% auto #0
-__all__ = ['TRIAL_COLUMNS', 'STATUSES', 'REPEATS', 'record_candidate', 'trials_frame', 'TrialStore', 'study_fingerprint',
-           'open_store', 'AutotuneResult', 'AutotuneError', 'no_winner', 'threads_line', 'summary_text']
+__all__ = ['TRIAL_COLUMNS', 'STATUSES', 'REPEATS', 'MEASURED_FIELDS', 'record_candidate', 'trials_frame', 'TrialStore',
+           'study_fingerprint', 'open_store', 'AutotuneResult', 'AutotuneError', 'no_winner', 'threads_line',
+           'summary_text']
 
 # %% ../../nbs/72_autotuner_results.ipynb #c005
 TRIAL_COLUMNS = [
@@ -131,10 +132,9 @@ class TrialStore:
         return out
 
 # %% ../../nbs/72_autotuner_results.ipynb #c010
-_RESULT_KEYS = (
-    'status',
-    'reason',
-    'metric',
+# what a trial measured, beside its status and metric: a search's record carries them and a resumed search reads
+# them back
+MEASURED_FIELDS = (
     'metric_low',
     'metric_high',
     'steps_measured',
@@ -147,6 +147,7 @@ _RESULT_KEYS = (
     'threads',
     'phases_ms',
 )
+_RESULT_KEYS = ('status', 'reason', 'metric', *MEASURED_FIELDS)
 
 # %% ../../nbs/72_autotuner_results.ipynb #c011b
 _DIGEST = lambda x: hashlib.sha256(json.dumps(x, sort_keys=True, default=str).encode()).hexdigest()[:12]

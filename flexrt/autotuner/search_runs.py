@@ -5,6 +5,7 @@
 # %% ../../nbs/72_autotuner_search_runs.ipynb #h002
 from __future__ import annotations
 from dataclasses import dataclass
+from .results import MEASURED_FIELDS
 from .space import Candidate, TuneSettings, gradient_accumulation, default_knobs, knob_choices
 
 # %% auto #0
@@ -119,7 +120,7 @@ class SearchRuns:
             metric=None if result is None else result.metric,
             round=round,
         )
-        rec.update({k: getattr(result, k, None) for k in _RESULT_FIELDS})
+        rec.update({k: getattr(result, k, None) for k in MEASURED_FIELDS})
         rec.update(
             peak_bytes_measured=getattr(result, 'peak_bytes', None),
             peak_bytes_per_rank=list(getattr(result, 'peak_bytes_per_rank', None) or []),
@@ -154,21 +155,6 @@ class SearchRuns:
         if results[0] is None:
             raise SearchDone(f'max_trials={self.max_trials} runs reached')
         return results[0]
-
-# %% ../../nbs/72_autotuner_search_runs.ipynb #c012
-_RESULT_FIELDS = (
-    'metric_low',
-    'metric_high',
-    'steps_measured',
-    'noise',
-    'samples_per_s',
-    'step_seconds',
-    'flops_per_s',
-    'seconds',
-    'steps_seconds',
-    'threads',
-    'phases_ms',
-)
 
 # %% ../../nbs/72_autotuner_search_runs.ipynb #c015
 class SearchDone(Exception):
