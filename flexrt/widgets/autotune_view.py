@@ -10,13 +10,14 @@ import pandas as pd
 from .plots import Plot
 from .memory_monitor import MiB
 from ..autotuner.space import parse_bytes, format_bytes, check_bucket_sizes
-from ..autotuner.results import REPEATS  # phases that run searched candidates again: not search points
+
+# REPEATS: phases that run searched candidates again (not search points); trials_frame: the table's rows
+from ..autotuner.results import REPEATS, TRIAL_COLUMNS, trials_frame
 
 # %% auto #0
-__all__ = ['METRICS', 'TABLE_COLUMNS', 'TABLE', 'SearchSettings', 'search_arguments', 'trials_frame', 'search_rows',
-           'search_points', 'best_trial', 'table_html', 'search_plot', 'stage_color', 'interval_bars', 'fill_metric',
-           'memory_axis', 'mark_budget', 'pareto_front', 'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result',
-           'breakdown_html']
+__all__ = ['METRICS', 'TABLE', 'SearchSettings', 'search_arguments', 'search_rows', 'search_points', 'best_trial', 'table_html',
+           'search_plot', 'stage_color', 'interval_bars', 'fill_metric', 'memory_axis', 'mark_budget', 'pareto_front',
+           'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result', 'breakdown_html']
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c006
 METRICS = ('throughput', 'latency', 'flops')
@@ -81,42 +82,6 @@ def search_arguments(
     return config, kwargs
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c010
-TABLE_COLUMNS = [
-    'trial',
-    'phase',
-    'stage',
-    'micro_batch',
-    'gradient_accumulation',
-    'reduce_bucket_size',
-    'allgather_bucket_size',
-    'stage3_prefetch_bucket_size',
-    'stage3_param_persistence_threshold',
-    'overlap_comm',
-    'threads_per_rank',
-    'status',
-    'reason',
-    'metric_name',
-    'metric',
-    'metric_low',
-    'metric_high',
-    'noise',
-    'steps_measured',
-    'round',
-    'samples_per_s',
-    'peak_bytes_measured',
-    'peak_bytes_per_rank',
-    'peak_bytes_predicted',
-    'seconds',
-    'config',
-]
-
-
-def trials_frame(records: list) -> pd.DataFrame:  # trial records (dicts)
-    "One row per record, the agreed columns first (those an older record lacks: empty)"
-    frame = pd.DataFrame.from_records(records)
-    return frame.reindex(columns=TABLE_COLUMNS + [c for c in frame.columns if c not in TABLE_COLUMNS])
-
-
 def search_rows(trials: pd.DataFrame) -> pd.DataFrame:
     "The trials of the search itself: the playoff's repeats (and the old re-measurements) left out"
     return trials[~trials['phase'].isin(REPEATS)]
