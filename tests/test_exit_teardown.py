@@ -21,8 +21,11 @@ import atexit, os, sys
 import torch.distributed as td
 rank = os.environ['RANK']
 def gloo_threads():   # gloo's worker and transport threads (Linux names them)
-    tasks = f'/proc/{os.getpid()}/task'
-    return sum(open(f'{tasks}/{t}/comm').read().startswith(('pt_gloo', 'gloo')) for t in os.listdir(tasks))
+    tasks, names = f'/proc/{os.getpid()}/task', []
+    for t in os.listdir(tasks):
+        try: names.append(open(f'{tasks}/{t}/comm').read())
+        except FileNotFoundError: pass   # the thread ended between the listing and the read
+    return sum(n.startswith(('pt_gloo', 'gloo')) for n in names)
 def at_exit():   # registered first: runs last
     print(f'rank {rank} at exit: group initialised {td.is_initialized()}, gloo threads {gloo_threads()}', flush=True)
 atexit.register(at_exit)
