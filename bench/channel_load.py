@@ -84,7 +84,7 @@ def main(a):
           f"{all(delivered.get(r[0], 0) + r[2] == r[1] + 1 for r in results)}")
     print(f"  kernel RSS: start {rss_start / 2**20:.0f} MiB, peak {max(peak) / 2**20:.0f} MiB, end {rss() / 2**20:.0f} MiB "
           f"(at 0, 1/4, 1/2, 3/4 and all of the run: {', '.join(f'{x / 2**20:.0f}' for x in timeline)} MiB)"
-          + (f"; the dashboard keeps up to {dash.history.capacity:,d} records per kind" if dash else ''))
+          + (f"; the dashboard keeps up to {dash.records.capacity:,d} records per kind" if dash else ''))
     print(f"  longest emit on any rank: {max(r[3] for r in results) * 1e3:.2f} ms; per rank "
           f"{', '.join(f'{r[3] * 1e3:.1f}' for r in results)} ms; 99.99th percentile (worst rank) "
           f"{max(r[4] for r in results) * 1e6:.0f} us")

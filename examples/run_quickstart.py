@@ -1,7 +1,8 @@
 """`make demo`: execute examples/quickstart.ipynb headless (2 CPU ranks, the engine, the dashboard) with nbclient.
 
 Writes to $OUT (default `demo_out/`): the executed notebook `quickstart.ipynb` (open it in JupyterLab to see the
-dashboard's final state), the dashboard's plots `grad_norm.png` and `memory.png`, and its history `history.csv`.
+dashboard's final state), the dashboard's plots `grad_norm.png` and `memory.png`, its step history `history.csv`, a
+CSV per other kind of record (`memory.csv`, `comm.csv`, ...) and the run's config and versions `run.json`.
 STEPS sets the number of optimizer steps (default 30).
 """
 import os, sys, time

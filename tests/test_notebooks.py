@@ -45,10 +45,10 @@ def test_quickstart_delivers_every_step_before_the_launch_cell_ends(tmp_path):
     assert len(figures) == 3, len(figures)   # grad-norm, ranks and memory figures (layer norms come every 10 steps: none in 6)
     texts = ' '.join(m['state'].get('value', '') for m in models if m['model_name'] == 'HTMLModel')
     assert re.search(r'rank [01]: ', texts) or 'ranks even' in texts, 'the ranks panel names the busiest rank'
-    history = pd.read_csv(tmp_path / 'history.csv')
-    steps = history[history['kind'] == 'step']
+    steps = pd.read_csv(tmp_path / 'history.csv')                     # the step records
+    assert set(steps['kind']) == {'step'}
     for rank in (0, 1): assert list(steps[steps['rank'] == rank]['step']) == list(range(1, STEPS + 1))
     assert (steps['grad_norm'] > 0).all() and (steps['memory.allocated_bytes'] > 0).all()
-    samples = history[history['kind'] == 'memory']                   # the ranks' samplers, between the steps
+    samples = pd.read_csv(tmp_path / 'memory.csv')                   # the ranks' samplers, between the steps
     assert set(samples['rank']) == {0, 1} and (samples['memory.allocated_bytes'] > 0).all()
     assert {'grad_norm.png', 'memory.png', 'quickstart.ipynb'} <= {p.name for p in tmp_path.iterdir()}

@@ -118,7 +118,7 @@ def test_dashboard_gets_kernel_records_and_saves_plots_and_history(tmp_path):
     dash.refresh()
     assert (dash.steps_seen.value, dash.progress.value, dash.progress.max) == (8, 4, 8)
     assert 'step 4/8' in dash.status.value
-    assert dash.save(tmp_path) == ['grad_norm.png', 'memory.png', 'history.csv']
+    assert dash.save(tmp_path) == ['grad_norm.png', 'memory.png', 'history.csv']   # steps only came
     saved = pd.read_csv(tmp_path / 'history.csv')
     assert list(saved[saved['rank'] == 1]['step']) == [1, 2, 3, 4] and (tmp_path / 'memory.png').stat().st_size > 1000
     norms, rss = drawn(dash.grad_norm.figure()), drawn(dash.memory.figure())   # what the PNGs were drawn from

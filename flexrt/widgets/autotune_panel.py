@@ -6,12 +6,12 @@
 from __future__ import annotations
 import html, json, os, threading
 import ipywidgets as W
-from .live import LiveView
+from .live import LiveView, error_html
 from .autotune_view import SearchView, view_of_result, table_html, search_plot, TABLE
 from .autotune_view import fill_metric, fill_pareto, fill_memory
 
 # %% auto #0
-__all__ = ['search_summary', 'error_html', 'ratio_text', 'margin_line', 'standings_html', 'margin_html', 'SearchPanel']
+__all__ = ['search_summary', 'ratio_text', 'margin_line', 'standings_html', 'margin_html', 'SearchPanel']
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #c012
 _UNITS = {'throughput': 'samples/s', 'latency': 's/step', 'flops': 'FLOP/s'}
@@ -29,11 +29,6 @@ def search_summary(view: SearchView) -> str:
         f"{len(trials)} trials ({counts}); best {best['metric']:.4g} {_UNITS.get(view.metric_name, '')}: "
         f"stage {int(best['stage'])}, micro-batch {int(best['micro_batch'])} (trial {int(best['trial'])})"
     )
-
-
-def error_html(error: BaseException) -> str:
-    "`error` as red HTML: its type, then its message (how the widgets show a failed action)"
-    return f'<span style="color:#b00020">{type(error).__name__}: {html.escape(str(error))}</span>'
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #c013b
 def ratio_text(entry: dict | None) -> str:

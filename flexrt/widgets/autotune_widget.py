@@ -9,7 +9,8 @@ import ipywidgets as W
 from .. import monitor
 from ..autotuner.space import parse_bytes, knob_choices
 from .autotune_view import SearchView, SearchSettings, search_arguments, breakdown_html, METRICS
-from .autotune_panel import SearchPanel, search_summary, error_html
+from .live import error_html
+from .autotune_panel import SearchPanel, search_summary
 
 _all_ = ['search_summary', 'SearchPanel']
 

@@ -14,6 +14,7 @@ from .live import LiveView
 from .memory_monitor import MemoryMonitor
 from .grad_norm import GradNormTrace
 from .records import RecordStore, rank0_steps
+from ..monitor.sinks import flatten_record
 from .ranks import RankPanel
 from .layers import LayerNormHeatmap
 from .report import save_html, figure_png
@@ -131,8 +132,19 @@ class TrainingDashboard(LiveView):
         )
         self.log_section.layout.display = ''
 
+    def each_view(self, method: str) -> list:  # each view's result; False for one that raised
+        "Call `method` on every view; one that raises shows its error and the others still draw"
+        results = []
+        for view in self.views():
+            try:
+                results.append(getattr(view, method)())
+            except Exception as e:
+                view.keep_error(e)
+                results.append(False)
+        return results
+
     def draw_text(self):
-        "Progress, counter, comm table, Stop button, then the two views' texts"
+        "Progress, counter, comm table, Stop button, then the views' texts"
         self._stop_state()
         self._comm_text()
         self._log_text()
@@ -144,8 +156,7 @@ class TrainingDashboard(LiveView):
             per_step = (last['time'] - steps[0]['time']) / max(len(steps) - 1, 1)  # the recent pace
             threads = run_threads(self.records)
             self.status.value = progress_text(done, self.total_steps, last['samples_per_s'], per_step, threads)
-        for view in self.views():
-            view.draw_text()
+        self.each_view('draw_text')
 
     def plot_stale(self) -> bool:
         return any(view.plot_stale() for view in self.views())
@@ -163,8 +174,7 @@ class TrainingDashboard(LiveView):
 
     def _plot_if_stale(self) -> bool:
         "Redraw the views whose records changed, the gradient norm first"
-        drew = [view._plot_if_stale() for view in self.views()]
-        return any(drew)
+        return any(self.each_view('_plot_if_stale'))
 
     def plotted_views(self) -> list:
         return self.views()
@@ -193,11 +203,11 @@ class TrainingDashboard(LiveView):
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c006t
 def run_threads(records) -> ThreadPlan | None:
-    "The ranks' threads from the engine's 'run' record (flattened by the store: its 'threads.' keys), or None"
-    run = records.last('run')
-    if run is None or 'threads.threads' not in run:
+    "The ranks' threads from the engine's 'run' record, or None"
+    threads = (records.run or {}).get('threads')
+    if not threads:
         return None
-    return ThreadPlan(*(int(run[f'threads.{k}']) for k in ('threads', 'local_ranks', 'cores')), run['threads.source'])
+    return ThreadPlan(*(int(threads[k]) for k in ('threads', 'local_ranks', 'cores')), threads['source'])
 
 
 def progress_text(
@@ -221,9 +231,9 @@ LOG_LINES = 200  # progress lines the log area keeps
 # %% ../../nbs/80_widgets_dashboard.ipynb #w2864a30
 def _run_config(records) -> dict | None:
     "The config of the engine's 'run' record (flattened by the store: its 'config.' keys), or None"
-    run = records.last('run')
+    run = records.run
     if run is None:
         return None
-    return {k[len('config.') :]: v for k, v in run.items() if k.startswith('config.')} | {
+    return flatten_record(run.get('config', {})) | {
         k: run[k] for k in ('world_size', 'zero_stage', 'precision') if k in run
     }

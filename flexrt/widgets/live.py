@@ -4,7 +4,7 @@
 
 # %% ../../nbs/80_widgets_live.ipynb #c003
 from __future__ import annotations
-import atexit, os, threading, time, weakref
+import atexit, html, json, os, threading, time, traceback, weakref
 import pandas as pd
 import psutil
 import ipywidgets as W
@@ -17,7 +17,7 @@ from .plots import Plot, figure_html, thin
 History = RecordStore  # the name this store had before 0.2
 
 # %% auto #0
-__all__ = ['History', 'FIRST_POLL', 'BUSY_SHARE', 'idle_seconds', 'LiveView']
+__all__ = ['History', 'FIRST_POLL', 'BUSY_SHARE', 'idle_seconds', 'LiveView', 'error_html']
 
 # %% ../../nbs/80_widgets_live.ipynb #c006
 _views = weakref.WeakSet()  # live views, stopped at interpreter exit
@@ -62,7 +62,9 @@ class LiveView:
         self._idle_at = None  # `idle_clock()` when the last plot was drawn
         self.num_plots, self._live, self._layout = 0, None, None  # plots drawn so far; the live figure and its layout
         self._draw_lock, self._closed = threading.Lock(), threading.Event()
+        self.num_errors, self.error_box = 0, W.HTML(layout=W.Layout(display='none'))  # drawing errors, shown on top
         self.widget = self.build()  # the parts the subclass's `__init__` made, laid out
+        self.widget.children = (self.error_box, *self.widget.children)
         if self.attached:
             monitor.serve()
             prepare_stop()
@@ -85,8 +87,13 @@ class LiveView:
 
     @property
     def history(self) -> pd.DataFrame:
-        "Every record the view holds, one row each, as a DataFrame (a copy)"
-        return self.records.frame()
+        "The step records (one row per rank and step) as a DataFrame (a copy); other kinds: `records.frame(kind)`"
+        return self.records.frame('step')
+
+    @property
+    def run(self) -> dict | None:
+        "The engine's `'run'` record, as sent: its config, world size, ZeRO stage, precision, threads and versions"
+        return self.records.run
 
     def _plot_key(self) -> tuple:
         return tuple(self.records.counts[k] for k in self.kinds)
@@ -157,8 +164,16 @@ class LiveView:
                 self.keep_error(e)
 
     def keep_error(self, error: Exception):
-        "Keep `error` on `.error` (the redraw thread's or a button's), where a test or a user looks; never raised"
-        self.error = error
+        """Keep `error` on `.error` (the redraw thread's or a button's) and show it above the view, with where it was
+        raised; never raised. The view goes on trying with each new record; its error stays shown"""
+        self.error, self.num_errors = error, self.num_errors + 1
+        count = '' if self.num_errors == 1 else f' ({self.num_errors} errors so far; the last)'
+        self.error_box.value = (
+            f'<div class="flexrt-error"><b>This panel failed to draw{count}:</b> {error_html(error, where=True)}. '
+            'It tries again as records arrive; the other panels are not affected.</div>'
+        )
+        self.error_box.layout.display = ''
+        self.reveal()  # a view hidden until its records come shows its error
 
     def close(self):
         "Stop redrawing and listening"
@@ -198,17 +213,38 @@ class LiveView:
         return [self]  # the views whose plots `save()` writes
 
     def save(self, path) -> list:  # the files written
-        "Write the plots as PNG and the records as CSV (`history.csv`) into the folder `path`"
+        """Write into the folder `path` the plots (PNG), the step records (`history.csv`), each other kind of record
+        (`memory.csv`, `comm.csv`, ...; list-valued columns left out) and the run's config and versions (`run.json`)"""
         os.makedirs(path, exist_ok=True)
-        frame, written = self.history, []
+        written = []
         for view in self.plotted_views():
             if view.has_data():
                 view.figure().savefig(os.path.join(path, view.png_name), dpi=100)
                 written.append(view.png_name)
-        frame.drop(columns=[c for c in ('rows', 'traceback') if c in frame]).to_csv(
-            os.path.join(path, 'history.csv'), index=False
-        )
-        return written + ['history.csv']
+        kinds = sorted(k for k in self.records.counts if k not in (None, 'run'))
+        for kind in sorted(kinds, key=lambda k: k != 'step'):
+            name, frame = 'history.csv' if kind == 'step' else f'{kind}.csv', self.records.frame(kind)
+            frame.drop(columns=[c for c in ('rows', 'traceback') if c in frame]).to_csv(
+                os.path.join(path, name), index=False
+            )
+            written.append(name)
+        if self.run is not None:
+            with open(os.path.join(path, 'run.json'), 'w') as f:
+                json.dump(self.run, f, indent=1, default=str)
+            written.append('run.json')
+        return written
+
+# %% ../../nbs/80_widgets_live.ipynb #72eea5119410473aa328ad9291626812
+def error_html(
+    error: BaseException,
+    where: bool = False,  # add the file, line and function that raised it
+) -> str:
+    "`error` as red HTML: its type, then its message (how the widgets show a failed action or drawing)"
+    text = f'{type(error).__name__}: {html.escape(str(error))}'
+    frames = traceback.extract_tb(error.__traceback__) if where else []
+    if frames:
+        text += f' (in {frames[-1].name}, {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})'
+    return f'<span style="color:#b00020">{text}</span>'
 
 # %% ../../nbs/80_widgets_live.ipynb #c008
 @atexit.register

@@ -26,6 +26,7 @@ class RecordStore:
         # {kind: {rank: deque of its newest RECENT rows}}: what the texts read, at a cost independent of the run's
         # length
         self._recent = {}
+        self.run = None  # the newest 'run' record as it came (not flattened): the run's config and versions
 
     def __call__(self, record: dict):
         kind = record.get('kind')
@@ -34,6 +35,8 @@ class RecordStore:
                 'memory': {k: v for k, v in record.items() if k not in ('kind', 'time', 'rank')}
             }
         flat = flatten_record(record)
+        if kind == 'run':
+            self.run = record
         with self._lock:
             for rows in (self._rows[None], self._rows.setdefault(kind, [])):
                 rows.append(flat)
