@@ -30,7 +30,8 @@ demo: install
 
 # The last line says how much was skipped (pytest prints each skip's and expected failure's reason with -rsx; not
 # -rs -rx: pytest keeps only the last -r). The generated config cases (tests/test_config_fuzz.py) run as a sample that
-# keeps every block and every wrong-type kind; pytest prints its seed (FLEXRT_FUZZ_SEED=<n> picks another).
+# keeps every field, block and wrong-type kind, the rest drawn with a new seed each run, printed (FLEXRT_FUZZ_SEED=<n>
+# repeats a run).
 test: install sync-check nbtest pytest
 	@echo "make test: $$(grep -Eo '[0-9]+ skipped' $(PYTEST_LOG) | tail -1 || echo '0 skipped') and $$(grep -Eo '[0-9]+ xfailed' $(PYTEST_LOG) | tail -1 || echo '0 xfailed') in pytest (reasons listed above); nbtest runs notebook cells without the 'slow' flag"
 

@@ -3,11 +3,12 @@
     cases = sample('wrong types', CASES, strata=[block_of, kind_of])   # the params of one parametrize
 
 A sample holds, for each function in `strata`, at least one case of every value that function takes over the whole
-set (every block, every wrong-type kind, ...), topped up at random to `FRACTION` of the set. It is drawn with one seed
-per run, printed in pytest's header and at the end of its report:
+set (every field, every block, every wrong-type kind, ...), topped up at random to `FRACTION` of the set. It is drawn
+with one seed per run, a new one each run unless given, printed in pytest's header and at the end of its report, so
+the part beyond the strata rotates from run to run and a failure can be repeated:
 
-    FLEXRT_FUZZ_SEED=<int>    another sample (default 0: the same sample every run, so a failure repeats)
-    FLEXRT_FUZZ_SEED=random   a fresh seed, printed, to reproduce with FLEXRT_FUZZ_SEED=<it>
+    FLEXRT_FUZZ_SEED=<int>    the sample of that seed (the one a failing run printed)
+    FLEXRT_FUZZ_SEED=random   a fresh seed (the default)
     FLEXRT_FUZZ_ALL=1         every case (make test-all, nightly)
 """
 import os, random
@@ -15,9 +16,9 @@ import os, random
 FRACTION = 0.2   # of each set, at the least, besides the cases the strata need
 
 def _seed()->int:
-    given = os.environ.get('FLEXRT_FUZZ_SEED', '').strip()
+    given = os.environ.get('FLEXRT_FUZZ_SEED', '').strip() or 'random'
     if given == 'random': return random.SystemRandom().randrange(10**6)
-    try: return int(given or 0)
+    try: return int(given)
     except ValueError: raise ValueError(f"FLEXRT_FUZZ_SEED must be an integer or 'random', got {given!r}") from None
 
 ALL = os.environ.get('FLEXRT_FUZZ_ALL', '').strip() not in ('', '0')
@@ -46,5 +47,5 @@ def sample(name:str, # names the set in the report; with SEED, picks its sample
 def describe()->str:
     "One line on how the generated sets are sampled in this run"
     if ALL: return 'flexrt fuzz: every generated config case (FLEXRT_FUZZ_ALL=1)'
-    return (f'flexrt fuzz: seed {SEED}, a stratified sample of each generated config set '
-            f'(FLEXRT_FUZZ_SEED=<n> or random for another, FLEXRT_FUZZ_ALL=1 or make test-all for every case)')
+    return (f'flexrt fuzz: seed {SEED} (FLEXRT_FUZZ_SEED={SEED} repeats this sample), a stratified sample of each '
+            f'generated config set (every field; FLEXRT_FUZZ_ALL=1 or make test-all for every case)')

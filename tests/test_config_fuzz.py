@@ -2,8 +2,10 @@
 bound crossed, each required key left out, each key given twice in a JSON file. A field added to any block is covered
 by these tests without editing them. Every error must be a TypeError/ValueError naming the key path and the value.
 
-`make test` runs a sample of each set (tests/fuzz_sample.py: seed printed, every block and every wrong-type kind in
-it); `make test-all` (FLEXRT_FUZZ_ALL=1) runs every case."""
+`make test` runs a sample of each set (tests/fuzz_sample.py): every field with a wrong-type case (and a bound case if
+it has bounds), every block and every wrong-type kind, the rest drawn with a seed that changes every run and is printed
+in pytest's summary (FLEXRT_FUZZ_SEED=<it> runs the same sample again); `make test-all` (FLEXRT_FUZZ_ALL=1) runs every
+case."""
 import dataclasses, json, re, typing, warnings
 import pytest
 from fuzz_sample import FRACTION, sample
@@ -79,12 +81,14 @@ ALL_BOUNDS = [(p, which, v) for p, tp, meta, _ in FIELDS for which, v in crossed
 ALL_DUPLICATES = [p for p, *_ in FIELDS]
 ALL_BOOLS = [p for p, tp, _, _ in FIELDS if _optional(tp)[0] is bool]
 # the sets run: every block, every wrong-type kind per block and per annotation kind, every bound kind (fuzz_sample)
-WRONG = sample('wrong types', ALL_WRONG, [lambda c: (block(c[0]), c[1]), lambda c: (TYPES[c[0]], c[1])])
-BOUNDS = [(p, v) for p, _, v in sample('bounds', ALL_BOUNDS, [lambda c: block(c[0]), lambda c: (TYPES[c[0]], c[1])])]
+# every field has a wrong-type case and, if bounded, a bound case in every run; the rest rotates with the seed
+field = lambda c: c[0]
+WRONG = sample('wrong types', ALL_WRONG, [field, lambda c: (block(c[0]), c[1]), lambda c: (TYPES[c[0]], c[1])])
+BOUNDS = [(p, v) for p, _, v in sample('bounds', ALL_BOUNDS, [field, lambda c: (TYPES[c[0]], c[1])])]
 CLAMPED = [(p, meta['clamp']) for p, _, meta, _ in FIELDS if 'clamp' in meta]
 REQUIRED = [p for p, _, _, required in FIELDS if required]
-DUPLICATES = sample('keys twice', ALL_DUPLICATES, [block, TYPES.get])
-BOOLS = sample('flags as 1/0', ALL_BOOLS, [block])
+DUPLICATES = ALL_DUPLICATES   # one case per field: all of them, every run (each takes about a millisecond)
+BOOLS = ALL_BOOLS
 
 def test_the_generator_sees_the_whole_schema():
     paths = {dotted(p) for p, *_ in FIELDS}
@@ -92,8 +96,14 @@ def test_the_generator_sees_the_whole_schema():
             'zero_optimization.offload_param.buffer_size', 'autotuning.model_info.num_layers'} <= paths
     assert len(FIELDS) > 100 and len(ALL_WRONG) > 4 * len(FIELDS) and len(ALL_BOUNDS) > 40 and REQUIRED
 
-def test_the_sample_covers_every_block_and_every_wrong_kind():
-    "What a run leaves out of the generated sets is a random part of each block, never a whole block or kind"
+def test_the_sample_covers_every_field_block_and_wrong_kind():
+    """Every field gets a wrong-type case and a key-twice case in every run, every bounded field a bound case, every
+    flag a 1/0 case; what a run leaves out is a random part of each field's other cases, never a field, block or kind"""
+    fields, bounded = {p for p, *_ in FIELDS}, {p for p, tp, meta, _ in FIELDS if crossed_bounds(tp, meta)}
+    assert {p for p, _, _ in WRONG} == fields, sorted(map(dotted, fields - {p for p, _, _ in WRONG}))
+    assert {p for p, _ in BOUNDS} == bounded, sorted(map(dotted, bounded - {p for p, _ in BOUNDS}))
+    assert set(DUPLICATES) == fields and set(BOOLS) == {p for p, tp, _, _ in FIELDS if _optional(tp)[0] is bool}
+    assert {('autotuning', k) for k in ('playoff_size', 'tolerance', 'max_profile_steps')} <= bounded
     blocks = {block(p) for p, *_ in FIELDS}
     assert {block(p) for p, _, _ in WRONG} == blocks and {block(p) for p in DUPLICATES} == blocks
     assert {(block(p), k) for p, k, _ in WRONG} == {(block(p), k) for p, k, _ in ALL_WRONG}
