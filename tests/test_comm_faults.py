@@ -192,7 +192,9 @@ def test_missing_op_learned_per_group_and_forgotten():
 def _skip_p2p(rank, ws, op, async_op, threaded, answered):
     "Rank 1 never calls `op`; it stays (on `answered`, a semaphore the ranks share) until every other rank has raised"
     from flexrt.comm.state import comm_state
-    dist.init_distributed(timeout=timedelta(seconds=1.5))
+    dist.init_distributed(timeout=timedelta(seconds=60))
+    dist.barrier()   # every rank here: the short timeout times the op, not a slow start (3 ranks on 2 busy cores)
+    tdist.group.WORLD.set_timeout(timedelta(seconds=1.5))
     comm_state.p2p_threaded = threaded
     if rank == 1:
         for _ in range(ws - 1): answered.acquire(timeout=60)
@@ -222,7 +224,7 @@ def hang_in_stage2_step(rank_to_hang=1, after=1, timeout=1, linger=30):
     "A ZeRO stage-2 engine on gloo (its reduce-scatters are direct messages); `rank_to_hang` never enters the backward of step `after`"
     import threading, flexrt
     from flexrt.comm.p2p import P2PThread
-    dist.init_distributed(timeout=timeout)
+    dist.init_distributed(timeout=60)   # start-up at 3 ranks on 2 busy cores can take seconds between two collectives
     dist.comm_state.p2p_threads[None] = P2PThread(linger=linger)   # idle after the step's gathers, still there when the stacks are taken
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
@@ -230,6 +232,7 @@ def hang_in_stage2_step(rank_to_hang=1, after=1, timeout=1, linger=30):
         'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}}, 'zero_optimization': {'stage': 2}})
     assert engine.optimizer.collectives == 'p2p'
     for step in range(10):
+        if step == after: tdist.group.WORLD.set_timeout(timedelta(seconds=timeout))   # the step that hangs: a short one
         loss = engine(torch.randn(2, 8)).square().mean()
         if step == after and dist.get_rank() == rank_to_hang: threading.Event().wait()   # stuck for good, as a real hang
         engine.backward(loss); engine.step()

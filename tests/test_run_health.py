@@ -77,12 +77,14 @@ def test_stop_on_nonfinite_stops_every_rank_at_that_step_zero_2():
 
 def test_a_slowed_rank_is_named_the_straggler_and_layer_norms_are_sampled():
     config = {**CONFIG, 'diagnostics': {'layer_norms_every': 3, 'layer_norms_top': 2}}
-    results = run_distributed(ranked, 2, args=(12, config), kwargs=dict(sleep_rank=1, sleep=0.03))
+    # 200 ms: far above what a busy machine's scheduling adds to either rank (a 30 ms plant judged against 20 ms
+    # thresholds failed under load)
+    results = run_distributed(ranked, 2, args=(12, config), kwargs=dict(sleep_rank=1, sleep=0.2))
     store = RecordStore()
     for records, _ in results:
         for r in records: store(r)
     table = rank_table(store.frame('step'))
-    assert table.loc[0, 'wait'] > 0.02 > table.loc[1, 'wait']                 # rank 0 waits for rank 1, in flexrt.comm's timing
+    assert table.loc[0, 'wait'] > 0.1 and table.loc[1, 'wait'] < table.loc[0, 'wait'] / 2   # rank 0 waits for rank 1
     found = straggler(table)
     assert (found['rank'], found['waiter']) == (1, 0) and found['lag'] > 1.15
     panel = RankPanel(records=store, redraw=False); panel.refresh()
@@ -99,7 +101,7 @@ def test_a_slowed_rank_is_named_the_straggler_and_layer_norms_are_sampled():
 def watched_train(steps=12):
     from flexrt import comm as dist
     dist.init_distributed()
-    try: train(steps, CONFIG, sleep_rank=1, sleep=0.02)
+    try: train(steps, CONFIG, sleep_rank=1, sleep=0.1)   # the straggler by a margin no machine's load hides
     finally: dist.destroy_process_group()
 
 def test_a_watching_dashboard_gets_every_panel_and_keeps_the_cell_quiet(capfd, tmp_path):

@@ -68,10 +68,14 @@ def _answered(work) -> bool:
 
 
 def _wait_messages(works: list, peers: list | None, name: str, group, end: float | None = None, timeout=None):
-    """Wait for an op's `works` (by monotonic `end`); a failed message raises `_unanswered` naming its `peers` that
-    never answered"""
+    """Wait for an op's `works` (by monotonic `end`; default: the group's timeout as it stands when the first message
+    not yet done is waited for, so one changed with `ProcessGroup.set_timeout` holds); a failed message raises
+    `_unanswered` naming its `peers` that never answered"""
     for i, w in enumerate(works):
         try:
+            # read only when waiting (a few microseconds); a `ThreadedOp` waits for its thread, which times the messages
+            if end is None and peers is not None and not w.is_completed():
+                end = time.monotonic() + timeout_seconds(group, timeout)
             w.wait() if end is None else w.wait(_left(end))
         except (CommError, TimeoutError) as e:
             if peers is None:
