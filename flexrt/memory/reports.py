@@ -180,6 +180,8 @@ class MemorySampler:
         capacity: int = 10_000,  # number of newest snapshots kept
         device=None,  # device to report on; None: the default device at each sample
         on_sample=None,  # callable taking each new snapshot, on the sampler's thread; its error stops sampling
+        # callable taking the error that stopped sampling, on the sampler's thread, at once (`stop()` raises it later)
+        on_error=None,
     ):
         if isinstance(interval_ms, bool) or not isinstance(interval_ms, (int, float)) or not interval_ms > 0:
             raise ValueError(f'interval_ms must be a positive number of milliseconds, not {interval_ms!r}')
@@ -187,8 +189,11 @@ class MemorySampler:
             raise ValueError(f'capacity must be a positive int (the number of snapshots kept), not {capacity!r}')
         if on_sample is not None and not callable(on_sample):
             raise TypeError(f'on_sample must be a callable taking one MemorySnapshot, not {type(on_sample).__name__}')
+        if on_error is not None and not callable(on_error):
+            raise TypeError(f'on_error must be a callable taking one exception, not {type(on_error).__name__}')
         memory_device(device)  # refuse an unsupported device here, not later on the thread
         self.interval_ms, self.capacity, self.device, self.on_sample = interval_ms, capacity, device, on_sample
+        self.on_error = on_error
         self._buffer, self.num_samples, self._error = deque(maxlen=capacity), 0, None
         self._thread, self._lock, self._stop_event = None, threading.Lock(), threading.Event()
         _samplers.add(self)
@@ -226,6 +231,11 @@ class MemorySampler:
                     return
         except Exception as e:
             self._error = e
+            if self.on_error is not None:
+                try:
+                    self.on_error(e)  # where a watcher sees it now, not at `stop()`
+                except Exception as hook_error:
+                    e.add_note(f'on_error failed too: {type(hook_error).__name__}: {hook_error}')
 
     def start(self) -> 'MemorySampler':
         "Start sampling; returns the sampler"

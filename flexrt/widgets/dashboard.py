@@ -20,7 +20,7 @@ from .layers import LayerNormHeatmap
 from .report import save_html, figure_png
 
 # %% auto #0
-__all__ = ['LOG_LINES', 'TrainingDashboard', 'run_threads', 'progress_text']
+__all__ = ['LOG_LINES', 'TrainingDashboard', 'run_threads', 'progress_text', 'background_error_html']
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c005
 class TrainingDashboard(LiveView):
@@ -46,6 +46,11 @@ class TrainingDashboard(LiveView):
         self.log_section = W.VBox(
             [W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none')
         )
+        self.background, self._background_drawn = W.HTML(), 0  # 'error' records: a background thread failed
+        self.background_section = W.VBox(
+            [W.HTML('<b>Background errors</b> (threads that failed while training went on)'), self.background],
+            layout=W.Layout(display='none'),
+        )
         self.progress, self.status = W.IntProgress(0, 0, total_steps or 1), W.HTML('waiting for the ranks...')
         if not total_steps:
             self.progress.layout.display = 'none'  # shown once a total is known
@@ -64,6 +69,7 @@ class TrainingDashboard(LiveView):
             [
                 W.HBox([self.progress, self.status]),
                 W.HBox([self.steps_seen, self.stop_button]),
+                self.background_section,
                 self.grad_norm.widget,
                 self.ranks.widget,
                 self.layers.widget,
@@ -143,11 +149,22 @@ class TrainingDashboard(LiveView):
                 results.append(False)
         return results
 
+    def _background_text(self):
+        "The `'error'` records (a rank's memory sampler, the hub, ...), each with its rank, source and where it was raised"
+        if self.records.counts['error'] == self._background_drawn:
+            return
+        self._background_drawn = self.records.counts['error']
+        self.background.value = '<br>'.join(
+            background_error_html(r) for r in self.records.since('error', 0)[0][-LOG_LINES:]
+        )
+        self.background_section.layout.display = ''
+
     def draw_text(self):
-        "Progress, counter, comm table, Stop button, then the views' texts"
+        "Progress, counter, comm table, Stop button, background errors, then the views' texts"
         self._stop_state()
         self._comm_text()
         self._log_text()
+        self._background_text()
         self.steps_seen.value = self.records.counts['step']
         steps = self.records.lowest_rank('step')  # rank 0's newest records: the text's cost does not grow with the run
         if steps:
@@ -185,6 +202,7 @@ class TrainingDashboard(LiveView):
             self.draw_text()
         sections = [
             ('Progress', self.status.value),
+            ('Background errors', self.background.value),
             ('Gradient norm', self.grad_norm.text.value),
             (
                 'Ranks',
@@ -226,7 +244,15 @@ def progress_text(
     return ' &middot; '.join(parts)
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c007
-LOG_LINES = 200  # progress lines the log area keeps
+LOG_LINES = 200  # progress lines the log area keeps (and background errors their area)
+
+
+def background_error_html(record: dict) -> str:
+    "An `'error'` record as one red line: `rank 1 · memory sampler: ValueError: ... (in _sample, reports.py:212)`"
+    rank = record.get('rank')
+    who = ('kernel' if rank is None or rank != rank else f'rank {int(rank)}') + f" · {record.get('source', '?')}"
+    where = f" (in {record['where']})" if record.get('where') else ''
+    return f'<span style="color:#b00020">{html.escape(who)}: {html.escape(str(record.get("error")))}{where}</span>'
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #w2864a30
 def _run_config(records) -> dict | None:
