@@ -9,7 +9,7 @@ STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
 PYTEST_LOG := .pytest-last.txt
 
-.PHONY: install demo test test-all sync-check nbtest pytest bench screenshots ds-tests gpu-check clean
+.PHONY: install demo test test-all test-busy sync-check nbtest pytest bench screenshots ds-tests gpu-check clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test: install sync-check nbtest pytest
 # Nightly: `make test` with every generated config case (FLEXRT_FUZZ_ALL=1) instead of the sample.
 test-all: export FLEXRT_FUZZ_ALL := 1
 test-all: test
+
+# `make test` three times in a row with a one-core busy loop running (CI machines are not always idle): each run's
+# exit code, minutes and pytest summary (bench/busy_test.py; --runs N for another count).
+test-busy: install
+	$(PY) bench/busy_test.py --runs 3
 
 # Notebooks are the source: cleaning and exporting them must change nothing in nbs/ or flexrt/.
 sync-check: install
