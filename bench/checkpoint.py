@@ -16,6 +16,15 @@ round (the order alternates between rounds; round 0 only warms up the page cache
 
 Printed per stage: median save and load time (rank 0's clock, from a barrier to a barrier), bytes on disk, and
 the paired ratios (median over rounds of flexrt's time / the peer's time in the same round; below 1: flexrt faster).
+
+Then the asynchronous rows, per stage (skip them with --no-async; --async-only skips the table above): in each
+round, a synchronous save (barrier to barrier), then an asynchronous one: the time training is blocked (the slower
+rank's time from the call to its return), then training steps while the background write runs (the ranks agree each
+step, with a one-element all_reduce, whether any rank's thread still writes), then as many steps with nothing in
+flight (the same all_reduce each step). Printed: median sync save, median blocking time and its ratio to the sync
+save (goal <= 10 %), median step time normal and during the write, and the speed during the write as a share of
+normal (goal >= 90 % with a spare core: the writing thread needs one; where the ranks use every core, the write
+takes a share of them and steps slow down accordingly).
 """
 import argparse, logging, os, shutil, socket, statistics, sys, tempfile, time, warnings
 os.environ.setdefault('DS_ACCELERATOR', 'cpu')
@@ -94,7 +103,7 @@ def worker(rank, world, port, args, stages):
     warnings.filterwarnings('ignore'); logging.disable(logging.WARNING)
     tdist.init_process_group('gloo', rank=rank, world_size=world)
     root = args.dir
-    for stage in stages:
+    for stage in stages if not args.async_only else []:
         impls = [cls(stage, args) for cls in (Flexrt, TorchSave, DeepSpeed) if cls is not DeepSpeed or args.deepspeed]
         save, load, size = ({i.name: [] for i in impls} for _ in range(3))
         for r in range(args.rounds + 1):
@@ -106,7 +115,49 @@ def worker(rank, world, port, args, stages):
         if rank == 0: report(stage, save, load, size, args)
         for impl in impls:
             if hasattr(impl, 'engine') and hasattr(impl.engine, 'close'): impl.engine.close()
+    for stage in stages if args.run_async else []:
+        rows = async_rounds(stage, args)
+        if rank == 0: report_async(stage, rows)
     tdist.destroy_process_group()
+
+def steps_while(engine, args, busy, most=None) -> tuple:
+    "Train while `busy()` is true on any rank (at least one step), or `most` steps; (steps, seconds)"
+    n, start = 0, time.perf_counter()
+    while True:
+        flag = torch.tensor([float(n == 0 or busy()) if most is None else float(n < most)])
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        if not flag.item(): break
+        one_step(engine, args); n += 1
+    return n, time.perf_counter() - start
+
+def async_rounds(stage, args) -> list:
+    "Per round (after one warm-up): (sync save s, blocked s, normal step s, step s during the background write)"
+    import flexrt
+    from flexrt.checkpoint.async_save import CheckpointWriter
+    model = make_model(args)
+    engine = flexrt.initialize(model=model, optimizer=adamw(model), config=config(stage))[0]
+    writer, d, rows = CheckpointWriter(engine), os.path.join(args.dir, f'async-{stage}'), []
+    one_step(engine, args)
+    for r in range(args.rounds + 1):
+        sync = timed(lambda d: writer.save(d, tag='t', async_save=False), d)
+        tdist.barrier(); start = time.perf_counter()
+        job = writer.save(d, tag='t', async_save=True)
+        blocked = torch.tensor([time.perf_counter() - start])
+        tdist.all_reduce(blocked, op=tdist.ReduceOp.MAX)   # training waits for the slower rank
+        n, during = steps_while(engine, args, job.thread.is_alive)
+        writer.wait()
+        _, normal = steps_while(engine, args, None, most=n)
+        if r: rows.append((sync, blocked.item(), normal / n, during / n))
+    writer.close(); engine.close()
+    return rows
+
+def report_async(stage, rows):
+    med = statistics.median
+    sync, blocked, normal, during = (med(col) for col in zip(*rows))
+    share = paired([b for _, b, _, _ in rows], [s for s, *_ in rows])
+    speed = paired([n for *_, n, _ in rows], [x for *_, x in rows])
+    print(f"stage {stage} async: sync save {sync * 1e3:6.0f} ms, blocked {blocked * 1e3:5.0f} ms ({share:6.1%} of sync); "
+          f"step {normal * 1e3:5.0f} ms normal, {during * 1e3:5.0f} ms during the write ({speed:4.0%} speed)", flush=True)
 
 def paired(xs, ys): return statistics.median(x / y for x, y in zip(xs, ys))
 
@@ -124,6 +175,8 @@ def main():
     ap.add_argument('--width', type=int, default=1024)
     ap.add_argument('--layers', type=int, default=12)
     ap.add_argument('--dir', default=None, help='where to write (default: a temporary directory under /tmp)')
+    ap.add_argument('--no-async', dest='run_async', action='store_false', help='skip the asynchronous rows')
+    ap.add_argument('--async-only', action='store_true', help='only the asynchronous rows')
     args = ap.parse_args()
     try:
         import deepspeed  # noqa: F401

@@ -2,7 +2,7 @@
 
     python bench/dashboard_overhead.py [--launcher launch|kernel|torchrun|notebook_launcher] [--rounds 3] [--blocks 6]
                                        [--steps 30] [--threads N] [--interval S] [--cpu-share F]
-                                       [--toggle | --toggle-all]
+                                       [--toggle | --toggle-all | --toggle-anatomy]
 
 A "kernel" launches the ranks and holds the dashboard: by default this process (`--launcher launch`: it calls
 `flexrt.launch(rank_main, num_processes=2)` as a notebook cell would), or a real Jupyter kernel driven through nbclient
@@ -25,7 +25,9 @@ in every other block (a record is then built and sent, and the kernel receives a
 the ratio of each pair of neighbouring blocks cancels the launch-to-launch noise. The kernel may still be drawing
 the last records in the first steps of a quiet block, which the toggled ratio then misses. `--toggle-all` also
 switches off, in the quiet blocks, the rest of what watching adds on a rank: the per-layer norms, the per-bucket
-probe and the blocked-time accounting (what stays: the kernel's idle threads and the ranks' idle sender thread).
+probe and the blocked-time accounting, and the step anatomy (what stays: the kernel's idle threads and the ranks' idle
+sender thread). `--toggle-anatomy` keeps everything on in every block but the step anatomy (`flexrt.engine.anatomy`:
+the phase clocks, the per-step sums, the CPU and thread reads), which is off in every other block: its own cost.
 
 A watched launch has every panel on, at the dashboard's defaults: each step record carries the rank's time blocked in
 collectives (the ranks panel), the first non-finite value is looked for (one `isfinite` on the norm the engine already
@@ -59,9 +61,18 @@ def set_watch(engine, on: bool):
         nf.slot.remove_reduction_hook(nf._probe)
         nf.probing = False
     if on != w.comm_wait.on: dist.comms_logger.watch_blocked(on); w.comm_wait.on = on
+    set_anatomy(engine, on)
+
+def set_anatomy(engine, on: bool):
+    "Switch a rank's step anatomy (and its own blocked-time watch) on or off; switched on, it starts afresh"
+    from flexrt import comm as dist
+    a = engine.anatomy
+    if on == a.on: return
+    dist.comms_logger.watch_blocked(on); a.on = on
+    if on: a.step_start, a.idle_since, a.sums_before = None, None, dist.comms_logger.blocked_sums()
 
 def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer_norms_every: int | None = None,
-              toggle_all: bool = False):
+              toggle_all: bool = False, toggle_anatomy: bool = False):
     import flexrt
     from flexrt import comm as dist, monitor
     from quickstart_train import tiny_transformer, CONFIG
@@ -84,7 +95,9 @@ def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer
     for block in range(blocks):
         if toggle:   # blocks in pairs, one forwarding and one not, the order alternating between pairs
             on = (block % 2 == 0) == (block // 2 % 2 == 0)
-            for fn in forwarders: monitor.add_listener(fn) if on else monitor.remove_listener(fn)
+            if toggle_anatomy: set_anatomy(engine, on)
+            else:
+                for fn in forwarders: monitor.add_listener(fn) if on else monitor.remove_listener(fn)
             if toggle_all: set_watch(engine, on)
         dist.barrier()
         start = time.perf_counter()
@@ -131,7 +144,8 @@ def watch_once(options: dict, watched: bool, result_file: str | None = None)->di
     times_file = Path(options['times_file'])
     times_file.write_text('')
     os.environ['BENCH_TIMES'] = str(times_file)
-    rank_args = tuple(options[k] for k in ('blocks', 'steps', 'threads', 'toggle', 'layer_norms_every', 'toggle_all'))
+    rank_args = tuple(options[k] for k in ('blocks', 'steps', 'threads', 'toggle', 'layer_norms_every', 'toggle_all',
+                                           'toggle_anatomy'))
     wall, cpu = time.perf_counter(), time.process_time()
     said = start_ranks(options, rank_args)
     got = dict(kernel_cpu=time.process_time() - cpu, kernel_wall=time.perf_counter() - wall, launch_line=said)
@@ -166,8 +180,10 @@ def launching(a):
     "The launches' options, and the callable that runs one (`watch(options, watched) -> dict`) where --launcher says"
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    options = dict(blocks=a.blocks, steps=a.steps, threads=a.threads, toggle=a.toggle or a.toggle_all,
-                   layer_norms_every=a.layer_norms_every, toggle_all=a.toggle_all, interval=a.interval,
+    toggle = a.toggle or a.toggle_all or a.toggle_anatomy
+    options = dict(blocks=a.blocks, steps=a.steps, threads=a.threads, toggle=toggle,
+                   layer_norms_every=a.layer_norms_every, toggle_all=a.toggle_all, toggle_anatomy=a.toggle_anatomy,
+                   interval=a.interval,
                    cpu_share=a.cpu_share, launcher=a.launcher, out=str(out), times_file=str(out / 'times.jsonl'))
     return options, (InKernel(str(out)) if a.launcher == 'kernel' else watch_once)
 
@@ -192,10 +208,11 @@ def toggled(a):
             ratios += [x / y for x, y in zip(ons, offs)]; fast[True] += ons; fast[False] += offs
     finally:
         if watch is not watch_once: watch.close()
-    what = 'forward their records and do all watching work' if a.toggle_all else 'forward their records'
+    what = ('forward their records and do all watching work' if a.toggle_all else
+            'record the step anatomy (all else on throughout)' if a.toggle_anatomy else 'forward their records')
     print(f"engine step on 2 CPU ranks, {a.rounds} launches x {a.blocks} blocks x {a.steps} steps, a dashboard in the kernel; "
           f"the ranks {what} in every other block (pairs inside one launch); {ranks_words(a, got)}:")
-    print(f"  forwarding / not, paired blocks: median {statistics.median(ratios):.3f} over {len(ratios)} pairs "
+    print(f"  {'anatomy on / off' if a.toggle_anatomy else 'forwarding / not'}, paired blocks: median {statistics.median(ratios):.3f} over {len(ratios)} pairs "
           f"(quartiles {statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f}); "
           f"fastest blocks {min(fast[True]) * 1e3:.2f} vs {min(fast[False]) * 1e3:.2f} ms/step")
 
@@ -260,9 +277,11 @@ if __name__ == '__main__':
                         help="one watched launch per round whose blocks alternate forwarding on and off (pairs within a launch)")
     parser.add_argument('--toggle-all', action='store_true',
                         help="as --toggle, and the off blocks also skip the layer norms, the per-bucket probe and the blocked-time accounting")
+    parser.add_argument('--toggle-anatomy', action='store_true',
+                        help="one watched launch per round whose blocks alternate the step anatomy on and off (all else on)")
     a = parser.parse_args()
     if a.launcher != 'notebook_launcher' and a.threads is not None:
         parser.error('--threads sets the count in the ranks, which only --launcher notebook_launcher does: the other '
                      'launchers measure the threads users get')
     if a.threads is None: a.threads = max(1, (os.cpu_count() or 2) // 2) if a.launcher == 'notebook_launcher' else 0
-    sys.exit(toggled(a) if a.toggle or a.toggle_all else interleaved(a))
+    sys.exit(toggled(a) if a.toggle or a.toggle_all or a.toggle_anatomy else interleaved(a))

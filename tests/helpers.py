@@ -80,3 +80,25 @@ def run_torchrun(cmd, **kwargs):
     r = subprocess.run(cmd, **kwargs)
     if r.returncode != 0 and TORCH_EXIT_ABORT in (r.stdout or '') + (r.stderr or ''): r = subprocess.run(cmd, **kwargs)
     return r
+
+def torch_records(path) -> dict:
+    """A torch file's records by name, without what differs between any two saves of the same object: the archive's
+    folder (named after the temporary file, which has a random suffix) and torch's random `serialization_id`"""
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        return {n.split('/', 1)[1]: z.read(n) for n in z.namelist() if not n.endswith('serialization_id')}
+
+def checkpoint_tree(d) -> dict:
+    """Every file under checkpoint directory `d`: torch files as their records, the manifest with each file's size
+    (checksums cover the random parts `torch_records` leaves out), other files' bytes"""
+    import json
+    from pathlib import Path
+    out = {}
+    for p in sorted(Path(d).rglob('*')):
+        name = str(p.relative_to(d))
+        if p.suffix == '.pt': out[name] = torch_records(p)
+        elif p.name == 'manifest.json':
+            m = json.loads(p.read_text())
+            out[name] = {**m, 'files': {n: f['size'] for n, f in m['files'].items()}}
+        elif p.is_file(): out[name] = p.read_bytes()
+    return out

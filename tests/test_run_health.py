@@ -117,7 +117,7 @@ def test_a_watching_dashboard_gets_every_panel_and_keeps_the_cell_quiet(capfd, t
     assert dash.layers.widget.layout.display == '' and 'step 20: largest' in dash.layers.text.value
     assert [ax.get_title() for ax in dash.grad_norm.live_figure.axes] == ['gradient norm', 'loss', 'learning rate']   # no fp16
     page = (tmp_path / 'run.html').read_text() if dash.save_html(tmp_path / 'run.html') else ''
-    assert page.count('data:image/png;base64,') == 4 and '&quot;train_micro_batch_size_per_gpu&quot;: 4' in page
+    assert page.count('data:image/png;base64,') == 5 and '&quot;train_micro_batch_size_per_gpu&quot;: 4' in page
     dash.close()
 
 def train_with(config):

@@ -12,11 +12,12 @@ from .. import comm as dist
 from ..engine.build import initialize
 from ..memory.tracker import CudaBytes, TensorMemoryTracker, active_tracker
 from ..monitor.ds_sinks import without_monitors
+from ..monitor.anatomy import ANATOMY_PHASES
 from ..utils.threads import size_threads
 
 # %% auto #0
 __all__ = ['STATUSES', 'METRICS', 'TrialResult', 'median_interval', 'spread', 'TimingRule', 'TrialTimeout', 'PeerFailed',
-           'classify', 'PeakMeter', 'agree_flags', 'GroupUnit', 'median_phases', 'run_trial']
+           'classify', 'PeakMeter', 'agree_flags', 'GroupUnit', 'median_phases', 'median_anatomy', 'run_trial']
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c005
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error')
@@ -45,6 +46,8 @@ class TrialResult:
     noise: float | None = None  # the step times' spread: median absolute deviation / median
     threads: int | None = None  # torch intra-op threads the ranks computed with (group rank 0's)
     phases_ms: dict | None = None  # phase -> median ms per optimizer step in the timed window; None: not timed
+    # step anatomy (flexrt.engine.anatomy): phase -> median ms per optimizer step in the timed window, of group rank 0
+    anatomy_ms: dict | None = None
 
     @property
     def overhead_seconds(self) -> float:
@@ -205,6 +208,7 @@ class _Steps:
         self.engine, self.train_step, self.group, self.timeout, self.start = engine, train_step, group, timeout, start
         self.batches, self.loader, self.micro_steps, self.count_next, self.flops = None, loader, 0, False, None
         self.spent, self.phases = 0.0, []  # seconds inside `train_step` so far; each timed step's phases (ms)
+        self.anatomies = []  # each optimizer step's anatomy (seconds by phase), from the engine's step records
 
     def _call(self):
         self.train_step(self.engine) if self.loader is None else self.train_step(self.engine, self._batch())
@@ -260,6 +264,11 @@ class _Steps:
             spent += self.micro_step()
         return spent
 
+    def keep_anatomy(self, record: dict):
+        "A sink of the engine's step records: keeps each step's anatomy"
+        if record.get('anatomy'):
+            self.anatomies.append(record['anatomy'])
+
     def timed_step(self) -> float:  # seconds inside `train_step`
         "One optimizer step of the timed window; its engine phases (ms) kept where the engine times them"
         spent = self.optimizer_step()
@@ -273,6 +282,12 @@ def median_phases(readings: list) -> dict:  # phase -> median ms
     readings = [r for r in readings if r]
     names = [n for n in (readings[0] if readings else {}) if all(n in r for r in readings)]
     return {n: statistics.median(r[n] for r in readings) for n in names}
+
+
+def median_anatomy(anatomies: list) -> dict:  # phase -> median ms
+    "The median milliseconds of each anatomy phase and of the wall time over the steps' anatomies (seconds by phase)"
+    names = (*ANATOMY_PHASES, 'wall', 'comm_gather', 'comm_reduce')
+    return {n: statistics.median(a[n] for a in anatomies) * 1e3 for n in names if anatomies and n in anatomies[0]}
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c023
 def _experiment(
@@ -300,17 +315,21 @@ def _experiment(
         # no run logs, no printed steps; on CPU the engine's phases timed (on CUDA a sync each would change the step)
         timed = {'wall_clock_breakdown': True} if _device().type == 'cpu' else {}
         quiet = {**without_monitors(dict(ds_config)), 'steps_per_print': 10**9, **timed}
+        # the step anatomy: blocked time counted (it records while the watch counts it), each step's kept below
+        quiet['diagnostics'] = {**quiet.get('diagnostics', {}), 'comm_wait': True}
         engine, *_ = initialize(model=model, config=quiet, mpu=unit)
         del model
         trace['refs'].append(weakref.ref(engine))
         loader = None if dataset is None else engine.deepspeed_io(dataset)
         steps = trace['steps'] = _Steps(engine, train_step, loader, group, timeout, start)
+        engine.reporter.sinks.append(steps.keep_anatomy)
         mb = engine.train_micro_batch_size_per_gpu()
         steps.flops = None if flops_memo is None else flops_memo.get(mb)  # the same at any stage and bucket size
         steps.count_next = warmup_steps > 0 and steps.flops is None
         for _ in range(warmup_steps):
             steps.optimizer_step()
         engine.timers.read()  # the warm-up's phase times are not the window's
+        steps.anatomies.clear()
         times = [steps.timed_step() for _ in range(profile_steps)]
         while timing is not None and agree_flags([not timing.enough(times)], group)[0]:
             times.append(steps.timed_step())
@@ -321,6 +340,7 @@ def _experiment(
             'flops': steps.flops,
             'micro_steps': steps.micro_steps,
             'phases': steps.phases,
+            'anatomies': steps.anatomies,
             'threads': torch.get_num_threads(),
             'samples': engine.train_batch_size(),
             'gas': engine.gradient_accumulation_steps(),
@@ -358,6 +378,7 @@ def _summary(local: dict, metric: str) -> dict:
         noise=spread(times),
         threads=local.get('threads'),
         phases_ms=median_phases(local.get('phases') or []) or None,
+        anatomy_ms=median_anatomy(local.get('anatomies') or []) or None,
     )
 
 # %% ../../nbs/70_autotuner_measure.ipynb #c026

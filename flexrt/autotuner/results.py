@@ -40,6 +40,7 @@ TRIAL_COLUMNS = [
     'seconds',
     'threads',
     'phases_ms',
+    'anatomy_ms',
     'config',
 ]
 STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error', 'pruned')
@@ -146,6 +147,7 @@ MEASURED_FIELDS = (
     'steps_seconds',
     'threads',
     'phases_ms',
+    'anatomy_ms',
 )
 _RESULT_KEYS = ('status', 'reason', 'metric', *MEASURED_FIELDS)
 

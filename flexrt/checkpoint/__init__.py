@@ -15,7 +15,9 @@ __all__ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MA
            'holds_whole_module', 'writes_deepspeed_model', 'deepspeed_model_states', 'write_deepspeed_model',
            'RECOVERY_SCRIPT', 'RECOVERY_TEXT', 'make_executable', 'write_recovery_script', 'optimizer_state_file',
            'agree', 'TagMismatchError', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve',
-           'verify', 'load_checkpoint', 'save_16bit_model', 'consolidate']
+           'verify', 'load_checkpoint', 'save_16bit_model', 'consolidate', 'SaveDirLock', 'prepare_staging',
+           'rank_files', 'write_files', 'manifest_info', 'finish_save', 'begin_save', 'MARKER_GRACE_S', 'snapshot',
+           'copied_storages', 'private_copies', 'marker_file', 'write_marker', 'BackgroundSave', 'CheckpointWriter']
 
 # %% ../../nbs/60_checkpoint.ipynb #c003
 from flexrt.checkpoint.storage import (
@@ -53,6 +55,7 @@ from flexrt.checkpoint.layout import (
     available_tags,
     read_latest,
     tag_dir,
+    SaveDirLock,
 )
 from flexrt.checkpoint.shards import (
     tensor_entries,
@@ -101,6 +104,23 @@ from flexrt.checkpoint.save_load import (
     load_checkpoint,
     save_16bit_model,
     consolidate,
+    prepare_staging,
+    rank_files,
+    write_files,
+    manifest_info,
+    finish_save,
+    begin_save,
+)
+
+from flexrt.checkpoint.async_save import (
+    MARKER_GRACE_S,
+    snapshot,
+    copied_storages,
+    private_copies,
+    marker_file,
+    write_marker,
+    BackgroundSave,
+    CheckpointWriter,
 )
 
 _all_ = [
@@ -180,4 +200,19 @@ _all_ = [
     'load_checkpoint',
     'save_16bit_model',
     'consolidate',
+    'SaveDirLock',
+    'prepare_staging',
+    'rank_files',
+    'write_files',
+    'manifest_info',
+    'finish_save',
+    'begin_save',
+    'MARKER_GRACE_S',
+    'snapshot',
+    'copied_storages',
+    'private_copies',
+    'marker_file',
+    'write_marker',
+    'BackgroundSave',
+    'CheckpointWriter',
 ]

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c003
 from __future__ import annotations
-import json, os, re, shutil
+import json, os, re, shutil, warnings
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from flexrt.checkpoint.storage import (
     CheckpointError,
@@ -28,6 +28,12 @@ from flexrt.checkpoint.storage import (
     check_safe,
     safe_load,
 )
+
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, saves into one directory are not serialised
+    fcntl = None
 
 _all_ = [
     'FORMAT',
@@ -53,8 +59,8 @@ _all_ = [
 
 # %% auto #0
 __all__ = ['write_manifest', 'contained', 'check_manifest', 'read_manifest', 'verify_file', 'tag_problem', 'check_tag',
-           'staging_dir', 'discard_staging', 'publish', 'available_tags', 'read_latest', 'tag_dir', 'FORMAT',
-           'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MAX_MANIFEST_BYTES', 'MAX_TAG_BYTES',
+           'staging_dir', 'discard_staging', 'publish', 'SaveDirLock', 'available_tags', 'read_latest', 'tag_dir',
+           'FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MAX_MANIFEST_BYTES', 'MAX_TAG_BYTES',
            'CheckpointError', 'rank_file', 'loaded_files', 'checksum_file', 'fsync', 'atomic_write', 'serialized_size',
            'save_torch', 'save_text', 'no_space_error', 'check_safe', 'safe_load']
 
@@ -274,6 +280,43 @@ def publish(
     if save_latest:
         save_text(tag, save_dir / LATEST)
     shutil.rmtree(old, ignore_errors=True)
+
+# %% ../../nbs/60_checkpoint_layout.ipynb #c020l
+class SaveDirLock:
+    """An exclusive lock on a checkpoint directory, held while one save prepares, writes and publishes a tag there.
+    It is an `flock` on the directory itself: no file is added, and the kernel drops it when its holder dies."""
+
+    def __init__(self, save_dir):  # an existing directory
+        self.path = Path(save_dir)
+        self.fd = None  # the open directory while the lock is held
+
+    def acquire(self, blocking: bool = True) -> bool:  # whether the lock is held now
+        "Take the lock, waiting for another holder unless `blocking` is False"
+        assert self.fd is None, f"SaveDirLock({self.path}) is already held by this object"
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError as e:  # a file system without locks (some network mounts): saves there are not serialised
+            warnings.warn(f"cannot lock {self.path} ({e}): overlapping saves into it are not serialised")
+        self.fd = fd
+        return True
+
+    def release(self):
+        "Drop the lock (closing the directory drops the flock); nothing happens if it is not held"
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 # %% ../../nbs/60_checkpoint_layout.ipynb #c021
 def available_tags(load_dir) -> list:  # tags of complete checkpoints, newest first

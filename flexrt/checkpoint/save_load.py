@@ -20,11 +20,12 @@ from flexrt.checkpoint.layout import (
     read_latest,
     tag_dir,
     discard_staging,
+    SaveDirLock,
 )
 from .plan import LoadPlan, engine_entries, rank_writes
 from .engine_surface import check_engine
 from .deepspeed_format import find_deepspeed_checkpoint, read_deepspeed
-from .deepspeed_view import write_deepspeed_model, write_recovery_script
+from .deepspeed_view import writes_deepspeed_model, deepspeed_model_states, write_recovery_script
 from flexrt.checkpoint.shards import (
     tensor_entries,
     master_records,
@@ -36,7 +37,8 @@ from flexrt.checkpoint.shards import (
 )
 
 # %% auto #0
-__all__ = ['agree', 'TagMismatchError', 'agree_on_tag', 'rank_payload', 'model_states', 'save_checkpoint', 'resolve', 'verify',
+__all__ = ['agree', 'TagMismatchError', 'agree_on_tag', 'rank_payload', 'model_states', 'prepare_staging', 'rank_files',
+           'write_files', 'manifest_info', 'finish_save', 'begin_save', 'save_checkpoint', 'resolve', 'verify',
            'load_checkpoint', 'save_16bit_model', 'consolidate']
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c006
@@ -163,47 +165,76 @@ def _check_client_state(client_state):
     check_safe(client_state, 'client_state')
 
 
-def _prepare(save_dir: Path, tag: str):
+def _prepare(save_dir: Path, tag: str) -> SaveDirLock:
     save_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)  # left by a crashed save of this tag
-    staging_dir(save_dir, tag).mkdir()
+    lock = SaveDirLock(save_dir)
+    lock.acquire()  # another save into `save_dir` publishes or discards its staging directory first
+    try:
+        shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)  # left by a crashed save of this tag
+        staging_dir(save_dir, tag).mkdir()
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
-def _write_files(
-    engine, staging: Path, client_state: dict, exclude_frozen: bool
-) -> dict:  # {file name: size and checksum}
+def prepare_staging(
+    save_dir: Path,
+    tag: str,
+    before: BaseException | None = None,  # what this rank met just before: agreed on in the same collective
+) -> SaveDirLock | None:  # rank 0: the lock it now holds; others: None
+    "Rank 0 locks `save_dir` and makes an empty staging directory for `tag` (collective: a failure raises everywhere)"
+    lock, error = _attempt(_prepare, save_dir, tag) if dist.get_rank() == 0 and before is None else (None, None)
+    try:
+        agree(before or error, 'preparing the checkpoint')
+    except BaseException:
+        if lock is not None:
+            discard_staging(save_dir, tag)
+            lock.release()
+        raise
+    return lock
+
+
+def rank_files(engine, client_state: dict, exclude_frozen: bool) -> dict:  # {file name: the object it holds}
+    "What this rank writes: its rank file; rank 0 the model states; the first rank of a data-parallel group DeepSpeed's"
     entries = engine_entries(engine)
     frozen = (
         [(n, t) for n, _, t, kind, _ in entries if kind == 'param' and not t.requires_grad] if exclude_frozen else []
     )
-    payload = rank_payload(engine, entries, {id(t) for _, t in frozen})
-    files = {rank_file(dist.get_rank()): save_torch(payload, staging / rank_file(dist.get_rank()))}
+    out = {rank_file(dist.get_rank()): rank_payload(engine, entries, {id(t) for _, t in frozen})}
     if dist.get_rank() == 0:
-        files[MODEL_STATES] = save_torch(
-            model_states(engine, entries, client_state, [n for n, _ in frozen]), staging / MODEL_STATES
-        )
-    # DeepSpeed's view of the module
-    return files | write_deepspeed_model(engine, staging, client_state, exclude_frozen)
+        out[MODEL_STATES] = model_states(engine, entries, client_state, [n for n, _ in frozen])
+    if (name := writes_deepspeed_model(engine)) is not None:  # DeepSpeed's view of the module
+        out[name] = deepspeed_model_states(engine, client_state, exclude_frozen)
+    return out
 
 
-def _finish(engine, save_dir: Path, tag: str, files: dict, save_latest: bool):
+def write_files(staging: Path, objects: dict) -> dict:  # {file name: size and checksum}
+    "Write each object of `rank_files` to its file in the staging directory (crash-safe, checksummed)"
+    return {name: save_torch(obj, staging / name) for name, obj in objects.items()}
+
+
+def manifest_info(engine) -> dict:
+    "The manifest's record of the engine that saved, taken when the save starts (training may go on meanwhile)"
+    return {
+        'world_size': dist.get_world_size(),
+        'stage': engine.optimizer.stage,
+        'precision': engine.precision.name,
+        'global_steps': engine.global_steps,
+    }
+
+
+def finish_save(save_dir: Path, tag: str, files: dict, info: dict, save_latest: bool):
+    "Rank 0: check every rank's reported file on disk, write the manifest and the recovery script, publish"
     staging = staging_dir(save_dir, tag)
-    for name, info in files.items():
+    for name, report in files.items():
         size = (staging / name).stat().st_size if (staging / name).is_file() else None
-        if size != info['size']:
+        if size != report['size']:
             raise CheckpointError(
-                f"{staging / name} has {size} bytes on disk, its writer reported {info['size']}: is {save_dir} shared "
-                "by all ranks?"
+                f"{staging / name} has {size} bytes on disk, its writer reported {report['size']}: "
+                f"is {save_dir} shared by all ranks?"
             )
-    write_manifest(
-        staging,
-        files,
-        tag=tag,
-        world_size=dist.get_world_size(),
-        stage=engine.optimizer.stage,
-        precision=engine.precision.name,
-        global_steps=engine.global_steps,
-    )
+    write_manifest(staging, files, tag=tag, **info)
     write_recovery_script(save_dir)  # before publishing: a save that cannot write it fails whole
     publish(save_dir, tag, save_latest)
 
@@ -219,15 +250,10 @@ def _warn_window(engine, what: str, consequence: str):
         )
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c015
-def save_checkpoint(
-    engine,  # a flexrt Engine (anything with `CheckpointEngine`'s attributes)
-    save_dir,  # the directory holding the checkpoints (created if needed; shared by all ranks)
-    tag=None,  # the checkpoint's name (default: global_step<N>)
-    client_state: dict | None = None,  # your own state (epoch, data position...): tensors, numbers, strings, containers
-    save_latest: bool = True,  # point `<save_dir>/latest` at this tag
-    exclude_frozen_parameters: bool = False,
-) -> bool:  # leave out parameters that do not require grad
-    "Save the engine's complete training state under `<save_dir>/<tag>/` (all ranks call it); True when done"
+def begin_save(
+    engine, save_dir, tag, client_state: dict | None
+) -> tuple:  # (save_dir as a Path, the tag every rank uses, client_state)
+    "Check a save's arguments and agree on its tag (collective), as every save starts"
     check_engine(engine)
     if save_dir is None or str(save_dir) == '':
         raise ValueError("save_checkpoint needs a save_dir: the directory that holds the checkpoints")
@@ -240,24 +266,43 @@ def save_checkpoint(
         "they are not saved: a load of this checkpoint starts a fresh window; "
         "save right after engine.step() at a boundary",
     )
-    tag = agree_on_tag(tag, engine.config.checkpoint.tag_validation, engine.device)
-    agree(_attempt(_prepare, save_dir, tag)[1] if dist.get_rank() == 0 else None, 'preparing the checkpoint directory')
-    files, error = _attempt(_write_files, engine, staging_dir(save_dir, tag), client_state, exclude_frozen_parameters)
-    reports = [None] * dist.get_world_size()
-    if dist.get_world_size() > 1:
-        dist.all_gather_object(reports, files)
-    else:
-        reports = [files]
+    return save_dir, agree_on_tag(tag, engine.config.checkpoint.tag_validation, engine.device), client_state
+
+
+def save_checkpoint(
+    engine,  # a flexrt Engine (anything with `CheckpointEngine`'s attributes)
+    save_dir,  # the directory holding the checkpoints (created if needed; shared by all ranks)
+    tag=None,  # the checkpoint's name (default: global_step<N>)
+    client_state: dict | None = None,  # your own state (epoch, data position...): tensors, numbers, strings, containers
+    save_latest: bool = True,  # point `<save_dir>/latest` at this tag
+    exclude_frozen_parameters: bool = False,
+) -> bool:  # leave out parameters that do not require grad
+    "Save the engine's complete training state under `<save_dir>/<tag>/` (all ranks call it); True when done"
+    save_dir, tag, client_state = begin_save(engine, save_dir, tag, client_state)
+    info, lock = manifest_info(engine), prepare_staging(save_dir, tag)
     try:
+        objects, error = _attempt(rank_files, engine, client_state, exclude_frozen_parameters)
+        files, error = (
+            (None, error) if error is not None else _attempt(write_files, staging_dir(save_dir, tag), objects)
+        )
+        reports = [None] * dist.get_world_size()
+        if dist.get_world_size() > 1:
+            dist.all_gather_object(reports, files)
+        else:
+            reports = [files]
         agree(error, 'writing the checkpoint files')
-        everything = {name: info for r in reports for name, info in r.items()}
+        everything = {name: report for r in reports for name, report in r.items()}
         agree(
-            _attempt(_finish, engine, save_dir, tag, everything, save_latest)[1] if dist.get_rank() == 0 else None,
+            _attempt(finish_save, save_dir, tag, everything, info, save_latest)[1] if lock is not None else None,
             'publishing the checkpoint',
         )
     except BaseException:
-        discard_staging(save_dir, tag)
-        raise  # every rank: no partial files, `latest` untouched
+        if lock is not None:
+            discard_staging(save_dir, tag)  # no partial files, `latest` untouched; every rank raises
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
     return True
 
 # %% ../../nbs/60_checkpoint_save_load.ipynb #c017

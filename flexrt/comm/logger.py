@@ -175,6 +175,9 @@ class CommsLogger:
         self.world_size_of = lambda group: 1  # set by flexrt.comm to its get_world_size
         self.rank = lambda: 0  # set by flexrt.comm to its get_rank
         self.blocked, self.blocked_watchers, self._blocked_lock = {}, 0, threading.Lock()  # see `watch_blocked`
+        # running sums while watched, never taken (readers compare two looks: `blocked_sums()`): seconds blocked in all,
+        # seconds blocked per op, seconds each op ran from issue to completion (`busy`)
+        self.blocked_total, self._blocked_sums, self._busy_sums = 0.0, {}, {}
         # the settings (`apply` replaces them): the config, whether it logs, the op names it profiles
         self.config = config or CommsLoggerConfig()
         self.enabled, self._prof_ops = self.config.enabled, _prof_ops(self.config)
@@ -238,6 +241,20 @@ class CommsLogger:
             return
         with self._blocked_lock:
             self.blocked[op] = self.blocked.get(op, 0.0) + seconds
+            self._blocked_sums[op] = self._blocked_sums.get(op, 0.0) + seconds
+            self.blocked_total += seconds
+
+    def add_busy(self, op: str, seconds: float):
+        "Add `seconds` that one call of `op` ran, from its issue to its completion (nothing while nobody watches)"
+        if not self.blocked_watchers:
+            return
+        with self._blocked_lock:
+            self._busy_sums[op] = self._busy_sums.get(op, 0.0) + seconds
+
+    def blocked_sums(self) -> tuple:  # ({op: seconds blocked}, {op: seconds running}), since watching began
+        "The running sums of blocked and busy time per op (copies); a reader's step is the difference of two looks"
+        with self._blocked_lock:
+            return dict(self._blocked_sums), dict(self._busy_sums)
 
     def profile(self, name: str, params: tuple, fn, args: tuple, kwargs: dict):
         """Run `fn(*args, **kwargs)`, the public op `name`, and log its latency if it is profiled (count blocked time if
@@ -271,6 +288,7 @@ class CommsLogger:
         interval.end, interval.finished_by = self.clock(), 'call'
         interval.wait_returned(interval.end)  # synchronous: the caller was inside it throughout
         self.add_blocked(name, interval.end - interval.issued)
+        self.add_busy(name, interval.end - interval.issued)
         if not cuda:
             self.record(key, interval.end - start)
         else:
@@ -288,8 +306,14 @@ class CommsLogger:
         out = fn(*args, **kwargs)
         if out is None or not (hasattr(out, 'wait') or isinstance(out, list)):
             self.add_blocked(name, self.clock() - start)
+            self.add_busy(name, self.clock() - start)
             return out
-        return [BlockedWork(w, self, name) for w in out] if isinstance(out, list) else BlockedWork(out, self, name)
+        issuing = self.clock() - start  # the caller is in the comm layer meanwhile: a direct-message op sends its part
+        if issuing > 0:
+            self.add_blocked(name, issuing)
+        if isinstance(out, list):
+            return [BlockedWork(w, self, name, start) for w in out]
+        return BlockedWork(out, self, name, start)
 
     def take_blocked(self) -> dict:  # {op: seconds blocked since the last call}
         "The blocked time per op since the last call, then start again from zero"
@@ -405,6 +429,7 @@ class TimedWork:
         now = self._logger.clock()
         if self._interval is not None:
             self._interval.end, self._interval.finished_by = now, by
+            self._logger.add_busy(self._key[1], now - self._interval.issued)
         if not self._cuda:
             return self._logger.record(self._key, now - self._start)
         end = torch.cuda.Event(enable_timing=True)
@@ -430,15 +455,30 @@ def timed_op(fn):
 
 # %% ../../nbs/10_comm_logger.ipynb #w28e6b3e
 class BlockedWork:
-    "An async op's handle that adds the time its caller waits on it to the logger's blocked time"
+    """An async op's handle that adds the time its caller waits on it to the logger's blocked time, and the op's run
+    time (issue to the end of its first wait) to its busy time"""
 
-    def __init__(self, work, logger: CommsLogger, op: str):
+    def __init__(
+        self,
+        work,  # the handle the op returned
+        logger: CommsLogger,
+        op: str,  # the public op's name
+        issued: float | None = None,  # when it was issued, on the logger's clock (None: now)
+    ):
         self._work, self._logger, self._op = work, logger, op
+        self._issued = logger.clock() if issued is None else issued
+        self._counted = False  # whether its run time was added
 
     def wait(self, *args, **kwargs):
         start = self._logger.clock()
         out = self._work.wait(*args, **kwargs)
-        self._logger.add_blocked(self._op, self._logger.clock() - start)
+        end = self._logger.clock()
+        self._logger.add_blocked(self._op, end - start)
+        if not self._counted:
+            # run until the first wait returned: exact for an op still running then; for one already done, an upper
+            # bound on a time that overlapped compute entirely (a completion callback would cost ~10 us per op)
+            self._counted = True
+            self._logger.add_busy(self._op, end - self._issued)
         return out
 
     def __getattr__(self, name):

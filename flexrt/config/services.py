@@ -103,6 +103,8 @@ class CheckpointConfig(Block):
     load_universal: bool = False  # load from a universal (world-size independent) checkpoint
     use_node_local_storage: bool = False  # each node's local rank 0 writes (storage not shared between nodes)
     parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig)  # parallel writing
+    # `save_checkpoint` returns once this rank's state is copied; a thread writes and publishes it
+    async_save: bool = False  # save in the background (flexrt's own key: DeepSpeed has none)
 
 # %% ../../nbs/00_config_services.ipynb #c016
 @block

@@ -166,13 +166,21 @@ class DeepSpeedAccessors:
         tag=None,  # the checkpoint's name (default: global_step<N>)
         client_state: dict | None = None,  # your own state: tensors, numbers, strings and containers of them
         save_latest: bool = True,  # point `<save_dir>/latest` at this tag
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:  # leave out parameters that do not require grad
-        "Save the complete training state (all ranks call it)"
-        saved = save_load.save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        exclude_frozen_parameters: bool = False,  # leave out parameters that do not require grad
+        async_save: bool | None = None,  # return once the state is copied; None: the config's `checkpoint.async_save`
+    ):  # True when a synchronous save is done; an asynchronous save's `BackgroundSave` (true once it has landed)
+        "Save the complete training state (all ranks call it), after the save in flight has landed"
+        saved = self.checkpoint_writer.save(
+            save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save
+        )
         # stage 3: persistent parameters released by `empty_partition_cache()` are whole again, as in DeepSpeed
         self.optimizer.refresh()
         return saved
+
+    def wait_for_checkpoint(self) -> bool:
+        """Wait until the asynchronous save in flight has landed (all ranks call it); `CheckpointError` on every rank,
+        naming the ranks that failed and why"""
+        return self.checkpoint_writer.wait()
 
     def load_checkpoint(
         self,
@@ -183,10 +191,10 @@ class DeepSpeedAccessors:
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple:
-        """Restore a checkpoint (all ranks call it): `(path, client_state)`, or `(None, None)` when `load_dir` has no
-        `latest`"""
-        return save_load.load_checkpoint(
-            self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        """Restore a checkpoint (all ranks call it; a save in flight lands first): `(path, client_state)`, or
+        `(None, None)` when `load_dir` has no `latest`"""
+        return self.checkpoint_writer.load(
+            load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
 
     def save_16bit_model(

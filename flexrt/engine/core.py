@@ -16,6 +16,8 @@ from ..utils.groups import ExpertGroups
 from ..memory.reports import tune_cpu_malloc
 from ..utils.threads import size_threads
 from .watch import StepWatch
+from .anatomy import StepPhases, largest_layer
+from ..checkpoint.async_save import CheckpointWriter
 from .parts import StepCounter, Timers, StepClock, StepReporter, layer_drop, build_dataloader
 from .optim import client_optimizer, client_lr_scheduler
 from ..monitor.ds_sinks import DeepSpeedMonitors, check_packages
@@ -112,12 +114,22 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.watch = StepWatch(
             cfg.diagnostics, self.module, self.optimizer, self.reporter.peek_loss, self.dp_group, self.device
         )
+        # where each step's time goes (flexrt.engine.anatomy): on while the watch counts blocked time
+        self.anatomy = StepPhases(
+            self.watch.comm_wait.on,
+            self.threads.local_ranks,
+            self.optimizer.stage,
+            cfg.zero_optimization.stage3_prefetch_bucket_size,
+            largest_layer(self.module),
+            self.device,
+        )
         # the state between calls
         self.collate_fn = collate_fn  # the default collate function of `deepspeed_io`
         self._closed, self._in_no_sync = False, False
         self._grad_norm = None  # the last optimizer step's global norm before clipping (None before the first)
         self._comm_bytes_seen = 0  # the slot's `comm_bytes` at the last report
         self._comms_before = None  # the comms logger's settings to restore at close(), when this engine changed them
+        self.checkpoint_writer = CheckpointWriter(self)  # the checkpoint save in flight, if any (async_save)
         # then: the run announced, the config's comms logger switched on, settings without effect named
         self._announce_run()
         if cfg.comms_logger != CommsLoggerConfig():  # a default block changes nothing the script set itself
@@ -196,7 +208,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         "Run the model (inputs cast under `fp16.auto_cast`, layer-drop state added to the keyword arguments)"
         self.clock.start()
         cast = self.precision.cast_inputs
-        with self.timers('forward'):
+        with self.timers('forward'), self.anatomy.phase('forward'):
             # not `self.module`, which waits for every gather in flight: forward's hooks wait
             model = self._modules['module']
             return model(*cast(inputs), **self.layer_drop.forward_kwargs(cast(kwargs)))
@@ -223,7 +235,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         gas = self.counter.gradient_accumulation_steps
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        with self.timers('backward'):
+        with self.timers('backward'), self.anatomy.phase('backward'):
             self.optimizer.set_boundary(self.counter.is_boundary() and not self._in_no_sync)
             self.precision.backward(loss, retain_graph)
         return loss
@@ -241,10 +253,11 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
                 "config"
             )
         if not self.counter.count_micro_step():
+            self.anatomy.micro_step_ended()
             return
-        with self.timers('allreduce'):
+        with self.timers('allreduce'), self.anatomy.phase('optimizer'):
             grads = self.optimizer.reduced_gradients()
-        with self.timers('step'):
+        with self.timers('step'), self.anatomy.phase('optimizer'):
             overflow, step = self.precision.unscale_and_check(grads), self.counter.global_steps + 1
             self.watch.before_clip(step, overflow)  # layer norms, on sampled steps
             self._grad_norm, post_clip = self.optimizer.clip_grad_norm(self.config.gradient_clipping)
@@ -284,6 +297,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             step_time=step_time,
             samples_per_s=batch / step_time if step_time > 0 else math.nan,
             **self.watch.step_fields(),
+            **self.anatomy.step_fields(),
         )
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -388,6 +402,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             parts.callback(self.expert_groups.close)
             parts.callback(self.optimizer.close)
             parts.callback(self.watch.close)
+            parts.callback(self.anatomy.close)
+            parts.callback(self.checkpoint_writer.close)  # first: a save in flight lands while the groups exist
 
 # %% ../../nbs/65_engine_core.ipynb #c012
 @torch.no_grad()

@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['RecordStore', 'rank0_steps', 'Plot', 'figure_html', 'thin', 'LiveView', 'History', 'FIRST_POLL', 'MemoryMonitor',
-           'MiB', 'UNTRACKED_HINT', 'GradNormTrace', 'RankPanel', 'LayerNormHeatmap', 'TrainingDashboard', 'SearchView',
-           'SearchSettings', 'view_of_result', 'SearchPanel', 'AutotuneWidget', 'MemoryPlanner']
+           'MiB', 'UNTRACKED_HINT', 'GradNormTrace', 'RankPanel', 'LayerNormHeatmap', 'StepAnatomy',
+           'TrainingDashboard', 'SearchView', 'SearchSettings', 'view_of_result', 'SearchPanel', 'AutotuneWidget',
+           'MemoryPlanner']
 
 # %% ../../nbs/80_widgets.ipynb #c003
 import importlib
@@ -19,6 +20,7 @@ _MODULES = {
     'grad_norm': ('GradNormTrace',),
     'ranks': ('RankPanel',),
     'layers': ('LayerNormHeatmap',),
+    'anatomy': ('StepAnatomy',),
     'dashboard': ('TrainingDashboard',),
     'autotune_view': ('SearchView', 'SearchSettings', 'view_of_result'),
     'autotune_panel': ('SearchPanel',),
@@ -40,6 +42,7 @@ _all_ = [
     'GradNormTrace',
     'RankPanel',
     'LayerNormHeatmap',
+    'StepAnatomy',
     'TrainingDashboard',
     'SearchView',
     'SearchSettings',

@@ -17,6 +17,7 @@ from .records import RecordStore, rank0_steps
 from ..monitor.sinks import flatten_record
 from .ranks import RankPanel
 from .layers import LayerNormHeatmap
+from .anatomy import StepAnatomy
 from .report import save_html, figure_png
 
 # %% auto #0
@@ -42,6 +43,7 @@ class TrainingDashboard(LiveView):
         self.grad_norm = GradNormTrace(clip=clip, records=records, redraw=False)
         self.ranks = RankPanel(records=records, redraw=False)  # shown once two ranks report blocked times
         self.layers = LayerNormHeatmap(records=records, redraw=False)  # shown once 'layer_norms' records arrive
+        self.anatomy = StepAnatomy(records=records, redraw=False)  # shown once step records carry an anatomy
         self.log = W.HTML()
         self.log_section = W.VBox(
             [W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none')
@@ -72,6 +74,7 @@ class TrainingDashboard(LiveView):
                 self.background_section,
                 self.grad_norm.widget,
                 self.ranks.widget,
+                self.anatomy.widget,
                 self.layers.widget,
                 self.memory.widget,
                 self.comm_section,
@@ -94,7 +97,7 @@ class TrainingDashboard(LiveView):
         LiveView.close(self)
 
     def views(self) -> list:
-        return [self.grad_norm, self.ranks, self.layers, self.memory]  # drawn in this order
+        return [self.grad_norm, self.ranks, self.anatomy, self.layers, self.memory]  # drawn in this order
 
     def pending(self) -> bool:
         "Whether the Stop button's state must change: the ranks ended after a stop, or a new run's ranks connected"
@@ -150,7 +153,7 @@ class TrainingDashboard(LiveView):
         return results
 
     def _background_text(self):
-        "The `'error'` records (a rank's memory sampler, the hub, ...), each with its rank, source and where it was raised"
+        "The `'error'` records (a rank's memory sampler, the hub, ...), each with its rank, source and place"
         if self.records.counts['error'] == self._background_drawn:
             return
         self._background_drawn = self.records.counts['error']
@@ -208,6 +211,12 @@ class TrainingDashboard(LiveView):
                 'Ranks',
                 self.ranks.straggler.value + self.ranks.silent.value + self.ranks.table.value
                 if self.ranks.widget.layout.display == ''
+                else '',
+            ),
+            (
+                'Step anatomy',
+                self.anatomy.findings.value + self.anatomy.table.value + self.anatomy.earlier.value
+                if self.anatomy.widget.layout.display == ''
                 else '',
             ),
             ('Gradient norm by layer', self.layers.text.value if self.layers.has_data() else ''),

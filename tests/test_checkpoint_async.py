@@ -1,0 +1,213 @@
+"""Asynchronous checkpoint saves on real gloo ranks: the same files as a synchronous save at every ZeRO stage,
+training that goes on bit-exactly, a SIGKILL during the background write that leaves the previous checkpoint in
+place, and a background error raised on every rank at the next call."""
+import errno, os, signal, subprocess, sys
+from pathlib import Path
+import pytest, torch
+from helpers import run_distributed, checkpoint_tree
+from test_checkpoint import engine_for, random_steps, snapshot
+
+def writer_for(engine):
+    from flexrt.checkpoint.async_save import CheckpointWriter
+    return CheckpointWriter(engine)
+
+# ---------------------------------------------------------------------------------------------------------------
+# the same files, and training that goes on as after a synchronous save
+
+def same_files_rank(rank, world, d, stage):
+    "Save one state synchronously and asynchronously (then step at once, while the thread may still write)"
+    e = engine_for(stage, gas=1)
+    random_steps(e, 2)
+    writer = writer_for(e)
+    assert writer.save(Path(d, 'sync'), tag='t', client_state={'epoch': 3}) is True
+    job = writer.save(Path(d, 'async'), tag='t', client_state={'epoch': 3}, async_save=True)
+    random_steps(e, 1)        # changes masters, optimizer state, buffers and generators under the thread
+    landed_before = bool(job)
+    assert writer.wait() is True and bool(job)
+    e.close()
+    return landed_before
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_async_save_writes_what_a_synchronous_save_writes(tmp_path, stage):
+    landed = run_distributed(same_files_rank, 2, args=(str(tmp_path), stage))
+    assert landed == [False, False]        # a save is not reported as done before `wait` agreed it landed
+    sync, done = checkpoint_tree(tmp_path / 'sync'), checkpoint_tree(tmp_path / 'async')
+    assert sorted(done) == sorted(sync) and 't/rank_00001.pt' in done
+    for name in sync:
+        assert done[name] == sync[name], name
+
+def resume_rank(rank, world, d, stage, async_save):
+    "Train, save, train on (under the background write when async); then a fresh engine loads and trains the same"
+    e = engine_for(stage, gas=1)
+    random_steps(e, 2)
+    writer = writer_for(e)
+    writer.save(d, tag='t', async_save=async_save)
+    after = random_steps(e, 3)
+    writer.close()
+    final = snapshot(e)[0]
+    e.close()
+    e = engine_for(stage, gas=1, seed=5)
+    writer = writer_for(e)
+    writer.load(d, tag='t')
+    resumed = random_steps(e, 3)
+    e.close()
+    return after, final, resumed
+
+@pytest.mark.parametrize('stage', [1, 3])
+def test_training_after_an_async_save_goes_on_bit_exactly(tmp_path, stage):
+    sync = run_distributed(resume_rank, 2, args=(str(tmp_path / 's'), stage, False))
+    done = run_distributed(resume_rank, 2, args=(str(tmp_path / 'a'), stage, True))
+    for rank in range(2):
+        (after_s, final_s, resumed_s), (after_a, final_a, resumed_a) = sync[rank], done[rank]
+        assert after_a == after_s == resumed_a == resumed_s, rank     # losses and gradient norms, bitwise
+        for k, v in final_s.items(): assert torch.equal(final_a[k], v), (rank, k)
+
+# ---------------------------------------------------------------------------------------------------------------
+# a SIGKILL while the thread writes: the previous checkpoint stays published and loadable
+
+KILL_WORKER = r'''
+import sys, threading, torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from helpers import run_distributed
+from test_checkpoint import engine_for, random_steps
+import flexrt.checkpoint.storage as storage
+def loop(rank, world, d, pause_rank, pause_file):
+    "Save 'one' and wait; save 'two' asynchronously, its write held forever on `pause_rank` before `pause_file`"
+    from flexrt.checkpoint.async_save import CheckpointWriter
+    e = engine_for(1, gas=1)
+    writer = CheckpointWriter(e)
+    random_steps(e, 1)
+    writer.save(d, tag='one', async_save=True)
+    writer.wait()
+    real = storage.atomic_write
+    def held(path, *args, **kwargs):
+        if Path(path).name == pause_file and rank == pause_rank and Path(path).parent.name == '.two.partial':
+            print('PAUSED', flush=True)
+            threading.Event().wait()   # until the SIGKILL
+        return real(path, *args, **kwargs)
+    storage.atomic_write = held
+    random_steps(e, 1)
+    writer.save(d, tag='two', async_save=True)
+    random_steps(e, 2)                 # training goes on while the thread is held
+    writer.wait()
+run_distributed(loop, 2, args=(sys.argv[1], int(sys.argv[3]), sys.argv[4]), timeout=10**6)
+'''
+
+def wait_for_line(proc, text, timeout=120):
+    "Block until the worker prints `text` (read from its stdout)"
+    import select, time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+        if not ready: break
+        line = proc.stdout.readline()
+        if not line: raise AssertionError(f'the worker ended (exit code {proc.wait()}) before printing {text}')
+        if line.startswith(text): return
+    raise AssertionError(f'the worker did not print {text} within {timeout} s')
+
+def load_latest_rank(rank, world, d):
+    "Load `latest`, then save again into the directory (the dead writer's lock is gone with it)"
+    e = engine_for(1, gas=1, seed=3)
+    writer = writer_for(e)
+    path, _ = writer.load(d)
+    steps = e.global_steps
+    writer.save(d, tag='three', async_save=True)
+    writer.close()
+    e.close()
+    return Path(path).name, steps
+
+# where the thread is held: rank 1 before its shard; rank 0 before the manifest (every shard written, not published)
+@pytest.mark.parametrize('pause_rank,pause_file', [(1, 'rank_00001.pt'), (0, 'manifest.json')])
+def test_sigkill_during_the_background_write_leaves_the_previous_checkpoint(tmp_path, pause_rank, pause_file):
+    from flexrt.checkpoint import consolidate, CheckpointError
+    from flexrt.checkpoint.layout import read_latest, tag_dir
+    d, script = tmp_path / 'ckpt', tmp_path / 'worker.py'
+    script.write_text(KILL_WORKER)
+    here = str(Path(__file__).parent)
+    proc = subprocess.Popen([sys.executable, str(script), str(d), here, str(pause_rank), pause_file],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        wait_for_line(proc, 'PAUSED')
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    assert read_latest(d) == 'one'
+    with pytest.raises(CheckpointError, match="no complete checkpoint with tag 'two'"): tag_dir(d, 'two')
+    assert len(consolidate(d)) > 0          # every file of 'one' verified by size and checksum
+    loaded = run_distributed(load_latest_rank, 2, args=(str(d),))
+    assert loaded == [('one', 1), ('one', 1)]
+    assert read_latest(d) == 'three'
+
+# ---------------------------------------------------------------------------------------------------------------
+# a background error reaches every rank at the next call
+
+def failing_rank(rank, world, d):
+    "Three asynchronous saves that fail in the background; what each rank's next call raised"
+    import flexrt.checkpoint.storage as storage
+    import flexrt.checkpoint.async_save as async_save
+    e = engine_for(0, gas=1)
+    writer = writer_for(e)
+    random_steps(e, 1)
+    writer.save(d, tag='good', async_save=True)
+    real_write, real_finish, raised = storage.atomic_write, async_save.finish_save, {}
+    def full(path, *args, **kwargs):   # rank 1's disk fills up: its shard fails, its marker is still written
+        if rank == 1 and Path(path).suffix == '.pt': raise OSError(errno.ENOSPC, 'No space left on device')
+        return real_write(path, *args, **kwargs)
+    def dead(path, *args, **kwargs):   # rank 1 cannot write at all, not even its marker: rank 0 must not wait for it
+        if rank == 1: raise PermissionError(errno.EACCES, 'Permission denied')
+        return real_write(path, *args, **kwargs)
+    def unpublishable(*args):          # rank 0 fails to publish
+        raise OSError(errno.EIO, 'Input/output error')
+    cases = [('full', 'atomic_write', full, storage), ('dead', 'atomic_write', dead, storage),
+             ('publish', 'finish_save', unpublishable, async_save)]
+    for case, name, fake, module in cases:
+        writer.wait()   # the save before lands before the fault is in place
+        setattr(module, name, fake)
+        try:
+            writer.save(d, tag=case, async_save=True)   # returns: the fault strikes in the background
+            random_steps(e, 1)
+            try:
+                writer.save(d, tag=f'{case}2', async_save=True) if case == 'full' else writer.wait()
+            except Exception as err: raised[case] = f'{type(err).__name__}: {err}'
+        finally:
+            storage.atomic_write, async_save.finish_save = real_write, real_finish
+        assert writer.wait() is True   # nothing in flight: the error was raised once
+    writer.save(d, tag='after', async_save=True)
+    writer.close()
+    e.close()
+    return raised
+
+def test_a_background_error_reaches_every_rank_at_the_next_call(tmp_path):
+    from flexrt.checkpoint.layout import read_latest, available_tags
+    d = tmp_path / 'ckpt'
+    results = run_distributed(failing_rank, 2, args=(str(d),), timeout=120)
+    assert results[0] == results[1]    # the same error on every rank
+    raised = results[0]
+    assert raised['full'].startswith("CheckpointError: the asynchronous save of checkpoint 'full'")
+    assert 'failed on rank 1: rank 1: ' in raised['full']
+    assert 'No space left on device' in raised['full']
+    assert 'failed on rank 1' in raised['dead'] and 'Permission denied' in raised['dead']
+    assert 'failed on rank 0' in raised['publish'] and 'Input/output error' in raised['publish']
+    assert sorted(available_tags(d)) == ['after', 'good'] and read_latest(d) == 'after'
+    assert sorted(p.name for p in d.iterdir()) == ['after', 'good', 'latest', 'zero_to_fp32.py']   # no staging left
+
+# ---------------------------------------------------------------------------------------------------------------
+# the engine's own surface, once `Engine` holds a `CheckpointWriter`
+
+def engine_surface_rank(rank, world, d):
+    e = engine_for(2, gas=1)
+    random_steps(e, 1)
+    job = e.save_checkpoint(d, tag='t', async_save=True)
+    random_steps(e, 1)
+    assert e.wait_for_checkpoint() is True and bool(job)
+    path, _ = e.load_checkpoint(d)
+    e.save_checkpoint(d, tag='u', async_save=True)
+    e.close()     # waits for 'u'
+    return Path(path).name
+
+def test_engine_save_checkpoint_async(tmp_path):
+    from flexrt.checkpoint.layout import read_latest
+    assert run_distributed(engine_surface_rank, 2, args=(str(tmp_path),)) == ['t', 't']
+    assert read_latest(tmp_path) == 'u'
