@@ -144,6 +144,8 @@ def test_a_record_too_large_is_dropped_and_counted_at_the_rank():
         fwd({'kind': 'step', 'step': 2, 'fn': print}); fwd({'kind': 'step', 'step': 3}); fwd.flush()
     assert _steps(got) == [0, 3] and fwd.num_unsendable == 2 and hub.num_dropped == 2
     assert sum('were dropped' in str(w.message) or 'was dropped' in str(w.message) for w in caught) == 1
+    told = [r for r in got if r['kind'] == 'error']                  # once, for a dashboard to list
+    assert [r['source'] for r in told] == ['monitor forwarder'] and 'a record of' in told[0]['error']
     fwd.close()
 
 def _malformed():

@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'log', 'emit_snapshot', 'sample_memory', 'deliver',
-           'WATCHED_VARIABLE', 'hold_watch', 'release_watch', 'watched', 'console', 'ADDRESS_VARIABLE', 'KEY_VARIABLE',
-           'OWNER_VARIABLE', 'lower_thread_priority', 'Hub', 'serve', 'stop_serving', 'ranks_connected', 'Forwarder',
-           'flush', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
+           'WATCHED_VARIABLE', 'hold_watch', 'release_watch', 'watched', 'console', 'report_error', 'ADDRESS_VARIABLE',
+           'KEY_VARIABLE', 'OWNER_VARIABLE', 'lower_thread_priority', 'Hub', 'serve', 'stop_serving', 'ranks_connected',
+           'Forwarder', 'flush', 'JSONLSink', 'CSVSink', 'TensorBoardSink', 'follow']
 
 # %% ../../nbs/30_monitor.ipynb #c003
 from flexrt.monitor.events import (
@@ -24,6 +24,7 @@ from flexrt.monitor.events import (
     release_watch,
     watched,
     console,
+    report_error,
 )
 from flexrt.monitor.channel import (
     ADDRESS_VARIABLE,
@@ -54,6 +55,7 @@ _all_ = [
     'release_watch',
     'watched',
     'console',
+    'report_error',
     'ADDRESS_VARIABLE',
     'KEY_VARIABLE',
     'OWNER_VARIABLE',

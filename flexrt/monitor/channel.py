@@ -5,7 +5,7 @@
 # %% ../../nbs/30_monitor_channel.ipynb #c003
 from __future__ import annotations
 import collections, gc, json, os, secrets, selectors, socket, sys, threading, time, warnings
-from .events import deliver
+from .events import deliver, report_error
 from .wire import MAX_MESSAGE_BYTES, MalformedMessage, frame, answer, parse_message, check_records
 
 # %% auto #0
@@ -49,6 +49,7 @@ class Hub:
         self.max_message_bytes, self.closed, self._lock = max_message_bytes, False, threading.Lock()
         self.num_received = self.num_connections = self.num_open = self.num_refused = 0
         self.num_malformed = self.num_oversized = 0
+        self.error = None  # the first error of the serving thread itself (a peer's errors close only that peer)
         # sender -> records it dropped; peers to authenticate
         self._dropped, self._pending = ({}, collections.OrderedDict())
         self._server = socket.create_server(('127.0.0.1', 0), backlog=1024)
@@ -86,6 +87,9 @@ class Hub:
             '(further ones from this connection are counted without a warning)',
             RuntimeWarning,
         )
+        report_error(
+            'monitor hub', f'dropped {detail} from a rank (Hub.num_{what} counts them)'
+        )  # a dashboard shows it
 
     def _close_peer(self, peer: _Peer, why: str | None = None):
         "Close `peer`'s connection; `why` (misbehaviour) counts it as refused"
@@ -97,6 +101,8 @@ class Hub:
                 self.num_open -= 1  # the rank exited (or died): `num_open` says whether any still runs
             if why is not None and not peer.authenticated:
                 self.num_refused += 1
+        if why is not None and peer.authenticated:  # a rank still sending: what it sends later is lost
+            report_error('monitor hub', f"closed a rank's connection ({why}); its later records are lost")
         self._selector.unregister(peer.sock)
         peer.sock.close()
 
@@ -234,23 +240,33 @@ class Hub:
         "Serve every connection until closed"
         lower_thread_priority()
         while not self.closed:
-            first = next(iter(self._pending.values()), None)  # pending peers are in deadline order
-            wait = None if first is None else max(0.0, first.deadline - time.monotonic())
-            for key, ready in self._selector.select(wait):
-                if key.data == 'accept':
-                    self._accept_ready()
-                elif key.data == 'wake':
-                    self._wake_r.recv(64)
-                elif key.fileobj.fileno() >= 0:
-                    try:
-                        if ready & selectors.EVENT_WRITE:
-                            self._send_ready(key.data)
-                        if ready & selectors.EVENT_READ:
-                            self._read_ready(key.data)
-                    except Exception as e:
-                        self._close_peer(key.data, f'closed after an error: {type(e).__name__}: {e}')
-            self._expire(time.monotonic())
+            try:
+                self._serve_ready()
+            except Exception as e:  # the hub's own bug: kept on `.error`, reported once, and serving goes on
+                if self.error is None:
+                    report_error('monitor hub', e)
+                self.error = e
+                time.sleep(0.05)
         self._shutdown()
+
+    def _serve_ready(self):
+        "Wait for a ready socket or the earliest handshake deadline, and handle what is ready"
+        first = next(iter(self._pending.values()), None)  # pending peers are in deadline order
+        wait = None if first is None else max(0.0, first.deadline - time.monotonic())
+        for key, ready in self._selector.select(wait):
+            if key.data == 'accept':
+                self._accept_ready()
+            elif key.data == 'wake':
+                self._wake_r.recv(64)
+            elif key.fileobj.fileno() >= 0:
+                try:
+                    if ready & selectors.EVENT_WRITE:
+                        self._send_ready(key.data)
+                    if ready & selectors.EVENT_READ:
+                        self._read_ready(key.data)
+                except Exception as e:
+                    self._close_peer(key.data, f'{type(e).__name__} while serving it: {e}')
+        self._expire(time.monotonic())
 
     def _expire(self, now: float):
         "Close the connections that did not authenticate in time"

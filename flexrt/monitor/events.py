@@ -8,7 +8,7 @@ import contextlib, os, threading, time, traceback, warnings
 
 # %% auto #0
 __all__ = ['WATCHED_VARIABLE', 'listening', 'add_listener', 'remove_listener', 'emit', 'listen', 'deliver', 'log', 'hold_watch',
-           'release_watch', 'watched', 'console', 'emit_snapshot', 'sample_memory', 'route_to']
+           'release_watch', 'watched', 'console', 'report_error', 'emit_snapshot', 'sample_memory', 'route_to']
 
 # %% ../../nbs/30_monitor_events.ipynb #c006
 _listeners: tuple = ()  # the registered listeners, in registration order
@@ -126,6 +126,24 @@ def console(*parts, **kwargs):  # what `print` takes
         return
     emit('console', text=kwargs.get('sep', ' ').join(map(str, parts)))
 
+# %% ../../nbs/30_monitor_events.ipynb #acae54e37e7d407bbb7b55eff062a284
+def report_error(
+    source: str,  # what failed: 'memory sampler', 'monitor hub', ...
+    error,  # the exception, or a sentence saying what went wrong
+):
+    "Emit an `'error'` record: a background thread failed while training went on; never raises"
+    where = ''
+    if isinstance(error, BaseException):
+        frames = traceback.extract_tb(error.__traceback__)
+        if frames:
+            where = f'{frames[-1].name}, {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}'
+        error = f'{type(error).__name__}: {error}'
+    rank = os.environ.get('RANK')
+    try:
+        emit('error', rank=None if rank is None else int(rank), source=source, error=str(error), where=where)
+    except Exception:
+        pass  # the listeners' own errors are reported by `emit`; this one must not stop the failing thread's cleanup
+
 # %% ../../nbs/30_monitor_events.ipynb #c022
 def emit_snapshot(snapshot):  # a `flexrt.memory.MemorySnapshot`
     "Emit `snapshot` as a `'memory'` record (its fields, `rank` among them); nothing is built when nobody listens"
@@ -141,7 +159,9 @@ def sample_memory(
     record"""
     from flexrt.memory.reports import MemorySampler
 
-    return MemorySampler(interval_ms, on_sample=emit_snapshot, **kwargs)
+    return MemorySampler(
+        interval_ms, on_sample=emit_snapshot, on_error=lambda e: report_error('memory sampler', e), **kwargs
+    )
 
 # %% ../../nbs/30_monitor_events.ipynb #c023b
 def route_to(

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import atexit, collections, json, os, socket, threading, warnings
 import multiprocessing.util
-from .events import route_to
+from .events import route_to, report_error
 from .channel import ADDRESS_VARIABLE, KEY_VARIABLE, OWNER_VARIABLE, forget_hub
 from .wire import MAX_MESSAGE_BYTES, frame, read_frame, connect, encode_record
 from ..comm.teardown import at_teardown
@@ -103,6 +103,7 @@ class Forwarder:
                 f'flexrt monitor: a record was dropped ({why}); records must be plain data under '
                 f'{self._limit} bytes. Further ones are counted (Forwarder.num_unsendable) without a warning'
             )
+            report_error('monitor forwarder', f'a record was dropped ({why}); later ones are counted')  # small: sent
 
     def _send_pending(self):
         "Send what the buffer holds"
