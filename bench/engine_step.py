@@ -1,7 +1,8 @@
 """Training step time on 2 gloo ranks: DDP vs flexrt (ZeRO stages 0-3) vs DeepSpeed (same stages) vs FSDP2, interleaved.
 
     python bench/engine_step.py [--workload gpt,mlp] [--stages 0,1,2,3] [--quick] [--rounds 12] [--steps 2]
-                                [--impls NAME,...] [--baseline REV] [--layers 4] [--dim 192] [--vocab 2048] [--seq 64] [--batch 8]
+                                [--impls NAME,...] [--baseline REV] [--config-extra JSON]
+                                [--layers 4] [--dim 192] [--vocab 2048] [--seq 64] [--batch 8]
                                 [--mlp-layers 8] [--mlp-width 1024] [--mlp-batch 4]
                                 [--launcher spawn|torchrun|launch|kernel]
     python bench/engine_step.py --launchers kernel,launch,torchrun [--rounds 8] [--passes 3] [--steps 3]
@@ -33,6 +34,9 @@ Implementations (`--impls` picks some; `--stages` keeps those of the listed ZeRO
 - baseline-z0 .. baseline-z3 (with `--baseline REV`): flexrt as it was at git revision REV, imported in the same
   ranks under the name `flexrt_baseline` (its `flexrt/` tree copied from git and renamed), so a change is measured
   against the code before it in one interleaved run; each flexrt-zN then also prints its paired ratio to baseline-zN.
+- extra-z0 .. extra-z3 (with `--config-extra JSON`): flexrt-zN with the JSON object merged into its config (nested
+  blocks merged key by key), e.g. `--config-extra '{"communication_data_type": "bf16"}'`, so a setting is measured
+  against flexrt without it in one interleaved run; each extra-zN prints its paired ratio to flexrt-zN.
 
 Both engines get the same config (gradient_clipping 0, overlap_comm true, reduce_bucket_size `--bucket` elements:
 4M = 16 MiB of fp32 by default, between DDP's 1 MiB first and 25 MiB later buckets).
@@ -72,7 +76,7 @@ implementation: the median reading per launcher, and the ratios kernel/torchrun 
 Start-up (from the launch call to the ranks entering their function) and set-up (process group, builds, warm-up) are
 printed per launcher, and kept out of the step times. On 2 cores the default run takes about 6 minutes.
 """
-import argparse, copy, logging, math, os, socket, statistics, sys, time, warnings
+import argparse, copy, json, logging, math, os, socket, statistics, sys, time, warnings
 os.environ.setdefault('DS_ACCELERATOR', 'cpu')   # this bench runs on CPU with gloo
 import torch
 from torch import nn
@@ -175,6 +179,22 @@ def build_flexrt(stage, **zero):
         return engine_step(engine)
     return build
 
+def merged(config:dict, extra:dict)->dict:
+    "`config` with `extra` laid over it; a block both hold (a dict) is merged key by key"
+    out = dict(config)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+def build_extra(stage):
+    "flexrt-zN with `--config-extra` merged into its config"
+    def build(model, args):
+        import flexrt
+        config = merged(ds_config(args, stage), args.config_extra)
+        engine, *_ = flexrt.initialize(model=model, optimizer=adamw(model), config=config)
+        return engine_step(engine)
+    return build
+
 def build_baseline(stage):
     def build(model, args):
         import flexrt_baseline
@@ -228,12 +248,13 @@ BUILDERS = {'ddp': build_ddp, 'flexrt-reducer': build_flexrt_reducer,
             'flexrt-z1-ar': build_flexrt(1, reduce_scatter=False), 'flexrt-z2-ar': build_flexrt(2, reduce_scatter=False),
             **{f'deepspeed-z{s}': build_deepspeed(s) for s in range(4)},
             **{f'baseline-z{s}': build_baseline(s) for s in range(4)},
+            **{f'extra-z{s}': build_extra(s) for s in range(4)},
             'fsdp2': build_fsdp2(True), 'fsdp2-noreshard': build_fsdp2(False), 'no-comm': build_no_comm}
 
 def stage_of(name):
     "The ZeRO stage an implementation runs (None: DDP and the no-communication floor)"
     if name == 'flexrt-reducer': return 0
-    if name.startswith(('flexrt-z', 'deepspeed-z', 'baseline-z')): return int(name.split('-z')[1][0])
+    if name.startswith(('flexrt-z', 'deepspeed-z', 'baseline-z', 'extra-z')): return int(name.split('-z')[1][0])
     if name.startswith('fsdp2'): return 3 if name == 'fsdp2' else 2
     return None
 
@@ -324,8 +345,10 @@ def report(got, args, ranks:str):
     print(describe(got['numel'], args, ranks))
     med, base = statistics.median, 'ddp'
     baseline = any(n.startswith('baseline-') for n in times)
+    extra = any(n.startswith('extra-') for n in times)
+    if extra: print(f"  extra-zN: flexrt-zN with {args.config_extra}")
     print(f"  {'':16s} {'median':>9s}  vs DDP  {'cpu':>8s}  cpu vs DDP   vs DeepSpeed  vs FSDP2   max |loss - DDP's|"
-          + ("   vs baseline (cpu)" if baseline else ''))
+          + ("   vs baseline (cpu)" if baseline else '') + ("   vs flexrt-zN (cpu)" if extra else ''))
     for name, ts in times.items():
         ds, fsdp = peers(name)
         vs = lambda other: f"{paired(ts, times[other]):8.2f}x" if other in times else ' ' * 9
@@ -333,7 +356,8 @@ def report(got, args, ranks:str):
                  f"{max(abs(a - b) for a, b in zip(losses[name], losses[base])):.1e}")
         print(f"  {name:16s} {med(ts) * 1e3:6.1f} ms {paired(ts, times[base]):6.2f}x {med(cpu[name]) * 1e3:6.1f} ms "
               f"{paired(cpu[name], cpu[base]):8.2f}x    {vs(ds)}   {vs(fsdp)}   {drift:18s}"
-              + (against_baseline(name, times, cpu) if baseline else ''))
+              + (against_baseline(name, times, cpu) if baseline else '')
+              + (against_plain(name, times, cpu) if extra else ''))
     print("  all ratios paired: median over rounds of (this implementation's time / the other's in the same round); "
           "vs DeepSpeed: its same stage; vs FSDP2: fsdp2 for stage 3, fsdp2-noreshard for stages 1-2")
 
@@ -341,6 +365,12 @@ def against_baseline(name, times, cpu)->str:
     "flexrt-zN's paired ratios to baseline-zN (time and cpu), or nothing"
     other = name.replace('flexrt-z', 'baseline-z')
     if not name.startswith('flexrt-z') or other not in times: return ''
+    return f"   {paired(times[name], times[other]):6.3f}x ({paired(cpu[name], cpu[other]):.3f}x)"
+
+def against_plain(name, times, cpu)->str:
+    "extra-zN's paired ratios to flexrt-zN (time and cpu), or nothing"
+    other = name.replace('extra-z', 'flexrt-z')
+    if not name.startswith('extra-z') or other not in times: return ''
     return f"   {paired(times[name], times[other]):6.3f}x ({paired(cpu[name], cpu[other]):.3f}x)"
 
 # ---------------------------------------------------------------- the launchers users take (bench/launchers.py)
@@ -460,6 +490,9 @@ def main():
                     help=f"default: {','.join(DEFAULT_IMPLS)}; with --launchers {','.join(LAUNCHER_IMPLS)}")
     ap.add_argument('--baseline', default=None, metavar='REV',
                     help='also run flexrt as of git revision REV (baseline-zN next to each flexrt-zN), e.g. HEAD~1')
+    ap.add_argument('--config-extra', default=None, metavar='JSON',
+                    help='also run flexrt with this JSON object merged into its config (extra-zN next to each '
+                         'flexrt-zN), e.g. \'{"communication_data_type": "bf16"}\'')
     args = ap.parse_args()
     launched = bool(args.launchers) or args.launcher != 'spawn'
     if launched and args.threads is not None:
@@ -473,6 +506,12 @@ def main():
     wanted = [n for n in impls.split(',') if n == 'ddp' or stage_of(n) is None or stage_of(n) in stages]
     if 'ddp' not in wanted: wanted.insert(0, 'ddp')   # every ratio is against DDP
     args.baseline_dir = None
+    if args.config_extra is not None:
+        try: args.config_extra = json.loads(args.config_extra)
+        except json.JSONDecodeError as e: raise SystemExit(f"--config-extra is not JSON: {e}")
+        if not isinstance(args.config_extra, dict): raise SystemExit("--config-extra must be a JSON object: {...}")
+        plain = lambda n: n.startswith('flexrt-z') and n[-1].isdigit()
+        wanted = [m for n in wanted for m in ([n, f'extra-z{stage_of(n)}'] if plain(n) else [n])]
     if args.baseline:
         args.baseline_dir = export_baseline(args.baseline)
         wanted = [m for n in wanted for m in ([n, f'baseline-z{stage_of(n)}'] if n.startswith('flexrt-z') and n[-1].isdigit() else [n])]

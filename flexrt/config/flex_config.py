@@ -118,7 +118,8 @@ class FlexConfig(Block):
     gradient_allreduce_op: Literal['mean', 'sum'] = 'mean'
     # deepspeed.checkpointing settings
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
-    # dtype of gradient all-reduce; null: the training dtype
+    # the dtype gradients are reduced in at every ZeRO stage (fp16/bf16: half the bytes of fp32 on the wire; what
+    # arrives is cast back, so the gradients the optimizer steps with keep their dtype); null: the training dtype
     communication_data_type: Literal['fp32', 'fp16', 'bf16'] | None = None
     dataloader_drop_last: bool = False  # drop the last incomplete batch in `deepspeed_io`
     sparse_gradients: bool = False  # reduce embedding gradients as sparse tensors

@@ -35,7 +35,6 @@ def unused_settings(config: FlexConfig) -> list:  # the keys set to something th
         'flops_profiler.enabled': config.flops_profiler.enabled,
         'sparse_gradients': config.sparse_gradients,
         'autotuning.enabled': config.autotuning.enabled,
-        'communication_data_type': config.communication_data_type is not None,
         'data_types.grad_accum_dtype': config.data_types.grad_accum_dtype is not None,
     }
     return [k for k, on in checks.items() if on]
@@ -185,6 +184,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             self.mpu,
             predivide,
             gradient_average=cfg.gradient_allreduce_op == 'mean',
+            communication_data_type=cfg.communication_data_type,
         )
 
     def _announce_run(self):

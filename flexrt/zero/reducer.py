@@ -13,7 +13,8 @@ from .. import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Bucket', 'plan_buckets', 'reduction_group', 'BucketReducer', 'GradientReducer']
+__all__ = ['WIRE_DTYPES', 'Bucket', 'plan_buckets', 'reduction_group', 'BucketReducer', 'wire_dtype', 'GradientWire',
+           'GradientReducer']
 
 # %% ../../nbs/50_zero_reducer.ipynb #c006
 class Bucket:
@@ -32,6 +33,7 @@ class Bucket:
         self.buffer = torch.zeros(-(-self.numel // align) * align, device=self.device, dtype=self.dtype)
         self.views = [self.buffer[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
         self.world_size = dist.get_world_size(group)
+        self.sent = None  # what this round's collective runs on: `buffer`, or its copy in the wire's dtype
         # this round: which gradients are in, how many, the collective in flight (`reset` starts a new round)
         self.ready, self.num_ready, self.work = [False] * len(params), 0, None
 
@@ -178,8 +180,9 @@ class BucketReducer:
             moved.append((p, view))
         if targets:
             torch._foreach_copy_(targets, sources)
-        for p, view in moved:
-            p.grad = view
+        if self.grads_in_buckets:  # stage 2 drops them (its buffer may be in the wire's dtype)
+            for p, view in moved:
+                p.grad = view
         for look in self.before_reduction:
             look(bucket.buffer)  # e.g. the engine's watch: this rank's gradients, before any other's
         bucket.work = self._launch(bucket)
@@ -245,6 +248,80 @@ def _adopt(param, view):
     view.copy_(grad)
     param.grad = view
 
+# %% ../../nbs/50_zero_reducer.ipynb #wire02
+WIRE_DTYPES = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}  # communication_data_type
+
+
+def wire_dtype(
+    name,  # `communication_data_type`: 'fp32', 'fp16', 'bf16', one of their torch dtypes, or None
+) -> torch.dtype | None:  # None: every buffer travels in its own dtype
+    "The torch dtype gradients are reduced in, from DeepSpeed's `communication_data_type`"
+    if name is None or name in WIRE_DTYPES.values():
+        return name
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"communication_data_type must be one of {list(WIRE_DTYPES)} or null, got {name!r}")
+    return WIRE_DTYPES[name]
+
+
+class GradientWire:
+    """The dtype gradients travel in: a buffer of another dtype is sent as a copy cast to it and its result cast back;
+    the copies are kept for the next round"""
+
+    def __init__(self, dtype=None):  # 'fp32', 'fp16', 'bf16', a torch dtype; None: each buffer's own dtype
+        self.dtype = wire_dtype(dtype)
+        self._spare = {}  # (numel, device) -> cast copies not in use
+
+    def __repr__(self):
+        return f"GradientWire({self.dtype})"
+
+    def dtype_of(self, dtype: torch.dtype) -> torch.dtype:
+        "The dtype a buffer of `dtype` travels in"
+        return dtype if self.dtype is None else self.dtype
+
+    def send(
+        self,
+        buffer: torch.Tensor,  # a flat buffer of gradients
+        skip: tuple | None = None,  # (start, end): elements zeroed in the copy, not cast (see below)
+    ) -> torch.Tensor:  # what the collective runs on
+        """`buffer` itself when it travels in its own dtype, else a copy of it in the wire's dtype; `skip`: a
+        reduce-scatter's own chunk, which it never sends: zeros, so the sum that arrives is the other ranks' alone"""
+        if self.dtype_of(buffer.dtype) == buffer.dtype:
+            return buffer
+        spare = self._spare.get((buffer.numel(), buffer.device))
+        sent = spare.pop() if spare else torch.empty(buffer.numel(), dtype=self.dtype, device=buffer.device)
+        if skip is None:
+            return sent.copy_(buffer)
+        start, end = skip
+        sent[:start].copy_(buffer[:start])
+        sent[start:end].zero_()
+        sent[end:].copy_(buffer[end:])
+        return sent
+
+    def receive(
+        self,
+        sent: torch.Tensor,  # what `send(buffer)` returned, its collective finished
+        buffer: torch.Tensor,  # the buffer given to `send`
+        copy_back: bool = True,  # False: the caller read the result from `sent` itself
+    ):
+        "Cast the collective's result back into `buffer`; keep the copy for the next round (nothing if it is `buffer`)"
+        if sent is buffer:
+            return
+        if copy_back:
+            buffer.copy_(sent)
+        self._spare.setdefault((sent.numel(), sent.device), []).append(sent.view(-1))
+
+    def nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        "Bytes `numel` elements of a `dtype` buffer put on the wire"
+        return numel * self.dtype_of(dtype).itemsize
+
+    @property
+    def spare_buffers(self) -> list:
+        return [t for ts in self._spare.values() for t in ts]  # cast copies kept between rounds
+
+    def clear(self):
+        "Let go of the kept copies"
+        self._spare = {}
+
 # %% ../../nbs/50_zero_reducer.ipynb #c038
 class _Finished:
     "The handle of a bucket that needs no collective (its group is this rank alone)"
@@ -269,6 +346,7 @@ class GradientReducer(BucketReducer):
         gradient_predivide_factor: float = 1.0,  # divide by this before the all-reduce, the rest after
         first_bucket_bytes: int = 2**20,  # most bytes of the first bucket (DDP's 1 MiB): its reduction starts early
         gradient_average: bool = True,  # False: gradients summed over the ranks, not averaged
+        communication_data_type=None,  # the dtype the all-reduce runs in ('fp16', 'bf16', 'fp32'; None: the buffer's)
     ):
         for name, value in (('bucket_bytes', bucket_bytes), ('first_bucket_bytes', first_bucket_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -276,6 +354,7 @@ class GradientReducer(BucketReducer):
         if not isinstance(gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}")
         self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.wire = GradientWire(communication_data_type)  # the dtype gradients travel in
         self.world_size = dist.get_world_size(group)  # the data-parallel world size
         self.divisor = self.world_size if gradient_average else 1  # every bucket's sum is divided by this in all
         params = _trainable(params)
@@ -291,15 +370,24 @@ class GradientReducer(BucketReducer):
             bucket.buffer.div_(self.gradient_predivide_factor)
         if bucket.world_size == 1:
             return _LOCAL
-        return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+        bucket.sent = self.wire.send(bucket.buffer)
+        return dist.all_reduce(bucket.sent, group=bucket.group, async_op=True)
 
     def _finish(self, bucket: Bucket):
-        "Wait for the sum and divide it by what the predivision left of `divisor`"
+        "Wait for the sum, cast it back into the buffer and divide it by what the predivision left of `divisor`"
         bucket.work.wait()
+        if bucket.sent is not None:
+            self.wire.receive(bucket.sent, bucket.buffer)
+            bucket.sent = None
         rest = self.divisor / self.gradient_predivide_factor
         if rest != 1:
             bucket.buffer.div_(rest)
 
     @property
-    def comm_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets if b.world_size > 1)  # all-reduced per round
+    def comm_bytes(self) -> int:  # all-reduced per round, in the wire's dtype
+        return sum(self.wire.nbytes(b.numel, b.dtype) for b in self.buckets if b.world_size > 1)
+
+    def close(self):
+        "See `BucketReducer.close`; the wire's cast copies go too"
+        BucketReducer.close(self)
+        self.wire.clear()

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import torch
 from .. import comm as dist
-from .reducer import BucketReducer
+from .reducer import BucketReducer, GradientWire
 
 # %% auto #0
 __all__ = ['ALGORITHMS', 'ShardReducer']
@@ -38,45 +38,51 @@ class ShardReducer(BucketReducer):
         reduce_scatter: bool = True,  # False: all-reduce the bucket and keep the chunk (DeepSpeed's switch; 3Ψ)
         algorithm: str = 'native',  # 'native', 'p2p' (direct messages) or 'all_reduce' (see above)
         gradient_average: bool = True,  # False: keep the sum over the ranks (the total divisor is 1)
+        communication_data_type=None,  # the dtype the reduction runs in ('fp16', 'bf16', 'fp32'; None: the buffer's)
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.world_size, self.predivide = world_size, float(gradient_predivide_factor)
         self.divisor = world_size if gradient_average else 1  # what each reduced chunk is divided by in all
         self.reduce_scatter, self.algorithm = bool(reduce_scatter), algorithm
+        self.wire = GradientWire(communication_data_type)  # the dtype gradients travel in
         for bk in buckets:
             bk.grad_stale = False  # stage 2's zero_grad marks it: the next reduction overwrites the shard
         super().__init__(buckets)
 
     def _launch(self, bucket):
-        "Start the reduce-scatter of the bucket's buffer into a fresh chunk-sized tensor"
+        "Start the reduce-scatter of the bucket's buffer (in the wire's dtype) into a fresh chunk-sized tensor"
         if self.predivide != 1:
             bucket.buffer.div_(self.predivide)
-        chunk = bucket.partition.shard(bucket.buffer)
+        bucket.sent = self.wire.send(bucket.buffer, skip=bucket.partition.shard_range())
+        chunk = bucket.partition.shard(bucket.sent)
         if bucket.world_size == 1:
             bucket.received = chunk.clone()
             return _Done()
         if not self.reduce_scatter or self.algorithm == 'all_reduce':
             bucket.received = chunk
             name = 'reduce_scatter_via_all_reduce' if self.reduce_scatter else None
-            return dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True, log_name=name)
+            return dist.all_reduce(bucket.sent, group=bucket.group, async_op=True, log_name=name)
         bucket.received = self._output(bucket, chunk)
         op = dist.reduce_scatter_tensor_p2p if self.algorithm == 'p2p' else dist.reduce_scatter_tensor
-        return op(bucket.received, bucket.buffer, group=bucket.group, async_op=True)
+        return op(bucket.received, bucket.sent, group=bucket.group, async_op=True)
 
     def _output(self, bucket, chunk) -> torch.Tensor:
         return torch.empty_like(chunk)  # where the reduce-scatter writes this rank's chunk
 
     @torch.no_grad()
     def _finish(self, bucket):
-        """Wait for the chunk, divide it by what the predivision left of `divisor`, and store it in `bucket.grad_shard`
-        (a bucket already finished is skipped)"""
+        """Wait for the chunk, cast it to the shard's dtype, divide it by what the predivision left of `divisor`, and
+        store it in `bucket.grad_shard` (a bucket already finished is skipped)"""
         if getattr(bucket, 'received', None) is None:
             return
         bucket.work.wait()
         # the handle may hold the buffers it sent and received: drop it now, not at the round's end
         bucket.work = _FINISHED
         received, bucket.received = bucket.received, None
+        received = received.to(bucket.grad_shard.dtype)  # from the wire's dtype (itself when it is the same)
+        if bucket.sent is not bucket.buffer:  # the wire carried zeros for this rank's chunk: add it, exactly
+            received.add_(bucket.partition.shard(bucket.buffer))
         rest, shard = self.divisor / self.predivide, bucket.grad_shard
         if self.accumulate and not bucket.grad_stale:
             shard.add_(received.div_(rest) if rest != 1 else received)
@@ -85,3 +91,10 @@ class ShardReducer(BucketReducer):
         else:
             shard.copy_(received)
         bucket.grad_stale = False
+        self.wire.receive(bucket.sent, bucket.buffer, copy_back=False)  # read above
+        bucket.sent = None
+
+    def close(self):
+        "See `BucketReducer.close`; the wire's cast copies go too"
+        BucketReducer.close(self)
+        self.wire.clear()

@@ -28,8 +28,11 @@ class SlotArgs:
     group: object = None  # the data-parallel process group (None: all ranks)
     expert_groups: object = None  # an `ExpertGroups` (MoE), or None
     mpu: object = None  # Megatron-style model-parallel unit, or None
-    gradient_predivide_factor: float = 1.0  # stages 0-2: divide before the reduction, the rest after
+    gradient_predivide_factor: float = 1.0  # every stage: divide before the reduction, the rest after
     gradient_average: bool = True  # every stage: average gradients over the data-parallel ranks (False: sum them)
+    # every stage: the dtype gradients are reduced in ('fp16', 'bf16', 'fp32', DeepSpeed's communication_data_type);
+    # None: the gradients' own
+    communication_data_type: str | None = None
 
 # %% ../../nbs/53_zero_slots.ipynb #c005b
 def _check_zero12(config: ZeroConfig):
@@ -68,6 +71,7 @@ def _stage0(a: SlotArgs) -> ReplicatedOptimizer:
         a.mpu,
         gradient_predivide_factor=a.gradient_predivide_factor,
         gradient_average=a.gradient_average,
+        communication_data_type=a.communication_data_type,
     )
 
 
@@ -89,6 +93,7 @@ def _stage12(a: SlotArgs) -> ZeroStage1:
         overlap_comm=bool(a.config.overlap_comm),
         reduce_scatter=a.config.reduce_scatter,
         defer_gather=True,
+        communication_data_type=a.communication_data_type,
     )
 
 
@@ -102,6 +107,8 @@ def _stage3(a: SlotArgs) -> Stage3Optimizer:
         expert_groups=a.expert_groups,
         mpu=a.mpu,
         gradient_average=a.gradient_average,
+        gradient_predivide_factor=a.gradient_predivide_factor,
+        communication_data_type=a.communication_data_type,
     )
 
 # %% ../../nbs/53_zero_slots.ipynb #c005c

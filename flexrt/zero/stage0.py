@@ -31,6 +31,7 @@ class ReplicatedOptimizer(OptimizerSlot):
         bucket_bytes: int = 25 * 2**20,  # gradient bucket size of the all-reduce
         gradient_predivide_factor: float = 1.0,  # divide gradients by this before the all-reduce, the rest after
         gradient_average: bool = True,  # False: gradients summed over the data-parallel ranks, not averaged
+        communication_data_type=None,  # the dtype gradients are all-reduced in ('fp16', 'bf16', 'fp32'; None: theirs)
     ):
         self.module, self.optimizer, self.precision, self.group, self.mpu = module, optimizer, precision, group, mpu
         self.expert_groups = expert_groups
@@ -43,6 +44,7 @@ class ReplicatedOptimizer(OptimizerSlot):
             expert_groups.data_parallel if expert_groups else None,
             gradient_predivide_factor,
             gradient_average=gradient_average,
+            communication_data_type=communication_data_type,
         )
         self._norm_groups = expert_groups.parallel if expert_groups else None
         self.comm_bytes = 0  # bytes of gradients this rank has all-reduced so far
@@ -123,6 +125,7 @@ class ReplicatedOptimizer(OptimizerSlot):
         params = storage_bytes(model, seen)
         grads = storage_bytes(
             [bk.buffer for bk in self.reducer.buckets]
+            + self.reducer.wire.spare_buffers
             + [p.grad for p in model]
             + [m.grad for m in self.weights.params],
             seen,

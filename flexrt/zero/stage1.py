@@ -99,6 +99,7 @@ class ZeroStage1(OptimizerSlot):
         defer_gather: bool = False,
         # deferred p2p gathers: split each bucket's into this many (at most), waited piece by piece
         gather_pieces: int = 4,
+        communication_data_type=None,  # the dtype gradients are reduced in ('fp16', 'bf16', 'fp32'; None: theirs)
     ):
         if collectives not in ('auto', *ALGORITHMS):
             raise ValueError(f"collectives must be 'auto' or one of {ALGORITHMS}, got {collectives!r}")
@@ -115,7 +116,7 @@ class ZeroStage1(OptimizerSlot):
             overlap_comm,
             reduce_scatter,
         )
-        self.gradient_average = bool(gradient_average)
+        self.gradient_average, self.communication_data_type = bool(gradient_average), communication_data_type
         self.comm_bytes = 0
         self.world_size = dist.get_world_size(group)
         if collectives == 'auto':
@@ -160,6 +161,7 @@ class ZeroStage1(OptimizerSlot):
             self.reduce_scatter,
             self.collectives,
             self.gradient_average,
+            self.communication_data_type,
         )
 
     def set_boundary(self, is_boundary: bool):
@@ -171,8 +173,9 @@ class ZeroStage1(OptimizerSlot):
         "At the boundary: wait for the reduce-scatters and hand this rank's averaged chunks to the masters"
         self.reducer.wait()
         zero_stale(self.buckets)  # stage 2: shards no boundary backward wrote since zero_grad
+        wire = self.reducer.wire  # the dtype the gradients travelled in
         self.comm_bytes += sum(
-            bk.partition.padded_numel * bk.dtype.itemsize for bk in self.buckets if bk.world_size > 1
+            wire.nbytes(bk.partition.padded_numel, bk.dtype) for bk in self.buckets if bk.world_size > 1
         )
         for bk in self.buckets:
             bk.master.grad = bk.grad_shard.float() if self.master_weights else bk.grad_shard
@@ -279,7 +282,8 @@ class ZeroStage1(OptimizerSlot):
         grads = storage_bytes(
             [t for bk in self.buckets for t in (bk.buffer, bk.grad_shard, bk.master.grad)]
             + [p.grad for p in model]
-            + list(getattr(self.reducer, 'spare_buffers', ())),
+            + list(getattr(self.reducer, 'spare_buffers', ()))
+            + self.reducer.wire.spare_buffers,
             seen,
         )
         state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]

@@ -31,29 +31,40 @@ class Stage2Reducer(ShardReducer):
         max_in_flight: int = 2,  # buckets being reduced at once (each holds its buffer)
         algorithm: str = 'native',  # how each reduce-scatter runs (see `ShardReducer`)
         gradient_average: bool = True,  # False: the shards hold the sum over the ranks
+        communication_data_type=None,  # the dtype buckets are reduced in ('fp16', 'bf16', 'fp32'; None: the gradients')
     ):
+        super().__init__(
+            buckets,
+            world_size,
+            gradient_predivide_factor,
+            reduce_scatter,
+            algorithm,
+            gradient_average,
+            communication_data_type,
+        )
         for bk in buckets:
             bk.buffer = bk.views = bk.whole = None
         self.overlap_comm, self.max_in_flight, self._in_flight = bool(overlap_comm), max(1, max_in_flight), deque()
-        # per (dtype, device): the buffers not in use; the largest bucket, and chunk
+        # per (wire dtype, device): the buffers not in use; the largest bucket, and chunk
         self._spare, self._head, self._tail = ({}, {}, {})
         for bk in buckets:
-            key = bk.dtype, bk.device
+            key = self._key(bk)
             self._head[key] = max(self._head.get(key, 0), bk.partition.padded_numel)
             self._tail[key] = max(self._tail.get(key, 0), bk.partition.shard_numel)
-        super().__init__(buckets, world_size, gradient_predivide_factor, reduce_scatter, algorithm, gradient_average)
+
+    def _key(self, bucket) -> tuple:
+        "(dtype, device) of the bucket's buffer: it is gathered straight into the wire's dtype, no copy to make"
+        return self.wire.dtype_of(bucket.dtype), bucket.device
 
     def _start(self, bucket):
         """Copy the bucket's gradients into a buffer (a spare one, else a new one), drop `p.grad`, launch the
         reduce-scatter"""
         while len(self._in_flight) >= self.max_in_flight:
             self._finish(self._in_flight.popleft())
-        key = bucket.dtype, bucket.device
+        key = self._key(bucket)
         spare = self._spare.setdefault(key, [])
         bucket.whole = (
-            spare.pop()
-            if spare
-            else torch.empty(self._head[key] + self._tail[key], dtype=bucket.dtype, device=bucket.device)
+            spare.pop() if spare else torch.empty(self._head[key] + self._tail[key], dtype=key[0], device=key[1])
         )
         bucket.buffer = bucket.whole[: bucket.partition.padded_numel]
         bucket.buffer[bucket.numel :].zero_()
@@ -68,14 +79,14 @@ class Stage2Reducer(ShardReducer):
 
     def _output(self, bucket, chunk) -> torch.Tensor:
         "The reduce-scatter's output: the part of the bucket's buffer after the largest bucket"
-        head = self._head[bucket.dtype, bucket.device]
+        head = self._head[self._key(bucket)]
         return bucket.whole[head : head + chunk.numel()].view_as(chunk)
 
     def _finish(self, bucket):
         "Add the averaged chunk to the shard; keep the bucket buffer as a spare"
         ShardReducer._finish(self, bucket)
         if bucket.whole is not None:
-            self._spare[bucket.dtype, bucket.device].append(bucket.whole)
+            self._spare[self._key(bucket)].append(bucket.whole)
         bucket.buffer = bucket.views = bucket.whole = None
 
     def wait(self):
@@ -123,4 +134,5 @@ class ZeroStage2(ZeroStage1):
             self.reduce_scatter,
             algorithm=self.collectives,
             gradient_average=self.gradient_average,
+            communication_data_type=self.communication_data_type,
         )

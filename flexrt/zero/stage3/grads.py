@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from .records import ParamRecord, GradientReduceScatter
 from .plan import COALESCE_NUMEL, split_buckets
+from ..reducer import GradientWire
 from fastcore.basics import patch
 
 # %% auto #0
@@ -57,9 +58,12 @@ class GradBuckets:
         world_size: int,  # the data-parallel size: gradients are averaged over it
         owner=None,  # counts the bytes sent in its `comm_bytes`
         gradient_average: bool = True,  # False: the shards get the sum over the ranks
+        gradient_predivide_factor: float = 1.0,  # divide by this before the reduce-scatter, the rest after
+        communication_data_type=None,  # the dtype gradients travel in ('fp16', 'bf16', 'fp32'; None: theirs)
     ):
         self.bucket_numel, self.world_size, self.owner = min(bucket_numel, COALESCE_NUMEL), world_size, owner
         self.divisor = world_size if gradient_average else 1  # every reduced gradient is divided by this
+        self.predivide, self.wire = float(gradient_predivide_factor), GradientWire(communication_data_type)
         # callables given each reduce-scatter's buffer (this rank's gradients, N x L rows) just before it is launched
         self.before_reduction = []
         # `plan` fills these, now and again when a backward shows the real gradient order: the buckets, the records in
@@ -76,7 +80,10 @@ class GradBuckets:
         return self.bucket_of.get(id(r))  # None: not trainable here
 
     def _new_reduce(self, b: GradBucket, like: torch.Tensor) -> GradientReduceScatter:
-        return GradientReduceScatter(b.records, like.dtype, like.device, self.divisor)
+        "A reduce-scatter for `b` whose buffer is in the wire's dtype; the sum is divided in the wider of the two"
+        travel = self.wire.dtype_of(like.dtype)
+        wider = torch.promote_types(travel, like.dtype)
+        return GradientReduceScatter(b.records, travel, like.device, self.divisor, self.predivide, wider)
 
     @torch.no_grad()
     def _launch(self, reduce: GradientReduceScatter):

@@ -52,6 +52,8 @@ class Stage3Optimizer(OptimizerSlot):
         expert_groups=None,  # an `ExpertGroups` or {group_name: expert data-parallel group} (MoE), or None
         mpu=None,  # Megatron-style model-parallel unit for the global norm, or None
         gradient_average: bool = True,  # False: the gradient shards get the sum over the data-parallel ranks
+        gradient_predivide_factor: float = 1.0,  # divide gradients by this before the reduce-scatter, the rest after
+        communication_data_type=None,  # the dtype gradients are reduced in ('fp16', 'bf16', 'fp32'; None: theirs)
     ):
         _check_params(module, optimizer)
         if precision.dtype != torch.float32 and not precision.master_weights:
@@ -80,6 +82,8 @@ class Stage3Optimizer(OptimizerSlot):
             getattr(expert_groups, 'data_parallel', expert_groups) or None,
             reduce_bucket_numel=cfg.reduce_bucket_size,
             gradient_average=gradient_average,
+            gradient_predivide_factor=gradient_predivide_factor,
+            communication_data_type=communication_data_type,
         )
         # per param group: its parameters, fp32 master, working and gradient shards; each parameter's master and working
         # shard (`close` empties them)

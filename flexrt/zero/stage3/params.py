@@ -77,6 +77,8 @@ class ParameterPartitioner:
         expert_groups=None,  # {group_name: expert data-parallel group} for MoE parameters (allreduce=False)
         reduce_bucket_numel: int = 500_000_000,  # gradients are reduce-scattered in buckets of this many elements
         gradient_average: bool = True,  # False: the gradient shards get the sum over the ranks, not the average
+        gradient_predivide_factor: float = 1.0,  # divide gradients by this before the reduce-scatter, the rest after
+        communication_data_type=None,  # the dtype gradients are reduced in ('fp16', 'bf16', 'fp32'; None: theirs)
     ):
         self.module, self.group, self.prefetch_numel, self.reduce_bucket_numel = (
             module,
@@ -104,6 +106,8 @@ class ParameterPartitioner:
             self.world_size,
             owner=self,
             gradient_average=gradient_average,
+            gradient_predivide_factor=gradient_predivide_factor,
+            communication_data_type=communication_data_type,
         )
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
         # chunks; each position's; `chunk_ends`; the farthest started

@@ -391,11 +391,14 @@ class GradientReduceScatter:
     def __init__(
         self,
         records: list,
-        dtype,
+        dtype,  # the dtype the gradients travel in (the buffer's; they are cast into it as they arrive)
         device,
         divisor: int,  # divisor: the data-parallel size (gradients are averaged over it)
+        predivide: float = 1.0,  # divide by this before the reduce-scatter, by `divisor / predivide` after
+        result_dtype=None,  # the dtype the sum is divided in (None: `dtype`; wider when the wire is narrower)
     ):
         self.records, self.n, self.group, self.divisor = records, records[0].world_size, records[0].group, divisor
+        self.predivide, self.result_dtype = float(predivide), dtype if result_dtype is None else result_dtype
         self.offsets = [0]
         for r in records:
             self.offsets.append(self.offsets[-1] + r.shard_numel)
@@ -413,6 +416,8 @@ class GradientReduceScatter:
         for i, done in enumerate(self.written):
             if not done:
                 self.buffer[:, self.offsets[i] : self.offsets[i + 1]].zero_()
+        if self.predivide != 1:
+            self.buffer.div_(self.predivide)
         if self.n == 1:
             self.out = self.buffer.view(-1)
             return
@@ -423,12 +428,14 @@ class GradientReduceScatter:
 
     @torch.no_grad()
     def finish(self):
-        """Wait, divide by the data-parallel size, and add each piece into its record's `grad_shard` (copy it into a
-        stale one)"""
+        """Wait, cast the sum to `result_dtype`, divide it by what the predivision left of the data-parallel size, and
+        add each piece into its record's `grad_shard` (copy it into a stale one)"""
         if self.work is not None:
             self.work.wait()
-        if self.divisor != 1:
-            self.out.div_(self.divisor)
+        self.out = self.out.to(self.result_dtype)  # from the wire's dtype (itself when it is the same)
+        rest = self.divisor / self.predivide
+        if rest != 1:
+            self.out.div_(rest)
         add, copy = ([], []), ([], [])
         for r, a, b in zip(self.records, self.offsets, self.offsets[1:]):
             dst, src = copy if r.grad_stale else add
