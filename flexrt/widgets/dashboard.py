@@ -21,7 +21,8 @@ from .anatomy import StepAnatomy
 from .report import save_html, figure_png
 
 # %% auto #0
-__all__ = ['LOG_LINES', 'TrainingDashboard', 'run_threads', 'progress_text', 'background_error_html']
+__all__ = ['LOG_LINES', 'CHECKPOINTS_SHOWN', 'TrainingDashboard', 'run_threads', 'progress_text', 'background_error_html',
+           'checkpoint_html']
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c005
 class TrainingDashboard(LiveView):
@@ -49,6 +50,8 @@ class TrainingDashboard(LiveView):
             [W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none')
         )
         self.background, self._background_drawn = W.HTML(), 0  # 'error' records: a background thread failed
+        # rank 0's 'checkpoint' records: saves done and in flight, with their blocking and background times
+        self.checkpoints, self._checkpoints_drawn = W.HTML(layout=W.Layout(display='none')), 0
         self.background_section = W.VBox(
             [W.HTML('<b>Background errors</b> (threads that failed while training went on)'), self.background],
             layout=W.Layout(display='none'),
@@ -71,6 +74,7 @@ class TrainingDashboard(LiveView):
             [
                 W.HBox([self.progress, self.status]),
                 W.HBox([self.steps_seen, self.stop_button]),
+                self.checkpoints,
                 self.background_section,
                 self.grad_norm.widget,
                 self.ranks.widget,
@@ -162,11 +166,20 @@ class TrainingDashboard(LiveView):
         )
         self.background_section.layout.display = ''
 
+    def _checkpoint_text(self):
+        "The newest checkpoint saves, shown once one started"
+        if self.records.counts['checkpoint'] == self._checkpoints_drawn:
+            return
+        self._checkpoints_drawn = self.records.counts['checkpoint']
+        self.checkpoints.value = checkpoint_html(self.records.since('checkpoint', 0)[0])
+        self.checkpoints.layout.display = ''
+
     def draw_text(self):
-        "Progress, counter, comm table, Stop button, background errors, then the views' texts"
+        "Progress, counter, comm table, Stop button, checkpoints, background errors, then the views' texts"
         self._stop_state()
         self._comm_text()
         self._log_text()
+        self._checkpoint_text()
         self._background_text()
         self.steps_seen.value = self.records.counts['step']
         steps = self.records.lowest_rank('step')  # rank 0's newest records: the text's cost does not grow with the run
@@ -205,6 +218,7 @@ class TrainingDashboard(LiveView):
             self.draw_text()
         sections = [
             ('Progress', self.status.value),
+            ('Checkpoints', self.checkpoints.value),
             ('Background errors', self.background.value),
             ('Gradient norm', self.grad_norm.text.value),
             (
@@ -262,6 +276,30 @@ def background_error_html(record: dict) -> str:
     who = ('kernel' if rank is None or rank != rank else f'rank {int(rank)}') + f" · {record.get('source', '?')}"
     where = f" (in {record['where']})" if record.get('where') else ''
     return f'<span style="color:#b00020">{html.escape(who)}: {html.escape(str(record.get("error")))}{where}</span>'
+
+# %% ../../nbs/80_widgets_dashboard.ipynb #8edb47106e1a46a883d545849b8ab81b
+CHECKPOINTS_SHOWN = 3  # the newest saves the dashboard lists
+
+
+def checkpoint_html(records: list) -> str:  # '' when no save was recorded
+    "Rank 0's newest saves, newest first: tag, state (writing, saved, failed), time blocked and time written behind"
+    saves = {}
+    for r in records:
+        if r.get('rank') == 0:
+            saves[r.get('tag')] = r  # a tag's last record says where its save stands
+    lines = []
+    for tag, r in list(saves.items())[::-1][:CHECKPOINTS_SHOWN]:
+        blocked = f"blocked {r['blocking_s'] * 1e3:.0f} ms" if r.get('blocking_s') is not None else ''
+        if r['event'] == 'writing':
+            state = f'writing in the background ({blocked})'
+        elif r['event'] == 'failed':
+            state = f"<span style=\"color:#b00020\">failed: {html.escape(str(r.get('error')))}</span>"
+        elif r.get('async_save'):
+            state = f"saved ({blocked}, written behind in {r['background_s']:.2f} s)"
+        else:
+            state = f"saved (synchronous: {blocked})"
+        lines.append(f'{html.escape(str(tag))}: {state}')
+    return '<b>Checkpoints</b>: ' + ' &middot; '.join(lines) if lines else ''
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #w2864a30
 def _run_config(records) -> dict | None:
