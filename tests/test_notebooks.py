@@ -42,7 +42,7 @@ def test_quickstart_delivers_every_step_before_the_launch_cell_ends(tmp_path):
     assert [(b['value'], b['max']) for b in bars] == [(STEPS, STEPS)]
     plots = [m['state']['value'] for m in models if m['model_name'] == 'HTMLModel']
     figures = [p for p in plots if p.startswith('<img src="data:image/png')]
-    assert len(figures) == 3, len(figures)   # grad-norm, ranks and memory figures (layer norms come every 10 steps: none in 6)
+    assert len(figures) == 4, len(figures)   # grad-norm, ranks, step anatomy and memory (layer norms every 10 steps: none in 6)
     texts = ' '.join(m['state'].get('value', '') for m in models if m['model_name'] == 'HTMLModel')
     assert re.search(r'rank [01]: ', texts) or 'ranks even' in texts, 'the ranks panel names the busiest rank'
     steps = pd.read_csv(tmp_path / 'history.csv')                     # the step records
