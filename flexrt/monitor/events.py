@@ -138,11 +138,9 @@ def report_error(
         if frames:
             where = f'{frames[-1].name}, {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}'
         error = f'{type(error).__name__}: {error}'
-    rank = os.environ.get('RANK')
-    try:
-        emit('error', rank=None if rank is None else int(rank), source=source, error=str(error), where=where)
-    except Exception:
-        pass  # the listeners' own errors are reported by `emit`; this one must not stop the failing thread's cleanup
+    rank = os.environ.get('RANK', '')
+    # `emit` reports its listeners' errors itself, never raising: the failing thread's own cleanup goes on
+    emit('error', rank=int(rank) if rank.isdigit() else None, source=source, error=str(error), where=where)
 
 # %% ../../nbs/30_monitor_events.ipynb #c022
 def emit_snapshot(snapshot):  # a `flexrt.memory.MemorySnapshot`

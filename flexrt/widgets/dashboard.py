@@ -303,7 +303,7 @@ def checkpoint_html(records: list) -> str:  # '' when no save was recorded
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #w2864a30
 def _run_config(records) -> dict | None:
-    "The config of the engine's 'run' record (flattened by the store: its 'config.' keys), or None"
+    "The engine's 'run' record's config, its keys dotted ('zero_optimization.stage'), with world size, stage, precision"
     run = records.run
     if run is None:
         return None
