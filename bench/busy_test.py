@@ -23,7 +23,8 @@ def main(a)->int:
             r = subprocess.run(['make', a.target], cwd=ROOT, capture_output=True, text=True)
             seconds, out = time.monotonic() - start, r.stdout + r.stderr
             (logs / f'run{i}.txt').write_text(out)
-            summary = (re.findall(r'^=*\s*(\d+ (?:passed|failed).*? in [\d.]+s.*?)\s*=*$', out, re.M) or ['no summary'])[-1]
+            summaries = re.findall(r'^=*\s*(\d+ (?:passed|failed).*? in [\d.]+s.*?)\s*=*$', out, re.M)
+            summary = (summaries or ['no summary'])[-1]
             rows.append((i, r.returncode, seconds, summary))
             print(f'run {i}: exit {r.returncode}, {seconds / 60:.1f} min, pytest: {summary}', flush=True)
     finally:

@@ -31,7 +31,7 @@ Counted per path and stage:
 A one-core load generator (a busy-loop process) runs for the whole benchmark unless `--no-load`. The ranks run a copy
 of the committed `flexrt/` (`git archive HEAD`) and of this file, so edits made to the tree while it runs do not mix in.
 """
-import argparse, collections, json, os, re, shutil, signal, socket, subprocess, sys, tempfile, time
+import argparse, collections, json, os, re, shutil, signal, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +41,9 @@ PATHS = ('launch', 'launch-bg', 'launch-stop', 'launch-3', 'notebook_launcher', 
 IN_PROCESS = ('launch', 'launch-bg', 'launch-stop', 'launch-3', 'notebook_launcher')
 
 def config(stage:int)->dict:
-    return {'train_micro_batch_size_per_gpu': 4, 'gradient_accumulation_steps': 1, 'zero_optimization': {'stage': stage},
-            'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}, 'steps_per_print': 10**9}
+    return {'train_micro_batch_size_per_gpu': 4, 'gradient_accumulation_steps': 1,
+            'zero_optimization': {'stage': stage}, 'steps_per_print': 10**9,
+            'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}}
 
 def num_ranks(path:str)->int: return 3 if path.endswith('-3') else 2
 
@@ -94,10 +95,6 @@ def rank_accelerate(out:str, steps:int, stage:int):
     _train(model, step, steps, out)
 
 # ---- one run: the driver (a fresh process, as a fresh kernel or shell) --------------------------------------------
-def _free_port()->int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
-
 def _shm(pids:set)->list:
     "The /dev/shm entries that name one of `pids`"
     try: names = os.listdir('/dev/shm')
@@ -106,11 +103,13 @@ def _shm(pids:set)->list:
 
 def _command(path:str, script:Path, out:str, steps:int, stage:int, alias_python:str|None)->list:
     "The command line a user types for a command-line path"
-    n, port = str(num_ranks(path)), str(_free_port())
+    from flexrt.launch import free_port
+    n, port = str(num_ranks(path)), str(free_port())
     args = ['--rank-out', out, '--steps', str(steps), '--stage', str(stage)]
     torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', n, '--master_port', port]
     if path in ('torchrun', 'torchrun-3'): return torchrun + [str(script), '--rank', 'flexrt'] + args
-    if path == 'flexrt.deepspeed': return torchrun + ['-m', 'flexrt.deepspeed', str(script), '--rank', 'deepspeed'] + args
+    if path == 'flexrt.deepspeed':
+        return torchrun + ['-m', 'flexrt.deepspeed', str(script), '--rank', 'deepspeed'] + args
     accelerate = ['-m', 'accelerate.commands.launch', '--num_processes', n, '--num_machines', '1', '--mixed_precision',
                   'no', '--dynamo_backend', 'no', '--main_process_port', port]
     if path == 'accelerate':   # without --multi_gpu, accelerate starts one process on a machine without a GPU
@@ -127,7 +126,7 @@ def drive(a)->dict:
     from flexrt.launch import launch
     out = tempfile.mkdtemp(prefix='stress-ranks-')
     records = collections.Counter()
-    monitor.serve()   # the hub a dashboard starts; ranks launched from here forward to it (its address is in os.environ)
+    monitor.serve()   # the hub a dashboard starts; ranks launched from here forward to it (its address: os.environ)
     monitor.add_listener(lambda r: r.get('kind') == 'step' and records.update([r.get('rank')]))
     path, n, args = a.drive, num_ranks(a.drive), (out, a.steps, a.stage)
     result, me = {'path': path, 'stage': a.stage, 'error': None, 'exit': 0, 'output': ''}, psutil.Process()
@@ -175,16 +174,6 @@ def snapshot(folder:Path)->Path: # the copy of this file to run
     (folder / 'bench').mkdir()
     return Path(shutil.copy(__file__, folder / 'bench'))
 
-def alias_environment(folder:Path)->str: # its python
-    "A throwaway virtual environment that sees this one's packages, with flexrt's DeepSpeed alias installed by its CLI"
-    subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(folder)], check=True)
-    python = str(folder / 'bin' / 'python')
-    site = lambda py: subprocess.run([py, '-c', 'import sysconfig; print(sysconfig.get_paths()["purelib"])'],
-                                     capture_output=True, text=True, check=True).stdout.strip()
-    Path(site(python), '_stress_packages.pth').write_text(f'import site; site.addsitedir({site(sys.executable)!r})\n')
-    subprocess.run([python, '-m', 'flexrt.deepspeed', '--install-alias'], capture_output=True, check=True)
-    return python
-
 def classify(result:dict)->str:
     if result.get('hung'): return 'hang'
     if result['abort']: return 'abort'
@@ -197,12 +186,14 @@ def run_once(script:Path, path:str, stage:int, a, alias_python:str|None)->dict:
         env.pop(name, None)   # a fresh shell's environment
     cmd = [sys.executable, str(script), '--drive', path, '--stage', str(stage), '--steps', str(a.steps),
            '--timeout', str(a.timeout)] + (['--alias-python', alias_python] if alias_python else [])
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
     try: stdout, stderr = p.communicate(timeout=a.timeout + 30)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         stdout, stderr = p.communicate()
-        return {'hung': True, 'output': f'hung: no exit within {a.timeout + 30:g} s\n{stdout[-3000:]}\n{stderr[-3000:]}'}
+        said = f'hung: no exit within {a.timeout + 30:g} s\n{stdout[-3000:]}\n{stderr[-3000:]}'
+        return {'hung': True, 'output': said}
     lines = [l for l in stdout.splitlines() if l.startswith('{"path"')]
     if not lines:
         return {'abort': ABORT in stderr or p.returncode == -6, 'exit': p.returncode, 'error': 'the driver died',
@@ -220,7 +211,9 @@ def main(a):
     logs.mkdir(parents=True, exist_ok=True)
     work = tempfile.TemporaryDirectory(prefix='launch-stress-')
     script = snapshot(Path(work.name))
-    alias_python = alias_environment(Path(work.name) / 'alias_env') if 'accelerate-ds' in paths else None
+    sys.path.insert(0, str(ROOT / 'tests'))
+    from helpers import alias_environment   # the one tests/test_hf_clients.py uses
+    alias_python = str(alias_environment(Path(work.name) / 'alias_env')) if 'accelerate-ds' in paths else None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stopped: still stop the load generator (below)
     load = None if a.no_load else subprocess.Popen([sys.executable, '-c', 'while True: pass'])
     cells = [(p, s) for p in paths for s in stages]
@@ -238,7 +231,8 @@ def main(a):
                 c['records'] += r.get('records', 0)
                 if outcome != 'ok' or r.get('orphans') or r.get('shm') or r.get('lost'):
                     (logs / f'{p}-stage{s}-{i + 1}-{outcome}.json').write_text(json.dumps(r, indent=1))
-                if outcome in ('failed', 'hang'): first_failure.setdefault((p, s), (r.get('error') or '') + r['output'][-1500:])
+                if outcome in ('failed', 'hang'):
+                    first_failure.setdefault((p, s), (r.get('error') or '') + r['output'][-1500:])
                 print(f'run {i + 1:3d} {p:18s} stage {s} {outcome}'
                       + (f" orphans {r['orphans']}" if r.get('orphans') else '')
                       + (f" shm {r['shm']}" if r.get('shm') else '')
@@ -265,11 +259,13 @@ if __name__ == '__main__':
     parser.add_argument('--steps', type=int, default=6)
     parser.add_argument('--timeout', type=float, default=240, help='seconds before a run counts as hung')
     parser.add_argument('--no-load', action='store_true', help='no busy-loop process')
-    parser.add_argument('--log-dir', help='where the details of runs with a problem go (default: a new temporary folder)')
+    parser.add_argument('--log-dir', help='where the details of runs with a problem go (default: a new temporary '
+                                          'folder)')
     parser.add_argument('--drive', choices=PATHS, help='run one launch of this path (what the bench starts)')
     parser.add_argument('--alias-python', help='the python of the environment with the DeepSpeed alias')
     parser.add_argument('--stage', type=int, default=0)
-    parser.add_argument('--rank', choices=('flexrt', 'deepspeed', 'accelerate'), help='run as a rank (launchers start these)')
+    parser.add_argument('--rank', choices=('flexrt', 'deepspeed', 'accelerate'),
+                        help='run as a rank (launchers start these)')
     parser.add_argument('--rank-out', help="where a rank writes its step count")
     a = parser.parse_args()
     if a.rank == 'accelerate': rank_accelerate(a.rank_out, a.steps, a.stage)

@@ -102,3 +102,17 @@ def checkpoint_tree(d) -> dict:
             out[name] = {**m, 'files': {n: f['size'] for n, f in m['files'].items()}}
         elif p.is_file(): out[name] = p.read_bytes()
     return out
+
+def alias_environment(folder, env=None):  # the environment's python (a Path)
+    "A throwaway virtual environment that sees this one's packages, with flexrt's DeepSpeed alias installed by its CLI"
+    import subprocess, sys
+    from pathlib import Path
+    subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(folder)], check=True)
+    python = Path(folder) / 'bin' / 'python'
+    purelib = lambda py: subprocess.run([py, '-c', 'import sysconfig; print(sysconfig.get_paths()["purelib"])'],
+                                        capture_output=True, text=True, check=True).stdout.strip()
+    ours = purelib(sys.executable)   # torch, accelerate, deepspeed ...
+    (Path(purelib(python)) / '_dev_packages.pth').write_text(f'import site; site.addsitedir({ours!r})\n')
+    r = subprocess.run([python, '-m', 'flexrt.deepspeed', '--install-alias'], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and 'flexrt_deepspeed_alias.pth' in r.stdout, r.stdout + r.stderr
+    return python

@@ -15,7 +15,7 @@ in a throwaway virtual environment."""
 import importlib.util, json, math, os, socket, subprocess, sys
 from pathlib import Path
 import pytest
-from helpers import run_torchrun
+from helpers import run_torchrun, alias_environment
 
 ROOT, TESTS = Path(__file__).resolve().parent.parent, Path(__file__).resolve().parent
 ENV = os.environ | {'DS_ACCELERATOR': 'cpu', 'OMP_NUM_THREADS': '1', 'PYTHONPATH': f'{ROOT}{os.pathsep}{TESTS}',
@@ -38,17 +38,6 @@ def _deepspeed(script:str, *args)->list:
     "torchrun of `script` on real DeepSpeed (tests/real_deepspeed.py: the CPU accelerator, no shared-memory op)"
     return _torchrun(TESTS / 'real_deepspeed.py', TESTS / script, *args)
 
-def alias_environment(folder:Path)->Path: # the environment's python
-    "A throwaway virtual environment that sees this one's packages, with flexrt's DeepSpeed alias installed by its CLI"
-    subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(folder)], check=True)
-    python = folder / 'bin' / 'python'
-    site = subprocess.run([python, '-c', 'import sysconfig; print(sysconfig.get_paths()["purelib"])'], capture_output=True, text=True, check=True).stdout.strip()
-    ours = subprocess.run([sys.executable, '-c', 'import sysconfig; print(sysconfig.get_paths()["purelib"])'], capture_output=True, text=True, check=True).stdout.strip()
-    (Path(site) / '_dev_packages.pth').write_text(f'import site; site.addsitedir({ours!r})\n')   # torch, accelerate, deepspeed ...
-    r = subprocess.run([python, '-m', 'flexrt.deepspeed', '--install-alias'], capture_output=True, text=True, env=ENV)
-    assert r.returncode == 0 and 'flexrt_deepspeed_alias.pth' in r.stdout, r.stdout + r.stderr
-    return python
-
 # ---------------------------------------------------------------------------------------------------- the runs
 @pytest.fixture(scope='module')
 def trainer(tmp_path_factory):
@@ -68,7 +57,7 @@ def accelerate(tmp_path_factory):
     theirs, ours = tmp_path_factory.mktemp('accelerate_deepspeed'), tmp_path_factory.mktemp('accelerate_flexrt')
     for stage in (2, 3):
         _run(_deepspeed('hf_accelerate_train.py', '--stage', stage, '--out', theirs / f'{stage}.json'), theirs, f'Accelerate stage {stage} on DeepSpeed')
-    python = alias_environment(tmp_path_factory.mktemp('alias_env') / 'venv')
+    python = alias_environment(tmp_path_factory.mktemp('alias_env') / 'venv', ENV)
     launch = [python, '-m', 'accelerate.commands.launch', '--use_deepspeed', '--num_processes', '2', '--num_machines', '1', '--mixed_precision', 'no',
               '--dynamo_backend', 'no', '--main_process_port', _free_port(), TESTS / 'hf_accelerate_train.py', '--stage', 2, '--out', ours / '2.json']
     _run(list(map(str, launch)), ours, 'accelerate launch --use_deepspeed with the alias installed')
@@ -171,7 +160,7 @@ def test_detection_follows_the_alias():
 
 def test_install_alias_and_remove_alias(tmp_path):
     "`python -m flexrt.deepspeed --install-alias` in a fresh environment (next to an installed DeepSpeed), then `--remove-alias`"
-    python = alias_environment(tmp_path / 'venv')
+    python = alias_environment(tmp_path / 'venv', ENV)
     probe = ('import json, sys, importlib.util, importlib.metadata; started = "deepspeed" in sys.modules; s = importlib.util.find_spec("deepspeed"); '
              'print(json.dumps([started, s.origin, importlib.metadata.distribution("deepspeed").read_text("INSTALLER").strip()]))')
     def look(**env)->list: # [deepspeed imported at start, the spec's origin, the distribution's INSTALLER]

@@ -5,6 +5,7 @@
 # %% ../../nbs/80_widgets_dashboard.ipynb #c002
 from __future__ import annotations
 import html
+from collections import Counter
 import pandas as pd
 import ipywidgets as W
 from .. import monitor
@@ -38,7 +39,8 @@ class TrainingDashboard(LiveView):
         cpu_share: float = 0.05,
         redraw: bool = True,  # redraw from a thread of its own (False: you call `refresh()`)
     ):
-        self.total_steps, self.clip, self._comm_drawn, self._log_drawn, self._watching = total_steps, clip, 0, 0, False
+        self.total_steps, self.clip, self._watching = total_steps, clip, False
+        self._texts_drawn = Counter()  # records of each kind the texts have drawn (`_arrived`)
         records = RecordStore()  # the views' one store; `attach=True` below: the dashboard listens for them all
         self.memory = MemoryMonitor(records=records, redraw=False)  # drawn by the dashboard's own thread
         self.grad_norm = GradNormTrace(clip=clip, records=records, redraw=False)
@@ -49,9 +51,9 @@ class TrainingDashboard(LiveView):
         self.log_section = W.VBox(
             [W.HTML('<b>Log</b> (the ranks\' progress lines)'), self.log], layout=W.Layout(display='none')
         )
-        self.background, self._background_drawn = W.HTML(), 0  # 'error' records: a background thread failed
+        self.background = W.HTML()  # 'error' records: a background thread failed
         # rank 0's 'checkpoint' records: saves done and in flight, with their blocking and background times
-        self.checkpoints, self._checkpoints_drawn = W.HTML(layout=W.Layout(display='none')), 0
+        self.checkpoints = W.HTML(layout=W.Layout(display='none'))
         self.background_section = W.VBox(
             [W.HTML('<b>Background errors</b> (threads that failed while training went on)'), self.background],
             layout=W.Layout(display='none'),
@@ -119,12 +121,19 @@ class TrainingDashboard(LiveView):
         else:
             button.disabled, button.description, button.icon = False, 'Stop', 'stop'
 
+    def _arrived(self, kind: str) -> bool:
+        "Whether records of `kind` arrived since the texts last drew them (they are drawn now)"
+        count = self.records.counts[kind]
+        if count == self._texts_drawn[kind]:
+            return False
+        self._texts_drawn[kind] = count
+        return True
+
     def _comm_text(self):
         "The newest comm table, shown with its section once one arrived"
-        comm = self.records.last('comm')
-        if comm is None or self.records.counts['comm'] == self._comm_drawn:
+        if not self._arrived('comm'):
             return
-        self._comm_drawn = self.records.counts['comm']
+        comm = self.records.last('comm')
         if 'total_steps' in comm and not self.total_steps:
             self.total_steps = self.progress.max = int(comm['total_steps'])
             self.progress.layout.display = ''
@@ -134,9 +143,8 @@ class TrainingDashboard(LiveView):
 
     def _log_text(self):
         "The ranks' progress lines ('console' records), newest last, shown with their section once one arrived"
-        if self.records.counts['console'] == self._log_drawn:
+        if not self._arrived('console'):
             return
-        self._log_drawn = self.records.counts['console']
         lines = self.records._frame('console')['text'].tail(LOG_LINES)
         self.log.value = (
             '<pre class="flexrt-log" style="max-height:200px;overflow:auto;font-size:11px">'
@@ -158,9 +166,8 @@ class TrainingDashboard(LiveView):
 
     def _background_text(self):
         "The `'error'` records (a rank's memory sampler, the hub, ...), each with its rank, source and place"
-        if self.records.counts['error'] == self._background_drawn:
+        if not self._arrived('error'):
             return
-        self._background_drawn = self.records.counts['error']
         self.background.value = '<br>'.join(
             background_error_html(r) for r in self.records.since('error', 0)[0][-LOG_LINES:]
         )
@@ -168,9 +175,8 @@ class TrainingDashboard(LiveView):
 
     def _checkpoint_text(self):
         "The newest checkpoint saves, shown once one started"
-        if self.records.counts['checkpoint'] == self._checkpoints_drawn:
+        if not self._arrived('checkpoint'):
             return
-        self._checkpoints_drawn = self.records.counts['checkpoint']
         self.checkpoints.value = checkpoint_html(self.records.since('checkpoint', 0)[0])
         self.checkpoints.layout.display = ''
 

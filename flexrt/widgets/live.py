@@ -221,8 +221,8 @@ class LiveView:
             if view.has_data():
                 view.figure().savefig(os.path.join(path, view.png_name), dpi=100)
                 written.append(view.png_name)
-        kinds = sorted(k for k in self.records.counts if k not in (None, 'run'))
-        for kind in sorted(kinds, key=lambda k: k != 'step'):
+        kinds = sorted((k for k in self.records.counts if k not in (None, 'run')), key=lambda k: (k != 'step', k))
+        for kind in kinds:  # the steps first
             name, frame = 'history.csv' if kind == 'step' else f'{kind}.csv', self.records.frame(kind)
             frame.drop(columns=[c for c in ('rows', 'traceback') if c in frame]).to_csv(
                 os.path.join(path, name), index=False
