@@ -8,6 +8,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
 PYTEST_LOG := .pytest-last.txt
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test test-all test-busy sync-check nbtest pytest bench screenshots ds-tests gpu-check clean
 
@@ -52,11 +53,14 @@ nbtest: install
 	$(BIN)/nbdev_test --flags multiproc --n_workers 2 --timing
 
 # pytest exits 5 when it collects nothing; make treats that as a failure, as it should. The 20 slowest tests are listed
-# (the suite must stay under 15 minutes on a quiet 2-core machine).
+# (the suite must stay under 15 minutes on a quiet 2-core machine). Two pytest-xdist workers take whole files
+# (--dist loadfile: a file's module fixtures are built once), longest first (tests/conftest.py's SLOW_FILES): one
+# worker left about 40 % of two cores idle while ranks waited on each other, on subprocesses or on a browser.
+# PYTEST_WORKERS=0 runs in one process.
 # tests/test_browser.py installs Debian's Chromium with apt-get on first use (root), or skips saying why it cannot.
 # tests/test_deepspeed_parity.py runs the pinned DeepSpeed (dev extra) on CPU next to flexrt.
 pytest: install
-	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rsx -p no:cacheprovider --durations=20 | tee $(PYTEST_LOG)
+	DS_ACCELERATOR=cpu $(PY) -m pytest tests -q -rsx -p no:cacheprovider --durations=20 -n $(PYTEST_WORKERS) --dist loadfile | tee $(PYTEST_LOG)
 
 # On a machine with a GPU (CI has none): flexrt's CUDA paths on one GPU, one rank over NCCL (tools/gpu_check.py): the
 # engine at every stage and precision against plain torch, fp16 overflow, the non-finite watch, checkpoints across
@@ -65,10 +69,12 @@ gpu-check: install
 	$(PY) tools/gpu_check.py
 
 # The README's pictures are the browser tests' screenshots of real pages (JupyterLab and Voila in Chromium), taken
-# while two ranks train (`*_live.png`), after Stop (`*_dashboard.png`) and after an autotune search (`*_autotune.png`);
-# this refreshes them in docs/images/.
+# while two ranks train (`*_live.png`), after Stop (`*_dashboard.png`) and after an autotune search (`*_autotune.png`),
+# and the step anatomy of a saved dashboard page naming a planted slow rank (`step_anatomy.png`); this refreshes them
+# in docs/images/.
 screenshots: install
-	FLEXRT_ARTIFACTS=docs/images $(PY) -m pytest tests/test_browser.py tests/test_browser_autotune.py -q -p no:cacheprovider
+	FLEXRT_ARTIFACTS=docs/images $(PY) -m pytest tests/test_browser.py tests/test_browser_autotune.py \
+		tests/test_anatomy.py::test_the_dashboard_names_the_slowed_rank_on_the_page_a_browser_shows -q -p no:cacheprovider
 
 # The documentation site, built into _docs/ without Quarto (tools/docs.py: nbdev's processors, then nbconvert; of the
 # cells, only exported ones, show_doc calls and imports run): a page per notebook with its API entries and folded

@@ -97,3 +97,16 @@ _ENTRY_POINTS['AutotuneWidget'] = 'flexrt.widgets.autotune_widget'
 _ENTRY_POINTS['use_as_deepspeed'] = 'flexrt.deepspeed'
 # where each rank's step goes, from records or JSONL files: the table and the findings
 _ENTRY_POINTS['anatomy'] = 'flexrt.monitor.anatomy'
+
+# %% ../nbs/69_flexrt.ipynb #c995
+import os, sys
+
+
+def _release_openmp_threads():
+    "Before this process forks: torch's OpenMP threads go, so the child may start its own"
+    if 'torch' in sys.modules:  # no torch, no torch OpenMP threads (and nothing heavy is imported here for nothing)
+        importlib.import_module('flexrt.utils.threads').release_openmp_threads()
+
+
+if hasattr(os, 'register_at_fork'):  # not on Windows, which does not fork
+    os.register_at_fork(before=_release_openmp_threads)

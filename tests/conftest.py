@@ -10,8 +10,44 @@ from pathlib import Path
 def _torch_extensions_dir() -> Path:
     return Path(os.environ.get('TORCH_EXTENSIONS_DIR') or Path.home() / '.cache' / 'torch_extensions')
 
+def _worker(config) -> bool:
+    "True in a pytest-xdist worker (`make test` runs two); False in the controller and in a run without xdist"
+    return hasattr(config, 'workerinput')
+
+def pytest_configure(config):
+    """Every xdist worker collects the tests itself and xdist refuses a run whose workers collected different ones, so
+    they must draw the same generated config sample: the run's seed goes into the environment the workers inherit"""
+    import fuzz_sample
+    os.environ['FLEXRT_FUZZ_SEED'] = str(fuzz_sample.SEED)
+
 def pytest_sessionstart(session):
+    if _worker(session.config): return  # the controller cleared them before the workers started; a worker may compile
     for lock in _torch_extensions_dir().glob('*/*/lock'): lock.unlink(missing_ok=True)
+
+# Seconds each of the slowest files took in a whole run (one worker, a 2-core machine with other work on it). The workers take files
+# longest first, so no long file starts last and runs alone while the other worker idles; the rest keep their order.
+# A stale figure costs only balance, never a result.
+SLOW_FILES = {
+    'test_autotune_widget.py': 151, 'test_hf_clients.py': 135, 'test_checkpoint.py': 104, 'test_zero12.py': 102,
+    'test_comm_dtype.py': 83, 'test_browser_autotune.py': 79, 'test_docs.py': 78, 'test_zero12_engine.py': 67,
+    'test_deepspeed_parity.py': 65, 'test_comm_faults.py': 63, 'test_autotuner_runner.py': 60,
+    'test_autotuner_memory.py': 58, 'test_grads.py': 58, 'test_zero3.py': 52, 'test_threads_launch.py': 50,
+    'test_browser.py': 43, 'test_checkpoint_concurrent.py': 42, 'test_checkpoint_async.py': 40,
+    'test_project.py': 36, 'test_checkpoint_deepspeed.py': 33, 'test_comm_train.py': 31,
+    'test_deepspeed_script.py': 31, 'test_exit_teardown.py': 28, 'test_run_health.py': 27, 'test_reducer.py': 26,
+    'test_autotuner_cli.py': 24, 'test_widgets.py': 23, 'test_utils_partition.py': 23,
+    'test_checkpoint_ds_surface.py': 21, 'test_launch.py': 21, 'test_monitor.py': 20, 'test_comm_env.py': 19,
+    'test_zero12_deferred.py': 18, 'test_memory_tracker.py': 18, 'test_notebooks.py': 18, 'test_memory.py': 17,
+    'test_engine_init.py': 16, 'test_comm_ops.py': 16, 'test_checkpoint_safe_globals.py': 15,
+    'test_three_ranks.py': 15,
+    # files newer than that run, from their own runs on the same machine
+    'test_zeropp.py': 85, 'test_elastic.py': 75, 'test_anatomy.py': 40,
+}
+
+def pytest_collection_modifyitems(session, config, items):
+    "Files in order of SLOW_FILES' seconds, longest first; a file's own tests keep their order"
+    order = {path: i for i, path in enumerate(dict.fromkeys(item.path.name for item in items))}
+    items.sort(key=lambda item: (-SLOW_FILES.get(item.path.name, 0), order[item.path.name]))
 
 import pytest
 
@@ -30,6 +66,17 @@ def pytest_report_header(config):
     "The seed of the generated config sets' sample (tests/fuzz_sample.py), so a failure can be run again"
     import fuzz_sample
     return fuzz_sample.describe()
+
+def pytest_sessionfinish(session):
+    "A worker hands the controller how many generated cases it ran (the controller collects none itself)"
+    if _worker(session.config):
+        import fuzz_sample
+        session.config.workeroutput['fuzz_run'] = {name: list(counts) for name, counts in fuzz_sample.RUN.items()}
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent in a run without it
+def pytest_testnodedown(node, error):
+    import fuzz_sample
+    fuzz_sample.RUN.update({name: tuple(counts) for name, counts in node.workeroutput.get('fuzz_run', {}).items()})
 
 def pytest_terminal_summary(terminalreporter):
     "The seed again at the end (`-q` hides the header), with how many generated cases ran"

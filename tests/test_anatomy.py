@@ -3,11 +3,13 @@ rank's backward, more compute threads than cores, stage 3 with a tiny prefetch b
 the right rank and phase, from the step records the engine emits; and the phases add up to the step's wall time as
 the training loop itself measures it. No timed assertions: the plants are large, and what is checked is which rank
 and which phase the records and rules name."""
-import os, time
+import json, os, subprocess, sys, time
+from pathlib import Path
 import pytest
 import torch
 from torch import nn
 from helpers import run_distributed
+from test_browser import chromium  # noqa: F401  (the fixture: Debian's Chromium, or a skip with the reason)
 from flexrt import monitor
 from flexrt.monitor.anatomy import ANATOMY_PHASES, anatomy, anatomy_frame
 
@@ -89,9 +91,14 @@ def test_a_sleep_in_one_ranks_data_loading_is_named_data_wait_on_that_rank():
     assert rules(report, 'straggler') == []  # not a compute straggler
 
 
-def test_a_slowed_backward_on_one_rank_is_named_compute_while_the_other_waits_in_communication():
-    records, _ = run(8, CONFIG, slow_rank=1)
-    report = anatomy(records, show=False)
+@pytest.fixture(scope='module')
+def slowed_backward():
+    "Every rank's step records of 8 steps with rank 1's backward slowed by extra matmuls in a hook"
+    return run(8, CONFIG, slow_rank=1)[0]
+
+
+def test_a_slowed_backward_on_one_rank_is_named_compute_while_the_other_waits_in_communication(slowed_backward):
+    report = anatomy(slowed_backward, show=False)
     (found,) = rules(report, 'straggler')
     assert (found.rank, found.phase) == (1, 'backward') and '(compute, not communication)' in found.message
     assert found.message.startswith("rank 1's backward is ") and found.value > 3
@@ -99,6 +106,44 @@ def test_a_slowed_backward_on_one_rank_is_named_compute_while_the_other_waits_in
     assert table.loc[0, 'comm'] > table.loc[0, 'backward']  # rank 0's time is blocked communication
     assert table.loc[0, 'comm'] > 5 * table.loc[1, 'comm']  # rank 1 hardly waits
     assert rules(report, 'data_wait') == []
+
+
+def test_the_dashboard_names_the_slowed_rank_on_the_page_a_browser_shows(slowed_backward, chromium, tmp_path):
+    """The dashboard's saved page, opened in Chromium: the step anatomy's findings line names rank 1's backward in
+    words, above its table and plot; the picture is saved ($FLEXRT_ARTIFACTS/step_anatomy.png with `make screenshots`:
+    the README's figure)"""
+    from playwright.sync_api import sync_playwright
+    from flexrt.widgets.dashboard import TrainingDashboard
+
+    dash = TrainingDashboard(redraw=False)
+    try:
+        for record in slowed_backward:
+            dash.records(record)
+        page_file = dash.save_html(tmp_path / 'run.html')
+    finally:
+        dash.close()
+    shots = Path(os.environ.get('FLEXRT_ARTIFACTS', tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium)
+        try:
+            page = browser.new_page(viewport={'width': 1150, 'height': 900})
+            page.goto(Path(page_file).as_uri())
+            sections = page.locator('section', has=page.locator('h2', has_text='Step anatomy'))
+            found = sections.locator('.flexrt-findings')
+            assert found.is_visible() and found.inner_text().startswith("rank 1's backward is "), found.inner_text()
+            assert '(compute, not communication)' in found.inner_text()
+            plot = page.locator('section', has=page.locator('h2', has_text='Plot: anatomy')).locator('img')
+            assert plot.is_visible() and plot.evaluate('img => img.naturalWidth') > 0   # the figure decoded
+            # the picture: the two sections of the step anatomy, the ones between them hidden
+            page.evaluate('''() => { for (const s of document.querySelectorAll('section')) {
+                const h = s.querySelector('h2').textContent;
+                if (h !== 'Step anatomy' && h !== 'Plot: anatomy') s.style.display = 'none'; } }''')
+            top, bottom = sections.bounding_box(), plot.bounding_box()
+            clip = {'x': 0, 'y': top['y'] - 8, 'width': 1150, 'height': bottom['y'] + bottom['height'] - top['y'] + 16}
+            page.screenshot(path=str(shots / 'step_anatomy.png'), clip=clip, full_page=True)
+        finally:
+            browser.close()
 
 
 def test_more_compute_threads_than_cores_on_every_rank_is_named_oversubscribed():
@@ -148,3 +193,44 @@ def test_the_script_path_reads_the_ranks_jsonl_files_and_prints_the_table_and_fi
     assert printed.startswith('step anatomy, mean of the latest 20 steps') and '- data wait ' in printed
     assert printed.rstrip().endswith(' on rank 0') and list(report.table.index) == [0, 1]
     assert [f.rule for f in report.findings] == ['data_wait']
+    # the same files from a shell: `python -m flexrt.monitor.anatomy`, its options, its errors
+    paths = sorted(str(p) for p in tmp_path.glob('steps*.jsonl'))
+    shell = lambda *args: subprocess.run([sys.executable, '-m', 'flexrt.monitor.anatomy', *args], capture_output=True,
+                                         text=True, timeout=120)
+    done = shell(*paths)
+    assert (done.returncode, done.stdout, done.stderr) == (0, printed, '')   # what flexrt.anatomy(paths) printed
+    done = shell(*paths, '--window', '3', '--rank', '0')
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and lines[0].startswith('step anatomy, mean of the latest 3 steps'), done
+    assert [line.split()[0] for line in lines[2:] if not line.startswith('-')] == ['0']   # rank 0's row alone
+    assert lines[-1].startswith('- data wait ') and lines[-1].endswith(' on rank 0')
+    done = shell(str(tmp_path / 'steps5.jsonl'))
+    assert done.returncode == 2 and done.stdout == '' and 'no such file: ' in done.stderr and 'steps5.jsonl' in done.stderr
+    (tmp_path / 'other.jsonl').write_text(json.dumps({'kind': 'memory', 'rank': 0}) + '\n')
+    done = shell(str(tmp_path / 'other.jsonl'))
+    assert done.returncode == 1 and "hold no step record with an anatomy (records: 1 'memory')" in done.stderr, done
+
+
+def anatomy_settings(rank, world_size, blocks):
+    """For each `diagnostics.anatomy` block: this rank's engine.anatomy (on, cuda_every), and whether the step record
+    of a watched step carried an anatomy"""
+    import flexrt
+    out = []
+    for block in blocks:
+        records = []
+        with monitor.listen(records.append):  # watched: without the block, the anatomy would be on
+            net = mlp()
+            config = {**CONFIG, 'diagnostics': {'anatomy': block}}
+            engine, *_ = flexrt.initialize(model=net, model_parameters=net.parameters(), config=config)
+            engine.backward(engine(torch.randn(4, 8)).square().mean())
+            engine.step()
+            settings = (engine.anatomy.on, engine.anatomy.cuda_every)
+            engine.close()
+        out.append((settings, ['anatomy' in r for r in records if r['kind'] == 'step']))
+    return out
+
+
+def test_the_configs_anatomy_block_reaches_each_ranks_engine():
+    blocks = [{'enabled': True, 'cuda_every': 7}, {'enabled': False}]
+    for settings in run_distributed(anatomy_settings, 2, args=(blocks,), timeout=120):
+        assert settings == [((True, 7), [True]), ((False, 0), [False])], settings

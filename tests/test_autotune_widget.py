@@ -4,12 +4,13 @@ reach this process over the monitor channel); Stop ends it after the current tri
 folder it wrote reopens with the same trials; an interrupted search resumes from it. Synthetic records (no training)
 check what the figure and the texts show of the search's confidence: the intervals, the playoff, the margin, the
 throughput x peak-memory view with its Pareto front and budget, and an old result without any of them."""
-import json, math, os, sqlite3
+import json, math, os, re, sqlite3
 import sys
 from pathlib import Path
 import pandas as pd, pytest, torch
 from flexrt import monitor
 from flexrt.autotuner.results import AutotuneResult
+from flexrt.monitor.anatomy import ANATOMY_PHASES
 from flexrt.widgets.autotune_view import search_arguments
 from flexrt.widgets import AutotuneWidget
 
@@ -36,6 +37,10 @@ def widget(tmp_path, **kwargs):
     w = AutotuneWidget(model_fn, train_step, CONFIG, results_dir=str(tmp_path / 'autotuning_results'), interval=0.1, **kwargs)
     w.controls['stages'].value, w.controls['micro_batch_range'].value = (0, 1), (1, 16)
     return w
+
+def drawn_anatomy(panel):
+    "The step anatomy the panel draws under its table: phase -> ms, read back from the drawing"
+    return {p: float(ms) for p, ms in re.findall(r'data-phase="(\w+)" data-ms="([^"]+)"', panel.anatomy.value)}
 
 def wait_for(condition, w, timeout=180):
     "Wait for a drawing after which `condition` holds (records arrive on other threads); raise what the ranks raised if they end first"
@@ -88,6 +93,9 @@ def test_search_fills_table_and_plots_live_and_reopens(tmp_path):
     assert list(trials['status']) == list(stored.trials['status'])
     assert w.table.value.count('<tr class="flexrt-trial"') == len(trials) and w.table.value.count('background:#c8f0c8') == 1
     assert w.plot.value.startswith('<img src="data:image/png') and w.num_plots >= 1
+    # under the table, the best trial's step anatomy: each drawn phase is its record's (as the ranks measured it)
+    best = trials[trials['trial'] == w.view.best['trial']].iloc[0]
+    assert w.anatomy_trial.value == best['trial'] and drawn_anatomy(w) == {p: best['anatomy_ms'][p] for p in ANATOMY_PHASES}
     best = json.load(open(os.path.join(w.results_dir, 'ds_config_optimal.json')))
     assert w.best_config == best and w.stop_button.disabled and not w.run_button.disabled
     assert w.save(tmp_path / 'saved') == ['autotune.png', 'trials.csv', 'ds_config_optimal.json']
@@ -263,6 +271,28 @@ def test_status_line_and_standings_from_playoff_and_end_records():
     panel.refresh()
     assert panel.status.value.endswith(f'(trial 5)<br>{verdict}')      # the winner, then the margin it won by
     assert [c[0] for c in cells()] == ['&#9733; leader', '', '', '']    # the standings stay; the end's ties decide
+    panel.close()
+
+def test_the_selected_trials_anatomy_is_drawn_as_recorded(tmp_path):
+    "Each trial the user selects under the table is drawn with its record's anatomy_ms; the pick survives new records"
+    view, anatomy = searched(), {}
+    for n in (1, 5, 8, 12):                                            # search points and a playoff round, each its own
+        anatomy[n] = {'data_wait': 0.1 * n, 'forward': 4.0 + n, 'backward': 17.5, 'comm': 6.0 / n, 'optimizer': 12.0 - n / 2,
+                      'rest': 0.25, 'wall': 40.0 + n, 'comm_gather': 0.0, 'comm_reduce': 6.0 / n}
+        old = view.trials.set_index('trial').loc[n].to_dict()
+        view({**old, 'trial': n, 'kind': 'experiment', 'event': 'trial', 'anatomy_ms': anatomy[n]})
+    panel = SearchPanel(view=view, interval=3600); panel.refresh()
+    assert [n for _, n in panel.anatomy_trial.options] == [1, 5, 8, 12]  # the trials with an anatomy, in order
+    assert panel.anatomy_trial.value == view.best['trial'] == 8           # the best one, before the user picks
+    for n in (12, 1, 5):
+        panel.anatomy_trial.value = n                                     # the user selects trial n
+        assert drawn_anatomy(panel) == {p: anatomy[n][p] for p in ANATOMY_PHASES}, n
+        assert f'Step anatomy of trial {n}</b>' in panel.anatomy.value
+    view(record(40, 2, 64, 400., 10 * MiB, anatomy_ms=anatomy[8]))       # a new best arrives: the pick stays
+    panel.refresh()
+    assert panel.anatomy_trial.value == 5 and drawn_anatomy(panel) == {p: anatomy[5][p] for p in ANATOMY_PHASES}
+    saved = open(panel.save_html(tmp_path / 'search.html')).read()
+    assert 'Step anatomy of trial 5' in saved and saved.count('class="flexrt-phase"') == len(ANATOMY_PHASES)
     panel.close()
 
 def test_an_old_result_without_the_new_columns_still_shows(tmp_path):

@@ -2,7 +2,7 @@
 largest micro-batch exact in few runs, fault injection, every settings knob that changes the path; and against a noisy
 one (tests/autotune_surface.py `noisy`): a lucky reading loses the playoff, a tie keeps the baseline; threads per rank
 searched where they matter (`threaded`), and a winner far ahead of the baseline says which phase of the step got faster
-(`step_bound`)."""
+(`step_bound`), in the engine's timers and in the step anatomy's phases."""
 import math, sys
 import pytest
 from autotune_surface import measure, faulty, noisy, predict, grid, throughput, threaded, step_bound, P, WORLD
@@ -197,6 +197,33 @@ def test_a_far_ahead_winner_names_the_phase_that_got_faster():
     s = new_search(budget)
     rec, best = drive(s, budget=budget)   # the plain surface: phases timed, the winner 1.2x the baseline: the ratio alone
     assert 1 < s.margin['baseline']['ratio'] < 1.5 and s.margin['why'] == '' and 'against the baseline' not in s.margin['verdict'], s.margin
+
+def with_anatomy(measure_fn):
+    "A `measure` whose readings carry the step anatomy their phases make (`anatomy_ms`, as `run_trial` records it)"
+    def fn(*args, **kwargs):
+        r = measure_fn(*args, **kwargs)
+        if r.status == 'ok':
+            p = r.phases_ms   # the reduction wait is time blocked in communication; the optimizer step, the optimizer
+            r.anatomy_ms = {'data_wait': 0.0, 'forward': p['forward'], 'backward': p['backward'], 'comm': p['allreduce'],
+                            'optimizer': p['step'], 'rest': 0.0, 'wall': sum(p.values())}
+        return r
+    return fn
+
+def test_a_large_win_is_explained_in_step_anatomy_phases():
+    """A winner 1.2x the baseline or more names the anatomy phase whose median time fell the most, with its percentage
+    (per sample: the two run different micro-batches); one below 1.2x gives its ratio alone"""
+    budget = 26_000_000
+    s = new_search(budget)
+    rec, best = drive(s, with_anatomy(step_bound(optimizer=0.040, speedup=4.)), budget=budget)
+    m, base = s.margin, s.baseline[1]
+    shorter = 1 - (0.040 / 4 / best.micro_batch) / (0.040 / base.micro_batch)   # the optimizer step per sample
+    assert best.micro_batch != base.micro_batch and m['baseline']['ratio'] >= 1.2, m
+    assert m['anatomy'].startswith(f"its optimizer step is {shorter * 100:.0f} % shorter than the baseline's ("), m
+    assert m['anatomy'].endswith(' ms per sample)') and m['verdict'].endswith(f"; {m['anatomy']}"), m['verdict']
+    assert m['why'] and 'against the baseline' not in m['verdict'], m   # the timers' account is not given twice
+    s = new_search(budget)
+    drive(s, with_anatomy(measure), budget=budget)                    # the plain surface: 1.19x, below the rule's 1.2x
+    assert 1 < s.margin['baseline']['ratio'] < 1.2 and s.margin['anatomy'] == '' and 'shorter' not in s.margin['verdict']
 
 def test_one_disturbed_round_does_not_change_the_playoff_winner():
     "The playoff ranks by the median of paired ratios: one round read 3x off (a neighbour's burst) moves no winner"

@@ -14,7 +14,7 @@ the ranks stopped, when every line was written; Voila shows a cell's outputs onl
 
 Chromium comes from `apt-get install chromium` on first use; the test skips (with the reason) only where that cannot
 be done."""
-import json, os, shutil, signal, socket, subprocess, sys, threading
+import fcntl, json, os, shutil, signal, socket, subprocess, sys, tempfile, threading
 from pathlib import Path
 import nbformat, pytest
 
@@ -25,9 +25,14 @@ def _install_chromium():
     "Debian's Chromium via apt (root only); returns why it is unavailable, or None"
     if os.path.exists(CHROMIUM): return None
     if shutil.which('apt-get') is None or os.geteuid() != 0: return 'no chromium, and apt-get is not usable here (needs root)'
-    for cmd in (['apt-get', 'update', '-q'], ['apt-get', 'install', '-y', '-q', 'chromium']):
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if r.returncode: return f'{" ".join(cmd)} failed: {r.stderr[-500:]}'
+    # `make test`'s two workers may both need it at once: one installs, the other waits and finds it (apt's own lock
+    # would fail the second)
+    with open(Path(tempfile.gettempdir()) / 'flexrt-chromium-install.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(CHROMIUM): return None
+        for cmd in (['apt-get', 'update', '-q'], ['apt-get', 'install', '-y', '-q', 'chromium']):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if r.returncode: return f'{" ".join(cmd)} failed: {r.stderr[-500:]}'
     return None
 
 @pytest.fixture(scope='module')

@@ -308,3 +308,20 @@ def test_a_json_file_with_a_duplicate_key_is_refused(tmp_path):
     with pytest.raises(ValueError, match=re.escape("the key optimizer.params.lr is given twice (0.001 and 0.1)")): load_config(path)
     path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
     with pytest.raises(ValueError, match=re.escape("the key train_batch_size is given twice (8 and 16)")): load_config(path)
+
+def test_the_step_anatomy_block_loads_round_trips_and_names_its_errors():
+    "diagnostics.anatomy (flexrt's own): whether step records carry the anatomy, and its CUDA event sampling"
+    from flexrt.config.blocks import AnatomyConfig
+    c = load_config({'train_batch_size': 8, 'diagnostics': {'anatomy': {'enabled': True, 'cuda_every': 10}}})
+    assert c.diagnostics.anatomy == AnatomyConfig(enabled=True, cuda_every=10)
+    assert c.to_dict()['diagnostics']['anatomy'] == {'enabled': True, 'cuda_every': 10} and load_config(c.to_dict()) == c
+    assert load_config({'train_batch_size': 8}).diagnostics.anatomy == AnatomyConfig(enabled=None, cuda_every=0)
+    for anatomy, error, fragment in (
+            ({'cuda_every': -1}, ValueError, 'diagnostics.anatomy.cuda_every must be a non-negative int, got -1'),
+            ({'cuda_every': 'often'}, TypeError, "diagnostics.anatomy.cuda_every must be a non-negative int, got 'often'"),
+            ({'enabled': 'yes'}, TypeError, 'diagnostics.anatomy.enabled must be'),
+            ({'cuda_evry': 10}, ValueError, "unknown key 'cuda_evry' in diagnostics.anatomy (did you mean 'cuda_every'?)"),
+            ({'enabled': False, 'cuda_every': 10}, ValueError,
+             'enabled=false turns off: set enabled to true (or null), or cuda_every to 0')):
+        with pytest.raises(error, match=re.escape(fragment)):
+            load_config({'train_batch_size': 8, 'diagnostics': {'anatomy': anatomy}})

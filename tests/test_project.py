@@ -139,7 +139,9 @@ def test_make_test_lists_skip_and_xfail_reasons_and_counts_them(tmp_path):
     tests = tmp_path / 'test_some.py'
     tests.write_text("import pytest\ndef test_runs(): pass\n@pytest.mark.skip(reason='needs a GPU')\ndef test_gpu(): pass\n"
                      "@pytest.mark.xfail(reason='known gap')\ndef test_gap(): assert 0\n")
-    flags = re.search(r'-m pytest tests (.*) \| tee', (ROOT / 'Makefile').read_text()).group(1)
+    makefile = (ROOT / 'Makefile').read_text()
+    workers = re.search(r'^PYTEST_WORKERS \?= (\d+)$', makefile, re.M).group(1)   # the workers too, as make runs them
+    flags = re.search(r'-m pytest tests (.*) \| tee', makefile).group(1).replace('$(PYTEST_WORKERS)', workers)
     log = tmp_path / 'pytest.txt'
     run = subprocess.run([sys.executable, '-m', 'pytest', str(tests), *flags.split()], capture_output=True, text=True, cwd=tmp_path)
     log.write_text(run.stdout)

@@ -45,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument('--trial-timeout', type=float, default=None, help='seconds per experiment')
     a.add_argument('--ranks-per-experiment', type=int, default=None, help='ranks per experiment (in-process mode)')
     a.add_argument('--no-resume', action='store_true', help='start afresh instead of resuming results_dir')
+    # `flexrt anatomy RUN.jsonl ...`: `main` hands it to flexrt.monitor.anatomy, whose --help gives its arguments
+    sub.add_parser('anatomy', help="where each rank's step goes, and what is wrong, from the JSONL files of a run")
     return p
 
 
@@ -341,6 +343,10 @@ def autotune_script(args):
 def main(argv: list | None = None):
     "The `flexrt` console script"
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ['anatomy']:  # the step anatomy of a run (`python -m flexrt.monitor.anatomy`)
+        from flexrt.monitor.anatomy import main as anatomy_main
+
+        return anatomy_main(argv[1:], prog='flexrt anatomy')
     if argv[:1] in (['_worker'], ['_experiment']):
         if argv[0] == '_experiment':
             return experiment(argparse.Namespace(script=argv[1], script_args=argv[3:]))

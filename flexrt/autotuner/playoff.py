@@ -7,9 +7,11 @@ from __future__ import annotations
 import math, statistics
 from .space import Candidate
 from .measure import median_interval, median_phases
+from ..monitor.anatomy import ANATOMY_PHASES
 
 # %% auto #0
-__all__ = ['PHASE_WORDS', 'threads_words', 'label', 'short', 'Playoff', 'phase_change']
+__all__ = ['PHASE_WORDS', 'LARGE_WIN', 'ANATOMY_WORDS', 'threads_words', 'label', 'short', 'Playoff', 'phase_change',
+           'anatomy_change']
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p005
 def threads_words(n: int) -> str:
@@ -70,6 +72,7 @@ class Playoff:
         )
         self.rounds, self.failed, self.beaten = [], {}, set()  # [{key: metric}], key -> reason, keys no longer run
         self.phases = []  # by round: {key: ms per optimizer step of each engine phase}, where the runs timed them
+        self.anatomies = []  # by round: {key: the run's step anatomy, median ms per phase (`anatomy_ms`)}
 
     @property
     def alive(self) -> list:
@@ -94,6 +97,7 @@ class Playoff:
         metrics: dict,  # key -> metric, or None when the run failed
         reasons: dict | None = None,  # key -> why it failed
         phases: dict | None = None,  # key -> the run's `phases_ms` (None where it timed none)
+        anatomies: dict | None = None,  # key -> the run's `anatomy_ms` (None where it recorded none)
     ):
         "Record one round; an entrant whose run failed leaves the playoff"
         for key, m in metrics.items():
@@ -101,6 +105,7 @@ class Playoff:
                 self.failed[key] = (reasons or {}).get(key) or 'failed in the playoff'
         self.rounds.append({k: m for k, m in metrics.items() if k not in self.failed})
         self.phases.append({k: p for k, p in (phases or {}).items() if p and k in self.rounds[-1]})
+        self.anatomies.append({k: a for k, a in (anatomies or {}).items() if a and k in self.rounds[-1]})
 
     def compare(self, a: Candidate, b: Candidate) -> dict:  # ratio (median), low, high, coverage, rounds
         "`a` over `b`: the median of the rounds' paired ratios (above 1: `a` is better) and its interval"
@@ -185,7 +190,11 @@ class Playoff:
         ties = [c for c in others if (r := self.compare(w, c))['low'] is not None and r['low'] <= 1 <= r['high']]
         far = base is not None and base['ratio'] is not None and base['ratio'] > 1.5
         why = self.why(w) if far else ''  # where the time went
-        verdict = self.verdict(w, base, runner, ties, up) + (f'; against the baseline, {why}' if why else '')
+        large = base is not None and base['ratio'] is not None and base['ratio'] >= LARGE_WIN
+        fell = self.anatomy_why(w) if large else ''  # the anatomy phase that shrank the most
+        verdict = self.verdict(w, base, runner, ties, up) + (f'; {fell}' if fell else '')
+        # the engine's timers explain a far win only where the anatomy (the finer split) did not: one phase, named once
+        verdict += f'; against the baseline, {why}' if why and not fell else ''
         return dict(
             winner=short(w, self.entrants),
             label=label(w, self.entrants, threads=True),
@@ -195,6 +204,7 @@ class Playoff:
             ties=[short(c, self.entrants) for c in ties],
             rounds=len(self.rounds),
             why=why,
+            anatomy=fell,
             verdict=verdict,
         )
 
@@ -205,6 +215,14 @@ class Playoff:
         samples = lambda c: c.micro_batch * c.gradient_accumulation
         timed = lambda c: median_phases([p[c.key] for p in both])
         return phase_change(timed(w), timed(b), samples(w), samples(b))
+
+    def anatomy_why(self, w: Candidate) -> str:
+        """The step-anatomy phase whose median time fell the most from the baseline to `w`, over the rounds both ran
+        with an anatomy ('' without anatomies)"""
+        b, both = self.baseline, [a for a in self.anatomies if w.key in a and self.baseline.key in a]
+        samples = lambda c: c.micro_batch * c.gradient_accumulation
+        timed = lambda c: median_phases([a[c.key] for a in both])
+        return anatomy_change(timed(w), timed(b), samples(w), samples(b))
 
     def verdict(self, w, base, runner, ties, up) -> str:
         "The margin in one sentence"
@@ -271,6 +289,39 @@ def phase_change(
     said = [f"{PHASE_WORDS[n]} {factor(n):.1f}× {way(n)} ({_ms(b[n])} → {_ms(w[n])} {unit})" for n in moved]
     same = [PHASE_WORDS[n] for n in names if n not in moved]
     return ', '.join(said) + (f'; {_and(same)} unchanged' if same else '')
+
+# %% ../../nbs/72_autotuner_playoff.ipynb #8edb47106e1a46a883d545849b8ab81b
+LARGE_WIN = 1.2  # a winner at least this many times the baseline has its win explained in step-anatomy phases
+# the step anatomy's phases (`flexrt.monitor.anatomy.ANATOMY_PHASES`), in words that follow 'its'
+ANATOMY_WORDS = {
+    'data_wait': 'data wait',
+    'forward': 'forward',
+    'backward': 'backward',
+    'comm': 'time blocked in communication',
+    'optimizer': 'optimizer step',
+    'rest': 'time outside the other phases',
+}
+
+
+def anatomy_change(
+    winner: dict,
+    baseline: dict,  # phase -> median ms per optimizer step (trial records' `anatomy_ms`)
+    winner_samples: int = 1,
+    baseline_samples: int = 1,  # samples per optimizer step; per sample when they differ
+) -> str:  # '' when no phase fell
+    "The anatomy phase whose median time fell the most (absolute), in words: 'its optimizer step is 40 % shorter ...'"
+    names = [p for p in ANATOMY_PHASES if p in winner and p in baseline]
+    same_batch = winner_samples == baseline_samples
+    per, unit = ((1, 1), 'ms per step') if same_batch else ((winner_samples, baseline_samples), 'ms per sample')
+    w, b = {p: winner[p] / per[0] for p in names}, {p: baseline[p] / per[1] for p in names}
+    fell = max(names, key=lambda p: b[p] - w[p], default=None)
+    if fell is None or b[fell] <= w[fell] or b[fell] <= 0:
+        return ''
+    shorter = (1 - w[fell] / b[fell]) * 100
+    return (
+        f"its {ANATOMY_WORDS[fell]} is {shorter:.0f} % shorter than the baseline's "
+        f"({_ms(b[fell])} → {_ms(w[fell])} {unit})"
+    )
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p011
 def _settled(r: dict, tolerance: float, confidence: float) -> bool:

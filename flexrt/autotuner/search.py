@@ -305,6 +305,7 @@ class Search(SearchRuns):
                 {c.key: r.metric if r.status == FITS else None for c, r in ran},
                 {c.key: r.reason for c, r in ran},
                 {c.key: getattr(r, 'phases_ms', None) for c, r in ran},
+                {c.key: getattr(r, 'anatomy_ms', None) for c, r in ran},
             )
         return self.decide()
 

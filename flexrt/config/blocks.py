@@ -7,7 +7,7 @@ __all__ = ['TORCH_OPTIMIZERS', 'LAMB_PARAMS', 'ADAM_EXTRA_PARAMS', 'EXTRA_PARAM_
            'DEEPSPEED_SCHEDULERS', 'TORCH_SCHEDULERS', 'OffloadDevice', 'MAX_BUCKET_SIZE', 'FP16Config', 'BF16Config',
            'signature_params', 'check_params', 'optimizer_name', 'optimizer_params', 'optimizer_kinds',
            'OptimizerConfig', 'scheduler_name', 'SchedulerConfig', 'OffloadOptimizerConfig', 'OffloadParamConfig',
-           'ZeroConfig', 'ProgressiveLayerDropConfig', 'DataTypesConfig']
+           'ZeroConfig', 'ProgressiveLayerDropConfig', 'DataTypesConfig', 'AnatomyConfig']
 
 # %% ../../nbs/00_config_blocks.ipynb #c003
 import inspect, sys, warnings
@@ -397,3 +397,20 @@ class DataTypesConfig(Block):
 
     key = 'data_types'
     grad_accum_dtype: Literal['fp32', 'fp16', 'bf16'] | None = None  # null: the training precision's default
+
+# %% ../../nbs/00_config_blocks.ipynb #b6c52acc
+@block
+class AnatomyConfig(Block):
+    "`diagnostics.anatomy` (flexrt's own): the step anatomy in each step record, and its CUDA event sampling"
+
+    key = 'diagnostics.anatomy'
+    enabled: bool | None = None  # record it; null: while blocked time is counted (diagnostics.comm_wait)
+    # on a CUDA device, each phase's device time from CUDA events every this many steps; 0: never (no device sync)
+    cuda_every: int = setting(0, ge=0)
+
+    def validate(self):
+        if self.enabled is False and self.cuda_every:
+            raise ValueError(
+                f'diagnostics.anatomy.cuda_every={self.cuda_every} samples an anatomy that enabled=false turns off: '
+                'set enabled to true (or null), or cuda_every to 0'
+            )

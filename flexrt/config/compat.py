@@ -29,7 +29,9 @@ class ActivationCheckpointingConfig(Block):
 
 # %% ../../nbs/00_config_compat.ipynb #c009
 _TP, _NVME = 'flexrt has no tensor parallelism', 'flexrt has no NVMe offload'
-_ZPP = 'ZeRO++ (hierarchical partitions, quantised weights and gradients) is not in flexrt; ZeRO 1-3 run unquantised'
+# flexrt has ZeRO++'s quantised weights and gradients and its hierarchical partition (zero_quantized_weights,
+# zero_quantized_gradients, zero_hpz_partition_size: keys with an effect); these other parts of ZeRO++ it does not have
+_ZPP = 'this part of ZeRO++ is not in flexrt (it has zero_quantized_weights, zero_quantized_gradients and hpZ)'
 _MICS = 'MiCS shard groups are not in flexrt; ZeRO partitions over the whole data-parallel group'
 # key path (a block covers its keys) -> why it has no effect in flexrt
 NO_EFFECT = {
@@ -73,10 +75,7 @@ NO_EFFECT = {
 NO_EFFECT |= {
     f'zero_optimization.{k}': why
     for k, why in {
-        'zero_hpz_partition_size': _ZPP,
-        'zero_quantized_weights': _ZPP,
         'zero_quantized_nontrainable_weights': _ZPP,
-        'zero_quantized_gradients': _ZPP,
         'zeropp_loco_param': _ZPP,
         'mics_shard_size': _MICS,
         'mics_hierarchical_params_gather': _MICS,

@@ -9,6 +9,7 @@ __all__ = ['CommsLoggerConfig', 'FlopsProfilerConfig', 'DiagnosticsConfig', 'Ten
 # %% ../../nbs/00_config_services.ipynb #c003
 from dataclasses import field
 from typing import Literal
+from .blocks import AnatomyConfig
 from .schema import Block, block, setting
 
 # %% ../../nbs/00_config_services.ipynb #c006
@@ -51,6 +52,8 @@ class DiagnosticsConfig(Block):
     layer_norms_top: int = setting(16, ge=1)  # layers in each 'layer_norms' record, largest norm first
     # time each rank spends blocked in collectives, in its step records; null: while watched
     comm_wait: bool | None = None
+    # the step anatomy in each step record, and its CUDA event sampling (`flexrt.engine.anatomy`)
+    anatomy: AnatomyConfig = field(default_factory=AnatomyConfig)
 
 # %% ../../nbs/00_config_services.ipynb #c010
 @block

@@ -8,6 +8,7 @@ import contextlib, math, os, time
 import torch
 from .. import comm as dist
 from ..monitor.anatomy import ANATOMY_PHASES
+from ..config.blocks import AnatomyConfig
 
 # %% auto #0
 __all__ = ['COMM_KINDS', 'comm_kind', 'largest_layer', 'StepPhases']
@@ -62,7 +63,11 @@ class StepPhases:
         cuda_every: int = 0,  # CUDA: device times from events every this many steps (0: never); no device sync
         clock=time.perf_counter,  # the comms logger's clock (tests drive fake ones)
         cpu_clock=time.process_time,
+        # the config's `diagnostics.anatomy` block: its `enabled` (unless null) decides `on`, its `cuda_every` is used
+        config: AnatomyConfig | None = None,
     ):
+        if config is not None:
+            on, cuda_every = (on if config.enabled is None else config.enabled), config.cuda_every
         self.on, self.local_ranks, self.zero_stage = on, local_ranks, zero_stage
         self.prefetch_bucket, self.largest_layer, self.cuda_every = prefetch_bucket, largest_layer, cuda_every
         self.cuda = device is not None and torch.device(device).type == 'cuda'

@@ -4,18 +4,33 @@
 
 # %% ../../nbs/65_engine_build.ipynb #c003
 from __future__ import annotations
-import argparse
+import argparse, dataclasses, json, os, warnings
+from pathlib import Path
 import torch
-from .. import comm as dist
+from .. import comm as dist, monitor
 from ..config.flex_config import FlexConfig, load_config
 from .core import Engine
 from .optim import build_optimizer, build_lr_scheduler
 from ..zero.stage3.partitioned_init import outside_init
 from .. import checkpointing
 from ..config.compat import ActivationCheckpointingConfig
+from ..checkpoint.storage import CheckpointError
+from ..checkpoint.layout import read_manifest
+from ..checkpoint.save_load import resolve
+from flexrt.launch.elastic import (
+    ATTEMPT_VARIABLE,
+    CHECKPOINT_VARIABLE,
+    Restart,
+    restart_from_environment,
+    split_elasticity,
+    elastic_batch,
+    compatible_world_sizes,
+    fit_batch,
+    batch_changes,
+)
 
 # %% auto #0
-__all__ = ['config_source', 'add_config_arguments', 'initialize']
+__all__ = ['config_source', 'add_config_arguments', 'elastic_config', 'resume', 'initialize']
 
 # %% ../../nbs/65_engine_build.ipynb #c006
 def config_source(args=None, config=None, config_params=None):
@@ -47,6 +62,92 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument('--deepscale_config', default=None, type=str, help=argparse.SUPPRESS)
     return parser
 
+# %% ../../nbs/65_engine_build.ipynb #c008b
+def _config_data(source):
+    "`source` as a dict when it is a JSON file with an `elasticity` block (which is taken out before loading)"
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_file():
+        return source
+    try:
+        data = json.loads(Path(source).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return source  # load_config says what is wrong with it
+    return data if isinstance(data, dict) and 'elasticity' in data else source
+
+
+def _trained_world_size(restart: Restart | None) -> int | None:  # None: no published checkpoint to resume
+    "The world size that saved the checkpoint a restarted attempt resumes from"
+    if restart is None or not restart.checkpoint_dir:
+        return None
+    try:
+        directory = resolve(restart.checkpoint_dir)
+        return None if directory is None else int(read_manifest(directory)['world_size'])
+    except CheckpointError:
+        return None  # not a flexrt checkpoint, or a damaged one: the load says which
+
+
+def elastic_config(
+    source,  # the config: dict, JSON path or FlexConfig
+    dp_world_size: int,  # this attempt's data-parallel ranks
+    restart: Restart | None = None,  # from `restart_from_environment`
+) -> tuple:  # (FlexConfig, `batch_changes` from the run's sizes before the restart, ElasticityConfig or None)
+    "The config for this attempt: DeepSpeed's `elasticity` block applied; after a restart, the global batch kept"
+    data, elasticity = _config_data(source), None
+    if isinstance(data, dict) and 'elasticity' in data:
+        data, elasticity = split_elasticity(data, dp_world_size)
+    cfg, trained = load_config(data), _trained_world_size(restart)
+    if trained is None or trained == dp_world_size:
+        return cfg, {}, elasticity
+    if elasticity is not None and elasticity.enabled:
+        try:
+            before = elastic_batch(elasticity, trained)
+        except ValueError:  # the old world size is not one the block allows now: nothing to compare with
+            return cfg, {}, elasticity
+        return cfg, batch_changes(before, cfg.batch.resolve(dp_world_size)), elasticity
+    batch, changes = fit_batch(cfg.batch, dp_world_size, trained)
+    return (dataclasses.replace(cfg, batch=batch) if changes else cfg), changes, elasticity
+
+# %% ../../nbs/65_engine_build.ipynb #c008d
+def resume(
+    engine,  # the engine `initialize` just built
+    restart: Restart,  # from `restart_from_environment`
+    changes: dict | None = None,  # `batch_changes` from `elastic_config`
+) -> int | None:  # the step training resumes after; None: nothing was loaded
+    """Load the latest published checkpoint of a restarted attempt's directory, warn if the global batch changed, and
+    emit a `'resume'` record (rank 0): where it resumed, the steps lost, what changed"""
+    path, changes = None, changes or {}
+    if restart.checkpoint_dir:
+        path, _ = engine.load_checkpoint(restart.checkpoint_dir)  # `latest`: only a published save
+    elif engine.global_rank == 0:
+        warnings.warn(
+            f'{restart.launcher} restarted this run (attempt {restart.attempt}) without naming a checkpoint directory '
+            f'({CHECKPOINT_VARIABLE}): training starts again at step 0'
+        )
+    step = engine.global_steps if path is not None else None
+    lost = None if restart.last_step is None else max(restart.last_step - (step or 0), 0)
+    if engine.global_rank != 0:
+        return step
+    if 'train_batch_size' in changes:
+        (before, after), ranks = changes['train_batch_size'], engine.dp_world_size
+        warnings.warn(
+            f'restarted on {ranks} ranks: the global batch changed from {before} to {after} samples '
+            f'(train_batch_size={before} does not divide by {ranks}); micro-batch and accumulation are kept'
+        )
+    monitor.emit(
+        'resume',
+        rank=0,
+        attempt=restart.attempt,
+        world_size=engine.world_size,
+        previous_world_size=restart.previous_world_size,
+        checkpoint=path,
+        resumed_step=step,
+        last_step=restart.last_step,
+        lost_steps=lost,
+        batch_changes=changes,
+        cause=restart.cause,
+        launcher=restart.launcher,
+    )
+    return step
+
 # %% ../../nbs/65_engine_build.ipynb #c009
 def _check_model(model):
     if model is None:
@@ -71,11 +172,14 @@ def initialize(
     expert_groups=None,  # {group_name: (expert parallel group, expert data-parallel group)}
     optimizer_slot=None,  # a callable(`flexrt.zero.SlotArgs`) -> `OptimizerSlot`; None: the ZeRO stage's
 ) -> tuple:  # (engine, optimizer, training dataloader or None, lr scheduler or None)
-    "Build the training engine for `model` from a DeepSpeed-style config"
+    """Build the training engine for `model` from a DeepSpeed-style config; in a restarted attempt, resume it from the
+    latest published checkpoint (see `elastic_config` and `resume`)"""
     source = config_source(args, config, config_params)
     _check_model(model)
-    cfg = load_config(source)
     dist.init_distributed(dist_init_required=dist_init_required)
+    restart = restart_from_environment()
+    dp_world_size = dist.get_world_size(None if mpu is None else mpu.get_data_parallel_group())
+    cfg, changes, elasticity = elastic_config(source, dp_world_size, restart)
     with outside_init():  # called inside a zero.Init block: the engine and what it does to the model are not watched
         engine = Engine(
             model,
@@ -91,5 +195,13 @@ def initialize(
     if cfg.activation_checkpointing != ActivationCheckpointingConfig() and not checkpointing.is_configured():
         # the block sets flexrt.checkpointing up, unless you called configure()
         checkpointing.configure(deepspeed_config=cfg)
+    if elasticity is not None and elasticity.enabled and engine.global_rank == 0:
+        batch, sizes = compatible_world_sizes(elasticity)  # what the launcher may restart on
+        monitor.emit('elasticity', rank=0, train_batch_size=batch, world_sizes=sizes, strict=elasticity.version == 0.1)
+    if restart is not None or os.environ.get(ATTEMPT_VARIABLE):
+        # every step record says which attempt of a restarting launch and which world size it comes from
+        engine.reporter.labels.update(attempt=restart.attempt if restart else 0, world_size=engine.world_size)
+    if restart is not None:
+        resume(engine, restart, changes)
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     return engine, engine.basic_optimizer, loader, engine.lr_scheduler

@@ -113,7 +113,8 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
         self.watch = StepWatch(
             cfg.diagnostics, self.module, self.optimizer, self.reporter.peek_loss, self.dp_group, self.device
         )
-        # where each step's time goes (flexrt.engine.anatomy): on while the watch counts blocked time
+        # where each step's time goes (flexrt.engine.anatomy): on while the watch counts blocked time, unless
+        # diagnostics.anatomy says otherwise
         self.anatomy = StepPhases(
             self.watch.comm_wait.on,
             self.threads.local_ranks,
@@ -121,6 +122,7 @@ class Engine(DeepSpeedAccessors, torch.nn.Module):
             cfg.zero_optimization.stage3_prefetch_bucket_size,
             largest_layer(self.module),
             self.device,
+            config=cfg.diagnostics.anatomy,
         )
         # the state between calls
         self.collate_fn = collate_fn  # the default collate function of `deepspeed_io`

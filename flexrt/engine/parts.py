@@ -219,9 +219,11 @@ class StepReporter:
         rank: int = 0,  # this process's global rank
         print_fn=monitor.console,  # where lines go (a watching notebook view's log area, else stdout)
         sinks=(),  # callables given each step record on this rank, with `timings_ms` (the config's monitors)
+        labels: dict | None = None,  # fields every step record carries (a restarted launch's attempt and world size)
     ):
         self.steps_per_print, self.timers, self.memory_breakdown = steps_per_print, timers or Timers(), memory_breakdown
         self.rank, self.print_fn, self.sinks = rank, print_fn, [s for s in sinks if s]
+        self.labels = dict(labels or {})
         self._loss, self._losses = None, 0
 
     def add_loss(self, loss: torch.Tensor):
@@ -257,6 +259,7 @@ class StepReporter:
             **numbers,
             rank=self.rank,
             comm_bytes=comm_bytes() if callable(comm_bytes) else comm_bytes,
+            **self.labels,
         )
         if self.sinks:
             self.write_sinks(record)

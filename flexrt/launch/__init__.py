@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain',
-           'RankError', 'Run', 'free_port', 'launch', 'describe_launch', 'quiet_launcher']
+           'RankError', 'Run', 'free_port', 'launch', 'describe_launch', 'quiet_launcher', 'Restart',
+           'restart_from_environment', 'ElasticityConfig', 'compatible_world_sizes', 'Attempt', 'plan_restart']
 
 # %% ../../nbs/35_launch.ipynb #c003
 from flexrt.launch.launcher import (
@@ -21,6 +22,14 @@ from flexrt.launch.launcher import (
     launch,
 )
 from .output import describe_launch, quiet_launcher
+from flexrt.launch.elastic import (
+    Restart,
+    restart_from_environment,
+    ElasticityConfig,
+    compatible_world_sizes,
+    Attempt,
+    plan_restart,
+)
 import sys, types
 
 
@@ -47,4 +56,10 @@ _all_ = [
     'launch',
     'describe_launch',
     'quiet_launcher',
+    'Restart',
+    'restart_from_environment',
+    'ElasticityConfig',
+    'compatible_world_sizes',
+    'Attempt',
+    'plan_restart',
 ]

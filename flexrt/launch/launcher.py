@@ -4,16 +4,17 @@
 
 # %% ../../nbs/35_launch_launcher.ipynb #c003
 from __future__ import annotations
-import faulthandler, os, shutil, signal, socket, tempfile, threading, traceback
+import faulthandler, json, os, shutil, signal, socket, tempfile, threading, traceback, warnings
 import psutil, torch
 from .. import monitor, comm as dist
 from .output import quiet_launcher, describe_launch
 from .results import RESULTS, write_result, read_result
+from .elastic import ATTEMPT_VARIABLE, CHECKPOINT_VARIABLE, PREVIOUS_VARIABLE, Attempt, plan_restart
 from ..utils.threads import size_threads
 
 # %% auto #0
-__all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain',
-           'RankError', 'Run', 'free_port', 'launch']
+__all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'FAILURE_GRACE_S', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop',
+           'RankMain', 'RankError', 'Run', 'free_port', 'launch']
 
 # %% ../../nbs/35_launch_launcher.ipynb #c006
 STOP_VARIABLE = 'FLEXRT_STOP_FILE'
@@ -85,13 +86,16 @@ class RankMain:
         rank = int(os.environ.get('RANK', 0))
         if threading.current_thread() is threading.main_thread():  # a rank blocked in a collective when another fails
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # must die on the launcher's SIGTERM, not after 30 s
-        monitor.emit('rank_start', rank=rank, pid=os.getpid(), stack_file=self._stack_on_request(rank))
+        stack_file = self._stack_on_request(rank)
+        monitor.emit('rank_start', rank=rank, pid=os.getpid(), host=socket.gethostname(), stack_file=stack_file)
+        monitor.flush()  # the kernel watches this process from now on, even if it dies before its first record goes
         try:
             # before `fn`, so what it builds before flexrt.initialize runs sized too (a warning shows the next line)
             size_threads()
             value = self.fn(*args)
             if self.results_dir is not None and rank in self.result_ranks:
                 write_result(value, self.results_dir, rank)
+            monitor.emit('rank_end', rank=rank, pid=os.getpid())  # an end the kernel must not take for a death
         except BaseException as e:
             monitor.emit(
                 'rank_error',
@@ -116,7 +120,8 @@ class RankMain:
 
 # %% ../../nbs/35_launch_launcher.ipynb #c015
 class RankError(RuntimeError):
-    "A rank failed during `launch`; `.rank` says which, `.traceback` where (see `.signal`, `.op`, `.waiting`)"
+    """A rank failed during `launch`; `.rank` says which, `.traceback` where (see `.signal`, `.op`, `.waiting`);
+    `.attempts`: every attempt of a launch that restarted, with its cause"""
 
     def __init__(
         self,
@@ -127,16 +132,11 @@ class RankError(RuntimeError):
         signal: str | None = None,
         op: str | None = None,
         waiting: list = (),
+        attempts: list = (),  # `flexrt.launch.elastic.Attempt`s, when the launch gave up restarting
     ):
         super().__init__(message or f'rank {rank} failed with {error}\n\nTraceback on rank {rank}:\n{tb}')
-        self.rank, self.error, self.traceback, self.signal, self.op, self.waiting = (
-            rank,
-            error,
-            tb,
-            signal,
-            op,
-            list(waiting),
-        )
+        self.rank, self.error, self.traceback, self.signal, self.op = rank, error, tb, signal, op
+        self.waiting, self.attempts = list(waiting), list(attempts)
 
 # %% ../../nbs/35_launch_launcher.ipynb #c017
 def _exit_codes(error: BaseException | None) -> dict:  # {rank: exit code} of the ranks the launcher saw fail
@@ -231,25 +231,42 @@ def _blame(
     return error
 
 # %% ../../nbs/35_launch_launcher.ipynb #c026
+FAILURE_GRACE_S = 3.0  # after a rank dies, its peers' time to notice and say where they were before they are killed
+
+
 class Run:
-    "A launched training: `.done`, `.wait()`, `.stop()`; `.results`: the ranks' return values; `.error`: the launch's"
+    """A launched training: `.done`, `.wait()`, `.stop()`; `.results`: the ranks' return values; `.error`: the launch's;
+    `.attempts`: each attempt (one, unless ranks failed and it restarted)"""
 
     def __init__(
         self,
         stop_file: str,
         results_dir: str | None = None,  # where the ranks leave their return values; None: they leave none
         result_ranks=(),  # the ranks whose values `.results` holds, in order
+        max_restarts: int = 0,  # restarts after failed attempts
+        min_processes: int = 1,  # the fewest ranks a restart may run on
+        checkpoint_dir: str | None = None,  # where a restarted attempt resumes from
     ):
         self.stop_file, self.error, self.pids, self.errors, self.started = stop_file, None, set(), [], {}
         self.results_dir, self.result_ranks = results_dir, list(result_ranks)
         self.results = None  # after a successful end: the values of `result_ranks`, e.g. [rank 0's, rank 1's]
         self.exits, self._watchers, self._finishing = {}, [], False  # rank -> (exit code, whether others had failed)
         self._finished = threading.Event()
+        self.max_restarts, self.min_processes, self.checkpoint_dir = max_restarts, min_processes, checkpoint_dir
+        self.attempts = []  # `flexrt.launch.elastic.Attempt`s, the running one last
+        self.world_sizes, self.strict_sizes = None, False  # what an `elasticity` block allows (its 'elasticity' record)
+        self._culled, self._cull_timer, self._lock = set(), None, threading.Lock()  # ranks killed after a failure
+        self._ended = set()  # processes that said they finished (a 'rank_end' record)
 
     @property
     def done(self) -> bool:
         "Whether every rank has ended"
         return self._finished.is_set()
+
+    @property
+    def lost_steps(self) -> int:
+        "Optimizer steps done twice: those after the checkpoint each restart resumed from"
+        return sum(a.lost_steps or 0 for a in self.attempts)
 
     def stop(self):
         "Ask every rank to stop; they stop together at the next `should_stop()`"
@@ -263,16 +280,44 @@ class Run:
             raise self.error
         return True
 
+    def begin_attempt(self, world_size: int) -> Attempt:
+        "Forget the last attempt's ranks; start the next one's record (and its variables, when the launch is elastic)"
+        self.pids, self.errors, self.started, self.exits, self._watchers = set(), [], {}, {}, []
+        self._finishing, self._cull_timer, self._ended = False, None, set()
+        self.result_ranks = [r for r in self.result_ranks if r < world_size]  # the ranks asked for that still exist
+        if self.results_dir is not None:
+            shutil.rmtree(self.results_dir, ignore_errors=True)  # a failed attempt's values are not this one's
+            os.makedirs(self.results_dir)
+        before = self.attempts[-1] if self.attempts else None
+        self.attempts.append(Attempt(len(self.attempts), world_size))
+        if self.max_restarts or self.checkpoint_dir:
+            os.environ[ATTEMPT_VARIABLE] = str(len(self.attempts) - 1)  # the ranks inherit these at fork
+            os.environ[CHECKPOINT_VARIABLE] = self.checkpoint_dir or ''
+            previous = {} if before is None else {'world_size': before.world_size, 'last_step': before.last_step}
+            os.environ[PREVIOUS_VARIABLE] = json.dumps(previous | ({} if before is None else {'cause': before.cause}))
+        return self.attempts[-1]
+
     def _record(self, record: dict):
-        "Listener: remember ranks' starts and errors; on a timeout, ask the silent ranks where they are"
-        if record.get('kind') == 'rank_start':
+        "Listener: remember ranks' starts, errors and steps; on a timeout, ask the silent ranks where they are"
+        kind, attempt = record.get('kind'), self.attempts[-1] if self.attempts else None
+        if kind == 'rank_start':
             self.pids.add(record['pid'])
             self.started[record['rank']] = record
-            self._watch(record['rank'], record['pid'])
-        elif record.get('kind') == 'rank_error':
+            if record.get('host', socket.gethostname()) == socket.gethostname():  # a process of this machine
+                self._watch(record['rank'], record['pid'])
+        elif kind == 'rank_end':
+            self._ended.add(record.get('pid'))
+        elif kind == 'rank_error':
             self.errors.append(record)
+            self._cull_later()
             if record.get('timed_out'):
                 self._ask_for_stacks()
+        elif kind == 'step' and attempt is not None and isinstance(record.get('step'), int):
+            attempt.last_step = max(attempt.last_step or 0, record['step'])
+        elif kind == 'resume' and attempt is not None:
+            attempt.resumed_step, attempt.lost_steps = record.get('resumed_step'), record.get('lost_steps')
+        elif kind == 'elasticity':
+            self.world_sizes, self.strict_sizes = list(record['world_sizes']), bool(record.get('strict'))
 
     def _watch(self, rank: int, pid: int):
         "Learn how `rank`'s process ends (its signal) without reaping it: the launcher reaps its children itself"
@@ -282,14 +327,41 @@ class Run:
         def wait():
             try:
                 info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            except (ChildProcessError, OSError):
-                return  # not this process's child, or already reaped
+            except (ChildProcessError, OSError):  # not this process's child, or already reaped
+                if not psutil.pid_exists(pid) and pid not in self._ended and not self._finishing:
+                    self._cull_later()  # it ended without saying it finished
+                return
             code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
-            if not self._finishing:
+            if not self._finishing and pid not in self._culled:
                 self.exits[rank] = (code, bool(self.errors))
+                if code:
+                    self._cull_later()
 
         self._watchers.append(threading.Thread(target=wait, daemon=True, name=f'flexrt-launch-rank{rank}'))
         self._watchers[-1].start()
+
+    def _cull_later(self):
+        "A rank failed: its peers get FAILURE_GRACE_S to notice (at their next collective), then are killed"
+        with self._lock:
+            if self._cull_timer is not None:
+                return
+            self._cull_timer = threading.Timer(FAILURE_GRACE_S, self._cull, (len(self.attempts),))
+            self._cull_timer.daemon = True
+            self._cull_timer.start()
+
+    def _cull(self, attempts: int):
+        "Kill what is left of the attempt that failed (`attempts` long), unless it already ended"
+        with self._lock:
+            if self._finishing or len(self.attempts) != attempts:
+                return
+            for pid in self.pids:
+                try:
+                    process = psutil.Process(pid)
+                    if process.ppid() == os.getpid():  # still this kernel's child, not a new process with its number
+                        self._culled.add(pid)
+                        process.kill()
+                except psutil.Error:
+                    pass
 
     def _ask_for_stacks(self):
         "Signal every rank that reported no error to write its stacks (before the launcher stops it)"
@@ -344,33 +416,70 @@ def _collect(run: Run) -> list:  # the values of `run.result_ranks`, in order
     return values
 
 
-def _finish(run: Run, error: BaseException | None):
-    "Kill leftover ranks, turn a failure into the RankError naming the rank at fault, mark the run done"
+def _lost_ranks(blamed: BaseException, run: Run) -> list:
+    """The ranks a failed attempt lost: those that raised their own error, died (a signal other than the launcher's
+    SIGTERM, or an exit without a report), or never arrived at a collective the others waited in"""
+    reported = {r['rank'] for r in run.errors}
+    lost = {r['rank'] for r in run.errors if not r.get('comm')}
+    lost |= {r for r, (code, _) in run.exits.items() if code and code != -signal.SIGTERM and r not in reported}
+    if isinstance(blamed, RankError) and blamed.op:
+        lost |= set(run.started) - set(blamed.waiting)
+    if isinstance(blamed, RankError) and (blamed.signal or blamed.error.startswith('exited with code')):
+        lost.add(blamed.rank)
+    return sorted(lost)
+
+
+def _end_attempt(
+    run: Run, error: BaseException | None
+) -> BaseException | None:  # the RankError naming the rank at fault
+    "Kill the attempt's leftover ranks; its failure becomes the RankError naming the rank at fault (see `.attempts`)"
     for t in run._watchers:
         t.join(2)  # the ranks have ended: their exits are being noted
-    run._finishing = True
+    with run._lock:
+        run._finishing = True
     for pid in run.pids:
         try:
             psutil.Process(pid).kill()
         except psutil.Error:
             pass
     stacks = _stacks(run)
+    if not run.attempts:  # (a run whose attempt was not begun here: record it now)
+        run.attempts.append(Attempt(0, len(run.started)))
+    attempt = run.attempts[-1]
+    attempt.pids = sorted(run.pids)
+    if error is None:
+        return None
+    blamed = _blame(run.errors, run.started, error, stacks, run.exits)
+    if blamed is not error:
+        blamed.__cause__ = error
+    attempt.cause = str(blamed).strip().split('\n', 1)[0]
+    attempt.lost_ranks = _lost_ranks(blamed, run)
+    return blamed
+
+
+def _close(run: Run, error: BaseException | None):
+    "After the last attempt: read the ranks' return values, remove what the run left, mark it done"
     if error is None and run.results_dir is not None:
         try:
             run.results = _collect(run)
         except RankError as e:
-            run.error = e
+            error = e
     if run.results_dir is not None:
         shutil.rmtree(run.results_dir, ignore_errors=True)
-    if error is not None:
-        run.error = _blame(run.errors, run.started, error, stacks, run.exits)
-        if run.error is not error:
-            run.error.__cause__ = error
+    run.error = error
     try:
         os.remove(run.stop_file)
     except OSError:
         pass
+    if run.max_restarts or run.checkpoint_dir:
+        for name in (ATTEMPT_VARIABLE, CHECKPOINT_VARIABLE, PREVIOUS_VARIABLE):
+            os.environ.pop(name, None)  # a later launch is a first attempt again
     run._finished.set()
+
+
+def _finish(run: Run, error: BaseException | None):
+    "Kill leftover ranks, turn a failure into the RankError naming the rank at fault, mark the run done"
+    _close(run, _end_attempt(run, error))
 
 # %% ../../nbs/35_launch_launcher.ipynb #c032
 def free_port() -> int:
@@ -380,23 +489,103 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_blocking(run: Run, fn, args, num_processes, kwargs):
-    "Run the launcher, restoring the signal handlers it replaces; always finish the run"
+def _attempt(run: Run, fn, args, world_size: int, kwargs) -> BaseException | None:  # what the launcher raised
+    "Run one attempt of `world_size` ranks through accelerate's launcher"
     from accelerate import notebook_launcher
 
+    run.begin_attempt(world_size)
+    try:
+        # garbage is collected before each fork: `launch` serves, and a serving kernel does (flexrt.monitor)
+        with monitor.listen(run._record), quiet_launcher(restarting=bool(run.max_restarts)):
+            entry = RankMain(fn, run.results_dir, run.result_ranks)
+            notebook_launcher(entry, args, num_processes=world_size, **kwargs)
+    except BaseException as e:
+        return e
+    return None
+
+# %% ../../nbs/35_launch_launcher.ipynb #c032g
+def _gave_up(run: Run, why: str, last: BaseException) -> RankError:
+    "The error of a launch that stops restarting: why, then each attempt and its cause, then the last attempt's error"
+    lines = '\n'.join(f'  {a.describe()}' for a in run.attempts)
+    message = f'the launch gave up after {len(run.attempts)} attempts: {why}\n{lines}\n\nThe last attempt: {last}'
+    known = last if isinstance(last, RankError) else RankError(-1, f'{type(last).__name__}: {last}', '')
+    error = RankError(
+        known.rank, known.error, known.traceback, message, known.signal, known.op, known.waiting, run.attempts
+    )
+    error.__cause__ = last
+    return error
+
+
+def _restart_size(run: Run, error: BaseException) -> tuple:  # (the next world size, None) or (None, the error to raise)
+    "Where a failed attempt leads: another attempt, or the end of the launch"
+    if isinstance(error, KeyboardInterrupt) or os.path.exists(run.stop_file):
+        return None, error  # interrupted, or asked to stop: never restarted
+    if not run.max_restarts:
+        return None, error  # not an elastic launch: its error as it is
+    size, why = plan_restart(run.attempts, run.max_restarts, run.min_processes, run.world_sizes, run.strict_sizes)
+    return (size, None) if size is not None else (None, _gave_up(run, why, error))
+
+
+def _launch_blocking(run: Run, fn, args, num_processes, kwargs, port_given: bool = True):
+    "Run the attempts, restoring the signal handlers the launcher replaces; always finish the run"
     main = threading.current_thread() is threading.main_thread()
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    error = None  # garbage is collected before each fork: `launch` serves, and a serving kernel does (flexrt.monitor)
+    error, world_size = None, num_processes
     try:
-        with monitor.listen(run._record), quiet_launcher():
-            entry = RankMain(fn, run.results_dir, run.result_ranks)
-            notebook_launcher(entry, args, num_processes=num_processes, **kwargs)
+        while True:
+            error = _end_attempt(run, _attempt(run, fn, args, world_size, kwargs))
+            if error is None:
+                break
+            world_size, error = _restart_size(run, error)
+            if world_size is None:
+                break
+            failed = run.attempts[-1]
+            monitor.emit(
+                'restart',
+                attempt=failed.number + 1,
+                world_size=world_size,
+                previous_world_size=failed.world_size,
+                cause=failed.cause,
+                last_step=failed.last_step,
+                lost_ranks=failed.lost_ranks,
+            )
+            print(
+                f'flexrt: attempt {failed.number} failed ({failed.cause}); restarting on {world_size} '
+                f"rank{'s' if world_size != 1 else ''}",
+                flush=True,
+            )
+            if not port_given:
+                kwargs['use_port'] = str(free_port())  # the last attempt's store may still hold its port
     except BaseException as e:
         error = e
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
-        _finish(run, error)
+        _close(run, error)
+
+# %% ../../nbs/35_launch_launcher.ipynb #c032c
+def _check_restarts(
+    max_restarts, min_processes, num_processes: int, checkpoint_dir, kwargs: dict
+) -> int:  # min_processes
+    "Check `launch`'s restart arguments (ValueError/TypeError saying what to pass); the fewest ranks a restart may use"
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f'max_restarts must be a non-negative int, not {max_restarts!r}')
+    min_processes = 1 if min_processes is None else min_processes
+    if isinstance(min_processes, bool) or not isinstance(min_processes, int) or not 1 <= min_processes <= num_processes:
+        raise ValueError(f'min_processes must be an int from 1 to num_processes={num_processes}, not {min_processes!r}')
+    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(f'checkpoint_dir must be a path (str or os.PathLike), not {type(checkpoint_dir).__name__}')
+    if max_restarts and kwargs.get('num_nodes', 1) > 1:
+        raise ValueError(
+            'max_restarts restarts the ranks of this machine only: on several nodes use torchrun '
+            '--max-restarts with --nnodes=min:max (flexrt.initialize resumes there too)'
+        )
+    if max_restarts and checkpoint_dir is None:
+        warnings.warn(
+            'max_restarts without checkpoint_dir: a restarted attempt trains again from step 0; pass the '
+            'directory your training function saves into to resume from its latest checkpoint'
+        )
+    return min_processes
 
 # %% ../../nbs/35_launch_launcher.ipynb #c033
 def launch(
@@ -406,6 +595,9 @@ def launch(
     background: bool = False,  # return a `Run` at once instead of waiting
     use_port: int | str | None = None,  # the rendezvous port; default: a free one
     results: str | None = 'all',  # `Run.results`: 'all' ranks' return values by rank, 'rank0' rank 0's only, None none
+    max_restarts: int = 0,  # after a failed attempt, start `train` again (on the survivors) up to this many times
+    min_processes: int | None = None,  # the fewest ranks a restart may run on (default 1)
+    checkpoint_dir: str | os.PathLike | None = None,  # where `train` saves: `flexrt.initialize` resumes from it
     **kwargs,  # further `accelerate.notebook_launcher` arguments
 ) -> Run:
     "Start `train(*args)` on `num_processes` ranks whose records reach this kernel; the `Run` holds what they return"
@@ -420,15 +612,17 @@ def launch(
             f"results={results!r} reads the ranks' return values on this machine, which runs only some of "
             f"num_nodes={kwargs['num_nodes']}: pass results=None"
         )
+    min_processes = _check_restarts(max_restarts, min_processes, num_processes, checkpoint_dir, kwargs)
     monitor.serve()
     # from the cell itself: a background thread's print may never show
     print(describe_launch(num_processes), flush=True)
     results_dir = None if results is None else tempfile.mkdtemp(prefix='flexrt-results-')  # removed when the run ends
     ranks = {'all': range(num_processes), 'rank0': [0], None: []}[results]
-    run = Run(tempfile.mktemp(prefix='flexrt-stop-'), results_dir, ranks)
+    directory = None if checkpoint_dir is None else os.path.abspath(checkpoint_dir)
+    run = Run(tempfile.mktemp(prefix='flexrt-stop-'), results_dir, ranks, max_restarts, min_processes, directory)
     os.environ[STOP_VARIABLE] = run.stop_file
     kwargs['use_port'] = str(use_port or free_port())
-    job = (run, train, tuple(args), num_processes, kwargs)
+    job = (run, train, tuple(args), num_processes, kwargs, use_port is not None)
     if not background:
         _launch_blocking(*job)
         run.wait()

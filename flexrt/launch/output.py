@@ -67,16 +67,40 @@ class _ElasticThreadWarning(logging.Filter):
         )
 
 
+_SPAWN_LOGGER = 'torch.multiprocessing.spawn'
+
+
+class _FailureLines(logging.Filter):
+    "Drops torch's lines about a failed worker (its exit and traceback, the SIGTERM to the others) from one thread"
+
+    def __init__(self, thread: threading.Thread):
+        super().__init__()
+        self.thread = thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = str(record.msg)
+        return not (
+            threading.current_thread() is self.thread
+            and (said.startswith('failed (exitcode') or said.startswith('Terminating process'))
+        )
+
+
 @contextlib.contextmanager
-def quiet_launcher():
+def quiet_launcher(
+    restarting: bool = False,  # a failed attempt is restarted: flexrt says so itself, torch's failure lines go too
+):
     "While the launcher runs in this thread: drop the two misleading lines, pass everything else"
     thread, stream, logger = threading.current_thread(), sys.stdout, logging.getLogger(_ELASTIC_LOGGER)
     wrapped, quiet = _LaunchOutput(stream, thread), _ElasticThreadWarning(thread)
+    failures = [(logging.getLogger(name), _FailureLines(thread)) for name in (_ELASTIC_LOGGER, _SPAWN_LOGGER)]
+    failures = failures if restarting else []
     sys.stdout = wrapped
-    logger.addFilter(quiet)
+    for log, drop in [(logger, quiet), *failures]:
+        log.addFilter(drop)
     try:
         yield
     finally:
-        logger.removeFilter(quiet)
+        for log, drop in [(logger, quiet), *failures]:
+            log.removeFilter(drop)
         if sys.stdout is wrapped:
             sys.stdout = stream  # someone else replaced it meanwhile: leave theirs

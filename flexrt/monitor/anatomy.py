@@ -4,13 +4,13 @@
 
 # %% ../../nbs/30_monitor_anatomy.ipynb #bb9ff8b2
 from __future__ import annotations
-import dataclasses, json, math, os
+import argparse, collections, dataclasses, json, math, os, sys
 import pandas as pd
 
 # %% auto #0
-__all__ = ['ANATOMY_PHASES', 'COMPUTE_PHASES', 'WINDOW', 'RULES', 'anatomy_frame', 'anatomy_table', 'AnatomyThresholds',
+__all__ = ['ANATOMY_PHASES', 'COMPUTE_PHASES', 'WINDOW', 'RULES', 'PROG', 'anatomy_frame', 'anatomy_table', 'AnatomyThresholds',
            'Finding', 'straggler_findings', 'oversubscribed_findings', 'gather_wait_findings', 'data_wait_findings',
-           'hidden_findings', 'findings', 'AnatomyReport', 'anatomy']
+           'hidden_findings', 'findings', 'AnatomyReport', 'anatomy', 'command_line', 'main']
 
 # %% ../../nbs/30_monitor_anatomy.ipynb #b37296fa
 ANATOMY_PHASES = ('data_wait', 'forward', 'backward', 'comm', 'optimizer', 'rest')  # they add up to `wall`
@@ -19,10 +19,22 @@ _PREFIX = 'anatomy.'
 
 
 def _read_jsonl(paths) -> list:
+    "The records of JSONL files; a last line without its newline that does not parse is one a running job is writing"
     records = []
     for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
         with open(path) as f:
-            records += [json.loads(line) for line in f if line.strip()]
+            lines = f.readlines()
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if number == len(lines) and not line.endswith('\n'):
+                    break
+                raise ValueError(
+                    f'{path}, line {number}: not a JSON record ({e.msg}); is it a JSONLSink file?'
+                ) from None
     return records
 
 
@@ -255,16 +267,74 @@ class AnatomyReport:
 
 
 def anatomy(
-    records,  # records (dicts), a DataFrame of flattened ones, or JSONL paths (one, or a list)
+    records,  # records (dicts), a DataFrame of flattened ones or `anatomy_frame`'s, or JSONL paths (one, or a list)
     steps: int = WINDOW,  # the latest this many optimizer steps
     thresholds: AnatomyThresholds | None = None,
     show: bool = True,  # print the report
 ) -> AnatomyReport:
     "Print where each rank's step goes (the table per rank) and what is wrong (the findings)"
-    frame = anatomy_frame(records)
+    frame = records if isinstance(records, pd.DataFrame) and 'wall' in records else anatomy_frame(records)
     table = anatomy_table(frame, steps) if not frame.empty else frame
     found = findings(anatomy_table(frame, steps, 'median'), thresholds=thresholds) if not frame.empty else []
     report = AnatomyReport(table, found, steps)
     if show:
         print(report.text())
     return report
+
+# %% ../../nbs/30_monitor_anatomy.ipynb #acae54e37e7d407bbb7b55eff062a284
+PROG = 'python -m flexrt.monitor.anatomy'
+_ON = (
+    'the engine adds one to each step record while listened to from its start, or with "diagnostics": '
+    '{"comm_wait": true}'
+)
+
+
+def command_line(prog: str = PROG) -> argparse.ArgumentParser:
+    "The command's arguments"
+    p = argparse.ArgumentParser(
+        prog=prog, description='Where each rank\'s step goes, and what is wrong, from JSONL files'
+    )
+    p.add_argument(
+        'paths', nargs='+', metavar='RUN.jsonl', help='files a JSONLSink wrote (one per rank, or one for all)'
+    )
+    p.add_argument('--window', type=int, default=WINDOW, metavar='N', help=f'the latest N optimizer steps ({WINDOW})')
+    p.add_argument('--rank', type=int, action='append', metavar='R', help='only rank R (repeatable); default: all')
+    return p
+
+
+def _kinds(records: list) -> str:
+    counts = collections.Counter(str(r.get('kind')) for r in records if isinstance(r, dict))
+    return ', '.join(f'{n} {kind!r}' for kind, n in counts.most_common()) or 'none'
+
+
+def main(
+    argv: list | None = None,  # the arguments; None: the command line's
+    prog: str = PROG,  # the command's name in its messages (`flexrt anatomy` under the console script)
+) -> int:  # the exit status: 0 a report, 1 no anatomy, 2 a bad file or option
+    "`python -m flexrt.monitor.anatomy RUN.jsonl ... [--window N] [--rank R]`: print the table and the findings"
+    args = command_line(prog).parse_args(argv)
+    fail = lambda status, message: print(f'{prog}: {message}', file=sys.stderr) or status
+    if args.window < 1:
+        return fail(2, f'--window {args.window}: give 1 or more steps')
+    missing = [p for p in args.paths if not os.path.isfile(p)]
+    if missing:
+        return fail(2, f"no such file: {', '.join(missing)} (give the JSONL files a monitor.JSONLSink wrote)")
+    try:
+        records = _read_jsonl(args.paths)
+    except (ValueError, UnicodeDecodeError) as e:
+        return fail(2, str(e))
+    frame, names = anatomy_frame(records), ', '.join(args.paths)
+    if frame.empty:
+        return fail(1, f'{names} hold no step record with an anatomy (records: {_kinds(records)}): {_ON}')
+    if args.rank:
+        ranks = sorted(set(frame['rank']))
+        frame = frame[frame['rank'].isin(args.rank)]
+        if frame.empty:
+            return fail(1, f"no rank {', '.join(map(str, args.rank))} in {names} (ranks: {', '.join(map(str, ranks))})")
+    anatomy(frame, args.window)
+    return 0
+
+# %% ../../nbs/30_monitor_anatomy.ipynb #8dd0d8092fe74a7c96281538738b07e2
+#| eval: false
+if __name__ == '__main__':
+    sys.exit(main())

@@ -4,13 +4,14 @@
 
 # %% ../../nbs/20_utils_threads.ipynb #c003
 from __future__ import annotations
-import math, os, warnings
+import ctypes, math, os, re, sys, warnings
 from dataclasses import dataclass, asdict
 import psutil, torch
 
 # %% auto #0
-__all__ = ['LOCAL_SIZE_VARIABLES', 'LAUNCHERS_SETTING_OMP', 'cgroup_cores', 'available_cores', 'local_world_size', 'ThreadPlan',
-           'omp_set_by_launcher', 'users_threads', 'plan_threads', 'size_threads']
+__all__ = ['LOCAL_SIZE_VARIABLES', 'LAUNCHERS_SETTING_OMP', 'OMP_PAUSE_HARD', 'cgroup_cores', 'available_cores',
+           'local_world_size', 'ThreadPlan', 'omp_set_by_launcher', 'users_threads', 'plan_threads', 'size_threads',
+           'openmp_runtimes', 'release_openmp_threads']
 
 # %% ../../nbs/20_utils_threads.ipynb #c006
 def _words(path: str) -> list | None:
@@ -205,3 +206,28 @@ def size_threads(
         _flexrt_threads = plan.threads  # changed the count: yours again
     _warn_oversubscribed(plan, environ)
     return plan
+
+# %% ../../nbs/20_utils_threads.ipynb #c023
+OMP_PAUSE_HARD = 2  # OpenMP 5.0's omp_pause_hard: the runtime's threads end; the next parallel region starts them
+_openmp = None  # the OpenMP runtimes loaded in this process, once looked for with torch loaded
+
+
+def openmp_runtimes() -> tuple:  # ctypes libraries: GNU libgomp, LLVM libomp or Intel libiomp5 (empty off Linux)
+    "The OpenMP runtimes loaded in this process that can let their threads go"
+    global _openmp
+    if _openmp is not None:
+        return _openmp
+    try:
+        with open('/proc/self/maps') as f:
+            paths = sorted({line.split()[-1] for line in f if re.search(r'/lib(gomp|omp|iomp5)[-.][^/]*$', line)})
+    except OSError:
+        return ()  # no /proc: not Linux, where fork is not the default start method
+    found = tuple(lib for lib in map(ctypes.CDLL, paths) if hasattr(lib, 'omp_pause_resource_all'))
+    if found or 'torch' in sys.modules:
+        _openmp = found  # torch has loaded its runtime by now: what is found stays what there is
+    return found
+
+
+def release_openmp_threads() -> bool:  # whether a runtime let this thread's OpenMP threads go
+    "Let the OpenMP threads this thread started go (they start again at its next parallel region)"
+    return any([lib.omp_pause_resource_all(OMP_PAUSE_HARD) == 0 for lib in openmp_runtimes()])

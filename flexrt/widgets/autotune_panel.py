@@ -9,6 +9,7 @@ import ipywidgets as W
 from .live import LiveView, error_html
 from .autotune_view import SearchView, view_of_result, table_html, search_plot, TABLE
 from .autotune_view import fill_metric, fill_pareto, fill_memory
+from .autotune_view import anatomy_choices, trial_anatomy_html
 
 # %% auto #0
 __all__ = ['search_summary', 'ratio_text', 'margin_line', 'standings_html', 'margin_html', 'SearchPanel']
@@ -152,6 +153,10 @@ class SearchPanel(LiveView):
             description='write ds_config_optimal.json', icon='save', layout=W.Layout(width='240px')
         )
         self.write_button.on_click(lambda _: self._act(self.write_config))
+        # a trial's step anatomy under the table: the one picked, else the best trial's
+        self.anatomy_trial = W.Dropdown(options=[], description='anatomy of', layout=W.Layout(width='420px'))
+        self.anatomy, self._picked, self._choosing = W.HTML(), None, False  # the drawing; the user's pick; setting it
+        self.anatomy_trial.observe(self._anatomy_picked, 'value')
         super().__init__(records=self.view, interval=interval, cpu_share=cpu_share)
 
     def build(self) -> W.Widget:
@@ -161,6 +166,8 @@ class SearchPanel(LiveView):
                 self.standings,
                 W.HBox([self.sort, self.descending]),
                 W.Box([self.table], layout=W.Layout(max_height='320px', overflow='auto')),
+                self.anatomy_trial,
+                self.anatomy,
                 self.plot,
                 W.HBox([W.HTML('<b>Best configuration</b>'), self.write_button, self.notice]),
                 self.best_json,
@@ -185,9 +192,35 @@ class SearchPanel(LiveView):
             '<i>none yet</i>' if config is None else f'<pre>{html.escape(json.dumps(config, indent=2))}</pre>'
         )
         self.standings.value = standings_html(view.playoff, view.margin)
+        self.choose_anatomy()
         self.status.value = self.status_html()  # one assignment: a reader never sees a half-built line
         with self.drawn:
             self.drawn.notify_all()
+
+    def choose_anatomy(self):
+        "The anatomy selector's options (the trials with an anatomy) and its pick: the user's, else the best trial"
+        choices, best = anatomy_choices(self.view.trials), (self.view.best or {}).get('trial')
+        numbers = [n for _, n in choices]
+        pick = next((n for n in (self._picked, best) if n in numbers), numbers[0] if numbers else None)
+        self._choosing = True  # the selector changes here: no user's pick
+        try:
+            if tuple(choices) != tuple(self.anatomy_trial.options):
+                self.anatomy_trial.options = choices
+            self.anatomy_trial.value = pick
+        finally:
+            self._choosing = False
+        self.draw_anatomy()
+
+    def _anatomy_picked(self, change):
+        if not self._choosing:  # the user picked a trial: it stays picked as more records arrive
+            self._picked = change['new']
+            self.draw_anatomy()
+
+    def draw_anatomy(self):
+        "The picked trial's step anatomy (`trial_anatomy_html`) under the table"
+        trials, picked = self.view.trials, self.anatomy_trial.value
+        rows = trials[trials['trial'] == picked] if picked is not None else trials.iloc[:0]
+        self.anatomy.value = trial_anatomy_html(rows.iloc[0].to_dict() if len(rows) else None)
 
     def status_html(self) -> str:  # the status line (subclasses add to it)
         "The summary, and the margin (the playoff's leader, then the verdict) on a line of its own"
@@ -267,6 +300,7 @@ class SearchPanel(LiveView):
             ('Search', self.status.value),
             ('Playoff', self.standings.value),
             ('Trials', self.table.value),
+            ('Step anatomy', self.anatomy.value),
             ('Plots', figure_png(self.figure()) if len(self.trials) else ''),
             ('Best configuration', self.best_json.value),
         ]

@@ -13,11 +13,14 @@ from ..autotuner.space import parse_bytes, format_bytes, check_bucket_sizes
 
 # REPEATS: phases that run searched candidates again (not search points); trials_frame: the table's rows
 from ..autotuner.results import REPEATS, TRIAL_COLUMNS, trials_frame
+from ..monitor.anatomy import ANATOMY_PHASES
+from .anatomy import PHASE_COLORS
 
 # %% auto #0
 __all__ = ['METRICS', 'TABLE', 'SearchSettings', 'search_arguments', 'search_rows', 'search_points', 'best_trial', 'table_html',
-           'search_plot', 'stage_color', 'interval_bars', 'fill_metric', 'memory_axis', 'mark_budget', 'pareto_front',
-           'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result', 'breakdown_html']
+           'anatomy_choices', 'trial_anatomy_html', 'search_plot', 'stage_color', 'interval_bars', 'fill_metric',
+           'memory_axis', 'mark_budget', 'pareto_front', 'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result',
+           'breakdown_html']
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c006
 METRICS = ('throughput', 'latency', 'flops')
@@ -192,6 +195,55 @@ def table_html(
         '<table class="flexrt-trials" '
         f'style="font-size:12px;white-space:nowrap"><thead><tr>{head}</tr></thead><tbody>'
         f'{"".join(rows)}</tbody></table>'
+    )
+
+# %% ../../nbs/80_widgets_autotune_view.ipynb #acae54e37e7d407bbb7b55eff062a284
+def anatomy_choices(trials: pd.DataFrame) -> list:  # [(label, trial number)], in the frame's order
+    "The trials that recorded a step anatomy, as the options of the panel's trial selector"
+    out = []
+    for _, row in trials.iterrows():
+        if not isinstance(row['anatomy_ms'], dict) or not row['anatomy_ms']:
+            continue
+        where = f"{row['phase']} round {int(row['round'])}" if _known(row.get('round')) else row['phase']
+        out.append(
+            (f"trial {int(row['trial'])}: z{int(row['stage'])} mb{int(row['micro_batch'])}, {where}", int(row['trial']))
+        )
+    return out
+
+
+def trial_anatomy_html(
+    record: dict | None,
+) -> str:  # a trial record (a row of `SearchView.trials`); None: nothing picked
+    "A trial's step anatomy (median ms per optimizer step of each phase): a stacked bar and a table"
+    if record is None:
+        return ''
+    anatomy = record.get('anatomy_ms')
+    phases = [p for p in ANATOMY_PHASES if isinstance(anatomy, dict) and p in anatomy]
+    if not phases:
+        return f"<i>trial {record['trial']} recorded no step anatomy</i>"
+    total = sum(max(float(anatomy[p]), 0.0) for p in phases) or 1.0  # 'rest' may be a hair below 0: no width
+    share = {p: max(float(anatomy[p]), 0.0) / total for p in phases}
+    bar = ''.join(
+        f'<div class="flexrt-phase" data-phase="{p}" data-ms="{float(anatomy[p])!r}" title="{p}: {anatomy[p]:.3g} ms" '
+        f'style="width:{share[p]:.3%};background:{PHASE_COLORS[p]}"></div>'
+        for p in phases
+    )
+    rows = ''.join(
+        f'<tr><td><span style="color:{PHASE_COLORS[p]}">&#9632;</span> {p}</td><td>{anatomy[p]:.3g}</td>'
+        f'<td>{share[p]:.0%}</td></tr>'
+        for p in phases
+    )
+    wall = (
+        f"<tr><td>step (wall)</td><td>{anatomy['wall']:.3g}</td><td></td></tr>" if _known(anatomy.get('wall')) else ''
+    )
+    head = (
+        f"<b>Step anatomy of trial {int(record['trial'])}</b> (stage {int(record['stage'])}, micro-batch "
+        f"{int(record['micro_batch'])}): median ms per optimizer step"
+    )
+    return (
+        f'<div class="flexrt-trial-anatomy">{head}'
+        f'<div style="display:flex;width:420px;height:14px;border:1px solid #999;margin:4px 0">{bar}</div>'
+        f'<table style="font-size:12px"><tr><th>phase</th><th>ms</th><th>share</th></tr>{rows}{wall}</table></div>'
     )
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c017

@@ -23,7 +23,7 @@ from .report import save_html, figure_png
 
 # %% auto #0
 __all__ = ['LOG_LINES', 'CHECKPOINTS_SHOWN', 'TrainingDashboard', 'run_threads', 'progress_text', 'background_error_html',
-           'checkpoint_html']
+           'checkpoint_html', 'restart_html']
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #c005
 class TrainingDashboard(LiveView):
@@ -54,6 +54,7 @@ class TrainingDashboard(LiveView):
         self.background = W.HTML()  # 'error' records: a background thread failed
         # rank 0's 'checkpoint' records: saves done and in flight, with their blocking and background times
         self.checkpoints = W.HTML(layout=W.Layout(display='none'))
+        self.restarts = W.HTML(layout=W.Layout(display='none'))  # 'restart'/'resume' records: a launch that went on
         self.background_section = W.VBox(
             [W.HTML('<b>Background errors</b> (threads that failed while training went on)'), self.background],
             layout=W.Layout(display='none'),
@@ -77,6 +78,7 @@ class TrainingDashboard(LiveView):
                 W.HBox([self.progress, self.status]),
                 W.HBox([self.steps_seen, self.stop_button]),
                 self.checkpoints,
+                self.restarts,
                 self.background_section,
                 self.grad_norm.widget,
                 self.ranks.widget,
@@ -180,12 +182,20 @@ class TrainingDashboard(LiveView):
         self.checkpoints.value = checkpoint_html(self.records.since('checkpoint', 0)[0])
         self.checkpoints.layout.display = ''
 
+    def _restart_text(self):
+        "The restarts of the launch (a rank lost, training resumed at the new world size), shown once one happened"
+        if not (self._arrived('restart') | self._arrived('resume')):
+            return
+        self.restarts.value = restart_html(self.records.since('restart', 0)[0], self.records.since('resume', 0)[0])
+        self.restarts.layout.display = ''
+
     def draw_text(self):
-        "Progress, counter, comm table, Stop button, checkpoints, background errors, then the views' texts"
+        "Progress, counter, comm table, Stop button, checkpoints, restarts, background errors, then the views' texts"
         self._stop_state()
         self._comm_text()
         self._log_text()
         self._checkpoint_text()
+        self._restart_text()
         self._background_text()
         self.steps_seen.value = self.records.counts['step']
         steps = self.records.lowest_rank('step')  # rank 0's newest records: the text's cost does not grow with the run
@@ -225,6 +235,7 @@ class TrainingDashboard(LiveView):
         sections = [
             ('Progress', self.status.value),
             ('Checkpoints', self.checkpoints.value),
+            ('Restarts', self.restarts.value),
             ('Background errors', self.background.value),
             ('Gradient norm', self.grad_norm.text.value),
             (
@@ -306,6 +317,25 @@ def checkpoint_html(records: list) -> str:  # '' when no save was recorded
             state = f"saved (synchronous: {blocked})"
         lines.append(f'{html.escape(str(tag))}: {state}')
     return '<b>Checkpoints</b>: ' + ' &middot; '.join(lines) if lines else ''
+
+# %% ../../nbs/80_widgets_dashboard.ipynb #r38a
+def restart_html(
+    restarts: list,  # the launcher's 'restart' records (the kernel's: attempt, world sizes, cause)
+    resumes: list,  # rank 0's 'resume' records (the restarted attempt's: checkpoint step, lost steps)
+) -> str:  # '' when the run never restarted
+    "One line per restart: the attempt, the world size before and after, why, the step it resumed from, steps lost"
+    resumed = {r.get('attempt'): r for r in resumes}
+    lines = []
+    for r in restarts or resumes:
+        again = resumed.get(r.get('attempt'), {})
+        before = r.get('previous_world_size')
+        ranks = f"{before} &rarr; {r.get('world_size')} ranks" if before else f"{r.get('world_size')} ranks"
+        why = f" ({html.escape(str(r['cause']))})" if r.get('cause') else ''
+        step = again.get('resumed_step')
+        where = 'from step 0' if again and step is None else f'from step {step}' if again else 'starting'
+        lost = f", {again['lost_steps']} steps done again" if again.get('lost_steps') is not None else ''
+        lines.append(f"attempt {r.get('attempt')}: {ranks}{why}, {where}{lost}")
+    return '<b>Restarts</b>: ' + ' &middot; '.join(lines) if lines else ''
 
 # %% ../../nbs/80_widgets_dashboard.ipynb #w2864a30
 def _run_config(records) -> dict | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from .. import comm as dist
 from .reducer import BucketReducer, GradientWire
+from .quantize import QuantizedReduceScatter
 
 # %% auto #0
 __all__ = ['ALGORITHMS', 'ShardReducer']
@@ -39,6 +40,7 @@ class ShardReducer(BucketReducer):
         algorithm: str = 'native',  # 'native', 'p2p' (direct messages) or 'all_reduce' (see above)
         gradient_average: bool = True,  # False: keep the sum over the ranks (the total divisor is 1)
         communication_data_type=None,  # the dtype the reduction runs in ('fp16', 'bf16', 'fp32'; None: the buffer's)
+        quantizer=None,  # a `BlockQuantizer`: an all-to-all of quantised chunks instead (qgZ; the wire is not used)
     ):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -46,6 +48,7 @@ class ShardReducer(BucketReducer):
         self.divisor = world_size if gradient_average else 1  # what each reduced chunk is divided by in all
         self.reduce_scatter, self.algorithm = bool(reduce_scatter), algorithm
         self.wire = GradientWire(communication_data_type)  # the dtype gradients travel in
+        self.quantizer = quantizer
         for bk in buckets:
             bk.grad_stale = False  # stage 2's zero_grad marks it: the next reduction overwrites the shard
         super().__init__(buckets)
@@ -54,6 +57,11 @@ class ShardReducer(BucketReducer):
         "Start the reduce-scatter of the bucket's buffer (in the wire's dtype) into a fresh chunk-sized tensor"
         if self.predivide != 1:
             bucket.buffer.div_(self.predivide)
+        if self.quantizer is not None and bucket.world_size > 1:
+            bucket.sent = bucket.buffer  # read in place: quantised row by row, this rank's own chunk kept exact
+            rows = bucket.buffer.view(bucket.world_size, -1)
+            bucket.received = QuantizedReduceScatter(rows, bucket.group, self.quantizer)
+            return bucket.received
         bucket.sent = self.wire.send(bucket.buffer, skip=bucket.partition.shard_range())
         chunk = bucket.partition.shard(bucket.sent)
         if bucket.world_size == 1:
@@ -76,10 +84,13 @@ class ShardReducer(BucketReducer):
         store it in `bucket.grad_shard` (a bucket already finished is skipped)"""
         if getattr(bucket, 'received', None) is None:
             return
-        bucket.work.wait()
+        received, bucket.received = bucket.received, None
+        if isinstance(received, QuantizedReduceScatter):
+            received = received.wait()  # fp32: each peer's chunk dequantised, this rank's own exact
+        else:
+            bucket.work.wait()
         # the handle may hold the buffers it sent and received: drop it now, not at the round's end
         bucket.work = _FINISHED
-        received, bucket.received = bucket.received, None
         received = received.to(bucket.grad_shard.dtype)  # from the wire's dtype (itself when it is the same)
         if bucket.sent is not bucket.buffer:  # the wire carried zeros for this rank's chunk: add it, exactly
             received.add_(bucket.partition.shard(bucket.buffer))
@@ -93,6 +104,12 @@ class ShardReducer(BucketReducer):
         bucket.grad_stale = False
         self.wire.receive(bucket.sent, bucket.buffer, copy_back=False)  # read above
         bucket.sent = None
+
+    def sent_bytes(self, bucket) -> int:
+        "Bytes one reduction of `bucket` sends from this rank: its buffer in the wire's dtype, or quantised (qgZ)"
+        if self.quantizer is not None:
+            return bucket.world_size * self.quantizer.payload_bytes(bucket.partition.shard_numel)
+        return self.wire.nbytes(bucket.partition.padded_numel, bucket.dtype)
 
     def close(self):
         "See `BucketReducer.close`; the wire's cast copies go too"

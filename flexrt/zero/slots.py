@@ -14,7 +14,7 @@ from .stage2 import ZeroStage2
 from .stage3.optimizer import Stage3Optimizer
 
 # %% auto #0
-__all__ = ['STAGE_SLOTS', 'SlotArgs', 'build_optimizer_slot']
+__all__ = ['STAGE_SLOTS', 'SlotArgs', 'zeropp_args', 'build_optimizer_slot']
 
 # %% ../../nbs/53_zero_slots.ipynb #c005
 @dataclasses.dataclass
@@ -60,7 +60,37 @@ def _refuse_partitioned(a: SlotArgs):
         )
 
 
+def zeropp_args(a: SlotArgs) -> SlotArgs:
+    """ZeRO++'s keys against the stage: warn about those that cannot apply at it; with quantised gradients (qgZ) the
+    gradients leave `communication_data_type`'s wire (it is cleared, with a warning)"""
+    z, stage = a.config, a.config.stage
+    if z.zero_quantized_weights and stage != 3:
+        warnings.warn(
+            f"zero_optimization.zero_quantized_weights has no effect at stage {stage}: it quantises the parameters "
+            f"stage 3 all-gathers for forward and backward, and stage {stage} keeps whole parameters; use stage 3"
+        )
+    if z.zero_hpz_partition_size > 1 and stage != 3:
+        warnings.warn(
+            f"zero_optimization.zero_hpz_partition_size={z.zero_hpz_partition_size} has no effect at stage {stage}: it "
+            f"partitions the parameters stage 3 gathers a second time, within groups; stage {stage} keeps whole "
+            "parameters"
+        )
+    if z.zero_quantized_gradients and stage == 0:
+        warnings.warn(
+            "zero_optimization.zero_quantized_gradients has no effect at stage 0: stage 0 all-reduces gradients, "
+            "qgZ reduce-scatters them; use stage 1, 2 or 3 (or communication_data_type for a 16-bit all-reduce)"
+        )
+    elif z.zero_quantized_gradients and a.communication_data_type is not None:
+        warnings.warn(
+            f"communication_data_type={a.communication_data_type!r} has no effect on gradients at stage {stage} with "
+            "zero_optimization.zero_quantized_gradients: they travel as int8 blocks"
+        )
+        return dataclasses.replace(a, communication_data_type=None)
+    return a
+
+
 def _stage0(a: SlotArgs) -> ReplicatedOptimizer:
+    a = zeropp_args(a)
     _refuse_partitioned(a)
     return ReplicatedOptimizer(
         a.module,
@@ -76,6 +106,7 @@ def _stage0(a: SlotArgs) -> ReplicatedOptimizer:
 
 
 def _stage12(a: SlotArgs) -> ZeroStage1:
+    a = zeropp_args(a)
     _check_zero12(a.config)
     _refuse_partitioned(a)
     cls = ZeroStage1 if a.config.stage == 1 else ZeroStage2
@@ -94,10 +125,12 @@ def _stage12(a: SlotArgs) -> ZeroStage1:
         reduce_scatter=a.config.reduce_scatter,
         defer_gather=True,
         communication_data_type=a.communication_data_type,
+        quantized_gradients=a.config.zero_quantized_gradients,
     )
 
 
 def _stage3(a: SlotArgs) -> Stage3Optimizer:
+    a = zeropp_args(a)  # the config's zero_quantized_weights and zero_quantized_gradients reach the partitioner
     return Stage3Optimizer(
         a.module,
         a.optimizer,

@@ -12,6 +12,7 @@ from .partition import FlatPartition, shard_grad_norm, clip_shards
 from ..memory.reports import storage_bytes
 from .base import OptimizerSlot, Fragment, Piece, zero_stale
 from .shard_reducer import ShardReducer, ALGORITHMS
+from .quantize import BlockQuantizer
 from .deferred import DeferredGathers, piece_bounds, piece_params, gather_bucket
 from fastcore.basics import patch
 
@@ -100,6 +101,7 @@ class ZeroStage1(OptimizerSlot):
         # deferred p2p gathers: split each bucket's into this many (at most), waited piece by piece
         gather_pieces: int = 4,
         communication_data_type=None,  # the dtype gradients are reduced in ('fp16', 'bf16', 'fp32'; None: theirs)
+        quantized_gradients: bool = False,  # qgZ: an all-to-all of int8 blocks instead (see `ShardReducer`)
     ):
         if collectives not in ('auto', *ALGORITHMS):
             raise ValueError(f"collectives must be 'auto' or one of {ALGORITHMS}, got {collectives!r}")
@@ -117,6 +119,7 @@ class ZeroStage1(OptimizerSlot):
             reduce_scatter,
         )
         self.gradient_average, self.communication_data_type = bool(gradient_average), communication_data_type
+        self.gradient_quantizer = BlockQuantizer(8) if quantized_gradients else None  # qgZ's format, or None
         self.comm_bytes = 0
         self.world_size = dist.get_world_size(group)
         if collectives == 'auto':
@@ -162,6 +165,7 @@ class ZeroStage1(OptimizerSlot):
             self.collectives,
             self.gradient_average,
             self.communication_data_type,
+            self.gradient_quantizer,
         )
 
     def set_boundary(self, is_boundary: bool):
@@ -173,10 +177,7 @@ class ZeroStage1(OptimizerSlot):
         "At the boundary: wait for the reduce-scatters and hand this rank's averaged chunks to the masters"
         self.reducer.wait()
         zero_stale(self.buckets)  # stage 2: shards no boundary backward wrote since zero_grad
-        wire = self.reducer.wire  # the dtype the gradients travelled in
-        self.comm_bytes += sum(
-            wire.nbytes(bk.partition.padded_numel, bk.dtype) for bk in self.buckets if bk.world_size > 1
-        )
+        self.comm_bytes += sum(self.reducer.sent_bytes(bk) for bk in self.buckets if bk.world_size > 1)
         for bk in self.buckets:
             bk.master.grad = bk.grad_shard.float() if self.master_weights else bk.grad_shard
         return [bk.master.grad for bk in self.buckets]

@@ -32,6 +32,7 @@ class Stage2Reducer(ShardReducer):
         algorithm: str = 'native',  # how each reduce-scatter runs (see `ShardReducer`)
         gradient_average: bool = True,  # False: the shards hold the sum over the ranks
         communication_data_type=None,  # the dtype buckets are reduced in ('fp16', 'bf16', 'fp32'; None: the gradients')
+        quantizer=None,  # a `BlockQuantizer`: qgZ's all-to-all of quantised chunks (see `ShardReducer`)
     ):
         super().__init__(
             buckets,
@@ -41,6 +42,7 @@ class Stage2Reducer(ShardReducer):
             algorithm,
             gradient_average,
             communication_data_type,
+            quantizer,
         )
         for bk in buckets:
             bk.buffer = bk.views = bk.whole = None
@@ -135,4 +137,5 @@ class ZeroStage2(ZeroStage1):
             algorithm=self.collectives,
             gradient_average=self.gradient_average,
             communication_data_type=self.communication_data_type,
+            quantizer=self.gradient_quantizer,
         )

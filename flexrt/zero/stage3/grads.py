@@ -60,10 +60,12 @@ class GradBuckets:
         gradient_average: bool = True,  # False: the shards get the sum over the ranks
         gradient_predivide_factor: float = 1.0,  # divide by this before the reduce-scatter, the rest after
         communication_data_type=None,  # the dtype gradients travel in ('fp16', 'bf16', 'fp32'; None: theirs)
+        quantizer=None,  # a `BlockQuantizer`: all-to-all of quantised rows (qgZ; the wire's dtype is not used)
     ):
         self.bucket_numel, self.world_size, self.owner = min(bucket_numel, COALESCE_NUMEL), world_size, owner
         self.divisor = world_size if gradient_average else 1  # every reduced gradient is divided by this
         self.predivide, self.wire = float(gradient_predivide_factor), GradientWire(communication_data_type)
+        self.quantizer = quantizer
         # callables given each reduce-scatter's buffer (this rank's gradients, N x L rows) just before it is launched
         self.before_reduction = []
         # `plan` fills these, now and again when a backward shows the real gradient order: the buckets, the records in
@@ -81,6 +83,9 @@ class GradBuckets:
 
     def _new_reduce(self, b: GradBucket, like: torch.Tensor) -> GradientReduceScatter:
         "A reduce-scatter for `b` whose buffer is in the wire's dtype; the sum is divided in the wider of the two"
+        if self.quantizer is not None:  # the rows stay in the gradients' dtype; the sum comes back in fp32
+            args = (like.dtype, like.device, self.divisor, self.predivide, torch.float32)
+            return GradientReduceScatter(b.records, *args, quantizer=self.quantizer)
         travel = self.wire.dtype_of(like.dtype)
         wider = torch.promote_types(travel, like.dtype)
         return GradientReduceScatter(b.records, travel, like.device, self.divisor, self.predivide, wider)

@@ -84,6 +84,9 @@ class Stage3Optimizer(OptimizerSlot):
             gradient_average=gradient_average,
             gradient_predivide_factor=gradient_predivide_factor,
             communication_data_type=communication_data_type,
+            quantized_weights=cfg.zero_quantized_weights,
+            quantized_gradients=cfg.zero_quantized_gradients,
+            hpz_partition_size=cfg.zero_hpz_partition_size,
         )
         # per param group: its parameters, fp32 master, working and gradient shards; each parameter's master and working
         # shard (`close` empties them)
@@ -187,6 +190,7 @@ class Stage3Optimizer(OptimizerSlot):
         ) in self._working_of.items():  # a shard given new storage (`param.ds_tensor.data = t`) returns to the buffer
             if recs[p].shard.data_ptr() != view.data_ptr():
                 recs[p].shard.data = view
+        self.partitioner.weight_written()  # qwZ: the payloads packed from the old shards go
         self.partitioner.refresh_persistent()
 
     @torch.no_grad()

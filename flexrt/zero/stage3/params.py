@@ -9,9 +9,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 from ... import comm as dist
 from ..reducer import reduction_group
+from ..quantize import BlockQuantizer, CachedQuantizer
 from .access import track_parameters, untrack_parameters
 from flexrt.zero.stage3.records import (
     ParamRecord,
+    SecondaryPartition,
     gather_records,
     release_records,
     set_ds_attributes,
@@ -23,7 +25,7 @@ from .saved import enter_saved_views, exit_saved_views
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Unit', 'ParameterPartitioner']
+__all__ = ['Unit', 'secondary_partition', 'ParameterPartitioner']
 
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c020
 class Unit:
@@ -38,6 +40,28 @@ class Unit:
 
     def __repr__(self):
         return f"Unit({self.index}, {type(self.module).__name__}, {len(self.records)} params)"
+
+# %% ../../../nbs/52_zero_stage3_params.ipynb #b273952a
+def secondary_partition(
+    group,  # the data-parallel group (None: all ranks)
+    size: int,  # `zero_hpz_partition_size`: ranks per group (a node's)
+) -> SecondaryPartition | None:  # None: 1, or every rank (the primary partition is already that)
+    "hpZ's groups: the data-parallel ranks cut into groups of `size` consecutive ones (every rank builds all of them)"
+    world = dist.get_world_size(group)
+    if size == 1 or size >= world:
+        return None
+    if not isinstance(size, int) or size < 1 or world % size:
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size={size!r} must divide the data-parallel world size {world} "
+            "(the ranks of one node, e.g. 8; 1: off)"
+        )
+    rank, mine = dist.get_rank(group), None
+    for first in range(0, world, size):
+        ranks = [dist.get_global_rank(group, i) for i in range(first, first + size)]
+        made = dist.new_group(ranks)  # collective: every rank makes every group, in the same order
+        if first <= rank < first + size:
+            mine = made
+    return SecondaryPartition(group, mine, size, rank % size)
 
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c021b
 def _record(p: torch.nn.Parameter, name: str, group) -> ParamRecord:
@@ -79,6 +103,9 @@ class ParameterPartitioner:
         gradient_average: bool = True,  # False: the gradient shards get the sum over the ranks, not the average
         gradient_predivide_factor: float = 1.0,  # divide gradients by this before the reduce-scatter, the rest after
         communication_data_type=None,  # the dtype gradients are reduced in ('fp16', 'bf16', 'fp32'; None: theirs)
+        quantized_weights: bool = False,  # qwZ: forward and backward gather int8 weights (`flexrt.zero.quantize`)
+        quantized_gradients: bool = False,  # qgZ: gradients reduce-scattered as an all-to-all of int8 blocks
+        hpz_partition_size: int = 1,  # hpZ: keep gathered parameters partitioned over groups of this many ranks too
     ):
         self.module, self.group, self.prefetch_numel, self.reduce_bucket_numel = (
             module,
@@ -87,6 +114,10 @@ class ParameterPartitioner:
             reduce_bucket_numel,
         )
         self.max_reuse_distance, self.max_live_numel, self._keep = max_reuse_distance, max_live_numel, set()
+        # what the hooks' gathers pass to `gather_records` (None: exact); every other gather is exact
+        # (each shard packed once per step: `weight_written` forgets the payloads)
+        self.weight_quantizer = CachedQuantizer(8) if quantized_weights else None
+        self.hpz = secondary_partition(group, hpz_partition_size)  # hpZ's `SecondaryPartition`, or None
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.records, kept = {}, 0
         for name, p in module.named_parameters():
@@ -108,6 +139,7 @@ class ParameterPartitioner:
             gradient_average=gradient_average,
             gradient_predivide_factor=gradient_predivide_factor,
             communication_data_type=communication_data_type,
+            quantizer=BlockQuantizer(8) if quantized_gradients else None,
         )
         self.trace, self._position, self._traced, self._hooks, self._tracked, self._stack = [], {}, False, [], [], []
         # chunks; each position's; `chunk_ends`; the farthest started
@@ -157,7 +189,11 @@ class ParameterPartitioner:
             return  # whole between uses (unless `release_all(persistent=True)` released it)
         if self._stack and not r.persistent:
             self._claim(self._stack[-1], r)
-        gather_records([r], owner=self)
+        # a read outside any forward (user code, a state dict) gets the exact value
+        if self._stack:
+            gather_records([r], owner=self, quantizer=self.weight_quantizer, secondary=self.hpz)
+        else:
+            gather_records([r], owner=self)
 
     def _claim(self, unit: Unit, r: ParamRecord):
         "From now on `unit` gathers `r` before its forward and backward and releases it after; it is in its forward now"
@@ -216,7 +252,7 @@ class ParameterPartitioner:
         for r in unit.records:
             r.active += 1
         if again:
-            gather_records(unit.records, owner=self)
+            gather_records(unit.records, owner=self, quantizer=self.weight_quantizer, secondary=self.hpz)
         else:
             self._fetch(unit, +1)
 
@@ -247,21 +283,22 @@ class ParameterPartitioner:
         """Gather `unit` with the rest of its chunk ahead (one collective), then keep the chunks after it gathering, up
         to `prefetch_numel` elements"""
         i = self._position.get(unit.index) if self._traced else None
+        q, h = self.weight_quantizer, self.hpz
         if i is None:
-            return gather_records(unit.records, owner=self)  # not in the trace: alone
+            return gather_records(unit.records, owner=self, quantizer=q, secondary=h)  # not in the trace: alone
         a, b = self._bounds[self._chunk_of[i]]
         if any(not r.full and r.pending is None for r in unit.records):
-            gather_records(
-                self._chunk_records(i, b) if step > 0 else self._chunk_records(a, i + 1), async_op=True, owner=self
-            )
-        gather_records(unit.records, owner=self)
+            chunk = self._chunk_records(i, b) if step > 0 else self._chunk_records(a, i + 1)
+            gather_records(chunk, async_op=True, owner=self, quantizer=q, secondary=h)
+        gather_records(unit.records, owner=self, quantizer=q, secondary=h)
         self._prefetch(self._chunk_of[i], step)
 
     def _prefetch(self, k: int, step: int):  # k: the chunk entered; step: +1 forward, -1 backward
         """Start gathering the chunks `plan_ahead` says should be under way once chunk `k` is entered (those not started
         yet)"""
         for c in plan_ahead(self._ends, k, step, self.prefetch_numel, self._ahead):
-            gather_records(self._chunk_records(*self._bounds[c]), async_op=True, owner=self)
+            records = self._chunk_records(*self._bounds[c])
+            gather_records(records, async_op=True, owner=self, quantizer=self.weight_quantizer, secondary=self.hpz)
             self._ahead = c
 
     def _chunk_records(self, a: int, b: int) -> list:  # trace positions a..b-1
@@ -328,6 +365,14 @@ class ParameterPartitioner:
         self.release_all()
         self._in_backward = False
 
+    def weight_written(self):
+        """The shards were written (a step, a load, a rank's change kept): quantised gathers pack them anew, secondary
+        pieces (hpZ) are dropped"""
+        if self.weight_quantizer is not None:
+            self.weight_quantizer.clear()
+        if self.hpz is not None:
+            self.hpz.forget(self.records.values())
+
     def release_all(self, persistent: bool = False):  # True: the persistent ones too (the next use gathers them)
         """Finish gathers in flight and release every parameter not in use (persistent ones stay whole unless
         `persistent`)"""
@@ -350,6 +395,7 @@ class ParameterPartitioner:
         """Broadcast `r`'s full value from rank `src` of its group (an expert's: its own) and store it in every rank's
         shard"""
         r.write_back(src)
+        self.weight_written()
         if self.on_modified is not None:
             self.on_modified(r)
 
@@ -364,6 +410,7 @@ class ParameterPartitioner:
         if not self.partitioned:
             return
         records = list(self.records.values())
+        self.weight_written()  # no payload or secondary piece outlives the partitioner
         for r in records:
             r.active = 0
         gather_records(records)

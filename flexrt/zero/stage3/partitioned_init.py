@@ -22,9 +22,17 @@ _NO_EFFECT = {
     'mem_efficient_linear': (True, "flexrt runs torch's own linear"),
     'remote_device': (None, "flexrt has no parameter offload: shards stay on this rank's device"),
     'pin_memory': (False, 'flexrt has no parameter offload'),
-    'zero_param_parallel_group': (None, 'flexrt has no hierarchical partitioning (ZeRO++ hpZ)'),
-    'zero_quantized_weights': (False, 'flexrt has no quantized weights (ZeRO++ qwZ)'),
-    'zero_quantized_nontrainable_weights': (False, 'flexrt has no quantized weights (ZeRO++ qwZ)'),
+    'zero_param_parallel_group': (
+        None,
+        "zero.Init partitions over the data-parallel group; zero_optimization.zero_hpz_partition_size sets hpZ",
+    ),
+    # qwZ is the engine's: zero_optimization.zero_quantized_weights quantises the gathers of forward and backward
+    'zero_quantized_weights': (
+        False,
+        "zero.Init gathers exactly; set zero_optimization.zero_quantized_weights in the config to quantise the "
+        "forward's and backward's gathers (ZeRO++ qwZ)",
+    ),
+    'zero_quantized_nontrainable_weights': (False, 'flexrt keeps frozen weights unquantised'),
     'sequence_data_parallel_group': (None, 'flexrt has no sequence parallelism'),
     'param_swapper': (None, 'flexrt has no NVMe parameter swapping'),
     'tensor_overrides': (None, "layers are built where torch builds them, then partitioned onto this rank's device"),

@@ -7,11 +7,12 @@ from __future__ import annotations
 import enum, itertools
 import torch
 from ... import comm as dist
+from ..quantize import QuantizedReduceScatter
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['ZeroParamStatus', 'ParamRecord', 'gather_records', 'release_records', 'set_ds_attributes', 'drop_ds_attributes',
-           'GradientReduceScatter']
+__all__ = ['ZeroParamStatus', 'ParamRecord', 'gather_records', 'release_records', 'SecondaryPartition', 'set_ds_attributes',
+           'drop_ds_attributes', 'GradientReduceScatter']
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c006
 class ZeroParamStatus(enum.Enum):
@@ -43,6 +44,10 @@ class ParamRecord:
         # grad_shard holds an old step's value: the next reduction overwrites it instead of adding
         self.grad_stale = False
         self._full, self._pending, self.active = True, None, 0  # full data present; gather in flight; forwards using it
+        self.lossy = False  # the full data came from a quantised gather (qwZ): within its bound of the value, not equal
+        # hpZ: this rank's piece of the value the last forward gathered, partitioned over its group (None: none kept),
+        # and whether that value was a quantised gather's
+        self.secondary, self.secondary_lossy = None, False
 
     @property
     def full(self) -> bool:
@@ -224,17 +229,34 @@ def _send_buffer(shards: list, n: int) -> torch.Tensor:
 
 
 class _Gather:
-    "An all-gather of several parameters' shards, maybe still in flight"
+    """An all-gather of several parameters' shards, maybe still in flight; with a `quantizer`, the shards travel as
+    its byte payload (qwZ) and the parameters come back within its bound (`lossy`); from a `SecondaryPartition`, the
+    records' secondary pieces are gathered within its group instead (hpZ)"""
 
     def __init__(
         self,
         records: list,
         owner=None,  # records of one process group; owner: counts the bytes in its `comm_bytes`
+        quantizer=None,  # a `flexrt.zero.quantize.BlockQuantizer`, or None: exact
+        secondary=None,  # a `SecondaryPartition` to gather the records' secondary pieces over (None: their shards)
+        keep=None,  # a `SecondaryPartition` that keeps each record's secondary piece once it is whole
     ):
-        self.records, n, group = records, records[0].world_size, records[0].group
-        self.length = sum(r.shard_numel for r in records)
-        shards = _send_buffer([r.shard for r in records], n)
-        self.out = shards.new_empty(n * self.length) if n > 1 else shards
+        self.records, self.secondary, self.keep = records, secondary, keep
+        if secondary is None:
+            n, group, parts = records[0].world_size, records[0].group, [r.shard for r in records]
+        else:
+            n, group, parts = secondary.size, secondary.group, [r.secondary for r in records]
+            secondary.num_gathers += 1
+        self.n, self.numels = n, [p.numel() for p in parts]
+        self.length = sum(self.numels)
+        shards = _send_buffer(parts, n)
+        self.quantizer, self.dtype = (quantizer if n > 1 and secondary is None else None), shards.dtype
+        # lossy: quantised on this wire, or (secondary pieces) on the forward's gather that kept them
+        self.lossy = self.quantizer is not None or any(r.secondary_lossy for r in records if secondary is not None)
+        if self.quantizer is not None:  # the scales, then int8 codes: about 1 byte a value
+            cached = getattr(self.quantizer, 'pack_cached', None)  # a `CachedQuantizer`: packed once per step
+            shards = cached(shards, parts) if cached is not None else self.quantizer.pack(shards).view(-1)
+        self.out = shards.new_empty(n * shards.numel()) if n > 1 else shards
         self.work = _all_gather(group)(self.out, shards, group=group, async_op=True) if n > 1 else None
         for r in records:
             r.pending = self
@@ -247,35 +269,65 @@ class _Gather:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        rows, off = self.out.view(-1, self.length), 0
-        for r in self.records:
+        rows, off = self._rows(), 0
+        for r, numel in zip(self.records, self.numels):
             if r.pending is self:
-                block = rows[:, off : off + r.shard_numel]
+                block = rows[:, off : off + numel]
                 r.param.data = (
                     (block if len(self.records) > 1 else block.reshape(-1)).reshape(-1)[: r.numel].view(r.shape)
                 )
-                r.full, r.pending = True, None
-            off += r.shard_numel
+                lossy = self.quantizer is not None or (self.secondary is not None and r.secondary_lossy)
+                r.full, r.pending, r.lossy = True, None, lossy
+                if self.keep is not None:
+                    self.keep.keep(r)
+            off += numel
+
+    def _rows(self) -> torch.Tensor:
+        "The N x L gathered shards (dequantised into the shards' dtype when they travelled quantised)"
+        if self.quantizer is None:
+            return self.out.view(-1, self.length)
+        return self.quantizer.unpack(self.out.view(self.n, -1), self.length, self.dtype)
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c013
 def gather_records(
     records: list,  # ParamRecords to make whole
     async_op: bool = False,  # only start the gathers
     owner=None,  # an object whose `comm_bytes` counts the bytes gathered
+    quantizer=None,  # a `BlockQuantizer`: gather the non-persistent records quantised (qwZ); None: exact
+    secondary=None,  # a `SecondaryPartition` (hpZ): records with a secondary piece are gathered from it, the others
+    # keep theirs
 ):
     """Start (and unless `async_op`, finish) the gathers of the records neither whole nor in flight, one per process
-    group; finish those in flight"""
+    group (and kind: quantised, exact, from secondary pieces); finish those in flight. Without a `quantizer` every
+    record ends exact: one holding (or gathering) quantised values is gathered again"""
+    if quantizer is None:
+        _forget_lossy(records)
     todo = [r for r in records if not r.full and r.pending is None]
     if todo:
-        by_group = {}
+        by_kind = {}
         for r in todo:
-            by_group.setdefault(id(r.group), []).append(r)
-        for same in by_group.values():
-            _Gather(same, owner)
+            ours = secondary is not None and secondary.holds(r)
+            from_secondary = ours and r.secondary is not None
+            # persistent parameters stay exact: they are gathered once per step and read as they are (state dicts)
+            lossy = quantizer is not None and not r.persistent and not from_secondary
+            by_kind.setdefault((id(r.group), lossy, from_secondary, ours), []).append(r)
+        for (_, lossy, from_secondary, ours), same in by_kind.items():
+            keep = secondary if ours and not from_secondary else None
+            _Gather(same, owner, quantizer if lossy else None, secondary if from_secondary else None, keep)
     if async_op:
         return
     for g in {id(r.pending): r.pending for r in records if r.pending is not None}.values():
         g.finish()
+
+
+def _forget_lossy(records: list):
+    """An exact gather is asked of records holding quantised values: finish their quantised gathers in flight and mark
+    them not whole (their data stays in place until the exact gather replaces it: a running forward may hold it)"""
+    for r in records:
+        if r.pending is not None and r.pending.lossy:
+            r.pending.finish()
+        if r.full and r.lossy:
+            r.full = False
 
 
 _EMPTY = {}
@@ -299,7 +351,49 @@ def release_records(
         if r.pending is not None:
             r.pending.finish()
         if r.full and r.active == 0 and not (keep_persistent and r.persistent):
-            r.param.data, r.full = _placeholder(r.shard), False
+            r.param.data, r.full, r.lossy = _placeholder(r.shard), False, False
+
+# %% ../../../nbs/52_zero_stage3_records.ipynb #33e0edee
+class SecondaryPartition:
+    """ZeRO++'s hierarchical partition (hpZ): each parameter a hook gathers also kept partitioned over a group of `size`
+    consecutive data-parallel ranks, so later gathers of it stay within the group"""
+
+    def __init__(
+        self,
+        parent,  # the data-parallel group the primary shards are partitioned over (None: all ranks)
+        group,  # this rank's group of `size` ranks within it
+        size: int,  # ranks in the group
+        rank: int,  # this rank's place in it
+    ):
+        self.parent, self.group, self.size, self.rank = parent, group, size, rank
+        self.num_gathers = 0  # gathers served from secondary pieces (within the group)
+
+    def __repr__(self):
+        return f"SecondaryPartition(rank {self.rank} of {self.size})"
+
+    def holds(self, r: ParamRecord) -> bool:
+        "Whether `r` is partitioned here too: a non-persistent parameter of the parent group (not an expert's own)"
+        return r.group is self.parent and not r.persistent
+
+    def numel(self, r: ParamRecord) -> int:
+        return -(-r.numel // self.size)  # elements of each rank's piece
+
+    @torch.no_grad()
+    def keep(self, r: ParamRecord):
+        "`r` is whole: keep this rank's piece of its value (zeros past its end), and whether that value is quantised"
+        size = self.numel(r)
+        start = min(self.rank * size, r.numel)
+        piece = r.param.data.reshape(-1)[start : start + size]
+        if r.secondary is None:
+            r.secondary = r.param.data.new_empty(size)
+        r.secondary[: piece.numel()].copy_(piece)
+        r.secondary[piece.numel() :].zero_()
+        r.secondary_lossy = r.lossy
+
+    def forget(self, records):
+        "The shards changed (a step, a load, a rank's change kept): drop every secondary piece"
+        for r in records:
+            r.secondary, r.secondary_lossy = None, False
 
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c008g
 class _Gathering:
@@ -396,8 +490,10 @@ class GradientReduceScatter:
         divisor: int,  # divisor: the data-parallel size (gradients are averaged over it)
         predivide: float = 1.0,  # divide by this before the reduce-scatter, by `divisor / predivide` after
         result_dtype=None,  # the dtype the sum is divided in (None: `dtype`; wider when the wire is narrower)
+        quantizer=None,  # a `BlockQuantizer`: an all-to-all of quantised rows, summed in fp32 (qgZ); None: exact
     ):
         self.records, self.n, self.group, self.divisor = records, records[0].world_size, records[0].group, divisor
+        self.quantizer = quantizer
         self.predivide, self.result_dtype = float(predivide), dtype if result_dtype is None else result_dtype
         self.offsets = [0]
         for r in records:
@@ -421,6 +517,11 @@ class GradientReduceScatter:
         if self.n == 1:
             self.out = self.buffer.view(-1)
             return
+        if self.quantizer is not None:
+            self.work = QuantizedReduceScatter(self.buffer, self.group, self.quantizer)
+            if owner is not None:
+                owner.comm_bytes += self.work.nbytes
+            return
         self.out = self.buffer.new_empty(self.offsets[-1])
         self.work = _reduce_scatter(self.group)(self.out, self.buffer.view(-1), group=self.group, async_op=True)
         if owner is not None:
@@ -430,7 +531,9 @@ class GradientReduceScatter:
     def finish(self):
         """Wait, cast the sum to `result_dtype`, divide it by what the predivision left of the data-parallel size, and
         add each piece into its record's `grad_shard` (copy it into a stale one)"""
-        if self.work is not None:
+        if isinstance(self.work, QuantizedReduceScatter):
+            self.out = self.work.wait()  # fp32: each peer's part dequantised, this rank's own exact
+        elif self.work is not None:
             self.work.wait()
         self.out = self.out.to(self.result_dtype)  # from the wire's dtype (itself when it is the same)
         rest = self.divisor / self.predivide

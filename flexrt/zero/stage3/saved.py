@@ -37,7 +37,9 @@ def _unpack(saved):
         return saved
     owned = getattr(saved.param, '_zero3', None)
     if owned is not None and not owned[1].full:
-        gather_records([owned[1]], owner=owned[0])
+        # backward's gather: quantised where the partitioner's are (qwZ), from the secondary pieces if kept (hpZ)
+        quantizer, secondary = getattr(owned[0], 'weight_quantizer', None), getattr(owned[0], 'hpz', None)
+        gather_records([owned[1]], owner=owned[0], quantizer=quantizer, secondary=secondary)
     data = saved.param.data
     return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 

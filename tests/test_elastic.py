@@ -1,0 +1,198 @@
+"""Elastic launches on real gloo ranks: a run that loses a rank goes on at the new world size from its latest
+published checkpoint, bit-exactly as a fresh run loaded from that checkpoint; a save cut short by the death is never
+resumed; a launch that cannot go on says why, attempt by attempt; torchrun's own restarts resume the same way."""
+import json, os, signal, subprocess, sys, textwrap
+from pathlib import Path
+import pytest, torch
+from flexrt import monitor
+from flexrt.launch import launch, RankError
+
+CONFIG = {'train_batch_size': 12, 'train_micro_batch_size_per_gpu': 2, 'steps_per_print': 10**6,
+          'optimizer': {'type': 'Adam', 'params': {'lr': 0.01}}}
+
+def train(directory, stage=0, steps=10, save_at=(5,), kill=None, kill_in_save=None, load_tag=None):
+    """A tiny regression on 12 samples per step (the same 12 at any world size), saved into `directory` after each step
+    of `save_at`; `kill=(rank, step)` SIGKILLs that rank after that step ('last': the highest rank of the attempt);
+    `kill_in_save=(rank, step)` SIGKILLs it while it writes its file of the save after that step. Returns where the
+    attempt started, its world size and accumulation, and each step's micro-batch losses on this rank"""
+    import flexrt
+    from flexrt import comm as dist
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    engine, *_ = flexrt.initialize(model=model, config={**CONFIG, 'zero_optimization': {'stage': stage}})
+    if load_tag is not None:
+        engine.load_checkpoint(directory, tag=load_tag)
+    rank, world, gas = dist.get_rank(), dist.get_world_size(), engine.gradient_accumulation_steps()
+    start, losses = engine.global_steps, {}
+    for step in range(start, steps):
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1000 + step))
+        y = x.sum(1, keepdim=True).sin()
+        losses[step + 1] = []
+        for k in range(gas):
+            at = (rank * gas + k) * 2           # this rank's k-th micro-batch of the step's 12 samples
+            loss = ((engine(x[at:at + 2]) - y[at:at + 2]) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses[step + 1].append(loss.item())
+        done = engine.global_steps
+        if kill_in_save is not None and (rank, done) == kill_in_save:
+            _die_while_writing(f'.global_step{done}.partial')
+        if done in save_at:
+            engine.save_checkpoint(directory)
+        if kill is not None and (world - 1 if kill[0] == 'last' else kill[0]) == rank and done == kill[1]:
+            monitor.flush()                     # the kernel has seen this rank's steps, as it would after a while
+            os.kill(os.getpid(), signal.SIGKILL)
+    engine.close()
+    return {'start': start, 'world': world, 'gas': gas, 'losses': losses}
+
+def _die_while_writing(staging: str):
+    "SIGKILL this process when it starts writing a file into the staging directory `staging` (the save is unpublished)"
+    import flexrt.checkpoint.storage as storage
+    real = storage.atomic_write
+    def dying(path, *args, **kwargs):
+        if Path(path).parent.name == staging:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, *args, **kwargs)
+    storage.atomic_write = dying
+
+@pytest.fixture(autouse=True)
+def clean():
+    yield
+    monitor.stop_serving()
+
+def _launch(*args, **kwargs):
+    "launch(), with the kernel's records of the run"
+    records = []
+    with monitor.listen(records.append):
+        run = launch(*args, **kwargs)
+    return run, records
+
+@pytest.mark.parametrize('stage', [0, 3])
+def test_a_run_that_loses_a_rank_goes_on_bit_exactly_from_its_checkpoint(tmp_path, stage):
+    from flexrt.widgets.dashboard import TrainingDashboard
+    d, dash = tmp_path / 'ckpt', TrainingDashboard(redraw=False)
+    try:
+        run, records = _launch(train, (str(d), stage, 10, (5,), (2, 7)), num_processes=3, max_restarts=1,
+                               checkpoint_dir=d)
+        dash.draw_text()
+    finally:
+        dash.close()
+    assert 'attempt 1: 3 &rarr; 2 ranks (rank 2 died: killed by SIGKILL' in dash.restarts.value   # one run, marked
+    assert dash.restarts.value.endswith('from step 5, 2 steps done again')
+    steps = dash.records.frame('step').query('rank == 0')['step'].tolist()
+    assert steps[:5] == [1, 2, 3, 4, 5] and steps[-5:] == [6, 7, 8, 9, 10]          # both attempts, one history
+    # each step record says its attempt and world size: attempt 0 on 3 ranks up to step 7 (its last records may die
+    # with the ranks the launcher kills), attempt 1 on 2 ranks from step 6
+    labels = {(r['step'], r['attempt'], r['world_size']) for r in records if r['kind'] == 'step' and r['rank'] == 0}
+    first_attempt = {label for label in labels if label[1] == 0}
+    assert {(s, 0, 3) for s in range(1, 6)} <= first_attempt <= {(s, 0, 3) for s in range(1, 8)}, sorted(labels)
+    assert labels - first_attempt == {(s, 1, 2) for s in range(6, 11)}, sorted(labels)
+    first, second = run.attempts
+    assert (first.world_size, first.lost_ranks, first.last_step) == (3, [2], 7)
+    assert first.cause.startswith('rank 2 died: killed by SIGKILL')
+    assert (second.world_size, second.resumed_step, second.lost_steps, second.cause) == (2, 5, 2, None)
+    assert run.lost_steps == 2 and len(run.results) == 2
+    assert [(r['start'], r['world'], r['gas']) for r in run.results] == [(5, 2, 3), (5, 2, 3)]   # global batch 12 kept
+    restart = next(r for r in records if r['kind'] == 'restart')
+    assert (restart['attempt'], restart['world_size'], restart['previous_world_size']) == (1, 2, 3)
+    resume = next(r for r in records if r['kind'] == 'resume')
+    assert (resume['world_size'], resume['resumed_step'], resume['lost_steps']) == (2, 5, 2)
+    assert resume['batch_changes'] == {'gradient_accumulation_steps': [2, 3]}
+    # a fresh 2-rank run of the same function, loading the step-5 checkpoint by hand
+    fresh = launch(train, (str(d), stage, 10, (), None, None, 'global_step5'), num_processes=2)
+    for rank in (0, 1):
+        assert list(run.results[rank]['losses']) == list(range(6, 11))
+        assert run.results[rank]['losses'] == fresh.results[rank]['losses'], rank      # floats: bit-equal
+
+def test_a_save_cut_short_by_the_death_is_not_resumed(tmp_path):
+    d = tmp_path / 'ckpt'
+    run, _ = _launch(train, (str(d), 0, 8, (3, 6), None, (2, 6)), num_processes=3, max_restarts=1, checkpoint_dir=d)
+    first, second = run.attempts
+    assert first.lost_ranks == [2] and first.cause.startswith('rank 2 died: killed by SIGKILL')
+    assert second.resumed_step == 3                  # global_step6 was being written: `latest` still named step 3
+    assert [r['start'] for r in run.results] == [3, 3]
+    assert (d / 'latest').read_text().strip() == 'global_step6'     # written whole by the restarted attempt
+
+def test_a_launch_gives_up_after_max_restarts_listing_every_attempt(tmp_path):
+    with pytest.raises(RankError) as info:
+        launch(train, (str(tmp_path), 0, 10, (), ('last', 2)), num_processes=3, max_restarts=1, checkpoint_dir=tmp_path)
+    error = info.value
+    assert str(error).startswith('the launch gave up after 2 attempts: max_restarts=1 reached\n'
+                                 '  attempt 0 (3 ranks): rank 2 died: killed by SIGKILL')
+    assert '\n  attempt 1 (2 ranks): rank 1 died: killed by SIGKILL' in str(error)
+    assert [(a.world_size, a.lost_ranks) for a in error.attempts] == [(3, [2]), (2, [1])]
+    assert (error.rank, error.signal) == (1, 'SIGKILL')          # the last attempt's culprit
+
+def test_a_launch_gives_up_below_min_processes(tmp_path):
+    with pytest.raises(RankError) as info:
+        launch(train, (str(tmp_path), 0, 10, (), (1, 2)), num_processes=2, max_restarts=3, min_processes=2,
+               checkpoint_dir=tmp_path)
+    assert str(info.value).startswith('the launch gave up after 1 attempts: 1 rank survived, fewer than '
+                                      'min_processes=2\n  attempt 0 (2 ranks): rank 1 died: killed by SIGKILL')
+
+def deaf_survivor():
+    "Rank 1 dies at once; rank 0 ignores SIGTERM (a handler of its own) and computes without a collective"
+    from flexrt import comm as dist
+    import time
+    dist.init_distributed()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        time.sleep(0.05)
+
+def test_a_survivor_that_ignores_sigterm_is_killed_after_the_grace():
+    # torchelastic would wait 30 s for it, then SIGKILL it too (and it would count as lost): the launcher kills it
+    # FAILURE_GRACE_S after the death it noticed, and knows that death was its own doing
+    run = launch(deaf_survivor, num_processes=2, background=True)
+    with pytest.raises(RankError, match='rank 1 died: killed by SIGKILL'): run.wait(120)
+    assert run.attempts[0].lost_ranks == [1]
+
+def test_restart_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match='max_restarts must be a non-negative int'): launch(print, max_restarts=-1)
+    with pytest.raises(ValueError, match='min_processes must be an int from 1 to num_processes=2'):
+        launch(print, max_restarts=1, min_processes=3)
+    with pytest.raises(TypeError, match='checkpoint_dir must be a path'): launch(print, checkpoint_dir=3)
+    with pytest.raises(ValueError, match='on several nodes use torchrun'):
+        launch(print, max_restarts=1, num_nodes=2, results=None)
+
+TORCHRUN_SCRIPT = '''
+import json, os, signal, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch, flexrt
+from flexrt import comm as dist
+from test_elastic import CONFIG
+marker, out = Path(sys.argv[2]), Path(sys.argv[3])
+torch.manual_seed(0)
+engine, *_ = flexrt.initialize(model=torch.nn.Linear(8, 1), config=CONFIG)
+start = engine.global_steps
+for step in range(start, 6):
+    for k in range(engine.gradient_accumulation_steps()):
+        engine.backward(engine(torch.ones(2, 8)).sum())
+        engine.step()
+    if engine.global_steps == 3:
+        engine.save_checkpoint(os.environ['FLEXRT_CHECKPOINT_DIR'])
+    if engine.global_steps == 4 and dist.get_rank() == 1 and not marker.exists():
+        marker.touch()                       # once: the restarted group goes on
+        os.kill(os.getpid(), signal.SIGKILL)
+if dist.get_rank() == 0:
+    out.write_text(json.dumps({'start': start, 'restarts': os.environ.get('TORCHELASTIC_RESTART_COUNT'),
+                               'steps': engine.global_steps}))
+engine.close()
+'''
+
+def test_torchrun_max_restarts_resumes_through_initialize(tmp_path):
+    script, out = tmp_path / 'train.py', tmp_path / 'out.json'
+    script.write_text(TORCHRUN_SCRIPT)
+    # torch >= 2.5 shares torchrun's rendezvous store with the workers, and a restarted group then reads the old
+    # group's addresses (pytorch/pytorch#135712): a store of their own per restart
+    env = {**os.environ, 'FLEXRT_CHECKPOINT_DIR': str(tmp_path / 'ckpt'), 'OMP_NUM_THREADS': '1',
+           'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
+    for name in ('FLEXRT_ATTEMPT', 'FLEXRT_PREVIOUS_ATTEMPT', 'FLEXRT_MONITOR_ADDRESS'): env.pop(name, None)
+    torchrun = Path(sys.executable).parent / 'torchrun'
+    done = subprocess.run([str(torchrun), '--standalone', '--nproc-per-node', '2', '--max-restarts', '1',
+                           str(script), str(Path(__file__).parent), str(tmp_path / 'marker'), str(out)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text()) == {'start': 3, 'restarts': '1', 'steps': 6}
