@@ -10,7 +10,8 @@ __all__ = ['set_random_seed', 'ensure_directory_exists', 'DummyOptim', 'noop_dec
            'get_weight_norm', 'get_grad_zeros', 'get_global_norm_of_tensors', 'clip_tensors_by_global_norm',
            'get_global_norm', 'has_inf_or_nan', 'CheckOverflow', 'LOCAL_SIZE_VARIABLES', 'cgroup_cores',
            'available_cores', 'local_world_size', 'ThreadPlan', 'users_threads', 'LAUNCHERS_SETTING_OMP',
-           'omp_set_by_launcher', 'plan_threads', 'size_threads']
+           'omp_set_by_launcher', 'plan_threads', 'size_threads', 'OMP_PAUSE_HARD', 'openmp_runtimes',
+           'release_openmp_threads']
 
 # %% ../../nbs/20_utils.ipynb #c003
 from .core import *
@@ -57,4 +58,7 @@ _all_ = [
     'omp_set_by_launcher',
     'plan_threads',
     'size_threads',
+    'OMP_PAUSE_HARD',
+    'openmp_runtimes',
+    'release_openmp_threads',
 ]
