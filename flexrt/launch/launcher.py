@@ -216,8 +216,9 @@ def _blame(
         for r, (code, late) in sorted(ended.items())
         if r not in reported and code and not (late and code == -signal.SIGTERM)
     }
-    if died:
-        return _died(*next(iter(died.items())), reports)
+    if died:  # SIGTERM is how the launcher stops the others: a rank that ended otherwise is the one at fault
+        rank = min(died, key=lambda r: (died[r] == -signal.SIGTERM, r))
+        return _died(rank, died[rank], reports)
     silent, waits = sorted(set(started) - reported), [r for r in reports if r.get('comm')]
     named = {p for r in waits for p in r.get('peers') or ()}  # ranks a waiting one says never answered
     inside = lambda r: _in_collective(stacks.get(r)) and r not in named
