@@ -24,9 +24,9 @@ def pytest_sessionstart(session):
     if _worker(session.config): return  # the controller cleared them before the workers started; a worker may compile
     for lock in _torch_extensions_dir().glob('*/*/lock'): lock.unlink(missing_ok=True)
 
-# Seconds each of the slowest files took in a whole run (one worker, a 2-core machine with other work on it). The workers take files
-# longest first, so no long file starts last and runs alone while the other worker idles; the rest keep their order.
-# A stale figure costs only balance, never a result.
+# Seconds each of the slowest files took in a whole run (one worker, a 2-core machine with other work on it). The
+# workers take files longest first, so no long file starts last and runs alone while the other worker idles; the rest
+# keep their order. A stale figure costs only balance, never a result.
 SLOW_FILES = {
     'test_autotune_widget.py': 151, 'test_hf_clients.py': 135, 'test_checkpoint.py': 104, 'test_zero12.py': 102,
     'test_comm_dtype.py': 83, 'test_browser_autotune.py': 79, 'test_docs.py': 78, 'test_zero12_engine.py': 67,

@@ -205,7 +205,8 @@ def test_the_script_path_reads_the_ranks_jsonl_files_and_prints_the_table_and_fi
     assert [line.split()[0] for line in lines[2:] if not line.startswith('-')] == ['0']   # rank 0's row alone
     assert lines[-1].startswith('- data wait ') and lines[-1].endswith(' on rank 0')
     done = shell(str(tmp_path / 'steps5.jsonl'))
-    assert done.returncode == 2 and done.stdout == '' and 'no such file: ' in done.stderr and 'steps5.jsonl' in done.stderr
+    assert done.returncode == 2 and done.stdout == ''
+    assert 'no such file: ' in done.stderr and 'steps5.jsonl' in done.stderr
     (tmp_path / 'other.jsonl').write_text(json.dumps({'kind': 'memory', 'rank': 0}) + '\n')
     done = shell(str(tmp_path / 'other.jsonl'))
     assert done.returncode == 1 and "hold no step record with an anatomy (records: 1 'memory')" in done.stderr, done

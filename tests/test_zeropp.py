@@ -329,7 +329,8 @@ for _ in range(3):
     engine.backward(F.mse_loss(engine(x), x[:, :2]))
     engine.step()
 slot = engine.optimizer
-print(f'QUANTIZERS {slot.partitioner.weight_quantizer.bits} {slot.partitioner.grads.quantizer.bits}')  # one write: ranks share stdout
+# one write a line: the two ranks share stdout
+print(f'QUANTIZERS {slot.partitioner.weight_quantizer.bits} {slot.partitioner.grads.quantizer.bits}')
 """
 
 

@@ -243,6 +243,27 @@ def comm():
     assert (rows['avg_latency_ms'] > 0).all() and float(t[0]) == 1.0, rows
     return f'{dist.get_backend()}: ' + '; '.join(f"{r['op']} x{r['count']} {r['avg_latency_ms']:.3f} ms" for r in rows.to_dict('records'))
 
+@check('step anatomy: CUDA events on sampled steps, no device sync')
+def anatomy():
+    from flexrt import monitor
+    records, syncs, real_sync = [], [], torch.cuda.synchronize
+    engine = engine_for(config(0, diagnostics={'anatomy': {'enabled': True, 'cuda_every': 2}}))
+    torch.cuda.synchronize = lambda *a, **k: (syncs.append(1), real_sync(*a, **k))[1]   # counts the engine's syncs
+    try:
+        with monitor.listen(lambda r: records.append(r) if r.get('kind') == 'step' else None):
+            train(engine, batches(8))
+    finally:
+        torch.cuda.synchronize = real_sync
+        engine.close()
+    sampled = [r['anatomy'] for r in records if 'device_step' in r.get('anatomy', {})]
+    if DEVICE == 'cuda':
+        assert sampled and not syncs, f'{len(sampled)} records with device times, {len(syncs)} device syncs'
+        times = {k: v for k, v in sampled[-1].items() if k.startswith('device_') and k != 'device_step'}
+        assert times and all(v > 0 for v in times.values()), times
+        return f"{len(sampled)} of {len(records)} step records with device times (every 2nd step sampled), no sync; " \
+               + ', '.join(f'{k} {1e3 * v:.2f} ms' for k, v in times.items())
+    return f'{len(records)} step records (CPU dry run: no events)'
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--out', default=os.environ.get('OUT'))
@@ -253,7 +274,7 @@ def main():
     from flexrt import comm as dist
     dist.init_distributed(dist_init_required=DEVICE == 'cuda')   # on the GPU a real NCCL group of one, not the single-process stand-in
     print(f'torch {torch.__version__}, {torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (dry run)"}, backend {dist.get_backend()}', flush=True)
-    for fn in (engine_fp32, engine_half, fp16_overflow, nonfinite, checkpoint, memory, comm): fn()
+    for fn in (engine_fp32, engine_half, fp16_overflow, nonfinite, checkpoint, memory, comm, anatomy): fn()
     dist.destroy_process_group()
     print('\n| check | result | s |\n| --- | --- | --- |')
     for name, ok, detail, s in RESULTS: print(f"| {name} | {'PASS' if ok else 'FAIL'}: {detail} | {s:.1f} |")
