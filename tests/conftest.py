@@ -21,7 +21,11 @@ def pytest_configure(config):
     os.environ['FLEXRT_FUZZ_SEED'] = str(fuzz_sample.SEED)
 
 def pytest_sessionstart(session):
-    if _worker(session.config): return  # the controller cleared them before the workers started; a worker may compile
+    if _worker(session.config):
+        # flexrt.launch's rendezvous ports too from this worker's share (tests/helpers.py's free_port)
+        import helpers, flexrt.launch.launcher
+        flexrt.launch.launcher.free_port = helpers.free_port
+        return  # the controller cleared the locks before the workers started; a worker may compile
     for lock in _torch_extensions_dir().glob('*/*/lock'): lock.unlink(missing_ok=True)
 
 # Seconds each of the slowest files took in a whole run (one worker, a 2-core machine with other work on it). The

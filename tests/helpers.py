@@ -14,9 +14,17 @@ from datetime import timedelta
 import multiprocessing as mp
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+    """A TCP port nobody listens on now. Under pytest-xdist each worker takes ports of its own share (by `port // 2`:
+    some kernels give bind(0) ports of one parity): a port chosen here is bound a moment later by a rank, and two
+    workers choosing in that moment could otherwise both take it (a rank of one test then joined the other's store)"""
+    workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
+    worker = int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:])
+    while True:
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+        if port // 2 % workers == worker:
+            return port
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
     import torch, torch.distributed as tdist

@@ -49,8 +49,8 @@ def _server(name):
     return path
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+    from helpers import free_port   # this xdist worker's share of the ports
+    return free_port()
 
 def _live_notebook(path: Path):
     cells = [f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r})\n"

@@ -16,8 +16,8 @@ CONFIG = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "gradient_cl
           "zero_optimization": {"stage": 2}}
 
 def _free_port():
-    import socket
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+    from helpers import free_port   # this xdist worker's share of the ports
+    return free_port()
 
 def _run(tmp_path, name, flexrt_runner):
     (tmp_path / 'ds.json').write_text(json.dumps(CONFIG))

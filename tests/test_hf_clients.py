@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec('transformers') is None
 DS_ENGINE, FLEXRT_ENGINE = 'deepspeed.runtime.engine.DeepSpeedEngine', 'flexrt.engine.core.Engine'
 
 def _free_port()->str:
-    with socket.socket() as s: s.bind(('127.0.0.1', 0)); return str(s.getsockname()[1])
+    from helpers import free_port   # this xdist worker's share of the ports
+    return str(free_port())
 
 def _run(cmd:list, cwd:Path, name:str, env:dict=ENV):
     r = run_torchrun(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)

@@ -74,8 +74,8 @@ import os, socket
 import torch.multiprocessing as tmp
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+    from helpers import free_port   # this xdist worker's share of the ports
+    return free_port()
 
 def emit_steps(num_steps):
     "A rank: emit `num_steps` step records (module-level, so spawned ranks can import it)"
