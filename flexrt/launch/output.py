@@ -51,38 +51,26 @@ class _LaunchOutput:
 _ELASTIC_LOGGER = 'torch.distributed.elastic.multiprocessing.api'
 
 
-class _ElasticThreadWarning(logging.Filter):
-    "Drops torchelastic's child-thread signal-handler warning when it comes from one thread"
+class _ThreadLines(logging.Filter):
+    "Drops the log lines that start with one of `starts` when they come from one thread"
 
-    def __init__(self, thread: threading.Thread):
+    def __init__(self, thread: threading.Thread, starts: tuple):
         super().__init__()
-        self.thread = thread
+        self.thread, self.starts = thread, starts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            threading.current_thread() is self.thread
-            and str(record.msg).startswith(
-                'Failed to register signal handlers since torchelastic is running on a child thread'
-            )
-        )
+        return not (threading.current_thread() is self.thread and str(record.msg).startswith(self.starts))
+
+
+# torchelastic's warning when it runs on a child thread (flexrt.launch's background launches do)
+_ELASTIC_THREAD = ('Failed to register signal handlers since torchelastic is running on a child thread',)
 
 
 _SPAWN_LOGGER = 'torch.multiprocessing.spawn'
 
 
-class _FailureLines(logging.Filter):
-    "Drops torch's lines about a failed worker (its exit and traceback, the SIGTERM to the others) from one thread"
-
-    def __init__(self, thread: threading.Thread):
-        super().__init__()
-        self.thread = thread
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        said = str(record.msg)
-        return not (
-            threading.current_thread() is self.thread
-            and (said.startswith('failed (exitcode') or said.startswith('Terminating process'))
-        )
+# torch's lines about a failed worker (its exit and traceback, the SIGTERM to the others)
+_FAILURE_LINES = ('failed (exitcode', 'Terminating process')
 
 
 @contextlib.contextmanager
@@ -91,8 +79,10 @@ def quiet_launcher(
 ):
     "While the launcher runs in this thread: drop the two misleading lines, pass everything else"
     thread, stream, logger = threading.current_thread(), sys.stdout, logging.getLogger(_ELASTIC_LOGGER)
-    wrapped, quiet = _LaunchOutput(stream, thread), _ElasticThreadWarning(thread)
-    failures = [(logging.getLogger(name), _FailureLines(thread)) for name in (_ELASTIC_LOGGER, _SPAWN_LOGGER)]
+    wrapped, quiet = _LaunchOutput(stream, thread), _ThreadLines(thread, _ELASTIC_THREAD)
+    failures = [
+        (logging.getLogger(name), _ThreadLines(thread, _FAILURE_LINES)) for name in (_ELASTIC_LOGGER, _SPAWN_LOGGER)
+    ]
     failures = failures if restarting else []
     sys.stdout = wrapped
     for log, drop in [(logger, quiet), *failures]:
