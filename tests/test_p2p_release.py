@@ -34,8 +34,9 @@ def stage2_rank(rank, world):
     model(torch.randn(4, 32)).square().mean().backward()
     red = slot.reducer
     in_flight = {id(bk) for bk in red._in_flight}
-    finished = [bk for bk in red._launched if id(bk) not in in_flight]
-    state = (len(red._launched), len(in_flight), all(bk.work is _FINISHED and bk.buffer is None for bk in finished),
+    launched = [bk for bk in red.buckets if bk not in red._queue]
+    finished = [bk for bk in launched if id(bk) not in in_flight]
+    state = (len(launched), len(in_flight), all(bk.work is _FINISHED and bk.buffer is None for bk in finished),
              all(bk.buffer is not None for bk in red._in_flight))
     slot.reduced_gradients(); slot.close()
     return state

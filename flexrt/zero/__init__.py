@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['SlotArgs', 'STAGE_SLOTS', 'build_optimizer_slot', 'OptimizerSlot', 'Fragment', 'Piece', 'consecutive', 'check_slot',
-           'FlatPartition', 'ReplicatedOptimizer', 'ZeroStage1', 'ShardReducer', 'ZeroStage2', 'Stage2Reducer',
+           'FlatPartition', 'ReplicatedOptimizer', 'ZeroStage1', 'ShardBucket', 'ShardReducer', 'ZeroStage2',
            'Stage3Optimizer', 'GatheredParameters', 'register_external_parameter', 'Init']
 
 # %% ../../nbs/50_zero.ipynb #c003
@@ -13,8 +13,8 @@ from .base import OptimizerSlot, Fragment, Piece, consecutive, check_slot
 from .partition import FlatPartition
 from .stage0 import ReplicatedOptimizer
 from .stage1 import ZeroStage1
-from .shard_reducer import ShardReducer
-from .stage2 import ZeroStage2, Stage2Reducer
+from .shard_reducer import ShardBucket, ShardReducer
+from .stage2 import ZeroStage2
 from .stage3.optimizer import Stage3Optimizer
 from .stage3.gathered import GatheredParameters, register_external_parameter
 from .stage3.partitioned_init import Init
@@ -31,9 +31,9 @@ _all_ = [
     'FlatPartition',
     'ReplicatedOptimizer',
     'ZeroStage1',
+    'ShardBucket',
     'ShardReducer',
     'ZeroStage2',
-    'Stage2Reducer',
     'Stage3Optimizer',
     'GatheredParameters',
     'register_external_parameter',

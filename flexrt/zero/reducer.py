@@ -13,8 +13,8 @@ from .. import comm as dist
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['WIRE_DTYPES', 'Bucket', 'plan_buckets', 'reduction_group', 'BucketReducer', 'wire_dtype', 'GradientWire',
-           'GradientReducer']
+__all__ = ['WIRE_DTYPES', 'Bucket', 'plan_buckets', 'reduction_group', 'BucketReducer', 'gather_gradients', 'wire_dtype',
+           'GradientWire', 'GradientReducer']
 
 # %% ../../nbs/50_zero_reducer.ipynb #c006
 class Bucket:
@@ -55,6 +55,7 @@ def plan_buckets(
     group_of=lambda p: None,  # the process group a parameter is reduced over
     align: int = 1,  # pad each buffer to a multiple of this many elements
     first_bucket_bytes: int | None = None,  # most bytes of the first bucket of each kind (None: bucket_bytes)
+    bucket_type=Bucket,  # what each bucket is built as: `bucket_type(params, group, align)`
 ) -> list:  # buckets, ordered by the position of their last parameter
     "Pack parameters into flat buckets of at most `bucket_bytes`, one open bucket per (device, dtype, group)"
     first = bucket_bytes if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
@@ -71,7 +72,7 @@ def plan_buckets(
         members.append(p)
         open_buckets[key] = (i, members, total + size, group)
     closed += [(last, members, group) for last, members, _, group in open_buckets.values()]
-    return [Bucket(members, group, align) for _, members, group in sorted(closed, key=lambda c: c[0])]
+    return [bucket_type(members, group, align) for _, members, group in sorted(closed, key=lambda c: c[0])]
 
 # %% ../../nbs/50_zero_reducer.ipynb #c014
 def _trainable(params) -> list:
@@ -112,13 +113,20 @@ def reduction_group(p, group=None, expert_groups=None):
 
 # %% ../../nbs/50_zero_reducer.ipynb #c020
 class BucketReducer:
-    "Reduce gradients bucket by bucket as backward produces them; subclasses define `_launch` and `_finish`"
+    """Reduce gradients bucket by bucket as backward produces them: the hooks, the launch order and the rounds; a
+    subclass says what happens to one bucket (`_fill`, `_launch`, `_finish`)"""
 
-    # the buckets keep their buffers and each p.grad lives in its slot (stage 2 copies at launch instead)
+    # the buckets keep their buffers and each p.grad lives in its slot (stage 2 fills a borrowed buffer instead)
     grads_in_buckets = True
 
-    def __init__(self, buckets: list):  # from `plan_buckets`; every rank of a group must build the same list
+    def __init__(
+        self,
+        buckets: list,  # from `plan_buckets`; every rank of a group must build the same list
+        overlap: bool = True,  # False: finish each bucket right after its launch (nothing runs beside backward)
+        max_in_flight: int | None = None,  # most buckets launched and not finished (None: no limit)
+    ):
         self.buckets, self._boundary = buckets, True
+        self.overlap, self.max_in_flight = bool(overlap), max_in_flight
         # callables given each bucket's buffer while it holds this rank's own gradients, just before its collective
         self.before_reduction = []
         self._hooks = [
@@ -126,23 +134,28 @@ class BucketReducer:
             for bk in buckets
             for i, p in enumerate(bk.params)
         ]
-        # this round (`_reset` starts the next): buckets not launched yet, in order; those launched; whether a
-        # boundary backward has delivered a gradient
-        self._queue, self._launched, self._started = deque(buckets), [], False
+        # this round (`_reset` starts the next): buckets not launched yet, in order; those launched and not finished,
+        # oldest first; whether a boundary backward has delivered a gradient
+        self._queue, self._in_flight, self._started = deque(buckets), deque(), False
         # `wait` finished a round and no gradient, `set_boundary` or `zero_grad` came since: nothing left to reduce
         self._reduced = False
 
     def _reset(self):
-        "Start a new round: every bucket queued, none launched"
+        "Start a new round: every bucket queued, none in flight"
         for bk in self.buckets:
             bk.reset()
-        self._queue, self._launched, self._started = deque(self.buckets), [], False
+        self._queue, self._in_flight, self._started = deque(self.buckets), deque(), False
+
+    def _fill(self, bucket):
+        "Put this rank's gradients in `bucket.buffer` (see `gather_gradients`); each `p.grad` becomes its slot"
+        for p, view in gather_gradients(bucket):
+            p.grad = view
 
     def _launch(self, bucket) -> object:
-        raise NotImplementedError("a BucketReducer subclass starts the collective here")
+        raise NotImplementedError("a BucketReducer subclass starts the collective here and returns its handle")
 
     def _finish(self, bucket):
-        raise NotImplementedError("a BucketReducer subclass waits and writes results here")
+        raise NotImplementedError("a BucketReducer subclass waits for the collective and writes its result here")
 
     def _on_grad(self, bucket: Bucket, index: int, param):
         """Hook: move a new gradient into its slot; on a boundary backward, mark it ready and launch the complete
@@ -166,27 +179,22 @@ class BucketReducer:
 
     @torch.no_grad()
     def _start(self, bucket: Bucket):
-        "Gather `bucket`'s gradients into its buffer and launch its reduction"
-        targets, sources, moved = [], [], []
-        for p, view in zip(bucket.params, bucket.views):
-            grad = p.grad
-            if grad is not None and grad.data_ptr() == view.data_ptr():
-                continue  # accumulated in place: nothing to do
-            if grad is None:
-                view.zero_()
-            else:
-                targets.append(view)
-                sources.append(grad)
-            moved.append((p, view))
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        if self.grads_in_buckets:  # stage 2 drops them (its buffer may be in the wire's dtype)
-            for p, view in moved:
-                p.grad = view
+        "Fill `bucket`, show it to `before_reduction`, launch it (finishing the oldest first when too many are out)"
+        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:
+            self._finish(self._in_flight.popleft())
+        self._fill(bucket)
         for look in self.before_reduction:
             look(bucket.buffer)  # e.g. the engine's watch: this rank's gradients, before any other's
         bucket.work = self._launch(bucket)
-        self._launched.append(bucket)
+        if self.overlap:
+            self._in_flight.append(bucket)
+        else:
+            self._finish(bucket)
+
+    def _finish_in_flight(self):
+        "Finish every launched bucket, oldest first"
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
 
     def set_boundary(self, is_boundary: bool):  # True: the next backward ends an accumulation window
         "Say whether the next backward reduces (True) or only accumulates (False); finishes a round left open"
@@ -201,8 +209,7 @@ class BucketReducer:
             return
         while self._queue:
             self._start(self._queue.popleft())
-        for bucket in self._launched:
-            self._finish(bucket)
+        self._finish_in_flight()
         self._reset()
         self._reduced = True
 
@@ -210,8 +217,7 @@ class BucketReducer:
         "Remove the hooks, wait for reductions in flight and let go of the buckets; gradients stay where they are"
         for h in self._hooks:
             h.remove()
-        for bucket in self._launched:
-            self._finish(bucket)
+        self._finish_in_flight()
         self._hooks, self.buckets = [], []
         self._reset()
 
@@ -247,6 +253,26 @@ def _adopt(param, view):
         return  # create_graph: keep its graph until launch
     view.copy_(grad)
     param.grad = view
+
+
+@torch.no_grad()
+def gather_gradients(bucket: Bucket) -> list:  # [(param, its view)] for each slot written here
+    """Write each of `bucket`'s gradients into its view of `bucket.buffer`: one fused copy for those living elsewhere,
+    zeros for a missing one (`None`), nothing for one already in its slot"""
+    targets, sources, written = [], [], []
+    for p, view in zip(bucket.params, bucket.views):
+        grad = p.grad
+        if grad is not None and grad.data_ptr() == view.data_ptr():
+            continue  # accumulated in place: nothing to do
+        if grad is None:
+            view.zero_()
+        else:
+            targets.append(view)
+            sources.append(grad)
+        written.append((p, view))
+    if targets:
+        torch._foreach_copy_(targets, sources)
+    return written
 
 # %% ../../nbs/50_zero_reducer.ipynb #wire02
 WIRE_DTYPES = {'fp32': torch.float32, 'fp16': torch.float16, 'bf16': torch.bfloat16}  # communication_data_type

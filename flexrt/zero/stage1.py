@@ -5,13 +5,14 @@
 # %% ../../nbs/50_zero_stage1.ipynb #74be7cb6
 from __future__ import annotations
 import contextlib
+from functools import partial
 import torch
 from .. import comm as dist
 from .reducer import plan_buckets, reduction_group
 from .partition import FlatPartition, shard_grad_norm, clip_shards
 from ..memory.reports import storage_bytes
 from .base import OptimizerSlot, Fragment, Piece, zero_stale
-from .shard_reducer import ShardReducer, ALGORITHMS
+from .shard_reducer import ShardBucket, ShardReducer, ALGORITHMS
 from .quantize import BlockQuantizer
 from .deferred import DeferredGathers, piece_bounds, piece_params, gather_bucket
 from fastcore.basics import patch
@@ -54,9 +55,8 @@ def _plan(
             g = reduction_group(p, dp_group, expert_groups)
             by_group.setdefault(id(g), (g, []))[1].append(p)
         for g, ps in by_group.values():
-            for bk in plan_buckets(ps, bucket_bytes, lambda p, g=g: g, align=dist.get_world_size(g)):
-                bk.param_group = gi
-                buckets.append(bk)
+            make = partial(ShardBucket, param_group=gi)
+            buckets += plan_buckets(ps, bucket_bytes, lambda p, g=g: g, align=dist.get_world_size(g), bucket_type=make)
     return sorted(buckets, key=lambda bk: max(order[id(p)] for p in bk.params))
 
 # %% ../../nbs/50_zero_stage1.ipynb #c010
@@ -74,7 +74,6 @@ def _build_bucket(bucket, values: dict, master_weights: bool):
             setattr(bucket.master, mark, getattr(bucket.params[0], mark))
     bucket.param_buffer = full.to(bucket.dtype) if master_weights else full
     part.bind(bucket.param_buffer)
-    bucket.is_expert = getattr(bucket.params[0], 'allreduce', True) is False
 
 # %% ../../nbs/50_zero_stage1.ipynb #c012
 class ZeroStage1(OptimizerSlot):
@@ -134,8 +133,19 @@ class ZeroStage1(OptimizerSlot):
             _build_bucket(bk, values, self.master_weights)
         for gi, group_ in enumerate(optimizer.param_groups):
             group_['params'] = [bk.master for bk in self.buckets if bk.param_group == gi]
-        self._setup_gradients()
-        self.reducer = self._make_reducer(gradient_predivide_factor)
+        # the buckets' gradients, from backward to this rank's averaged chunks (stage 2: pooled buffers, own shards)
+        self.reducer = ShardReducer(
+            self.buckets,
+            self.world_size,
+            gradient_predivide_factor,
+            self.reduce_scatter,
+            self.collectives,
+            self.gradient_average,
+            self.communication_data_type,
+            self.gradient_quantizer,
+            pooled=self.stage == 2,
+            overlap_comm=self.overlap_comm,
+        )
         for bk in self.buckets:
             bk.pieces = piece_bounds(bk, gather_pieces if defer_gather and collectives == 'p2p' else 1)
         self.deferred = (
@@ -148,24 +158,6 @@ class ZeroStage1(OptimizerSlot):
         return (
             f'{type(self).__name__}(stage={self.stage}, {type(self.optimizer).__name__}, {self.precision.name}, '
             f'{len(self.buckets)} buckets over {self.world_size} ranks)'
-        )
-
-    def _setup_gradients(self):
-        "Stage 1: the whole gradient buffers stay; the rank's chunk of each holds the reduced gradient"
-        for bk in self.buckets:
-            bk.grad_shard = bk.partition.shard(bk.buffer)
-
-    def _make_reducer(self, gradient_predivide_factor: float) -> ShardReducer:
-        "The reducer that fills `grad_shard` (stage 2 overrides it)"
-        return ShardReducer(
-            self.buckets,
-            self.world_size,
-            gradient_predivide_factor,
-            self.reduce_scatter,
-            self.collectives,
-            self.gradient_average,
-            self.communication_data_type,
-            self.gradient_quantizer,
         )
 
     def set_boundary(self, is_boundary: bool):
@@ -283,7 +275,7 @@ class ZeroStage1(OptimizerSlot):
         grads = storage_bytes(
             [t for bk in self.buckets for t in (bk.buffer, bk.grad_shard, bk.master.grad)]
             + [p.grad for p in model]
-            + list(getattr(self.reducer, 'spare_buffers', ()))
+            + self.reducer.spare_buffers
             + self.reducer.wire.spare_buffers,
             seen,
         )

@@ -4,138 +4,14 @@
 
 # %% ../../nbs/50_zero_stage2.ipynb #c003
 from __future__ import annotations
-from collections import deque
-import torch
-from .reducer import BucketReducer
 from .stage1 import ZeroStage1
-from .shard_reducer import ShardReducer
-from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['Stage2Reducer', 'ZeroStage2']
-
-# %% ../../nbs/50_zero_stage2.ipynb #c006
-class Stage2Reducer(ShardReducer):
-    """Reduce-scatter buckets into per-rank gradient shards, through at most `max_in_flight` bucket buffers, kept
-    between reductions"""
-
-    accumulate, grads_in_buckets = True, False  # gradients stay in `p.grad` until their bucket launches
-
-    def __init__(
-        self,
-        buckets: list,  # from `plan_buckets(..., align=world size)`, with `.partition` and `.grad_shard`
-        world_size: int,  # the data-parallel world size
-        gradient_predivide_factor: float = 1.0,  # divide by this before the reduction, the rest after
-        overlap_comm: bool = True,  # reduce while backward runs
-        reduce_scatter: bool = True,  # False: all-reduce each bucket and keep this rank's chunk
-        max_in_flight: int = 2,  # buckets being reduced at once (each holds its buffer)
-        algorithm: str = 'native',  # how each reduce-scatter runs (see `ShardReducer`)
-        gradient_average: bool = True,  # False: the shards hold the sum over the ranks
-        communication_data_type=None,  # the dtype buckets are reduced in ('fp16', 'bf16', 'fp32'; None: the gradients')
-        quantizer=None,  # a `BlockQuantizer`: qgZ's all-to-all of quantised chunks (see `ShardReducer`)
-    ):
-        super().__init__(
-            buckets,
-            world_size,
-            gradient_predivide_factor,
-            reduce_scatter,
-            algorithm,
-            gradient_average,
-            communication_data_type,
-            quantizer,
-        )
-        for bk in buckets:
-            bk.buffer = bk.views = bk.whole = None
-        self.overlap_comm, self.max_in_flight, self._in_flight = bool(overlap_comm), max(1, max_in_flight), deque()
-        # per (wire dtype, device): the buffers not in use; the largest bucket, and chunk
-        self._spare, self._head, self._tail = ({}, {}, {})
-        for bk in buckets:
-            key = self._key(bk)
-            self._head[key] = max(self._head.get(key, 0), bk.partition.padded_numel)
-            self._tail[key] = max(self._tail.get(key, 0), bk.partition.shard_numel)
-
-    def _key(self, bucket) -> tuple:
-        "(dtype, device) of the bucket's buffer: it is gathered straight into the wire's dtype, no copy to make"
-        return self.wire.dtype_of(bucket.dtype), bucket.device
-
-    def _start(self, bucket):
-        """Copy the bucket's gradients into a buffer (a spare one, else a new one), drop `p.grad`, launch the
-        reduce-scatter"""
-        while len(self._in_flight) >= self.max_in_flight:
-            self._finish(self._in_flight.popleft())
-        key = self._key(bucket)
-        spare = self._spare.setdefault(key, [])
-        bucket.whole = (
-            spare.pop() if spare else torch.empty(self._head[key] + self._tail[key], dtype=key[0], device=key[1])
-        )
-        bucket.buffer = bucket.whole[: bucket.partition.padded_numel]
-        bucket.buffer[bucket.numel :].zero_()
-        bucket.views = bucket.partition.views(bucket.buffer)
-        BucketReducer._start(self, bucket)
-        for p in bucket.params:
-            p.grad = None
-        if self.overlap_comm:
-            self._in_flight.append(bucket)
-        else:
-            self._finish(bucket)
-
-    def _output(self, bucket, chunk) -> torch.Tensor:
-        "The reduce-scatter's output: the part of the bucket's buffer after the largest bucket"
-        head = self._head[self._key(bucket)]
-        return bucket.whole[head : head + chunk.numel()].view_as(chunk)
-
-    def _finish(self, bucket):
-        "Add the averaged chunk to the shard; keep the bucket buffer as a spare"
-        ShardReducer._finish(self, bucket)
-        if bucket.whole is not None:
-            self._spare[self._key(bucket)].append(bucket.whole)
-        bucket.buffer = bucket.views = bucket.whole = None
-
-    def wait(self):
-        "Finish the round (see `BucketReducer.wait`); nothing stays in flight"
-        BucketReducer.wait(self)
-        self._in_flight.clear()
-
-    @property
-    def spare_buffers(self) -> list:
-        return [b for bs in self._spare.values() for b in bs]  # bucket buffers not in use
-
-    def close(self):
-        "Finish what is in flight (see `BucketReducer.close`) and let the spare bucket buffers go"
-        BucketReducer.close(self)
-        self._spare = {}
-
-    @torch.no_grad()
-    def zero_grad(self, set_to_none: bool = True):  # False: zero the shards in place now
-        """Mark the gradient shards stale (the next reduction overwrites them; `reduced_gradients` zeroes those none
-        wrote); drop any accumulated `p.grad`"""
-        if not set_to_none and self.buckets:
-            torch._foreach_zero_([bk.grad_shard for bk in self.buckets])
-        for bk in self.buckets:
-            bk.grad_stale = set_to_none
-            for p in bk.params:
-                p.grad = None
+__all__ = ['ZeroStage2']
 
 # %% ../../nbs/50_zero_stage2.ipynb #c009
 class ZeroStage2(ZeroStage1):
-    "ZeRO stage 2: optimizer state, fp32 masters and gradients partitioned over the data-parallel ranks"
+    """ZeRO stage 2: optimizer state, fp32 masters and gradients partitioned over the data-parallel ranks (stage 1's
+    slot; its `ShardReducer` pools the bucket buffers and keeps a gradient shard per bucket)"""
 
     stage, supports_no_sync = 2, True
-
-    def _setup_gradients(self):
-        "Stage 2: one gradient shard per bucket (working dtype), zeroed; no whole gradient buffer"
-        for bk in self.buckets:
-            bk.grad_shard = torch.zeros(bk.partition.shard_numel, dtype=bk.dtype, device=bk.device)
-
-    def _make_reducer(self, gradient_predivide_factor: float) -> Stage2Reducer:
-        return Stage2Reducer(
-            self.buckets,
-            self.world_size,
-            gradient_predivide_factor,
-            self.overlap_comm,
-            self.reduce_scatter,
-            algorithm=self.collectives,
-            gradient_average=self.gradient_average,
-            communication_data_type=self.communication_data_type,
-            quantizer=self.gradient_quantizer,
-        )

@@ -248,7 +248,7 @@ def _launch(t: Tally, s: Setting, members: list, padded: int, received: int, n: 
         t.add(received)
         return
     while len(flight) >= 2:
-        # `Stage2Reducer._start`: the oldest reduction finishes, its output goes (its buffer is a spare)
+        # `BucketReducer._start` (max_in_flight): the oldest reduction finishes, its output goes (its buffer is a spare)
         t.add(-flight.popleft())
     t.add(received).see(level)  # the bucket buffers are held throughout (`stage12` counts them with the gradients)
     t.add(-sum(n[i] for i in members) * s.itemsize)
