@@ -1,5 +1,5 @@
 """The package's seams, read from its source with `ast`: import circles, imports that run back up into a package's
-face, imports that point up a layer (a notebook with a higher `NN_` imported by a lower one), private names imported
+face, names imported through another package's face instead of their defining module, imports that point up a layer (a notebook with a higher `NN_` imported by a lower one), private names imported
 across modules or read from them, methods patched onto a class from another module, in-package code that
 reaches a name through `flexrt/__init__`'s lazy loading, and the loose modules at the top level. And how the code reads
 (STYLE.md 11 and 13): the share of methods attached with `@patch` (under 20 %, and at least two thirds of each of the 15
@@ -221,6 +221,11 @@ def report(root=ROOT / 'flexrt', show_graph=False):
             problems['imports that run back up into a package face'].append(f'{importer} imports {target}')
         if not is_package and target == 'flexrt' and name != '__version__':
             problems['imports that run back up into a package face'].append(f'{importer} imports flexrt')
+        # a name taken from another wing's face: the reader is sent to the face, not to the definition
+        if (not is_package and name and target != 'flexrt' and mods[target][0].name == '__init__.py'
+                and not importer.startswith(target + '.')):
+            problems['names imported through a package face, not from their defining module'].append(
+                f'{importer} takes {name} from {target}')
     for c in circles(edges): problems['import circles'].append(' <-> '.join(c))
     layer, up = layers(root), 'imports that point up a layer (to a higher notebook number)'
     for importer, targets in sorted(edges.items()):

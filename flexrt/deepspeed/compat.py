@@ -6,7 +6,7 @@
 from __future__ import annotations
 import logging, warnings
 import torch
-from ..engine import initialize as _engine_initialize  # `initialize` below is DeepSpeed's name for it
+from ..engine.build import initialize as _engine_initialize  # `initialize` below is DeepSpeed's name for it
 
 # %% auto #0
 __all__ = ['logger', 'torch_info', 'COMPATIBLE_OPS', 'FusedAdam', 'DeepSpeedCPUAdam', 'RepeatingLoader', 'log_dist',
@@ -188,7 +188,7 @@ def initialize(args=None, model=None, *more, **kwargs) -> tuple:
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2, mpu=None) -> torch.Tensor:
     """DeepSpeed's `runtime.utils.clip_grad_norm_`: flexrt's, expert (`allreduce=False`) gradients reduced over the
     largest expert group of `deepspeed.utils.groups`"""
-    from flexrt.utils import clip_grad_norm_ as clip
+    from flexrt.utils.grads import clip_grad_norm_ as clip
     from flexrt.deepspeed.groups import max_expert_parallel_group
 
     return clip(parameters, max_norm, norm_type, mpu, expert_groups=max_expert_parallel_group())
@@ -308,7 +308,7 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group
     return out
 
 # %% ../../nbs/90_deepspeed_compat.ipynb #c015k
-from ..utils import CheckOverflow as _CheckOverflow
+from ..utils.grads import CheckOverflow as _CheckOverflow
 
 
 class CheckOverflow(_CheckOverflow):

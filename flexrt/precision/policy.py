@@ -7,7 +7,7 @@ from __future__ import annotations
 import math, warnings, dataclasses
 from collections.abc import Mapping
 import torch
-from ..utils import CheckOverflow, get_global_norm_of_tensors
+from ..utils.grads import CheckOverflow, get_global_norm_of_tensors
 from .loss_scaler import StaticLossScaler, DynamicLossScaler, make_loss_scaler
 from .master_weights import ModelWeights, MasterWeights
 

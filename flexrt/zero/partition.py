@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools, math
 import torch
 from .. import comm as dist
-from ..utils import get_global_norm_of_tensors, clip_tensors_by_global_norm
+from ..utils.grads import get_global_norm_of_tensors, clip_tensors_by_global_norm
 from fastcore.basics import patch
 
 # %% auto #0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import torch
 from .reducer import GradientReducer
-from ..utils import clip_grad_norm_
+from ..utils.grads import clip_grad_norm_
 from ..memory.reports import storage_bytes
 from .base import OptimizerSlot, consecutive
 
