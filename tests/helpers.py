@@ -82,6 +82,20 @@ def run_distributed(fn, world_size=2, args=(), kwargs=None, init=True, timeout=9
 # destroy_process_group: 6 in 50), so a job failing with exactly that is run once more.
 TORCH_EXIT_ABORT = 'terminate called without an active exception'
 
+
+def train_on_slices(engine, data, batch:int, rank:int, world:int, steps:int, start:int=0) -> list:
+    "Steps `start`..`start+steps` of `engine` (MSE) on this rank's slice of each global batch of `data = (X, Y)`: its losses"
+    import torch.nn.functional as F
+    X, Y = data
+    micro, losses = batch // world, []
+    for s in range(start, start + steps):
+        rows = slice(s * batch + rank * micro, s * batch + (rank + 1) * micro)
+        loss = F.mse_loss(engine(X[rows]), Y[rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
 def run_torchrun(cmd, **kwargs):
     "`subprocess.run(cmd, **kwargs)` for a torchrun job; once more when it failed only by torch's abort at a rank's exit"
     import subprocess

@@ -14,7 +14,7 @@ The data-path tests hand the wire to the slot through `optimizer_slot=` (a `Slot
 set), so they test the zero wing alone."""
 import dataclasses, math, warnings
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
-from helpers import run_distributed
+from helpers import run_distributed, train_on_slices
 
 STEPS, BATCH, LR = 100, 12, 5e-3  # 12: 6 rows per rank on 2 ranks, 4 on 3
 # |final loss (16-bit wire) - final loss (fp32 wire)| / final loss (fp32 wire), mean over the last 10 steps, at most:
@@ -58,15 +58,7 @@ def build(rank, world, stage, wire, **extra):
 
 def train(engine, rank, world, steps=STEPS, start=0):
     "This rank's slice of every batch: its losses"
-    X, Y = make_data()
-    micro, losses = BATCH // world, []
-    for s in range(start, start + steps):
-        rows = slice(s * BATCH + rank * micro, s * BATCH + (rank + 1) * micro)
-        loss = F.mse_loss(engine(X[rows]), Y[rows])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_on_slices(engine, make_data(), BATCH, rank, world, steps, start)
 
 
 def gradient_bytes():

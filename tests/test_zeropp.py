@@ -17,7 +17,7 @@
 import json, math, os, subprocess, sys
 from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
-from helpers import run_distributed, run_torchrun, free_port
+from helpers import run_distributed, run_torchrun, free_port, train_on_slices
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, BATCH, LR = 100, 12, 5e-3  # 12: 6 rows per rank on 2 ranks, 4 on 3
@@ -63,15 +63,7 @@ def build(stage, world, keys=(), model=None, **extra):
 
 def train(engine, rank, world, steps=STEPS, start=0):
     "This rank's slice of every batch: its losses"
-    X, Y = make_data()
-    micro, losses = BATCH // world, []
-    for s in range(start, start + steps):
-        rows = slice(s * BATCH + rank * micro, s * BATCH + (rank + 1) * micro)
-        loss = F.mse_loss(engine(X[rows]), Y[rows])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_on_slices(engine, make_data(), BATCH, rank, world, steps, start)
 
 
 def tail(losses):
