@@ -207,6 +207,9 @@ def test_the_script_path_reads_the_ranks_jsonl_files_and_prints_the_table_and_fi
     done = shell(str(tmp_path / 'steps5.jsonl'))
     assert done.returncode == 2 and done.stdout == ''
     assert 'no such file: ' in done.stderr and 'steps5.jsonl' in done.stderr
+    via = subprocess.run([sys.executable, '-m', 'flexrt.autotuner', 'anatomy', str(tmp_path / 'steps5.jsonl')],
+                         capture_output=True, text=True, timeout=120)   # `flexrt anatomy` as a module: the same status
+    assert via.returncode == 2 and 'no such file: ' in via.stderr, via
     (tmp_path / 'other.jsonl').write_text(json.dumps({'kind': 'memory', 'rank': 0}) + '\n')
     done = shell(str(tmp_path / 'other.jsonl'))
     assert done.returncode == 1 and "hold no step record with an anatomy (records: 1 'memory')" in done.stderr, done

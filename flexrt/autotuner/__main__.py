@@ -7,7 +7,8 @@ __all__ = []
 
 # %% ../../nbs/72_autotuner_main.ipynb #c002
 #| eval: false
+import sys
 from .cli import main
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())  # the command's exit status (`flexrt anatomy` exits 1 or 2 when it has nothing to report)

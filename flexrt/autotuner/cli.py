@@ -340,15 +340,17 @@ def autotune_script(args):
     return result
 
 
-def main(argv: list | None = None):
-    "The `flexrt` console script"
+def main(argv: list | None = None) -> int:  # the exit status (0: done)
+    "The `flexrt` console script (the search's result is in its results folder and printed table)"
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ['anatomy']:  # the step anatomy of a run (`python -m flexrt.monitor.anatomy`)
         from flexrt.monitor.anatomy import main as anatomy_main
 
         return anatomy_main(argv[1:], prog='flexrt anatomy')
-    if argv[:1] in (['_worker'], ['_experiment']):
-        if argv[0] == '_experiment':
-            return experiment(argparse.Namespace(script=argv[1], script_args=argv[3:]))
-        return worker(parse(['autotune', *argv[1:]]))
-    return autotune_script(parse(argv))
+    if argv[:1] == ['_experiment']:
+        experiment(argparse.Namespace(script=argv[1], script_args=argv[3:]))  # ends the process itself (os._exit)
+    if argv[:1] == ['_worker']:
+        worker(parse(['autotune', *argv[1:]]))
+        return 0
+    autotune_script(parse(argv))
+    return 0
