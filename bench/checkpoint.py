@@ -1,12 +1,12 @@
-"""Checkpoint save and load on 2 gloo ranks: flexrt vs torch.save of the same state vs DeepSpeed, per ZeRO stage, interleaved.
+"""Checkpoint save and load on gloo ranks: flexrt vs torch.save of the same state vs DeepSpeed, per ZeRO stage.
 
-    python bench/checkpoint.py [--stages 0,1,2,3] [--rounds 5] [--width 1024] [--layers 12] [--dir /tmp]
+    python bench/checkpoint.py [--stages 0,1,2,3] [--rounds 5] [--width 1024] [--layers 12] [--dir /tmp] [--ranks 2]
 
 The model is `--layers` Linear(width, width) layers (12 x 1024^2: 12.6M parameters, 48 MiB of fp32 weights), fp32,
 torch's AdamW after one training step, so the optimizer holds two fp32 moments per parameter. Per stage, in each
 round (the order alternates between rounds; round 0 only warms up the page cache and allocators):
 
-- flexrt: engine.save_checkpoint / engine.load_checkpoint at that ZeRO stage. Both ranks write their own file at
+- flexrt: engine.save_checkpoint / engine.load_checkpoint at that ZeRO stage. Every rank writes its own file at
   the same time; every file is fsync'ed, renamed into place and hashed (SHA-256), and loading verifies every
   checksum first: the price of crash safety and corruption detection, included in the times.
 - torch.save: rank 0 alone saves {'model': state_dict, 'optimizer': state_dict} of a plain torch copy (model +
@@ -18,13 +18,24 @@ Printed per stage: median save and load time (rank 0's clock, from a barrier to 
 the paired ratios (median over rounds of flexrt's time / the peer's time in the same round; below 1: flexrt faster).
 
 Then the asynchronous rows, per stage (skip them with --no-async; --async-only skips the table above): in each
-round, a synchronous save (barrier to barrier), then an asynchronous one: the time training is blocked (the slower
-rank's time from the call to its return), then training steps while the background write runs (the ranks agree each
-step, with a one-element all_reduce, whether any rank's thread still writes), then as many steps with nothing in
-flight (the same all_reduce each step). Printed: median sync save, median blocking time and its ratio to the sync
-save (goal <= 10 %), median step time normal and during the write, and the speed during the write as a share of
-normal (goal >= 90 % with a spare core: the writing thread needs one; where the ranks use every core, the write
-takes a share of them and steps slow down accordingly).
+round, a synchronous save (barrier to barrier), then an asynchronous one, then training steps while the background
+write runs (the ranks agree each step, with a one-element all_reduce, whether any rank's thread still writes), then
+as many steps with nothing in flight (the same all_reduce each step). The time training is blocked is, per rank, the
+call's time (from the call to its return) plus the time the first optimizer step after it waited for the copies the
+save left to its thread (what only the optimizer step changes: masters and optimizer state; forward and backward run
+meanwhile), the slower rank's. Printed: median sync save, median blocking time (and the step's wait within it) and
+its ratio to the sync save (goal <= 10 %), median step time normal and during the write (the step's wait for the
+copies left out: it is counted as blocked), and the speed during the write as a share of normal.
+
+Step speed during the write (goal >= 90 % of normal with a spare core): each rank runs torch with one thread, so
+`--ranks` one below the machine's cores leaves the writing threads a core; on a 2-core machine:
+
+    python bench/checkpoint.py --async-only --ranks 1
+
+Without a spare core (`--ranks 2` on 2 cores, the default) the writing thread (copying, serialising, SHA-256 hashing,
+writing) takes its CPU from the ranks: the steps that run during the write slow down by about the write's CPU time
+spread over them (the README's table, on a busy 2-core machine: 1.25-1.68x the normal step time), and the write
+itself takes longer.
 """
 import argparse, logging, os, shutil, socket, statistics, sys, tempfile, time, warnings
 os.environ.setdefault('DS_ACCELERATOR', 'cpu')
@@ -131,7 +142,8 @@ def steps_while(engine, args, busy, most=None) -> tuple:
     return n, time.perf_counter() - start
 
 def async_rounds(stage, args) -> list:
-    "Per round (after one warm-up): (sync save s, blocked s, normal step s, step s during the background write)"
+    """Per round (after one warm-up): (sync save s, blocked s, of which the first step waited s, normal step s, step s
+    during the background write)"""
     import flexrt
     from flexrt.checkpoint.async_save import CheckpointWriter
     model = make_model(args)
@@ -142,21 +154,25 @@ def async_rounds(stage, args) -> list:
         sync = timed(lambda d: writer.save(d, tag='t', async_save=False), d)
         tdist.barrier(); start = time.perf_counter()
         job = writer.save(d, tag='t', async_save=True)
-        blocked = torch.tensor([time.perf_counter() - start])
-        tdist.all_reduce(blocked, op=tdist.ReduceOp.MAX)   # training waits for the slower rank
+        returned = time.perf_counter() - start
         n, during = steps_while(engine, args, job.thread.is_alive)
         writer.wait()
+        # training waits for the slower rank: its call, and its first step's wait for the copies left to the thread
+        blocked = torch.tensor([returned + job.step_wait_seconds, job.step_wait_seconds])
+        tdist.all_reduce(blocked, op=tdist.ReduceOp.MAX)
         _, normal = steps_while(engine, args, None, most=n)
-        if r: rows.append((sync, blocked.item(), normal / n, during / n))
+        waited = blocked[1].item()
+        if r: rows.append((sync, blocked[0].item(), waited, normal / n, (during - job.step_wait_seconds) / n))
     writer.close(); engine.close()
     return rows
 
 def report_async(stage, rows):
     med = statistics.median
-    sync, blocked, normal, during = (med(col) for col in zip(*rows))
-    share = paired([b for _, b, _, _ in rows], [s for s, *_ in rows])
+    sync, blocked, waited, normal, during = (med(col) for col in zip(*rows))
+    share = paired([b for _, b, *_ in rows], [s for s, *_ in rows])
     speed = paired([n for *_, n, _ in rows], [x for *_, x in rows])
-    print(f"stage {stage} async: sync save {sync * 1e3:6.0f} ms, blocked {blocked * 1e3:5.0f} ms ({share:6.1%} of sync); "
+    print(f"stage {stage} async: sync save {sync * 1e3:6.0f} ms, blocked {blocked * 1e3:5.0f} ms "
+          f"(step waited {waited * 1e3:4.0f} ms; {share:6.1%} of sync); "
           f"step {normal * 1e3:5.0f} ms normal, {during * 1e3:5.0f} ms during the write ({speed:4.0%} speed)", flush=True)
 
 def paired(xs, ys): return statistics.median(x / y for x, y in zip(xs, ys))
@@ -175,6 +191,8 @@ def main():
     ap.add_argument('--width', type=int, default=1024)
     ap.add_argument('--layers', type=int, default=12)
     ap.add_argument('--dir', default=None, help='where to write (default: a temporary directory under /tmp)')
+    ap.add_argument('--ranks', type=int, default=2,
+                    help='gloo ranks, one torch thread each (1 on a 2-core machine: the writing thread has a core)')
     ap.add_argument('--no-async', dest='run_async', action='store_false', help='skip the asynchronous rows')
     ap.add_argument('--async-only', action='store_true', help='only the asynchronous rows')
     args = ap.parse_args()
@@ -184,12 +202,14 @@ def main():
     except ImportError:
         print("deepspeed: skipped, not installed (pip install deepspeed)"); args.deepspeed = False
     numel = args.layers * (args.width ** 2 + args.width)
-    print(f"{args.layers} x Linear({args.width}, {args.width}): {numel / 1e6:.1f}M parameters, fp32, AdamW; 2 gloo ranks; "
-          f"{args.rounds} rounds, order alternating")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    print(f"{args.layers} x Linear({args.width}, {args.width}): {numel / 1e6:.1f}M parameters, fp32, AdamW; "
+          f"{args.ranks} gloo rank{'s' if args.ranks > 1 else ''} on {cores} cores; {args.rounds} rounds, "
+          "order alternating")
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         args.dir = d
         with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-        mp.spawn(worker, args=(2, port, args, [int(s) for s in args.stages.split(',')]), nprocs=2)
+        mp.spawn(worker, args=(args.ranks, port, args, [int(s) for s in args.stages.split(',')]), nprocs=args.ranks)
 
 if __name__ == '__main__':
     sys.exit(main())

@@ -62,6 +62,51 @@ def test_training_after_an_async_save_goes_on_bit_exactly(tmp_path, stage):
         assert after_a == after_s == resumed_a == resumed_s, rank     # losses and gradient norms, bitwise
         for k, v in final_s.items(): assert torch.equal(final_a[k], v), (rank, k)
 
+def step_at_once_rank(rank, world, d, stage):
+    """Save synchronously, then asynchronously with the thread's copies held back until this rank's next optimizer step
+    waits for them (its forward and backward run first, then the step changes what the copies read); the same steps
+    in a second engine that only saves synchronously"""
+    import threading, time
+    from unittest import mock
+    from flexrt.checkpoint.async_save import DeferredCopies
+    e = engine_for(stage, gas=1)
+    random_steps(e, 2)
+    writer = writer_for(e)
+    assert writer.save(Path(d, 'sync'), tag='t', client_state={'epoch': 3}) is True
+    real_run, left = DeferredCopies.run, []
+    def held(later):                   # the thread's copies: made only once the main thread waits for them
+        left.append(len(later.pairs))
+        while writer.pending.copy_waited_from is None: time.sleep(0.005)
+        time.sleep(0.1)
+        real_run(later)
+    with mock.patch.object(DeferredCopies, 'run', held):
+        job = writer.save(Path(d, 'async'), tag='t', client_state={'epoch': 3}, async_save=True)
+        copied_at_return = job.copied.is_set()
+        after = random_steps(e, 2)     # the first step waits for the copies, the second does not
+    assert writer.wait() is True
+    writer.close()
+    e.close()
+    e = engine_for(stage, gas=1)       # the same steps, saving synchronously only
+    random_steps(e, 2)
+    writer_for(e).save(Path(d, 'plain'), tag='t', client_state={'epoch': 3})
+    plain = random_steps(e, 2)
+    e.close()
+    return copied_at_return, left, job.step_wait_seconds, after == plain
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_a_step_right_after_an_async_save_waits_for_its_copies_and_changes_nothing_saved(tmp_path, stage):
+    results = run_distributed(step_at_once_rank, 2, args=(str(tmp_path), stage))
+    for rank, (copied_at_return, left, waited, same_losses) in enumerate(results):
+        assert not copied_at_return, rank          # the save returned before the thread copied
+        assert waited >= 0.1, (rank, waited)       # the optimizer step waited for the copies
+        assert same_losses, rank                   # training went on as after a synchronous save
+    left = [n for _, (n,), _, _ in results]
+    assert all(n > 0 for n in left), left          # each rank left copies of masters or optimizer state to its thread
+    sync, done = checkpoint_tree(tmp_path / 'sync'), checkpoint_tree(tmp_path / 'async')
+    assert sorted(done) == sorted(sync)
+    for name in sync:
+        assert done[name] == sync[name], name     # the state before the step, byte for byte
+
 # ---------------------------------------------------------------------------------------------------------------
 # a SIGKILL while the thread writes: the previous checkpoint stays published and loadable
 

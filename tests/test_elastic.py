@@ -1,6 +1,7 @@
 """Elastic launches on real gloo ranks: a run that loses a rank goes on at the new world size from its latest
 published checkpoint, bit-exactly as a fresh run loaded from that checkpoint; a save cut short by the death is never
-resumed; a launch that cannot go on says why, attempt by attempt; torchrun's own restarts resume the same way."""
+resumed; a launch that cannot go on says why, attempt by attempt; torchrun's own restarts resume the same way, on one node
+and on a node of two that lost the other."""
 import json, os, signal, subprocess, sys, textwrap
 from pathlib import Path
 import pytest, torch
@@ -196,3 +197,115 @@ def test_torchrun_max_restarts_resumes_through_initialize(tmp_path):
                           env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(out.read_text()) == {'start': 3, 'restarts': '1', 'steps': 6}
+
+# Two torchrun agents on this machine stand for two nodes of one rank each (`--nnodes=1:2`). The first agent hosts the
+# rendezvous store (`is_host=1`): the store lives in that agent's process, so the node that dies must be the other one.
+# A dead node leaves the rendezvous once its heartbeats are `keep_alive_interval` x `keep_alive_max_attempt` seconds
+# old; the survivor then waits `last_call_timeout` for more nodes before it goes on alone (torch's defaults: 15 s and
+# 30 s). torchrun starts each worker in a session of its own, so a node's death is its agent's process group and its
+# worker, both SIGKILLed.
+MULTINODE_SCRIPT = '''
+import json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch, flexrt
+from flexrt import comm as dist
+from test_elastic import CONFIG
+out, load_tag = Path(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 else None)
+restarts = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
+if restarts == 0 and os.environ.get('WORLD_SIZE') == '1' and load_tag is None:
+    time.sleep(600)     # the first rendezvous closed before the other node came: torchrun restarts this worker with it
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+engine, *_ = flexrt.initialize(model=model, config=CONFIG)
+directory = os.environ['FLEXRT_CHECKPOINT_DIR']
+if load_tag is not None:
+    engine.load_checkpoint(directory, tag=load_tag)
+rank, world, gas = dist.get_rank(), dist.get_world_size(), engine.gradient_accumulation_steps()
+start, losses = engine.global_steps, {}
+for step in range(start, 6):
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1000 + step))
+    y = x.sum(1, keepdim=True).sin()
+    losses[step + 1] = []
+    for k in range(gas):
+        at = (rank * gas + k) * 2           # this rank's k-th micro-batch of the step's 12 samples
+        loss = ((engine(x[at:at + 2]) - y[at:at + 2]) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses[step + 1].append(loss.item())
+    if engine.global_steps == 3 and load_tag is None:
+        engine.save_checkpoint(directory)
+    if engine.global_steps == 4 and restarts == 0 and load_tag is None:
+        (out / f'at4.{rank}').write_text(json.dumps({'pid': os.getpid(), 'agent': os.getppid(), 'world': world}))
+        while not (out / 'go').exists():    # the test kills the other node meanwhile
+            time.sleep(0.05)
+engine.close()
+if rank == 0:
+    result = {'start': start, 'restarts': restarts, 'world': world, 'gas': gas, 'losses': losses}
+    (out / ('fresh.json' if load_tag else 'out.json')).write_text(json.dumps(result))
+'''
+
+def _agent(script, tmp_path, port, env, host: bool):
+    "One node: a torchrun agent of one rank, in a process group of its own, its output in <tmp_path>/<a|b>.log"
+    conf = f'is_host={int(host)},keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=2,join_timeout=120'
+    log = open(tmp_path / ('a.log' if host else 'b.log'), 'w')
+    torchrun = Path(sys.executable).parent / 'torchrun'
+    return subprocess.Popen([str(torchrun), '--nnodes=1:2', '--nproc-per-node=1', '--rdzv-backend=c10d',
+                             f'--rdzv-endpoint=127.0.0.1:{port}', f'--rdzv-id=flexrt-{port}', f'--rdzv-conf={conf}',
+                             '--max-restarts=1', str(script), str(Path(__file__).parent), str(tmp_path)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+def _stop(proc, workers, script):
+    """SIGTERM a node's agent (it stops its worker), then SIGKILL what is left of it, and of the `workers` (pids) still
+    running `script`"""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try: proc.wait(timeout=15)
+        except subprocess.TimeoutExpired: os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pid in workers:
+        try:
+            if str(script) in Path(f'/proc/{pid}/cmdline').read_bytes().decode(errors='replace'):
+                os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError): pass
+
+def test_torchrun_on_one_to_two_nodes_goes_on_at_one_node_through_initialize(tmp_path):
+    import time
+    from helpers import free_port
+    script = tmp_path / 'train.py'
+    script.write_text(MULTINODE_SCRIPT)
+    env = {**os.environ, 'FLEXRT_CHECKPOINT_DIR': str(tmp_path / 'ckpt'), 'OMP_NUM_THREADS': '1',
+           'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}    # see test_torchrun_max_restarts_resumes_through_initialize
+    for name in ('FLEXRT_ATTEMPT', 'FLEXRT_PREVIOUS_ATTEMPT', 'FLEXRT_MONITOR_ADDRESS'): env.pop(name, None)
+    port, workers = free_port(), []
+    survivor = _agent(script, tmp_path, port, env, host=True)
+    victim = _agent(script, tmp_path, port, env, host=False)
+    logs = lambda: '\n'.join(f'--- {n} ---\n' + (tmp_path / n).read_text()[-3000:] for n in ('a.log', 'b.log'))
+    try:
+        deadline = time.monotonic() + 120
+        while len(marks := list(tmp_path.glob('at4.*'))) < 2:           # both ranks trained 4 steps, saved step 3
+            assert survivor.poll() is None and victim.poll() is None, logs()
+            assert time.monotonic() < deadline, logs()
+            time.sleep(0.05)
+        at4 = [json.loads(p.read_text()) for p in marks]
+        workers = [m['pid'] for m in at4]
+        assert sorted(m['world'] for m in at4) == [2, 2] and {m['agent'] for m in at4} == {survivor.pid, victim.pid}
+        os.killpg(victim.pid, signal.SIGKILL)                          # the other node dies: its agent...
+        os.kill(next(m['pid'] for m in at4 if m['agent'] == victim.pid), signal.SIGKILL)   # ...and its worker
+        victim.wait()
+        (tmp_path / 'go').touch()      # the survivor's worker goes on into a collective with the dead one, and fails
+        assert survivor.wait(timeout=180) == 0, logs()
+    finally:
+        _stop(survivor, workers, script)
+        _stop(victim, workers, script)
+    resumed = json.loads((tmp_path / 'out.json').read_text())
+    # torchrun restarted the survivor's worker once, on one node; flexrt.initialize resumed it from step 3
+    assert {k: resumed[k] for k in ('start', 'restarts', 'world', 'gas')} == {'start': 3, 'restarts': 1, 'world': 1,
+                                                                              'gas': 6}   # global batch 12 kept
+    # a fresh 1-rank run of the same script, loading the step-3 checkpoint by hand
+    fresh = subprocess.run([sys.executable, str(script), str(Path(__file__).parent), str(tmp_path), 'global_step3'],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    fresh = json.loads((tmp_path / 'fresh.json').read_text())
+    assert list(resumed['losses']) == ['4', '5', '6'] and fresh['start'] == 3
+    assert resumed['losses'] == fresh['losses']                                     # floats: bit-equal

@@ -24,21 +24,27 @@ from flexrt.checkpoint.save_load import (
 )
 
 # %% auto #0
-__all__ = ['MARKER_GRACE_S', 'snapshot', 'copied_storages', 'private_copies', 'marker_file', 'write_marker', 'BackgroundSave',
-           'CheckpointWriter']
+__all__ = ['MARKER_GRACE_S', 'snapshot', 'copied_storages', 'stepped_storages', 'DeferredCopies', 'private_copies', 'marker_file',
+           'write_marker', 'BackgroundSave', 'CheckpointWriter']
 
 # %% ../../nbs/60_checkpoint_async_save.ipynb #c006
-def _storage_copy(storage, spare: dict):
-    "A copy of `storage`: into a spare storage of its size and device where there is one (its pages already mapped)"
+def _storage_copy(storage, spare: dict, later=None):
+    """A copy of `storage`: into a spare storage of its size and device where there is one (its pages already mapped);
+    left to `later` (a `DeferredCopies`) where it covers `storage`"""
     pool = spare.get((storage.nbytes(), storage.device))
-    return pool.pop().copy_(storage) if pool else storage.clone()
+    target = pool.pop() if pool else None
+    if later is not None and later.covers(storage):
+        return later.add(
+            torch.UntypedStorage(storage.nbytes(), device=storage.device) if target is None else target, storage
+        )
+    return storage.clone() if target is None else target.copy_(storage)
 
 
-def _copy_tensor(t: torch.Tensor, memo: dict, spare: dict) -> torch.Tensor:
+def _copy_tensor(t: torch.Tensor, memo: dict, spare: dict, later=None) -> torch.Tensor:
     storage = t.untyped_storage()
     key = ('storage', storage._cdata)  # torch.save tells storages apart by this same handle
     if key not in memo:
-        memo[key] = _storage_copy(storage, spare)
+        memo[key] = _storage_copy(storage, spare, later)
     copy = torch.empty(0, dtype=t.dtype, device=t.device)
     copy.set_(memo[key], t.storage_offset(), t.size(), t.stride())
     if type(t) is torch.nn.Parameter:
@@ -50,17 +56,18 @@ def snapshot(
     obj,  # what a checkpoint file holds: tensors, numbers, strings and plain containers of them
     memo: dict | None = None,  # the copies made so far in this call: by id of the original, and by storage
     spare: dict | None = None,  # {(bytes, device): [storages]} to copy into instead of new memory; used up as taken
+    later=None,  # a `DeferredCopies`: the storages it covers are copied by its `run()`, not now
 ):
     "`obj` with every tensor copied (each storage once) and every container rebuilt: later changes cannot reach it"
     memo, spare = {} if memo is None else memo, {} if spare is None else spare
     if id(obj) in memo:  # the originals live until the call returns, so an id is not reused meanwhile
         return memo[id(obj)]
     if isinstance(obj, torch.Tensor):
-        copy = _copy_tensor(obj, memo, spare)
+        copy = _copy_tensor(obj, memo, spare, later)
     elif type(obj) in (dict, OrderedDict):
-        copy = type(obj)((k, snapshot(v, memo, spare)) for k, v in obj.items())
+        copy = type(obj)((k, snapshot(v, memo, spare, later)) for k, v in obj.items())
     elif type(obj) in (list, tuple):
-        copy = type(obj)(snapshot(v, memo, spare) for v in obj)
+        copy = type(obj)(snapshot(v, memo, spare, later) for v in obj)
     else:
         return obj  # immutable; anything else is refused by `save_torch`, as in a synchronous save
     memo[id(obj)] = copy
@@ -74,6 +81,48 @@ def copied_storages(memo: dict) -> dict:  # {(bytes, device): [storages]}: `spar
         if isinstance(key, tuple) and key[0] == 'storage':
             out.setdefault((storage.nbytes(), storage.device), []).append(storage)
     return out
+
+# %% ../../nbs/60_checkpoint_async_save.ipynb #l002
+def stepped_storages(engine) -> set:  # `_cdata` handles of the storages
+    """The storages only the optimizer step (or a load) writes: the masters the slot's torch optimizer steps and their
+    optimizer state"""
+    slot = engine.optimizer
+    if slot.optimizer is None:
+        return set()
+    tensors = []
+    for master, *_ in slot.fragments():
+        tensors += [master, *(v for v in slot.master_state(master).values() if isinstance(v, torch.Tensor))]
+    return {t.untyped_storage()._cdata for t in tensors}
+
+
+class DeferredCopies:
+    """The copies an asynchronous save leaves to its thread: of the storages in `stable`, which nothing changes before
+    the next optimizer step"""
+
+    def __init__(self, stable: set):  # `_cdata` handles of storages only the optimizer step changes
+        self.stable = stable
+        self.pairs = []  # (copy, original): storages or tensors, filled in order by `run`
+
+    def covers(self, t) -> bool:  # a tensor or an untyped storage
+        "Whether `t` lies in a storage only the optimizer step changes"
+        return (t.untyped_storage() if isinstance(t, torch.Tensor) else t)._cdata in self.stable
+
+    def add(self, copy, original):
+        "Leave the copy of `original` (a storage, or a tensor of its shape) into `copy` to `run`; `copy`, still empty"
+        self.pairs.append((copy, original))
+        return copy
+
+    def cpu_copy(self, t: torch.Tensor) -> torch.Tensor:
+        "`t.detach().to('cpu', copy=True)`: made now, or by `run` where `covers(t)`"
+        t = t.detach()
+        return self.add(torch.empty_like(t, device='cpu'), t) if self.covers(t) else t.to('cpu', copy=True)
+
+    @torch.no_grad()
+    def run(self):
+        "Make every copy left here (the writer's thread, before it writes)"
+        for copy, original in self.pairs:
+            copy.copy_(original)
+        self.pairs = []
 
 # %% ../../nbs/60_checkpoint_async_save.ipynb #c006q
 def _live_storages(engine) -> set:
@@ -129,10 +178,12 @@ class BackgroundSave:
         save_latest: bool,  # point `latest` at the tag
         lock: SaveDirLock | None,  # rank 0: the held lock of `save_dir`, released when the save ends; others: None
         blocking_seconds: float,  # how long the save blocked its caller
+        later: DeferredCopies | None = None,  # the copies left to the thread, made before it writes
     ):
         self.save_dir, self.tag, self.objects, self.info = save_dir, tag, objects, info
-        self.save_latest, self.lock, self.blocking_seconds = save_latest, lock, blocking_seconds
+        self.save_latest, self.lock, self.blocking_seconds, self.later = save_latest, lock, blocking_seconds, later
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.copied = threading.Event()  # the copies left to the thread are made (or failed)
         self.written = threading.Event()  # this rank touches the staging directory no more
         self.cancelled = threading.Event()  # rank 0: stop waiting for markers (a rank failed without writing one)
         self.all_written = threading.Event()  # rank 0: every rank said at `wait` that its marker is written
@@ -141,10 +192,18 @@ class BackgroundSave:
         self.published = False  # rank 0: the tag (and `latest`) are in place
         self.landed = False  # every rank has agreed the save was published (`CheckpointWriter.wait`)
         self.background_seconds: float | None = None  # the thread's time, once it has ended
+        self.copy_ended: float | None = None  # `time.perf_counter()` when the copies were made
+        self.copy_waited_from: float | None = None  # when the main thread began to wait for them, if it did
         self.thread = threading.Thread(target=self._run, name=f'flexrt-checkpoint-{tag}', daemon=True)
 
     def __bool__(self) -> bool:
         return self.landed
+
+    @property
+    def step_wait_seconds(self) -> float:
+        "How long the main thread waited for the copies (`CheckpointWriter.wait_for_copy`): 0 when it did not"
+        waited, ended = self.copy_waited_from, self.copy_ended
+        return 0.0 if waited is None or ended is None else max(ended - waited, 0.0)
 
     def _run(self):
         started = time.perf_counter()
@@ -153,20 +212,32 @@ class BackgroundSave:
             if self.rank == 0:
                 self._publish(files)
         finally:
-            self.written.set()  # whatever happened, `wait` must not block on this thread
+            self.copied.set()  # whatever happened, neither the optimizer step nor `wait` may block on this thread
+            self.written.set()
             if self.lock is not None:
                 self.lock.release()
             self.background_seconds = time.perf_counter() - started
             event = 'saved' if self.published else 'failed' if self.write_error or self.rank == 0 else 'written'
+            waited = self.step_wait_seconds  # the main thread waited, if at all, before the copies were made: long ago
             monitor.emit(
                 'checkpoint', event=event, tag=self.tag, save_dir=str(self.save_dir), rank=self.rank, async_save=True,
-                blocking_s=self.blocking_seconds, background_s=self.background_seconds,
+                blocking_s=self.blocking_seconds + waited, step_wait_s=waited, background_s=self.background_seconds,
                 error=self.write_error or self.publish_error,
             )  # fmt: skip
+
+    def _copy(self):
+        "Make the copies the save left to this thread; the optimizer step waits for this (`copied`)"
+        try:
+            if self.later is not None:
+                self.later.run()
+        finally:
+            self.later, self.copy_ended = None, time.perf_counter()
+            self.copied.set()
 
     def _write(self) -> dict | None:  # {file name: size and checksum}; None where writing failed
         staging, files = staging_dir(self.save_dir, self.tag), None
         try:
+            self._copy()
             files = write_files(staging, self.objects)
         except Exception as e:
             self.write_error = f"{type(e).__name__}: {e}"
@@ -229,6 +300,7 @@ class CheckpointWriter:
         self.engine = engine
         self.pending: BackgroundSave | None = None  # the asynchronous save not yet agreed on by `wait`
         self.copies: dict = {}  # the storages of the last snapshot, by size: the next one copies into them
+        self.step_hook = None  # on the slot's torch optimizer: its step waits for a save's copies (`wait_for_copy`)
 
     def save(
         self,
@@ -247,20 +319,37 @@ class CheckpointWriter:
             self._emit('saved', save_dir, tag, time.perf_counter() - started, background=0.0, async_save=False)
             return saved
         save_dir, tag, client_state = begin_save(self.engine, save_dir, tag, client_state)
-        objects, error = None, None
+        objects, error, later = None, None, DeferredCopies(stepped_storages(self.engine))
         try:
-            objects = rank_files(self.engine, client_state, exclude_frozen_parameters)
+            objects = rank_files(self.engine, client_state, exclude_frozen_parameters, later.cpu_copy)
             memo = private_copies(self.engine, objects)
-            objects = snapshot(objects, memo, self.copies)
+            objects = snapshot(objects, memo, self.copies, later)  # what only the step changes: copied by the thread
             self.copies = copied_storages(memo)  # what the thread writes from; reused once it is done
+            self._hook_step()
         except Exception as e:
             error = e
         info = manifest_info(self.engine)
         lock = prepare_staging(save_dir, tag, before=error)  # one collective agrees on the copy and the directory
-        self.pending = BackgroundSave(save_dir, tag, objects, info, save_latest, lock, time.perf_counter() - started)
+        blocked = time.perf_counter() - started
+        self.pending = BackgroundSave(save_dir, tag, objects, info, save_latest, lock, blocked, later)
         self.pending.thread.start()
         self._emit('writing', save_dir, tag, self.pending.blocking_seconds, background=None, async_save=True)
         return self.pending
+
+    def _hook_step(self):
+        "Make the slot's torch optimizer wait for a save's copies before each step (once per writer)"
+        optimizer = self.engine.optimizer.optimizer
+        if self.step_hook is None and optimizer is not None:
+            self.step_hook = optimizer.register_step_pre_hook(lambda *_: self.wait_for_copy())
+
+    def wait_for_copy(self):
+        """Wait until the save in flight has made the copies it left to its thread (at once when there is none): the
+        optimizer step calls this first; so does a script about to change parameters or optimizer state in place"""
+        pending = self.pending
+        if pending is None or pending.copied.is_set():
+            return
+        pending.copy_waited_from = time.perf_counter()
+        pending.copied.wait()
 
     def _emit(self, event: str, save_dir, tag, blocking: float, background: float | None, async_save: bool):
         monitor.emit(
@@ -304,8 +393,12 @@ class CheckpointWriter:
         return load_checkpoint(self.engine, *args, **kwargs)
 
     def close(self):
-        "Wait for the save in flight (collective when there is one) and free the copies: an engine's `close()` calls it"
+        """Wait for the save in flight (collective when there is one), free the copies and unhook the optimizer: an
+        engine's `close()` calls it"""
         try:
             self.wait()
         finally:
             self.copies = {}
+            if self.step_hook is not None:
+                self.step_hook.remove()
+                self.step_hook = None

@@ -43,21 +43,29 @@ def writes_deepspeed_model(engine) -> str | None:  # the file name, or None: thi
     return deepspeed_model_file(engine.mpu.get_model_parallel_rank() if engine.mpu is not None else 0)
 
 # %% ../../nbs/60_checkpoint_deepspeed_view.ipynb #c007
-def _cpu_copies(tensors: dict) -> dict:
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to('cpu', copy=True)
+
+
+def _cpu_copies(
+    tensors: dict,  # {name: tensor}
+    copy=None,  # copy(tensor) -> its detached CPU copy (an asynchronous save's may fill it in later); None: made now
+) -> dict:
     """The tensors detached, copied to the CPU once each (tied names share one copy; a view of a flat buffer saves only
     its own elements)"""
-    copies = {}
+    copies, copy = {}, copy or _cpu_copy
     for t in tensors.values():
         if id(t) not in copies:
-            copies[id(t)] = t.detach().to('cpu', copy=True)
+            copies[id(t)] = copy(t)
     return {name: copies[id(t)] for name, t in tensors.items()}
 
 
 def deepspeed_model_states(
     engine,  # a flexrt Engine whose module is whole on this rank
     client_state: dict,  # the caller's state, merged in at the top level as DeepSpeed does
-    exclude_frozen: bool = False,
-) -> dict:  # leave out parameters that do not require grad
+    exclude_frozen: bool = False,  # leave out parameters that do not require grad
+    copy=None,  # copy(tensor) -> its detached CPU copy, for the module's tensors (see `_cpu_copies`)
+) -> dict:
     """DeepSpeed's `mp_rank_XX_model_states.pt`: the module's `state_dict` in its working dtype, DeepSpeed's bookkeeping
     and the client state"""
     state = {n: t for n, t in engine.module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
@@ -65,7 +73,7 @@ def deepspeed_model_states(
     counters, sched = engine.counter.state_dict(), engine.lr_scheduler
     # no DeepSpeed optimizer files
     return {
-        'module': _cpu_copies({n: t for n, t in state.items() if n not in frozen}),
+        'module': _cpu_copies({n: t for n, t in state.items() if n not in frozen}, copy),
         'buffer_names': [n for n, t in state.items() if not isinstance(t, torch.nn.Parameter)],
         'optimizer': None,
         'param_shapes': None,

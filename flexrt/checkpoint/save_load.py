@@ -195,7 +195,12 @@ def prepare_staging(
     return lock
 
 
-def rank_files(engine, client_state: dict, exclude_frozen: bool) -> dict:  # {file name: the object it holds}
+def rank_files(
+    engine,  # a flexrt Engine
+    client_state: dict,  # the caller's state (in rank 0's model states and DeepSpeed's module file)
+    exclude_frozen: bool,  # leave out parameters that do not require grad
+    copy=None,  # copy(tensor) -> its detached CPU copy, for DeepSpeed's module file (None: made now)
+) -> dict:  # {file name: the object it holds}
     "What this rank writes: its rank file; rank 0 the model states; the first rank of a data-parallel group DeepSpeed's"
     entries = engine_entries(engine)
     frozen = (
@@ -205,7 +210,7 @@ def rank_files(engine, client_state: dict, exclude_frozen: bool) -> dict:  # {fi
     if dist.get_rank() == 0:
         out[MODEL_STATES] = model_states(engine, entries, client_state, [n for n, _ in frozen])
     if (name := writes_deepspeed_model(engine)) is not None:  # DeepSpeed's view of the module
-        out[name] = deepspeed_model_states(engine, client_state, exclude_frozen)
+        out[name] = deepspeed_model_states(engine, client_state, exclude_frozen, copy)
     return out
 
 

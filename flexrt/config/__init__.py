@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['BATCH_KEYS', 'BatchConfig', 'FlexConfig', 'load_config', 'Block', 'block', 'setting', 'FP16Config', 'BF16Config',
            'OptimizerConfig', 'SchedulerConfig', 'OffloadOptimizerConfig', 'OffloadParamConfig', 'ZeroConfig',
-           'ProgressiveLayerDropConfig', 'DataTypesConfig', 'CommsLoggerConfig', 'FlopsProfilerConfig',
-           'TensorBoardConfig', 'CSVMonitorConfig', 'WandbConfig', 'ParallelWriteConfig', 'CheckpointConfig',
-           'ModelInfoConfig', 'AutotuningConfig', 'ActivationCheckpointingConfig', 'NO_EFFECT', 'NoEffectWarning']
+           'ProgressiveLayerDropConfig', 'DataTypesConfig', 'ElasticityConfig', 'CommsLoggerConfig',
+           'FlopsProfilerConfig', 'TensorBoardConfig', 'CSVMonitorConfig', 'WandbConfig', 'ParallelWriteConfig',
+           'CheckpointConfig', 'ModelInfoConfig', 'AutotuningConfig', 'ActivationCheckpointingConfig', 'NO_EFFECT',
+           'NoEffectWarning']
 
 # %% ../../nbs/00_config.ipynb #c003
 from .flex_config import BATCH_KEYS, BatchConfig, FlexConfig, load_config
@@ -22,6 +23,7 @@ from flexrt.config.blocks import (
     ZeroConfig,
     ProgressiveLayerDropConfig,
     DataTypesConfig,
+    ElasticityConfig,
 )
 from flexrt.config.services import (
     CommsLoggerConfig,
@@ -53,6 +55,7 @@ _all_ = [
     'ZeroConfig',
     'ProgressiveLayerDropConfig',
     'DataTypesConfig',
+    'ElasticityConfig',
     'CommsLoggerConfig',
     'FlopsProfilerConfig',
     'TensorBoardConfig',

@@ -22,6 +22,7 @@ from flexrt.config.blocks import (
     ZeroConfig,
     ProgressiveLayerDropConfig,
     DataTypesConfig,
+    ElasticityConfig,
 )
 from flexrt.config.services import (
     CommsLoggerConfig,
@@ -138,6 +139,8 @@ class FlexConfig(Block):
     wandb: WandbConfig = field(default_factory=WandbConfig)  # W&B sink
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoint behaviour
     autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)  # autotuner settings
+    # DeepSpeed's elastic batch: one global batch for many world sizes (applied by `flexrt.initialize`)
+    elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
     not_applied: dict = setting({})  # DeepSpeed keys accepted without effect (see NO_EFFECT), as given; back in to_dict
 
     @classmethod
@@ -166,11 +169,23 @@ class FlexConfig(Block):
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
         if self.steps_per_print is None:
             self._set('steps_per_print', sys.maxsize)  # DeepSpeed's null: no progress lines
+        given = [k for k in BATCH_KEYS if getattr(self.batch, k) is not None]
+        if given and self.elasticity.enabled and not self.elasticity.ignore_non_elastic_batch_info:
+            raise ValueError(
+                f"{', '.join(given)} given beside an enabled elasticity block, which sets the batch sizes itself: "
+                "remove them, or set elasticity.ignore_non_elastic_batch_info to true to have them ignored"
+            )
 
     def resolve_batch(
         self, dp_world_size: int
     ) -> 'FlexConfig':  # data-parallel ranks (world size / model-parallel size)
         "A copy with all three batch sizes set for `dp_world_size` ranks (see `BatchConfig.resolve`)"
+        unsized = self.batch.train_batch_size is None and self.batch.train_micro_batch_size_per_gpu is None
+        if self.elasticity.enabled and unsized:
+            raise ValueError(
+                "elasticity.enabled: the elasticity block sets the batch sizes for the run's world size; build the "
+                "engine with flexrt.initialize, which applies it (flexrt.launch.elastic.apply_elasticity)"
+            )
         return dataclasses.replace(self, batch=self.batch.resolve(dp_world_size))
 
     @functools.cached_property

@@ -4,8 +4,7 @@
 
 # %% ../../nbs/65_engine_build.ipynb #c003
 from __future__ import annotations
-import argparse, dataclasses, json, os, warnings
-from pathlib import Path
+import argparse, dataclasses, os, warnings
 import torch
 from .. import comm as dist, monitor
 from ..config.flex_config import FlexConfig, load_config
@@ -22,7 +21,7 @@ from flexrt.launch.elastic import (
     CHECKPOINT_VARIABLE,
     Restart,
     restart_from_environment,
-    split_elasticity,
+    apply_elasticity,
     elastic_batch,
     compatible_world_sizes,
     fit_batch,
@@ -63,17 +62,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 # %% ../../nbs/65_engine_build.ipynb #c008b
-def _config_data(source):
-    "`source` as a dict when it is a JSON file with an `elasticity` block (which is taken out before loading)"
-    if not isinstance(source, (str, os.PathLike)) or not Path(source).is_file():
-        return source
-    try:
-        data = json.loads(Path(source).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return source  # load_config says what is wrong with it
-    return data if isinstance(data, dict) and 'elasticity' in data else source
-
-
 def _trained_world_size(restart: Restart | None) -> int | None:  # None: no published checkpoint to resume
     "The world size that saved the checkpoint a restarted attempt resumes from"
     if restart is None or not restart.checkpoint_dir:
@@ -89,22 +77,19 @@ def elastic_config(
     source,  # the config: dict, JSON path or FlexConfig
     dp_world_size: int,  # this attempt's data-parallel ranks
     restart: Restart | None = None,  # from `restart_from_environment`
-) -> tuple:  # (FlexConfig, `batch_changes` from the run's sizes before the restart, ElasticityConfig or None)
-    "The config for this attempt: DeepSpeed's `elasticity` block applied; after a restart, the global batch kept"
-    data, elasticity = _config_data(source), None
-    if isinstance(data, dict) and 'elasticity' in data:
-        data, elasticity = split_elasticity(data, dp_world_size)
-    cfg, trained = load_config(data), _trained_world_size(restart)
+) -> tuple:  # (FlexConfig, `batch_changes` from the run's sizes before the restart)
+    "The config for this attempt: its `elasticity` block applied; after a restart, the global batch kept"
+    cfg, trained = apply_elasticity(load_config(source), dp_world_size), _trained_world_size(restart)
     if trained is None or trained == dp_world_size:
-        return cfg, {}, elasticity
-    if elasticity is not None and elasticity.enabled:
+        return cfg, {}
+    if cfg.elasticity.enabled:
         try:
-            before = elastic_batch(elasticity, trained)
+            before = elastic_batch(cfg.elasticity, trained)
         except ValueError:  # the old world size is not one the block allows now: nothing to compare with
-            return cfg, {}, elasticity
-        return cfg, batch_changes(before, cfg.batch.resolve(dp_world_size)), elasticity
+            return cfg, {}
+        return cfg, batch_changes(before, cfg.batch)
     batch, changes = fit_batch(cfg.batch, dp_world_size, trained)
-    return (dataclasses.replace(cfg, batch=batch) if changes else cfg), changes, elasticity
+    return (dataclasses.replace(cfg, batch=batch) if changes else cfg), changes
 
 # %% ../../nbs/65_engine_build.ipynb #c008d
 def resume(
@@ -179,7 +164,7 @@ def initialize(
     dist.init_distributed(dist_init_required=dist_init_required)
     restart = restart_from_environment()
     dp_world_size = dist.get_world_size(None if mpu is None else mpu.get_data_parallel_group())
-    cfg, changes, elasticity = elastic_config(source, dp_world_size, restart)
+    cfg, changes = elastic_config(source, dp_world_size, restart)
     with outside_init():  # called inside a zero.Init block: the engine and what it does to the model are not watched
         engine = Engine(
             model,
@@ -195,9 +180,10 @@ def initialize(
     if cfg.activation_checkpointing != ActivationCheckpointingConfig() and not checkpointing.is_configured():
         # the block sets flexrt.checkpointing up, unless you called configure()
         checkpointing.configure(deepspeed_config=cfg)
-    if elasticity is not None and elasticity.enabled and engine.global_rank == 0:
-        batch, sizes = compatible_world_sizes(elasticity)  # what the launcher may restart on
-        monitor.emit('elasticity', rank=0, train_batch_size=batch, world_sizes=sizes, strict=elasticity.version == 0.1)
+    if cfg.elasticity.enabled and engine.global_rank == 0:
+        batch, sizes = compatible_world_sizes(cfg.elasticity)  # what the launcher may restart on
+        strict = cfg.elasticity.version == 0.1
+        monitor.emit('elasticity', rank=0, train_batch_size=batch, world_sizes=sizes, strict=strict)
     if restart is not None or os.environ.get(ATTEMPT_VARIABLE):
         # every step record says which attempt of a restarting launch and which world size it comes from
         engine.reporter.labels.update(attempt=restart.attempt if restart else 0, world_size=engine.world_size)

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop', 'RankMain',
            'RankError', 'Run', 'free_port', 'launch', 'describe_launch', 'quiet_launcher', 'Restart',
-           'restart_from_environment', 'ElasticityConfig', 'compatible_world_sizes', 'Attempt', 'plan_restart']
+           'restart_from_environment', 'compatible_world_sizes', 'Attempt', 'plan_restart']
 
 # %% ../../nbs/35_launch.ipynb #c003
 from flexrt.launch.launcher import (
@@ -25,7 +25,6 @@ from .output import describe_launch, quiet_launcher
 from flexrt.launch.elastic import (
     Restart,
     restart_from_environment,
-    ElasticityConfig,
     compatible_world_sizes,
     Attempt,
     plan_restart,
@@ -58,7 +57,6 @@ _all_ = [
     'quiet_launcher',
     'Restart',
     'restart_from_environment',
-    'ElasticityConfig',
     'compatible_world_sizes',
     'Attempt',
     'plan_restart',

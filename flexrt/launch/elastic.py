@@ -4,14 +4,14 @@
 
 # %% auto #0
 __all__ = ['ATTEMPT_VARIABLE', 'CHECKPOINT_VARIABLE', 'PREVIOUS_VARIABLE', 'TORCHRUN_RESTARTS', 'HIGHLY_COMPOSITE', 'Restart',
-           'restart_from_environment', 'batch_changes', 'fit_batch', 'ElasticityConfig', 'world_sizes_for',
-           'compatible_world_sizes', 'elastic_batch', 'split_elasticity', 'Attempt', 'plan_restart']
+           'restart_from_environment', 'batch_changes', 'fit_batch', 'world_sizes_for', 'compatible_world_sizes',
+           'elastic_batch', 'apply_elasticity', 'Attempt', 'plan_restart']
 
 # %% ../../nbs/35_launch_elastic.ipynb #c002
-import json, math, os
+import dataclasses, json, math, os
 from dataclasses import dataclass, field
-from ..config.schema import Block, block
-from ..config.flex_config import BATCH_KEYS, BatchConfig
+from ..config.blocks import ElasticityConfig
+from ..config.flex_config import BATCH_KEYS, BatchConfig, FlexConfig
 
 # %% ../../nbs/35_launch_elastic.ipynb #c005
 ATTEMPT_VARIABLE = 'FLEXRT_ATTEMPT'  # the attempt the ranks belong to: 0 the first, 1 after the first restart, ...
@@ -76,52 +76,6 @@ def fit_batch(
         after = BatchConfig(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
     after = after.resolve(dp_world_size)
     return after, batch_changes(before, after)
-
-# %% ../../nbs/35_launch_elastic.ipynb #c011
-@block
-class ElasticityConfig(Block):
-    "DeepSpeed's `elasticity` block: a global batch that keeps its size over a range of world sizes"
-
-    key = 'elasticity'
-    enabled: bool = False  # take the batch sizes from this block
-    max_train_batch_size: int | None = None  # the largest acceptable global batch (required when enabled)
-    micro_batch_sizes: list[int] | None = None  # the micro-batches a rank can hold (required when enabled)
-    min_gpus: int = 1  # the smallest world size to plan for
-    max_gpus: int = 10000  # the largest
-    min_time: int = 0  # minutes a scheduler waits before rescaling (DeepSpeed's; no effect in flexrt)
-    version: float = 0.2  # 0.1: compatible world sizes only; 0.2: any world size, with a batch of its own
-    prefer_larger_batch: bool = True  # among equally elastic batches, the larger
-    ignore_non_elastic_batch_info: bool = False  # drop the config's own batch keys (False: they are an error)
-    num_gpus_per_node: int = 1  # version 0.2: ranks per node (world sizes change by whole nodes)
-    model_parallel_size: int = 1  # version 0.2: ranks per model replica
-
-    def validate(self):
-        if not self.enabled:
-            return
-        for name in ('max_train_batch_size', 'micro_batch_sizes'):
-            if getattr(self, name) is None:
-                raise ValueError(f'elasticity.{name} is required when elasticity.enabled is true')
-        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
-            raise ValueError(f'elasticity.micro_batch_sizes must be positive ints, got {self.micro_batch_sizes}')
-        if max(self.micro_batch_sizes) > self.max_train_batch_size:
-            raise ValueError(
-                f'elasticity.micro_batch_sizes {self.micro_batch_sizes} has one above max_train_batch_size='
-                f'{self.max_train_batch_size}: lower it or raise the maximum'
-            )
-        for name in ('max_train_batch_size', 'min_gpus', 'max_gpus', 'num_gpus_per_node', 'model_parallel_size'):
-            if getattr(self, name) < 1:
-                raise ValueError(f'elasticity.{name} must be a positive int, got {getattr(self, name)}')
-        if self.min_gpus > self.max_gpus:
-            raise ValueError(f'elasticity.min_gpus={self.min_gpus} is above max_gpus={self.max_gpus}')
-        if self.version not in (0.1, 0.2):
-            raise ValueError(f'elasticity.version must be 0.1 or 0.2, got {self.version}')
-        if self.num_gpus_per_node % self.model_parallel_size:
-            raise ValueError(
-                f'elasticity.num_gpus_per_node={self.num_gpus_per_node} does not divide by model_parallel_size='
-                f'{self.model_parallel_size}'
-            )
-        if self.version == 0.1 and self.model_parallel_size > 1:
-            raise ValueError('elasticity.version 0.1 has no model parallelism: use version 0.2')
 
 # %% ../../nbs/35_launch_elastic.ipynb #c013
 # the highly composite numbers up to 720720 (OEIS A002182): each has more divisors than any smaller number
@@ -222,27 +176,18 @@ def elastic_batch(
     return BatchConfig(train_batch_size=batch, train_micro_batch_size_per_gpu=micro).resolve(dp_world_size)
 
 # %% ../../nbs/35_launch_elastic.ipynb #c020
-def split_elasticity(
-    config: dict,  # a DeepSpeed-style config
+def apply_elasticity(
+    cfg: FlexConfig,  # a loaded config
     dp_world_size: int,  # the data-parallel ranks of this process's run
-) -> tuple:  # (the config without `elasticity`, its batch keys set from it; the ElasticityConfig or None)
-    """Take DeepSpeed's `elasticity` block out of `config`; when it is enabled, its batch sizes at `dp_world_size`
-    replace the config's"""
-    if 'elasticity' not in config:
-        return config, None
-    rest = {k: v for k, v in config.items() if k != 'elasticity'}
-    cfg = ElasticityConfig.from_dict(config['elasticity'])
-    if not cfg.enabled:
-        return rest, cfg
-    given = [k for k in BATCH_KEYS if k in rest]
-    if given and not cfg.ignore_non_elastic_batch_info:
-        raise ValueError(
-            f"{', '.join(given)} given beside an enabled elasticity block, which sets the batch sizes itself: remove "
-            "them, or set elasticity.ignore_non_elastic_batch_info to true to have them ignored"
-        )
-    batch = elastic_batch(cfg, dp_world_size)
-    sizes = {k: getattr(batch, k) for k in BATCH_KEYS}
-    return {**{k: v for k, v in rest.items() if k not in BATCH_KEYS}, **sizes}, cfg
+) -> FlexConfig:  # `cfg` itself when its `elasticity` block is off
+    """`cfg` with the batch sizes its enabled `elasticity` block gives at `dp_world_size` in place of the config's own;
+    the block then says `ignore_non_elastic_batch_info`, so the result's `to_dict()` loads again (at another world
+    size the block chooses again)"""
+    block = cfg.elasticity
+    if not block.enabled:
+        return cfg
+    chosen = dataclasses.replace(block, ignore_non_elastic_batch_info=True)
+    return dataclasses.replace(cfg, batch=elastic_batch(block, dp_world_size), elasticity=chosen)
 
 # %% ../../nbs/35_launch_elastic.ipynb #c023
 @dataclass
