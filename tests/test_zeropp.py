@@ -236,15 +236,19 @@ def test_each_key_trains_close_to_unquantised_with_fewer_bytes(world):
 def hpz_rank(rank, world):
     """Backward gathers every parameter (`stage3_max_reuse_distance: 0` keeps none from forward); with hpZ it gathers
     the forward's values from the secondary pieces within the group: the same values, so the same training"""
-    out = {}
+    from torch.distributed.distributed_c10d import _world
+    out, groups = {}, len(_world.pg_map)
     for name, keys in (('exact', {}), ('hpZ', {'zero_hpz_partition_size': 2}),
                        ('hpZ+qwZ', {'zero_hpz_partition_size': 2, 'zero_quantized_weights': True})):
         engine = build(3, world, keys | {'stage3_max_reuse_distance': 0})
         hpz = engine.optimizer.partitioner.hpz
+        made = len(_world.pg_map) - groups
         losses = train(engine, rank, world, steps=20)
         masters = [f.master.detach().clone() for f in engine.optimizer.fragments()]
-        out[name] = losses, masters, None if hpz is None else (hpz.size, hpz.rank, hpz.num_gathers)
         engine.close()
+        # hpZ's group (this rank's of the 2 made) is destroyed with the engine: none piles up over many engines
+        out[name] = losses, masters, None if hpz is None else (hpz.size, hpz.rank, hpz.num_gathers, made,
+                                                                 len(_world.pg_map) - groups)
     engine = build(3, world, {'zero_hpz_partition_size': world})  # one group of every rank: nothing to keep
     out['k = world'] = engine.optimizer.partitioner.hpz
     engine.close()
@@ -255,8 +259,9 @@ def test_hpz_backward_gathers_within_the_group_and_trains_the_same():
     for rank, got in enumerate(run_distributed(hpz_rank, 4, timeout=150)):
         exact, hpz, both = got['exact'], got['hpZ'], got['hpZ+qwZ']
         assert exact[2] is None and got['k = world'] is None
-        size, group_rank, gathers = hpz[2]
+        size, group_rank, gathers, made, left = hpz[2]
         assert (size, group_rank) == (2, rank % 2) and gathers >= 20  # a backward gather (or more) every step
+        assert (made, left) == (1, 0) and both[2][3:] == (1, 0)
         assert hpz[0] == exact[0] and all(torch.equal(a, b) for a, b in zip(hpz[1], exact[1]))  # bit for bit
         assert both[2][2] >= 20 and both[0] != exact[0]
         assert abs(tail(both[0]) - tail(exact[0])) / tail(exact[0]) <= TOLERANCE['qwZ']

@@ -407,19 +407,20 @@ class ParameterPartitioner:
         for m in self._tracked:
             untrack_parameters(m)
         self._hooks, self._tracked, self._stack = [], [], []
-        if not self.partitioned:
-            return
-        records = list(self.records.values())
-        self.weight_written()  # no payload or secondary piece outlives the partitioner
-        for r in records:
-            r.active = 0
-        gather_records(records)
-        for r in records:
-            r.param.data = r.param.data.clone()  # its own storage, not a view of a gather buffer or a shard
-            del r.param._zero3
-            drop_ds_attributes(r.param)
-            r.shard = r.grad_shard = None
-        self.partitioned = False
+        if self.partitioned:
+            records = list(self.records.values())
+            self.weight_written()  # no payload or secondary piece outlives the partitioner
+            for r in records:
+                r.active = 0
+            gather_records(records)
+            for r in records:
+                r.param.data = r.param.data.clone()  # its own storage, not a view of a gather buffer or a shard
+                del r.param._zero3
+                drop_ds_attributes(r.param)
+                r.shard = r.grad_shard = None
+            self.partitioned = False
+        if self.hpz is not None:
+            self.hpz.close()  # hpZ's process group goes with the partitioner that made it
 
 # %% ../../../nbs/52_zero_stage3_params.ipynb #c030
 def _recomputing() -> bool:

@@ -395,6 +395,12 @@ class SecondaryPartition:
         for r in records:
             r.secondary, r.secondary_lossy = None, False
 
+    def close(self):
+        "Destroy this rank's group: `secondary_partition` made it for the one partitioner that holds this"
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
 # %% ../../../nbs/52_zero_stage3_records.ipynb #c008g
 class _Gathering:
     "What `param.all_gather(async_op=True)` returns: `wait()` finishes the gathers"
