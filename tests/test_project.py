@@ -68,12 +68,13 @@ def test_import_graph_reports_each_kind_of_broken_seam(tmp_path, capsys):
     _write(pkg / '__init__.py', 'def __getattr__(name): ...\n')
     _write(pkg / 'low' / '__init__.py', 'from .a import A\n')
     _write(pkg / 'low' / 'a.py', 'from .b import _helper\nclass A: pass\n')
-    _write(pkg / 'low' / 'b.py', 'from . import a\nfrom flexrt import low\nfrom ..high.h import H\ndef _helper(): return a.A\n')
+    _write(pkg / 'low' / 'b.py', 'from . import a\nfrom flexrt import low\nfrom ..high.h import H\ndef _helper(): return a.A\n'
+           'LIMIT = 1\n')
     _write(pkg / 'high' / '__init__.py', '')
     _write(pkg / 'high' / 'h.py', 'from fastcore.basics import patch\nimport flexrt\nfrom ..low import a\n'
            'class H: pass\n@patch\ndef grow(self:a.A): return flexrt.initialize, a._private\n'
            'class Late:\n    def __init__(self): self.x = 1\n    def start(self): self.y = 2\n'
-           f'LONG = {"x" * 120!r}\nfirst = 1; second = 2\n')
+           f'LONG = {"x" * 120!r}\nfirst = 1; second = 2\nfrom flexrt.low import A\nLIMIT = 2\n')
     _notebook(tmp_path / 'nbs' / '10_low_a.ipynb', 'low.a'); _notebook(tmp_path / 'nbs' / '10_low_b.ipynb', 'low.b')
     _notebook(tmp_path / 'nbs' / '20_high_h.ipynb', 'high.h')
     graph = _import_graph()
@@ -84,7 +85,8 @@ def test_import_graph_reports_each_kind_of_broken_seam(tmp_path, capsys):
                     'flexrt.high.h: flexrt.initialize', 'flexrt.low.b (10) imports flexrt.high.h (20)',
                     'flexrt.high.h:6 reads a._private', '1 of 3 methods are patched (33%; at most 20%)',
                     'A: 0 of 1 methods in its body', 'flexrt.high.h: Late.y (first set in start)',
-                    'flexrt.high.h:10 (129 characters)', 'statements joined by ;'):
+                    'flexrt.high.h:10 (129 characters)', 'statements joined by ;',
+                    'flexrt.high.h takes A from flexrt.low', 'LIMIT: flexrt.high.h, flexrt.low.b'):
         assert problem in out, (problem, out)
     _write(pkg / 'low' / 'a.py', 'class A:\n    def grow(self): return 1\n')
     _write(pkg / 'low' / 'b.py', 'from .a import A\ndef helper(): return A\n')

@@ -1,10 +1,12 @@
 """The package's seams, read from its source with `ast`: import circles, imports that run back up into a package's
-face, names imported through another package's face instead of their defining module, imports that point up a layer (a notebook with a higher `NN_` imported by a lower one), private names imported
-across modules or read from them, methods patched onto a class from another module, in-package code that
-reaches a name through `flexrt/__init__`'s lazy loading, and the loose modules at the top level. And how the code reads
+face, names imported through another package's face instead of their defining module, imports that point up a layer
+(a notebook with a higher `NN_` imported by a lower one), private names imported across modules or read from them,
+methods patched onto a class from another module, in-package code that reaches a name through `flexrt/__init__`'s
+lazy loading, and the loose modules at the top level. And how the code reads
 (STYLE.md 11 and 13): the share of methods attached with `@patch` (under 20 %, and at least two thirds of each of the 15
 largest classes' methods in its body), attributes first set outside `__init__`, lines over 120 characters and
-`;`-joined statements (lines nbdev writes, the module docstring and `__all__`, aside).
+`;`-joined statements (lines nbdev writes, the module docstring and `__all__`, aside), and a public name defined in two
+modules (DeepSpeed's mirrored surface aside).
 
 `python tools/import_graph.py` prints what it finds and exits 1 if anything breaks the rules (tests/test_project.py
 runs it); `--graph` also prints every module's in-package imports.
@@ -197,6 +199,22 @@ def line_problems(mods)->tuple: # (lines over MAX_LINE, `;`-joined statements)
                    if t.type == tokenize.OP and t.string == ';']
     return long, joined
 
+SURFACES = ('flexrt.deepspeed', 'flexrt.checkpointing')   # DeepSpeed's names, mirrored on purpose
+
+def name_collisions(mods)->list:
+    "Public top-level names (classes, functions, CONSTANTS) defined in more than one module: one name per concept"
+    where = collections.defaultdict(list)
+    for m, (p, tree) in mods.items():
+        if p.name == '__init__.py' or m.startswith(SURFACES): continue
+        for node in tree.body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)): names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper()]
+            else: names = []
+            for name in names:
+                if not name.startswith('_') and name != 'main': where[name].append(m)
+    return [f'{name}: {", ".join(sorted(set(ms)))}' for name, ms in sorted(where.items()) if len(set(ms)) > 1]
+
 def layers(root):
     "{module: NN} from each notebook's name `NN_...` and its `#| default_exp` (the layer the module sits in)"
     out = {}
@@ -241,6 +259,7 @@ def report(root=ROOT / 'flexrt', show_graph=False):
     long, joined = line_problems(mods)
     problems[f'lines over {MAX_LINE} characters'] += long
     problems['statements joined by ;'] += joined
+    problems['one name for two things (defined in more than one module)'] += name_collisions(mods)
     loose = sorted(m for m, (p, _) in mods.items() if m.count('.') == 1 and p.name != '__init__.py')
     if len(loose) > MAX_TOP_LEVEL:
         problems[f'more than {MAX_TOP_LEVEL} loose top-level modules'].append(', '.join(loose))

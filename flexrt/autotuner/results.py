@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 import pandas as pd
 from .space import Candidate, KNOBS, format_bytes
+from .measure import STATUSES
 
 # %% auto #0
-__all__ = ['TRIAL_COLUMNS', 'STATUSES', 'REPEATS', 'MEASURED_FIELDS', 'record_candidate', 'trials_frame', 'TrialStore',
+__all__ = ['TRIAL_COLUMNS', 'TRIAL_STATUSES', 'REPEATS', 'MEASURED_FIELDS', 'record_candidate', 'trials_frame', 'TrialStore',
            'study_fingerprint', 'open_store', 'AutotuneResult', 'AutotuneError', 'no_winner', 'threads_line',
            'summary_text']
 
@@ -43,7 +44,7 @@ TRIAL_COLUMNS = [
     'anatomy_ms',
     'config',
 ]
-STATUSES = ('ok', 'oom', 'over_budget', 'timeout', 'error', 'pruned')
+TRIAL_STATUSES = (*STATUSES, 'pruned')  # a trial's: its run's (`autotuner.measure`), or pruned before it ran
 # phases that run searched candidates again ('remeasure': results written before the playoff)
 REPEATS = ('playoff', 'remeasure')
 

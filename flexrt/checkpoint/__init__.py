@@ -9,7 +9,7 @@ __all__ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MA
            'check_manifest', 'read_manifest', 'verify_file', 'tag_problem', 'check_tag', 'staging_dir',
            'discard_staging', 'publish', 'available_tags', 'read_latest', 'tag_dir', 'tensor_entries', 'master_records',
            'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex', 'check_records', 'CheckpointEngine',
-           'REQUIRED', 'check_engine', 'engine_entries', 'rank_writes', 'LoadPlan', 'DEEPSPEED_GLOBALS',
+           'ENGINE_ATTRIBUTES', 'check_engine', 'engine_entries', 'rank_writes', 'LoadPlan', 'DEEPSPEED_GLOBALS',
            'DeepSpeedData', 'ZeroStage', 'load_deepspeed_file', 'deepspeed_files', 'find_deepspeed_checkpoint',
            'stage0_records', 'zero12_records', 'zero3_records', 'read_deepspeed', 'deepspeed_model_file',
            'holds_whole_module', 'writes_deepspeed_model', 'deepspeed_model_states', 'write_deepspeed_model',
@@ -66,7 +66,7 @@ from flexrt.checkpoint.shards import (
     FragmentIndex,
     check_records,
 )
-from .engine_surface import CheckpointEngine, REQUIRED, check_engine
+from .engine_surface import CheckpointEngine, ENGINE_ATTRIBUTES, check_engine
 from .plan import engine_entries, rank_writes, LoadPlan
 from flexrt.checkpoint.deepspeed_format import (
     DEEPSPEED_GLOBALS,
@@ -164,7 +164,7 @@ _all_ = [
     'FragmentIndex',
     'check_records',
     'CheckpointEngine',
-    'REQUIRED',
+    'ENGINE_ATTRIBUTES',
     'check_engine',
     'engine_entries',
     'rank_writes',

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # the types below are named for readers and type checkers; th
     from flexrt.zero.base import OptimizerSlot
 
 # %% auto #0
-__all__ = ['REQUIRED', 'CheckpointEngine', 'check_engine']
+__all__ = ['ENGINE_ATTRIBUTES', 'CheckpointEngine', 'check_engine']
 
 # %% ../../nbs/60_checkpoint_engine_surface.ipynb #c006
 class CheckpointEngine(Protocol):
@@ -68,7 +68,7 @@ class CheckpointEngine(Protocol):
 
 
 # every attribute of `CheckpointEngine`
-REQUIRED = (
+ENGINE_ATTRIBUTES = (
     'module',
     'optimizer',
     'basic_optimizer',
@@ -89,8 +89,8 @@ REQUIRED = (
 
 # %% ../../nbs/60_checkpoint_engine_surface.ipynb #c009
 def check_engine(engine) -> CheckpointEngine:
-    "`engine`, after checking it has every attribute of `REQUIRED`; TypeError naming those it lacks"
-    missing = [name for name in REQUIRED if not hasattr(engine, name)]
+    "`engine`, after checking it has every attribute of `ENGINE_ATTRIBUTES`; TypeError naming those it lacks"
+    missing = [name for name in ENGINE_ATTRIBUTES if not hasattr(engine, name)]
     if missing:
         raise TypeError(
             f"{type(engine).__name__} lacks {', '.join(missing)} of flexrt.checkpoint.engine_surface.CheckpointEngine: "

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json, os, re, shutil, warnings
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from ..config.schema import short_repr
 from flexrt.checkpoint.storage import (
     CheckpointError,
     FORMAT,
@@ -17,7 +18,6 @@ from flexrt.checkpoint.storage import (
     MAX_TAG_BYTES,
     rank_file,
     loaded_files,
-    short_repr,
     checksum_file,
     fsync,
     atomic_write,

@@ -9,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from pathlib import Path
 import torch, xxhash
+from ..config.schema import short_repr
 
 # %% auto #0
 __all__ = ['FORMAT', 'FORMAT_VERSION', 'MANIFEST', 'LATEST', 'MODEL_STATES', 'MAX_MANIFEST_BYTES', 'MAX_TAG_BYTES',
-           'CheckpointError', 'rank_file', 'loaded_files', 'short_repr', 'check_safe', 'checksum_file', 'fsync',
-           'no_space_error', 'atomic_write', 'serialized_size', 'save_torch', 'save_text', 'safe_load']
+           'CheckpointError', 'rank_file', 'loaded_files', 'check_safe', 'checksum_file', 'fsync', 'no_space_error',
+           'atomic_write', 'serialized_size', 'save_torch', 'save_text', 'safe_load']
 
 # %% ../../nbs/60_checkpoint_storage.ipynb #c005
 class CheckpointError(RuntimeError):
@@ -33,12 +34,6 @@ def rank_file(rank: int) -> str:
 def loaded_files(world_size: int) -> list:  # the files a load reads: the manifest must list (and so verify) each
     "The files `load_checkpoint` and `consolidate` read from a checkpoint saved by `world_size` ranks"
     return [MODEL_STATES] + [rank_file(r) for r in range(world_size)]
-
-
-def short_repr(value, width: int = 60) -> str:
-    "`repr(value)`, shortened for an error message"
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + '...'
 
 # %% ../../nbs/60_checkpoint_storage.ipynb #c010
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import collections, gc, json, os, secrets, selectors, socket, sys, threading, time, warnings
 from .events import deliver, report_error
-from .wire import MAX_MESSAGE_BYTES, MalformedMessage, frame, answer, parse_message, check_records
+from .wire import MAX_MESSAGE_BYTES, MalformedMessage, frame, answer, parse_message, valid_records
 
 # %% auto #0
 __all__ = ['ADDRESS_VARIABLE', 'KEY_VARIABLE', 'OWNER_VARIABLE', 'lower_thread_priority', 'Hub', 'serve', 'stop_serving',
@@ -227,7 +227,7 @@ class Hub:
             return self._count(peer, 'malformed', str(e))
         if message['type'] == 'flush':
             return self._write(peer, frame(b'{"type":"flushed"}'))
-        records, bad = check_records(message['records'])
+        records, bad = valid_records(message['records'])
         if bad:
             self._count(peer, 'malformed', f'{bad} record(s) that are not dicts with a string "kind"', bad)
         for record in records:

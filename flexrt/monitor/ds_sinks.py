@@ -8,11 +8,11 @@ import csv, importlib.util, math, os
 from ..config.services import TensorBoardConfig, CSVMonitorConfig, WandbConfig
 
 # %% auto #0
-__all__ = ['PREFIX', 'TIMER_NAMES', 'MONITOR_BLOCKS', 'step_events', 'job_dir', 'require_package', 'CSVMonitor',
+__all__ = ['SAMPLES_PREFIX', 'TIMER_NAMES', 'MONITOR_BLOCKS', 'step_events', 'job_dir', 'require_package', 'CSVMonitor',
            'TensorBoardMonitor', 'WandbMonitor', 'check_packages', 'DeepSpeedMonitors', 'without_monitors']
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c006
-PREFIX = 'Train/Samples/'
+SAMPLES_PREFIX = 'Train/Samples/'
 # flexrt phase -> DeepSpeed timer
 TIMER_NAMES = {'forward': 'forward', 'backward': 'backward', 'allreduce': 'backward_allreduce', 'step': 'step'}
 
@@ -24,13 +24,13 @@ def step_events(
     "DeepSpeed's monitor events for one optimizer step"
     samples, lr = record['samples'], record['lr']
     events = [
-        (PREFIX + 'train_loss', record['loss'], samples),
-        (PREFIX + 'lr', lr[0] if isinstance(lr, (list, tuple)) else lr, samples),
+        (SAMPLES_PREFIX + 'train_loss', record['loss'], samples),
+        (SAMPLES_PREFIX + 'lr', lr[0] if isinstance(lr, (list, tuple)) else lr, samples),
     ]
     if loss_scale:
-        events.append((PREFIX + 'loss_scale', record['loss_scale'], samples))
+        events.append((SAMPLES_PREFIX + 'loss_scale', record['loss_scale'], samples))
     for phase, ms in (record.get('timings_ms') or {}).items():
-        events.append((PREFIX + 'elapsed_time_ms_' + TIMER_NAMES.get(phase, phase), ms, samples))
+        events.append((SAMPLES_PREFIX + 'elapsed_time_ms_' + TIMER_NAMES.get(phase, phase), ms, samples))
     return events
 
 # %% ../../nbs/30_monitor_ds_sinks.ipynb #c009

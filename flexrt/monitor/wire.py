@@ -8,7 +8,7 @@ import dataclasses, hashlib, hmac, json, os, socket, struct
 
 # %% auto #0
 __all__ = ['MAX_MESSAGE_BYTES', 'frame', 'read_frame', 'answer', 'connect', 'encode_record', 'MalformedMessage', 'parse_message',
-           'check_records']
+           'valid_records']
 
 # %% ../../nbs/30_monitor_wire.ipynb #c006
 MAX_MESSAGE_BYTES = 1 << 20  # the hub refuses larger messages; a rank drops a record that cannot fit in one
@@ -118,7 +118,7 @@ def parse_message(payload: bytes) -> dict:  # {'type': 'flush'} or {'type': 'rec
     return message
 
 
-def check_records(records: list) -> tuple:  # (the good records, how many were not)
+def valid_records(records: list) -> tuple:  # (the good records, how many were not)
     "Keep the records that are dicts with a string 'kind'"
     good = [r for r in records if isinstance(r, dict) and isinstance(r.get('kind'), str)]
     return good, len(records) - len(good)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html, json, os, threading
 import ipywidgets as W
 from .live import LiveView, error_html
-from .autotune_view import SearchView, view_of_result, table_html, search_plot, TABLE
+from .autotune_view import SearchView, view_of_result, trials_table_html, search_plot, TABLE
 from .autotune_view import fill_metric, fill_pareto, fill_memory
 from .autotune_view import anatomy_choices, trial_anatomy_html
 
@@ -184,7 +184,7 @@ class SearchPanel(LiveView):
 
     def draw_text(self):
         view = self.view
-        self.table.value = table_html(
+        self.table.value = trials_table_html(
             view.trials, (view.best or {}).get('trial'), view.metric_name, self.sort.value, not self.descending.value
         )
         config = view.best_config

@@ -10,6 +10,7 @@ import pandas as pd
 from .plots import Plot
 from .memory_monitor import MiB
 from ..autotuner.space import parse_bytes, format_bytes, check_bucket_sizes
+from ..autotuner.measure import METRICS
 
 # REPEATS: phases that run searched candidates again (not search points); trials_frame: the table's rows
 from ..autotuner.results import REPEATS, TRIAL_COLUMNS, trials_frame
@@ -17,15 +18,12 @@ from ..monitor.anatomy import ANATOMY_PHASES
 from .anatomy import PHASE_COLORS
 
 # %% auto #0
-__all__ = ['METRICS', 'TABLE', 'SearchSettings', 'search_arguments', 'search_rows', 'search_points', 'best_trial', 'table_html',
+__all__ = ['TABLE', 'SearchSettings', 'search_arguments', 'search_rows', 'search_points', 'best_trial', 'trials_table_html',
            'anatomy_choices', 'trial_anatomy_html', 'search_plot', 'stage_color', 'interval_bars', 'fill_metric',
            'memory_axis', 'mark_budget', 'pareto_front', 'fill_pareto', 'fill_memory', 'SearchView', 'view_of_result',
            'breakdown_html']
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c006
-METRICS = ('throughput', 'latency', 'flops')
-
-
 @dataclasses.dataclass
 class SearchSettings:
     "What the widget's controls ask of a search"
@@ -166,7 +164,7 @@ def _metric_cell(row) -> str:
     return _cell('metric', row['metric']) + interval if _known(row['metric']) else ''
 
 # %% ../../nbs/80_widgets_autotune_view.ipynb #c014
-def table_html(
+def trials_table_html(
     trials: pd.DataFrame,  # one row per trial
     best: int | None = None,  # the best trial's number, highlighted
     metric_name: str = 'throughput',

@@ -8,7 +8,8 @@ import copy, os
 import ipywidgets as W
 from .. import monitor
 from ..autotuner.space import parse_bytes, knob_choices
-from .autotune_view import SearchView, SearchSettings, search_arguments, breakdown_html, METRICS
+from ..autotuner.measure import METRICS
+from .autotune_view import SearchView, SearchSettings, search_arguments, breakdown_html
 from .live import error_html
 from .autotune_panel import SearchPanel, search_summary
 

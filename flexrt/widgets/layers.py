@@ -13,10 +13,10 @@ from .plots import Plot, thin
 from .live import LiveView
 
 # %% auto #0
-__all__ = ['PREFIX', 'layer_matrix', 'LayerNormHeatmap']
+__all__ = ['NORMS_PREFIX', 'layer_matrix', 'LayerNormHeatmap']
 
 # %% ../../nbs/80_widgets_layers.ipynb #w2851486
-PREFIX = 'norms.'  # a 'layer_norms' record's norms, flattened by the RecordStore: 'norms.blocks.0.attn'
+NORMS_PREFIX = 'norms.'  # a 'layer_norms' record's norms, flattened by the RecordStore: 'norms.blocks.0.attn'
 
 
 def layer_matrix(
@@ -25,10 +25,10 @@ def layer_matrix(
 ) -> pd.DataFrame:  # rows kept: the layers with the largest latest norms
     """Layers × steps of gradient norms (NaN where a record left a layer out, inf where it was non-finite), the largest
     latest norm on top"""
-    columns = [c for c in frame if c.startswith(PREFIX)]
+    columns = [c for c in frame if c.startswith(NORMS_PREFIX)]
     if frame.empty or not columns:
         return pd.DataFrame()
-    table = frame.set_index('step')[columns].rename(columns=lambda c: c[len(PREFIX) :]).T
+    table = frame.set_index('step')[columns].rename(columns=lambda c: c[len(NORMS_PREFIX) :]).T
     for step, bad in zip(
         frame['step'], frame.get('nonfinite_layers', [()] * len(frame))
     ):  # NaN in a record, not absent
@@ -73,7 +73,11 @@ class LayerNormHeatmap(LiveView):
         last = self.records.last('layer_norms')
         if last is None:
             return
-        norms = {k[len(PREFIX) :]: v for k, v in last.items() if k.startswith(PREFIX) and v is not None and v == v}
+        norms = {
+            k[len(NORMS_PREFIX) :]: v
+            for k, v in last.items()
+            if k.startswith(NORMS_PREFIX) and v is not None and v == v
+        }
         bad_layers = last.get('nonfinite_layers')
         for layer in bad_layers if isinstance(bad_layers, (list, tuple)) else ():
             norms[layer] = math.inf  # NaN in a record, not absent

@@ -13,7 +13,7 @@ from .live import LiveView
 
 # %% auto #0
 __all__ = ['LAG_NOTED', 'informative', 'rank_table', 'straggler', 'straggler_text', 'busy_by_step', 'skew', 'silent_ranks',
-           'RankPanel', 'table_html']
+           'RankPanel', 'ranks_table_html']
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w2800de9
 def informative(steps: pd.DataFrame) -> bool:
@@ -192,7 +192,7 @@ class RankPanel(LiveView):
             if silent
             else ''
         )
-        self.table.value = table_html(table, silent)
+        self.table.value = ranks_table_html(table, silent)
         self.reveal()
 
     def fill(self, plot: Plot) -> Plot:
@@ -211,7 +211,7 @@ class RankPanel(LiveView):
         return plot
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w286c64c
-def table_html(table: pd.DataFrame, silent: dict) -> str:
+def ranks_table_html(table: pd.DataFrame, silent: dict) -> str:
     "One row per rank: step, period, work, blocked (share, op), and how long it has been silent"
     head = ''.join(
         f'<th>{h}</th>' for h in ('rank', 'step', 'ms / step', 'work ms', 'blocked ms', 'blocked', 'waits in', 'silent')

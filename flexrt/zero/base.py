@@ -11,7 +11,7 @@ import torch
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['REQUIRED', 'Piece', 'Fragment', 'consecutive', 'gradient_pieces', 'zero_stale', 'OptimizerSlot', 'check_slot']
+__all__ = ['SLOT_METHODS', 'Piece', 'Fragment', 'consecutive', 'gradient_pieces', 'zero_stale', 'OptimizerSlot', 'check_slot']
 
 # %% ../../nbs/50_zero_base.ipynb #c006
 class Piece(NamedTuple):
@@ -67,8 +67,8 @@ def zero_stale(holders):
 class OptimizerSlot(abc.ABC):
     """What the engine and the checkpoint call on the owner of the optimizer step, and all they call.
 
-    A subclass implements every abstract method (`REQUIRED`) in its class body; the others have defaults that fit a slot
-    which keeps the model's parameters whole. `stage` is information (recorded in checkpoints and messages), never
+    A subclass implements every abstract method (`SLOT_METHODS`) in its class body; the others have defaults that fit a
+    slot which keeps the model's parameters whole. `stage` is information (recorded in checkpoints and messages), never
     branched on outside the slot.
 
     **The engine's step** calls, in order:
@@ -231,7 +231,7 @@ class OptimizerSlot(abc.ABC):
 
 
 # the abstract methods: what every slot implements in its class body
-REQUIRED = (
+SLOT_METHODS = (
     'set_boundary',
     'reduced_gradients',
     'clip_grad_norm',
@@ -246,14 +246,14 @@ REQUIRED = (
 
 
 def check_slot(slot) -> OptimizerSlot:
-    """`slot`, after checking it is an `OptimizerSlot` implementing every method of `REQUIRED`; TypeError naming what
-    lacks"""
+    """`slot`, after checking it is an `OptimizerSlot` implementing every method of `SLOT_METHODS`; TypeError naming
+    what lacks"""
     if not isinstance(slot, OptimizerSlot):
         raise TypeError(
             f"the optimizer slot is a {type(slot).__name__}: it must be a flexrt.zero.base.OptimizerSlot "
             "(subclass it and implement its methods)"
         )
-    missing = [n for n in REQUIRED if getattr(type(slot), n) is getattr(OptimizerSlot, n)]
+    missing = [n for n in SLOT_METHODS if getattr(type(slot), n) is getattr(OptimizerSlot, n)]
     if missing:
         raise TypeError(
             f"{type(slot).__name__} does not implement {', '.join(missing)} of flexrt.zero.base.OptimizerSlot"

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'FOREACH_TEMPORARIES', 'Line',
-           'ModelProfile', 'Setting', 'setting', 'pad', 'bucket_plan', 'Tally', 'levels', 'stage0', 'stage12', 'stage3',
-           'replay', 'profile_model', 'MemoryEstimate', 'estimate_memory', 'calibrate',
+           'ModelProfile', 'Setting', 'memory_setting', 'pad', 'bucket_plan', 'Tally', 'levels', 'stage0', 'stage12',
+           'stage3', 'replay', 'profile_model', 'MemoryEstimate', 'estimate_memory', 'calibrate',
            'estimate_zero2_model_states_mem_needs', 'estimate_zero2_model_states_mem_needs_all_cold',
            'estimate_zero2_model_states_mem_needs_all_live', 'estimate_zero3_model_states_mem_needs',
            'estimate_zero3_model_states_mem_needs_all_cold', 'estimate_zero3_model_states_mem_needs_all_live']
@@ -20,7 +20,7 @@ from flexrt.autotuner.memory.stages import (
     Line,
     ModelProfile,
     Setting,
-    setting,
+    memory_setting,
     pad,
     bucket_plan,
     Tally,
@@ -51,7 +51,7 @@ _all_ = [
     'Line',
     'ModelProfile',
     'Setting',
-    'setting',
+    'memory_setting',
     'pad',
     'bucket_plan',
     'Tally',

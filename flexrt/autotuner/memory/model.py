@@ -15,7 +15,7 @@ from flexrt.autotuner.memory.stages import (
     STEP_TEMPORARIES,
     FOREACH_TEMPORARIES,
     STATE_SCALAR_BYTES,
-    setting,
+    memory_setting,
     levels,
 )
 from .stage3 import replay
@@ -145,7 +145,7 @@ def _offset(pr: ModelProfile, m: float) -> float:
 def _replay(
     pr: ModelProfile, cfg: FlexConfig, world_size: int, m: int, device: str, offset: float = 0.0
 ) -> tuple:  # (Setting, static breakdown, {phase: Tally})
-    s, _ = setting(cfg, world_size, device)
+    s, _ = memory_setting(cfg, world_size, device)
     return s, *replay(pr, s, levels(pr, m, _offset(pr, m) + offset, s.itemsize / pr.profile_itemsize))
 
 

@@ -11,7 +11,7 @@ from ...config.flex_config import FlexConfig, load_config
 
 # %% auto #0
 __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'FOREACH_TEMPORARIES', 'Line',
-           'ModelProfile', 'Setting', 'setting', 'pad', 'bucket_plan', 'Tally', 'levels', 'step_temporaries',
+           'ModelProfile', 'Setting', 'memory_setting', 'pad', 'bucket_plan', 'Tally', 'levels', 'step_temporaries',
            'optimizer_state_bytes', 'stage0', 'stage12']
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c005
@@ -115,7 +115,7 @@ class Setting:
     overlap: bool = False  # stage 2: up to two buckets' reductions in flight (overlap_comm); else each waited at once
 
 
-def setting(
+def memory_setting(
     config: dict | FlexConfig, world_size: int, device: str = 'cpu'
 ) -> tuple:  # (Setting, the validated FlexConfig)
     "The memory-relevant settings of `config` on `world_size` ranks of `device` (gloo on CPU runs point-to-point)"
