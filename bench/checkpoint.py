@@ -7,7 +7,7 @@ torch's AdamW after one training step, so the optimizer holds two fp32 moments p
 round (the order alternates between rounds; round 0 only warms up the page cache and allocators):
 
 - flexrt: engine.save_checkpoint / engine.load_checkpoint at that ZeRO stage. Every rank writes its own file at
-  the same time; every file is fsync'ed, renamed into place and hashed (SHA-256), and loading verifies every
+  the same time; every file is fsync'ed, renamed into place and hashed (xxh3-128), and loading verifies every
   checksum first: the price of crash safety and corruption detection, included in the times.
 - torch.save: rank 0 alone saves {'model': state_dict, 'optimizer': state_dict} of a plain torch copy (model +
   AdamW after the same step) to one file, no fsync; load is torch.load(weights_only=True) + load_state_dict on
@@ -32,7 +32,7 @@ Step speed during the write (goal >= 90 % of normal with a spare core): each ran
 
     python bench/checkpoint.py --async-only --ranks 1
 
-Without a spare core (`--ranks 2` on 2 cores, the default) the writing thread (copying, serialising, SHA-256 hashing,
+Without a spare core (`--ranks 2` on 2 cores, the default) the writing thread (copying, serialising, xxh3 hashing,
 writing) takes its CPU from the ranks: the steps that run during the write slow down by about the write's CPU time
 spread over them (the README's table, on a busy 2-core machine: 1.25-1.68x the normal step time), and the write
 itself takes longer.
