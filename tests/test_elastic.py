@@ -11,6 +11,20 @@ from flexrt.launch import launch, RankError
 CONFIG = {'train_batch_size': 12, 'train_micro_batch_size_per_gpu': 2, 'steps_per_print': 10**6,
           'optimizer': {'type': 'Adam', 'params': {'lr': 0.01}}}
 
+
+def train_step(engine, step:int, rank:int, gas:int) -> list:
+    "One optimizer step on this rank's `gas` micro-batches of step `step`'s 12 samples (the same every run): the losses"
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1000 + step))
+    y = x.sum(1, keepdim=True).sin()
+    losses = []
+    for k in range(gas):
+        at = (rank * gas + k) * 2           # this rank's k-th micro-batch of the step's 12 samples
+        loss = ((engine(x[at:at + 2]) - y[at:at + 2]) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
 def train(directory, stage=0, steps=10, save_at=(5,), kill=None, kill_in_save=None, load_tag=None):
     """A tiny regression on 12 samples per step (the same 12 at any world size), saved into `directory` after each step
     of `save_at`; `kill=(rank, step)` SIGKILLs that rank after that step ('last': the highest rank of the attempt);
@@ -26,15 +40,7 @@ def train(directory, stage=0, steps=10, save_at=(5,), kill=None, kill_in_save=No
     rank, world, gas = dist.get_rank(), dist.get_world_size(), engine.gradient_accumulation_steps()
     start, losses = engine.global_steps, {}
     for step in range(start, steps):
-        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1000 + step))
-        y = x.sum(1, keepdim=True).sin()
-        losses[step + 1] = []
-        for k in range(gas):
-            at = (rank * gas + k) * 2           # this rank's k-th micro-batch of the step's 12 samples
-            loss = ((engine(x[at:at + 2]) - y[at:at + 2]) ** 2).mean()
-            engine.backward(loss)
-            engine.step()
-            losses[step + 1].append(loss.item())
+        losses[step + 1] = train_step(engine, step, rank, gas)
         done = engine.global_steps
         if kill_in_save is not None and (rank, done) == kill_in_save:
             _die_while_writing(f'.global_step{done}.partial')
@@ -210,7 +216,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import torch, flexrt
 from flexrt import comm as dist
-from test_elastic import CONFIG
+from test_elastic import CONFIG, train_step
 out, load_tag = Path(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 else None)
 restarts = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
 if restarts == 0 and os.environ.get('WORLD_SIZE') == '1' and load_tag is None:
@@ -224,15 +230,7 @@ if load_tag is not None:
 rank, world, gas = dist.get_rank(), dist.get_world_size(), engine.gradient_accumulation_steps()
 start, losses = engine.global_steps, {}
 for step in range(start, 6):
-    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1000 + step))
-    y = x.sum(1, keepdim=True).sin()
-    losses[step + 1] = []
-    for k in range(gas):
-        at = (rank * gas + k) * 2           # this rank's k-th micro-batch of the step's 12 samples
-        loss = ((engine(x[at:at + 2]) - y[at:at + 2]) ** 2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses[step + 1].append(loss.item())
+    losses[step + 1] = train_step(engine, step, rank, gas)
     if engine.global_steps == 3 and load_tag is None:
         engine.save_checkpoint(directory)
     if engine.global_steps == 4 and restarts == 0 and load_tag is None:
