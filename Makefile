@@ -77,11 +77,19 @@ screenshots: install
 		tests/test_anatomy.py::test_the_dashboard_names_the_slowed_rank_on_the_page_a_browser_shows -q -p no:cacheprovider
 
 # The documentation site, built into _docs/ without Quarto (tools/docs.py: nbdev's processors, then nbconvert; of the
-# cells, only exported ones, show_doc calls and imports run): a page per notebook with its API entries and folded
-# tests, getting started, architecture, contents by wing. Open _docs/index.html. Fails naming notebook and cell.
-.PHONY: docs format
+# cells, only exported ones, show_doc calls and imports run): a page per notebook with its API entries, its demos'
+# saved outputs (`make outputs`) and folded tests, getting started, architecture, contents by wing.
+# Open _docs/index.html. Fails naming notebook and cell.
+.PHONY: docs outputs format
 docs: install
 	$(PY) tools/docs.py
+
+# The demos' outputs the site shows are saved in the notebooks: this runs every notebook as nbtest does and saves what
+# each demo cell (not exported, not a test) printed or displayed; every other cell's outputs are cleared
+# (tools/outputs.py; NBS="nbs/65_engine.ipynb ..." for some). Run it after changing a demo, and commit the notebooks.
+NBS ?=
+outputs: install
+	$(PY) tools/outputs.py $(NBS)
 
 # Notebooks are formatted with ruff (ruff.toml: 120 columns, one statement per line); run it after editing, then export.
 format: install

@@ -13,34 +13,16 @@ import gc, os, pickle, socket, traceback, time, queue as queue_mod
 from datetime import timedelta
 import multiprocessing as mp
 
-def _ephemeral_low() -> int:
-    "The lowest port the kernel hands out on its own (bind(0), outgoing connections); 32768 where it cannot be read"
-    try:
-        with open('/proc/sys/net/ipv4/ip_local_port_range') as f: return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError): return 32768
+from flexrt.launch.launcher import free_port as draw_port  # bound before tests/conftest.py hands flexrt.launch this one
+
 
 def free_port() -> int:
-    """A TCP port nobody listens on now, for a rank to bind a moment later. It is drawn below the kernel's ephemeral
-    range: a port from bind(0) can be handed to any process's next outgoing connection or gloo socket before the rank
-    binds it (EADDRINUSE under load, and once a rank of one test in another's store), a port below the range never is.
-    Under pytest-xdist each worker draws from a share of its own (`port % workers`), so two workers never pick alike."""
-    import random
+    """A TCP port nobody listens on now, for a rank to bind a moment later: flexrt.launch's draw below the kernel's
+    ephemeral range. Under pytest-xdist each worker draws from a share of its own (`port % workers`), so two workers
+    never pick alike."""
     workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
     worker = int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:])
-    low, high = 10000, _ephemeral_low()
-    draw = random.Random(os.getpid() ^ time.time_ns())
-    for _ in range(1000 if high - low >= 1000 else 0):
-        port = draw.randrange(low, high)
-        if port % workers != worker: continue
-        with socket.socket() as s:
-            try: s.bind(('127.0.0.1', port))
-            except OSError: continue   # in use (or lingering from an earlier test)
-            return port
-    while True:   # no room below the range: bind(0), within this worker's share (by port // 2: some kernels give
-        with socket.socket() as s:   # bind(0) ports of one parity)
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-        if port // 2 % workers == worker: return port
+    return draw_port(share=(worker, workers))
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
     import torch, torch.distributed as tdist

@@ -1,6 +1,7 @@
 """The documentation site: tools/docs.py (`make docs`) builds it into a temporary folder, and every page holds up.
 
-No page shows a failed cell or a traceback; hidden cells stay hidden and the cells that assert are folded; every name
+No page shows a failed cell or a traceback; hidden cells stay hidden and the cells that assert are folded; every demo
+shows the outputs saved in its notebook (tools/outputs.py, `make outputs`), and the saved outputs keep its rules; every name
 of every flexrt module's `__all__` has an API entry somewhere on the site; every relative link leads to a file of the
 site, and its `#anchor` to an id on that page; nothing is fetched from elsewhere (no stylesheet, script, image or font
 off the site); and every page opens in Chromium (one browser, one tab, file:// URLs) without a console error or a
@@ -14,6 +15,10 @@ import pytest
 from test_browser import chromium  # noqa: F401  (the fixture: Debian's Chromium, or a skip with the reason)
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / 'tools'))
+from docs import page_name  # noqa: E402
+from outputs import is_demo, kept  # noqa: E402  (the rules `make outputs` saves by)
+VOID_TAGS = {'area', 'base', 'br', 'col', 'embed', 'hr', 'img', 'input', 'link', 'meta', 'source', 'track', 'wbr'}
 EXTRA_PAGES = ('index.html', 'getting_started.html', 'architecture.html', 'overview.html')
 # every module of the package and its `__all__`, read in a process of its own (importing them all has side effects)
 PUBLIC_NAMES = """
@@ -30,6 +35,7 @@ class Page(HTMLParser):
     def __init__(self, path: Path):
         super().__init__()
         self.path, self.ids, self.links, self.entries, self.errors, self.tests = path, set(), [], set(), [], 0
+        self.demos, self.shown, self._open = 0, [], []  # demo cells; the text of outputs; open tags: in an output?
         self.text = path.read_text()
         self.feed(self.text)
         if 'Traceback (most recent call last)' in self.text: self.errors.append('a traceback')
@@ -42,7 +48,15 @@ class Page(HTMLParser):
         classes = (attrs.get('class') or '').split()
         if 'api-entry' in classes: self.entries.add(attrs.get('data-name'))
         self.tests += tag == 'details' and 'test-cell' in classes
+        self.demos += tag == 'div' and 'demo-cell' in classes
         if {'output_error', 'docs-error'} & set(classes): self.errors.append(f'<{tag} class="{attrs["class"]}">')
+        if tag not in VOID_TAGS: self._open.append((tag, 'output_wrapper' in classes or any(o for _, o in self._open)))
+
+    def handle_endtag(self, tag):
+        while self._open and self._open.pop()[0] != tag: pass
+
+    def handle_data(self, data):
+        if self._open and self._open[-1][1]: self.shown.append(data)
 
 
 @pytest.fixture(scope='module')
@@ -142,3 +156,54 @@ def test_every_page_opens_in_chromium_without_errors(site, chromium):  # noqa: F
         browser.close()
     print(f'Chromium opened {len(site["pages"])} pages in {time.perf_counter() - start:.1f} s')
     assert not problems, problems[:20]
+
+
+def _saved_demos() -> dict:
+    "notebook path -> its code cells that carry saved outputs"
+    found = {}
+    for path in sorted((ROOT / 'nbs').glob('*.ipynb')):
+        cells = [c for c in json.loads(path.read_text())['cells'] if c['cell_type'] == 'code' and c['outputs']]
+        if cells: found[path] = cells
+    return found
+
+
+def test_saved_outputs_are_demos_kept_as_make_outputs_keeps_them():
+    "Only a demo carries outputs, and only what tools/outputs.py keeps: no stderr, error, widget or overlong stream"
+    saved, wrong = _saved_demos(), []
+    for path, cells in saved.items():
+        for cell in cells:
+            where = f'{path.name}, cell {cell.get("id")}'
+            if not is_demo(cell): wrong.append(f'{where}: not a demo (a test, an export, hidden), yet it has outputs')
+            elif kept(cell['outputs']) != _joined(cell['outputs']):
+                wrong.append(f'{where}: outputs `make outputs` would not keep')
+    assert not wrong, wrong
+    faces = [p for p in (ROOT / 'nbs').glob('*.ipynb') if p.stem.count('_') == 1 and p.name != 'index.ipynb']
+    assert len(faces) >= 16 and not [p.name for p in faces if p not in saved], 'a wing face without a demo to show'
+
+
+def test_every_demo_shows_its_saved_outputs(site):
+    "Each notebook's demos appear on its page as demos, each with the first line of what it printed or showed"
+    pages, missing = site['pages'], []
+    for path, cells in _saved_demos().items():
+        page = pages['overview.html' if path.name == 'index.ipynb' else page_name(path)]
+        if page.demos < len(cells): missing.append(f'{page.path.name}: {page.demos} demos shown of {len(cells)}')
+        shown = ''.join(page.shown)
+        for cell in cells:
+            first = _first_line(cell['outputs'][0])
+            if first and first not in shown: missing.append(f'{page.path.name}: {first!r} is not among its outputs')
+    assert not missing, missing
+    assert sum(p.demos for p in pages.values()) >= 30
+
+
+def _joined(outputs: list) -> list:
+    "Outputs with each text as one string (nbdev_clean keeps a multi-line one as a list of lines)"
+    join = lambda value: ''.join(value) if isinstance(value, list) else value
+    return [{k: {m: join(v) for m, v in value.items()} if k == 'data' else join(value) for k, value in o.items()}
+            for o in outputs]
+
+
+def _first_line(output: dict) -> str:
+    "The first line of a stream's or text result's text ('' for a picture or HTML: their markup is the page's own)"
+    text = output.get('text') or output.get('data', {}).get('text/plain') or output.get('data', {}).get('text/markdown')
+    text = ''.join(text) if isinstance(text, list) else text or ''
+    return text.strip().splitlines()[0].strip() if text.strip() and 'text/markdown' not in output.get('data', {}) else ''

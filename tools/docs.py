@@ -2,12 +2,13 @@
 
 Every notebook in nbs/ becomes one page named as nbdev names it (`50_zero_base.ipynb` -> `zero_base.html`), titled by
 its `# Title` cell: the prose, an API entry for every public name (signature and docstring from `show_doc`; a public
-constant gets its value and comment), demo cells as code, and tests (cells that assert and show nothing) folded.
+constant gets its value and comment), demo cells with the outputs saved in the notebook (`make outputs`,
+tools/outputs.py), and tests (cells that assert and show nothing) folded.
 `index.html` lists the pages by wing, `overview.html` is nbs/index.ipynb (the README's source), `getting_started.html`
 and `architecture.html` are docs/getting_started.md and docs/architecture.md. Every page has the same header and
 sidebar. Nothing is fetched when a page opens: one stylesheet, no script, no web font.
 
-Notebooks are not run. As nbdev's docs processor does, the exported cells run (that is importing the module) and so do
+Notebooks are not run (their demos' outputs are saved in them). As nbdev's docs processor does, the exported cells run (that is importing the module) and so do
 the `show_doc` cells, which render the entries; unlike it, of any other cell only its import statements run (nbdev runs
 such a cell whole: its tests, ranks it launches, names a skipped cell defined). A cell that fails, a public name
 without an entry and a relative link that leads nowhere are reported by notebook and cell, and the build exits 1.
@@ -472,16 +473,37 @@ def _markdown(cell, page: Page, site: Site) -> dict:
     return {'cell_type': 'markdown', 'metadata': meta, 'source': site.fix_links(cell.source, page, cell)}
 
 
+SHOWN_OUTPUTS = ('stream', 'display_data', 'execute_result')  # a demo's saved outputs (tools/outputs.py writes them)
+
+
 def _code(cell, fold: bool) -> dict:
-    "A code cell with its options applied: `echo: false` hides the code, `code-fold` folds it, tests fold"
+    """A code cell with its options applied: `echo: false` hides the code, `code-fold` folds it, tests fold. A demo
+    shows the outputs saved in the notebook; a cell that failed while the site was built shows only its error"""
     options, code = _options(cell.source)
     errors = [dict(o) for o in cell.get('outputs', []) if o.get('output_type') == 'error']
     meta = {'docs_lines': len(code.splitlines())}
     if options.get('echo') == 'false': meta['transient'] = {'remove_source': True}
     if options.get('code-fold'): meta['docs_role'] = 'exported'
     elif fold and is_test(code): meta['docs_role'] = 'test'
+    shown = [] if meta.get('docs_role') else [_joined(o) for o in cell.get('outputs', [])
+                                                if o.get('output_type') in SHOWN_OUTPUTS]
+    if shown: meta['docs_role'] = 'demo'
     if errors: meta['docs_role'] = 'error'
-    return {'cell_type': 'code', 'metadata': meta, 'source': code, 'outputs': errors, 'execution_count': None}
+    return {'cell_type': 'code', 'metadata': meta, 'source': code, 'outputs': errors or shown, 'execution_count': None}
+
+
+_STYLE = re.compile(r'<style[^>]*>.*?</style>\s*', re.S | re.I)
+
+
+def _joined(output) -> dict:
+    """An output with its text as one string (a notebook file may keep a multi-line text as a list of lines), and an
+    HTML one without its own `<style>` (pandas adds one to a table; the site's stylesheet draws tables)"""
+    output = dict(output)
+    join = lambda value: ''.join(value) if isinstance(value, list) else value
+    if 'text' in output: output['text'] = join(output['text'])
+    if 'data' in output: output['data'] = {mime: join(value) for mime, value in output['data'].items()}
+    if 'text/html' in output.get('data', {}): output['data']['text/html'] = _STYLE.sub('', output['data']['text/html'])
+    return output
 
 
 # The site's own pages, the sidebar, and writing it all ------------------------------------------------------------

@@ -126,6 +126,16 @@ def check_gradient_allreduce_op(config: dict):
         raise ValueError(f"gradient_allreduce_op='sum' is not supported with {why}: use 'mean'")
 
 # %% ../../nbs/90_deepspeed_config.ipynb #c009
+def _zero_as_given(zero) -> dict:
+    """`zero_optimization` as DeepSpeedZeroConfig takes it: an offload block left at its defaults is None, as when
+    DeepSpeed's config has none (a block that says only `device: none` reads the same)"""
+    given = zero.to_dict()
+    for block, default in (('offload_param', OffloadParamConfig()), ('offload_optimizer', OffloadOptimizerConfig())):
+        if getattr(zero, block) == default:
+            given[block] = None
+    return given
+
+
 class DeepSpeedConfig(_Attrs):
     """DeepSpeed's `DeepSpeedConfig(config, mpu)`: flexrt's config resolved for the world size, under DeepSpeed's
     attribute names (mutable)"""
@@ -155,7 +165,7 @@ class DeepSpeedConfig(_Attrs):
         self.gradient_allreduce_op = r.gradient_allreduce_op
         self.communication_data_type = r.communication_data_type
         self.gradient_clipping = r.gradient_clipping
-        self.zero_config = DeepSpeedZeroConfig(**r.zero_optimization.to_dict())
+        self.zero_config = DeepSpeedZeroConfig(**_zero_as_given(r.zero_optimization))
         self.zero_optimization_stage = r.zero_optimization.stage
         self.zero_enabled = r.zero_optimization.stage > 0
         self.fp16_enabled = r.fp16.enabled

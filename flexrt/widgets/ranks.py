@@ -106,8 +106,10 @@ def straggler_text(found: dict | None) -> str:
 
 # %% ../../nbs/80_widgets_ranks.ipynb #w2816838
 def busy_by_step(steps: pd.DataFrame) -> pd.DataFrame:  # index step, one column per rank: seconds of work
-    "Each rank's work per step (period minus blocked time)"
-    period = steps['step_period'].fillna(steps['step_time']) if 'step_period' in steps else steps['step_time']
+    "Each rank's work per step: its period minus its blocked time (a record without a period: its step time)"
+    period = steps['step_period'] if 'step_period' in steps else pd.Series(float('nan'), index=steps.index)
+    if 'step_time' in steps:
+        period = period.fillna(steps['step_time'])
     return steps.assign(busy=period - steps['comm_wait']).pivot_table(index='step', columns='rank', values='busy')
 
 
