@@ -23,8 +23,9 @@ def pytest_configure(config):
 def pytest_sessionstart(session):
     if _worker(session.config):
         # flexrt.launch's rendezvous ports too from this worker's share (tests/helpers.py's free_port)
-        import helpers, flexrt.launch.launcher
-        flexrt.launch.launcher.free_port = helpers.free_port
+        import functools, helpers
+        from flexrt.launch import launcher
+        launcher.free_port = functools.partial(launcher.free_port, share=helpers.worker_share())
         return  # the controller cleared the locks before the workers started; a worker may compile
     for lock in _torch_extensions_dir().glob('*/*/lock'): lock.unlink(missing_ok=True)
 

@@ -13,16 +13,21 @@ import gc, os, pickle, socket, traceback, time, queue as queue_mod
 from datetime import timedelta
 import multiprocessing as mp
 
-from flexrt.launch.launcher import free_port as draw_port  # bound before tests/conftest.py hands flexrt.launch this one
+from flexrt.launch import launcher
+
+
+def worker_share() -> tuple:
+    "(this pytest-xdist worker's index, the workers' count): the share of ports it draws from; (0, 1) without xdist"
+    workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
+    return int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:]), workers
 
 
 def free_port() -> int:
     """A TCP port nobody listens on now, for a rank to bind a moment later: flexrt.launch's draw below the kernel's
-    ephemeral range. Under pytest-xdist each worker draws from a share of its own (`port % workers`), so two workers
-    never pick alike."""
-    workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
-    worker = int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:])
-    return draw_port(share=(worker, workers))
+    ephemeral range, from this worker's share (`port % workers`), so two workers never pick alike. (tests/conftest.py
+    gives flexrt.launch's own draws the same share; this module may be imported twice, as `helpers` and
+    `tests.helpers`, so it looks the function up when called)"""
+    return launcher.free_port(share=worker_share())
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
     import torch, torch.distributed as tdist
