@@ -9,10 +9,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_notebook import execute
 
-def run(out: Path, timeout: int = 600, max_trials: int | None = None):
-    "Execute the notebook in a fresh kernel and save the executed copy in `out`; `max_trials`: the notebook's 14 if None"
-    env = {'FLEXRT_AUTOTUNE_OUT': str(out.resolve())} | ({'FLEXRT_AUTOTUNE_TRIALS': str(max_trials)} if max_trials else {})
-    return execute('autotune.ipynb', out, env, timeout)
+def run(out: Path, timeout: int = 600):
+    "Execute the notebook in a fresh kernel and save the executed copy in `out`"
+    return execute('autotune.ipynb', out, {'FLEXRT_AUTOTUNE_OUT': str(out.resolve())}, timeout)
 
 if __name__ == '__main__':
     out = Path(os.environ.get('OUT', 'demo_out'))
