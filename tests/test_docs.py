@@ -1,10 +1,10 @@
 """The documentation site: tools/docs.py (`make docs`) builds it into a temporary folder, and every page holds up.
 
 No page shows a failed cell or a traceback; hidden cells stay hidden and the cells that assert are folded; every demo
-shows the outputs saved in its notebook (tools/outputs.py, `make outputs`), and the saved outputs keep its rules; every name
-of every flexrt module's `__all__` has an API entry somewhere on the site; every relative link leads to a file of the
-site, and its `#anchor` to an id on that page; nothing is fetched from elsewhere (no stylesheet, script, image or font
-off the site); and every page opens in Chromium (one browser, one tab, file:// URLs) without a console error or a
+shows the outputs saved in its notebook (tools/outputs.py, `make outputs`), and the saved outputs keep its rules; every
+name of every flexrt module's `__all__` has an API entry somewhere on the site; every relative link leads to a file of
+the site, and its `#anchor` to an id on that page; nothing is fetched from elsewhere (no stylesheet, script, image or
+font off the site); and every page opens in Chromium (one browser, one tab, file:// URLs) without a console error or a
 failed request. Chromium comes as tests/test_browser.py gets it (Debian's, installed with apt-get on first use), or the
 browser check skips saying why."""
 import configparser, json, subprocess, sys, time
@@ -174,7 +174,7 @@ def test_saved_outputs_are_demos_kept_as_make_outputs_keeps_them():
         for cell in cells:
             where = f'{path.name}, cell {cell.get("id")}'
             if not is_demo(cell): wrong.append(f'{where}: not a demo (a test, an export, hidden), yet it has outputs')
-            elif kept(cell['outputs']) != _joined(cell['outputs']):
+            elif kept(cell['outputs']) != _as_strings(cell['outputs']):
                 wrong.append(f'{where}: outputs `make outputs` would not keep')
     assert not wrong, wrong
     faces = [p for p in (ROOT / 'nbs').glob('*.ipynb') if p.stem.count('_') == 1 and p.name != 'index.ipynb']
@@ -195,7 +195,7 @@ def test_every_demo_shows_its_saved_outputs(site):
     assert sum(p.demos for p in pages.values()) >= 30
 
 
-def _joined(outputs: list) -> list:
+def _as_strings(outputs: list) -> list:
     "Outputs with each text as one string (nbdev_clean keeps a multi-line one as a list of lines)"
     join = lambda value: ''.join(value) if isinstance(value, list) else value
     return [{k: {m: join(v) for m, v in value.items()} if k == 'data' else join(value) for k, value in o.items()}
@@ -203,7 +203,8 @@ def _joined(outputs: list) -> list:
 
 
 def _first_line(output: dict) -> str:
-    "The first line of a stream's or text result's text ('' for a picture or HTML: their markup is the page's own)"
+    "The first line of a stream's or text result's text ('' for a picture, HTML or markdown: rendered, not as text)"
     text = output.get('text') or output.get('data', {}).get('text/plain') or output.get('data', {}).get('text/markdown')
     text = ''.join(text) if isinstance(text, list) else text or ''
-    return text.strip().splitlines()[0].strip() if text.strip() and 'text/markdown' not in output.get('data', {}) else ''
+    if not text.strip() or 'text/markdown' in output.get('data', {}): return ''
+    return text.strip().splitlines()[0].strip()

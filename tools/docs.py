@@ -8,9 +8,10 @@ tools/outputs.py), and tests (cells that assert and show nothing) folded.
 and `architecture.html` are docs/getting_started.md and docs/architecture.md. Every page has the same header and
 sidebar. Nothing is fetched when a page opens: one stylesheet, no script, no web font.
 
-Notebooks are not run (their demos' outputs are saved in them). As nbdev's docs processor does, the exported cells run (that is importing the module) and so do
-the `show_doc` cells, which render the entries; unlike it, of any other cell only its import statements run (nbdev runs
-such a cell whole: its tests, ranks it launches, names a skipped cell defined). A cell that fails, a public name
+Notebooks are not run: their demos' outputs are saved in them. As nbdev's docs processor does, the exported cells run
+(that is importing the module) and so do the `show_doc` cells, which render the entries; unlike it, of any other cell
+only its import statements run (nbdev runs such a cell whole: its tests, ranks it launches, names a skipped cell
+defined). A cell that fails, a public name
 without an entry and a relative link that leads nowhere are reported by notebook and cell, and the build exits 1.
 README.md is never written (tools/readme.py writes it).
 

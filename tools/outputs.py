@@ -1,7 +1,8 @@
 """Save what the notebooks' demo cells show (`make outputs`): the docs site renders it, and so does any notebook viewer.
 
 Each notebook runs as `make nbtest` runs it (execnb's shell in nbs/, IN_TEST set, cells flagged `slow` skipped,
-`multiproc` ones run), in a fresh process, two notebooks at a time. A notebook that fails is reported and left as it was.
+`multiproc` ones run), in a fresh process, two notebooks at a time. A notebook that fails is reported and left as it
+was.
 
 A code cell keeps its outputs when it is a demo (`is_demo`): not exported, not hidden, not a test (it asserts and prints
 nothing: tools/docs.py folds those), not an API entry (`show_doc`), not `#| output: false`. Of what it showed, kept are
