@@ -499,6 +499,8 @@ def free_port(share: tuple = (0, 1)) -> int:  # (i, n): only ports p with p % n 
     gloo socket, under load) can take it before the store binds it (EADDRINUSE); below it only a listener can, and
     the draw skips ports with one. Where the range leaves no room below it, a port from bind(0)."""
     index, count = share
+    if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
+        raise ValueError(f'share=(index, count) needs whole numbers with 0 <= index < count, not {share!r}')
     low, high = 10000, ephemeral_ports()[0]
     draw = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(1000 if high - low >= 1000 else 0):
