@@ -16,7 +16,7 @@ from test_browser import chromium  # noqa: F401  (the fixture: Debian's Chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'tools'))
-from docs import page_name  # noqa: E402
+from docs import as_strings, page_name  # noqa: E402
 from outputs import is_demo, kept  # noqa: E402  (the rules `make outputs` saves by)
 VOID_TAGS = {'area', 'base', 'br', 'col', 'embed', 'hr', 'img', 'input', 'link', 'meta', 'source', 'track', 'wbr'}
 EXTRA_PAGES = ('index.html', 'getting_started.html', 'architecture.html', 'overview.html')
@@ -50,7 +50,8 @@ class Page(HTMLParser):
         self.tests += tag == 'details' and 'test-cell' in classes
         self.demos += tag == 'div' and 'demo-cell' in classes
         if {'output_error', 'docs-error'} & set(classes): self.errors.append(f'<{tag} class="{attrs["class"]}">')
-        if tag not in VOID_TAGS: self._open.append((tag, 'output_wrapper' in classes or any(o for _, o in self._open)))
+        inside = 'output_wrapper' in classes or bool(self._open and self._open[-1][1])
+        if tag not in VOID_TAGS: self._open.append((tag, inside))
 
     def handle_endtag(self, tag):
         while self._open and self._open.pop()[0] != tag: pass
@@ -174,7 +175,7 @@ def test_saved_outputs_are_demos_kept_as_make_outputs_keeps_them():
         for cell in cells:
             where = f'{path.name}, cell {cell.get("id")}'
             if not is_demo(cell): wrong.append(f'{where}: not a demo (a test, an export, hidden), yet it has outputs')
-            elif kept(cell['outputs']) != _as_strings(cell['outputs']):
+            elif kept(cell['outputs']) != [as_strings(o) for o in cell['outputs']]:
                 wrong.append(f'{where}: outputs `make outputs` would not keep')
     assert not wrong, wrong
     faces = [p for p in (ROOT / 'nbs').glob('*.ipynb') if p.stem.count('_') == 1 and p.name != 'index.ipynb']
@@ -193,13 +194,6 @@ def test_every_demo_shows_its_saved_outputs(site):
             if first and first not in shown: missing.append(f'{page.path.name}: {first!r} is not among its outputs')
     assert not missing, missing
     assert sum(p.demos for p in pages.values()) >= 30
-
-
-def _as_strings(outputs: list) -> list:
-    "Outputs with each text as one string (nbdev_clean keeps a multi-line one as a list of lines)"
-    join = lambda value: ''.join(value) if isinstance(value, list) else value
-    return [{k: {m: join(v) for m, v in value.items()} if k == 'data' else join(value) for k, value in o.items()}
-            for o in outputs]
 
 
 def _first_line(output: dict) -> str:

@@ -83,7 +83,7 @@ def failure(page: Page, cell, what: str):
 
 # Processing: nbdev's processors in nbdev's order, with four of ours ---------------------------------------------------
 
-def _show_doc_calls(source: str) -> list:
+def show_doc_calls(source: str) -> list:
     "The `show_doc(...)` calls of a cell made only of them, as source strings; [] for any other cell"
     try: body = ast.parse(source).body
     except SyntaxError: return []
@@ -116,7 +116,7 @@ class split_show_docs(Processor):
     def begin(self):
         cells = []
         for cell in self.nb.cells:
-            calls = _show_doc_calls(cell.source) if cell.cell_type == 'code' and not cell.directives_ else []
+            calls = show_doc_calls(cell.source) if cell.cell_type == 'code' and not cell.directives_ else []
             cells += [_part_of(cell, call) for call in calls] if len(calls) > 1 else [cell]
         self.nb.cells = cells
 
@@ -428,7 +428,7 @@ def collect_entries(page: Page):
     cells = []
     for cell in page.nb.cells:
         if cell.cell_type == 'raw' and cell.source.startswith('---'): continue
-        if cell.cell_type == 'code' and _show_doc_calls(_options(cell.source)[1]): cell = _show_doc_entry(page, cell)
+        if cell.cell_type == 'code' and show_doc_calls(_options(cell.source)[1]): cell = _show_doc_entry(page, cell)
         elif cell.metadata.get('docs_api'):
             cell.metadata['docs_api'].update(anchor=_entry_anchor(page, cell.metadata['docs_api']['name']), level=3)
         cells.append(cell)
@@ -496,13 +496,17 @@ def _code(cell, fold: bool) -> dict:
 _STYLE = re.compile(r'<style[^>]*>.*?</style>\s*', re.S | re.I)
 
 
-def _joined(output) -> dict:
-    """An output with its text as one string (a notebook file may keep a multi-line text as a list of lines), and an
-    HTML one without its own `<style>` (pandas adds one to a table; the site's stylesheet draws tables)"""
-    output = dict(output)
+def as_strings(output) -> dict:
+    "An output with each text as one string: a notebook file may keep a multi-line text as a list of lines"
     join = lambda value: ''.join(value) if isinstance(value, list) else value
-    if 'text' in output: output['text'] = join(output['text'])
+    output = {key: join(value) for key, value in output.items()}
     if 'data' in output: output['data'] = {mime: join(value) for mime, value in output['data'].items()}
+    return output
+
+
+def _joined(output) -> dict:
+    "`as_strings`, and an HTML output without its own `<style>` (pandas adds one to a table; site.css draws tables)"
+    output = as_strings(output)
     if 'text/html' in output.get('data', {}): output['data']['text/html'] = _STYLE.sub('', output['data']['text/html'])
     return output
 

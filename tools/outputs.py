@@ -21,7 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NBS = ROOT / 'nbs'
 sys.path.insert(0, str(ROOT / 'tools'))
-from docs import is_test  # noqa: E402  (the docs site's own rule for a folded test)
+from docs import is_test, show_doc_calls  # noqa: E402  (the docs site's own rules: a folded test, an API entry)
+from execnb.nbio import mk_cell  # noqa: E402
+from nbdev.process import extract_directives  # noqa: E402
 
 MAX_LINES = 40  # a longer stream is cut, saying how many lines it had
 MAX_CHARS = 60_000  # a bigger HTML, markdown or PNG (base64) output is left out, saying so
@@ -30,40 +32,22 @@ _ANSI = re.compile(r'\x1b\[[0-9;]*[A-Za-z]')
 _KEPT_MIMES = ('image/png', 'text/markdown', 'text/html', 'text/plain')  # first found wins
 
 
-def directives(source: str) -> dict:
-    "The cell's `#| key[: value]` lines, as nbdev reads them: key -> value ('' for a bare flag)"
-    found = {}
-    for line in source.splitlines():
-        match = re.match(r'\s*#\|\s*([\w-]+)\s*(:?)\s*(.*)', line)
-        if not match:
-            break
-        found[match[1] + match[2]] = match[3].strip()
-    return found
-
-
 def is_demo(cell: dict) -> bool:
     "Whether a code cell's outputs teach (see the module's docstring)"
     if cell.get('cell_type') != 'code':
         return False
     source = ''.join(cell.get('source', ''))
-    marks = directives(source)
-    if {'export', 'exports', 'exporti', 'hide', 'export:', 'exports:'} & set(marks):
+    marks = extract_directives(mk_cell(source), remove=False)  # nbdev's reading of the `#| ...` lines
+    if {'export', 'exports', 'exporti', 'hide'} & set(marks) or 'nbdev_export' in source:
         return False
-    if marks.get('output:', '').lower() == 'false' or marks.get('eval:', '').lower() == 'false':
-        return False
-    if 'nbdev_export' in source:
+    if any([v.lower() for v in marks.get(key, [])] == ['false'] for key in ('output:', 'eval:')):
         return False
     code = '\n'.join(line for line in source.splitlines() if not line.lstrip().startswith('#|'))
     try:
         body = ast.parse(code).body
     except SyntaxError:
         return False
-    show_doc = lambda s: (
-        isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and getattr(s.value.func, 'id', '') == 'show_doc'
-    )
-    if body and all(show_doc(s) for s in body):
-        return False
-    return bool(body) and not is_test(code)
+    return bool(body) and not show_doc_calls(code) and not is_test(code)
 
 
 def kept(outputs: list) -> list:
