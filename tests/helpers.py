@@ -13,7 +13,7 @@ import gc, os, pickle, socket, traceback, time, queue as queue_mod
 from datetime import timedelta
 import multiprocessing as mp
 
-from flexrt.launch import launcher
+from flexrt.launch import ports
 
 
 def worker_share() -> tuple:
@@ -24,10 +24,9 @@ def worker_share() -> tuple:
 
 def free_port() -> int:
     """A TCP port nobody listens on now, for a rank to bind a moment later: flexrt.launch's draw below the kernel's
-    ephemeral range, from this worker's share (`port % workers`), so two workers never pick alike. (tests/conftest.py
-    gives flexrt.launch's own draws the same share; this module may be imported twice, as `helpers` and
-    `tests.helpers`, so it looks the function up when called)"""
-    return launcher.free_port(share=worker_share())
+    ephemeral range, from this worker's share (`port % workers`), so two workers never pick alike (tests/conftest.py
+    gives flexrt.launch's own draws the same share)"""
+    return ports.free_port(share=worker_share())
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
     import torch, torch.distributed as tdist

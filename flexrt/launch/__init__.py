@@ -18,10 +18,10 @@ from flexrt.launch.launcher import (
     RankMain,
     RankError,
     Run,
-    free_port,
     launch,
 )
 from .output import describe_launch, quiet_launcher
+from .ports import free_port
 from flexrt.launch.elastic import (
     Restart,
     restart_from_environment,

@@ -4,17 +4,18 @@
 
 # %% ../../nbs/35_launch_launcher.ipynb #c003
 from __future__ import annotations
-import faulthandler, json, os, random, shutil, signal, socket, tempfile, threading, time, traceback, warnings
+import faulthandler, json, os, shutil, signal, socket, tempfile, threading, traceback, warnings
 import psutil, torch
 from .. import monitor, comm as dist
 from .output import quiet_launcher, describe_launch
+from .ports import free_port
 from .results import RESULTS, write_result, read_result
 from .elastic import ATTEMPT_VARIABLE, CHECKPOINT_VARIABLE, PREVIOUS_VARIABLE, Attempt, plan_restart
 from ..utils.threads import size_threads
 
 # %% auto #0
 __all__ = ['STOP_VARIABLE', 'STACK_SIGNAL', 'FAILURE_GRACE_S', 'stop_requested', 'should_stop', 'prepare_stop', 'request_stop',
-           'RankMain', 'RankError', 'Run', 'ephemeral_ports', 'free_port', 'launch']
+           'RankMain', 'RankError', 'Run', 'launch']
 
 # %% ../../nbs/35_launch_launcher.ipynb #c006
 STOP_VARIABLE = 'FLEXRT_STOP_FILE'
@@ -483,44 +484,6 @@ def _finish(run: Run, error: BaseException | None):
     _close(run, _end_attempt(run, error))
 
 # %% ../../nbs/35_launch_launcher.ipynb #c032
-def ephemeral_ports() -> tuple:
-    "(low, high): the ports the kernel hands out itself (bind(0), outgoing connections); Linux's default if unreadable"
-    try:
-        with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
-            low, high = f.read().split()[:2]
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port(share: tuple = (0, 1)) -> int:  # (i, n): only ports p with p % n == i, for n launchers drawing at once
-    """A TCP port nobody listens on now, for rank 0's store to bind a moment later. Drawn at random below the kernel's
-    ephemeral range: a port from bind(0) lies in that range, where another process's next outgoing connection (a
-    gloo socket, under load) can take it before the store binds it (EADDRINUSE); below it only a listener can, and
-    the draw skips ports with one. Where the range leaves no room below it, a port from bind(0)."""
-    index, count = share
-    if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
-        raise ValueError(f'share=(index, count) needs whole numbers with 0 <= index < count, not {share!r}')
-    low, high = 10000, ephemeral_ports()[0]
-    draw = random.Random(os.getpid() ^ time.time_ns())
-    for _ in range(1000 if high - low >= 1000 else 0):
-        port = draw.randrange(low, high)
-        if port % count != index:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(('127.0.0.1', port))
-            except OSError:  # listened on, or lingering from an earlier run
-                continue
-            return port
-    while True:  # some kernels give bind(0) ports of one parity: share by port // 2
-        with socket.socket() as s:
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-        if port // 2 % count == index:
-            return port
-
-
 def _attempt(run: Run, fn, args, world_size: int, kwargs) -> BaseException | None:  # what the launcher raised
     "Run one attempt of `world_size` ranks through accelerate's launcher"
     from accelerate import notebook_launcher
