@@ -28,14 +28,19 @@ its ratio to the sync save (goal <= 10 %), median step time normal and during th
 copies left out: it is counted as blocked), and the speed during the write as a share of normal.
 
 Step speed during the write (goal >= 90 % of normal with a spare core): each rank runs torch with one thread, so
-`--ranks` one below the machine's cores leaves the writing threads a core; on a 2-core machine:
+`--ranks` one below the machine's cores leaves the writer a core; on a 2-core machine:
 
-    python bench/checkpoint.py --async-only --ranks 1
+    python bench/checkpoint.py --async-only --ranks 1 [--floor]
 
-Without a spare core (`--ranks 2` on 2 cores, the default) the writing thread (copying, serialising, xxh3 hashing,
-writing) takes its CPU from the ranks: the steps that run during the write slow down by about the write's CPU time
-spread over them (the README's table, on a busy 2-core machine: 1.25-1.68x the normal step time), and the write
-itself takes longer.
+`--floor` adds, per stage, the steps' speed beside a process that does nothing but torch.save and fsync this rank's
+state in a loop (no copies, no hashing, no Python shared with the rank): the best any background writer can do on
+the machine, the reference for the goal.
+
+The files are written by each rank's writer process (`--writer process`, the default on Linux: serialising, fsync
+and xxh3 hashing in a child process at nice 10, off the rank's GIL) or by a thread of the rank (`--writer thread`,
+what other platforms get); run both to compare. Without a spare core (`--ranks 2` on 2 cores, the default) the
+writer takes its CPU from the ranks: the niced process mostly while they wait in communication, the thread at the
+ranks' own priority.
 """
 import argparse, logging, os, shutil, socket, statistics, sys, tempfile, time, warnings
 os.environ.setdefault('DS_ACCELERATOR', 'cpu')
@@ -49,10 +54,11 @@ def make_model(args):
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
 
-def config(stage):
+def config(stage, writer='process'):
     return {'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 1, 'steps_per_print': 10 ** 9,
             'zero_optimization': {'stage': stage, 'stage3_param_persistence_threshold': 0},
-            'zero_allow_untested_optimizer': True, 'checkpoint': {'tag_validation': 'Ignore'}}
+            'zero_allow_untested_optimizer': True,
+            'checkpoint': {'tag_validation': 'Ignore', 'async_writer': writer}}
 
 def adamw(model): return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -147,7 +153,7 @@ def async_rounds(stage, args) -> list:
     import flexrt
     from flexrt.checkpoint.async_save import CheckpointWriter
     model = make_model(args)
-    engine = flexrt.initialize(model=model, optimizer=adamw(model), config=config(stage))[0]
+    engine = flexrt.initialize(model=model, optimizer=adamw(model), config=config(stage, args.writer))[0]
     writer, d, rows = CheckpointWriter(engine), os.path.join(args.dir, f'async-{stage}'), []
     one_step(engine, args)
     for r in range(args.rounds + 1):
@@ -163,17 +169,47 @@ def async_rounds(stage, args) -> list:
         _, normal = steps_while(engine, args, None, most=n)
         waited = blocked[1].item()
         if r: rows.append((sync, blocked[0].item(), waited, normal / n, (during - job.step_wait_seconds) / n))
-    writer.close(); engine.close()
+    writer.close()
+    if args.floor:
+        floor = floor_rounds(engine, args, os.path.join(args.dir, f'floor-{stage}-{tdist.get_rank()}.pt'))
+        rows = [row + (f,) for row, f in zip(rows, floor)]
+    engine.close()
     return rows
+
+def _save_loop(state, path, stop):
+    torch.set_num_threads(1)
+    while not stop.is_set():
+        torch.save(state, path)
+        fd = os.open(path, os.O_RDONLY); os.fsync(fd); os.close(fd)
+
+def floor_rounds(engine, args, path) -> list:
+    """The floor for step speed during a write: per round, 20 steps alone, then 20 beside a process that does nothing
+    but torch.save + fsync this rank's state (module and optimizer) in a loop; normal / beside, per round"""
+    import multiprocessing
+    state = {'module': {k: v.clone() for k, v in engine.module.state_dict().items()},
+             'optimizer': engine.basic_optimizer.state_dict()}
+    out, ctx = [], multiprocessing.get_context('fork')
+    for _ in range(args.rounds):
+        _, alone = steps_while(engine, args, None, most=20)
+        stop = ctx.Event(); proc = ctx.Process(target=_save_loop, args=(state, path, stop), daemon=True); proc.start()
+        time.sleep(0.3)
+        _, beside = steps_while(engine, args, None, most=20)
+        stop.set(); proc.join()
+        out.append(alone / beside)
+    os.unlink(path)
+    return out
 
 def report_async(stage, rows):
     med = statistics.median
-    sync, blocked, waited, normal, during = (med(col) for col in zip(*rows))
+    sync, blocked, waited, normal, during = (med(col) for col in list(zip(*rows))[:5])
     share = paired([b for _, b, *_ in rows], [s for s, *_ in rows])
-    speed = paired([n for *_, n, _ in rows], [x for *_, x in rows])
+    speed = paired([r[3] for r in rows], [r[4] for r in rows])
     print(f"stage {stage} async: sync save {sync * 1e3:6.0f} ms, blocked {blocked * 1e3:5.0f} ms "
           f"(step waited {waited * 1e3:4.0f} ms; {share:6.1%} of sync); "
           f"step {normal * 1e3:5.0f} ms normal, {during * 1e3:5.0f} ms during the write ({speed:4.0%} speed)", flush=True)
+    if len(rows[0]) > 5:
+        print(f"stage {stage} floor: steps beside a process that only saves and fsyncs this rank's state in a loop: "
+              f"{med(r[5] for r in rows):4.0%} speed", flush=True)
 
 def paired(xs, ys): return statistics.median(x / y for x, y in zip(xs, ys))
 
@@ -195,6 +231,10 @@ def main():
                     help='gloo ranks, one torch thread each (1 on a 2-core machine: the writing thread has a core)')
     ap.add_argument('--no-async', dest='run_async', action='store_false', help='skip the asynchronous rows')
     ap.add_argument('--async-only', action='store_true', help='only the asynchronous rows')
+    ap.add_argument('--writer', choices=['process', 'thread'], default='process',
+                    help="who writes an asynchronous save: a writer process per rank (the default), or a thread")
+    ap.add_argument('--floor', action='store_true',
+                    help="also the steps' speed beside a process that only saves and fsyncs the rank's state in a loop")
     args = ap.parse_args()
     try:
         import deepspeed  # noqa: F401

@@ -5,7 +5,13 @@ import errno, os, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from helpers import run_distributed, checkpoint_tree
-from test_checkpoint import engine_for, random_steps, snapshot
+from test_checkpoint import engine_for, random_steps, snapshot, make_model, config
+
+def async_engine(stage, writer='process', seed=0):
+    "`engine_for(stage, gas=1)` whose asynchronous saves are written by `writer` ('process' or 'thread')"
+    import flexrt
+    cfg = {**config(stage, gas=1), 'checkpoint': {'async_writer': writer}}
+    return flexrt.initialize(model=make_model(seed, 0.1), config=cfg)[0]
 
 def writer_for(engine):
     from flexrt.checkpoint.async_save import CheckpointWriter
@@ -14,9 +20,9 @@ def writer_for(engine):
 # ---------------------------------------------------------------------------------------------------------------
 # the same files, and training that goes on as after a synchronous save
 
-def same_files_rank(rank, world, d, stage):
+def same_files_rank(rank, world, d, stage, writer):
     "Save one state synchronously and asynchronously (then step at once, while the thread may still write)"
-    e = engine_for(stage, gas=1)
+    e = async_engine(stage, writer)
     random_steps(e, 2)
     writer = writer_for(e)
     assert writer.save(Path(d, 'sync'), tag='t', client_state={'epoch': 3}) is True
@@ -25,12 +31,14 @@ def same_files_rank(rank, world, d, stage):
     landed_before = bool(job)
     assert writer.wait() is True and bool(job)
     e.close()
-    return landed_before
+    return landed_before, job.writer
 
-@pytest.mark.parametrize('stage', [0, 1, 2, 3])
-def test_async_save_writes_what_a_synchronous_save_writes(tmp_path, stage):
-    landed = run_distributed(same_files_rank, 2, args=(str(tmp_path), stage))
-    assert landed == [False, False]        # a save is not reported as done before `wait` agreed it landed
+# every stage through the writer process (the default on Linux); the thread writer where the process cannot run
+@pytest.mark.parametrize('stage,writer', [(0, 'process'), (1, 'process'), (2, 'process'), (3, 'process'),
+                                          (0, 'thread'), (3, 'thread')])
+def test_async_save_writes_what_a_synchronous_save_writes(tmp_path, stage, writer):
+    landed = run_distributed(same_files_rank, 2, args=(str(tmp_path), stage, writer))
+    assert landed == [(False, writer)] * 2  # not reported as done before `wait` agreed it landed; written by `writer`
     sync, done = checkpoint_tree(tmp_path / 'sync'), checkpoint_tree(tmp_path / 'async')
     assert sorted(done) == sorted(sync) and 't/rank_00001.pt' in done
     for name in sync:
@@ -116,15 +124,22 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from helpers import run_distributed
 from test_checkpoint import engine_for, random_steps
+import os, signal
 import flexrt.checkpoint.storage as storage
-def loop(rank, world, d, pause_rank, pause_file):
-    "Save 'one' and wait; save 'two' asynchronously, its write held forever on `pause_rank` before `pause_file`"
+from test_checkpoint_async import async_engine
+def loop(rank, world, d, pause_rank, pause_file, who):
+    """Save 'one' and wait; save 'two' asynchronously, its write held forever on `pause_rank` before `pause_file`: in
+    this process (the thread's writes, rank 0's publication), or by stopping the rank's writer process"""
     from flexrt.checkpoint.async_save import CheckpointWriter
-    e = engine_for(1, gas=1)
+    from flexrt.checkpoint import writer_process as writers
+    e = async_engine(1, who)
     writer = CheckpointWriter(e)
     random_steps(e, 1)
     writer.save(d, tag='one', async_save=True)
     writer.wait()
+    stop = rank == pause_rank and who == 'process' and pause_file.startswith('rank_')
+    if stop:   # the writer process writes nothing more: it holds 'two' before its first file
+        os.kill(writers.writer_process().proc.pid, signal.SIGSTOP)
     real = storage.atomic_write
     def held(path, *args, **kwargs):
         if Path(path).name == pause_file and rank == pause_rank and Path(path).parent.name == '.two.partial':
@@ -134,9 +149,10 @@ def loop(rank, world, d, pause_rank, pause_file):
     storage.atomic_write = held
     random_steps(e, 1)
     writer.save(d, tag='two', async_save=True)
-    random_steps(e, 2)                 # training goes on while the thread is held
+    if stop: print('PAUSED', flush=True)
+    random_steps(e, 2)                 # training goes on while the write is held
     writer.wait()
-run_distributed(loop, 2, args=(sys.argv[1], int(sys.argv[3]), sys.argv[4]), timeout=10**6)
+run_distributed(loop, 2, args=(sys.argv[1], int(sys.argv[3]), sys.argv[4], sys.argv[5]), timeout=10**6)
 '''
 
 def wait_for_line(proc, text, timeout=120):
@@ -162,15 +178,17 @@ def load_latest_rank(rank, world, d):
     e.close()
     return Path(path).name, steps
 
-# where the thread is held: rank 1 before its shard; rank 0 before the manifest (every shard written, not published)
-@pytest.mark.parametrize('pause_rank,pause_file', [(1, 'rank_00001.pt'), (0, 'manifest.json')])
-def test_sigkill_during_the_background_write_leaves_the_previous_checkpoint(tmp_path, pause_rank, pause_file):
+# where the write is held: rank 1 before its shard (its thread, or its writer process); rank 0 before the manifest
+# (every shard written, not published)
+@pytest.mark.parametrize('pause_rank,pause_file,who', [(1, 'rank_00001.pt', 'thread'), (1, 'rank_00001.pt', 'process'),
+                                                       (0, 'manifest.json', 'process')])
+def test_sigkill_during_the_background_write_leaves_the_previous_checkpoint(tmp_path, pause_rank, pause_file, who):
     from flexrt.checkpoint import consolidate, CheckpointError
     from flexrt.checkpoint.layout import read_latest, tag_dir
     d, script = tmp_path / 'ckpt', tmp_path / 'worker.py'
     script.write_text(KILL_WORKER)
     here = str(Path(__file__).parent)
-    proc = subprocess.Popen([sys.executable, str(script), str(d), here, str(pause_rank), pause_file],
+    proc = subprocess.Popen([sys.executable, str(script), str(d), here, str(pause_rank), pause_file, who],
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         wait_for_line(proc, 'PAUSED')
@@ -189,10 +207,10 @@ def test_sigkill_during_the_background_write_leaves_the_previous_checkpoint(tmp_
 # a background error reaches every rank at the next call
 
 def failing_rank(rank, world, d):
-    "Three asynchronous saves that fail in the background; what each rank's next call raised"
+    "Three asynchronous saves that fail in the background (faults planted in this process); each rank's next call's error"
     import flexrt.checkpoint.storage as storage
     import flexrt.checkpoint.async_save as async_save
-    e = engine_for(0, gas=1)
+    e = async_engine(0, 'thread')
     writer = writer_for(e)
     random_steps(e, 1)
     writer.save(d, tag='good', async_save=True)
@@ -256,3 +274,50 @@ def test_engine_save_checkpoint_async(tmp_path):
     from flexrt.checkpoint.layout import read_latest
     assert run_distributed(engine_surface_rank, 2, args=(str(tmp_path),)) == ['t', 't']
     assert read_latest(tmp_path) == 'u'
+
+# ---------------------------------------------------------------------------------------------------------------
+# real faults in rank 1's writer process: a file size limit, then the process killed in the middle of a save
+
+def process_fault_rank(rank, world, d):
+    import resource
+    from flexrt.checkpoint import writer_process as writers
+    e = async_engine(0, 'process')
+    writer = writer_for(e)
+    random_steps(e, 1)
+    writer.save(d, tag='good', async_save=True)
+    writer.wait()
+    raised, pid = {}, writers.writer_process().proc.pid
+    if rank == 1:   # the writer process may write files of 1 KiB at most: torch.save fails part-way
+        hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)[1]
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (1024, hard))
+    writer.save(d, tag='limited', async_save=True)
+    random_steps(e, 1)
+    try: writer.wait()
+    except Exception as err: raised['limited'] = f'{type(err).__name__}: {err}'
+    if rank == 1:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))
+        os.kill(pid, signal.SIGSTOP)      # holds the next save ...
+    writer.save(d, tag='killed', async_save=True)
+    if rank == 1:
+        os.kill(pid, signal.SIGKILL)      # ... and dies in it
+    random_steps(e, 1)
+    try: writer.wait()
+    except Exception as err: raised['killed'] = f'{type(err).__name__}: {err}'
+    writer.save(d, tag='after', async_save=True)   # a new writer process
+    writer.close()
+    e.close()
+    return raised, writers.writer_process().proc.pid != pid
+
+def test_a_failure_in_the_writer_process_reaches_every_rank(tmp_path):
+    from flexrt.checkpoint.layout import read_latest, available_tags
+    d = tmp_path / 'ckpt'
+    results = run_distributed(process_fault_rank, 2, args=(str(d),), timeout=120)
+    assert results[0][0] == results[1][0]    # the same errors on every rank
+    raised = results[0][0]
+    assert raised['limited'].startswith("CheckpointError: the asynchronous save of checkpoint 'limited'")
+    assert 'failed on rank 1: rank 1: RuntimeError' in raised['limited'], raised['limited']
+    assert 'failed on rank 1: rank 1: the checkpoint writer process' in raised['killed'], raised['killed']
+    assert 'was killed by SIGKILL before it wrote the files' in raised['killed']
+    assert results[1][1]                     # rank 1 writes 'after' through a new process
+    assert sorted(available_tags(d)) == ['after', 'good'] and read_latest(d) == 'after'
+    assert sorted(p.name for p in d.iterdir()) == ['after', 'good', 'latest', 'zero_to_fp32.py']   # no staging left

@@ -108,6 +108,9 @@ class CheckpointConfig(Block):
     parallel_write: ParallelWriteConfig = field(default_factory=ParallelWriteConfig)  # parallel writing
     # `save_checkpoint` returns once this rank's state is copied; a thread writes and publishes it
     async_save: bool = False  # save in the background (flexrt's own key: DeepSpeed has none)
+    # who serialises and writes an asynchronous save's files: a writer process per rank (Linux; a thread elsewhere),
+    # so the write never holds the training loop's GIL, or a thread of the rank
+    async_writer: Literal['process', 'thread'] = 'process'
 
 # %% ../../nbs/00_config_services.ipynb #c016
 @block
