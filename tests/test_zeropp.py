@@ -13,6 +13,8 @@
   group and trains bit for bit as without it (the pieces hold the values forward used); k = world keeps nothing;
 - a non-finite gradient stays visible through qgZ, confined to its block;
 - checkpoints load across quantised and unquantised runs (quantisation is on the wire only);
+- the autotuner's lossy candidates (`Candidate.to_config` of its `lossy_variants`: stage 3 with qwZ + qgZ, stage 0
+  with the bf16 wire) build and train with the keys in effect, none ignored;
 - a DeepSpeed config with the keys runs through `python -m flexrt.deepspeed` without a "no effect" warning."""
 import json, math, os, subprocess, sys
 from pathlib import Path
@@ -311,6 +313,35 @@ def test_checkpoints_load_across_quantised_and_unquantised_runs(tmp_path):
             assert same_weights and same_masters and all(map(math.isfinite, more))
         # rank 0 owns the element: its block (256 values, the element among them) is non-finite, nothing else
         assert (element and 1 <= bad <= 256) if rank == 0 else (not element and bad == 0), (rank, element, bad)
+
+
+# ---------------------------------------------------------------- the autotuner's lossy candidates
+def lossy_candidates_rank(rank, world):
+    """The configs of the autotuner's lossy variants (`Candidate.to_config`) as `flexrt.initialize` gets them: stage 3
+    with qwZ + qgZ (persistence 0: every parameter gathered), stage 0 with the bf16 wire; 3 steps each"""
+    import warnings, flexrt
+    from flexrt.autotuner.space import Candidate, lossy_variants
+    out = {}
+    for point in (Candidate(3, BATCH // world, stage3_param_persistence_threshold=0), Candidate(0, BATCH // world)):
+        c = lossy_variants(point)[0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            engine, *_ = flexrt.initialize(model=make_model(), config=c.to_config(config(0, world), world))
+            losses = train(engine, rank, world, steps=3)
+        slot = engine.optimizer
+        wire = (slot.partitioner.weight_quantizer.bits, slot.partitioner.grads.quantizer.bits) if c.stage == 3 \
+            else str(slot.reducer.wire.dtype)
+        out[c.name] = losses, wire, [str(w.message) for w in caught if 'no effect' in str(w.message)]
+        engine.close()
+    return out
+
+
+def test_the_autotuners_lossy_candidates_run_as_named():
+    for got in run_distributed(lossy_candidates_rank, 2, timeout=120):
+        assert set(got) == {'z3_gas1_tmbspg6_qwZ_qgZ', 'z0_gas1_tmbspg6_bf16'}, got
+        for name, (losses, wire, ignored) in got.items():
+            assert all(map(math.isfinite, losses)) and not ignored, (name, losses, ignored)
+        assert got['z3_gas1_tmbspg6_qwZ_qgZ'][1] == (8, 8) and got['z0_gas1_tmbspg6_bf16'][1] == 'torch.bfloat16', got
 
 
 # ---------------------------------------------------------------- the keys through the DeepSpeed alias

@@ -31,6 +31,7 @@ def label(
     for k, v in c.knobs().items():
         if any(getattr(o, k) != v for o in same):
             out += f', {k}={v}'
+    out += f', {c.lossy_words}' if c.lossy else ''  # always: it trades accuracy for speed
     if c.threads_per_rank is not None and (threads or any(o.threads_per_rank != c.threads_per_rank for o in same)):
         out += f' with {threads_words(c.threads_per_rank)}'
     return out
@@ -42,8 +43,9 @@ def _same_point(c: Candidate, others: list) -> list:
 
 
 def short(c: Candidate, others: list = ()) -> str:  # 'z1 mb64', 'z1 mb64 t2' beside another thread count of its point
-    "A candidate in a few characters"
+    "A candidate in a few characters ('z1 mb64 qgZ' with lossy communication)"
     out = f'z{c.stage} mb{c.micro_batch}' + (f' gas{c.gradient_accumulation}' if c.gradient_accumulation > 1 else '')
+    out += ''.join(f' {t}' for t in c.lossy_tags)
     differs = any(o.threads_per_rank != c.threads_per_rank for o in _same_point(c, others))
     return out + (f' t{c.threads_per_rank}' if differs and c.threads_per_rank is not None else '')
 
@@ -195,6 +197,8 @@ class Playoff:
         verdict = self.verdict(w, base, runner, ties, up) + (f'; {fell}' if fell else '')
         # the engine's timers explain a far win only where the anatomy (the finer split) did not: one phase, named once
         verdict += f'; against the baseline, {why}' if why and not fell else ''
+        # the search builds a lossy candidate only when the user allows it
+        verdict += '; its communication is lossy (autotuning.allow_lossy_communication allowed it)' if w.lossy else ''
         return dict(
             winner=short(w, self.entrants),
             label=label(w, self.entrants, threads=True),

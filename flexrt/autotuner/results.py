@@ -8,13 +8,13 @@ import datetime, hashlib, json, os, shutil, sqlite3, warnings
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 import pandas as pd
-from .space import Candidate, KNOBS, format_bytes
+from .space import Candidate, KNOBS, LOSSY_KNOBS, format_bytes
 from .measure import STATUSES
 
 # %% auto #0
 __all__ = ['TRIAL_COLUMNS', 'TRIAL_STATUSES', 'REPEATS', 'MEASURED_FIELDS', 'record_candidate', 'trials_frame', 'TrialStore',
            'study_fingerprint', 'open_store', 'AutotuneResult', 'AutotuneError', 'no_winner', 'threads_line',
-           'summary_text']
+           'lossy_line', 'summary_text']
 
 # %% ../../nbs/72_autotuner_results.ipynb #c005
 TRIAL_COLUMNS = [
@@ -25,6 +25,7 @@ TRIAL_COLUMNS = [
     'gradient_accumulation',
     *KNOBS,
     'threads_per_rank',
+    *LOSSY_KNOBS,
     'status',
     'reason',
     'metric_name',
@@ -53,11 +54,19 @@ def _count(value) -> int | None:
     return None if value is None or pd.isna(value) else int(value)  # in a frame, missing: NaN
 
 
+def _flag(value) -> bool:
+    return False if value is None or pd.isna(value) else bool(value)
+
+
 def record_candidate(record: dict) -> Candidate:
-    "The `Candidate` a trial record describes (a record from before thread counts: none)"
+    "The `Candidate` a trial record describes (a record from before thread counts or lossy keys: none of them)"
+    dtype = record.get('communication_data_type')
     return Candidate(
         **{k: record[k] for k in ('stage', 'micro_batch', 'gradient_accumulation', *KNOBS)},
         threads_per_rank=_count(record.get('threads_per_rank')),
+        communication_data_type=None if dtype is None or pd.isna(dtype) else str(dtype),
+        zero_quantized_weights=_flag(record.get('zero_quantized_weights')),
+        zero_quantized_gradients=_flag(record.get('zero_quantized_gradients')),
     )
 
 
@@ -395,6 +404,14 @@ def threads_line(
     return f"threads per rank: {n} (searched {', '.join(map(str, t['counts']))} on {on})"
 
 
+def lossy_line(winner: Candidate) -> str:
+    "The summary's line on a lossy winner: what is lossy, and who allowed it"
+    return (
+        f"lossy communication: the winner runs with {winner.lossy_words} (autotuning.allow_lossy_communication "
+        "allowed it); the search measured speed, not accuracy: check the model still trains as well"
+    )
+
+
 def summary_text(r: AutotuneResult) -> str:
     "The text of `summary.txt`"
     df, lower = r.trials[~r.trials.phase.isin(REPEATS)], bool(r.best and r.best['metric_name'] == 'latency')
@@ -424,6 +441,8 @@ def summary_text(r: AutotuneResult) -> str:
                 f"{name}: {record_candidate(rec).name} {rec['metric_name']}={_reading(rec)} "
                 f"peak={format_bytes(rec['peak_bytes_measured'])}"
             )
+    if r.best and record_candidate(r.best).lossy:
+        out.append(lossy_line(record_candidate(r.best)))
     if r.margin:
         out.append(f"decided by a playoff of {r.margin['rounds']} interleaved rounds: {r.verdict}")
     if r.stopped:

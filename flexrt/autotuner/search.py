@@ -14,6 +14,8 @@ from flexrt.autotuner.space import (
     gradient_accumulation,
     knob_choices,
     default_knobs,
+    lossy_variants,
+    effective_knobs,
     format_bytes,
 )
 from .search_runs import FITS, Experiment, SearchDone, SearchRuns
@@ -216,7 +218,8 @@ class Search(SearchRuns):
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         return optuna.create_study(
-            study_name=f'z{stage}_mb{micro_batch}_knobs',
+            # a study with lossy knobs has a space of its own: a stored one without them resumes as it was
+            study_name=f'z{stage}_mb{micro_batch}_knobs' + ('_lossy' if self.s.lossy else ''),
             storage=self.storage,
             load_if_exists=True,
             direction='maximize',
@@ -228,18 +231,18 @@ class Search(SearchRuns):
         None"""
         import optuna
 
-        space = knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes)
+        space = knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes, lossy=self.s.lossy)
         study, best = self.study(stage, micro_batch, space), None
         budget = min(self.s.tuner_num_trials, math.prod(len(v) for v in space.values()))
         done = lambda: [t for t in study.trials if t.state.is_finished()]
-        if not study.trials:
-            study.enqueue_trial({k: v for k, v in self.candidate(stage, micro_batch).knobs().items() if k in space})
+        if not study.trials:  # from the point measured (and its lossy variants, measured too: no runs)
+            start = self.candidate(stage, micro_batch)
+            for c in [start, *(lossy_variants(start) if self.s.lossy else [])]:
+                study.enqueue_trial({k: getattr(c, k) for k in space})
         while len(done()) < budget and _since_best(done()) < self.s.tuner_early_stopping:
             asked = [study.ask() for _ in range(min(self.parallel, budget - len(done())))]
-            cands = [
-                self.candidate(stage, micro_batch, **{k: t.suggest_categorical(k, v) for k, v in space.items()})
-                for t in asked
-            ]
+            knobs = [effective_knobs({k: t.suggest_categorical(k, v) for k, v in space.items()}) for t in asked]
+            cands = [self.candidate(stage, micro_batch, **k) for k in knobs]
             runnable = [(t, c) for t, c in zip(asked, cands) if self.feasible(c)]
             for t, c in zip(asked, cands):
                 if not self.feasible(c):
@@ -261,18 +264,26 @@ class Search(SearchRuns):
                 raise SearchDone(f'max_trials={self.max_trials} runs reached')
         return best
 
+    def close_to_best(self, margin: float = 0.5) -> list:  # [(score, Candidate)], best first
+        "The stages' bests within `margin` of the best stage's"
+        top = max((score for score, _ in self.stage_best.values()), default=None)
+        close = [(score, c) for score, c in self.stage_best.values() if score >= top - abs(top) * margin]
+        return sorted(close, key=lambda x: -x[0])
+
     def tune_stages(self, knob_margin: float = 0.5):
         "The knob studies of the stages close to the best (`yield from` it)"
-        if not self.stage_best:
+        for score, c in self.close_to_best(knob_margin):
+            if c.stage > 0 or self.s.lossy:  # stage 0's one knob is the lossy wire
+                yield from self.tune_knobs(c.stage, c.micro_batch)
+
+    def measure_lossy(self, margin: float = 0.5):
+        "The lossy variants of the stages' bests close to the best (`yield from` it); only with `settings.lossy`"
+        if not self.s.lossy:
             return
-        top = max(score for score, _ in self.stage_best.values())
-        close = [
-            (score, c)
-            for stage, (score, c) in self.stage_best.items()
-            if stage > 0 and score >= top - abs(top) * knob_margin
-        ]
-        for score, c in sorted(close, key=lambda x: -x[0]):
-            yield from self.tune_knobs(c.stage, c.micro_batch)
+        for _, c in self.close_to_best(margin):
+            results = yield from self.run([Experiment(v, 'lossy') for v in lossy_variants(c)])
+            if any(r is None for r in results):
+                raise SearchDone(f'max_trials={self.max_trials} runs reached')
 
     def best_measured(self, n: int = 1) -> list:  # [(score, Candidate)], best first
         "The `n` best candidates that ran successfully"
@@ -353,6 +364,7 @@ class Search(SearchRuns):
                 if self.max_micro_batch.get(stage) is not None:
                     top = max(top or 0, self.max_micro_batch[stage])
             yield from self.measure_baseline()
+            yield from self.measure_lossy()
             if not self.s.fast:
                 yield from self.tune_stages()
             yield from self.tune_threads()

@@ -6,7 +6,14 @@
 from __future__ import annotations
 from dataclasses import dataclass
 from .results import MEASURED_FIELDS
-from .space import Candidate, TuneSettings, gradient_accumulation, default_knobs, knob_choices
+from flexrt.autotuner.space import (
+    Candidate,
+    TuneSettings,
+    LOSSY_KNOBS,
+    gradient_accumulation,
+    default_knobs,
+    knob_choices,
+)
 
 # %% auto #0
 __all__ = ['FITS', 'Experiment', 'SearchRuns', 'SearchDone']
@@ -114,6 +121,7 @@ class SearchRuns:
             gradient_accumulation=c.gradient_accumulation,
             **c.knobs(),
             threads_per_rank=c.threads_per_rank,
+            **{k: getattr(c, k) for k in LOSSY_KNOBS},
             status=status or result.status,
             reason=reason if result is None else result.reason,
             metric_name=self.s.metric,

@@ -5,13 +5,14 @@
 # %% ../../nbs/72_autotuner_space.ipynb #c002
 from __future__ import annotations
 import copy, math, re
-from dataclasses import dataclass, asdict, replace
+from dataclasses import dataclass, replace
 from ..config.services import AutotuningConfig
 
 # %% auto #0
-__all__ = ['TUNER_TYPES', 'KNOBS', 'DEEPSPEED_DEFAULT_KNOBS', 'parse_bytes', 'format_bytes', 'TuneSettings', 'tune_settings',
-           'Candidate', 'plain_config', 'micro_batch_ladder', 'gradient_accumulation', 'global_batch_micro_batches',
-           'knob_choices', 'default_knobs', 'check_bucket_sizes', 'thread_counts']
+__all__ = ['TUNER_TYPES', 'KNOBS', 'DEEPSPEED_DEFAULT_KNOBS', 'LOSSY_KNOBS', 'parse_bytes', 'format_bytes', 'TuneSettings',
+           'tune_settings', 'Candidate', 'plain_config', 'micro_batch_ladder', 'gradient_accumulation',
+           'global_batch_micro_batches', 'knob_choices', 'default_knobs', 'check_bucket_sizes', 'lossy_variants',
+           'effective_knobs', 'thread_counts']
 
 # %% ../../nbs/72_autotuner_space.ipynb #c005
 _UNITS = {
@@ -84,6 +85,7 @@ class TuneSettings:
     playoff_rounds: int = 15  # the decision: top candidates (and the baseline), most rounds
     # the config's train_batch_size: a fixed global batch (None: accumulation as the bounds say)
     train_batch: int | None = None
+    lossy: bool = False  # autotuning.allow_lossy_communication: lossy communication joins the space
 
     @property
     def lower_is_better(self) -> bool:
@@ -132,6 +134,7 @@ def tune_settings(config: dict) -> TuneSettings:
         playoff_size=a.playoff_size,
         playoff_rounds=a.playoff_rounds,
         train_batch=_train_batch(config),
+        lossy=a.allow_lossy_communication,
     )
 
 
@@ -161,6 +164,8 @@ DEEPSPEED_DEFAULT_KNOBS = dict(
     stage3_param_persistence_threshold=int(1e5),
     overlap_comm=False,
 )
+# DeepSpeed's keys that trade accuracy for speed: the search tries them only with autotuning.allow_lossy_communication
+LOSSY_KNOBS = ('communication_data_type', 'zero_quantized_weights', 'zero_quantized_gradients')
 
 
 @dataclass(frozen=True)
@@ -177,27 +182,66 @@ class Candidate:
     overlap_comm: bool = False
     # torch intra-op threads of each rank (the config key); None: the engine's own plan
     threads_per_rank: int | None = None
+    communication_data_type: str | None = None  # the dtype gradients are reduced in, 'bf16' or 'fp16'; None: theirs
+    zero_quantized_weights: bool = False  # qwZ: int8 weights in stage 3's all-gathers
+    zero_quantized_gradients: bool = False  # qgZ: int8 gradients in the reductions of stages 1-3
+
+    @property
+    def lossy_tags(self) -> list:  # ['bf16', 'qwZ', 'qgZ'], those it sets
+        tags = [self.communication_data_type] if self.communication_data_type else []
+        tags += ['qwZ'] if self.zero_quantized_weights else []
+        return tags + (['qgZ'] if self.zero_quantized_gradients else [])
+
+    @property
+    def lossy(self) -> bool:  # whether any of its communication is lossy
+        return bool(self.lossy_tags)
+
+    @property
+    def lossy_words(self) -> str:  # what of its communication is lossy, in words ('' for none)
+        words = [f'gradients reduced in {self.communication_data_type}'] if self.communication_data_type else []
+        words += ['int8-quantised weights in the stage-3 gathers'] if self.zero_quantized_weights else []
+        words += ['int8-quantised gradients'] if self.zero_quantized_gradients else []
+        return ' and '.join(words)
 
     @property
     def key(self) -> str:
-        point = '_'.join(f'{v:d}' for k, v in asdict(self).items() if k != 'threads_per_rank')
+        point = '_'.join(f'{getattr(self, k):d}' for k in ('stage', 'micro_batch', 'gradient_accumulation', *KNOBS))
+        point += ''.join(f'_{t}' for t in self.lossy_tags)
         return point if self.threads_per_rank is None else f'{point}_t{self.threads_per_rank}'
 
     @property
     def name(self) -> str:
         return f'z{self.stage}_gas{self.gradient_accumulation}_tmbspg{self.micro_batch}' + (
-            '' if self.threads_per_rank is None else f'_t{self.threads_per_rank}'
+            ''.join(f'_{t}' for t in self.lossy_tags)
+            + ('' if self.threads_per_rank is None else f'_t{self.threads_per_rank}')
         )
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
+
+    def check_lossy(self):
+        "Raise a ValueError naming a lossy setting the engine would ignore at this candidate's stage"
+        dtype = self.communication_data_type
+        if dtype not in (None, 'bf16', 'fp16'):
+            why = f"communication_data_type={dtype!r}: the lossy ones are 'bf16' and 'fp16'"
+        elif self.zero_quantized_weights and self.stage != 3:
+            why = 'zero_quantized_weights (qwZ) quantises the parameter gathers, which only stage 3 has'
+        elif self.zero_quantized_gradients and self.stage == 0:
+            why = 'zero_quantized_gradients (qgZ) quantises the reduce-scatter of stages 1-3 (stage 0 all-reduces)'
+        elif self.zero_quantized_gradients and dtype is not None:
+            # `flexrt.zero.slots.zeropp_args` drops the wire dtype under qgZ
+            why = f'communication_data_type={dtype!r} beside zero_quantized_gradients: its gradients travel as int8'
+        else:
+            return
+        raise ValueError(f'candidate {self.name}: {why}, so the engine would ignore it')
 
     def to_config(
         self,
         base: dict,  # the user's DeepSpeed config
         world_size: int = 1,  # data-parallel ranks of the experiment
     ) -> dict:  # a DeepSpeed config `flexrt.initialize` accepts as is
-        "The user's config with this candidate's stage, batch sizes, ZeRO knobs and threads per rank"
+        "The user's config with this candidate's stage, batch sizes, ZeRO knobs, lossy keys and threads per rank"
+        self.check_lossy()
         cfg = copy.deepcopy(base)
         cfg.pop('autotuning', None)
         cfg['train_micro_batch_size_per_gpu'] = self.micro_batch
@@ -207,7 +251,11 @@ class Candidate:
         zero['stage'] = self.stage
         if self.stage > 0:
             zero.update({k: v for k, v in self.knobs().items() if self.stage == 3 or not k.startswith('stage3')})
+        # yours stay where it sets none, as threads_per_rank below
+        zero.update({k: True for k in ('zero_quantized_weights', 'zero_quantized_gradients') if getattr(self, k)})
         cfg['zero_optimization'] = zero
+        if self.communication_data_type is not None:
+            cfg['communication_data_type'] = self.communication_data_type
         if self.threads_per_rank is not None:
             cfg['threads_per_rank'] = self.threads_per_rank
         return cfg
@@ -268,8 +316,9 @@ def knob_choices(
     num_params: int,  # parameters in the model
     tensor_sizes: list | None = None,  # element counts of the parameter tensors (for the persistence threshold)
     stage: int = 2,  # the ZeRO stage whose knobs these are
-    bucket_sizes=None,
-) -> dict:  # the bucket sizes to try (elements); None: P/16, P/4 and P
+    bucket_sizes=None,  # the bucket sizes to try (elements); None: P/16, P/4 and P
+    lossy: bool = False,  # the lossy communication keys too (autotuning.allow_lossy_communication)
+) -> dict:  # knob -> its choices
     "The ZeRO knobs' candidate values for `stage`, scaled to the model's size (or the bucket sizes you choose)"
     P = max(int(num_params), 16)
     buckets = (
@@ -277,12 +326,18 @@ def knob_choices(
         if bucket_sizes
         else sorted({max(P // 16, 1024), max(P // 4, 1024), max(P, 1024)})
     )
-    # no allgather_bucket_size: flexrt's stages 1-2 gather each bucket whole
-    choices = {'reduce_bucket_size': buckets, 'overlap_comm': [False, True]}
+    # no allgather_bucket_size: flexrt's stages 1-2 gather each bucket whole; stage 0 has no buckets (to_config)
+    choices = {'reduce_bucket_size': buckets, 'overlap_comm': [False, True]} if stage > 0 else {}
     if stage == 3:
         sizes = sorted(tensor_sizes or [P])
         choices['stage3_prefetch_bucket_size'] = buckets
         choices['stage3_param_persistence_threshold'] = sorted({0, int(sizes[len(sizes) // 2]), int(sizes[-1])})
+    if lossy:  # each where the engine honours it (`flexrt.zero.slots.zeropp_args`)
+        choices['communication_data_type'] = [None, 'bf16']
+        if stage > 0:
+            choices['zero_quantized_gradients'] = [False, True]
+        if stage == 3:
+            choices['zero_quantized_weights'] = [False, True]
     return choices
 
 
@@ -304,6 +359,24 @@ def check_bucket_sizes(bucket_sizes) -> list:  # sorted, without repeats
             f'bucket_sizes={sizes!r}: give one or more positive ints (elements per bucket), e.g. [2**20, 2**22]'
         )
     return sorted(set(sizes))
+
+# %% ../../nbs/72_autotuner_space.ipynb #c024m
+def lossy_variants(c: Candidate) -> list:
+    """The lossy variants of `c` the search measures: stage 0 reduces in bf16; stages 1-2 quantise gradients (qgZ) or
+    reduce in bf16; stage 3 quantises weights and gradients (qwZ + qgZ), or weights alone"""
+    if c.stage == 0:
+        return [replace(c, communication_data_type='bf16')]
+    if c.stage < 3:
+        return [replace(c, zero_quantized_gradients=True), replace(c, communication_data_type='bf16')]
+    return [
+        replace(c, zero_quantized_weights=True, zero_quantized_gradients=True),
+        replace(c, zero_quantized_weights=True),
+    ]
+
+
+def effective_knobs(knobs: dict) -> dict:
+    "`knobs` as the engine applies them: with qgZ no wire dtype (its gradients travel as int8)"
+    return {**knobs, 'communication_data_type': None} if knobs.get('zero_quantized_gradients') else knobs
 
 # %% ../../nbs/72_autotuner_space.ipynb #c026
 def thread_counts(

@@ -158,6 +158,9 @@ class AutotuningConfig(Block):
     playoff_size: int = setting(3, ge=1)
     # flexrt: most playoff rounds (6 at least: the fewest whose interval covers 95%)
     playoff_rounds: int = setting(15, ge=6)
+    # flexrt (DeepSpeed has no such key): the search may also try lossy communication (gradients reduced in bf16,
+    # ZeRO++'s int8-quantised weights and gradients), a speed/accuracy choice the answer then names
+    allow_lossy_communication: bool = False
     model_info: ModelInfoConfig = field(default_factory=ModelInfoConfig)  # model facts
 
     def validate(self):

@@ -9,7 +9,7 @@ from collections import Counter
 import pandas as pd
 from .plots import Plot
 from .memory_monitor import MiB
-from ..autotuner.space import parse_bytes, format_bytes, check_bucket_sizes
+from ..autotuner.space import parse_bytes, format_bytes, check_bucket_sizes, LOSSY_KNOBS
 from ..autotuner.measure import METRICS
 
 # REPEATS: phases that run searched candidates again (not search points); trials_frame: the table's rows
@@ -112,6 +112,7 @@ TABLE = [
     'gradient_accumulation',
     'reduce_bucket_size',
     'allgather_bucket_size',
+    *LOSSY_KNOBS,  # shown where a trial sets one (autotuning.allow_lossy_communication)
     'overlap_comm',
     'threads_per_rank',
     'status',
@@ -127,6 +128,9 @@ _HEADERS = {
     'gradient_accumulation': 'accum.',
     'reduce_bucket_size': 'reduce bucket',
     'allgather_bucket_size': 'allgather bucket',
+    'communication_data_type': 'wire',
+    'zero_quantized_weights': 'qwZ',
+    'zero_quantized_gradients': 'qgZ',
     'overlap_comm': 'overlap',
     'threads_per_rank': 'threads',
     'peak_bytes_measured': 'peak MiB',
@@ -177,8 +181,10 @@ def trials_table_html(
     if trials.empty:
         return '<i>no trials yet</i>'
     trials = trials.sort_values(sort_by, ascending=ascending, kind='stable', na_position='last')
+    used = lambda c: trials[c].map(lambda v: _known(v) and bool(v)).any()
+    columns = [c for c in TABLE if c not in LOSSY_KNOBS or used(c)]
     head = ''.join(
-        f'<th>{_HEADERS.get(c, _METRIC_UNITS.get(metric_name, c) if c == "metric" else c)}</th>' for c in TABLE
+        f'<th>{_HEADERS.get(c, _METRIC_UNITS.get(metric_name, c) if c == "metric" else c)}</th>' for c in columns
     )
     rows = []
     for _, row in trials.iterrows():
@@ -187,7 +193,7 @@ def trials_table_html(
             if row['trial'] == best
             else ('' if row['status'] == 'ok' else ' style="color:#b00020"')
         )
-        cells = ''.join(f'<td>{_metric_cell(row) if c == "metric" else _cell(c, row[c])}</td>' for c in TABLE)
+        cells = ''.join(f'<td>{_metric_cell(row) if c == "metric" else _cell(c, row[c])}</td>' for c in columns)
         rows.append(f'<tr class="flexrt-trial"{style}>{cells}</tr>')
     return (
         '<table class="flexrt-trials" '
