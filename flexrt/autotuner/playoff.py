@@ -248,7 +248,7 @@ class Playoff:
         return head + (': ahead of every other beyond the noise' if up is not None else '')
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p009
-from fastcore.basics import patch
+#| export
 
 # %% ../../nbs/72_autotuner_playoff.ipynb #p010b
 # the engine's timers (`flexrt.engine.parts.PHASES`), in words

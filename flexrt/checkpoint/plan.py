@@ -8,7 +8,6 @@ import torch
 from .. import comm as dist
 from .storage import CheckpointError
 from .shards import tensor_entries, FragmentIndex
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['engine_entries', 'rank_writes', 'LoadPlan']

@@ -8,7 +8,6 @@ import random, sys
 import torch
 from .. import comm as dist
 from .storage import CheckpointError
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['tensor_entries', 'master_records', 'value_records', 'rng_state', 'set_rng_state', 'FragmentIndex', 'check_records']

@@ -9,7 +9,6 @@ import pandas as pd
 import torch
 from .backends import OPS
 from ..config.services import CommsLoggerConfig
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['LEGACY_OP_NAMES', 'TIMELINE_LENGTH', 'comms_logger', 'SUMMARY_COLUMNS', 'comms_config', 'message_size', 'bus_factor',

@@ -9,7 +9,6 @@ __all__ = ['closest', 'key_path', 'unknown_key', 'setting', 'describe', 'json_da
 import copy, dataclasses, difflib, functools, math, types, typing, warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
-from fastcore.basics import patch
 
 # %% ../../nbs/00_config_schema.ipynb #c006
 def closest(

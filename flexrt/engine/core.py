@@ -23,7 +23,6 @@ from .optim import client_optimizer, client_lr_scheduler
 from ..monitor.ds_sinks import DeepSpeedMonitors, check_packages
 from ..zero.slots import SlotArgs, build_optimizer_slot
 from .accessors import DeepSpeedAccessors
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['unused_settings', 'check_stage', 'Engine', 'broadcast_tensors']

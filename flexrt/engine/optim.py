@@ -10,7 +10,6 @@ import torch
 from ..config.blocks import OptimizerConfig, SchedulerConfig
 from ..config.blocks import TORCH_OPTIMIZERS, TORCH_SCHEDULERS, DEEPSPEED_SCHEDULERS
 from ..schedulers.build import build_scheduler
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['Lamb', 'build_optimizer', 'client_optimizer', 'build_lr_scheduler', 'client_lr_scheduler']

@@ -11,7 +11,6 @@ from .. import comm as dist
 from .. import monitor
 from ..memory.stats import memory_record
 from ..memory.reports import see_memory_usage
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['PHASES', 'TIMER_INTERVALS', 'StepCounter', 'Timers', 'StepClock', 'ProgressiveLayerDrop', 'NoLayerDrop', 'layer_drop',

@@ -377,7 +377,7 @@ class Run:
                 pass
 
 # %% ../../nbs/35_launch_launcher.ipynb #c027
-from fastcore.basics import patch
+#| export
 
 # %% ../../nbs/35_launch_launcher.ipynb #c029
 def _stacks(run: Run) -> dict:  # rank -> what its stack file holds (only non-empty ones)

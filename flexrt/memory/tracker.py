@@ -10,7 +10,6 @@ import gc, os, threading, weakref
 from collections import deque
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, is_traceable_wrapper_subclass
-from fastcore.basics import patch
 
 # %% ../../nbs/25_memory_tracker.ipynb #c006
 class _StorageRef(weakref.ref):

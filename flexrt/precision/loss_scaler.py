@@ -7,7 +7,6 @@ from __future__ import annotations
 import math, warnings
 from collections.abc import Mapping
 import torch
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['SKIPPED_STEPS_WARNING', 'FP16_MAX', 'SkippedSteps', 'StaticLossScaler', 'DynamicLossScaler', 'make_loss_scaler']

@@ -6,7 +6,6 @@
 from __future__ import annotations
 from collections.abc import Mapping
 import torch
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['ModelWeights', 'MasterWeights']

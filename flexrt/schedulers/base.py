@@ -9,7 +9,6 @@ from collections.abc import Mapping
 import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['check_number', 'check_positive', 'per_group_values', 'check_steps', 'torch_optimizer', 'initial_lrs',

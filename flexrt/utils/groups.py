@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from .. import comm as dist
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['expert_layout', 'expert_group_names', 'ExpertGroups']

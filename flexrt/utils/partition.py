@@ -9,7 +9,6 @@ from collections import deque
 import torch
 from .. import comm as dist
 from .core import as_tensor_list
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['prefix_sum_inc', 'partition_uniform', 'partition_balanced', 'align_dense_tensors', 'PartitionedTensor',

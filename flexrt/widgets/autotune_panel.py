@@ -311,4 +311,4 @@ def _json_cell(value):
     return json.dumps(value) if isinstance(value, (dict, list)) else value
 
 # %% ../../nbs/80_widgets_autotune_panel.ipynb #w2889623
-from fastcore.basics import patch
+#| export

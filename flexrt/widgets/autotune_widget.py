@@ -394,4 +394,4 @@ class AutotuneWidget(SearchPanel):
         return self.dashboard
 
 # %% ../../nbs/80_widgets_autotune_widget.ipynb #w282bb25
-from fastcore.basics import patch
+#| export

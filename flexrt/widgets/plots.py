@@ -74,7 +74,7 @@ class Plot:
         self._prepared, self._layout_due = True, False
 
 # %% ../../nbs/80_widgets_plots.ipynb #c010
-from fastcore.basics import patch
+#| export
 
 # %% ../../nbs/80_widgets_plots.ipynb #c015
 def thin(frame: pd.DataFrame, max_points: int = 300) -> pd.DataFrame:

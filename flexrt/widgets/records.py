@@ -115,7 +115,7 @@ class RecordStore:
         return next(iter(recent.values()), [])
 
 # %% ../../nbs/80_widgets_records.ipynb #c009
-from fastcore.basics import patch
+#| export
 
 # %% ../../nbs/80_widgets_records.ipynb #c014
 def rank0_steps(frame: pd.DataFrame) -> pd.DataFrame:

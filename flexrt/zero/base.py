@@ -8,7 +8,6 @@ import abc
 import contextlib
 from typing import NamedTuple
 import torch
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['SLOT_METHODS', 'Piece', 'Fragment', 'consecutive', 'gradient_pieces', 'zero_stale', 'OptimizerSlot', 'check_slot']

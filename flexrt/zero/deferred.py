@@ -8,7 +8,6 @@ import copy
 from functools import partial
 import torch
 from .. import comm as dist
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['WatchedDict', 'WatchedParams', 'DeferredGathers', 'piece_bounds', 'piece_params', 'gather_bucket']

@@ -8,7 +8,6 @@ import itertools, math
 import torch
 from .. import comm as dist
 from ..utils.grads import get_global_norm_of_tensors, clip_tensors_by_global_norm
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['FlatPartition', 'shard_grad_norm', 'clip_shards']

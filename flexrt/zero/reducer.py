@@ -10,7 +10,6 @@ from functools import partial
 import itertools
 import torch
 from .. import comm as dist
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['WIRE_DTYPES', 'Bucket', 'plan_buckets', 'reduction_group', 'BucketReducer', 'gather_gradients', 'wire_dtype',

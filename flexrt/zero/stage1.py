@@ -15,7 +15,6 @@ from .base import OptimizerSlot, Fragment, Piece, zero_stale
 from .shard_reducer import ShardBucket, ShardReducer, ALGORITHMS
 from .quantize import BlockQuantizer
 from .deferred import DeferredGathers, piece_bounds, piece_params, gather_bucket
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['PER_PARAMETER', 'ZeroStage1']

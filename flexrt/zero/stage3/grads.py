@@ -8,7 +8,6 @@ import torch
 from .records import ParamRecord, GradientReduceScatter
 from .plan import COALESCE_NUMEL, split_buckets
 from ..reducer import GradientWire
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['GradBucket', 'plan_grad_buckets', 'GradBuckets']

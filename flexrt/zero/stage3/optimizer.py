@@ -12,7 +12,6 @@ from ..base import OptimizerSlot, Fragment, Piece, zero_stale
 from ..partition import shard_grad_norm, clip_shards
 from .params import ParameterPartitioner
 from .gathered import GatheredParameters, register_external_parameter
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['Stage3Optimizer']

@@ -22,7 +22,6 @@ from flexrt.zero.stage3.records import (
 from .plan import plan_keep, plan_chunks, chunk_ends, plan_ahead
 from .grads import GradBuckets
 from .saved import enter_saved_views, exit_saved_views
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['Unit', 'secondary_partition', 'ParameterPartitioner']

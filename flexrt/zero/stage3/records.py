@@ -8,7 +8,6 @@ import enum, itertools
 import torch
 from ... import comm as dist
 from ..quantize import QuantizedReduceScatter
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['ZeroParamStatus', 'ParamRecord', 'gather_records', 'release_records', 'SecondaryPartition', 'set_ds_attributes',
