@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 
 # %% auto #0
 __all__ = ['init_distributed', 'initialize', 'add_config_arguments', 'Engine', 'load_config', 'autotune', 'estimate_memory',
-           'anatomy']
+           'anatomy', 'AutotuneWidget', 'use_as_deepspeed']
 
 # %% ../nbs/69_flexrt.ipynb #c003
 import importlib
@@ -19,6 +19,8 @@ _all_ = [
     'autotune',
     'estimate_memory',
     'anatomy',
+    'AutotuneWidget',
+    'use_as_deepspeed',
 ]
 
 # %% ../nbs/69_flexrt.ipynb #c006
