@@ -1,4 +1,5 @@
-"The memory model against run_trial's measured peaks on real 2-rank gloo groups: every stage, two micro-batches, two bucket settings"
+"""The memory model against run_trial's measured peaks on real 2-rank gloo groups: every stage, two micro-batches, two
+bucket settings, ZeRO++'s int8 weights and gradients, a bf16 wire"""
 import pytest, torch
 from tests.helpers import run_distributed
 
@@ -46,6 +47,11 @@ def config(stage, micro, buckets=None, accumulation=1):
     return {'train_micro_batch_size_per_gpu': micro, 'gradient_accumulation_steps': accumulation, 'steps_per_print': 10**9,
             'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}}, 'zero_optimization': {'stage': stage, **(buckets or {})}}
 
+# ZeRO++ where the engine honours it: int8 gradient reductions (qgZ) at stages 1-2, and with int8 gathers (qwZ) at 3
+# (mlp: its 512 x 512 weight is the one above the default persistence threshold, gathered quantised)
+ZEROPP = [(1, {'zero_quantized_gradients': True}), (2, {'zero_quantized_gradients': True}),
+          (3, {'zero_quantized_weights': True, 'zero_quantized_gradients': True})]
+
 def _accuracy(rank, world_size, name, micro_batches):
     from flexrt.autotuner.memory import profile_model, calibrate, estimate_memory
     from flexrt.autotuner.measure import run_trial
@@ -64,6 +70,20 @@ def _accuracy(rank, world_size, name, micro_batches):
         c = config(stage, micro_batches[0], BUCKETS[0], accumulation=3)   # gradient accumulation
         r = trial(c)
         rows.append((stage, micro_batches[0], 'accumulation 3', estimate_memory(profile, c, world_size).peak_bytes, r.peak_bytes))
+    for stage, keys in ZEROPP:
+        for m in micro_batches:
+            for b, buckets in enumerate(BUCKETS):
+                c = config(stage, m, {**buckets, **keys})
+                r = trial(c)
+                assert r.status == 'ok', r.reason
+                predicted = estimate_memory(profile, c, world_size, m).peak_bytes
+                rows.append((stage, m, f'{b} {"+".join(keys)}', predicted, r.peak_bytes))
+    for stage in (0, 1, 2, 3):   # fp32 gradients sent in bf16: copies (0-1), bf16 buckets (2-3), results cast back
+        c = {**config(stage, micro_batches[-1], BUCKETS[0]), 'communication_data_type': 'bf16'}
+        r = trial(c)
+        assert r.status == 'ok', r.reason
+        rows.append((stage, micro_batches[-1], '0 bf16 wire', estimate_memory(profile, c, world_size).peak_bytes,
+                     r.peak_bytes))
     return rows
 
 def _check(rows):
@@ -86,18 +106,25 @@ def head1_step(engine):
     x = torch.randn(engine.train_micro_batch_size_per_gpu(), 64)
     engine.backward(engine(x).pow(2).mean()); engine.step()
 
+def _lossy_keys(r) -> tuple:
+    "(qwZ, qgZ, wire dtype) of a trials row (NaN where a record leaves a key out)"
+    flag = lambda k: bool(getattr(r, k) == True)  # noqa: E712 (a NaN is not set)
+    wire = r.communication_data_type
+    return flag('zero_quantized_weights'), flag('zero_quantized_gradients'), wire if isinstance(wire, str) else None
+
 def _search_path(rank, world_size, results_dir):
     "autotune's own trials, one stage scope at a time (knobs searched): each trial's prediction and measured peak"
     from flexrt.autotuner import autotune
     cfg = {'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
            'autotuning': {'fast': False, 'tuner_num_trials': 4, 'start_profile_step': 1, 'end_profile_step': 2,
-                          'max_train_micro_batch_size_per_gpu': 64,
+                          'max_train_micro_batch_size_per_gpu': 64, 'allow_lossy_communication': True,
                           'playoff_size': 1}}   # the playoff re-measures points the search ran: no new predictions
     rows = []
     for stage in (0, 1, 2, 3):
         res = autotune(head1_fn, head1_step, cfg, stages=[stage], micro_batches=[4, 64], results_dir=f'{results_dir}/z{stage}', resume=False)
         ok = res.trials[res.trials.status == 'ok']
-        rows += [(r.stage, r.micro_batch, (r.reduce_bucket_size, r.stage3_param_persistence_threshold, r.overlap_comm),
+        rows += [(r.stage, r.micro_batch, (r.reduce_bucket_size, r.stage3_param_persistence_threshold, r.overlap_comm,
+                                           *_lossy_keys(r)),
                   int(r.peak_bytes_predicted), int(r.peak_bytes_measured)) for r in ok.itertuples()]
     return rows
 
@@ -107,6 +134,9 @@ def test_search_path_predictions_meet_its_measured_peaks(tmp_path):
     assert {r[0] for r in rows} == {0, 1, 2, 3}
     assert any(r[0] == 3 and r[2][1] > 1 for r in rows)   # stage 3 with persistent parameters (the 1-element bias among them)
     assert len({r[2] for r in rows if r[0] == 3}) >= 2       # and more than one knob setting
+    # the lossy candidates (allow_lossy_communication): qgZ at stages 1-2, qwZ + qgZ at 3, a bf16 wire at 0-2
+    assert {(r[0], r[2][3], r[2][4]) for r in rows} >= {(1, False, True), (2, False, True), (3, True, True)}, rows
+    assert {r[0] for r in rows if r[2][5] == 'bf16'} == {0, 1, 2}, rows
     _check(rows)
 
 def test_cuda_step_holds_torch_foreach_temporaries():

@@ -15,6 +15,7 @@ from flexrt.autotuner.space import (
     knob_choices,
     default_knobs,
     lossy_variants,
+    wire_changes,
     effective_knobs,
     format_bytes,
 )
@@ -40,6 +41,8 @@ class Search(SearchRuns):
         self.playoff_state, self.margin = None, None  # the decision (`flexrt.autotuner.playoff`), once it runs
         self.best = None  # (record, candidate) chosen by `decide`
         self.stopped = ''  # why the search ended early ('' when it ran to the end)
+        # the bf16 wire is a lossy candidate only where it changes the user's config (not bf16 training, nor a wire set)
+        self.wire = wire_changes(self.base)
 
     def predicted_max_micro_batch(self, stage: int, low: int, high: int) -> int | None:
         """The largest micro-batch in [low, high] (of `micro_batches` when given) predicted to fit (bisection over the
@@ -231,13 +234,13 @@ class Search(SearchRuns):
         None"""
         import optuna
 
-        space = knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes, lossy=self.s.lossy)
+        space = knob_choices(self.num_params, self.tensor_sizes, stage, self.s.bucket_sizes, self.s.lossy, self.wire)
         study, best = self.study(stage, micro_batch, space), None
         budget = min(self.s.tuner_num_trials, math.prod(len(v) for v in space.values()))
         done = lambda: [t for t in study.trials if t.state.is_finished()]
         if not study.trials:  # from the point measured (and its lossy variants, measured too: no runs)
             start = self.candidate(stage, micro_batch)
-            for c in [start, *(lossy_variants(start) if self.s.lossy else [])]:
+            for c in [start, *(lossy_variants(start, self.wire) if self.s.lossy else [])]:
                 study.enqueue_trial({k: getattr(c, k) for k in space})
         while len(done()) < budget and _since_best(done()) < self.s.tuner_early_stopping:
             asked = [study.ask() for _ in range(min(self.parallel, budget - len(done())))]
@@ -273,7 +276,7 @@ class Search(SearchRuns):
     def tune_stages(self, knob_margin: float = 0.5):
         "The knob studies of the stages close to the best (`yield from` it)"
         for score, c in self.close_to_best(knob_margin):
-            if c.stage > 0 or self.s.lossy:  # stage 0's one knob is the lossy wire
+            if c.stage > 0 or (self.s.lossy and self.wire):  # stage 0's one knob is the lossy wire
                 yield from self.tune_knobs(c.stage, c.micro_batch)
 
     def measure_lossy(self, margin: float = 0.5):
@@ -281,7 +284,7 @@ class Search(SearchRuns):
         if not self.s.lossy:
             return
         for _, c in self.close_to_best(margin):
-            results = yield from self.run([Experiment(v, 'lossy') for v in lossy_variants(c)])
+            results = yield from self.run([Experiment(v, 'lossy') for v in lossy_variants(c, self.wire)])
             if any(r is None for r in results):
                 raise SearchDone(f'max_trials={self.max_trials} runs reached')
 

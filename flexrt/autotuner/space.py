@@ -11,8 +11,8 @@ from ..config.services import AutotuningConfig
 # %% auto #0
 __all__ = ['TUNER_TYPES', 'KNOBS', 'DEEPSPEED_DEFAULT_KNOBS', 'LOSSY_KNOBS', 'parse_bytes', 'format_bytes', 'TuneSettings',
            'tune_settings', 'Candidate', 'plain_config', 'micro_batch_ladder', 'gradient_accumulation',
-           'global_batch_micro_batches', 'knob_choices', 'default_knobs', 'check_bucket_sizes', 'lossy_variants',
-           'effective_knobs', 'thread_counts']
+           'global_batch_micro_batches', 'knob_choices', 'default_knobs', 'check_bucket_sizes', 'wire_changes',
+           'lossy_variants', 'effective_knobs', 'thread_counts']
 
 # %% ../../nbs/72_autotuner_space.ipynb #c005
 _UNITS = {
@@ -318,6 +318,7 @@ def knob_choices(
     stage: int = 2,  # the ZeRO stage whose knobs these are
     bucket_sizes=None,  # the bucket sizes to try (elements); None: P/16, P/4 and P
     lossy: bool = False,  # the lossy communication keys too (autotuning.allow_lossy_communication)
+    wire: bool = True,  # with `lossy`, the bf16 wire too (False where it changes nothing: `wire_changes`)
 ) -> dict:  # knob -> its choices
     "The ZeRO knobs' candidate values for `stage`, scaled to the model's size (or the bucket sizes you choose)"
     P = max(int(num_params), 16)
@@ -333,7 +334,8 @@ def knob_choices(
         choices['stage3_prefetch_bucket_size'] = buckets
         choices['stage3_param_persistence_threshold'] = sorted({0, int(sizes[len(sizes) // 2]), int(sizes[-1])})
     if lossy:  # each where the engine honours it (`flexrt.zero.slots.zeropp_args`)
-        choices['communication_data_type'] = [None, 'bf16']
+        if wire:
+            choices['communication_data_type'] = [None, 'bf16']
         if stage > 0:
             choices['zero_quantized_gradients'] = [False, True]
         if stage == 3:
@@ -361,13 +363,24 @@ def check_bucket_sizes(bucket_sizes) -> list:  # sorted, without repeats
     return sorted(set(sizes))
 
 # %% ../../nbs/72_autotuner_space.ipynb #c024m
-def lossy_variants(c: Candidate) -> list:
+def wire_changes(config: dict) -> bool:
+    """Whether a bf16 wire (`communication_data_type='bf16'`) changes how `config`'s gradients travel: not where they
+    are bf16 already (it trains in bf16) nor where it sets a wire dtype of its own (it is the user's choice)"""
+    bf16 = config.get('bf16') or config.get('bfloat16') or {}
+    return bf16.get('enabled') is not True and config.get('communication_data_type') is None
+
+
+def lossy_variants(
+    c: Candidate,
+    wire: bool = True,  # the bf16-wire variants too (False where it changes nothing: `wire_changes`)
+) -> list:
     """The lossy variants of `c` the search measures: stage 0 reduces in bf16; stages 1-2 quantise gradients (qgZ) or
     reduce in bf16; stage 3 quantises weights and gradients (qwZ + qgZ), or weights alone"""
+    bf16 = [replace(c, communication_data_type='bf16')] if wire else []
     if c.stage == 0:
-        return [replace(c, communication_data_type='bf16')]
+        return bf16
     if c.stage < 3:
-        return [replace(c, zero_quantized_gradients=True), replace(c, communication_data_type='bf16')]
+        return [replace(c, zero_quantized_gradients=True), *bf16]
     return [
         replace(c, zero_quantized_weights=True, zero_quantized_gradients=True),
         replace(c, zero_quantized_weights=True),

@@ -12,7 +12,10 @@ from flexrt.autotuner.memory.stages import (
     step_temporaries,
     stage0,
     stage12,
+    quantized_bytes,
+    quantize_scratch,
 )
+from ...zero.quantize import BLOCK_SIZE
 from itertools import accumulate
 from ...zero.stage3.plan import COALESCE_NUMEL, plan_keep, plan_chunks, chunk_ends, plan_ahead, split_buckets
 
@@ -43,11 +46,24 @@ def _copies(shards: list, world_size: int, itemsize: int) -> int:
     return sum(world_size * k * itemsize for k in shards if k > 1) if len(shards) > 1 and world_size > 1 else 0
 
 
-def _chunk_bytes(shards: list, world_size: int, itemsize: int) -> tuple:  # (buffer, resident, during)
-    """A chunk's gather: its buffer while in flight, what stays after `_Gather.finish`, and the most held while it
-    finishes"""
-    G = _gather_bytes(shards, world_size, itemsize)
-    return G, _resident_bytes(shards, world_size, itemsize), G + _copies(shards, world_size, itemsize)
+def _chunk_bytes(
+    shards: list,
+    world_size: int,
+    itemsize: int,
+    quantized: bool = False,  # qwZ: the shards travel as int8 blocks, dequantised into a buffer of whole blocks
+) -> tuple:  # (buffer, resident, during, copies)
+    """A chunk's gather: its buffer while in flight, what stays after `_Gather.finish`, the most held while it finishes,
+    and the copies made of its parameters (what goes as each is released)"""
+    C = _copies(shards, world_size, itemsize)
+    if not quantized or world_size == 1 or not shards:
+        G = _gather_bytes(shards, world_size, itemsize)
+        return G, _resident_bytes(shards, world_size, itemsize), G + C, C
+    L = sum(shards)
+    G, V = world_size * quantized_bytes(L), world_size * -(-L // BLOCK_SIZE) * BLOCK_SIZE * itemsize
+    if len(shards) == 1:  # its N rows of L values in the N rows of whole blocks: a copy, unless L fills them
+        R = world_size * L * itemsize if L % BLOCK_SIZE else V
+        return G, R, G + V + (R if L % BLOCK_SIZE else 0), 0
+    return G, C + (V if min(shards) == 1 else 0), G + V + C, C
 
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c029a
 def _buckets3(pr: ModelProfile, s: Setting, events: list) -> list:  # lists of parameter indices
@@ -74,6 +90,7 @@ def _backward3(
     """Gradients land in bucket reduce-scatter buffers held to the end of backward; a chunk is gathered on entering it
     (those before it within the prefetch gathering) and goes with its last gradient"""
     n, W, w = pr.numels, s.world_size, s.itemsize
+    gw = s.wire_itemsize or w  # the gradient buckets are in the wire's dtype
     chunk_of = {}
     for c, us in enumerate(chunks):
         for u in us:
@@ -96,7 +113,7 @@ def _backward3(
             'flight',  # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
         ):
             # ('gone': every parameter it gathers is released; what comes later in it is persistent)
-            G, R, D = gathered[c]
+            G, R, D, _ = gathered[c]
             t.add(-G if state[c] == 'flight' else 0).see(before, D).add(R)
             state[c] = 'whole'
         for p in plan_ahead(ends, c, -1, s.prefetch, ahead):  # the chunks before it, gathering ahead
@@ -108,11 +125,15 @@ def _backward3(
         b = bucket_of[i]
         L = width[b]
         if pending[b] == len(buckets[b]):
-            t.add(W * L * w).see(after + n[i] * w)
+            t.add(W * L * gw).see(after + n[i] * w)
         pending[b] -= 1
-        if pending[b] == 0 and W > 1:
+        if pending[b] == 0 and W > 1 and s.quantized_gradients:
+            # qgZ (`QuantizedReduceScatter`): N int8 rows packed (their scales and a scratch beside), N received
+            pack = W * quantized_bytes(L) + W * -(-L // BLOCK_SIZE) * 4 + quantize_scratch(L)
+            t.see(after + n[i] * w, pack).add(2 * W * quantized_bytes(L)).see(after + n[i] * w)
+        elif pending[b] == 0 and W > 1:
             # output (+ p2p receives: 2 ranks receive into it)
-            t.add(L * w + ((W - 1) * L * w if s.p2p and W > 2 else 0)).see(after + n[i] * w)
+            t.add(L * gw + ((W - 1) * L * gw if s.p2p and W > 2 else 0)).see(after + n[i] * w)
         if (
             not persistent[i] and state[c] == 'whole'
         ):  # released: its own copy goes; the buffer with the last view of it
@@ -120,7 +141,7 @@ def _backward3(
             views[c] -= not copying[c] or shard[i] == 1
             mine = W * shard[i] * w if copying[c] and shard[i] > 1 else 0
             if views[c] == 0:
-                mine += gathered[c][1] - (gathered[c][2] - gathered[c][0])
+                mine += gathered[c][1] - gathered[c][3]
                 views[c] = -1  # the buffer (resident less copies), once
             t.add(-mine)
             if left[c] == 0:
@@ -150,9 +171,13 @@ def stage3(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdo
     kept = plan_keep(numel, s.reuse, s.live)  # the partitioner's own plans, on the units in registration order
     bounds = plan_chunks(numel, kept, s.prefetch)
     chunks, ends = [list(range(*c)) for c in bounds], chunk_ends(numel, bounds)
-    # (G, R, D)
-    gathered = [_chunk_bytes([shard[i] for i in dict.fromkeys(i for u in us for i in units[u])], W, w) for us in chunks]
-    t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept))
+    # (G, R, D, C)
+    members = [[shard[i] for i in dict.fromkeys(i for u in us for i in units[u])] for us in chunks]
+    q = s.quantized_weights and W > 1
+    gathered = [_chunk_bytes(m, W, w, q) for m in members]
+    # qwZ packs each chunk's shards once per step (`CachedQuantizer`): the payloads stay until the step has written them
+    cache = sum(quantized_bytes(sum(m)) for m in members if m) if q else 0
+    t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept) + cache)
     # buffers of chunks gathering ahead (kept ones: counted)
     flying = [0, *accumulate(0 if us[0] in kept else g[0] for us, g in zip(chunks, gathered))]
     peak, j = 0, 0
@@ -163,7 +188,15 @@ def stage3(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdo
         peak = max(peak, g[2] - mine + before, g[1] - mine + flying[j + 1] - flying[c + 1])
     t.see(fwd, peak)  # a chunk being finished (buffer and copies), or held, with the chunks ahead in flight
     _backward3(pr, s, t, events, chunks, gathered, kept, shard, persistent, ends).see(tail)
-    step = Tally(sum(bd.values())).see(hold, step_temporaries(pr, s) * St * 4)
+    for b in _buckets3(pr, s, events) if (s.quantized_gradients or s.wire_itemsize) and W > 1 else []:
+        # the reductions finish after backward, bucket by bucket: qgZ sums the peers' rows into an fp32 chunk; a wire
+        # dtype's sum is cast to fp32
+        L = sum(shard[i] for i in b)
+        if s.quantized_gradients:
+            t.see(tail, L * 4 + quantize_scratch(L)).add(-2 * W * quantized_bytes(L) - W * L * w)
+        else:
+            t.see(tail, L * 4).add(-(W + 1) * L * s.wire_itemsize)
+    step = Tally(sum(bd.values())).add(cache).see(hold, step_temporaries(pr, s) * St * 4)
     if W > 1:
         step.see(hold, whole + whole // W)  # the persistent parameters gathered again
     P = (sum(n) + pr.buffer_numel) * 4

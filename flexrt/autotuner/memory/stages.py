@@ -8,11 +8,12 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from ...config.flex_config import FlexConfig, load_config
+from ...zero.quantize import BLOCK_SIZE, CHUNK_BLOCKS, BlockQuantizer
 
 # %% auto #0
 __all__ = ['STATE_TENSORS', 'STEP_TEMPORARIES', 'STATE_SCALAR_BYTES', 'FOREACH_STEP', 'FOREACH_TEMPORARIES', 'Line',
-           'ModelProfile', 'Setting', 'memory_setting', 'pad', 'bucket_plan', 'Tally', 'levels', 'step_temporaries',
-           'optimizer_state_bytes', 'stage0', 'stage12']
+           'ModelProfile', 'Setting', 'memory_setting', 'pad', 'bucket_plan', 'quantized_bytes', 'quantize_scratch',
+           'Tally', 'levels', 'step_temporaries', 'optimizer_state_bytes', 'stage0', 'stage12']
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c005
 @dataclass
@@ -113,6 +114,9 @@ class Setting:
     accumulation: int = 1  # micro-steps per optimizer step
     cuda: bool = False  # torch's optimizers step every tensor at once (foreach) on CUDA
     overlap: bool = False  # stage 2: up to two buckets' reductions in flight (overlap_comm); else each waited at once
+    quantized_weights: bool = False  # stage 3's qwZ: gathers of int8 blocks, dequantised into the working dtype
+    quantized_gradients: bool = False  # qgZ (stages 1-3): reduce-scatters as all-to-alls of int8 blocks, summed in fp32
+    wire_itemsize: int = 0  # bytes a value of communication_data_type, where not the gradients' dtype (0: theirs)
 
 
 def memory_setting(
@@ -122,6 +126,9 @@ def memory_setting(
     cfg = load_config(config)  # a FlexConfig (as `estimate_memory` passes) is taken as it is
     z, half = cfg.zero_optimization, cfg.fp16.enabled or cfg.bf16.enabled
     masters = half and not (cfg.fp16.enabled and cfg.fp16.fp16_master_weights_and_grads)
+    precision = 'fp16' if cfg.fp16.enabled else 'bf16' if cfg.bf16.enabled else 'fp32'
+    # the wire: gradients travel in their own dtype, or (qgZ at stages 1-3) as int8 blocks (`zeropp_args`)
+    wire = None if z.zero_quantized_gradients and z.stage > 0 else cfg.communication_data_type
     gas = cfg.batch.gradient_accumulation_steps
     if gas is None and cfg.batch.train_batch_size is not None:
         gas = cfg.resolve_batch(world_size).batch.gradient_accumulation_steps
@@ -139,6 +146,9 @@ def memory_setting(
         gas or 1,
         device == 'cuda',
         bool(z.overlap_comm),
+        bool(z.zero_quantized_weights) and z.stage == 3,  # `flexrt.zero.slots.zeropp_args`: ignored at stages 0-2
+        bool(z.zero_quantized_gradients) and z.stage > 0,
+        {'fp32': 4, 'fp16': 2, 'bf16': 2}[wire] if wire not in (None, precision) else 0,
     ), cfg
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c012
@@ -162,6 +172,16 @@ def bucket_plan(
         current.append(i)
         total += size
     return buckets + ([current] if current else [])
+
+
+def quantized_bytes(numel: int) -> int:
+    "Bytes of `numel` values as int8 blocks (`flexrt.zero.quantize.BlockQuantizer`): one fp32 scale per 256 values"
+    return BlockQuantizer(8).payload_bytes(numel)
+
+
+def quantize_scratch(numel: int) -> int:
+    "The fp32 scratch one pack (or one dequantising sum) of a row of `numel` values holds: at most 1 MiB"
+    return min(-(-numel // BLOCK_SIZE), CHUNK_BLOCKS) * BLOCK_SIZE * 4
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c015
 class Tally:
@@ -214,7 +234,8 @@ def stage0(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdo
     P, Pt, w, sd = sum(n) + pr.buffer_numel, sum(n[i] for i in T), s.itemsize, 4 if s.masters else s.itemsize
     bd = dict(
         parameters=P * w,
-        gradients=Pt * w if s.world_size > 1 else 0,
+        # the flat buffers, and their copies in the wire's dtype (`GradientWire`: kept between rounds)
+        gradients=Pt * (w + s.wire_itemsize) if s.world_size > 1 else 0,
         fp32_masters=Pt * 4 if s.masters else 0,
         optimizer_state=optimizer_state_bytes(pr, [n[i] for i in T], sd),
     )
@@ -241,21 +262,36 @@ def stage0(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdo
     return bd, dict(init=init, backward=bwd, step=step)
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c023
-def _launch(t: Tally, s: Setting, members: list, padded: int, received: int, n: list, level: float, flight: deque):
+def _launch(
+    t: Tally,
+    s: Setting,
+    members: list,
+    padded: int,
+    received: int,
+    n: list,
+    level: float,
+    flight: deque,
+    pack: int = 0,  # qgZ: what packing the rows holds (the int8 rows sent, their scales, a scratch)
+    finish: int = 0,  # what finishing it holds (qgZ: the fp32 sum, a scratch; a wire: the chunk cast back)
+):
     """A bucket's reduction starts; stage 2 first finishes the oldest of two in flight, copies its gradients into a
     spare bucket buffer (they live until the launch returns)"""
     if s.stage == 1:
-        t.add(received)
+        t.see(level, pack).add(received)
         return
     while len(flight) >= 2:
         # `BucketReducer._start` (max_in_flight): the oldest reduction finishes, its output goes (its buffer is a spare)
-        t.add(-flight.popleft())
-    t.add(received).see(level)  # the bucket buffers are held throughout (`stage12` counts them with the gradients)
-    t.add(-sum(n[i] for i in members) * s.itemsize)
-    if s.overlap:
-        flight.append(received)
+        done, temporary = flight.popleft()
+        t.see(level, temporary).add(-done)
+    if pack:  # qgZ packs the spare buffer after the gradients went into it
+        t.add(-sum(n[i] for i in members) * s.itemsize).see(level, pack).add(received)
     else:
-        t.add(-received)  # waited at once: output and receives go
+        t.add(received).see(level)  # the bucket buffers are held throughout (`stage12` counts them with the gradients)
+        t.add(-sum(n[i] for i in members) * s.itemsize)
+    if s.overlap:
+        flight.append((received, finish))
+    else:
+        t.see(level, finish).add(-received)  # waited at once: output and receives go
 
 
 def _step12(pr: ModelProfile, s: Setting, static: float, hold: float, shards: list, sd: int) -> Tally:
@@ -296,16 +332,24 @@ def stage12(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakd
     frozen = sum(n) - sum(n[i] for i in T) + pr.buffer_numel
     # stage 2's bucket buffers (and outputs), kept between backwards
     spares = (min(2, len(buckets)) if s.overlap else 1) * (max(padded, default=0) + max(shards, default=0))
+    # `GradientWire`: stage 1 sends each bucket as a copy in the wire's dtype (kept between rounds); stage 2's pooled
+    # buffers are in it; the chunks received are in it and cast back to the gradients' dtype as they finish
+    wire = s.wire_itemsize if W > 1 else 0
     bd = dict(
         parameters=(sum(padded) + frozen) * w,
-        gradients=(sum(padded) if s.stage == 1 else sum(shards) + spares) * w,
+        gradients=sum(padded) * (w + wire) if s.stage == 1 else sum(shards) * w + spares * (wire or w),
         fp32_masters=sum(shards) * 4 if s.masters else 0,
         optimizer_state=optimizer_state_bytes(pr, shards, sd),
     )
     # p2p receives besides the output (2 ranks: the one peer's chunk lands in the output)
     extra = W - 1 if s.p2p and W > 2 else 0
     # what a launch allocates: stage 1's output chunk (stage 2's is in its buffer)
-    received = [((sh if s.stage == 1 or W == 1 else 0) + extra * sh) * w for sh in shards]
+    received = [((sh if s.stage == 1 or W == 1 else 0) + extra * sh) * (wire or w) for sh in shards]
+    pack, finish = [0] * len(shards), [sh * w if wire else 0 for sh in shards]
+    if s.quantized_gradients and W > 1:  # qgZ (`QuantizedReduceScatter`): N int8 rows of a chunk sent, N received
+        received = [2 * W * quantized_bytes(sh) for sh in shards]
+        pack = [W * quantized_bytes(sh) + W * -(-sh // BLOCK_SIZE) * 4 + quantize_scratch(sh) for sh in shards]
+        finish = [sh * 4 + quantize_scratch(sh) for sh in shards]  # the peers' rows summed into an fp32 chunk
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     held = s.stage == 2 and s.accumulation > 1  # the last micro-step starts with the accumulated gradients in p.grad
     arrived, nxt, flight = [0] * len(buckets), 0, deque()
@@ -318,10 +362,14 @@ def stage12(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakd
             if s.stage == 2 and not held:
                 t.add(n[i] * w)  # autograd's gradient waits for its bucket
             while nxt < len(buckets) and arrived[nxt] == len(buckets[nxt]):
-                _launch(t, s, buckets[nxt], padded[nxt], received[nxt], n, after, flight)
+                _launch(t, s, buckets[nxt], padded[nxt], received[nxt], n, after, flight, pack[nxt], finish[nxt])
                 nxt += 1
         t.see(after)
     t.see(tail)
+    # the reductions still out finish after backward (stage 1: all of them)
+    out = [(received[b], finish[b]) for b in range(len(buckets))] if s.stage == 1 else list(flight)
+    for done, temporary in out if s.quantized_gradients or wire else []:
+        t.see(tail, temporary).add(-done)
     return bd, dict(
         init=_init12(pr, s, buckets, padded, shards),
         backward=t,
