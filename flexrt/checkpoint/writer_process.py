@@ -4,20 +4,19 @@
 
 # %% ../../nbs/60_checkpoint_writer_process.ipynb #w003
 from __future__ import annotations
-import ctypes, mmap, os, signal, subprocess, sys, threading, weakref
+import ctypes, importlib.util, mmap, os, signal, socket, subprocess, sys, threading, weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import NamedTuple
-import importlib.util, socket
 import torch
 from .storage import save_torch
 
 # %% auto #0
-__all__ = ['ALIGN', 'PR_SET_PDEATHSIG', 'NICENESS', 'layout', 'arena_storage', 'SharedArena', 'TensorRef', 'describe_tree',
-           'rebuild_tree', 'serve_writes', 'WriterProcess', 'available', 'writer_process', 'release']
+__all__ = ['ALIGN', 'PR_SET_PDEATHSIG', 'NICENESS', 'layout', 'arena_storage', 'SharedArena', 'TensorRef', 'map_tree',
+           'describe_tree', 'rebuild_tree', 'serve_writes', 'WriterProcess', 'available', 'writer_process', 'release']
 
 # %% ../../nbs/60_checkpoint_writer_process.ipynb #w006
 ALIGN = 64  # bytes: where each storage in an arena starts
@@ -66,53 +65,61 @@ class TensorRef(NamedTuple):
     requires_grad: bool
 
 
-def describe_tree(
-    obj,  # what a checkpoint file holds: tensors, numbers, strings and plain containers of them
-    storages: dict,  # {storage `_cdata`: (index, storage)}: every storage met, numbered in order; filled here
-    memo: dict | None = None,  # {id(original): its description}: objects met already
+def map_tree(
+    obj,  # tensors, numbers, strings and plain containers of them
+    leaf,  # leaf(x): what replaces x, or None where x is not a leaf
+    memo: dict | None = None,  # {id(x): what replaced it}: objects met already
 ):
-    "`obj` with every tensor replaced by a `TensorRef` to its storage in `storages`"
+    "`obj` with each leaf replaced by `leaf(x)` and each plain container rebuilt; an object met twice, by one result"
     memo = {} if memo is None else memo
     if id(obj) in memo:  # `obj` lives until the call returns: an id is not reused meanwhile
         return memo[id(obj)]
-    if isinstance(obj, torch.Tensor):
-        s = obj.untyped_storage()
-        index = storages.setdefault(s._cdata, (len(storages), s))[0]
-        out = TensorRef(
-            index, obj.dtype, obj.storage_offset(), tuple(obj.size()), tuple(obj.stride()),
-            type(obj) is torch.nn.Parameter, obj.requires_grad,
-        )  # fmt: skip
-    elif type(obj) in (dict, OrderedDict):
-        out = type(obj)((k, describe_tree(v, storages, memo)) for k, v in obj.items())
-    elif type(obj) in (list, tuple):
-        out = type(obj)(describe_tree(v, storages, memo) for v in obj)
-    else:
-        return obj
+    out = leaf(obj)
+    if out is None:
+        if type(obj) in (dict, OrderedDict):
+            out = type(obj)((k, map_tree(v, leaf, memo)) for k, v in obj.items())
+        elif type(obj) in (list, tuple):
+            out = type(obj)(map_tree(v, leaf, memo) for v in obj)
+        else:
+            return obj
     memo[id(obj)] = out
     return out
+
+
+def describe_tree(
+    obj,  # what a checkpoint file holds: tensors, numbers, strings and plain containers of them
+    storages: dict,  # {storage `_cdata`: (index, storage)}: every storage met, numbered in order; filled here
+):
+    "`obj` with every tensor replaced by a `TensorRef` to its storage in `storages`"
+
+    def ref(t):
+        if not isinstance(t, torch.Tensor):
+            return None
+        s = t.untyped_storage()
+        index = storages.setdefault(s._cdata, (len(storages), s))[0]
+        return TensorRef(
+            index, t.dtype, t.storage_offset(), tuple(t.size()), tuple(t.stride()),
+            type(t) is torch.nn.Parameter, t.requires_grad,
+        )  # fmt: skip
+
+    return map_tree(obj, ref)
 
 
 def rebuild_tree(
     description,  # `describe_tree`'s result, unpickled
     storages: list,  # the storages, by index
-    memo: dict | None = None,  # {id(description): its object}
 ):
     "The tree `describe_tree` described, over `storages`"
-    memo = {} if memo is None else memo
-    if id(description) in memo:
-        return memo[id(description)]
-    if type(description) is TensorRef:
-        r = description
+
+    def tensor(r):
+        if type(r) is not TensorRef:
+            return None
         t = torch.empty(0, dtype=r.dtype).set_(storages[r.storage], r.offset, r.size, r.stride)
-        out = torch.nn.Parameter(t, requires_grad=r.requires_grad) if r.parameter else t.requires_grad_(r.requires_grad)
-    elif type(description) in (dict, OrderedDict):
-        out = type(description)((k, rebuild_tree(v, storages, memo)) for k, v in description.items())
-    elif type(description) in (list, tuple):
-        out = type(description)(rebuild_tree(v, storages, memo) for v in description)
-    else:
-        return description
-    memo[id(description)] = out
-    return out
+        return (
+            torch.nn.Parameter(t, requires_grad=r.requires_grad) if r.parameter else t.requires_grad_(r.requires_grad)
+        )
+
+    return map_tree(description, tensor)
 
 # %% ../../nbs/60_checkpoint_writer_process.ipynb #w012
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when the thread that started it ends
@@ -231,15 +238,6 @@ class WriterProcess:
                     self._map(None)
                 except OSError:
                     pass
-
-    def close(self):
-        "End the process (it finishes the write in progress first)"
-        self.conn.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 # %% ../../nbs/60_checkpoint_writer_process.ipynb #w014
 _SPAWNER: ThreadPoolExecutor | None = None
