@@ -1,5 +1,5 @@
 """The memory model against run_trial's measured peaks on real 2-rank gloo groups: every stage, two micro-batches, two
-bucket settings, ZeRO++'s int8 weights and gradients, a bf16 wire"""
+bucket settings, ZeRO++'s int8 weights and gradients and hpZ, a bf16 wire"""
 import pytest, torch
 from tests.helpers import run_distributed
 
@@ -48,9 +48,10 @@ def config(stage, micro, buckets=None, accumulation=1):
             'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}}, 'zero_optimization': {'stage': stage, **(buckets or {})}}
 
 # ZeRO++ where the engine honours it: int8 gradient reductions (qgZ) at stages 1-2, and with int8 gathers (qwZ) at 3
-# (mlp: its 512 x 512 weight is the one above the default persistence threshold, gathered quantised)
+# (mlp: its 512 x 512 weight is the one above the default persistence threshold, gathered quantised); hpZ over 2 of
+# the 2 ranks: flexrt makes no secondary groups then (`secondary_partition`), and the model adds nothing
 ZEROPP = [(1, {'zero_quantized_gradients': True}), (2, {'zero_quantized_gradients': True}),
-          (3, {'zero_quantized_weights': True, 'zero_quantized_gradients': True})]
+          (3, {'zero_quantized_weights': True, 'zero_quantized_gradients': True}), (3, {'zero_hpz_partition_size': 2})]
 
 def _accuracy(rank, world_size, name, micro_batches):
     from flexrt.autotuner.memory import profile_model, calibrate, estimate_memory
@@ -97,6 +98,35 @@ def test_memory_model_mlp():
 
 def test_memory_model_gpt():
     _check(run_distributed(_accuracy, 2, args=('gpt', (2, 8)), timeout=300)[0])
+
+def _hpz(rank, world_size):
+    "hpZ on 4 ranks in groups of 2 (stage 3): each rank keeps half of every gathered weight from forward to step"
+    from flexrt.autotuner.memory import profile_model, calibrate, estimate_memory
+    from flexrt.autotuner.measure import run_trial
+    micro_batches = (8, 64)
+    profile = profile_model(mlp_fn, config(0, 1), train_step=mlp_step, micro_batches=micro_batches)
+    trial = lambda c: run_trial(mlp_fn, mlp_step, c, warmup_steps=1, profile_steps=1)
+    profile = calibrate(profile, [(config(0, m), world_size, trial(config(0, m)).peak_bytes) for m in micro_batches])
+    hpz = {'zero_hpz_partition_size': 2}
+    cases = [(m, b, {**buckets, **hpz}, 1) for m in micro_batches for b, buckets in enumerate(BUCKETS)]
+    cases += [(64, '0 accumulation 3', {**BUCKETS[0], **hpz}, 3),   # later micro-steps gather from the pieces forward too
+              (64, '0 qwZ+qgZ', {**BUCKETS[0], **hpz, 'zero_quantized_weights': True, 'zero_quantized_gradients': True}, 1),
+              (64, '0 persistence 1000', {**BUCKETS[0], **hpz, 'stage3_param_persistence_threshold': 1000}, 1),
+              (64, '0 no hpZ', BUCKETS[0], 1)]
+    rows = []
+    for m, b, keys, accumulation in cases:
+        c = config(3, m, keys, accumulation)
+        r = trial(c)
+        assert r.status == 'ok', r.reason
+        rows.append((3, m, b, estimate_memory(profile, c, world_size, m).peak_bytes, r.peak_bytes))
+    return rows
+
+def test_memory_model_hpz():
+    rows = run_distributed(_hpz, 4, timeout=300)[0]
+    _check(rows)
+    # the rule: the 512 x 512 weight (the one not persistent) keeps a piece of 512 * 512 / 2 fp32 values on each rank
+    measured = {(m, b): peak for _, m, b, _, peak in rows}
+    assert measured[64, 0] - measured[64, '0 no hpZ'] == 512 * 512 // 2 * 4, rows
 
 def head1_fn():   # a 1-element bias: at stage 3 its shard views the whole gather buffer of the persistent parameters
     torch.manual_seed(0)

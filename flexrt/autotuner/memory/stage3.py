@@ -65,6 +65,18 @@ def _chunk_bytes(
         return G, R, G + V + (R if L % BLOCK_SIZE else 0), 0
     return G, C + (V if min(shards) == 1 else 0), G + V + C, C
 
+
+def _secondary_bytes(
+    pieces: list,  # elements of each parameter's secondary piece: ceil(numel / h)
+    group_size: int,  # h, `zero_hpz_partition_size`
+    itemsize: int,
+) -> tuple:  # (buffer, resident, during, copies), as `_chunk_bytes`
+    """hpZ's gather of a chunk from its secondary pieces: an exact gather over the h ranks of the group, and while in
+    flight the pieces concatenated (each has its own storage) into the tensor sent, which the collective holds"""
+    G, R, D, C = _chunk_bytes(pieces, group_size, itemsize)
+    send = sum(pieces) * itemsize if len(pieces) > 1 else 0
+    return G + send, R, max(D, G + send), C
+
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c029a
 def _buckets3(pr: ModelProfile, s: Setting, events: list) -> list:  # lists of parameter indices
     "The partitioner's gradient buckets (`split_buckets`) on the order the gradients arrive"
@@ -86,11 +98,18 @@ def _backward3(
     shard: list,
     persistent: list,
     ends: list,  # `chunk_ends` of the chunks
+    regathered: list | None = None,  # hpZ: what each chunk's gather from the secondary pieces makes (None: `gathered`)
+    piece: list | None = None,  # hpZ: elements of each parameter's secondary piece
+    kept_secondary: bool = False,  # hpZ: the kept chunks were gathered from the pieces too (a later micro-step)
 ):
     """Gradients land in bucket reduce-scatter buffers held to the end of backward; a chunk is gathered on entering it
-    (those before it within the prefetch gathering) and goes with its last gradient"""
+    (those before it within the prefetch gathering) and goes with its last gradient; with hpZ the chunks gathered
+    again (and all of a later micro-step's) come from the secondary pieces, within the group"""
     n, W, w = pr.numels, s.world_size, s.itemsize
     gw = s.wire_itemsize or w  # the gradient buckets are in the wire's dtype
+    secondary = [regathered is not None and (us[0] not in kept or kept_secondary) for us in chunks]
+    got = [r if sec else g for sec, g, r in zip(secondary, gathered, regathered or gathered)]
+    N, size = [s.hpz if sec else W for sec in secondary], [piece if sec else shard for sec in secondary]
     chunk_of = {}
     for c, us in enumerate(chunks):
         for u in us:
@@ -101,8 +120,10 @@ def _backward3(
     own = [list(dict.fromkeys(i for u in us for i in pr.units[u] if not persistent[i])) for us in chunks]
     left, ahead = [len(o) for o in own], None  # ahead: the farthest chunk started (`ParameterPartitioner._prefetch`)
     # several parameters: `_Gather.finish` copies each (a 1-element shard stays a view)
-    copying = [W > 1 and len(o) > 1 for o in own]
-    views = [sum(not copying[c] or shard[i] == 1 for i in o) for c, o in enumerate(own)]  # what keeps the buffer alive
+    copying = [N[c] > 1 and len(o) > 1 for c, o in enumerate(own)]
+    views = [
+        sum(not copying[c] or size[c][i] == 1 for i in o) for c, o in enumerate(own)
+    ]  # what keeps the buffer alive
     buckets = _buckets3(pr, s, events)
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     pending, width = [len(b) for b in buckets], [sum(shard[j] for j in b) for b in buckets]
@@ -113,12 +134,12 @@ def _backward3(
             'flight',  # gathered again for its backward (or its prefetch finished): buffer and copies, then what stays
         ):
             # ('gone': every parameter it gathers is released; what comes later in it is persistent)
-            G, R, D, _ = gathered[c]
+            G, R, D, _ = got[c]
             t.add(-G if state[c] == 'flight' else 0).see(before, D).add(R)
             state[c] = 'whole'
         for p in plan_ahead(ends, c, -1, s.prefetch, ahead):  # the chunks before it, gathering ahead
             if state[p] == 'none':
-                t.add(gathered[p][0])
+                t.add(got[p][0])
                 state[p] = 'flight'
             ahead = p
         t.see(before)
@@ -138,10 +159,10 @@ def _backward3(
             not persistent[i] and state[c] == 'whole'
         ):  # released: its own copy goes; the buffer with the last view of it
             left[c] -= 1
-            views[c] -= not copying[c] or shard[i] == 1
-            mine = W * shard[i] * w if copying[c] and shard[i] > 1 else 0
+            views[c] -= not copying[c] or size[c][i] == 1
+            mine = N[c] * size[c][i] * w if copying[c] and size[c][i] > 1 else 0
             if views[c] == 0:
-                mine += gathered[c][1] - gathered[c][3]
+                mine += got[c][1] - got[c][3]
                 views[c] = -1  # the buffer (resident less copies), once
             t.add(-mine)
             if left[c] == 0:
@@ -149,9 +170,52 @@ def _backward3(
         t.see(after)
     return t
 
+# %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c029c
+def _micro3(
+    pr: ModelProfile,
+    s: Setting,
+    t: Tally,  # the static parts (and what a step keeps: qwZ's payloads, hpZ's pieces of a later micro-step)
+    lv: tuple,
+    chunks: list,
+    gathered: list,  # (G, R, D, C) of each chunk's forward gather
+    kept: set,
+    ends: list,
+    keeps: list,  # hpZ: the bytes of pieces each chunk's forward gather keeps (0s: none, or kept already)
+    shard: list,
+    persistent: list,
+    regathered: list | None,  # hpZ: what gathers from the pieces make (None: off)
+    piece: list,
+    again: bool,  # hpZ: a later micro-step, whose forward gathered from the pieces too
+) -> Tally:
+    "One micro-step of stage 3: the forward's gathers, then `_backward3`, then the reductions still out"
+    fwd, events, tail, _ = lv
+    W, w = s.world_size, s.itemsize
+    t.add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept))
+    # buffers of chunks gathering ahead (kept ones: counted)
+    flying = [0, *accumulate(0 if us[0] in kept else g[0] for us, g in zip(chunks, gathered))]
+    peak, j, done = 0, 0, 0
+    for c, (us, g) in enumerate(zip(chunks, gathered)):
+        before = flying[max(j, c) + 1] - flying[c + 1]  # started ahead by the chunks before it
+        j = max([j, c, *plan_ahead(ends, c, +1, s.prefetch, j)])  # the farthest started (c itself: none ahead)
+        mine = g[1] if us[0] in kept else 0
+        done += keeps[c]  # hpZ: the pieces kept so far, its own at its finish
+        peak = max(peak, g[2] - mine + before + done, g[1] - mine + flying[j + 1] - flying[c + 1] + done)
+    t.see(fwd, peak)  # a chunk being finished (buffer and copies), or held, with the chunks ahead in flight
+    t.add(sum(keeps))  # hpZ: all the pieces kept, through backward
+    _backward3(pr, s, t, events, chunks, gathered, kept, shard, persistent, ends, regathered, piece, again).see(tail)
+    for b in _buckets3(pr, s, events) if (s.quantized_gradients or s.wire_itemsize) and W > 1 else []:
+        # the reductions finish after backward, bucket by bucket: qgZ sums the peers' rows into an fp32 chunk; a wire
+        # dtype's sum is cast to fp32
+        L = sum(shard[i] for i in b)
+        if s.quantized_gradients:
+            t.see(tail, L * 4 + quantize_scratch(L)).add(-2 * W * quantized_bytes(L) - W * L * w)
+        else:
+            t.see(tail, L * 4).add(-(W + 1) * L * s.wire_itemsize)
+    return t
+
 # %% ../../../nbs/71_autotuner_memory_stage3.ipynb #c030
 def stage3(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdown, {phase: Tally})
-    fwd, events, tail, hold = lv
+    hold = lv[3]  # the activations during the step (`_micro3` replays the micro-step's)
     n, W, w = pr.numels, s.world_size, s.itemsize
     shard = [-(-k // W) for k in n]
     persistent = [k == 0 or k < s.persistence for k in n]
@@ -177,26 +241,23 @@ def stage3(pr: ModelProfile, s: Setting, lv: tuple) -> tuple:  # (static breakdo
     gathered = [_chunk_bytes(m, W, w, q) for m in members]
     # qwZ packs each chunk's shards once per step (`CachedQuantizer`): the payloads stay until the step has written them
     cache = sum(quantized_bytes(sum(m)) for m in members if m) if q else 0
-    t = Tally(sum(bd.values())).add(sum(g[1] for us, g in zip(chunks, gathered) if us[0] in kept) + cache)
-    # buffers of chunks gathering ahead (kept ones: counted)
-    flying = [0, *accumulate(0 if us[0] in kept else g[0] for us, g in zip(chunks, gathered))]
-    peak, j = 0, 0
-    for c, (us, g) in enumerate(zip(chunks, gathered)):
-        before = flying[max(j, c) + 1] - flying[c + 1]  # started ahead by the chunks before it
-        j = max([j, c, *plan_ahead(ends, c, +1, s.prefetch, j)])  # the farthest started (c itself: none ahead)
-        mine = g[1] if us[0] in kept else 0
-        peak = max(peak, g[2] - mine + before, g[1] - mine + flying[j + 1] - flying[c + 1])
-    t.see(fwd, peak)  # a chunk being finished (buffer and copies), or held, with the chunks ahead in flight
-    _backward3(pr, s, t, events, chunks, gathered, kept, shard, persistent, ends).see(tail)
-    for b in _buckets3(pr, s, events) if (s.quantized_gradients or s.wire_itemsize) and W > 1 else []:
-        # the reductions finish after backward, bucket by bucket: qgZ sums the peers' rows into an fp32 chunk; a wire
-        # dtype's sum is cast to fp32
-        L = sum(shard[i] for i in b)
-        if s.quantized_gradients:
-            t.see(tail, L * 4 + quantize_scratch(L)).add(-2 * W * quantized_bytes(L) - W * L * w)
-        else:
-            t.see(tail, L * 4).add(-(W + 1) * L * s.wire_itemsize)
-    step = Tally(sum(bd.values())).add(cache).see(hold, step_temporaries(pr, s) * St * 4)
+    # hpZ: each forward gather from the shards keeps this rank's piece of every parameter (`SecondaryPartition.keep`,
+    # in the working dtype) until the step has written the shards; backward gathers the pieces within the group
+    h = s.hpz if W > 1 else 1
+    piece = [-(-k // h) if h > 1 and not persistent[i] else 0 for i, k in enumerate(n)]
+    pieces = [[piece[i] for i in dict.fromkeys(i for u in us for i in units[u])] for us in chunks]
+    regathered = [_secondary_bytes(p, h, w) for p in pieces] if h > 1 else None
+    secondary = sum(sum(p) for p in pieces) * w
+    runs = [(gathered, [sum(p) * w for p in pieces], False)]  # the micro-step after a step: pieces kept as it goes
+    if h > 1 and s.accumulation > 1:  # the next ones hold them all and gather from them forward too
+        runs.append((regathered, [0] * len(chunks), True))
+    t = None
+    for fg, keeps, again in runs:
+        base = Tally(sum(bd.values())).add(cache + (secondary if again else 0))
+        r = _micro3(pr, s, base, lv, chunks, fg, kept, ends, keeps, shard, persistent, regathered, piece, again)
+        t = r if t is None or r.peak > t.peak else t
+    step = Tally(sum(bd.values())).add(cache + secondary).see(hold, step_temporaries(pr, s) * St * 4)
+    step.add(-secondary)  # `weight_written` drops the pieces before the persistent parameters are gathered again
     if W > 1:
         step.see(hold, whole + whole // W)  # the persistent parameters gathered again
     P = (sum(n) + pr.buffer_numel) * 4

@@ -117,6 +117,7 @@ class Setting:
     quantized_weights: bool = False  # stage 3's qwZ: gathers of int8 blocks, dequantised into the working dtype
     quantized_gradients: bool = False  # qgZ (stages 1-3): reduce-scatters as all-to-alls of int8 blocks, summed in fp32
     wire_itemsize: int = 0  # bytes a value of communication_data_type, where not the gradients' dtype (0: theirs)
+    hpz: int = 1  # stage 3's hpZ: ranks per secondary partition group (1: none, as when the group is the whole world)
 
 
 def memory_setting(
@@ -149,7 +150,14 @@ def memory_setting(
         bool(z.zero_quantized_weights) and z.stage == 3,  # `flexrt.zero.slots.zeropp_args`: ignored at stages 0-2
         bool(z.zero_quantized_gradients) and z.stage > 0,
         {'fp32': 4, 'fp16': 2, 'bf16': 2}[wire] if wire not in (None, precision) else 0,
+        _hpz(z.zero_hpz_partition_size, z.stage, world_size),
     ), cfg
+
+
+def _hpz(size: int, stage: int, world_size: int) -> int:
+    """hpZ's group size where flexrt makes the groups (`flexrt.zero.stage3.params.secondary_partition`): stage 3, more
+    than one rank and fewer than all; else 1 (a size that does not divide the world is refused by the engine)"""
+    return size if stage == 3 and 1 < size < world_size and world_size % size == 0 else 1
 
 # %% ../../../nbs/71_autotuner_memory_stages.ipynb #c012
 def pad(numel: int, world_size: int) -> int:
