@@ -12,8 +12,8 @@ import torch
 from .. import comm as dist, monitor
 from .storage import CheckpointError, MODEL_STATES, fsync
 from .layout import staging_dir, discard_staging, SaveDirLock
-from . import writer_process as writers
-from .writer_process import SharedArena, WriterProcess, describe_tree, layout
+from .writer_process import SharedArena, WriterProcess, describe_tree, layout, writer_process
+from .writer_process import release as unmap_arena
 from flexrt.checkpoint.save_load import (
     agree,
     begin_save,
@@ -369,7 +369,7 @@ class CheckpointWriter:
     ) -> ArenaJob | None:  # None: the thread writes (the thread writer is configured, or the process cannot)
         """What the writer process writes: `objects` described, each storage's copy placed in the arena: made now, or
         left to the thread where nothing changes the storage before the next optimizer step (`later`)"""
-        if self.engine.config.checkpoint.async_writer != 'process' or (process := writers.writer_process()) is None:
+        if self.engine.config.checkpoint.async_writer != 'process' or (process := writer_process()) is None:
             return None
         storages = {}  # {_cdata: (index, storage)}
         description = describe_tree(objects, storages)
@@ -391,7 +391,7 @@ class CheckpointWriter:
     def release_arena(self):
         "Free the arena: the writer process unmaps it, and this writer drops it"
         if self.arena is not None:
-            writers.release(self.arena)
+            unmap_arena(self.arena)  # the writer process's mapping
             self.arena = None
 
     def _hook_step(self):
