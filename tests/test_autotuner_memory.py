@@ -109,8 +109,10 @@ def _hpz(rank, world_size):
     profile = calibrate(profile, [(config(0, m), world_size, trial(config(0, m)).peak_bytes) for m in micro_batches])
     hpz = {'zero_hpz_partition_size': 2}
     cases = [(m, b, {**buckets, **hpz}, 1) for m in micro_batches for b, buckets in enumerate(BUCKETS)]
-    cases += [(64, '0 accumulation 3', {**BUCKETS[0], **hpz}, 3),   # later micro-steps gather from the pieces forward too
-              (64, '0 qwZ+qgZ', {**BUCKETS[0], **hpz, 'zero_quantized_weights': True, 'zero_quantized_gradients': True}, 1),
+    # later micro-steps gather from the pieces in forward too
+    cases += [(64, '0 accumulation 3', {**BUCKETS[0], **hpz}, 3),
+              (64, '0 qwZ+qgZ',
+               {**BUCKETS[0], **hpz, 'zero_quantized_weights': True, 'zero_quantized_gradients': True}, 1),
               (64, '0 persistence 1000', {**BUCKETS[0], **hpz, 'stage3_param_persistence_threshold': 1000}, 1),
               (64, '0 no hpZ', BUCKETS[0], 1)]
     rows = []

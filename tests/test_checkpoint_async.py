@@ -181,7 +181,8 @@ def load_latest_rank(rank, world, d):
 
 # where the write is held: rank 1 before its shard (its writer process stopped); rank 0 before the manifest (every
 # shard written, not published)
-@pytest.mark.parametrize('pause_rank,pause_file,who', [(1, 'rank_00001.pt', 'process'), (0, 'manifest.json', 'process')])
+@pytest.mark.parametrize('pause_rank,pause_file,who',
+                         [(1, 'rank_00001.pt', 'process'), (0, 'manifest.json', 'process')])
 def test_sigkill_during_the_background_write_leaves_the_previous_checkpoint(tmp_path, pause_rank, pause_file, who):
     from flexrt.checkpoint import consolidate, CheckpointError
     from flexrt.checkpoint.layout import read_latest, tag_dir
@@ -207,7 +208,7 @@ def test_sigkill_during_the_background_write_leaves_the_previous_checkpoint(tmp_
 # a background error reaches every rank at the next call
 
 def failing_rank(rank, world, d):
-    "Three asynchronous saves that fail in the background (faults planted in this process); each rank's next call's error"
+    "Three asynchronous saves failing in the background (faults planted in this process); each next call's error"
     import flexrt.checkpoint.storage as storage
     import flexrt.checkpoint.async_save as async_save
     e = async_engine(0, 'thread')
