@@ -1,7 +1,8 @@
 """Training step time on 2 gloo ranks: DDP vs flexrt (ZeRO stages 0-3) vs DeepSpeed (same stages) vs FSDP2, interleaved.
 
     python bench/engine_step.py [--workload gpt,mlp] [--stages 0,1,2,3] [--quick] [--rounds 12] [--steps 2]
-                                [--impls NAME,...] [--baseline REV] [--config-extra JSON]
+                                [--impls NAME,...] [--baseline REV] [--config-extra [STAGES:]JSON ...]
+                                [--link-rate 10gbit]
                                 [--layers 4] [--dim 192] [--vocab 2048] [--seq 64] [--batch 8]
                                 [--mlp-layers 8] [--mlp-width 1024] [--mlp-batch 4]
                                 [--launcher spawn|torchrun|launch|kernel]
@@ -36,7 +37,10 @@ Implementations (`--impls` picks some; `--stages` keeps those of the listed ZeRO
   against the code before it in one interleaved run; each flexrt-zN then also prints its paired ratio to baseline-zN.
 - extra-z0 .. extra-z3 (with `--config-extra JSON`): flexrt-zN with the JSON object merged into its config (nested
   blocks merged key by key), e.g. `--config-extra '{"communication_data_type": "bf16"}'`, so a setting is measured
-  against flexrt without it in one interleaved run; each extra-zN prints its paired ratio to flexrt-zN.
+  against flexrt without it in one interleaved run; each extra-zN prints its paired ratio to flexrt-zN. Given again,
+  extra2-zN, extra3-zN, ... (up to 4 settings in one run); a prefix of stages keeps a setting to them, e.g.
+  `--config-extra '0,1,2:{"communication_data_type": "bf16"}' --config-extra '3:{"zero_optimization":
+  {"zero_quantized_weights": true, "zero_quantized_gradients": true}}'`.
 
 Both engines get the same config (gradient_clipping 0, overlap_comm true, reduce_bucket_size `--bucket` elements:
 4M = 16 MiB of fp32 by default, between DDP's 1 MiB first and 25 MiB later buckets).
@@ -53,7 +57,15 @@ time (rank 0's clock, averaged over the steps of a round), the paired ratio to D
 DDP's time in the same round, which cancels drift between rounds), the CPU time rank 0's process spent per step (all
 threads, gloo's included) and its paired ratio to DDP's, the paired ratio against DeepSpeed's same stage and
 against FSDP2 of the same kind (below 1: faster), and the largest difference of its losses from DDP's over the run
-(same batches, same initial weights: they must agree).
+(same batches, same initial weights: they must agree). Also the bytes the rank sent per step, read from the kernel
+(`/proc/self/io` wchar: what the process wrote with write()/writev(), gloo's sends included; the bench writes nothing
+else while timing) for every implementation alike, with its ratio to DDP's; and for flexrt's engines, the bytes of
+the messages flexrt's comms logger logged in one more step (its own count, next to the kernel's).
+
+`--link-rate RATE` (e.g. 10gbit): the ranks talk over a link of that bandwidth in each direction instead of the
+loopback device, whose memory-speed transfers make communication cost CPU rather than bandwidth
+(bench/shaped_link.py: an address per rank on a veth device, a tc token bucket per destination on the loopback;
+needs root; the rest of the machine's traffic is untouched, and everything made is removed at the end).
 Each implementation is one `build_*` function returning `step(inputs, targets) -> loss`; adding one is a function.
 
 How the ranks start (`--launcher`; bench/launchers.py):
@@ -76,7 +88,7 @@ implementation: the median reading per launcher, and the ratios kernel/torchrun 
 Start-up (from the launch call to the ranks entering their function) and set-up (process group, builds, warm-up) are
 printed per launcher, and kept out of the step times. On 2 cores the default run takes about 6 minutes.
 """
-import argparse, copy, json, logging, math, os, socket, statistics, sys, time, warnings
+import argparse, contextlib, copy, json, logging, math, os, socket, statistics, sys, time, warnings
 os.environ.setdefault('DS_ACCELERATOR', 'cpu')   # this bench runs on CPU with gloo
 import torch
 from torch import nn
@@ -186,11 +198,21 @@ def merged(config:dict, extra:dict)->dict:
         out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
-def build_extra(stage):
-    "flexrt-zN with `--config-extra` merged into its config"
+def extra_name(k:int, stage:int)->str:
+    "The implementation of the `k`th `--config-extra` at `stage`: extra-zN, extra2-zN, ..."
+    return f"extra{k + 1 if k else ''}-z{stage}"
+
+def extra_index(name:str):
+    "`k` of an extra's name (extra-z3: 0, extra2-z3: 1), or None"
+    head = name.split('-z')[0]
+    if not head.startswith('extra') or not name[-1].isdigit(): return None
+    return int(head[5:]) - 1 if head[5:] else 0
+
+def build_extra(stage, k):
+    "flexrt-zN with the `k`th `--config-extra` merged into its config"
     def build(model, args):
         import flexrt
-        config = merged(ds_config(args, stage), args.config_extra)
+        config = merged(ds_config(args, stage), args.config_extra[k][1])
         engine, *_ = flexrt.initialize(model=model, optimizer=adamw(model), config=config)
         return engine_step(engine)
     return build
@@ -243,18 +265,21 @@ def build_fsdp2(reshard):
 def build_no_comm(model, args):
     return torch_step(model, adamw(model))
 
+MAX_EXTRAS = 4   # --config-extra given at most this often
+
 BUILDERS = {'ddp': build_ddp, 'flexrt-reducer': build_flexrt_reducer,
             **{f'flexrt-z{s}': build_flexrt(s) for s in range(4)},
             'flexrt-z1-ar': build_flexrt(1, reduce_scatter=False), 'flexrt-z2-ar': build_flexrt(2, reduce_scatter=False),
             **{f'deepspeed-z{s}': build_deepspeed(s) for s in range(4)},
             **{f'baseline-z{s}': build_baseline(s) for s in range(4)},
-            **{f'extra-z{s}': build_extra(s) for s in range(4)},
+            **{extra_name(k, s): build_extra(s, k) for k in range(MAX_EXTRAS) for s in range(4)},
             'fsdp2': build_fsdp2(True), 'fsdp2-noreshard': build_fsdp2(False), 'no-comm': build_no_comm}
 
 def stage_of(name):
     "The ZeRO stage an implementation runs (None: DDP and the no-communication floor)"
     if name == 'flexrt-reducer': return 0
-    if name.startswith(('flexrt-z', 'deepspeed-z', 'baseline-z', 'extra-z')): return int(name.split('-z')[1][0])
+    if name.startswith(('flexrt-z', 'deepspeed-z', 'baseline-z')) or extra_index(name) is not None:
+        return int(name.split('-z')[1][0])
     if name.startswith('fsdp2'): return 3 if name == 'fsdp2' else 2
     return None
 
@@ -282,21 +307,42 @@ def time_rounds(args, names, rank)->dict:
     base = make_model(args)
     steps = {name: BUILDERS[name](copy.deepcopy(base), args) for name in names}
     times, cpu, losses, counter = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}, {n: 0 for n in names}
+    sent = {n: [] for n in names}
     threads, setup_s = set(), None
     for r in range(args.rounds + 1):
         for name in (names if r % 2 == 0 else names[::-1]):
             tdist.barrier()
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start, sent_start = time.perf_counter(), time.process_time(), bytes_written()
             for _ in range(args.steps):
                 x, y = batch(counter[name], rank, args); counter[name] += 1
                 losses[name].append(float(steps[name](x, y)))
             if r: times[name].append((time.perf_counter() - start) / args.steps)
             if r: cpu[name].append((time.process_time() - cpu_start) / args.steps)
+            if r and sent_start is not None: sent[name].append((bytes_written() - sent_start) / args.steps)
             threads.add(torch.get_num_threads())   # what the steps ran with (an engine sizes them when built)
         if r == 0: setup_s = time.perf_counter() - started
     tdist.barrier()
+    logged = {n: logged_bytes(steps[n], counter[n], rank, args) for n in names if n.startswith(('flexrt-z', 'extra'))}
     return dict(times=times, cpu=cpu, losses=losses, numel=sum(p.numel() for p in base.parameters()),
-                threads=sorted(threads), setup_s=setup_s)
+                threads=sorted(threads), setup_s=setup_s, sent=sent, logged=logged)
+
+def bytes_written():
+    "Bytes this process has written with write()/writev() since it started (Linux /proc/self/io `wchar`, every "
+    "thread's), or None where there is no such file. gloo sends with writev(): what the rank put on the wire"
+    try:
+        with open('/proc/self/io') as f:
+            return next(int(line.split()[1]) for line in f if line.startswith('wchar:'))
+    except OSError: return None
+
+def logged_bytes(step, at:int, rank, args)->int:
+    "One more step of a flexrt engine with the comms logger on: the bytes of the messages it logged (its own count)"
+    from flexrt import comm
+    comm.configure(enabled=True)
+    comm.reset_log()
+    step(*batch(at, rank, args))
+    stats = comm.get_comm_stats()
+    comm.configure(enabled=False)
+    return sum(size * row['count'] for sizes in stats.values() for size, row in sizes.items())
 
 def quiet(baseline_dir):
     "Warnings and library logging off in a rank; `flexrt_baseline` importable when asked for"
@@ -308,12 +354,15 @@ def worker(rank, world, port, args, names):
     "A rank of the in-process mode (`--launcher spawn`): torch.multiprocessing.spawn, `--threads` set here"
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if args.link_rate: os.environ.update(args.link_env[rank])   # gloo on this rank's shaped address
     torch.set_num_threads(args.threads)
     quiet(args.baseline_dir)
     tdist.init_process_group('gloo', rank=rank, world_size=world)
     got = time_rounds(args, names, rank)
+    link = f", over a shaped link of {args.link_rate} per direction" if args.link_rate else ', over loopback'
     if rank == 0:
-        report(got, args, f"2 gloo ranks (torch.multiprocessing.spawn) x {args.threads} thread (--threads, set there)")
+        report(got, args, f"2 gloo ranks (torch.multiprocessing.spawn) x {args.threads} thread (--threads, set there)"
+               + link)
     tdist.destroy_process_group()
 
 def launched_rank(options:dict, names:list, workloads:list)->dict:
@@ -345,21 +394,34 @@ def report(got, args, ranks:str):
     print(describe(got['numel'], args, ranks))
     med, base = statistics.median, 'ddp'
     baseline = any(n.startswith('baseline-') for n in times)
-    extra = any(n.startswith('extra-') for n in times)
-    if extra: print(f"  extra-zN: flexrt-zN with {args.config_extra}")
-    print(f"  {'':16s} {'median':>9s}  vs DDP  {'cpu':>8s}  cpu vs DDP   vs DeepSpeed  vs FSDP2   max |loss - DDP's|"
-          + ("   vs baseline (cpu)" if baseline else '') + ("   vs flexrt-zN (cpu)" if extra else ''))
+    extra = any(extra_index(n) is not None for n in times)
+    for k, (stages, config) in enumerate(args.config_extra or []):
+        print(f"  {extra_name(k, 0)[:-1]}N: flexrt-zN with {json.dumps(config)} (stages {','.join(map(str, stages))})")
+    sent = got.get('sent', {})
+    print(f"  {'':16s} {'median':>9s}  vs DDP  {'cpu':>8s}  cpu vs DDP  {'sent':>8s} vs DDP   vs DeepSpeed  vs FSDP2"
+          "   max |loss - DDP's|" + ("   vs baseline (cpu)" if baseline else '')
+          + ("   vs flexrt-zN (cpu)" if extra else ''))
     for name, ts in times.items():
         ds, fsdp = peers(name)
         vs = lambda other: f"{paired(ts, times[other]):8.2f}x" if other in times else ' ' * 9
         drift = ('n/a (no averaging)' if name == 'no-comm' else
                  f"{max(abs(a - b) for a, b in zip(losses[name], losses[base])):.1e}")
+        wire = (f"{med(sent[name]) / 1e6:5.1f} MB {med(sent[name]) / max(med(sent[base]), 1):5.2f}x"
+                if sent.get(name) and sent.get(base) else ' ' * 15)
         print(f"  {name:16s} {med(ts) * 1e3:6.1f} ms {paired(ts, times[base]):6.2f}x {med(cpu[name]) * 1e3:6.1f} ms "
-              f"{paired(cpu[name], cpu[base]):8.2f}x    {vs(ds)}   {vs(fsdp)}   {drift:18s}"
+              f"{paired(cpu[name], cpu[base]):8.2f}x  {wire}    {vs(ds)}   {vs(fsdp)}   {drift:18s}"
               + (against_baseline(name, times, cpu) if baseline else '')
               + (against_plain(name, times, cpu) if extra else ''))
     print("  all ratios paired: median over rounds of (this implementation's time / the other's in the same round); "
           "vs DeepSpeed: its same stage; vs FSDP2: fsdp2 for stage 3, fsdp2-noreshard for stages 1-2")
+    if sent:
+        print("  sent: bytes rank 0's process wrote per step (/proc/self/io wchar: gloo's sends, every thread's), the "
+              "median over rounds, and its ratio to DDP's")
+    if got.get('logged'):
+        print("  flexrt's comms logger, one more step logged: "
+              + ', '.join(f"{n} {b / 1e6:.1f} MB of messages" for n, b in got['logged'].items())
+              + " (message sizes as DeepSpeed's logger counts them, an all-gather's being its whole output: not bytes "
+                "sent)")
 
 def against_baseline(name, times, cpu)->str:
     "flexrt-zN's paired ratios to baseline-zN (time and cpu), or nothing"
@@ -368,9 +430,9 @@ def against_baseline(name, times, cpu)->str:
     return f"   {paired(times[name], times[other]):6.3f}x ({paired(cpu[name], cpu[other]):.3f}x)"
 
 def against_plain(name, times, cpu)->str:
-    "extra-zN's paired ratios to flexrt-zN (time and cpu), or nothing"
-    other = name.replace('extra-z', 'flexrt-z')
-    if not name.startswith('extra-z') or other not in times: return ''
+    "An extra's paired ratios to flexrt-zN (time and cpu), or nothing"
+    other = f"flexrt-z{stage_of(name)}"
+    if extra_index(name) is None or other not in times: return ''
     return f"   {paired(times[name], times[other]):6.3f}x ({paired(cpu[name], cpu[other]):.3f}x)"
 
 # ---------------------------------------------------------------- the launchers users take (bench/launchers.py)
@@ -457,6 +519,17 @@ LAUNCHER_IMPLS = ['ddp', 'flexrt-z0', 'flexrt-z1', 'flexrt-z2', 'flexrt-z3']
 DEFAULT_IMPLS = ['ddp', 'flexrt-reducer', 'flexrt-z0', 'deepspeed-z0', 'flexrt-z1', 'deepspeed-z1',
                  'flexrt-z2', 'deepspeed-z2', 'fsdp2-noreshard', 'flexrt-z3', 'deepspeed-z3', 'fsdp2', 'no-comm']
 
+def parse_extra(text:str, stages:set)->tuple:
+    "`[STAGES:]JSON` -> (the stages it runs at, the JSON object)"
+    head, sep, body = text.partition(':')
+    ss = stages
+    if sep and head and all(p.strip().isdigit() for p in head.split(',')):
+        ss, text = {int(p) for p in head.split(',')} & stages, body
+    try: config = json.loads(text)
+    except json.JSONDecodeError as e: raise SystemExit(f"--config-extra is not [STAGES:]JSON: {e}: {text!r}")
+    if not isinstance(config, dict): raise SystemExit("--config-extra must be a JSON object: {...}")
+    return sorted(ss), config
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--workload', default='gpt,mlp', help='comma-separated: gpt (compute-bound), mlp (communication-bound)')
@@ -490,9 +563,13 @@ def main():
                     help=f"default: {','.join(DEFAULT_IMPLS)}; with --launchers {','.join(LAUNCHER_IMPLS)}")
     ap.add_argument('--baseline', default=None, metavar='REV',
                     help='also run flexrt as of git revision REV (baseline-zN next to each flexrt-zN), e.g. HEAD~1')
-    ap.add_argument('--config-extra', default=None, metavar='JSON',
+    ap.add_argument('--config-extra', action='append', default=None, metavar='[STAGES:]JSON',
                     help='also run flexrt with this JSON object merged into its config (extra-zN next to each '
-                         'flexrt-zN), e.g. \'{"communication_data_type": "bf16"}\'')
+                         'flexrt-zN), e.g. \'{"communication_data_type": "bf16"}\'; given again: extra2-zN, ...; '
+                         'a prefix 0,1,2: keeps it to those stages')
+    ap.add_argument('--link-rate', default=None, metavar='RATE',
+                    help="ranks talk over a link of this bandwidth per direction (tc's units: 10gbit, 1gbit), not "
+                         "the loopback's memory speed (bench/shaped_link.py; root; --launcher spawn only)")
     args = ap.parse_args()
     launched = bool(args.launchers) or args.launcher != 'spawn'
     if launched and args.threads is not None:
@@ -506,12 +583,15 @@ def main():
     wanted = [n for n in impls.split(',') if n == 'ddp' or stage_of(n) is None or stage_of(n) in stages]
     if 'ddp' not in wanted: wanted.insert(0, 'ddp')   # every ratio is against DDP
     args.baseline_dir = None
-    if args.config_extra is not None:
-        try: args.config_extra = json.loads(args.config_extra)
-        except json.JSONDecodeError as e: raise SystemExit(f"--config-extra is not JSON: {e}")
-        if not isinstance(args.config_extra, dict): raise SystemExit("--config-extra must be a JSON object: {...}")
+    if args.config_extra:
+        args.config_extra = [parse_extra(text, stages) for text in args.config_extra]
+        if len(args.config_extra) > MAX_EXTRAS: raise SystemExit(f"--config-extra: at most {MAX_EXTRAS} of them")
         plain = lambda n: n.startswith('flexrt-z') and n[-1].isdigit()
-        wanted = [m for n in wanted for m in ([n, f'extra-z{stage_of(n)}'] if plain(n) else [n])]
+        with_extras = lambda n: [n] + [extra_name(k, stage_of(n)) for k, (ss, _) in enumerate(args.config_extra)
+                                       if stage_of(n) in ss]
+        wanted = [m for n in wanted for m in (with_extras(n) if plain(n) else [n])]
+    if args.link_rate and launched:
+        raise SystemExit('--link-rate shapes the ranks that --launcher spawn starts; other launchers do not take it')
     if args.baseline:
         args.baseline_dir = export_baseline(args.baseline)
         wanted = [m for n in wanted for m in ([n, f'baseline-z{stage_of(n)}'] if n.startswith('flexrt-z') and n[-1].isdigit() else [n])]
@@ -524,10 +604,14 @@ def main():
     if unknown: raise SystemExit(f"--launchers: unknown {', '.join(unknown)}: choose from torchrun, launch, kernel")
     if args.launchers: return compare_launchers(args, names, workloads)
     if launched: return run_launched(args, names, workloads)
-    for workload in workloads:
-        args.workload = workload
-        with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-        mp.spawn(worker, args=(2, port, args, names), nprocs=2)
+    with contextlib.ExitStack() as stack:
+        if args.link_rate:
+            from shaped_link import shaped_link
+            args.link_env = stack.enter_context(shaped_link(args.link_rate, 2))
+        for workload in workloads:
+            args.workload = workload
+            with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+            mp.spawn(worker, args=(2, port, args, names), nprocs=2)
 
 if __name__ == '__main__':
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/launchers.py
