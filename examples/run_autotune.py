@@ -9,9 +9,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_notebook import execute
 
-def run(out: Path, timeout: int = 600):
-    "Execute the notebook in a fresh kernel and save the executed copy in `out`"
-    return execute('autotune.ipynb', out, {'FLEXRT_AUTOTUNE_OUT': str(out.resolve())}, timeout)
+def run(out: Path, timeout: int = 600, edits: dict | None = None):
+    "Execute the notebook in a fresh kernel and save the executed copy in `out` (`edits`: see `run_notebook.execute`)"
+    return execute('autotune.ipynb', out, {'FLEXRT_AUTOTUNE_OUT': str(out.resolve())}, timeout, edits)
 
 if __name__ == '__main__':
     out = Path(os.environ.get('OUT', 'demo_out'))

@@ -134,9 +134,17 @@ def test_an_interrupted_search_resumes_with_its_earlier_trials_shown(tmp_path):
     assert list(resumed['trial']) == list(range(len(resumed)))      # numbering went on where it stopped
     again.close()
 
+# `make demo` runs the example's full search (stages 0-2, micro-batches 1-32, 14 trials, a playoff of up to 15 rounds);
+# the test runs its cells with a smaller one (stages 0-1, micro-batches 1-8, 4 trials, 6 rounds): the same code path
+SMALLER_SEARCH = {'(0, 1, 2), (1, 32), 14': '(0, 1), (1, 8), 4',
+                  'CONFIG, num_processes=2': "{**CONFIG, 'autotuning': {**CONFIG['autotuning'], 'playoff_rounds': 6}}, "
+                                             "num_processes=2"}
+
 def test_example_notebook_searches_on_two_ranks_and_asserts_its_result(tmp_path):
     from run_autotune import run
-    nb = run(tmp_path)                                                 # raises if a cell (the notebook's asserts) failed
+    nb = run(tmp_path, edits=SMALLER_SEARCH)                           # raises if a cell (the notebook's asserts) failed
+    searched = next(c.source for c in nb.cells if c.cell_type == 'code' and 'AutotuneWidget(' in c.source)
+    assert '(0, 1), (1, 8), 4' in searched and "'playoff_rounds': 6" in searched   # the edits reached the kernel
     printed = ''.join(o.get('text', '') for c in nb.cells if c.cell_type == 'code' for o in c.outputs)
     assert 'trials in' in printed and 'MiB per rank' in printed
     assert {'autotune.png', 'trials.csv', 'ds_config_optimal.json', 'autotuning_results'} <= {p.name for p in tmp_path.iterdir()}
