@@ -36,6 +36,7 @@ class Page(HTMLParser):
         super().__init__()
         self.path, self.ids, self.links, self.entries, self.errors, self.tests = path, set(), [], set(), [], 0
         self.demos, self.shown, self._open = 0, [], []  # demo cells; the text of outputs; open tags: in an output?
+        self.bare_images = []  # the src of each <img> without an alt text
         self.text = path.read_text()
         self.feed(self.text)
         if 'Traceback (most recent call last)' in self.text: self.errors.append('a traceback')
@@ -50,6 +51,7 @@ class Page(HTMLParser):
         self.tests += tag == 'details' and 'test-cell' in classes
         self.demos += tag == 'div' and 'demo-cell' in classes
         if {'output_error', 'docs-error'} & set(classes): self.errors.append(f'<{tag} class="{attrs["class"]}">')
+        if tag == 'img' and not attrs.get('alt'): self.bare_images.append(attrs.get('src', '(no src)')[:80])
         inside = 'output_wrapper' in classes or bool(self._open and self._open[-1][1])
         if tag not in VOID_TAGS: self._open.append((tag, inside))
 
@@ -120,6 +122,11 @@ def _doc_host() -> str:
     config.read(ROOT / 'settings.ini')
     return config['DEFAULT']['doc_host'] + config['DEFAULT']['doc_baseurl']
 
+
+def test_every_image_says_what_it_shows(site):
+    "Every <img> has an alt text (the build writes the page as the template made it: nothing adds a placeholder)"
+    bare = {name: page.bare_images for name, page in site['pages'].items() if page.bare_images}
+    assert not bare, f'images without an alt text: {bare}'
 
 def test_every_relative_link_resolves_and_nothing_is_fetched_from_elsewhere(site):
     out, pages, dead, fetched, host = site['out'].resolve(), site['pages'], [], [], _doc_host()

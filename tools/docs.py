@@ -27,7 +27,9 @@ from execnb.nbio import mk_cell, read_nb
 from execnb.shell import CaptureShell
 from fastcore.basics import AttrDict
 from jinja2 import pass_context
-from nbconvert import HTMLExporter
+from nbconvert import HTMLExporter, TemplateExporter
+from nbconvert.filters.highlight import Highlight2HTML
+from nbconvert.filters.widgetsdatatypefilter import WidgetsDataTypeFilter
 from nbconvert.filters.markdown_mistune import markdown2html_mistune
 from nbdev import processors as nbp
 from nbdev.process import NBProcessor, Processor
@@ -490,6 +492,8 @@ def _code(cell, fold: bool) -> dict:
                                                 if o.get('output_type') in SHOWN_OUTPUTS]
     if shown: meta['docs_role'] = 'demo'
     if errors: meta['docs_role'] = 'error'
+    last = next((line.strip() for line in reversed(code.splitlines()) if line.strip()), '')
+    if last: meta['alt'] = f'what {last[:100]} shows'  # an image output's alt, where the output gives none
     return {'cell_type': 'code', 'metadata': meta, 'source': code, 'outputs': errors or shown, 'execution_count': None}
 
 
@@ -589,6 +593,20 @@ class SiteExporter(HTMLExporter):
     @pass_context
     def markdown2html(self, context, source):
         return _HEADING_ID.sub(_quarto_heading, super().markdown2html(context, source))
+
+    def from_notebook_node(self, nb, resources=None, **kw):
+        """`HTMLExporter.from_notebook_node` without its last pass, a BeautifulSoup parse and rewrite of the whole page
+        (a third of the build's time) that gives images without an `alt` a placeholder and JupyterLab-template cells a
+        `tabindex`: this site's template writes its images' `alt` itself (tests/test_docs.py checks every page) and
+        has no such cells"""
+        info = nb.metadata.get('language_info', {})
+        lexer = info.get('pygments_lexer', info.get('name', None))
+        highlight = self.filters.get('highlight_code', Highlight2HTML(pygments_lexer=lexer, parent=self))
+        self.register_filter('highlight_code', highlight)
+        resources = self._init_resources(resources)
+        self.register_filter('filter_data_type', WidgetsDataTypeFilter(notebook_metadata=self._nb_metadata, parent=self,
+                                                                       resources=resources))
+        return TemplateExporter.from_notebook_node(self, nb, resources, **kw)
 
 
 def exporter() -> SiteExporter:

@@ -14,7 +14,7 @@ __all__ = ['figure_html', 'Plot', 'thin']
 
 # %% ../../nbs/80_widgets_plots.ipynb #c006
 def figure_html(fig: Figure) -> str:
-    "An Agg figure as an HTML <img> with an embedded PNG"
+    "An Agg figure as an HTML `<img>` with an embedded PNG"
     buffer = io.BytesIO()
     fig.savefig(buffer, format='png', dpi=72, pil_kwargs={'compress_level': 1})
     return '<img src="data:image/png;base64,%s"/>' % base64.b64encode(buffer.getvalue()).decode()

@@ -15,7 +15,7 @@ def figure_png(
     fig: Figure,  # an Agg figure
     dpi: int = 100,
 ) -> str:  # an <img> with the PNG embedded
-    "The figure as an HTML <img> whose PNG is inside the page"
+    "The figure as an HTML `<img>` whose PNG is inside the page"
     buffer = io.BytesIO()
     fig.savefig(buffer, format='png', dpi=dpi)
     return '<img class="flexrt-plot" src="data:image/png;base64,%s"/>' % base64.b64encode(buffer.getvalue()).decode()
