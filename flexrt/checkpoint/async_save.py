@@ -6,13 +6,12 @@
 from __future__ import annotations
 import json, os, threading, time, uuid
 from collections import OrderedDict
-from typing import NamedTuple
 from pathlib import Path
 import torch
 from .. import comm as dist, monitor
 from .storage import CheckpointError, MODEL_STATES, fsync
 from .layout import staging_dir, discard_staging, SaveDirLock
-from .writer_process import SharedArena, WriterProcess, describe_tree, layout, writer_process
+from .writer_process import ArenaJob, SharedArena, arena_job, writer_process
 from .writer_process import release as unmap_arena
 from flexrt.checkpoint.save_load import (
     agree,
@@ -28,7 +27,7 @@ from flexrt.checkpoint.save_load import (
 
 # %% auto #0
 __all__ = ['MARKER_GRACE_S', 'snapshot', 'copied_storages', 'stepped_storages', 'DeferredCopies', 'private_copies', 'marker_file',
-           'write_marker', 'ArenaJob', 'BackgroundSave', 'CheckpointWriter']
+           'write_marker', 'BackgroundSave', 'CheckpointWriter']
 
 # %% ../../nbs/60_checkpoint_async_save.ipynb #c006
 def _storage_copy(storage, spare: dict, later=None):
@@ -166,18 +165,6 @@ def write_marker(path: Path, text: str):
     tmp.write_text(text)
     fsync(tmp)
     os.replace(tmp, path)
-
-
-class ArenaJob(NamedTuple):
-    "What a writer process writes for one save: the files' objects described, their storages placed in an arena"
-
-    process: WriterProcess
-    arena: SharedArena
-    description: dict  # {file name: its object, `describe_tree`d}
-    places: list  # [(offset, bytes)] of each storage in `arena`
-
-    def write(self, staging: Path) -> tuple:  # ({file name: size and checksum}, None), or (None, the error)
-        return self.process.write(staging, self.description, self.places, self.arena)
 
 
 class BackgroundSave:
@@ -371,22 +358,11 @@ class CheckpointWriter:
         left to the thread where nothing changes the storage before the next optimizer step (`later`)"""
         if self.engine.config.checkpoint.async_writer != 'process' or (process := writer_process()) is None:
             return None
-        storages = {}  # {_cdata: (index, storage)}
-        description = describe_tree(objects, storages)
-        if any(s.device.type != 'cpu' for _, s in storages.values()):
-            return None  # torch.save records the device: only the rank can write these tensors as they are
-        places, size = layout([s.nbytes() for _, s in storages.values()])
-        if self.arena is None or self.arena.nbytes < size:
-            self.release_arena()
-            self.arena = SharedArena(size)
         own = {t.untyped_storage()._cdata for t in private.values()}
-        for (_, s), (offset, n) in zip(storages.values(), places):
-            copy = self.arena.storage(offset, n)
-            if s._cdata in own or later.covers(s):  # copied by the thread, while training goes on
-                later.add(copy, s)
-            else:
-                copy.copy_(s)
-        return ArenaJob(process, self.arena, description, places)
+        job = arena_job(process, objects, own, later, self.arena)
+        if job is not None:
+            self.arena = job.arena  # the next save copies into it
+        return job
 
     def release_arena(self):
         "Free the arena: the writer process unmaps it, and this writer drops it"

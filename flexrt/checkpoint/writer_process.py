@@ -16,7 +16,8 @@ from .storage import save_torch
 
 # %% auto #0
 __all__ = ['ALIGN', 'PR_SET_PDEATHSIG', 'NICENESS', 'layout', 'arena_storage', 'SharedArena', 'TensorRef', 'map_tree',
-           'describe_tree', 'rebuild_tree', 'serve_writes', 'WriterProcess', 'available', 'writer_process', 'release']
+           'describe_tree', 'rebuild_tree', 'serve_writes', 'WriterProcess', 'available', 'writer_process', 'release',
+           'ArenaJob', 'arena_job']
 
 # %% ../../nbs/60_checkpoint_writer_process.ipynb #w006
 ALIGN = 64  # bytes: where each storage in an arena starts
@@ -283,3 +284,41 @@ def _forget():
 
 if hasattr(os, 'register_at_fork'):
     os.register_at_fork(after_in_child=_forget)
+
+# %% ../../nbs/60_checkpoint_writer_process.ipynb #5e2c9eae
+class ArenaJob(NamedTuple):
+    "What a writer process writes for one save: the files' objects described, their storages placed in an arena"
+
+    process: WriterProcess
+    arena: SharedArena
+    description: dict  # {file name: its object, `describe_tree`d}
+    places: list  # [(offset, bytes)] of each storage in `arena`
+
+    def write(self, staging: Path) -> tuple:  # ({file name: size and checksum}, None), or (None, the error)
+        return self.process.write(staging, self.description, self.places, self.arena)
+
+
+def arena_job(
+    process: WriterProcess,  # `writer_process()`
+    objects: dict,  # {file name: its object}: what the rank writes
+    private: set,  # `_cdata` handles of storages nothing else holds: copied later
+    later,  # `DeferredCopies`: `covers(storage)`; `add(copy, storage)` takes a copy left to the thread
+    arena: SharedArena | None,  # the last save's arena, reused when large enough
+) -> ArenaJob | None:  # None: a tensor is not on the CPU (the thread writes)
+    "The job for one save: `objects` described, each storage's copy placed in an arena, made now or left to `later`"
+    storages = {}  # {_cdata: (index, storage)}
+    description = describe_tree(objects, storages)
+    if any(s.device.type != 'cpu' for _, s in storages.values()):
+        return None
+    places, size = layout([s.nbytes() for _, s in storages.values()])
+    if arena is None or arena.nbytes < size:
+        if arena is not None:
+            release(arena)  # the writer process's mapping; the rank's goes with its last reference
+        arena = SharedArena(size)
+    for (_, s), (offset, n) in zip(storages.values(), places):
+        copy = arena.storage(offset, n)
+        if s._cdata in private or later.covers(s):  # copied by the thread, while training goes on
+            later.add(copy, s)
+        else:
+            copy.copy_(s)
+    return ArenaJob(process, arena, description, places)
