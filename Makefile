@@ -8,7 +8,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.flexrt-installed
 DEMO_OUT ?= demo_out
 PYTEST_LOG := .pytest-last.txt
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 
 .PHONY: install demo test test-all test-busy sync-check nbtest pytest bench screenshots ds-tests gpu-check clean
 
@@ -53,9 +53,10 @@ nbtest: install
 	$(BIN)/nbdev_test --flags multiproc --n_workers 2 --timing
 
 # pytest exits 5 when it collects nothing; make treats that as a failure, as it should. The 20 slowest tests are listed
-# (the suite must stay under 15 minutes on a quiet 2-core machine). Two pytest-xdist workers take whole files
-# (--dist loadfile: a file's module fixtures are built once), longest first (tests/conftest.py's SLOW_FILES): one
-# worker left about 40 % of two cores idle while ranks waited on each other, on subprocesses or on a browser.
+# (the suite must stay under 15 minutes on a quiet 2-core machine). Three pytest-xdist workers take whole files
+# (--dist loadfile: a file's module fixtures are built once), longest first (tests/conftest.py's SLOW_FILES): much of
+# the suite waits (ranks on each other, subprocesses, kernels, servers, a browser): one worker left about 40 % of two
+# cores idle; on a fresh clone two took pytest 939 s, three 796 s with 14 % of the cores still idle.
 # PYTEST_WORKERS=0 runs in one process.
 # tests/test_browser.py installs Debian's Chromium with apt-get on first use (root), or skips saying why it cannot.
 # tests/test_deepspeed_parity.py runs the pinned DeepSpeed (dev extra) on CPU next to flexrt.
