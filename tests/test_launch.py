@@ -84,7 +84,10 @@ def test_a_killed_rank_is_named_with_its_signal():
     error = info.value
     assert (error.rank, error.signal) == (1, 'SIGKILL')
     assert str(error).startswith('rank 1 died: killed by SIGKILL, without reporting an error.')
-    assert 'Then rank 0 failed: CommError: all_reduce did not complete' in str(error)     # the survivor, as context
+    # the survivor's own report, as context, where it got it out: torch's elastic agent SIGTERMs the other ranks as
+    # soon as it sees one die (it polls every 0.1 s), so on a busy machine rank 0 can be stopped before it reports
+    if 'Then rank 0' in str(error):
+        assert 'Then rank 0 failed: CommError: all_reduce did not complete' in str(error)
 
 @pytest.mark.parametrize('num_processes', [2, 3])
 def test_a_rank_that_never_arrives_is_named_with_the_op_and_who_waited(num_processes):
