@@ -56,7 +56,7 @@ nbtest: install
 # (the suite must stay under 15 minutes on a quiet 2-core machine). Three pytest-xdist workers take whole files
 # (--dist loadfile: a file's module fixtures are built once), longest first (tests/conftest.py's SLOW_FILES): much of
 # the suite waits (ranks on each other, subprocesses, kernels, servers, a browser): one worker left about 40 % of two
-# cores idle; on a fresh clone two took pytest 939 s, three 796 s with 14 % of the cores still idle.
+# cores idle; on a fresh clone two took pytest 939 s, three 796 and 749 s with 14 % of the cores still idle.
 # PYTEST_WORKERS=0 runs in one process.
 # tests/test_browser.py installs Debian's Chromium with apt-get on first use (root), or skips saying why it cannot.
 # tests/test_deepspeed_parity.py runs the pinned DeepSpeed (dev extra) on CPU next to flexrt.
