@@ -8,7 +8,8 @@ EXAMPLES = Path(__file__).resolve().parent
 
 def execute(name: str, out: Path, env: dict, timeout: int = 600, edits: dict | None = None) -> nbformat.NotebookNode:
     """Run `examples/<name>` in a fresh kernel with `env` set (the notebook reads its output folder from it); save it in
-    `out`. `edits` ({old: new}) changes the code cells first: each `old` must occur exactly once (a test's smaller run)"""
+    `out`. `edits` ({old: new}) changes the code cells first: each `old` must occur exactly once (a test's smaller
+    run)"""
     out.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(EXAMPLES / name, as_version=4)
     for old, new in (edits or {}).items():

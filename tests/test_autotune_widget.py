@@ -142,7 +142,7 @@ SMALLER_SEARCH = {'(0, 1, 2), (1, 32), 14': '(0, 1), (1, 8), 4',
 
 def test_example_notebook_searches_on_two_ranks_and_asserts_its_result(tmp_path):
     from run_autotune import run
-    nb = run(tmp_path, edits=SMALLER_SEARCH)                           # raises if a cell (the notebook's asserts) failed
+    nb = run(tmp_path, edits=SMALLER_SEARCH)   # raises if a cell (the notebook's asserts) failed
     searched = next(c.source for c in nb.cells if c.cell_type == 'code' and 'AutotuneWidget(' in c.source)
     assert '(0, 1), (1, 8), 4' in searched and "'playoff_rounds': 6" in searched   # the edits reached the kernel
     printed = ''.join(o.get('text', '') for c in nb.cells if c.cell_type == 'code' for o in c.outputs)
