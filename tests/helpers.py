@@ -5,11 +5,16 @@
 Each rank gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free port).
 With `init=True` (default) the rank calls `torch.distributed.init_process_group('gloo')` before `fn` and destroys
 the group after; pass `init=False` to test initialisation itself. An exception on any rank fails the call with
-every rank's traceback;
-results may hold tensors (they are pickled by value); a rank that does not finish within `timeout` seconds fails it too (and all ranks are
-killed), so a hang never stalls the suite.
+every rank's traceback; results may hold tensors (they are pickled by value).
+
+A rank that does not finish within `timeout` seconds fails the call too (all ranks are killed), so a hang never stalls
+the suite, and the error shows where every silent rank was (Python's `faulthandler` dumps each rank's threads at
+the deadline). When no rank reported anything, the ranks are started once more, with a warning carrying those
+stacks: a child forked from a pytest worker can inherit a lock another thread of the worker held at the fork (the
+worker runs execnet's thread and what earlier tests left running), and such a child waits for good in code that is
+not the test's. A hang the test itself causes hangs again and fails with its stacks.
 """
-import gc, os, pickle, socket, traceback, time, queue as queue_mod
+import faulthandler, gc, os, pickle, signal, socket, tempfile, threading, traceback, time, warnings, queue as queue_mod
 from datetime import timedelta
 import multiprocessing as mp
 
@@ -28,7 +33,9 @@ def free_port() -> int:
     gives flexrt.launch's own draws the same share)"""
     return ports.free_port(share=worker_share())
 
-def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
+def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results, stacks_file):
+    # where every thread of this rank is, written when the parent gives up on it
+    faulthandler.register(STACK_SIGNAL, file=open(stacks_file, 'w'), all_threads=True)
     import torch, torch.distributed as tdist
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK='0')
@@ -48,32 +55,79 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results):
 
 def run_distributed(fn, world_size=2, args=(), kwargs=None, init=True, timeout=90, env=None, start_method='fork'):
     "Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return the list of results by rank."
+    try: return _run_ranks(fn, world_size, args, kwargs, init, timeout, env, start_method)
+    except _SilentRanks as hang:
+        warnings.warn(f'{hang} [started once more]', RuntimeWarning, stacklevel=2)
+    try: return _run_ranks(fn, world_size, args, kwargs, init, timeout, env, start_method)
+    except _SilentRanks as hang: raise TimeoutError(f'{hang} [the second start too]') from None
+
+
+class _SilentRanks(TimeoutError):
+    "Every rank was still running at the deadline and none had reported"
+
+
+def _run_ranks(fn, world_size, args, kwargs, init, timeout, env, start_method):
+    "One start of `run_distributed`'s ranks"
     gc.collect()   # finalise garbage here: a forked rank collecting an inherited TCPStore would wait for a thread it lacks
     ctx = mp.get_context(start_method)
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, kwargs or {}, init, env, results),
-                         daemon=True) for r in range(world_size)]
-    for p in procs: p.start()
-    out, errors, deadline = {}, {}, time.monotonic() + timeout
-    try:
-        while len(out) + len(errors) < world_size:
-            try: rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue_mod.Empty:
-                missing = sorted(set(range(world_size)) - out.keys() - errors.keys())
-                raise TimeoutError(f'ranks {missing} did not finish within {timeout}s' +
-                                   ''.join(f'\n--- rank {r} ---\n{tb}' for r, tb in errors.items()))
-            if status == 'ok': out[rank] = pickle.loads(value)
-            else: errors[rank] = value
-            if errors:  # the other ranks may be blocked in a collective with the failed one: stop waiting soon
-                deadline = min(deadline, time.monotonic() + 5)
-    finally:
-        if errors or len(out) < world_size:  # ranks still running are blocked or hung: do not wait for them
-            for p in procs: p.kill()
-        for p in procs: p.join(timeout=10)
+    with tempfile.TemporaryDirectory(prefix='flexrt-ranks-') as folder:
+        stacks = [os.path.join(folder, f'rank{r}.stacks') for r in range(world_size)]
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(fn, r, world_size, port, args, kwargs or {}, init, env, results, stacks[r]))
+                 for r in range(world_size)]
+        threads = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        for p in procs: p.start()
+        out, errors, deadline = {}, {}, time.monotonic() + timeout
+        try:
+            while len(out) + len(errors) < world_size:
+                try: rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue_mod.Empty:
+                    missing = sorted(set(range(world_size)) - out.keys() - errors.keys())
+                    where = ''.join(f'\n--- rank {r}: its threads at the deadline ---\n{text}'
+                                    for r, text in zip(missing, _stacks([procs[r] for r in missing],
+                                                                        [stacks[r] for r in missing])))
+                    reported = ''.join(f'\n--- rank {r} ---\n{tb}' for r, tb in errors.items())
+                    error = _SilentRanks if not out and not errors else TimeoutError
+                    raise error(f'ranks {missing} did not finish within {timeout}s (the parent had threads '
+                                f'{threads} at the fork){reported}{where}')
+                if status == 'ok': out[rank] = pickle.loads(value)
+                else: errors[rank] = value
+                if errors:  # the other ranks may be blocked in a collective with the failed one: stop waiting soon
+                    deadline = min(deadline, time.monotonic() + 5)
+        finally:
+            if errors or len(out) < world_size:  # ranks still running are blocked or hung: do not wait for them
+                for p in procs: p.kill()
+            for p in procs: p.join(timeout=10)
     if errors:
         raise RuntimeError('failure on ranks ' + ', '.join(map(str, sorted(errors))) +
                            ''.join(f'\n--- rank {r} ---\n{tb}' for r, tb in sorted(errors.items())))
     return [out[r] for r in range(world_size)]
+
+
+STACK_SIGNAL = signal.SIGUSR2   # a rank dumps its threads' stacks on it (flexrt.launch's ranks use SIGUSR1)
+
+
+def _stacks(procs, paths, frames=12, wait=2.0) -> list:
+    "Each process's threads' innermost `frames` frames, asked for now (its stack goes on into the forking pytest)"
+    for p in procs:
+        try: os.kill(p.pid, STACK_SIGNAL)
+        except OSError: pass
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not all(os.path.getsize(path) for path in paths): time.sleep(0.05)
+    return [_trimmed(path, frames) for path in paths]
+
+
+def _trimmed(path, frames) -> str:
+    try:
+        with open(path) as f: text = f.read().strip()
+    except OSError as e: return f'(not readable: {e})'
+    out, kept = [], 0
+    for line in text.splitlines():
+        kept = 0 if not line.startswith('  ') else kept + 1
+        if kept <= frames: out.append(line)
+        elif kept == frames + 1: out.append('  ...')
+    return '\n'.join(out) or '(nothing written)'
 
 # torch 2.13 + gloo: under CPU contention a rank that exits without destroy_process_group() sometimes aborts at
 # interpreter exit, after its work is done ("terminate called without an active exception", SIGABRT;

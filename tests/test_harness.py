@@ -1,4 +1,5 @@
 "The multi-rank harness itself: results come back by rank, and failures and hangs are reported, not swallowed."
+import re, warnings
 import pytest, torch, torch.distributed as tdist
 from helpers import run_distributed
 
@@ -24,9 +25,26 @@ def test_error_names_rank():
 def _hang(rank, world_size):
     import time; time.sleep(60)   # the hung rank itself: run_distributed must kill it at its timeout
 
-def test_hang_times_out():
-    with pytest.raises(TimeoutError, match=r'ranks \[0, 1\]'):
-        run_distributed(_hang, 2, timeout=3)
+def test_hang_times_out_showing_where_each_rank_was():
+    "A hang no rank reports is started once more (with a warning); the second hang fails, with every rank's stack"
+    with pytest.warns(RuntimeWarning, match=r'(?s)ranks \[0, 1\] did not finish.*started once more'):
+        with pytest.raises(TimeoutError, match=r'ranks \[0, 1\] did not finish') as hang:
+            run_distributed(_hang, 2, timeout=3)
+    message = str(hang.value)
+    assert 'the second start too' in message
+    for rank in (0, 1):   # each rank's own stack, down to the line it hung on
+        assert re.search(rf'(?s)--- rank {rank}: its threads at the deadline ---.*line \d+ in _hang', message), message
+
+def _fail_on_zero_hang_on_one(rank, world_size):
+    if rank == 0: raise ValueError('boom on rank 0')
+    import time; time.sleep(60)
+
+def test_a_hang_beside_a_reported_failure_is_not_started_again():
+    "The failure a rank reported is the answer: no second start, and the silent rank's stack is shown with it"
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')   # a second start would warn
+        with pytest.raises(TimeoutError, match=r'(?s)ranks \[1\] did not finish.*boom on rank 0.*in _fail_on_zero'):
+            run_distributed(_fail_on_zero_hang_on_one, 2, init=False, timeout=8)
 
 def _return_tensor(rank, world_size):
     return torch.full((3,), float(rank))
