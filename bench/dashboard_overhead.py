@@ -1,7 +1,7 @@
 """Cost of watching a run live: engine step time on 2 ranks with and without a dashboard, interleaved in one run.
 
     python bench/dashboard_overhead.py [--launcher launch|kernel|torchrun|notebook_launcher] [--rounds 3] [--blocks 6]
-                                       [--steps 30] [--threads N] [--interval S] [--cpu-share F]
+                                       [--steps 30] [--settle S] [--threads N] [--interval S] [--cpu-share F]
                                        [--toggle | --toggle-all | --toggle-anatomy]
 
 A "kernel" launches the ranks and holds the dashboard: by default this process (`--launcher launch`: it calls
@@ -14,7 +14,10 @@ in the kernel (every step's record, with its memory snapshot, goes to the dashbo
 redraws its plots while the ranks train). Without a dashboard, plain `notebook_launcher`'s and torchrun's ranks forward
 nothing (no hub); `flexrt.launch` serves a hub either way, so its unwatched ranks still build and forward their
 records: the ratio is then what a dashboard adds to what a user's launch already does. Each launch trains the
-quickstart's tiny transformer with flexrt's engine and times `--blocks` blocks of `--steps` optimizer steps. Rounds
+quickstart's tiny transformer with flexrt's engine and times `--blocks` blocks of `--steps` optimizer steps, after
+`--settle` seconds of untimed steps (the dashboard's first look, when every panel draws its first plot at once, costs
+the kernel about 0.7 s of CPU: a steady-state ratio must not depend on which block it falls in; the first look is
+timed on its own line). Rounds
 alternate the two (and which goes first), so drift in machine speed hits both alike. Printed: how the ranks ran (their
 torch threads on entry and while timing, read in the ranks), per configuration the fastest and the median block in ms
 per step, their ratios, the ratio paired by round (the median over rounds of watched / unwatched median block), and
@@ -71,8 +74,19 @@ def set_anatomy(engine, on: bool):
     dist.comms_logger.watch_blocked(on); a.on = on
     if on: a.step_start, a.idle_since, a.sums_before = None, None, dist.comms_logger.blocked_sums()
 
+def settle(step, seconds: float) -> int:  # the steps it took
+    """Warm-up steps until `seconds` have passed on rank 0 (5 at least; every rank stops at the same step): the kernel's
+    first look, every panel's first plot drawn at once as its first records come, is over before the timed blocks"""
+    from flexrt import comm as dist
+    done, start, n = torch.zeros(1), time.perf_counter(), 0
+    while not done.item():
+        step(); n += 1
+        done[0] = float(n >= 5 and time.perf_counter() - start >= seconds)
+        dist.broadcast(done, 0)
+    return n
+
 def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer_norms_every: int | None = None,
-              toggle_all: bool = False, toggle_anatomy: bool = False):
+              toggle_all: bool = False, toggle_anatomy: bool = False, settle_s: float = 2.0):
     import flexrt
     from flexrt import comm as dist, monitor
     from quickstart_train import tiny_transformer, CONFIG
@@ -88,7 +102,7 @@ def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer
         logits = engine(tokens[:, :-1])
         engine.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)))
         engine.step()
-    for _ in range(5): step()                                  # warm up
+    warmup = settle(step, settle_s)
     engine.watch._every = engine.watch.layer_norms.every
     times = []
     forwarders = [fn for fn in monitor.events._listeners if isinstance(fn, monitor.Forwarder)]
@@ -107,7 +121,8 @@ def rank_main(blocks: int, steps: int, threads: int, toggle: bool = False, layer
     during = torch.get_num_threads()   # what the steps ran with (the engine sizes it when built)
     engine.close(); dist.destroy_process_group()
     with open(os.environ['BENCH_TIMES'], 'a') as f:   # one short line per rank: appended whole
-        f.write(json.dumps(dict(rank=env.rank, times=times, threads_given=threads_given, threads=during)) + '\n')
+        f.write(json.dumps(dict(rank=env.rank, times=times, threads_given=threads_given, threads=during,
+                                warmup=warmup)) + '\n')
 
 def first_look(dash)->dict:
     "Note (monotonic) when the first step record reaches the kernel and when the gradient-norm plot is first drawn"
@@ -145,12 +160,12 @@ def watch_once(options: dict, watched: bool, result_file: str | None = None)->di
     times_file.write_text('')
     os.environ['BENCH_TIMES'] = str(times_file)
     rank_args = tuple(options[k] for k in ('blocks', 'steps', 'threads', 'toggle', 'layer_norms_every', 'toggle_all',
-                                           'toggle_anatomy'))
+                                           'toggle_anatomy', 'settle'))
     wall, cpu = time.perf_counter(), time.process_time()
     said = start_ranks(options, rank_args)
     got = dict(kernel_cpu=time.process_time() - cpu, kernel_wall=time.perf_counter() - wall, launch_line=said)
     ranks = sorted((json.loads(line) for line in times_file.read_text().splitlines()), key=lambda r: r['rank'])
-    got.update(times=ranks[0]['times'], threads_given=[r['threads_given'] for r in ranks],
+    got.update(times=ranks[0]['times'], warmup=ranks[0]['warmup'], threads_given=[r['threads_given'] for r in ranks],
                threads=[r['threads'] for r in ranks])
     if dash is not None:
         dash.close(); seen['stop']()
@@ -183,7 +198,7 @@ def launching(a):
     toggle = a.toggle or a.toggle_all or a.toggle_anatomy
     options = dict(blocks=a.blocks, steps=a.steps, threads=a.threads, toggle=toggle,
                    layer_norms_every=a.layer_norms_every, toggle_all=a.toggle_all, toggle_anatomy=a.toggle_anatomy,
-                   interval=a.interval,
+                   interval=a.interval, settle=a.settle,
                    cpu_share=a.cpu_share, launcher=a.launcher, out=str(out), times_file=str(out / 'times.jsonl'))
     return options, (InKernel(str(out)) if a.launcher == 'kernel' else watch_once)
 
@@ -253,7 +268,7 @@ def interleaved(a):
           f"{', '.join(f'{x:.0f}' for x in looks)}) after the first step record reached the kernel "
           f"(goal: under 1000 ms)")
     print(f"  each dashboard received {[w['step_records'] for w in watches]} step records (expected "
-          f"{a.blocks * a.steps * 2 + 10}: blocks and warm-up x 2 ranks) and drew {[w['plots'] for w in watches]} "
+          f"{[(a.blocks * a.steps + w['warmup']) * 2 for w in watches]}: blocks and warm-up x 2 ranks) and drew {[w['plots'] for w in watches]} "
           f"plots; while watching, the kernel used {kernel['cpu'] / kernel['wall']:.1%} of one core (launches too)")
 
 if __name__ == '__main__':
@@ -270,6 +285,9 @@ if __name__ == '__main__':
                              "0: inherit this process's, oversubscribed)")
     parser.add_argument('--out', default='bench_out/dashboard_overhead',
                         help="the ranks' timing files (and the kernel's notebook)")
+    parser.add_argument('--settle', type=float, default=2.0,
+                        help="seconds of untimed warm-up steps before the blocks (default 2): the dashboard's first "
+                             "look, every panel's first plot drawn at once, falls there and not in a timed block")
     parser.add_argument('--interval', type=float, default=None, help="the dashboard's interval (default: its own)")
     parser.add_argument('--cpu-share', type=float, default=None, help="the share of a core the dashboard's plots may use (default: its own, 0.05)")
     parser.add_argument('--layer-norms-every', type=int, default=None, help="per-layer norms every N steps (default: the dashboard's, 10)")
