@@ -35,7 +35,7 @@ def free_port() -> int:
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results, stacks_file):
     # where every thread of this rank is, written when the parent gives up on it
-    faulthandler.register(STACK_SIGNAL, file=open(stacks_file, 'w'), all_threads=True)
+    faulthandler.register(STACK_SIGNAL, file=open(stacks_file, 'a'), all_threads=True)
     import torch, torch.distributed as tdist
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK='0')
@@ -73,6 +73,7 @@ def _run_ranks(fn, world_size, args, kwargs, init, timeout, env, start_method):
     results, port = ctx.Queue(), free_port()
     with tempfile.TemporaryDirectory(prefix='flexrt-ranks-') as folder:
         stacks = [os.path.join(folder, f'rank{r}.stacks') for r in range(world_size)]
+        for path in stacks: open(path, 'w').close()   # there, empty, even for a rank that never reaches its entry
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(fn, r, world_size, port, args, kwargs or {}, init, env, results, stacks[r]))
                  for r in range(world_size)]
@@ -127,7 +128,7 @@ def _trimmed(path, frames) -> str:
         kept = 0 if not line.startswith('  ') else kept + 1
         if kept <= frames: out.append(line)
         elif kept == frames + 1: out.append('  ...')
-    return '\n'.join(out) or '(nothing written)'
+    return '\n'.join(out) or "(none written: the rank had not reached run_distributed's entry, where it learns to)"
 
 # torch 2.13 + gloo: under CPU contention a rank that exits without destroy_process_group() sometimes aborts at
 # interpreter exit, after its work is done ("terminate called without an active exception", SIGABRT;
