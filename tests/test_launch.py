@@ -56,31 +56,6 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match='num_processes must be a positive int'): flexrt.launch(print, num_processes=-1)
 
 
-# --- a rank never finalises the kernel's objects ---------------------------------------------------------------------
-class _Canary:
-    "Appends the pid of the process that finalises it to `path`; a cycle, so only the garbage collector frees it"
-    def __init__(self, path): self.path, self.cycle = path, self
-    def __del__(self):
-        with open(self.path, 'a') as f: f.write(f'{os.getpid()}\n')
-
-_KEPT = []   # the kernel's reference to the canary, gone in every forked child (as the fork drops a kernel thread's)
-os.register_at_fork(after_in_child=_KEPT.clear)
-
-def collect_garbage():
-    import gc
-    gc.collect()   # what see_memory_usage does first
-
-def test_a_rank_never_finalises_what_the_kernel_held_at_the_fork(tmp_path):
-    "A full collection in a rank leaves the kernel's objects alone, even those the fork left unreachable there"
-    path = tmp_path / 'finalised_in'
-    _KEPT.append(_Canary(str(path)))
-    launch(collect_garbage, num_processes=2)
-    assert not path.exists()                                         # no rank ran the kernel's finaliser
-    _KEPT.clear()
-    import gc; gc.collect()
-    assert path.read_text() == f'{os.getpid()}\n'                  # the kernel did, once: the canary works
-
-
 # --- blaming the right rank: the one that died or never arrived, not the survivor that noticed ----------------------
 def die_on_rank(rank, after=2):
     "`rank` is SIGKILLed at step `after`; the others wait for it in an all_reduce"

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/35_launch_launcher.ipynb #c003
 from __future__ import annotations
-import faulthandler, gc, json, os, shutil, signal, socket, tempfile, threading, traceback, warnings
+import faulthandler, json, os, shutil, signal, socket, tempfile, threading, traceback, warnings
 import psutil, torch
 from .. import monitor, comm as dist
 from .output import quiet_launcher, describe_launch
@@ -84,11 +84,6 @@ class RankMain:
         self.__qualname__ = getattr(fn, '__qualname__', self.__name__)  # torchelastic names the entry point
 
     def __call__(self, *args) -> None:  # nothing: the launcher would pickle a return value into the kernel
-        # What the kernel held at the fork is never collected here: a rank finalising the kernel's objects that the
-        # fork left unreachable (a C++ object whose destructor joins a thread only the kernel has) waits for good, in
-        # the first full collection (DeepSpeed's see_memory_usage runs one). So gc.get_objects() in a rank, and a
-        # TensorMemoryTracker's count of existing tensors, see only what the rank made
-        gc.freeze()
         rank = int(os.environ.get('RANK', 0))
         if threading.current_thread() is threading.main_thread():  # a rank blocked in a collective when another fails
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # must die on the launcher's SIGTERM, not after 30 s
