@@ -10,9 +10,9 @@ every rank's traceback; results may hold tensors (they are pickled by value).
 A rank that does not finish within `timeout` seconds fails the call too (all ranks are killed), so a hang never stalls
 the suite, and the error shows where every silent rank was (Python's `faulthandler` dumps each rank's threads at
 the deadline). When no rank reported anything, the ranks are started once more, with a warning carrying those
-stacks: a child forked from a pytest worker can inherit a lock another thread of the worker held at the fork (the
-worker runs execnet's thread and what earlier tests left running), and such a child waits for good in code that is
-not the test's. A hang the test itself causes hangs again and fails with its stacks.
+stacks: a child forked from a pytest worker can wait for good in code that is not the test's (a finaliser of the
+worker's garbage, a lock another of its threads held at the fork). A hang the test itself causes hangs again and
+fails with its stacks.
 """
 import faulthandler, gc, os, pickle, signal, socket, tempfile, threading, traceback, time, warnings, queue as queue_mod
 from datetime import timedelta
@@ -34,11 +34,6 @@ def free_port() -> int:
     return ports.free_port(share=worker_share())
 
 def _rank_main(fn, rank, world_size, port, args, kwargs, init, env, results, stacks_file):
-    # What the pytest worker held at the fork is never collected here: a rank finalizing an inherited object (a C++
-    # one whose destructor joins a thread of the worker's) waits for good. CI saw both ranks of
-    # test_memory's gloo test stuck "Garbage-collecting" in see_memory_usage's gc.collect(), twice. (So gc.get_objects()
-    # here lists only what the rank made.)
-    gc.freeze()
     # where every thread of this rank is, written when the parent gives up on it
     faulthandler.register(STACK_SIGNAL, file=open(stacks_file, 'a'), all_threads=True)
     import torch, torch.distributed as tdist
@@ -73,7 +68,11 @@ class _SilentRanks(TimeoutError):
 
 def _run_ranks(fn, world_size, args, kwargs, init, timeout, env, start_method):
     "One start of `run_distributed`'s ranks"
-    # finalise garbage here, where its threads are (a finaliser can leave more: until none is left, 3 rounds at most)
+    # Finalise garbage here, where its threads are: a forked rank that collects it (see_memory_usage does) would run
+    # the finalisers without them, and one waits for good. CI's stacks showed both ranks of test_memory's gloo test
+    # "Garbage-collecting" there, twice, and the second start (after one more collection here) passing. A finaliser
+    # can leave more garbage: until none is left, 3 rounds at most. (Freezing what a rank inherits, gc.freeze(), ends
+    # it too, but made the autotuner's search-path test 37 % slower, 81 s against 59: not analysed further.)
     for _ in range(3):
         if not gc.collect(): break
     ctx = mp.get_context(start_method)
