@@ -267,9 +267,10 @@ def interleaved(a):
     print(f"  first look: the gradient-norm plot drawn {statistics.median(looks):.0f} ms (median; launches: "
           f"{', '.join(f'{x:.0f}' for x in looks)}) after the first step record reached the kernel "
           f"(goal: under 1000 ms)")
-    print(f"  each dashboard received {[w['step_records'] for w in watches]} step records (expected "
-          f"{[(a.blocks * a.steps + w['warmup']) * 2 for w in watches]}: blocks and warm-up x 2 ranks) and drew {[w['plots'] for w in watches]} "
-          f"plots; while watching, the kernel used {kernel['cpu'] / kernel['wall']:.1%} of one core (launches too)")
+    expected = [(a.blocks * a.steps + w['warmup']) * 2 for w in watches]
+    print(f"  each dashboard received {[w['step_records'] for w in watches]} step records (expected {expected}: "
+          f"blocks and warm-up x 2 ranks) and drew {[w['plots'] for w in watches]} plots; while watching, "
+          f"the kernel used {kernel['cpu'] / kernel['wall']:.1%} of one core (launches too)")
 
 if __name__ == '__main__':
     sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/launchers.py
