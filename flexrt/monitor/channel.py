@@ -285,7 +285,9 @@ _hub = None
 def _collect_before_fork():
     "Before a fork from a serving kernel: finalise unreachable objects here, not in the child"
     if _hub is not None and not _hub.closed:
-        gc.collect()
+        for _ in range(3):  # a finaliser can leave new garbage behind: until a collection finds none, 3 rounds at most
+            if not gc.collect():
+                break
 
 
 os.register_at_fork(before=_collect_before_fork)
