@@ -5,10 +5,13 @@
 # %% ../../nbs/10_comm_logger.ipynb #c003
 from __future__ import annotations
 import collections, dataclasses, difflib, functools, inspect, json, os, sys, threading, time, weakref
-import pandas as pd
+from typing import TYPE_CHECKING
 import torch
 from .backends import OPS
 from ..config.services import CommsLoggerConfig
+
+if TYPE_CHECKING:
+    import pandas as pd  # for the annotations: `summary` imports it when called
 
 # %% auto #0
 __all__ = ['LEGACY_OP_NAMES', 'TIMELINE_LENGTH', 'comms_logger', 'SUMMARY_COLUMNS', 'comms_config', 'message_size', 'bus_factor',
@@ -343,6 +346,8 @@ class CommsLogger:
             merged.setdefault(key if by_caller else key[:4] + (None,), []).extend(lats)
         rows = [_row(k, v) for k, v in merged.items()]
         cols = SUMMARY_COLUMNS + (['caller'] if by_caller else [])
+        import pandas as pd  # here: a rank that never asks for a summary does not import pandas (half a second)
+
         return pd.DataFrame(rows, columns=SUMMARY_COLUMNS + ['caller'])[cols].sort_values(
             ['op', 'size_bytes', 'ranks'], ignore_index=True
         )

@@ -5,8 +5,11 @@
 # %% ../../nbs/30_monitor_anatomy.ipynb #bb9ff8b2
 from __future__ import annotations
 import argparse, collections, dataclasses, json, math, os, sys
+from typing import TYPE_CHECKING
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:
+    import pandas as pd  # for the annotations: each function imports it when called (a rank need not load pandas)
 
 # %% auto #0
 __all__ = ['ANATOMY_PHASES', 'COMPUTE_PHASES', 'WINDOW', 'RULES', 'PROG', 'anatomy_frame', 'anatomy_table', 'AnatomyThresholds',
@@ -56,6 +59,8 @@ def anatomy_frame(
     records,  # records (dicts), a DataFrame of flattened ones, or JSONL paths (one, or a list)
 ) -> pd.DataFrame:  # one row per step record with an anatomy: rank, step and the anatomy's fields
     "The anatomy of every step record, one row each"
+    import pandas as pd
+
     if isinstance(records, pd.DataFrame):  # flattened: the anatomy's columns, renamed (no row by row)
         named = {c: c[len(_PREFIX) :] for c in records if c.startswith(_PREFIX)}
         frame = records[['rank', 'step', *named]].rename(columns=named) if named else pd.DataFrame()
@@ -80,6 +85,8 @@ def anatomy_table(
 ) -> pd.DataFrame:  # one row per rank
     """Per rank over the latest steps: seconds per phase, shares of the step, overlap, CPU use, threads and cores (in
     numpy: the dashboard computes it at every text update, where pandas' per-call cost was 7 ms for a few rows)"""
+    import pandas as pd
+
     frame = records if isinstance(records, pd.DataFrame) and 'wall' in records else anatomy_frame(records)
     if frame.empty:
         return frame
@@ -249,6 +256,8 @@ def findings(
     thresholds: AnatomyThresholds | None = None,
 ) -> list:  # `Finding`s
     "What the anatomy of the latest steps says, rule by rule"
+    import pandas as pd
+
     if isinstance(records, pd.DataFrame) and 'data_wait_share' in records:
         table = records  # a table made already
     else:
@@ -294,6 +303,8 @@ def anatomy(
     show: bool = True,  # print the report
 ) -> AnatomyReport:
     "Print where each rank's step goes (the table per rank) and what is wrong (the findings)"
+    import pandas as pd
+
     frame = records if isinstance(records, pd.DataFrame) and 'wall' in records else anatomy_frame(records)
     table = anatomy_table(frame, steps) if not frame.empty else frame
     found = findings(anatomy_table(frame, steps, 'median'), thresholds=thresholds) if not frame.empty else []
