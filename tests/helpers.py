@@ -71,10 +71,13 @@ def _run_ranks(fn, world_size, args, kwargs, init, timeout, env, start_method):
     # Finalise garbage here, where its threads are: a forked rank that collects it (see_memory_usage does) would run
     # the finalisers without them, and one waits for good. CI's stacks showed both ranks of test_memory's gloo test
     # "Garbage-collecting" there, twice, and the second start (after one more collection here) passing. A finaliser
-    # can leave more garbage: until none is left, 3 rounds at most. (Freezing what a rank inherits, gc.freeze(), ends
-    # it too, but made the autotuner's search-path test 37 % slower, 81 s against 59: not analysed further.)
-    for _ in range(3):
-        if not gc.collect(): break
+    # can leave more garbage, new objects: the young generations are collected until none is left, 3 rounds at most
+    # (a full collection of a worker's heap takes 0.1-0.3 s, about 400 times a run; a young one, milliseconds).
+    # (Freezing what a rank inherits, gc.freeze(), ends it too, but made the autotuner's search-path test 37 % slower,
+    # 81 s against 59: not analysed further.)
+    if gc.collect():
+        for _ in range(3):
+            if not gc.collect(1): break
     ctx = mp.get_context(start_method)
     results, port = ctx.Queue(), free_port()
     with tempfile.TemporaryDirectory(prefix='flexrt-ranks-') as folder:
