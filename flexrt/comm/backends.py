@@ -8,7 +8,6 @@ import time, weakref
 from datetime import timedelta
 import torch
 import torch.distributed as tdist
-from fastcore.basics import patch, patch_to
 from .base import ReduceOp, CompletedWork, P2POp, OPS, CommBackend, CommError, CommTimeoutError
 from .single import SingleProcessGroup, SingleProcessBackend
 from flexrt.comm.fallbacks import (
@@ -273,6 +272,30 @@ class TorchBackend(CommBackend):
     def _work(self, op, group, out):
         return out if out is None else ExplainedWork(out, self, op, group)
 
+    # torch's own fused ops, called by the public ones below; a subclass replaces one to stand for a backend that
+    # lacks it (the tests' `NoAllToAll`)
+    @staticmethod
+    def _native_all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        return tdist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+    @staticmethod
+    def _native_reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+        return tdist.reduce_scatter_tensor(output, input, op, group, async_op)
+
+    @staticmethod
+    def _native_reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+        return tdist.reduce_scatter(output, input_list, op, group, async_op)
+
+    @staticmethod
+    def _native_all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+        return tdist.all_to_all(output_tensor_list, input_tensor_list, group, async_op)
+
+    @staticmethod
+    def _native_all_to_all_single(
+        output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+    ):
+        return tdist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
     def reduce_scatter(self, output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
         if self._lacks('reduce_scatter', group):
             self._fallback('reduce_scatter', group)
@@ -375,35 +398,3 @@ def _torch_p2p(p):
         return p
     op = tdist.isend if p.kind == 'isend' else tdist.irecv
     return tdist.P2POp(op, p.tensor, p.peer, p.group, p.tag, **_opt(group_peer=p.group_peer))
-
-# %% ../../nbs/10_comm_backends.ipynb #c041
-@patch_to(TorchBackend, static_method=True)
-def _native_all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    "torch's own op; a subclass replaces it to stand for a backend that lacks it"
-    return tdist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
-
-
-@patch_to(TorchBackend, static_method=True)
-def _native_reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    "torch's own op; a subclass replaces it to stand for a backend that lacks it"
-    return tdist.reduce_scatter_tensor(output, input, op, group, async_op)
-
-
-@patch_to(TorchBackend, static_method=True)
-def _native_reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    "torch's own op; a subclass replaces it to stand for a backend that lacks it"
-    return tdist.reduce_scatter(output, input_list, op, group, async_op)
-
-# %% ../../nbs/10_comm_backends.ipynb #c049
-@patch_to(TorchBackend, static_method=True)
-def _native_all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
-    "torch's own op; a subclass replaces it to stand for a backend that lacks it"
-    return tdist.all_to_all(output_tensor_list, input_tensor_list, group, async_op)
-
-
-@patch_to(TorchBackend, static_method=True)
-def _native_all_to_all_single(
-    output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
-):
-    "torch's own op; a subclass replaces it to stand for a backend that lacks it"
-    return tdist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)

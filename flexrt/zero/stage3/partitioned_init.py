@@ -11,7 +11,6 @@ import torch
 from ... import comm as dist
 from ...config.schema import coerce
 from .records import ParamRecord, gather_records, release_records, set_ds_attributes
-from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['zero_wrapper_for_fp_tensor_constructor', 'Init', 'module_classes', 'outside_init']
