@@ -32,6 +32,25 @@ def test_views_show_the_latest_values_of_their_records():
     assert 'skipped 1' in trace.text.value and trace.plot.value.startswith('<img src="data:image/png;base64,')
     assert 'rank 0: 5.0 MiB (peak 10.0)' in memory.text.value and 'RSS 100 MiB' in memory.text.value
 
+def test_a_refresh_in_the_cell_sends_again_a_plot_the_redraw_thread_drew():
+    """A plot the redraw thread drew between two cells went out under the earlier cell, which nbclient (make demo, the
+    tests) no longer reads: the next cell's refresh() sends every drawn plot again, unchanged"""
+    records = RecordStore()
+    trace = GradNormTrace(clip=1.0, records=records)
+    sent = []
+    real = trace.plot._send
+    trace.plot._send = lambda msg, buffers=None: (sent.append(msg['state']), real(msg, buffers))
+    for n in range(1, 4): records(step(0, n))
+    drawer = threading.Thread(target=trace.refresh)
+    drawer.start(); drawer.join()
+    assert [list(s) for s in sent] == [['value']] and trace.num_plots == 1     # drawn once, by the thread
+    image = trace.plot.value
+    again = threading.Thread(target=trace.refresh)                             # nothing new: the thread sends nothing
+    again.start(); again.join()
+    assert len(sent) == 1
+    trace.refresh()                                                           # the cell's call: sent again, the same
+    assert trace.num_plots == 1 and [s['value'] for s in sent[1:]] == [image]
+
 # --- what the plots draw, read from the figure the PNG is made of ----------------------------------------------------
 def drawn(figure)->dict:
     "{(panel title, line label): (x, y)} of every line in `figure`, as lists of floats"

@@ -147,6 +147,16 @@ class LiveView:
                     )
             if first:
                 self.draw_text()
+            if plots and threading.current_thread() is threading.main_thread():
+                self._resend_plots()
+
+    def _resend_plots(self):
+        """Send every drawn plot again, unchanged: a plot the redraw thread drew between two cells went out under the
+        kernel's earlier cell, which a notebook runner (nbclient: `make demo`, the tests) has stopped reading; the cell
+        that calls `refresh()` then carries each plot (a live frontend got it anyway)"""
+        for view in self.plotted_views():
+            if view.num_plots:
+                view.plot.send_state('value')
 
     def _redraw_loop(self):
         "Texts when records arrived; plots when stale and due; errors kept on `.error`, never raised"
