@@ -67,9 +67,10 @@ def _no_live_views_left():
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With FLEXRT_TEST_CPU=FILE, append each test's CPU seconds (this worker's, and its waited-for children's: forked
-    ranks, torchrun and its ranks, kernels) and wall seconds, setup and teardown included, to FILE: where the suite's
-    two cores go, which --durations' wall times do not say"""
+    """With FLEXRT_TEST_CPU=FILE, append a line per test to FILE: its CPU seconds (this worker's, and its waited-for
+    children's: forked ranks, torchrun and its ranks, kernels; not those of a process group it killed), its wall
+    seconds (setup and teardown included), the worker, the time it ended and its id: where the suite's two cores go,
+    which --durations' wall times do not say, and which worker ran last"""
     path = os.environ.get('FLEXRT_TEST_CPU')
     if not path:
         yield
@@ -78,7 +79,9 @@ def pytest_runtest_protocol(item, nextitem):
     def cpu(): t = os.times(); return t.user + t.system + t.children_user + t.children_system
     before, start = cpu(), time.perf_counter()
     yield
-    with open(path, 'a') as f: f.write(f'{cpu() - before:.2f} {time.perf_counter() - start:.2f} {item.nodeid}\n')
+    worker = os.environ.get('PYTEST_XDIST_WORKER', '-')
+    with open(path, 'a') as f:
+        f.write(f'{cpu() - before:.2f} {time.perf_counter() - start:.2f} {worker} {time.time():.0f} {item.nodeid}\n')
 
 def pytest_report_header(config):
     "The seed of the generated config sets' sample (tests/fuzz_sample.py), so a failure can be run again"
