@@ -14,7 +14,7 @@ stacks: a child forked from a pytest worker can wait for good in code that is no
 worker's garbage, a lock another of its threads held at the fork). A hang the test itself causes hangs again and
 fails with its stacks.
 """
-import faulthandler, gc, os, pickle, signal, socket, tempfile, threading, traceback, time, warnings, queue as queue_mod
+import contextlib, faulthandler, gc, os, pickle, signal, socket, tempfile, threading, traceback, time, warnings, queue as queue_mod
 from datetime import timedelta
 import multiprocessing as mp
 
@@ -161,6 +161,28 @@ def train_on_slices(engine, data, batch:int, rank:int, world:int, steps:int, sta
         engine.step()
         losses.append(loss.item())
     return losses
+
+@contextlib.contextmanager
+def pending_finalisers(depth:int=1):
+    """Inside the block garbage collection is off and an unreachable reference cycle is pending, whose finaliser writes
+    the pid of the process that runs it and, with `depth` > 1, leaves a new such cycle behind (one collection is then
+    not enough). Yields a list that holds those pids, in order, once the block is left (every cycle finalised then)"""
+    read, write = os.pipe()
+    class Finalised:
+        def __init__(self, depth): self.me, self.depth = self, depth
+        def __del__(self):
+            os.write(write, b'%d ' % os.getpid())
+            if self.depth > 1: Finalised(self.depth - 1)
+    pids = []
+    gc.disable()
+    try:
+        Finalised(depth)
+        yield pids
+    finally:
+        gc.enable()
+        while gc.collect(): pass                                     # what is left, each cycle's successors too
+        os.close(write)
+        with os.fdopen(read) as f: pids += [int(p) for p in f.read().split()]
 
 def run_torchrun(cmd, **kwargs):
     "`subprocess.run(cmd, **kwargs)` for a torchrun job; once more when it failed only by torch's abort at a rank's exit"

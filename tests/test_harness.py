@@ -1,7 +1,7 @@
 "The multi-rank harness itself: results come back by rank, and failures and hangs are reported, not swallowed."
 import re, warnings
 import pytest, torch, torch.distributed as tdist
-from helpers import run_distributed
+from helpers import run_distributed, pending_finalisers
 
 def _sum_ranks(rank, world_size):
     t = torch.tensor([float(rank)])
@@ -57,24 +57,12 @@ def test_tensor_results_survive_the_rank():
 # --- garbage the worker holds at the fork is finalised in the worker, not in a rank -------------------------------
 import gc, os
 
-def _collect_in_rank(rank, world_size, write):
+def _collect_in_rank(rank, world_size):
     gc.collect()                                # as see_memory_usage does: finalisers a rank inherits would run here
     return os.getpid()
 
 def test_the_worker_finalises_its_garbage_before_the_ranks_fork():
     "An unreachable cycle whose finaliser leaves a new one behind: both finalised in the worker before the fork"
-    read, write = os.pipe()
-    class Finalised:
-        def __init__(self, depth): self.me, self.depth = self, depth
-        def __del__(self):
-            os.write(write, b'%d ' % os.getpid())
-            if self.depth > 1: Finalised(self.depth - 1)
-    gc.disable()                                # the cycles stay pending until run_distributed collects
-    try:
-        Finalised(2)
-        ranks = run_distributed(_collect_in_rank, 2, args=(write,))
-    finally: gc.enable()
-    while gc.collect(): pass
-    os.close(write)
-    with os.fdopen(read) as f: finalisers = [int(p) for p in f.read().split()]
+    with pending_finalisers(2) as finalisers:   # the cycles stay pending until run_distributed collects
+        ranks = run_distributed(_collect_in_rank, 2)
     assert finalisers == [os.getpid()] * 2 and not set(ranks) & set(finalisers), (finalisers, ranks)

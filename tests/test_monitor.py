@@ -178,27 +178,17 @@ def test_tensorboard_sink_says_what_to_install_when_missing(tmp_path, monkeypatc
 
 # --- a serving kernel collects garbage before it forks -----------------------------------------------------------
 import gc
+from helpers import pending_finalisers
 
 def _who_finalises_an_unreachable_cycle(depth:int=1):
-    """Fork with an unreachable cycle pending; return the pids whose garbage collection finalised it. With `depth` > 1
-    each finaliser leaves a new cycle behind: one collection is then not enough"""
-    read, write = os.pipe()
-    class Finalised:
-        def __init__(self, depth): self.me, self.depth = self, depth
-        def __del__(self):
-            os.write(write, b'%d ' % os.getpid())
-            if self.depth > 1: Finalised(self.depth - 1)
-    gc.disable()
-    try:
-        Finalised(depth)
+    """Fork with an unreachable cycle pending; return the pids whose garbage collection finalised it, and the child's.
+    With `depth` > 1 each finaliser leaves a new cycle behind: one collection is then not enough"""
+    with pending_finalisers(depth) as finalisers:
         pid = os.fork()
         if pid == 0:
             gc.collect(); os._exit(0)
         os.waitpid(pid, 0)
-    finally: gc.enable()
-    while gc.collect(): pass                                         # what is left, each cycle's successors too
-    os.close(write)
-    with os.fdopen(read) as f: return [int(p) for p in f.read().split()], pid
+    return finalisers, pid
 
 def test_serving_kernel_finalises_garbage_itself_before_forking(hub):
     finalisers, child = _who_finalises_an_unreachable_cycle()
