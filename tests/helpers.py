@@ -14,7 +14,8 @@ stacks: a child forked from a pytest worker can wait for good in code that is no
 worker's garbage, a lock another of its threads held at the fork). A hang the test itself causes hangs again and
 fails with its stacks.
 """
-import contextlib, faulthandler, gc, os, pickle, signal, socket, tempfile, threading, traceback, time, warnings, queue as queue_mod
+import contextlib, faulthandler, gc, os, pickle, signal, socket, tempfile, threading, traceback, time, warnings
+import queue as queue_mod
 from datetime import timedelta
 import multiprocessing as mp
 
