@@ -27,7 +27,7 @@ def train_step(engine):
 CONFIG = {'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 1, 'steps_per_print': 10**9,
           'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
           'autotuning': {'fast': True, 'start_profile_step': 1, 'end_profile_step': 2,
-                         'max_profile_steps': 3}}   # 3 timed steps a trial at most: these tests check the widget, not times
+                         'max_profile_steps': 3}}   # 3 timed steps a trial at most: these tests check the widget
 
 @pytest.fixture(autouse=True)
 def clean():

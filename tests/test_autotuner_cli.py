@@ -8,7 +8,7 @@ from helpers import TORCH_EXIT_ABORT
 DATA = Path(__file__).parent / 'data'
 CONFIG = {'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
           'autotuning': {'max_train_micro_batch_size_per_gpu': 8, 'start_profile_step': 1, 'end_profile_step': 2,
-                         'max_profile_steps': 3}}   # 3 timed steps a trial at most: these tests check the modes, not times
+                         'max_profile_steps': 3}}   # 3 timed steps a trial at most: these tests check the modes
 
 def run_cli(tmp_path, script, *extra):
     cfg = tmp_path / 'ds.json'

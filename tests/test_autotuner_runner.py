@@ -23,7 +23,7 @@ def train_step(engine):
     engine.step()
 
 def config(**autotuning):
-    "The tests' search: up to micro-batch 8; 3 timed steps a trial at most (what they check is not the times' precision)"
+    "The tests' search: up to micro-batch 8; 3 timed steps a trial at most (they check no time's precision)"
     return {'optimizer': {'type': 'Adam', 'params': {'lr': 1e-3}},
             'autotuning': {'max_train_micro_batch_size_per_gpu': 8, 'start_profile_step': 1, 'end_profile_step': 2,
                            'max_profile_steps': 3, **autotuning}}
