@@ -285,9 +285,13 @@ _hub = None
 def _collect_before_fork():
     "Before a fork from a serving kernel: finalise unreachable objects here, not in the child"
     if _hub is not None and not _hub.closed:
-        for _ in range(3):  # a finaliser can leave new garbage behind: until a collection finds none, 3 rounds at most
-            if not gc.collect():
-                break
+        # a finaliser's own garbage is new objects: after one full collection, the young generations until none is
+        # left, 3 rounds at most (a full collection of a big kernel's heap takes tenths of a second, and a launch forks
+        # once per rank)
+        if gc.collect():
+            for _ in range(3):
+                if not gc.collect(1):
+                    break
 
 
 os.register_at_fork(before=_collect_before_fork)
